@@ -1,0 +1,1 @@
+"""Ray orchestration: configuration, launcher, command-line entry point."""

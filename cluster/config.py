@@ -1,0 +1,311 @@
+"""One typed configuration for a training run: dataclasses per component, loaded from
+YAML with ``key.path=value`` overrides. Unknown keys and ill-typed values are refused
+with the full dotted key in the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from cargohold.services.errors import ConfigError
+from cargohold.services.models.gpt import GPTConfig
+from cargohold.services.optim import AdamWHyperParams
+
+DType = Literal["float32", "bfloat16"]
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    corpus_path: str | None = None
+    """A text file to train on (byte-level); None generates the built-in corpus."""
+    corpus_bytes: int = 2_000_000
+    """Size of the generated corpus when ``corpus_path`` is None."""
+    batch_size: int = 8
+    """Sequences per worker per step; the global batch is this times num_workers."""
+    seed: int = 1234
+    """Seeds which sequences each step draws (a pure function of seed and step)."""
+
+    def __post_init__(self) -> None:
+        _positive("data.corpus_bytes", self.corpus_bytes)
+        _positive("data.batch_size", self.batch_size)
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    """Decoupled (AdamW) weight decay, applied to every parameter."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient L2 norm to this; 0 disables clipping."""
+    warmup_steps: int = 0
+    """Linear warm-up from lr/warmup_steps to lr over this many steps."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: keep lr, or decay it along a cosine to lr * min_lr_ratio."""
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"optim.lr must be a finite number > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        self.hyper_params()  # validates betas, eps, weight decay and clipping
+
+    def hyper_params(self) -> AdamWHyperParams:
+        return AdamWHyperParams(
+            beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+            weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm,
+        )
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Learning rate for ``step`` (1-based) of a run of ``total_steps``."""
+        if self.warmup_steps and step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if self.schedule == "constant":
+            return self.lr
+        span = max(1, total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        floor = self.lr * self.min_lr_ratio
+        return floor + 0.5 * (self.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkerConfig:
+    num_workers: int = 2
+    """Data-parallel workers, one per accelerator (CPU processes when there is none)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA + NCCL when the worker sees a GPU, else CPU + gloo."""
+    compute_dtype: DType = "float32"
+    """Dtype of the weights the worker holds and computes in."""
+    grad_wire_dtype: DType = "float32"
+    """Dtype gradients are reduced among workers and pushed to state servers in."""
+    cpus: float = 1.0
+    """Ray CPUs reserved per worker."""
+    gpus: float = 0.0
+    """Ray GPUs reserved per worker (set 1 on GPU nodes)."""
+    torch_threads: int = 1
+    """Intra-op threads of each worker's torch."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Extra Ray custom resources each worker's bundle asks for (pins workers to nodes)."""
+
+    def __post_init__(self) -> None:
+        _positive("worker.num_workers", self.num_workers)
+        _positive("worker.torch_threads", self.torch_threads)
+        _non_negative("worker.cpus", self.cpus)
+        _non_negative("worker.gpus", self.gpus)
+
+
+@dataclass(kw_only=True, slots=True)
+class StateServerConfig:
+    num_servers: int = 1
+    """State servers; each owns a contiguous range of the flat parameter buffer."""
+    cpus: float = 1.0
+    """Ray CPUs reserved per state server."""
+    torch_threads: int = 1
+    """Threads the CPU Adam update runs on."""
+    bind_host: str | None = None
+    """Address the gRPC and metrics servers bind; None binds the node's own IP."""
+    rpc_threads: int = 8
+    """gRPC handler threads per state server."""
+    chunk_bytes: int = 1 << 20
+    """Bytes per streamed message; between 4 KiB and 32 MiB."""
+    rpc_timeout_s: float = 300.0
+    """Deadline of each call from a worker."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Extra Ray custom resources each state server's bundle asks for."""
+
+    def __post_init__(self) -> None:
+        _positive("state_server.num_servers", self.num_servers)
+        _positive("state_server.torch_threads", self.torch_threads)
+        _positive("state_server.rpc_threads", self.rpc_threads)
+        _non_negative("state_server.cpus", self.cpus)
+        if not 4096 <= self.chunk_bytes <= 32 << 20:
+            raise ConfigError(
+                f"state_server.chunk_bytes must be between 4096 and {32 << 20}, got {self.chunk_bytes}"
+            )
+        _positive("state_server.rpc_timeout_s", self.rpc_timeout_s)
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    address: str | None = None
+    """None starts a Ray cluster in-process; "auto" joins the running one (ray job submit)."""
+    num_cpus: int | None = None
+    """Logical CPUs of the in-process cluster; None sizes it to fit the run."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement-group strategy over the worker and state-server bundles."""
+    startup_timeout_s: float = 120.0
+    """How long to wait for the placement group and every actor to be ready."""
+
+    def __post_init__(self) -> None:
+        if self.num_cpus is not None:
+            _positive("cluster.num_cpus", self.num_cpus)
+        _positive("cluster.startup_timeout_s", self.startup_timeout_s)
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    enabled: bool = True
+    """Serve Prometheus metrics from every worker and state server."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The root of a run's configuration."""
+
+    run_id: str | None = None
+    """Names the run on the state servers; None derives one from the time."""
+    steps: int = 50
+    seed: int = 0
+    """Seeds model initialisation (identical on every worker)."""
+    progress: bool = True
+    """Show a progress bar with loss and step time."""
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    state_server: StateServerConfig = field(default_factory=StateServerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        _positive("steps", self.steps)
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> TrainConfig:
+    """Read YAML (or start from defaults) and apply ``dotted.key=value`` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except OSError as error:
+            raise ConfigError(f"cannot read config file {path}: {error.strerror}") from error
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping, got {type(loaded).__name__}")
+        data = loaded
+    for override in overrides:
+        _apply_override(data, override)
+    return from_dict(TrainConfig, data)
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a mapping, checking every key and value type."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key {prefix + str(unknown[0])!r}; known keys here: {', '.join(sorted(fields))}"
+        )
+    kwargs = {name: _coerce(hints[name], value, prefix + name) for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {error}") from error
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain data (for YAML/JSON output); ``from_dict(type(c), to_dict(c)) == c``."""
+    return dataclasses.asdict(config)
+
+
+def config_hash(config: TrainConfig) -> str:
+    """A short stable digest of the configuration."""
+    text = json.dumps(to_dict(config), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _coerce(option, value, key)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {hint}")
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+        return value
+    if origin is dict:
+        key_type, value_type = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return {_coerce(key_type, k, f"{key}.{k}"): _coerce(value_type, v, f"{key}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value if value is not None else {}, key + ".")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported config type {hint}")  # a schema bug, not user input
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    dotted, sep, raw = override.partition("=")
+    if not sep or not dotted.strip():
+        raise ConfigError(f"override {override!r} must look like key.path=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {override!r}: value is not valid YAML: {error}") from error
+    *parents, leaf = dotted.strip().split(".")
+    node = data
+    for index, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(parents[: index + 1])} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{key} must be > 0, got {value}")
+
+
+def _non_negative(key: str, value: float) -> None:
+    if not value >= 0:
+        raise ConfigError(f"{key} must be >= 0, got {value}")

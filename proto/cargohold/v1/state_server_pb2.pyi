@@ -1,0 +1,204 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_BFLOAT16: DType
+
+class ShardKey(_message.Message):
+    __slots__ = ("run_id", "shard_id")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    shard_id: int
+    def __init__(self, run_id: _Optional[str] = ..., shard_id: _Optional[int] = ...) -> None: ...
+
+class AdamWHyperParams(_message.Message):
+    __slots__ = ("beta1", "beta2", "eps", "weight_decay", "max_grad_norm")
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    max_grad_norm: float
+    def __init__(self, beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
+
+class Fragment(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ShardSpec(_message.Message):
+    __slots__ = ("key", "start", "numel", "fragments", "grad_dtype", "hyper")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HYPER_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    start: int
+    numel: int
+    fragments: _containers.RepeatedCompositeFieldContainer[Fragment]
+    grad_dtype: DType
+    hyper: AdamWHyperParams
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., start: _Optional[int] = ..., numel: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., grad_dtype: _Optional[_Union[DType, str]] = ..., hyper: _Optional[_Union[AdamWHyperParams, _Mapping]] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("byte_offset", "data", "crc32c")
+    BYTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    byte_offset: int
+    data: bytes
+    crc32c: int
+    def __init__(self, byte_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class RegisterShardRequest(_message.Message):
+    __slots__ = ("spec", "initial_weights")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    spec: ShardSpec
+    initial_weights: TensorChunk
+    def __init__(self, spec: _Optional[_Union[ShardSpec, _Mapping]] = ..., initial_weights: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class RegisterShardResponse(_message.Message):
+    __slots__ = ("step", "created")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    created: bool
+    def __init__(self, step: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class DescribeShardRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ...) -> None: ...
+
+class DescribeShardResponse(_message.Message):
+    __slots__ = ("spec", "step")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    spec: ShardSpec
+    step: int
+    def __init__(self, spec: _Optional[_Union[ShardSpec, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("key", "step", "dtype", "numel", "global_grad_norm", "lr")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    step: int
+    dtype: DType
+    numel: int
+    global_grad_norm: float
+    lr: float
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ...) -> None: ...
+
+class PushGradientRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class PushGradientResponse(_message.Message):
+    __slots__ = ("step", "applied", "update_seconds")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    applied: bool
+    update_seconds: float
+    def __init__(self, step: _Optional[int] = ..., applied: _Optional[bool] = ..., update_seconds: _Optional[float] = ...) -> None: ...
+
+class FetchWeightsRequest(_message.Message):
+    __slots__ = ("key", "step", "dtype", "chunk_bytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    step: int
+    dtype: DType
+    chunk_bytes: int
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class WeightsChunk(_message.Message):
+    __slots__ = ("step", "dtype", "numel", "chunk")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    dtype: DType
+    numel: int
+    chunk: TensorChunk
+    def __init__(self, step: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class ShardStats(_message.Message):
+    __slots__ = ("key", "step", "numel", "resident_bytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    step: int
+    numel: int
+    resident_bytes: int
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., numel: _Optional[int] = ..., resident_bytes: _Optional[int] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("shards", "received_bytes", "sent_bytes", "updates_applied", "duplicate_pushes", "resident_bytes_by_tier", "metrics_address")
+    class ResidentBytesByTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_BY_TIER_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardStats]
+    received_bytes: int
+    sent_bytes: int
+    updates_applied: int
+    duplicate_pushes: int
+    resident_bytes_by_tier: _containers.ScalarMap[str, int]
+    metrics_address: str
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardStats, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., updates_applied: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., resident_bytes_by_tier: _Optional[_Mapping[str, int]] = ..., metrics_address: _Optional[str] = ...) -> None: ...

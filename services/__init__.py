@@ -1,0 +1,1 @@
+"""Long-running parts of cargohold: workers, state servers, tiers, transport, metrics."""

@@ -1,0 +1,280 @@
+"""Every Prometheus metric cargohold exports, in one file.
+
+Each process (a state server or a training worker) owns one metrics object with its own
+`CollectorRegistry` rather than prometheus_client's global default registry, so that a
+test (or one process hosting several roles) can hold several without their values
+mixing or their names clashing. The registry is served over HTTP on an explicit host,
+127.0.0.1 unless told otherwise: a metrics port open on every interface is an easy leak.
+
+Every series carries one identity label, `server` (state servers) or `rank` (workers),
+bound at construction. The transport byte counters have the same names on both sides so
+a dashboard can sum traffic over the cluster and split it by that label.
+
+Per-step numbers belong here, not in the logs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from cargohold.services.errors import CargoholdError, ConfigError
+
+# Metric names, as a Prometheus user queries them: counters with their `_total` suffix,
+# histograms by their base name (a query adds `_bucket`, `_sum` or `_count`).
+TRANSPORT_RECEIVED_BYTES = "cargohold_transport_received_bytes_total"
+TRANSPORT_SENT_BYTES = "cargohold_transport_sent_bytes_total"
+OPTIMIZER_STEP_SECONDS = "cargohold_optimizer_step_seconds"
+OPTIMIZER_STEPS = "cargohold_optimizer_steps_total"
+OPTIMIZER_DUPLICATE_PUSHES = "cargohold_optimizer_duplicate_pushes_total"
+STATE_RESIDENT_BYTES = "cargohold_state_resident_bytes"
+RPC_ERRORS = "cargohold_rpc_errors_total"
+WORKER_STEP_SECONDS = "cargohold_worker_step_seconds"
+WORKER_PHASE_SECONDS = "cargohold_worker_phase_seconds_total"
+WORKER_STEPS = "cargohold_worker_steps_total"
+WORKER_LOSS = "cargohold_worker_loss"
+WORKER_RESIDENT_BYTES = "cargohold_worker_resident_bytes"
+
+METRIC_NAMES: tuple[str, ...] = (
+    TRANSPORT_RECEIVED_BYTES,
+    TRANSPORT_SENT_BYTES,
+    OPTIMIZER_STEP_SECONDS,
+    OPTIMIZER_STEPS,
+    OPTIMIZER_DUPLICATE_PUSHES,
+    STATE_RESIDENT_BYTES,
+    RPC_ERRORS,
+    WORKER_STEP_SECONDS,
+    WORKER_PHASE_SECONDS,
+    WORKER_STEPS,
+    WORKER_LOSS,
+    WORKER_RESIDENT_BYTES,
+)
+"""Every metric family cargohold exports; dashboards may use no other `cargohold_` name.
+
+The exposition adds companion series a query may also use: `_bucket`, `_sum` and `_count`
+for a histogram, and `_created` for a counter (its name without `_total`) or histogram.
+"""
+
+TIERS: frozenset[str] = frozenset({"ram", "nvme"})
+PHASES: frozenset[str] = frozenset({"compute", "reduce", "push", "fetch", "gather"})
+WORKER_MEMORY_KINDS: frozenset[str] = frozenset({"weights", "gradients", "grad_shard"})
+
+# One shard update on a state server runs from ~100 us (a small shard in RAM) to tens of
+# seconds (a large shard paged in from NVMe under contention); roughly 1-2.5-5 per decade.
+_OPTIMIZER_BUCKETS = (
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+# A whole training step spans a whole round trip to the state servers: 10 ms to minutes.
+_WORKER_STEP_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+
+_STOP_JOIN_TIMEOUT_S = 5.0
+
+
+def _check_label(label: str, value: str, allowed: Iterable[str]) -> None:
+    """Refuse a label value outside its fixed set: a typo would silently start a new series."""
+    if value not in allowed:
+        raise ConfigError(
+            f"unknown metric label {label}={value!r}; allowed values: {sorted(allowed)}"
+        )
+
+
+class MetricsEndpoint:
+    """A private registry and the HTTP endpoint that serves it at `/metrics`."""
+
+    def __init__(self) -> None:
+        # auto_describe makes a second registration of the same name fail at once.
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """Serve the registry on `host:port` from a daemon thread; port 0 picks a free port."""
+        if self._server is not None:
+            raise CargoholdError(f"metrics endpoint already serving on {self.address}")
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+
+    @property
+    def serving(self) -> bool:
+        return self._server is not None
+
+    @property
+    def address(self) -> str:
+        """The bound `host:port` (the real port when started with port 0), IPv6 in brackets."""
+        if self._server is None:
+            raise CargoholdError("metrics endpoint is not serving; call start() first")
+        host, port = self._server.server_address[:2]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+    def stop(self) -> None:
+        """Stop serving and release the port; a no-op when not serving."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(timeout=_STOP_JOIN_TIMEOUT_S)
+
+
+class _TransportBytes:
+    """The byte counters both sides of the transport share, under one identity label."""
+
+    def __init__(self, registry: CollectorRegistry, identity: str, value: str) -> None:
+        self._identity = {identity: value}
+        self._received = Counter(
+            TRANSPORT_RECEIVED_BYTES,
+            "Payload bytes received over the transport, by RPC.",
+            [identity, "rpc"],
+            registry=registry,
+        )
+        self._sent = Counter(
+            TRANSPORT_SENT_BYTES,
+            "Payload bytes sent over the transport, by RPC.",
+            [identity, "rpc"],
+            registry=registry,
+        )
+
+    def received(self, rpc: str, nbytes: int) -> None:
+        self._received.labels(rpc=rpc, **self._identity).inc(nbytes)
+
+    def sent(self, rpc: str, nbytes: int) -> None:
+        self._sent.labels(rpc=rpc, **self._identity).inc(nbytes)
+
+
+class StateServerMetrics(MetricsEndpoint):
+    """Metrics of one state server: traffic, shard updates, resident state, RPC errors."""
+
+    def __init__(self, server_id: str) -> None:
+        super().__init__()
+        self._server_id = server_id
+        self._transport = _TransportBytes(self.registry, "server", server_id)
+        labels = ["server"]
+        self._step_seconds = Histogram(
+            OPTIMIZER_STEP_SECONDS,
+            "Time to apply one shard update (Adam over the shard, tier I/O included).",
+            labels,
+            buckets=_OPTIMIZER_BUCKETS,
+            registry=self.registry,
+        ).labels(server=server_id)
+        self._steps = Counter(
+            OPTIMIZER_STEPS,
+            "Shard updates applied.",
+            labels,
+            registry=self.registry,
+        ).labels(server=server_id)
+        self._duplicates = Counter(
+            OPTIMIZER_DUPLICATE_PUSHES,
+            "Gradient pushes ignored because the shard had already applied that step.",
+            labels,
+            registry=self.registry,
+        ).labels(server=server_id)
+        self._resident = Gauge(
+            STATE_RESIDENT_BYTES,
+            "Bytes of optimizer state held, by storage tier.",
+            ["server", "tier"],
+            registry=self.registry,
+        )
+        self._errors = Counter(
+            RPC_ERRORS,
+            "RPCs that failed, by RPC and status code.",
+            ["server", "rpc", "code"],
+            registry=self.registry,
+        )
+
+    def record_received(self, rpc: str, nbytes: int) -> None:
+        """Count `nbytes` of payload received by `rpc`."""
+        self._transport.received(rpc, nbytes)
+
+    def record_sent(self, rpc: str, nbytes: int) -> None:
+        """Count `nbytes` of payload sent by `rpc`."""
+        self._transport.sent(rpc, nbytes)
+
+    def observe_update(self, seconds: float) -> None:
+        """Record one applied shard update and how long it took."""
+        self._step_seconds.observe(seconds)
+        self._steps.inc()
+
+    def record_duplicate(self) -> None:
+        """Count one repeated push that was ignored (a retry after a lost reply)."""
+        self._duplicates.inc()
+
+    def set_resident_bytes(self, tier: str, nbytes: int) -> None:
+        """Set the bytes of state resident in `tier` ("ram" or "nvme")."""
+        _check_label("tier", tier, TIERS)
+        self._resident.labels(server=self._server_id, tier=tier).set(nbytes)
+
+    def record_error(self, rpc: str, code: str) -> None:
+        """Count one failed `rpc`, by its status code name."""
+        self._errors.labels(server=self._server_id, rpc=rpc, code=code).inc()
+
+
+class WorkerMetrics(MetricsEndpoint):
+    """Metrics of one training worker: step time and loss, phase breakdown, memory."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self._rank = str(rank)
+        self._transport = _TransportBytes(self.registry, "rank", self._rank)
+        labels = ["rank"]
+        self._step_seconds = Histogram(
+            WORKER_STEP_SECONDS,
+            "Wall time of one training step.",
+            labels,
+            buckets=_WORKER_STEP_BUCKETS,
+            registry=self.registry,
+        ).labels(rank=self._rank)
+        self._phase_seconds = Counter(
+            WORKER_PHASE_SECONDS,
+            "Seconds spent in each phase of the training step.",
+            ["rank", "phase"],
+            registry=self.registry,
+        )
+        self._steps = Counter(
+            WORKER_STEPS,
+            "Training steps completed.",
+            labels,
+            registry=self.registry,
+        ).labels(rank=self._rank)
+        self._loss = Gauge(
+            WORKER_LOSS,
+            "Loss of the latest completed step.",
+            labels,
+            registry=self.registry,
+        ).labels(rank=self._rank)
+        self._resident = Gauge(
+            WORKER_RESIDENT_BYTES,
+            "Bytes of model data the worker holds, by kind.",
+            ["rank", "kind"],
+            registry=self.registry,
+        )
+
+    def observe_step(self, seconds: float, loss: float) -> None:
+        """Record one completed training step: its duration and its loss."""
+        self._step_seconds.observe(seconds)
+        self._steps.inc()
+        self._loss.set(loss)
+
+    def add_phase(self, phase: str, seconds: float) -> None:
+        """Add `seconds` to the time spent in `phase`."""
+        _check_label("phase", phase, PHASES)
+        self._phase_seconds.labels(rank=self._rank, phase=phase).inc(seconds)
+
+    def set_resident_bytes(self, kind: str, nbytes: int) -> None:
+        """Set the bytes held for `kind` ("weights", "gradients" or "grad_shard")."""
+        _check_label("kind", kind, WORKER_MEMORY_KINDS)
+        self._resident.labels(rank=self._rank, kind=kind).set(nbytes)
+
+    def record_sent(self, rpc: str, nbytes: int) -> None:
+        """Count `nbytes` of payload sent by `rpc`."""
+        self._transport.sent(rpc, nbytes)
+
+    def record_received(self, rpc: str, nbytes: int) -> None:
+        """Count `nbytes` of payload received by `rpc`."""
+        self._transport.received(rpc, nbytes)

@@ -1,0 +1,1 @@
+"""Models cargohold can train out of the box."""

@@ -1,0 +1,167 @@
+"""A small GPT-style decoder (after karpathy/nanoGPT's ``model.py``), byte-level by default.
+
+Pre-LayerNorm blocks, learned position embeddings, causal attention through
+``scaled_dot_product_attention``. It differs from nanoGPT in one deliberate way: the
+output head is *not* tied to the token embedding. The trainer lays parameters out in one
+flat buffer by ``named_parameters()`` and needs every parameter to be its own tensor.
+
+The model owns no buffers (the causal mask comes from ``is_causal=True``), so building it
+under ``with torch.device("meta"):`` yields every shape without allocating memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cargohold.services.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GPTConfig:
+    """Shape of the model; the defaults give ~10.9M parameters."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 for byte-level text."""
+    block_size: int = 128
+    """Longest sequence the position embedding covers."""
+    n_layer: int = 6
+    """Number of transformer blocks."""
+    n_head: int = 6
+    """Attention heads per block; must divide ``n_embd``."""
+    n_embd: int = 384
+    """Width of the residual stream."""
+    dropout: float = 0.0
+    """Dropout probability on embeddings, attention and residual branches, in [0, 1)."""
+    bias: bool = True
+    """Whether Linear and LayerNorm layers carry a bias (the output head never does)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.bias, bool):
+            raise ConfigError(f"model.bias must be a bool, got {self.bias!r}")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention in which each position sees only itself and the past."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.c_attn(x).split(width, dim=2)
+        # [B, T, C] -> [B, n_head, T, head_dim]
+        q, k, v = (t.view(batch, seq, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(batch, seq, width)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward layer, four times as wide as the residual stream."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """One pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model returning logits and, given targets, the mean loss."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        # Untied on purpose: see the module docstring.
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """GPT-2's initialisation, drawn in module order so a seed fixes every weight."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        # Each block adds two projections (attention, MLP) to the residual stream, so its
+        # variance grows with 2 * n_layer; GPT-2 (Radford et al. 2019, section 2.3) scales
+        # these weights by 1/sqrt(2 * n_layer) to keep the stream's scale depth-independent.
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[B, T, vocab_size]`` for token ids ``idx`` ``[B, T]``.
+
+        With ``targets`` (same shape as ``idx``) also returns the mean cross-entropy. The
+        loss is computed in fp32 whatever the model's dtype, as autocast would do: a bf16
+        log-softmax over the vocabulary loses the small differences the loss is made of.
+        """
+        seq = idx.shape[1]
+        if seq > self.config.block_size:
+            raise ConfigError(
+                f"sequence length {seq} exceeds model.block_size ({self.config.block_size})"
+            )
+        positions = torch.arange(seq, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(positions))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Total number of parameter elements (works on meta-device models too)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,121 @@
+"""The AdamW update over views of a shard, knowing nothing of tiers or transport.
+
+It calls the same fused CPU kernel as ``torch.optim.AdamW(fused=True)``; given views cut
+at aligned parameter offsets (see :mod:`cargohold.services.layout`) the result is bitwise
+equal to that optimizer stepping the whole parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cargohold.services.errors import ConfigError
+
+CLIP_EPSILON = 1e-6
+"""Added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdamWHyperParams:
+    """The per-shard constants of AdamW; the learning rate comes with every step."""
+
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float = 0.0
+    """Clip gradients to this global L2 norm; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"optim.{name} must be in [0, 1), got {value}")
+        if not self.eps > 0.0:
+            raise ConfigError(f"optim.eps must be > 0, got {self.eps}")
+        if not self.weight_decay >= 0.0:
+            raise ConfigError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if not self.max_grad_norm >= 0.0:
+            raise ConfigError(f"optim.max_grad_norm must be >= 0, got {self.max_grad_norm}")
+
+
+@dataclass(slots=True)
+class AdamWState:
+    """fp32 views of one shard's master weights and moments, plus the step count.
+
+    The lists are parallel: entry i of each covers the same elements.
+    """
+
+    master: list[torch.Tensor]
+    exp_avg: list[torch.Tensor]
+    exp_avg_sq: list[torch.Tensor]
+    step: torch.Tensor
+    """fp32 scalar, as torch.optim keeps it; incremented before each update."""
+
+
+def clip_coefficient(global_norm: float, max_grad_norm: float) -> torch.Tensor | None:
+    """The factor ``clip_grad_norm_`` would multiply gradients by, or None when off.
+
+    Computed in fp32 tensor arithmetic in the same order as torch does, so that a norm
+    equal to torch's gives the identical factor.
+    """
+    if max_grad_norm <= 0.0:
+        return None
+    if not math.isfinite(global_norm):
+        raise ValueError(f"global gradient norm is not finite: {global_norm}")
+    total_norm = torch.tensor(global_norm, dtype=torch.float32)
+    coefficient = max_grad_norm / (total_norm + CLIP_EPSILON)
+    return torch.clamp(coefficient, max=1.0)
+
+
+def global_norm_from_squares(sum_of_squares: float) -> float:
+    """The L2 norm from the sum of squared gradient elements over all shards."""
+    return math.sqrt(sum_of_squares)
+
+
+def sum_of_squares(gradient: torch.Tensor) -> float:
+    """Squared L2 norm of a gradient shard, accumulated in fp64 so shards add exactly."""
+    flat = gradient.reshape(-1).to(torch.float64)
+    return float(torch.dot(flat, flat))
+
+
+def adamw_step(
+    state: AdamWState,
+    gradients: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    hyper: AdamWHyperParams,
+    global_norm: float,
+) -> None:
+    """Clip (by the global norm of all shards) and apply one AdamW step in place.
+
+    ``gradients`` must be fp32 and parallel to ``state.master``; they are scaled in
+    place when clipping is on.
+    """
+    if len(gradients) != len(state.master):
+        raise ValueError(f"{len(gradients)} gradient views for {len(state.master)} state views")
+    coefficient = clip_coefficient(global_norm, hyper.max_grad_norm)
+    if coefficient is not None and gradients:
+        torch._foreach_mul_(list(gradients), coefficient)
+    state.step += 1
+    if not state.master:
+        return
+    torch._fused_adamw_(
+        state.master,
+        list(gradients),
+        state.exp_avg,
+        state.exp_avg_sq,
+        [],
+        [state.step] * len(state.master),
+        lr=lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        amsgrad=False,
+        maximize=False,
+    )

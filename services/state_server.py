@@ -1,0 +1,48 @@
+"""The state-server process: owns the shard registry, serves it over gRPC on the node's
+own address and exports its metrics. A plain class; the launcher runs it as a Ray actor.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from cargohold.cluster.config import StateServerConfig
+from cargohold.services.metrics import StateServerMetrics
+from cargohold.services.node import node_ip
+from cargohold.services.shard_state import ShardRegistry
+from cargohold.services.transport.grpc_server import GrpcStateServer
+
+logger = logging.getLogger(__name__)
+
+
+class StateServer:
+    def __init__(self, config: StateServerConfig, *, server_index: int, metrics_enabled: bool = True) -> None:
+        torch.set_num_threads(config.torch_threads)
+        host = config.bind_host or node_ip()
+        self.server_index = server_index
+        self.registry = ShardRegistry()
+        self.metrics = StateServerMetrics(f"state-server-{server_index}")
+        if metrics_enabled:
+            self.metrics.start(host=host)
+        self._grpc = GrpcStateServer(
+            self.registry, self.metrics, host=host, max_workers=config.rpc_threads
+        )
+        self._grpc.start()
+
+    def address(self) -> str:
+        """host:port of the gRPC API."""
+        return self._grpc.address
+
+    def metrics_address(self) -> str:
+        return self.metrics.address if self.metrics.serving else ""
+
+    def snapshot(self, run_id: str) -> dict[int, dict[str, torch.Tensor]]:
+        """Copies of every shard's fp32 state for a run, by shard id (tests, checkpoints)."""
+        return {s.spec.shard_id: {**s.snapshot(), "step": torch.tensor(s.step)} for s in self.registry.shards(run_id)}
+
+    def stop(self) -> None:
+        self._grpc.stop()
+        self.metrics.stop()
+

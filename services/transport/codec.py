@@ -1,0 +1,122 @@
+"""Tensors to checksummed byte chunks and back, and proto <-> internal conversions.
+
+One copy each way: tensor memory -> the protobuf ``bytes`` field on send, and each
+received chunk -> its place in a preallocated tensor on receive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import google_crc32c
+import numpy as np
+import torch
+
+from cargohold.services.errors import InvalidTensorError
+from cargohold.services.optim import AdamWHyperParams
+from cargohold.services.shard_state import WIRE_DTYPES, ShardSpec
+from cargohold.v1 import state_server_pb2 as pb
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = 32 << 20
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 16)
+"""gRPC message limit on both ends: the largest chunk plus room for its envelope."""
+
+_DTYPE_TO_PROTO = {"float32": pb.DTYPE_FLOAT32, "bfloat16": pb.DTYPE_BFLOAT16}
+_PROTO_TO_DTYPE = {v: k for k, v in _DTYPE_TO_PROTO.items()}
+
+
+class ChecksumError(InvalidTensorError):
+    """A chunk's bytes do not match its CRC-32C."""
+
+
+def dtype_to_proto(name: str) -> int:
+    return _DTYPE_TO_PROTO[name]
+
+
+def dtype_from_proto(value: int) -> str:
+    name = _PROTO_TO_DTYPE.get(value)
+    if name is None:
+        raise InvalidTensorError(f"unsupported dtype enum value {value}; use FLOAT32 or BFLOAT16")
+    return name
+
+
+def tensor_chunks(tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
+    """Split a 1-D tensor's bytes into TensorChunk messages with CRC-32C."""
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise InvalidTensorError(f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}, got {chunk_bytes}")
+    raw = tensor.detach().contiguous().view(torch.uint8).numpy()
+    for offset in range(0, raw.size, chunk_bytes):
+        data = raw[offset : offset + chunk_bytes].tobytes()
+        yield pb.TensorChunk(byte_offset=offset, data=data, crc32c=google_crc32c.value(data))
+
+
+class TensorAssembler:
+    """Receives the chunks of one tensor in order into a preallocated buffer."""
+
+    def __init__(self, numel: int, dtype: str, *, what: str) -> None:
+        if dtype not in WIRE_DTYPES:
+            raise InvalidTensorError(f"{what}: dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
+        self.what = what
+        self.tensor = torch.empty(numel, dtype=WIRE_DTYPES[dtype])
+        self._raw = self.tensor.view(torch.uint8).numpy()
+        self._received = 0
+
+    @property
+    def received_bytes(self) -> int:
+        return self._received
+
+    def add(self, chunk: pb.TensorChunk) -> None:
+        size = len(chunk.data)
+        if chunk.byte_offset != self._received:
+            raise InvalidTensorError(
+                f"{self.what}: chunk at byte {chunk.byte_offset} arrived, expected byte {self._received}"
+            )
+        if self._received + size > self._raw.size:
+            raise InvalidTensorError(
+                f"{self.what}: {self._received + size} bytes received, more than the "
+                f"{self._raw.size} bytes declared"
+            )
+        if google_crc32c.value(chunk.data) != chunk.crc32c:
+            raise ChecksumError(f"{self.what}: CRC-32C mismatch in chunk at byte {chunk.byte_offset}")
+        self._raw[self._received : self._received + size] = np.frombuffer(chunk.data, dtype=np.uint8)
+        self._received += size
+
+    def finish(self) -> torch.Tensor:
+        if self._received != self._raw.size:
+            raise InvalidTensorError(
+                f"{self.what}: stream ended after {self._received} of {self._raw.size} bytes"
+            )
+        return self.tensor
+
+
+def spec_to_proto(spec: ShardSpec) -> pb.ShardSpec:
+    h = spec.hyper
+    return pb.ShardSpec(
+        key=pb.ShardKey(run_id=spec.run_id, shard_id=spec.shard_id),
+        start=spec.start,
+        numel=spec.numel,
+        fragments=[pb.Fragment(offset=o, length=n) for o, n in spec.fragments],
+        grad_dtype=dtype_to_proto(spec.grad_dtype),
+        hyper=pb.AdamWHyperParams(
+            beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+            max_grad_norm=h.max_grad_norm,
+        ),
+    )
+
+
+def spec_from_proto(message: pb.ShardSpec) -> ShardSpec:
+    """Validate and convert; raises InvalidTensorError or ConfigError naming the field."""
+    h = message.hyper
+    return ShardSpec(
+        run_id=message.key.run_id,
+        shard_id=message.key.shard_id,
+        start=message.start,
+        numel=message.numel,
+        fragments=tuple((f.offset, f.length) for f in message.fragments),
+        grad_dtype=dtype_from_proto(message.grad_dtype),
+        hyper=AdamWHyperParams(
+            beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+            max_grad_norm=h.max_grad_norm,
+        ),
+    )

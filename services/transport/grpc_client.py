@@ -1,0 +1,167 @@
+"""Client of one state server over gRPC, speaking tensors and internal dataclasses."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cargohold.services.errors import TransportError
+from cargohold.services.shard_state import PushOutcome, ShardSpec
+from cargohold.services.transport.codec import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_MESSAGE_BYTES,
+    TensorAssembler,
+    dtype_from_proto,
+    dtype_to_proto,
+    spec_from_proto,
+    spec_to_proto,
+    tensor_chunks,
+)
+from cargohold.services.transport.grpc_server import SERVICE_NAME
+from cargohold.v1 import state_server_pb2 as pb
+from cargohold.v1 import state_server_pb2_grpc as pb_grpc
+
+
+class RemoteError(TransportError):
+    """The server answered a call with a non-OK status."""
+
+    def __init__(self, rpc: str, address: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{rpc} to {address} failed with {code.name}: {details}")
+        self.rpc = rpc
+        self.address = address
+        self.code = code
+        self.details = details
+
+    def __reduce__(self):  # keep the fields when the error crosses a Ray actor boundary
+        return (RemoteError, (self.rpc, self.address, self.code, self.details))
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    shard_steps: dict[int, int]
+    received_bytes: int
+    sent_bytes: int
+    updates_applied: int
+    duplicate_pushes: int
+    resident_bytes_by_tier: dict[str, int]
+    metrics_address: str
+
+
+class StateServerClient:
+    """Blocking calls with a deadline each; thread-safe (one channel, many calls)."""
+
+    def __init__(self, address: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 timeout_s: float = 120.0) -> None:
+        self.address = address
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self._stub = pb_grpc.StateServerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> StateServerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Block until the health service reports SERVING."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout_s)
+        except grpc.FutureTimeoutError as error:
+            raise TransportError(f"state server {self.address} not reachable within {timeout_s}s") from error
+        except grpc.RpcError as error:
+            raise self._error("Health.Check", error) from error
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise TransportError(f"state server {self.address} is not serving: status {reply.status}")
+
+    def register(self, spec: ShardSpec, initial_weights: torch.Tensor) -> tuple[int, bool]:
+        """Register a shard with its fp32 initial weights; returns (step, created)."""
+        def requests() -> Iterator[pb.RegisterShardRequest]:
+            yield pb.RegisterShardRequest(spec=spec_to_proto(spec))
+            for chunk in tensor_chunks(initial_weights, self.chunk_bytes):
+                yield pb.RegisterShardRequest(initial_weights=chunk)
+
+        reply = self._call("RegisterShard", self._stub.RegisterShard, requests())
+        return reply.step, reply.created
+
+    def describe(self, run_id: str, shard_id: int) -> tuple[ShardSpec, int]:
+        reply = self._call("DescribeShard", self._stub.DescribeShard,
+                           pb.DescribeShardRequest(key=pb.ShardKey(run_id=run_id, shard_id=shard_id)))
+        return spec_from_proto(reply.spec), reply.step
+
+    def push(self, run_id: str, shard_id: int, step: int, gradient: torch.Tensor, *,
+             global_norm: float, lr: float) -> PushOutcome:
+        """Send the gradient of ``step``; harmless to repeat."""
+        wire_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(gradient.dtype)
+        if wire_dtype is None:
+            raise TransportError(f"gradients travel as float32 or bfloat16, not {gradient.dtype}")
+        header = pb.PushHeader(
+            key=pb.ShardKey(run_id=run_id, shard_id=shard_id), step=step,
+            dtype=dtype_to_proto(wire_dtype), numel=gradient.numel(),
+            global_grad_norm=global_norm, lr=lr,
+        )
+
+        def requests() -> Iterator[pb.PushGradientRequest]:
+            yield pb.PushGradientRequest(header=header)
+            for chunk in tensor_chunks(gradient, self.chunk_bytes):
+                yield pb.PushGradientRequest(chunk=chunk)
+
+        reply = self._call("PushGradient", self._stub.PushGradient, requests())
+        return PushOutcome(applied=reply.applied, step=reply.step, seconds=reply.update_seconds)
+
+    def fetch(self, run_id: str, shard_id: int, step: int, dtype: str, numel: int) -> torch.Tensor:
+        """The weights after ``step``; ``numel`` is what the caller expects to receive."""
+        request = pb.FetchWeightsRequest(
+            key=pb.ShardKey(run_id=run_id, shard_id=shard_id), step=step,
+            dtype=dtype_to_proto(dtype), chunk_bytes=self.chunk_bytes,
+        )
+        assembler = TensorAssembler(numel, dtype, what=f"shard {shard_id} weights from {self.address}")
+        try:
+            for message in self._stub.FetchWeights(request, timeout=self.timeout_s):
+                if message.numel != numel or dtype_from_proto(message.dtype) != dtype or message.step != step:
+                    raise TransportError(
+                        f"FetchWeights from {self.address}: got {message.numel} x "
+                        f"{dtype_from_proto(message.dtype)} of step {message.step}, expected "
+                        f"{numel} x {dtype} of step {step}"
+                    )
+                assembler.add(message.chunk)
+        except grpc.RpcError as error:
+            raise self._error("FetchWeights", error) from error
+        return assembler.finish()
+
+    def stats(self, run_id: str = "") -> ServerStats:
+        reply = self._call("GetStats", self._stub.GetStats, pb.GetStatsRequest(run_id=run_id))
+        return ServerStats(
+            shard_steps={s.key.shard_id: s.step for s in reply.shards},
+            received_bytes=reply.received_bytes,
+            sent_bytes=reply.sent_bytes,
+            updates_applied=reply.updates_applied,
+            duplicate_pushes=reply.duplicate_pushes,
+            resident_bytes_by_tier=dict(reply.resident_bytes_by_tier),
+            metrics_address=reply.metrics_address,
+        )
+
+    def _call(self, rpc: str, method, request):
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as error:
+            raise self._error(rpc, error) from error
+
+    def _error(self, rpc: str, error: grpc.RpcError) -> RemoteError:
+        return RemoteError(rpc, self.address, error.code(), error.details() or "")

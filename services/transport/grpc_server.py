@@ -1,0 +1,211 @@
+"""The gRPC face of a state server: decodes requests, calls the shard registry, maps
+cargohold errors to gRPC status codes. No training logic lives here."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cargohold.services.errors import (
+    CargoholdError,
+    InvalidTensorError,
+    ShardConflictError,
+    StepMismatchError,
+    UnknownShardError,
+)
+from cargohold.services.metrics import StateServerMetrics
+from cargohold.services.shard_state import ShardRegistry
+from cargohold.services.transport.codec import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    MAX_MESSAGE_BYTES,
+    ChecksumError,
+    TensorAssembler,
+    dtype_from_proto,
+    dtype_to_proto,
+    spec_from_proto,
+    spec_to_proto,
+    tensor_chunks,
+)
+from cargohold.v1 import state_server_pb2 as pb
+from cargohold.v1 import state_server_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "cargohold.v1.StateServer"
+
+_STATUS_OF_ERROR: tuple[tuple[type[CargoholdError], grpc.StatusCode], ...] = (
+    (ChecksumError, grpc.StatusCode.DATA_LOSS),
+    (UnknownShardError, grpc.StatusCode.NOT_FOUND),
+    (ShardConflictError, grpc.StatusCode.ALREADY_EXISTS),
+    (StepMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (InvalidTensorError, grpc.StatusCode.INVALID_ARGUMENT),
+    (CargoholdError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+T = TypeVar("T")
+
+
+class StateServerServicer(pb_grpc.StateServerServicer):
+    def __init__(self, registry: ShardRegistry, metrics: StateServerMetrics) -> None:
+        self._registry = registry
+        self._metrics = metrics
+        self.duplicate_pushes = 0
+        self.updates_applied = 0
+        self.received_bytes = 0
+        self.sent_bytes = 0
+
+    def RegisterShard(self, request_iterator: Iterator[pb.RegisterShardRequest], context: grpc.ServicerContext) -> pb.RegisterShardResponse:
+        def handle() -> pb.RegisterShardResponse:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("part") != "spec":
+                raise InvalidTensorError("RegisterShard: the first message must carry the spec")
+            spec = spec_from_proto(first.spec)
+            weights = self._receive(request_iterator, spec.numel, "float32", "initial_weights",
+                                    f"shard {spec.shard_id} initial weights", "RegisterShard")
+            try:
+                existing = self._registry.get(spec.run_id, spec.shard_id)
+            except UnknownShardError:
+                existing = None
+            state = self._registry.register(spec, weights)
+            self._metrics.set_resident_bytes("ram", self._registry.resident_bytes())
+            return pb.RegisterShardResponse(step=state.step, created=existing is None)
+
+        return self._guard("RegisterShard", context, handle)
+
+    def DescribeShard(self, request: pb.DescribeShardRequest, context: grpc.ServicerContext) -> pb.DescribeShardResponse:
+        def handle() -> pb.DescribeShardResponse:
+            state = self._registry.get(request.key.run_id, request.key.shard_id)
+            return pb.DescribeShardResponse(spec=spec_to_proto(state.spec), step=state.step)
+
+        return self._guard("DescribeShard", context, handle)
+
+    def PushGradient(self, request_iterator: Iterator[pb.PushGradientRequest], context: grpc.ServicerContext) -> pb.PushGradientResponse:
+        def handle() -> pb.PushGradientResponse:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("part") != "header":
+                raise InvalidTensorError("PushGradient: the first message must carry the header")
+            header = first.header
+            state = self._registry.get(header.key.run_id, header.key.shard_id)
+            dtype = dtype_from_proto(header.dtype)
+            if header.numel != state.spec.numel or dtype != state.spec.grad_dtype:
+                raise InvalidTensorError(
+                    f"shard {state.spec.shard_id}: gradient must be {state.spec.numel} x "
+                    f"{state.spec.grad_dtype}, got {header.numel} x {dtype}"
+                )
+            gradient = self._receive(request_iterator, header.numel, dtype, "chunk",
+                                     f"shard {state.spec.shard_id} gradient", "PushGradient")
+            outcome = state.push(header.step, gradient, global_norm=header.global_grad_norm, lr=header.lr)
+            if outcome.applied:
+                self.updates_applied += 1
+                self._metrics.observe_update(outcome.seconds)
+            else:
+                self.duplicate_pushes += 1
+                self._metrics.record_duplicate()
+            return pb.PushGradientResponse(step=outcome.step, applied=outcome.applied,
+                                           update_seconds=outcome.seconds)
+
+        return self._guard("PushGradient", context, handle)
+
+    def FetchWeights(self, request: pb.FetchWeightsRequest, context: grpc.ServicerContext) -> Iterator[pb.WeightsChunk]:
+        def handle() -> list[pb.WeightsChunk]:
+            state = self._registry.get(request.key.run_id, request.key.shard_id)
+            dtype = dtype_from_proto(request.dtype)
+            chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES
+            if chunk_bytes > MAX_CHUNK_BYTES:
+                raise InvalidTensorError(f"chunk_bytes must be <= {MAX_CHUNK_BYTES}, got {chunk_bytes}")
+            weights = state.weights(request.step, dtype)
+            # Chunks are built before the first is sent so a failure aborts the call
+            # cleanly; they are slices of one copy of the weights.
+            return [
+                pb.WeightsChunk(step=request.step, dtype=request.dtype, numel=weights.numel(), chunk=c)
+                for c in tensor_chunks(weights, chunk_bytes)
+            ]
+
+        for message in self._guard("FetchWeights", context, handle):
+            size = len(message.chunk.data)
+            self.sent_bytes += size
+            self._metrics.record_sent("FetchWeights", size)
+            yield message
+
+    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
+        def handle() -> pb.GetStatsResponse:
+            shards = self._registry.shards(request.run_id or None)
+            return pb.GetStatsResponse(
+                shards=[
+                    pb.ShardStats(
+                        key=pb.ShardKey(run_id=s.spec.run_id, shard_id=s.spec.shard_id),
+                        step=s.step, numel=s.spec.numel, resident_bytes=s.resident_bytes,
+                    )
+                    for s in shards
+                ],
+                received_bytes=self.received_bytes,
+                sent_bytes=self.sent_bytes,
+                updates_applied=self.updates_applied,
+                duplicate_pushes=self.duplicate_pushes,
+                resident_bytes_by_tier={"ram": self._registry.resident_bytes()},
+                metrics_address=self._metrics.address if self._metrics.serving else "",
+            )
+
+        return self._guard("GetStats", context, handle)
+
+    def _receive(self, request_iterator: Iterator, numel: int, dtype: str, field: str, what: str, rpc: str):
+        assembler = TensorAssembler(numel, dtype, what=what)
+        for message in request_iterator:
+            if message.WhichOneof("part") != field:
+                raise InvalidTensorError(f"{rpc}: only {field} messages may follow the first")
+            chunk = getattr(message, field)
+            assembler.add(chunk)
+            self.received_bytes += len(chunk.data)
+            self._metrics.record_received(rpc, len(chunk.data))
+        return assembler.finish()
+
+    def _guard(self, rpc: str, context: grpc.ServicerContext, handle: Callable[[], T]) -> T:
+        try:
+            return handle()
+        except CargoholdError as error:
+            code = next(c for kind, c in _STATUS_OF_ERROR if isinstance(error, kind))
+            self._metrics.record_error(rpc, code.name)
+            context.abort(code, str(error))
+        except Exception as error:  # a bug: report it, keep serving
+            logger.exception("%s failed", rpc)
+            self._metrics.record_error(rpc, grpc.StatusCode.INTERNAL.name)
+            context.abort(grpc.StatusCode.INTERNAL, f"{rpc}: {type(error).__name__}: {error}")
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+class GrpcStateServer:
+    """A gRPC server on ``host:port`` serving the StateServer and health services."""
+
+    def __init__(self, registry: ShardRegistry, metrics: StateServerMetrics, *, host: str,
+                 port: int = 0, max_workers: int = 8) -> None:
+        self.servicer = StateServerServicer(registry, metrics)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="state-server-rpc"),
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        pb_grpc.add_StateServerServicer_to_server(self.servicer, self._server)
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise CargoholdError(f"state server could not bind {host}:{port}")
+        self.address = f"{host}:{bound}"
+
+    def start(self) -> None:
+        self._server.start()
+        for service in ("", SERVICE_NAME):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("state server listening on %s", self.address)
+
+    def stop(self, grace: float = 1.0) -> None:
+        self._health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
