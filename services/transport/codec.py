@@ -58,7 +58,15 @@ class TensorAssembler:
         if dtype not in WIRE_DTYPES:
             raise InvalidTensorError(f"{what}: dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
         self.what = what
-        self.tensor = torch.empty(numel, dtype=WIRE_DTYPES[dtype])
+        try:
+            self.tensor = torch.empty(numel, dtype=WIRE_DTYPES[dtype])
+        except (RuntimeError, TypeError, OverflowError, MemoryError) as error:
+            # The size comes from the sender (any uint64): one this host cannot hold is a
+            # bad request (INVALID_ARGUMENT), not a server bug (INTERNAL).
+            raise InvalidTensorError(
+                f"{what}: cannot hold {numel} x {dtype} elements on this host "
+                f"({type(error).__name__}: {str(error).splitlines()[0]})"
+            ) from error
         self._raw = self.tensor.view(torch.uint8).numpy()
         self._received = 0
 

@@ -80,12 +80,16 @@ class StateServerClient:
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Block until the health service reports SERVING."""
+        # wait_for_ready rather than channel_ready_future: a timed-out ready future stays
+        # subscribed and its polling thread raises once the channel is closed.
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
-            reply = self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout_s)
-        except grpc.FutureTimeoutError as error:
-            raise TransportError(f"state server {self.address} not reachable within {timeout_s}s") from error
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                       timeout=timeout_s, wait_for_ready=True)
         except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TransportError(
+                    f"state server {self.address} not reachable within {timeout_s}s"
+                ) from error
             raise self._error("Health.Check", error) from error
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             raise TransportError(f"state server {self.address} is not serving: status {reply.status}")

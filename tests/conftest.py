@@ -1,0 +1,16 @@
+"""Shared fixtures: one in-process Ray cluster per test module that asks for it."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A single-node Ray on loopback with enough logical CPUs for several actors."""
+    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()

@@ -1,0 +1,262 @@
+"""Metrics are checked through a real scrape: HTTP on 127.0.0.1, parsed as Prometheus would."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import urllib.request
+import warnings
+from collections.abc import Callable, Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cargohold.services.errors import ConfigError
+from cargohold.services.metrics import (
+    METRIC_NAMES,
+    MetricsEndpoint,
+    StateServerMetrics,
+    WorkerMetrics,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+_HTTP_TIMEOUT_S = 5.0
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def _fetch(endpoint: MetricsEndpoint) -> str:
+    with urllib.request.urlopen(
+        f"http://{endpoint.address}/metrics", timeout=_HTTP_TIMEOUT_S
+    ) as reply:
+        assert reply.status == 200
+        return reply.read().decode("utf-8")
+
+
+def _samples(endpoint: MetricsEndpoint) -> Samples:
+    """Every sample of a scrape, keyed by (sample name, labels)."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(_fetch(endpoint))
+        for s in family.samples
+    }
+
+
+def _exported_names(endpoint: MetricsEndpoint) -> set[str]:
+    """Family names as a user queries them (counters with `_total`), cargohold's only.
+
+    The text format also carries a `<family>_created` gauge beside each counter and
+    histogram; those companions are left out when their family is in the scrape.
+    """
+    families = list(text_string_to_metric_families(_fetch(endpoint)))
+    timed = {f.name for f in families if f.type in ("counter", "histogram")}
+    names = set()
+    for family in families:
+        if family.name.endswith("_created") and family.name[: -len("_created")] in timed:
+            continue
+        name = f"{family.name}_total" if family.type == "counter" else family.name
+        if name.startswith("cargohold_"):
+            names.add(name)
+    return names
+
+
+def _key(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
+    return name, frozenset(labels.items())
+
+
+@pytest.fixture
+def server() -> Iterator[StateServerMetrics]:
+    metrics = StateServerMetrics("ss-0")
+    metrics.start()
+    yield metrics
+    metrics.stop()
+
+
+@pytest.fixture
+def worker() -> Iterator[WorkerMetrics]:
+    metrics = WorkerMetrics(3)
+    metrics.start()
+    yield metrics
+    metrics.stop()
+
+
+def test_default_bind_is_loopback_with_a_real_port(server: StateServerMetrics) -> None:
+    host, port = server.address.rsplit(":", 1)
+    assert host == "127.0.0.1"
+    assert int(port) > 0
+
+
+def test_state_server_values_round_trip(server: StateServerMetrics) -> None:
+    server.record_received("PushGradient", 1000)
+    server.record_received("PushGradient", 24)
+    server.record_received("FetchWeights", 7)
+    server.record_sent("FetchWeights", 4096)
+    server.observe_update(0.0002)
+    server.observe_update(2.0)
+    server.observe_update(2.0)
+    server.record_duplicate()
+    server.set_resident_bytes("ram", 1 << 20)
+    server.set_resident_bytes("nvme", 5 << 30)
+    server.set_resident_bytes("ram", 3 << 20)
+    server.record_error("PushGradient", "FAILED_PRECONDITION")
+
+    got = _samples(server)
+    sid = "ss-0"
+    assert got[_key("cargohold_transport_received_bytes_total", server=sid, rpc="PushGradient")] == 1024
+    assert got[_key("cargohold_transport_received_bytes_total", server=sid, rpc="FetchWeights")] == 7
+    assert got[_key("cargohold_transport_sent_bytes_total", server=sid, rpc="FetchWeights")] == 4096
+    assert got[_key("cargohold_optimizer_step_seconds_count", server=sid)] == 3
+    assert got[_key("cargohold_optimizer_step_seconds_sum", server=sid)] == pytest.approx(4.0002)
+    assert got[_key("cargohold_optimizer_steps_total", server=sid)] == 3
+    assert got[_key("cargohold_optimizer_duplicate_pushes_total", server=sid)] == 1
+    assert got[_key("cargohold_state_resident_bytes", server=sid, tier="ram")] == 3 << 20
+    assert got[_key("cargohold_state_resident_bytes", server=sid, tier="nvme")] == 5 << 30
+    assert got[_key("cargohold_rpc_errors_total", server=sid, rpc="PushGradient", code="FAILED_PRECONDITION")] == 1
+
+    buckets = {
+        float(dict(labels)["le"]): value
+        for (name, labels), value in got.items()
+        if name == "cargohold_optimizer_step_seconds_bucket"
+    }
+    # The buckets must resolve the 100 us .. 30 s range the histogram is meant for.
+    assert min(buckets) <= 1e-4 and 30.0 in buckets
+    assert buckets[1e-4] == 0
+    assert buckets[2.5e-4] == 1
+    assert buckets[30.0] == 3
+
+    for (name, labels), _ in got.items():
+        if name.startswith("cargohold_"):
+            assert ("server", sid) in labels, name
+
+
+def test_worker_values_round_trip(worker: WorkerMetrics) -> None:
+    worker.observe_step(1.5, loss=2.75)
+    worker.observe_step(0.5, loss=2.25)
+    worker.add_phase("compute", 0.75)
+    worker.add_phase("compute", 0.5)
+    worker.add_phase("push", 0.25)
+    worker.set_resident_bytes("weights", 4000)
+    worker.set_resident_bytes("grad_shard", 125)
+    worker.record_sent("PushGradient", 800)
+    worker.record_received("FetchWeights", 900)
+
+    got = _samples(worker)
+    rank = "3"
+    assert got[_key("cargohold_worker_step_seconds_count", rank=rank)] == 2
+    assert got[_key("cargohold_worker_step_seconds_sum", rank=rank)] == pytest.approx(2.0)
+    assert got[_key("cargohold_worker_steps_total", rank=rank)] == 2
+    assert got[_key("cargohold_worker_loss", rank=rank)] == 2.25
+    assert got[_key("cargohold_worker_phase_seconds_total", rank=rank, phase="compute")] == 1.25
+    assert got[_key("cargohold_worker_phase_seconds_total", rank=rank, phase="push")] == 0.25
+    assert got[_key("cargohold_worker_resident_bytes", rank=rank, kind="weights")] == 4000
+    assert got[_key("cargohold_worker_resident_bytes", rank=rank, kind="grad_shard")] == 125
+    assert got[_key("cargohold_transport_sent_bytes_total", rank=rank, rpc="PushGradient")] == 800
+    assert got[_key("cargohold_transport_received_bytes_total", rank=rank, rpc="FetchWeights")] == 900
+
+    for (name, labels), _ in got.items():
+        if name.startswith("cargohold_"):
+            assert ("rank", rank) in labels, name
+            assert "server" not in dict(labels), name
+
+
+def test_two_endpoints_in_one_process_do_not_share_values() -> None:
+    a, b = StateServerMetrics("a"), StateServerMetrics("b")
+    a.start()
+    try:
+        b.start()
+        try:
+            a.record_received("PushGradient", 10)
+            b.record_received("PushGradient", 20)
+            b.observe_update(0.01)
+            got_a, got_b = _samples(a), _samples(b)
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+
+    assert a is not b and a.registry is not b.registry
+    name = "cargohold_transport_received_bytes_total"
+    assert got_a[_key(name, server="a", rpc="PushGradient")] == 10
+    assert got_b[_key(name, server="b", rpc="PushGradient")] == 20
+    assert not any(dict(labels).get("server") == "b" for _, labels in got_a)
+    assert not any(dict(labels).get("server") == "a" for _, labels in got_b)
+    assert got_a[_key("cargohold_optimizer_steps_total", server="a")] == 0
+    assert got_b[_key("cargohold_optimizer_steps_total", server="b")] == 1
+
+
+@pytest.mark.parametrize(
+    ("call", "bad", "allowed"),
+    [
+        (lambda: StateServerMetrics("s").set_resident_bytes("disk", 1), "disk", "nvme"),
+        (lambda: WorkerMetrics(0).add_phase("backward", 1.0), "backward", "compute"),
+        (lambda: WorkerMetrics(0).set_resident_bytes("activations", 1), "activations", "grad_shard"),
+    ],
+)
+def test_unknown_label_values_are_rejected(
+    call: Callable[[], None], bad: str, allowed: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        call()
+    assert isinstance(caught.value, ValueError)
+    assert repr(bad) in str(caught.value)
+    assert allowed in str(caught.value)
+
+
+def test_rejected_label_value_exports_nothing(server: StateServerMetrics) -> None:
+    with pytest.raises(ConfigError):
+        server.set_resident_bytes("RAM", 1)
+    assert not any(dict(labels).get("tier") == "RAM" for _, labels in _samples(server))
+
+
+def test_stop_frees_the_port_and_is_idempotent() -> None:
+    first = StateServerMetrics("s")
+    first.stop()  # never started: nothing to do
+    first.start()
+    port = int(first.address.rsplit(":", 1)[1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        first.stop()
+        gc.collect()
+    # Closed on purpose, not left for the garbage collector (which warns when it does it).
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+    first.stop()
+
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=_HTTP_TIMEOUT_S).close()
+
+    second = WorkerMetrics(0)
+    second.start(port=port)
+    try:
+        assert second.address == f"127.0.0.1:{port}"
+        assert "cargohold_worker_steps_total" in _fetch(second)
+    finally:
+        second.stop()
+
+
+def test_address_and_double_start_are_guarded(server: StateServerMetrics) -> None:
+    with pytest.raises(Exception, match="already serving"):
+        server.start()
+    with pytest.raises(Exception, match="not serving"):
+        _ = WorkerMetrics(1).address
+
+
+def test_metric_names_lists_exactly_what_is_exported(
+    server: StateServerMetrics, worker: WorkerMetrics
+) -> None:
+    server.record_received("PushGradient", 1)
+    server.record_sent("FetchWeights", 1)
+    server.observe_update(0.001)
+    server.record_duplicate()
+    server.set_resident_bytes("ram", 1)
+    server.record_error("PushGradient", "INTERNAL")
+    worker.observe_step(0.1, loss=1.0)
+    worker.add_phase("gather", 0.1)
+    worker.set_resident_bytes("gradients", 1)
+    worker.record_sent("PushGradient", 1)
+    worker.record_received("FetchWeights", 1)
+
+    assert len(set(METRIC_NAMES)) == len(METRIC_NAMES)
+    assert _exported_names(server) | _exported_names(worker) == set(METRIC_NAMES)
+    shared = {"cargohold_transport_sent_bytes_total", "cargohold_transport_received_bytes_total"}
+    assert _exported_names(server) & _exported_names(worker) == shared

@@ -1,0 +1,94 @@
+"""Cross-node paths on one machine: a Ray cluster of four nodes (ray.cluster_utils), each
+worker and each state server on its own node, so every gradient and weight crosses
+"hosts" over gRPC and the gloo group spans nodes. Also scrapes the
+metrics of every actor for real while the run is up."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+import ray
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from ray.cluster_utils import Cluster
+
+from cargohold.cluster.launcher import TrainingSession
+from reference import reference_train, tiny_config
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def four_nodes():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for resource in ("trainer", "trainer", "hold", "hold"):
+        cluster.add_node(num_cpus=2, resources={resource: 1})
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def _node_of(actor) -> str:
+    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+
+
+def _scrape(address: str) -> dict[str, list]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
+def _value(samples: dict, family: str, sample: str, **labels: str) -> float:
+    return sum(s.value for s in samples[family] if s.name == sample
+               and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_every_actor_on_its_own_node(four_nodes) -> None:
+    config = tiny_config(
+        steps=6,
+        state_server__num_servers=2,
+        state_server__resources={"hold": 1},
+        worker__resources={"trainer": 1},
+        cluster__placement_strategy="STRICT_SPREAD",
+    )
+    with TrainingSession(config) as session:
+        losses = [session.step().loss for _ in range(config.steps)]
+        nodes = [_node_of(actor) for actor in session.workers + session.servers]
+        weights = session.worker_weights(0)
+        scrapes = {address: _scrape(address) for address in session.metrics_addresses()}
+
+    assert len(set(nodes)) == 4, "each actor must run on its own node"
+    reference = reference_train(config, config.steps)
+    assert losses == reference.losses
+
+    assert len(scrapes) == 4  # 2 servers + 2 workers
+    server_scrapes = [s for s in scrapes.values() if "cargohold_optimizer_steps" in s]
+    worker_scrapes = [s for s in scrapes.values() if "cargohold_worker_steps" in s]
+    assert len(server_scrapes) == 2 and len(worker_scrapes) == 2
+    segments_per_server = [_value(s, "cargohold_optimizer_steps", "cargohold_optimizer_steps_total")
+                           for s in server_scrapes]
+    assert sum(segments_per_server) % config.steps == 0 and min(segments_per_server) >= config.steps
+    for samples in server_scrapes:
+        updates = _value(samples, "cargohold_optimizer_steps", "cargohold_optimizer_steps_total")
+        assert _value(samples, "cargohold_optimizer_step_seconds", "cargohold_optimizer_step_seconds_count") == updates
+        assert _value(samples, "cargohold_optimizer_step_seconds", "cargohold_optimizer_step_seconds_sum") > 0
+        received = _value(samples, "cargohold_transport_received_bytes", "cargohold_transport_received_bytes_total",
+                          rpc="PushGradient")
+        assert received > 0 and received % (4 * config.steps) == 0  # fp32 gradients, every step
+        ram = _value(samples, "cargohold_state_resident_bytes", "cargohold_state_resident_bytes", tier="ram")
+        assert ram > 0 and ram % 12 == 0  # master + two moments, 4 bytes each
+    total_ram = sum(_value(s, "cargohold_state_resident_bytes", "cargohold_state_resident_bytes", tier="ram")
+                    for s in server_scrapes)
+    assert total_ram == 12 * weights.numel()
+    for samples in worker_scrapes:
+        assert _value(samples, "cargohold_worker_steps", "cargohold_worker_steps_total") == config.steps
+        assert _value(samples, "cargohold_worker_step_seconds", "cargohold_worker_step_seconds_count") == config.steps
+        loss = _value(samples, "cargohold_worker_loss", "cargohold_worker_loss")
+        assert loss == pytest.approx(losses[-1])
+        weights_bytes = _value(samples, "cargohold_worker_resident_bytes", "cargohold_worker_resident_bytes",
+                               kind="weights")
+        assert weights_bytes == 4 * weights.numel()
+    assert torch.isfinite(weights).all()
