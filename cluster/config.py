@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +23,18 @@ from cargohold.services.models.gpt import GPTConfig
 from cargohold.services.optim import AdamWHyperParams
 
 DType = Literal["float32", "bfloat16"]
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads exponent floats without a dot (``3e-4``, ``1e-8``) as
+    floats; YAML 1.1, which PyYAML implements, would read them as strings."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -193,9 +206,11 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     if path is not None:
         path = Path(path)
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader)
         except OSError as error:
             raise ConfigError(f"cannot read config file {path}: {error.strerror}") from error
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"config file {path} is not UTF-8 text: {error}") from error
         except yaml.YAMLError as error:
             raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
         if loaded is None:
@@ -214,7 +229,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - fields)
+    unknown = sorted(set(data) - fields, key=str)
     if unknown:
         raise ConfigError(
             f"unknown config key {prefix + str(unknown[0])!r}; known keys here: {', '.join(sorted(fields))}"
@@ -288,13 +303,15 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     if not sep or not dotted.strip():
         raise ConfigError(f"override {override!r} must look like key.path=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.load(raw, Loader=_YamlLoader) if raw.strip() else None
     except yaml.YAMLError as error:
         raise ConfigError(f"override {override!r}: value is not valid YAML: {error}") from error
     *parents, leaf = dotted.strip().split(".")
     node = data
     for index, part in enumerate(parents):
-        child = node.setdefault(part, {})
+        child = node.get(part)
+        if child is None:  # an absent or empty section (``optim:``) means defaults
+            child = node[part] = {}
         if not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: {'.'.join(parents[: index + 1])} is not a section")
         node = child

@@ -32,7 +32,7 @@ def test_generate_corpus_is_deterministic_per_seed_and_english_like() -> None:
 
 
 def test_generate_corpus_rejects_negative_size() -> None:
-    with pytest.raises(ConfigError, match="num_bytes"):
+    with pytest.raises(ConfigError, match="data.corpus_bytes"):
         generate_corpus(-1, seed=0)
 
 
@@ -62,9 +62,9 @@ def test_load_tokens_rejects_missing_empty_and_short_files(tmp_path: Path) -> No
     with pytest.raises(ConfigError, match="short.txt.*seq_len"):
         load_tokens(str(short), 100, seed=0, seq_len=8)
     assert load_tokens(str(short), 100, seed=0, seq_len=4).numel() == 5
-    with pytest.raises(ConfigError, match="num_bytes"):
+    with pytest.raises(ConfigError, match="data.corpus_bytes"):
         load_tokens(None, 8, seed=0, seq_len=8)
-    with pytest.raises(ConfigError, match="num_bytes"):
+    with pytest.raises(ConfigError, match="data.corpus_bytes"):
         load_tokens(None, 0, seed=0)
 
 

@@ -4,6 +4,7 @@ cargohold errors to gRPC status codes. No training logic lives here."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import TypeVar
@@ -55,6 +56,8 @@ class StateServerServicer(pb_grpc.StateServerServicer):
     def __init__(self, registry: ShardRegistry, metrics: StateServerMetrics) -> None:
         self._registry = registry
         self._metrics = metrics
+        # RPCs run on a thread pool and `+=` on an attribute is not atomic: guard the counters.
+        self._counts = threading.Lock()
         self.duplicate_pushes = 0
         self.updates_applied = 0
         self.received_bytes = 0
@@ -102,10 +105,12 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                                      f"shard {state.spec.shard_id} gradient", "PushGradient")
             outcome = state.push(header.step, gradient, global_norm=header.global_grad_norm, lr=header.lr)
             if outcome.applied:
-                self.updates_applied += 1
+                with self._counts:
+                    self.updates_applied += 1
                 self._metrics.observe_update(outcome.seconds)
             else:
-                self.duplicate_pushes += 1
+                with self._counts:
+                    self.duplicate_pushes += 1
                 self._metrics.record_duplicate()
             return pb.PushGradientResponse(step=outcome.step, applied=outcome.applied,
                                            update_seconds=outcome.seconds)
@@ -129,7 +134,8 @@ class StateServerServicer(pb_grpc.StateServerServicer):
 
         for message in self._guard("FetchWeights", context, handle):
             size = len(message.chunk.data)
-            self.sent_bytes += size
+            with self._counts:
+                self.sent_bytes += size
             self._metrics.record_sent("FetchWeights", size)
             yield message
 
@@ -161,7 +167,8 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 raise InvalidTensorError(f"{rpc}: only {field} messages may follow the first")
             chunk = getattr(message, field)
             assembler.add(chunk)
-            self.received_bytes += len(chunk.data)
+            with self._counts:
+                self.received_bytes += len(chunk.data)
             self._metrics.record_received(rpc, len(chunk.data))
         return assembler.finish()
 

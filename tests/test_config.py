@@ -1,0 +1,408 @@
+"""The config schema: loading, overrides, refusals (each naming the dotted key), the frozen
+set of keys, the generated reference in docs/configuration.md, and the CLI's handling of
+bad configuration. No test here starts a training run."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cargohold import __version__
+from cargohold.cluster import cli, config_docs
+from cargohold.cluster.config import (
+    ClusterConfig,
+    DataConfig,
+    MetricsConfig,
+    OptimConfig,
+    StateServerConfig,
+    TrainConfig,
+    WorkerConfig,
+    config_hash,
+    from_dict,
+    load_config,
+    to_dict,
+)
+from cargohold.cluster.config_docs import REGENERATE, render_reference, type_name
+from cargohold.services.errors import ConfigError
+from cargohold.services.models.gpt import GPTConfig
+
+pytestmark = pytest.mark.timeout(30)
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "examples" / "demo.yaml"
+REFERENCE = ROOT / "docs" / "configuration.md"
+
+# Every dotted key of TrainConfig. Adding, removing or renaming a key is a deliberate
+# change: update this list and regenerate docs/configuration.md (see REGENERATE).
+CONFIG_SURFACE = [
+    "run_id",
+    "steps",
+    "seed",
+    "progress",
+    "model.vocab_size",
+    "model.block_size",
+    "model.n_layer",
+    "model.n_head",
+    "model.n_embd",
+    "model.dropout",
+    "model.bias",
+    "data.corpus_path",
+    "data.corpus_bytes",
+    "data.batch_size",
+    "data.seed",
+    "optim.lr",
+    "optim.beta1",
+    "optim.beta2",
+    "optim.eps",
+    "optim.weight_decay",
+    "optim.max_grad_norm",
+    "optim.warmup_steps",
+    "optim.schedule",
+    "optim.min_lr_ratio",
+    "worker.num_workers",
+    "worker.device",
+    "worker.compute_dtype",
+    "worker.grad_wire_dtype",
+    "worker.cpus",
+    "worker.gpus",
+    "worker.torch_threads",
+    "worker.resources",
+    "state_server.num_servers",
+    "state_server.cpus",
+    "state_server.torch_threads",
+    "state_server.bind_host",
+    "state_server.rpc_threads",
+    "state_server.chunk_bytes",
+    "state_server.rpc_timeout_s",
+    "state_server.resources",
+    "cluster.address",
+    "cluster.num_cpus",
+    "cluster.placement_strategy",
+    "cluster.startup_timeout_s",
+    "metrics.enabled",
+]
+
+
+def _write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _assert_names(error: pytest.ExceptionInfo[ConfigError], key: str) -> None:
+    """The message names ``key`` as a whole dotted key (not a prefix of a longer one)."""
+    message = str(error.value)
+    assert re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message), f"{key!r} not named in: {message}"
+
+
+def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            keys += _dotted_keys(type(default), f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+# --- loading ------------------------------------------------------------------------------
+
+
+def test_defaults_load_without_a_file() -> None:
+    config = load_config()
+    assert config == TrainConfig()
+    assert config.steps == 50 and config.model == GPTConfig() and config.optim.lr == 1e-3
+    assert config.state_server.bind_host is None and config.worker.resources == {}
+
+
+def test_empty_file_means_defaults(tmp_path: Path) -> None:
+    assert load_config(_write(tmp_path, "# nothing set\n")) == TrainConfig()
+
+
+def test_demo_yaml_loads_the_expected_values() -> None:
+    expected = TrainConfig(
+        steps=50,
+        seed=0,
+        model=GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=128),
+        data=DataConfig(batch_size=8, corpus_bytes=2_000_000),
+        optim=OptimConfig(lr=0.002, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=5, schedule="cosine"),
+        worker=WorkerConfig(num_workers=2, torch_threads=1),
+        state_server=StateServerConfig(num_servers=1),
+        cluster=ClusterConfig(),
+        metrics=MetricsConfig(),
+    )
+    config = load_config(DEMO)
+    assert config == expected
+    assert isinstance(config.optim.lr, float) and isinstance(config.optim.max_grad_norm, float)
+
+
+def test_overrides_apply_on_top_of_the_file() -> None:
+    config = load_config(
+        DEMO,
+        ["steps=3", "optim.lr=3e-4", "worker.resources={node_a: 1}", "state_server.bind_host=null"],
+    )
+    assert config.steps == 3
+    assert config.optim.lr == pytest.approx(3e-4) and isinstance(config.optim.lr, float)
+    assert config.worker.resources == {"node_a": 1.0}
+    assert isinstance(config.worker.resources["node_a"], float)
+    assert config.state_server.bind_host is None
+    assert config.optim.schedule == "cosine"  # untouched keys keep the file's values
+
+
+def test_later_override_wins_and_empty_value_is_null() -> None:
+    config = load_config(None, ["state_server.bind_host=10.0.0.1", "state_server.bind_host="])
+    assert config.state_server.bind_host is None
+    assert load_config(None, ["steps=3", "steps=7"]).steps == 7
+
+
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path: Path) -> None:
+    # YAML 1.1 (PyYAML) would read 1e-8 as a string; the loader reads it as a float.
+    config = load_config(_write(tmp_path, "optim:\n  lr: 2e-3\n  eps: 1E-8\n"))
+    assert config.optim.lr == pytest.approx(2e-3) and config.optim.eps == pytest.approx(1e-8)
+    with pytest.raises(ConfigError) as error:
+        load_config(_write(tmp_path, 'optim:\n  lr: "3e-4"\n'))  # quoted stays a string
+    _assert_names(error, "optim.lr")
+
+
+def test_override_into_an_empty_section(tmp_path: Path) -> None:
+    config = load_config(_write(tmp_path, "optim:\nworker: {}\n"), ["optim.lr=0.5", "worker.num_workers=3"])
+    assert config.optim.lr == 0.5 and config.worker.num_workers == 3
+
+
+def test_override_below_a_scalar_is_refused() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["steps=3", "steps.x=1"])
+    _assert_names(error, "steps")
+
+
+# --- refusals -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("stepz: 3\n", "stepz"),
+        ("optim:\n  lrr: 0.1\n", "optim.lrr"),
+        ("model:\n  n_embed: 64\n", "model.n_embed"),
+        ("steps: 5\n1: x\nfoo: y\n", "1"),  # keys of mixed types still give a ConfigError
+    ],
+)
+def test_unknown_keys_are_refused_with_the_dotted_key(tmp_path: Path, text: str, key: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(_write(tmp_path, text))
+    _assert_names(error, key)
+
+
+def test_unknown_override_key_is_refused() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["optim.lrr=1"])
+    _assert_names(error, "optim.lrr")
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('steps: "ten"\n', "steps"),
+        ("steps: true\n", "steps"),
+        ("steps: 10.0\n", "steps"),
+        ('optim:\n  lr: "fast"\n', "optim.lr"),
+        ("worker:\n  compute_dtype: float16\n", "worker.compute_dtype"),
+        ("optim:\n  schedule: linear\n", "optim.schedule"),
+        ("model: 3\n", "model"),
+        ("progress: 1\n", "progress"),
+        ("run_id: 7\n", "run_id"),
+        ("worker:\n  resources: [a, b]\n", "worker.resources"),
+        ("worker:\n  resources: {node_a: many}\n", "worker.resources.node_a"),
+        ("cluster:\n  num_cpus: four\n", "cluster.num_cpus"),
+    ],
+)
+def test_wrong_types_are_refused_naming_the_key(tmp_path: Path, text: str, key: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(_write(tmp_path, text))
+    _assert_names(error, key)
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("worker:\n  num_workers: 0\n", "worker.num_workers"),
+        ("optim:\n  beta1: 1.5\n", "optim.beta1"),
+        ("model:\n  n_embd: 100\n  n_head: 6\n", "model.n_embd"),
+        ("state_server:\n  chunk_bytes: 10\n", "state_server.chunk_bytes"),
+        ("steps: 0\n", "steps"),
+        ("optim:\n  lr: .nan\n", "optim.lr"),
+        ("model:\n  dropout: 1.0\n", "model.dropout"),
+        ("cluster:\n  num_cpus: 0\n", "cluster.num_cpus"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_key(tmp_path: Path, text: str, key: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(_write(tmp_path, text))
+    _assert_names(error, key)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param("- 1\n- 2\n", id="not-a-mapping"),
+        pytest.param("just a string\n", id="scalar"),
+        pytest.param("steps: [1, 2\n", id="invalid-yaml"),
+        pytest.param(b"\xff\xfe\x00 not text", id="not-utf8"),
+    ],
+)
+def test_bad_files_name_the_file(tmp_path: Path, content: str | bytes) -> None:
+    path = tmp_path / "broken.yaml"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=re.escape(str(path))):
+        load_config(path)
+
+
+def test_missing_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError, match=re.escape(str(path))):
+        load_config(path)
+
+
+@pytest.mark.parametrize("override", ["steps", "=3", " =3", ""])
+def test_malformed_overrides_are_refused(override: str) -> None:
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_config(None, [override])
+
+
+def test_override_with_invalid_yaml_value_is_refused() -> None:
+    with pytest.raises(ConfigError, match=re.escape("worker.resources={node_a: 1")):
+        load_config(None, ["worker.resources={node_a: 1"])
+
+
+# --- round trip and hash ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["worker.resources={node_a: 1, gpu_box: 0.5}", "cluster.num_cpus=4", "run_id=abc", "optim.lr=3e-4"]],
+)
+def test_from_dict_of_to_dict_round_trips(tmp_path: Path, overrides: list[str]) -> None:
+    config = load_config(DEMO, overrides)
+    assert from_dict(TrainConfig, to_dict(config)) == config
+    # ... and through a YAML file, the documented channel.
+    dumped = _write(tmp_path, yaml.safe_dump(to_dict(config)), "dumped.yaml")
+    assert load_config(dumped) == config
+
+
+def test_config_hash_is_stable_and_tracks_values() -> None:
+    first, second = load_config(DEMO), load_config(DEMO)
+    assert first is not second
+    assert config_hash(first) == config_hash(second) == config_hash(from_dict(TrainConfig, to_dict(first)))
+    assert re.fullmatch(r"[0-9a-f]{16}", config_hash(first))
+    assert config_hash(load_config(DEMO, ["steps=51"])) != config_hash(first)
+    assert config_hash(load_config(DEMO, ["optim.beta2=0.99"])) != config_hash(first)
+    assert config_hash(load_config(DEMO, ["worker.resources={a: 1}"])) != config_hash(first)
+
+
+# --- the frozen surface and the generated reference ---------------------------------------
+
+
+def test_config_surface_is_frozen() -> None:
+    keys = _dotted_keys(TrainConfig)
+    assert len(keys) == len(set(keys))
+    added, removed = sorted(set(keys) - set(CONFIG_SURFACE)), sorted(set(CONFIG_SURFACE) - set(keys))
+    assert not added and not removed, (
+        f"config keys changed (added {added}, removed {removed}): update CONFIG_SURFACE in "
+        f"tests/test_config.py and regenerate the docs with `{REGENERATE}`"
+    )
+    assert keys == CONFIG_SURFACE, "config keys were reordered: update CONFIG_SURFACE and regenerate the docs"
+
+
+def test_every_key_is_documented_in_the_reference() -> None:
+    text = render_reference()
+    for key in CONFIG_SURFACE:
+        assert f"| `{key}` |" in text, f"{key} missing from the reference"
+
+
+def test_docs_configuration_md_is_current() -> None:
+    assert REFERENCE.is_file(), f"docs/configuration.md is missing; generate it with `{REGENERATE}`"
+    assert REFERENCE.read_text(encoding="utf-8") == render_reference(), (
+        f"docs/configuration.md is out of date with the config schema; regenerate it with `{REGENERATE}`"
+    )
+
+
+def test_reference_uses_the_field_docstrings() -> None:
+    text = render_reference()
+    assert "| `optim.lr` | `float` | `0.001` | Peak learning rate. |" in text
+    assert "| `state_server.bind_host` | `str \\| None` | `null` |" in text
+    assert '| `optim.schedule` | `one of "constant", "cosine"` | `"constant"` |' in text
+    assert "| `optim.beta1` | `float` | `0.9` |  |" in text  # no docstring, no invented text
+
+
+@pytest.mark.parametrize(
+    ("hint", "name"),
+    [
+        (int, "int"),
+        (float, "float"),
+        (str | None, "str | None"),
+        (dict[str, float], "dict[str, float]"),
+    ],
+)
+def test_type_names_are_readable(hint: object, name: str) -> None:
+    assert type_name(hint) == name
+
+
+def test_docs_check_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    current = _write(tmp_path, render_reference(), "current.md")
+    assert config_docs.main(["--check", str(current)]) == 0
+    stale = _write(tmp_path, render_reference() + "edited\n", "stale.md")
+    assert config_docs.main(["--check", str(stale)]) != 0
+    assert str(stale) in capsys.readouterr().err
+    assert config_docs.main(["--check", str(tmp_path / "absent.md")]) != 0
+    assert REGENERATE in capsys.readouterr().err
+
+
+# --- the CLI ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(config: TrainConfig) -> int:
+        raise AssertionError("a CLI test reached training")
+
+    monkeypatch.setattr(cli, "_train", refuse)
+
+
+def test_cli_missing_config_file_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_training: None
+) -> None:
+    path = tmp_path / "missing.yaml"
+    assert cli.main(["train", "--config", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert str(path) in captured.err and captured.out == ""
+
+
+def test_cli_unknown_override_exits_2(capsys: pytest.CaptureFixture[str], no_training: None) -> None:
+    assert cli.main(["train", "--set", "optim.lrr=1"]) == 2
+    assert "optim.lrr" in capsys.readouterr().err
+
+
+def test_cli_malformed_override_exits_2(capsys: pytest.CaptureFixture[str], no_training: None) -> None:
+    assert cli.main(["train", "--config", str(DEMO), "--set", "steps"]) == 2
+    assert "key.path=value" in capsys.readouterr().err
+
+
+def test_cli_version(capsys: pytest.CaptureFixture[str], no_training: None) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"cargohold {__version__}"
+
+
+def test_cli_without_a_command_prints_help(capsys: pytest.CaptureFixture[str], no_training: None) -> None:
+    assert cli.main([]) == 2
+    out = capsys.readouterr().out
+    assert "usage: cargohold" in out and "train" in out
