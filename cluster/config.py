@@ -107,6 +107,10 @@ class WorkerConfig:
     """Dtype of the weights the worker holds and computes in."""
     grad_wire_dtype: DType = "float32"
     """Dtype gradients are reduced among workers and pushed to state servers in."""
+    bucket_bytes: int = 16 << 20
+    """Gradient bytes (in grad_wire_dtype) reduced and shipped as one bucket."""
+    overlap: bool = True
+    """Reduce and ship each bucket as soon as backward completes it, during backward."""
     cpus: float = 1.0
     """Ray CPUs reserved per worker."""
     gpus: float = 0.0
@@ -119,6 +123,7 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         _positive("worker.num_workers", self.num_workers)
         _positive("worker.torch_threads", self.torch_threads)
+        _positive("worker.bucket_bytes", self.bucket_bytes)
         _non_negative("worker.cpus", self.cpus)
         _non_negative("worker.gpus", self.gpus)
 

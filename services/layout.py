@@ -4,11 +4,15 @@ reduces it and which state server owns its Adam state.
 Pure arithmetic on sizes, no tensors are touched except by :func:`parameter_views`.
 
 The flat buffer places each parameter at an offset that is a multiple of ``align``
-elements and pads the end so that it splits into ``num_workers`` equal shards, each a
-multiple of ``align`` (equal shards are what ``reduce_scatter``/``all_gather`` need).
+elements and is cut into *buckets*: contiguous ranges, in parameter order, each a
+multiple of ``num_workers * align``. Backward fills a bucket's gradients together, so a
+bucket can be reduced and shipped while backward still computes the others. Each bucket
+splits into ``num_workers`` equal *pieces* (what ``reduce_scatter``/``all_gather`` need);
+worker w owns piece w of every bucket, and its *shard* is those pieces concatenated in
+bucket order. One bucket spanning the buffer gives the plain ZeRO layout.
 The same buffer is split, independently, into ``num_servers`` contiguous ranges that are
 also multiples of ``align``. A *segment* is the non-empty intersection of one worker
-shard and one server range: the unit a worker pushes and fetches, and the unit a server
+piece and one server range: the unit a worker pushes and fetches, and the unit a server
 registers. Every element of the buffer belongs to exactly one segment.
 
 Why align inside parameters: the fused AdamW kernel runs a vector loop with a scalar
@@ -59,14 +63,36 @@ class Fragment:
 
 
 @dataclass(frozen=True, slots=True)
+class Bucket:
+    """A range of the flat buffer reduced and gathered as one collective."""
+
+    index: int
+    start: int
+    stop: int
+    num_workers: int
+
+    @property
+    def piece_size(self) -> int:
+        return (self.stop - self.start) // self.num_workers
+
+    def piece(self, worker: int) -> tuple[int, int]:
+        """The half-open range of this bucket that ``worker`` reduces."""
+        start = self.start + worker * self.piece_size
+        return start, start + self.piece_size
+
+
+@dataclass(frozen=True, slots=True)
 class Segment:
     """The elements ``[start, stop)`` that worker ``worker`` pushes to server ``server``."""
 
     segment_id: int
+    bucket: int
     worker: int
     server: int
     start: int
     stop: int
+    shard_offset: int
+    """Where the segment begins inside its worker's shard (pieces in bucket order)."""
     fragments: tuple[Fragment, ...]
 
     @property
@@ -86,17 +112,21 @@ class ShardLayout:
     align: int
     server_bounds: tuple[int, ...]
     """``num_servers + 1`` cut points; server ``s`` owns ``[bounds[s], bounds[s+1])``."""
+    buckets: tuple[Bucket, ...]
     segments: tuple[Segment, ...]
 
     @property
     def worker_shard_size(self) -> int:
         return self.total // self.num_workers
 
-    def worker_range(self, worker: int) -> tuple[int, int]:
-        """The half-open range of the flat buffer that ``worker`` reduces."""
+    def worker_pieces(self, worker: int) -> tuple[tuple[int, int], ...]:
+        """The half-open ranges of the flat buffer that ``worker`` reduces, one per bucket."""
         self._check_index("worker", worker, self.num_workers)
-        size = self.worker_shard_size
-        return worker * size, (worker + 1) * size
+        return tuple(bucket.piece(worker) for bucket in self.buckets)
+
+    def piece_offset(self, bucket: int) -> int:
+        """Where a bucket's piece begins inside every worker's shard."""
+        return sum(b.piece_size for b in self.buckets[:bucket])
 
     def server_range(self, server: int) -> tuple[int, int]:
         """The half-open range of the flat buffer whose Adam state ``server`` owns."""
@@ -127,14 +157,21 @@ def build_layout(
     num_workers: int,
     num_servers: int,
     align: int = DEFAULT_ALIGN,
+    bucket_elements: int | None = None,
 ) -> ShardLayout:
-    """Place parameters (in the given order) and split the buffer over workers and servers."""
+    """Place parameters (in the given order) and split the buffer over workers and servers.
+
+    ``bucket_elements`` is rounded up to a multiple of ``num_workers * align``; None makes
+    one bucket of the whole buffer.
+    """
     if num_workers < 1:
         raise LayoutError(f"num_workers must be >= 1, got {num_workers}")
     if num_servers < 1:
         raise LayoutError(f"num_servers must be >= 1, got {num_servers}")
     if align < 1:
         raise LayoutError(f"align must be >= 1, got {align}")
+    if bucket_elements is not None and bucket_elements < 1:
+        raise LayoutError(f"bucket_elements must be >= 1 or None, got {bucket_elements}")
 
     params: list[ParamSlot] = []
     offset = 0
@@ -155,25 +192,34 @@ def build_layout(
             "use fewer state servers"
         )
     server_bounds = tuple(align * ((units * s) // num_servers) for s in range(num_servers + 1))
-    shard = total // num_workers
+    bucket_size = total if bucket_elements is None else _round_up(bucket_elements, align * num_workers)
+    buckets = tuple(
+        Bucket(index=i, start=start, stop=min(total, start + bucket_size), num_workers=num_workers)
+        for i, start in enumerate(range(0, total, bucket_size))
+    )
 
     segments: list[Segment] = []
-    for worker in range(num_workers):
-        w_start, w_stop = worker * shard, (worker + 1) * shard
-        for server in range(num_servers):
-            start = max(w_start, server_bounds[server])
-            stop = min(w_stop, server_bounds[server + 1])
-            if start < stop:
-                segments.append(
-                    Segment(
-                        segment_id=len(segments),
-                        worker=worker,
-                        server=server,
-                        start=start,
-                        stop=stop,
-                        fragments=tuple(_fragments(params, start, stop)),
+    shard_offsets = [0] * num_workers
+    for bucket in buckets:
+        for worker in range(num_workers):
+            w_start, w_stop = bucket.piece(worker)
+            for server in range(num_servers):
+                start = max(w_start, server_bounds[server])
+                stop = min(w_stop, server_bounds[server + 1])
+                if start < stop:
+                    segments.append(
+                        Segment(
+                            segment_id=len(segments),
+                            bucket=bucket.index,
+                            worker=worker,
+                            server=server,
+                            start=start,
+                            stop=stop,
+                            shard_offset=shard_offsets[worker] + start - w_start,
+                            fragments=tuple(_fragments(params, start, stop)),
+                        )
                     )
-                )
+            shard_offsets[worker] += bucket.piece_size
     return ShardLayout(
         params=tuple(params),
         total=total,
@@ -181,12 +227,18 @@ def build_layout(
         num_servers=num_servers,
         align=align,
         server_bounds=server_bounds,
+        buckets=buckets,
         segments=tuple(segments),
     )
 
 
 def layout_for_module(
-    module: torch.nn.Module, *, num_workers: int, num_servers: int, align: int = DEFAULT_ALIGN
+    module: torch.nn.Module,
+    *,
+    num_workers: int,
+    num_servers: int,
+    align: int = DEFAULT_ALIGN,
+    bucket_elements: int | None = None,
 ) -> ShardLayout:
     """Layout of ``module.named_parameters()``; works on a meta-device module."""
     return build_layout(
@@ -194,6 +246,7 @@ def layout_for_module(
         num_workers=num_workers,
         num_servers=num_servers,
         align=align,
+        bucket_elements=bucket_elements,
     )
 
 

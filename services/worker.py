@@ -11,15 +11,17 @@ Ray actor.
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from cargohold.cluster.config import TrainConfig
+from cargohold.services.bucketing import BucketReadiness
 from cargohold.services.data import batch_for_step, load_tokens
 from cargohold.services.errors import TrainingError
 from cargohold.services.layout import ShardLayout, layout_for_module, parameter_views
@@ -63,6 +65,17 @@ def build_model(config: TrainConfig) -> GPT:
     return GPT(config.model)
 
 
+def layout_for_config(config: TrainConfig, model: torch.nn.Module) -> ShardLayout:
+    """The shard layout every worker (and every test reference) derives from the config."""
+    wire_bytes = WIRE_DTYPES[config.worker.grad_wire_dtype].itemsize
+    return layout_for_module(
+        model,
+        num_workers=config.worker.num_workers,
+        num_servers=config.state_server.num_servers,
+        bucket_elements=max(1, config.worker.bucket_bytes // wire_bytes),
+    )
+
+
 class TrainingWorker:
     def __init__(self, config: TrainConfig, *, rank: int, run_id: str, server_addresses: list[str]) -> None:
         torch.set_num_threads(config.worker.torch_threads)
@@ -74,17 +87,20 @@ class TrainingWorker:
         self.compute_dtype = WIRE_DTYPES[config.worker.compute_dtype]
         self.wire_dtype = WIRE_DTYPES[config.worker.grad_wire_dtype]
 
+        if len(server_addresses) != config.state_server.num_servers:
+            raise TrainingError(
+                f"{len(server_addresses)} server addresses for state_server.num_servers="
+                f"{config.state_server.num_servers}"
+            )
         model = build_model(config)
-        self.layout: ShardLayout = layout_for_module(
-            model, num_workers=self.world_size, num_servers=len(server_addresses)
-        )
+        self.layout: ShardLayout = layout_for_config(config, model)
         initial = torch.zeros(self.layout.total, dtype=torch.float32)
         for view, param in zip(parameter_views(self.layout, initial), model.parameters()):
             view.copy_(param.detach())
         self.segments = self.layout.segments_of_worker(rank)
-        self.shard_start, self.shard_stop = self.layout.worker_range(rank)
+        self.pieces = self.layout.worker_pieces(rank)
         # fp32 initial values of this worker's segments, sent once at registration.
-        self._initial_shard = initial[self.shard_start : self.shard_stop].clone()
+        self._initial_shard = torch.cat([initial[a:b] for a, b in self.pieces])
 
         self.flat_weights = initial.to(device=self.device, dtype=self.compute_dtype)
         self.flat_grad = torch.zeros_like(self.flat_weights)
@@ -97,6 +113,11 @@ class TrainingWorker:
             param.data = weight
             param.grad = grad  # backward accumulates into the flat buffer in place
         self.model = model.train()
+        self._readiness = BucketReadiness(self.layout)
+        self._ready: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for index, param in enumerate(model.parameters()):
+            param.register_post_accumulate_grad_hook(self._on_gradient(index))
+        self._events = {}  # bucket -> CUDA event recorded when backward finished it
         shard_size = self.layout.worker_shard_size
         self._grad_shard = torch.empty(shard_size, dtype=self.wire_dtype, device=self.device)
         self._weight_shard = torch.empty(shard_size, dtype=self.compute_dtype, device=self.device)
@@ -111,7 +132,9 @@ class TrainingWorker:
                               timeout_s=config.state_server.rpc_timeout_s)
             for address in server_addresses
         ]
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.segments)), thread_name_prefix="push")
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(16, len(self.segments))), thread_name_prefix="push")
+        # One thread issues every collective, so all ranks issue them in the same order.
+        self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collectives")
         self.metrics = WorkerMetrics(rank)
         if config.metrics.enabled:
             self.metrics.start(host=node_ip())
@@ -147,10 +170,9 @@ class TrainingWorker:
                 grad_dtype=self.config.worker.grad_wire_dtype,
                 hyper=self.config.optim.hyper_params(),
             )
-            local = slice(segment.start - self.shard_start, segment.stop - self.shard_start)
             for client in self.clients:
                 client.wait_ready()
-            step, _ = self.clients[segment.server].register(spec, self._initial_shard[local])
+            step, _ = self.clients[segment.server].register(spec, self._initial_shard[self._local(segment)])
             steps.add(step)
         self._initial_shard = torch.empty(0)
         if len(steps) > 1:
@@ -165,6 +187,7 @@ class TrainingWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+        self._comm.shutdown(wait=False, cancel_futures=True)
         for client in self.clients:
             client.close()
         self.metrics.stop()
@@ -173,9 +196,10 @@ class TrainingWorker:
 
     # --- the step ------------------------------------------------------------------
     def train_step(self, step: int) -> StepReport:
+        """One step. Buckets are reduced and pushed as backward completes them; with
+        clipping on, servers stage them until the global norm is known (CommitStep)."""
         phases: dict[str, float] = {}
-        started = time.perf_counter()
-        mark = started
+        started = mark = time.perf_counter()
 
         def lap(phase: str) -> None:
             nonlocal mark
@@ -189,47 +213,118 @@ class TrainingWorker:
             batch_size=self.config.data.batch_size, seq_len=self.config.model.block_size,
             seed=self.config.data.seed,
         )
+        clipping = self.config.optim.max_grad_norm > 0
+        lr = self.config.optim.lr_at(step, self.config.steps)
         self.flat_grad.zero_()
+        self._readiness.reset()
+        self._events.clear()
+        shipping = self._comm.submit(self._reduce_and_ship, step, lr, clipping)
         _, loss = self.model(x.to(self.device), y.to(self.device))
         loss.backward()
+        for index in self._readiness.release_rest():
+            self._enqueue(index)
         lap("compute")
 
-        reduce_input = self.flat_grad if self.flat_grad.dtype == self.wire_dtype else self.flat_grad.to(self.wire_dtype)
-        dist.reduce_scatter_single(self._grad_shard, reduce_input, op=dist.ReduceOp.SUM)
-        self._grad_shard.div_(self.world_size)
-        totals = torch.tensor([sum_of_squares(self._grad_shard), float(loss.detach())], dtype=torch.float64,
-                              device=self.device)
+        sum_squares, transfers = shipping.result()
+        totals = torch.tensor([sum_squares, float(loss.detach())], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
         global_norm = global_norm_from_squares(float(totals[0]))
         mean_loss = float(totals[1]) / self.world_size
-        host_grad = self._to_host(self._grad_shard)
         lap("reduce")
 
-        lr = self.config.optim.lr_at(step, self.config.steps)
-        outcomes = list(self._pool.map(
-            lambda seg: self._push_and_fetch(seg, step, host_grad, global_norm, lr), self.segments
-        ))
+        if clipping:
+            for future in transfers:
+                future.result()
+            transfers = [self._pool.submit(self._commit_and_fetch, seg, step, global_norm, lr)
+                         for seg in self.segments]
+        applied = 0
+        gathers = []
+        for bucket in self.layout.buckets:
+            for segment, future in zip(self.segments, transfers):
+                if segment.bucket == bucket.index:
+                    applied += future.result()
+            offset = self.layout.piece_offset(bucket.index)
+            gathers.append(dist.all_gather_single(
+                self.flat_weights[bucket.start : bucket.stop],
+                self._weight_shard[offset : offset + bucket.piece_size], async_op=True,
+            ))
         lap("push")
-        dist.all_gather_single(self.flat_weights, self._weight_shard)
+        for work in gathers:
+            work.wait()
         lap("gather")
 
         seconds = time.perf_counter() - started
         self.metrics.observe_step(seconds, mean_loss)
         return StepReport(
             rank=self.rank, step=step, loss=mean_loss, global_grad_norm=global_norm,
-            seconds=seconds, phases=phases, applied=sum(outcomes),
+            seconds=seconds, phases=phases, applied=applied,
         )
 
-    def _push_and_fetch(self, segment, step: int, host_grad: torch.Tensor, global_norm: float, lr: float) -> bool:
-        local = slice(segment.start - self.shard_start, segment.stop - self.shard_start)
+    def _on_gradient(self, index: int):
+        def hook(_param: torch.Tensor) -> None:
+            if self.config.worker.overlap:
+                for bucket in self._readiness.mark(index):
+                    self._enqueue(bucket)
+        return hook
+
+    def _enqueue(self, bucket: int) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._events[bucket] = event
+        self._ready.put(bucket)
+
+    def _reduce_and_ship(self, step: int, lr: float, clipping: bool) -> tuple[float, list[Future]]:
+        """On the collectives thread: reduce each bucket as it completes and hand its
+        segments to the transfer pool. Returns the shard's sum of squares and the transfers."""
+        sum_squares = 0.0
+        transfers: dict[int, Future] = {}
+        for _ in self.layout.buckets:
+            bucket = self.layout.buckets[self._ready.get()]
+            if bucket.index in self._events:
+                self._events[bucket.index].synchronize()
+            offset = self.layout.piece_offset(bucket.index)
+            piece = self._grad_shard[offset : offset + bucket.piece_size]
+            grads = self.flat_grad[bucket.start : bucket.stop]
+            dist.reduce_scatter_single(piece, grads.to(self.wire_dtype), op=dist.ReduceOp.SUM)
+            piece.div_(self.world_size)
+            sum_squares += sum_of_squares(piece)
+            host = self._to_host(piece, offset)
+            for segment in self.segments:
+                if segment.bucket == bucket.index:
+                    transfers[segment.segment_id] = self._pool.submit(
+                        self._push, segment, step, host, offset, lr, clipping
+                    )
+        return sum_squares, [transfers[s.segment_id] for s in self.segments]
+
+    def _push(self, segment, step: int, host_piece: torch.Tensor, piece_offset: int, lr: float,
+              clipping: bool) -> bool:
+        start = segment.shard_offset - piece_offset
+        gradient = host_piece[start : start + segment.numel]
         client = self.clients[segment.server]
-        gradient = host_grad[local]
-        outcome = client.push(self.run_id, segment.segment_id, step, gradient, global_norm=global_norm, lr=lr)
+        outcome = client.push(self.run_id, segment.segment_id, step, gradient, lr=lr, defer_update=clipping)
         self.metrics.record_sent("PushGradient", gradient.numel() * gradient.element_size())
-        weights = client.fetch(self.run_id, segment.segment_id, step, self.config.worker.compute_dtype, segment.numel)
-        self.metrics.record_received("FetchWeights", weights.numel() * weights.element_size())
-        self._weight_shard[local].copy_(weights, non_blocking=True)
+        if clipping:
+            return False
+        self._fetch(segment, step)
         return outcome.applied
+
+    def _commit_and_fetch(self, segment, step: int, global_norm: float, lr: float) -> bool:
+        outcome = self.clients[segment.server].commit(
+            self.run_id, segment.segment_id, step, global_norm=global_norm, lr=lr
+        )
+        self._fetch(segment, step)
+        return outcome.applied
+
+    def _fetch(self, segment, step: int) -> None:
+        weights = self.clients[segment.server].fetch(
+            self.run_id, segment.segment_id, step, self.config.worker.compute_dtype, segment.numel
+        )
+        self.metrics.record_received("FetchWeights", weights.numel() * weights.element_size())
+        self._weight_shard[self._local(segment)].copy_(weights, non_blocking=True)
+
+    def _local(self, segment) -> slice:
+        return slice(segment.shard_offset, segment.shard_offset + segment.numel)
 
     # --- memory helpers --------------------------------------------------------------
     def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -238,12 +333,13 @@ class TrainingWorker:
             return torch.empty(numel, dtype=dtype, pin_memory=True)
         return torch.empty(0, dtype=dtype)
 
-    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _to_host(self, piece: torch.Tensor, offset: int) -> torch.Tensor:
         if self.device.type != "cuda":
-            return tensor
-        self._host_grad_shard.copy_(tensor, non_blocking=True)
+            return piece
+        host = self._host_grad_shard[offset : offset + piece.numel()]
+        host.copy_(piece, non_blocking=True)
         torch.cuda.current_stream().synchronize()
-        return self._host_grad_shard
+        return host
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of the buffers this worker holds for training, by kind."""

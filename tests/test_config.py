@@ -67,6 +67,8 @@ CONFIG_SURFACE = [
     "worker.device",
     "worker.compute_dtype",
     "worker.grad_wire_dtype",
+    "worker.bucket_bytes",
+    "worker.overlap",
     "worker.cpus",
     "worker.gpus",
     "worker.torch_threads",

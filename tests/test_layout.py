@@ -46,6 +46,8 @@ SHAPES = st.lists(SHAPE, min_size=1, max_size=30).filter(
 WORKERS = st.integers(min_value=1, max_value=8)
 SERVERS = st.integers(min_value=1, max_value=5)
 ALIGN = st.sampled_from([64, 8, 1])
+# None: one bucket of the whole buffer; else a bucket size before rounding.
+BUCKET = st.one_of(st.none(), st.integers(min_value=1, max_value=3000))
 
 
 def _named(shapes: list[tuple[int, ...]]) -> list[tuple[str, tuple[int, ...]]]:
@@ -62,7 +64,8 @@ def _expected_total(shapes: list[tuple[int, ...]], align: int, num_workers: int)
 
 
 def _layout_or_none(
-    shapes: list[tuple[int, ...]], num_workers: int, num_servers: int, align: int
+    shapes: list[tuple[int, ...]], num_workers: int, num_servers: int, align: int,
+    bucket: int | None = None,
 ) -> ShardLayout | None:
     """The layout, or None after checking that the request is one of too many servers."""
     total = _expected_total(shapes, align, num_workers)
@@ -73,18 +76,20 @@ def _layout_or_none(
             )
         return None
     layout = build_layout(
-        _named(shapes), num_workers=num_workers, num_servers=num_servers, align=align
+        _named(shapes), num_workers=num_workers, num_servers=num_servers, align=align,
+        bucket_elements=bucket,
     )
     assert layout.total == total
     return layout
 
 
 @PROPERTY_SETTINGS
-@given(shapes=SHAPES, num_workers=WORKERS, num_servers=SERVERS, align=ALIGN)
+@given(shapes=SHAPES, num_workers=WORKERS, num_servers=SERVERS, align=ALIGN, bucket=BUCKET)
 def test_every_real_element_is_covered_by_exactly_one_fragment(
-    shapes: list[tuple[int, ...]], num_workers: int, num_servers: int, align: int
+    shapes: list[tuple[int, ...]], num_workers: int, num_servers: int, align: int,
+    bucket: int | None,
 ) -> None:
-    layout = _layout_or_none(shapes, num_workers, num_servers, align)
+    layout = _layout_or_none(shapes, num_workers, num_servers, align, bucket)
     if layout is None:
         return
     coverage = torch.zeros(layout.total, dtype=torch.int32)
@@ -109,11 +114,12 @@ def test_every_real_element_is_covered_by_exactly_one_fragment(
 
 
 @PROPERTY_SETTINGS
-@given(shapes=SHAPES, num_workers=WORKERS, num_servers=SERVERS, align=ALIGN)
+@given(shapes=SHAPES, num_workers=WORKERS, num_servers=SERVERS, align=ALIGN, bucket=BUCKET)
 def test_segments_tile_the_buffer_inside_one_worker_and_one_server_range(
-    shapes: list[tuple[int, ...]], num_workers: int, num_servers: int, align: int
+    shapes: list[tuple[int, ...]], num_workers: int, num_servers: int, align: int,
+    bucket: int | None,
 ) -> None:
-    layout = _layout_or_none(shapes, num_workers, num_servers, align)
+    layout = _layout_or_none(shapes, num_workers, num_servers, align, bucket)
     if layout is None:
         return
     assert [s.segment_id for s in layout.segments] == list(range(len(layout.segments)))
@@ -124,25 +130,29 @@ def test_segments_tile_the_buffer_inside_one_worker_and_one_server_range(
         position = segment.stop
     assert position == layout.total
 
-    worker_ranges = [layout.worker_range(w) for w in range(num_workers)]
+    pieces = {(b.index, w): b.piece(w) for b in layout.buckets for w in range(num_workers)}
     server_ranges = [layout.server_range(s) for s in range(num_servers)]
     for segment in layout.segments:
-        in_workers = [
-            w for w, (a, b) in enumerate(worker_ranges) if a <= segment.start and segment.stop <= b
+        in_pieces = [
+            key for key, (a, b) in pieces.items() if a <= segment.start and segment.stop <= b
         ]
         in_servers = [
             s for s, (a, b) in enumerate(server_ranges) if a <= segment.start and segment.stop <= b
         ]
-        assert in_workers == [segment.worker]
+        assert in_pieces == [(segment.bucket, segment.worker)]
         assert in_servers == [segment.server]
         # A segment is the whole intersection, not a piece of it.
-        (wa, wb), (sa, sb) = worker_ranges[segment.worker], server_ranges[segment.server]
+        (wa, wb), (sa, sb) = pieces[segment.bucket, segment.worker], server_ranges[segment.server]
         assert (segment.start, segment.stop) == (max(wa, sa), min(wb, sb))
+        # Its place in the worker's shard: the pieces of earlier buckets, then the offset.
+        assert segment.shard_offset == layout.piece_offset(segment.bucket) + segment.start - wa
 
     for worker in range(num_workers):
         mine = layout.segments_of_worker(worker)
         assert sum(s.numel for s in mine) == layout.worker_shard_size
         assert all(s.worker == worker for s in mine)
+        # The worker's segments tile its shard in order.
+        assert [s.shard_offset for s in mine] == [sum(m.numel for m in mine[:i]) for i in range(len(mine))]
     for server in range(num_servers):
         mine = layout.segments_of_server(server)
         start, stop = layout.server_range(server)
@@ -151,11 +161,12 @@ def test_segments_tile_the_buffer_inside_one_worker_and_one_server_range(
 
 
 @PROPERTY_SETTINGS
-@given(shapes=SHAPES, num_workers=WORKERS, num_servers=SERVERS, align=ALIGN)
+@given(shapes=SHAPES, num_workers=WORKERS, num_servers=SERVERS, align=ALIGN, bucket=BUCKET)
 def test_every_cut_is_aligned(
-    shapes: list[tuple[int, ...]], num_workers: int, num_servers: int, align: int
+    shapes: list[tuple[int, ...]], num_workers: int, num_servers: int, align: int,
+    bucket: int | None,
 ) -> None:
-    layout = _layout_or_none(shapes, num_workers, num_servers, align)
+    layout = _layout_or_none(shapes, num_workers, num_servers, align, bucket)
     if layout is None:
         return
     assert (layout.num_workers, layout.num_servers, layout.align) == (
@@ -166,9 +177,17 @@ def test_every_cut_is_aligned(
     # Equal worker shards, each a multiple of align (what reduce_scatter/all_gather need).
     assert layout.total == layout.worker_shard_size * num_workers
     assert layout.worker_shard_size % align == 0
-    assert {b - a for a, b in map(layout.worker_range, range(num_workers))} == {
+    assert {sum(b - a for a, b in layout.worker_pieces(w)) for w in range(num_workers)} == {
         layout.worker_shard_size
     }
+    # Buckets tile the buffer; each is a multiple of num_workers * align, so pieces are
+    # equal and aligned.
+    assert [b.start for b in layout.buckets] == [0] + [b.stop for b in layout.buckets[:-1]]
+    assert layout.buckets[-1].stop == layout.total
+    for b in layout.buckets:
+        assert (b.stop - b.start) % (align * num_workers) == 0 and b.stop > b.start
+    if bucket is None:
+        assert len(layout.buckets) == 1
     # Padding is less than one alignment unit per parameter plus one per worker round-up.
     packed = sum(_round_up(p.numel, align) for p in layout.params)
     assert packed <= layout.total < packed + align * num_workers
@@ -197,11 +216,12 @@ def test_every_cut_is_aligned(
 
 
 @PROPERTY_SETTINGS
-@given(shapes=SHAPES, num_workers=WORKERS, num_servers=SERVERS, align=ALIGN)
+@given(shapes=SHAPES, num_workers=WORKERS, num_servers=SERVERS, align=ALIGN, bucket=BUCKET)
 def test_parameter_and_fragment_views_address_the_right_elements(
-    shapes: list[tuple[int, ...]], num_workers: int, num_servers: int, align: int
+    shapes: list[tuple[int, ...]], num_workers: int, num_servers: int, align: int,
+    bucket: int | None,
 ) -> None:
-    layout = _layout_or_none(shapes, num_workers, num_servers, align)
+    layout = _layout_or_none(shapes, num_workers, num_servers, align, bucket)
     if layout is None:
         return
     # Round trip: values written through the parameter views come back unchanged and land
@@ -335,7 +355,7 @@ def test_wrong_buffer_sizes_raise_layout_error_with_the_expected_size() -> None:
 def test_out_of_range_worker_and_server_indices_raise_layout_error() -> None:
     layout = build_layout([("a", (1000,))], num_workers=2, num_servers=3, align=8)
     with pytest.raises(LayoutError, match=r"worker index 2 is outside 0..1"):
-        layout.worker_range(2)
+        layout.worker_pieces(2)
     with pytest.raises(LayoutError, match=r"server index -1 is outside 0..2"):
         layout.server_range(-1)
     with pytest.raises(LayoutError, match="worker index"):

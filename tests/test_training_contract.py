@@ -10,16 +10,15 @@ import pytest
 import torch
 
 from cargohold.cluster.launcher import TrainingSession
-from cargohold.services.layout import ShardLayout, layout_for_module
-from cargohold.services.worker import build_model
+from cargohold.services.layout import ShardLayout
+from cargohold.services.worker import build_model, layout_for_config
 from reference import reference_train, tiny_config
 
 pytestmark = pytest.mark.integration
 
 
 def _layout(config) -> ShardLayout:
-    return layout_for_module(build_model(config), num_workers=config.worker.num_workers,
-                             num_servers=config.state_server.num_servers)
+    return layout_for_config(config, build_model(config))
 
 
 def _server_state(session: TrainingSession, layout: ShardLayout, key: str) -> torch.Tensor:
@@ -48,13 +47,22 @@ def _run(config):
     return layout, losses, weights, server
 
 
-@pytest.mark.parametrize(
-    "num_servers, compute_dtype",
-    [(1, "float32"), (2, "float32"), (3, "float32"), (2, "bfloat16")],
-    ids=["1-server-fp32", "2-servers-fp32", "3-servers-fp32", "2-servers-bf16"],
-)
-def test_matches_torch_adamw_bitwise(ray_local, num_servers: int, compute_dtype: str) -> None:
-    config = tiny_config(state_server__num_servers=num_servers, worker__compute_dtype=compute_dtype)
+CASES = {
+    # One bucket, clipping configured (inactive): gradients staged, then CommitStep.
+    "1-server-fp32-one-bucket": dict(state_server__num_servers=1, worker__bucket_bytes=1 << 30),
+    # Many 64 KiB buckets reduced and pushed during backward.
+    "2-servers-fp32-buckets": dict(state_server__num_servers=2, worker__bucket_bytes=64 << 10),
+    # No clipping: each bucket is applied as it arrives, weights fetched during backward.
+    "3-servers-fp32-no-clip": dict(state_server__num_servers=3, worker__bucket_bytes=64 << 10,
+                                   optim__max_grad_norm=0.0),
+    "2-servers-bf16-no-overlap": dict(state_server__num_servers=2, worker__compute_dtype="bfloat16",
+                                      worker__bucket_bytes=64 << 10, worker__overlap=False),
+}
+
+
+@pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
+def test_matches_torch_adamw_bitwise(ray_local, overrides: dict) -> None:
+    config = tiny_config(**overrides)
     layout, losses, weights, server = _run(config)
     reference = reference_train(config, config.steps)
 

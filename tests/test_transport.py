@@ -14,6 +14,7 @@ import socket
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -741,3 +742,45 @@ def test_concurrent_pushes_of_one_step_apply_exactly_once(served: Served) -> Non
     stats = served.client.stats()
     assert (stats.updates_applied, stats.duplicate_pushes) == (1, threads - 1)
     _assert_bitwise_equal(served.client.fetch(RUN, 0, 1, "float32", NUMEL), _local(_spec(), [G1]).snapshot()["master"])
+
+
+# --- staged pushes (defer_update) and CommitStep ---------------------------------------
+def test_staged_push_applies_only_on_commit_and_equals_a_direct_push(stepped: Served) -> None:
+    before = _observe(stepped)
+    staged = stepped.client.push(RUN, 0, 2, G2, defer_update=True)
+    assert (staged.applied, staged.step) == (False, 2)
+    _assert_unchanged(stepped, before)  # staging changes nothing visible
+
+    committed = stepped.client.commit(RUN, 0, 2, global_norm=GLOBAL_NORM, lr=LR)
+    assert committed.applied and committed.step == 2
+    _assert_bitwise_equal(stepped.client.fetch(RUN, 0, 2, "float32", NUMEL),
+                          _local(_spec(), [G1, G2]).weights(2, "float32"))
+
+    # A repeated commit (a retry) is acknowledged and ignored; so is a late staged push.
+    again = stepped.client.commit(RUN, 0, 2, global_norm=GLOBAL_NORM, lr=LR)
+    assert (again.applied, again.step) == (False, 2)
+    assert not stepped.client.push(RUN, 0, 2, G2, defer_update=True).applied
+    assert stepped.client.stats().updates_applied == 2
+
+
+def test_commit_without_a_staged_gradient_is_refused_and_changes_nothing(stepped: Served) -> None:
+    before = _observe(stepped)
+    with pytest.raises(RemoteError) as error:
+        stepped.client.commit(RUN, 0, 2, global_norm=GLOBAL_NORM, lr=LR)
+    assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no gradient staged for step 2" in error.value.details
+    with pytest.raises(RemoteError) as error:
+        stepped.client.push(RUN, 0, 3, G2, defer_update=True)  # skips step 2
+    assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(RemoteError) as error:
+        stepped.client.commit(RUN, 7, 2, global_norm=GLOBAL_NORM, lr=LR)
+    assert error.value.code == grpc.StatusCode.NOT_FOUND
+    _assert_unchanged(stepped, before)
+
+
+def test_concurrent_commits_apply_once(stepped: Served) -> None:
+    stepped.client.push(RUN, 0, 2, G2, defer_update=True)
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(
+            lambda _: stepped.client.commit(RUN, 0, 2, global_norm=GLOBAL_NORM, lr=LR), range(8)))
+    assert sum(o.applied for o in outcomes) == 1

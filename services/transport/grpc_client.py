@@ -110,15 +110,16 @@ class StateServerClient:
         return spec_from_proto(reply.spec), reply.step
 
     def push(self, run_id: str, shard_id: int, step: int, gradient: torch.Tensor, *,
-             global_norm: float, lr: float) -> PushOutcome:
-        """Send the gradient of ``step``; harmless to repeat."""
+             global_norm: float = 0.0, lr: float = 0.0, defer_update: bool = False) -> PushOutcome:
+        """Send the gradient of ``step``; harmless to repeat. With ``defer_update`` the
+        server only stages it, and :meth:`commit` applies it."""
         wire_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(gradient.dtype)
         if wire_dtype is None:
             raise TransportError(f"gradients travel as float32 or bfloat16, not {gradient.dtype}")
         header = pb.PushHeader(
             key=pb.ShardKey(run_id=run_id, shard_id=shard_id), step=step,
             dtype=dtype_to_proto(wire_dtype), numel=gradient.numel(),
-            global_grad_norm=global_norm, lr=lr,
+            global_grad_norm=global_norm, lr=lr, defer_update=defer_update,
         )
 
         def requests() -> Iterator[pb.PushGradientRequest]:
@@ -127,6 +128,13 @@ class StateServerClient:
                 yield pb.PushGradientRequest(chunk=chunk)
 
         reply = self._call("PushGradient", self._stub.PushGradient, requests())
+        return PushOutcome(applied=reply.applied, step=reply.step, seconds=reply.update_seconds)
+
+    def commit(self, run_id: str, shard_id: int, step: int, *, global_norm: float, lr: float) -> PushOutcome:
+        """Apply the gradient staged for ``step``; harmless to repeat."""
+        reply = self._call("CommitStep", self._stub.CommitStep, pb.CommitStepRequest(
+            key=pb.ShardKey(run_id=run_id, shard_id=shard_id), step=step, global_grad_norm=global_norm, lr=lr,
+        ))
         return PushOutcome(applied=reply.applied, step=reply.step, seconds=reply.update_seconds)
 
     def fetch(self, run_id: str, shard_id: int, step: int, dtype: str, numel: int) -> torch.Tensor:

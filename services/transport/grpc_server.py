@@ -20,7 +20,8 @@ from cargohold.services.errors import (
     UnknownShardError,
 )
 from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.shard_state import ShardRegistry
+from cargohold.services.shard_state import PushOutcome, ShardRegistry
+from cargohold.services.staging import GradientStaging
 from cargohold.services.transport.codec import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
@@ -56,6 +57,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
     def __init__(self, registry: ShardRegistry, metrics: StateServerMetrics) -> None:
         self._registry = registry
         self._metrics = metrics
+        self._staging = GradientStaging()
         # RPCs run on a thread pool and `+=` on an attribute is not atomic: guard the counters.
         self._counts = threading.Lock()
         self.duplicate_pushes = 0
@@ -103,19 +105,37 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 )
             gradient = self._receive(request_iterator, header.numel, dtype, "chunk",
                                      f"shard {state.spec.shard_id} gradient", "PushGradient")
-            outcome = state.push(header.step, gradient, global_norm=header.global_grad_norm, lr=header.lr)
-            if outcome.applied:
-                with self._counts:
-                    self.updates_applied += 1
-                self._metrics.observe_update(outcome.seconds)
+            if header.defer_update:
+                outcome = self._staging.stage(state, header.step, gradient)
             else:
-                with self._counts:
-                    self.duplicate_pushes += 1
-                self._metrics.record_duplicate()
+                outcome = state.push(header.step, gradient, global_norm=header.global_grad_norm, lr=header.lr)
+                self._count(outcome)
             return pb.PushGradientResponse(step=outcome.step, applied=outcome.applied,
                                            update_seconds=outcome.seconds)
 
         return self._guard("PushGradient", context, handle)
+
+    def CommitStep(self, request: pb.CommitStepRequest, context: grpc.ServicerContext) -> pb.PushGradientResponse:
+        def handle() -> pb.PushGradientResponse:
+            state = self._registry.get(request.key.run_id, request.key.shard_id)
+            outcome = self._staging.commit(state, request.step, global_norm=request.global_grad_norm, lr=request.lr)
+            self._count(outcome)
+            return pb.PushGradientResponse(step=outcome.step, applied=outcome.applied,
+                                           update_seconds=outcome.seconds)
+
+        return self._guard("CommitStep", context, handle)
+
+    def _count(self, outcome: PushOutcome) -> None:
+        """Account an update that was applied, or a repeat that was ignored."""
+        with self._counts:
+            if outcome.applied:
+                self.updates_applied += 1
+            else:
+                self.duplicate_pushes += 1
+        if outcome.applied:
+            self._metrics.observe_update(outcome.seconds)
+        else:
+            self._metrics.record_duplicate()
 
     def FetchWeights(self, request: pb.FetchWeightsRequest, context: grpc.ServicerContext) -> Iterator[pb.WeightsChunk]:
         def handle() -> list[pb.WeightsChunk]:

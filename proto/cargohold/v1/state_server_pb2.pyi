@@ -103,20 +103,22 @@ class DescribeShardResponse(_message.Message):
     def __init__(self, spec: _Optional[_Union[ShardSpec, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("key", "step", "dtype", "numel", "global_grad_norm", "lr")
+    __slots__ = ("key", "step", "dtype", "numel", "global_grad_norm", "lr", "defer_update")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
+    DEFER_UPDATE_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     step: int
     dtype: DType
     numel: int
     global_grad_norm: float
     lr: float
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ...) -> None: ...
+    defer_update: bool
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., defer_update: _Optional[bool] = ...) -> None: ...
 
 class PushGradientRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -135,6 +137,18 @@ class PushGradientResponse(_message.Message):
     applied: bool
     update_seconds: float
     def __init__(self, step: _Optional[int] = ..., applied: _Optional[bool] = ..., update_seconds: _Optional[float] = ...) -> None: ...
+
+class CommitStepRequest(_message.Message):
+    __slots__ = ("key", "step", "global_grad_norm", "lr")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    step: int
+    global_grad_norm: float
+    lr: float
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class FetchWeightsRequest(_message.Message):
     __slots__ = ("key", "step", "dtype", "chunk_bytes")

@@ -49,6 +49,11 @@ class StateServerStub:
                 request_serializer=cargohold_dot_v1_dot_state__server__pb2.PushGradientRequest.SerializeToString,
                 response_deserializer=cargohold_dot_v1_dot_state__server__pb2.PushGradientResponse.FromString,
                 _registered_method=True)
+        self.CommitStep = channel.unary_unary(
+                '/cargohold.v1.StateServer/CommitStep',
+                request_serializer=cargohold_dot_v1_dot_state__server__pb2.CommitStepRequest.SerializeToString,
+                response_deserializer=cargohold_dot_v1_dot_state__server__pb2.PushGradientResponse.FromString,
+                _registered_method=True)
         self.FetchWeights = channel.unary_stream(
                 '/cargohold.v1.StateServer/FetchWeights',
                 request_serializer=cargohold_dot_v1_dot_state__server__pb2.FetchWeightsRequest.SerializeToString,
@@ -82,6 +87,12 @@ class StateServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitStep(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def FetchWeights(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -110,6 +121,11 @@ def add_StateServerServicer_to_server(servicer, server):
             'PushGradient': grpc.stream_unary_rpc_method_handler(
                     servicer.PushGradient,
                     request_deserializer=cargohold_dot_v1_dot_state__server__pb2.PushGradientRequest.FromString,
+                    response_serializer=cargohold_dot_v1_dot_state__server__pb2.PushGradientResponse.SerializeToString,
+            ),
+            'CommitStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitStep,
+                    request_deserializer=cargohold_dot_v1_dot_state__server__pb2.CommitStepRequest.FromString,
                     response_serializer=cargohold_dot_v1_dot_state__server__pb2.PushGradientResponse.SerializeToString,
             ),
             'FetchWeights': grpc.unary_stream_rpc_method_handler(
@@ -203,6 +219,33 @@ class StateServer:
             target,
             '/cargohold.v1.StateServer/PushGradient',
             cargohold_dot_v1_dot_state__server__pb2.PushGradientRequest.SerializeToString,
+            cargohold_dot_v1_dot_state__server__pb2.PushGradientResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cargohold.v1.StateServer/CommitStep',
+            cargohold_dot_v1_dot_state__server__pb2.CommitStepRequest.SerializeToString,
             cargohold_dot_v1_dot_state__server__pb2.PushGradientResponse.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,66 @@
+"""Gradients that arrived before the step's global norm: held until CommitStep.
+
+Workers ship each bucket's gradient while backward still runs; with clipping on, no
+update can start before every shard's contribution to the global norm is known. The
+staged gradient waits here, validated, and is applied by the shard exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from cargohold.services.errors import InvalidTensorError, StepMismatchError
+from cargohold.services.shard_state import WIRE_DTYPES, PushOutcome, ShardState
+
+
+class GradientStaging:
+    """At most one staged gradient per shard: the one for the shard's next step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._staged: dict[tuple[str, int], tuple[int, torch.Tensor]] = {}
+
+    def stage(self, state: ShardState, step: int, gradient: torch.Tensor) -> PushOutcome:
+        """Hold ``gradient`` for ``step``; a push for the already applied step is ignored."""
+        spec = state.spec
+        if gradient.dtype != WIRE_DTYPES[spec.grad_dtype] or gradient.numel() != spec.numel:
+            raise InvalidTensorError(
+                f"shard {spec.shard_id}: gradient must be {spec.numel} x {spec.grad_dtype}, "
+                f"got {gradient.numel()} x {gradient.dtype}"
+            )
+        current = state.step
+        if step == current and step > 0:
+            return PushOutcome(applied=False, step=current, seconds=0.0)
+        if step != current + 1:
+            raise StepMismatchError(
+                f"shard {spec.shard_id} of run {spec.run_id!r} is at step {current}; it stages a "
+                f"gradient for step {current + 1}, got step {step}"
+            )
+        with self._lock:
+            self._staged[(spec.run_id, spec.shard_id)] = (step, gradient)
+        return PushOutcome(applied=False, step=step, seconds=0.0)
+
+    def commit(self, state: ShardState, step: int, *, global_norm: float, lr: float) -> PushOutcome:
+        """Apply the gradient staged for ``step``; repeating a commit is harmless."""
+        spec = state.spec
+        key = (spec.run_id, spec.shard_id)
+        with self._lock:
+            staged = self._staged.get(key)
+        if staged is None or staged[0] != step:
+            if step == state.step and step > 0:
+                return PushOutcome(applied=False, step=step, seconds=0.0)
+            raise StepMismatchError(
+                f"shard {spec.shard_id} of run {spec.run_id!r} has no gradient staged for step "
+                f"{step} (it is at step {state.step}); push it with defer_update first"
+            )
+        outcome = state.push(step, staged[1], global_norm=global_norm, lr=lr)
+        with self._lock:
+            if self._staged.get(key, (None,))[0] == step:
+                del self._staged[key]
+        return outcome
+
+    def staged_bytes(self) -> int:
+        with self._lock:
+            return sum(g.numel() * g.element_size() for _, g in self._staged.values())
