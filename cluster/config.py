@@ -21,6 +21,8 @@ import yaml
 from cargohold.services.errors import ConfigError
 from cargohold.services.models.gpt import GPTConfig
 from cargohold.services.optim import AdamWHyperParams
+from cargohold.services.tiers.fileformat import FileLayout
+from cargohold.services.tiers.partitions import elements_per_partition
 
 DType = Literal["float32", "bfloat16"]
 
@@ -111,6 +113,9 @@ class WorkerConfig:
     """Gradient bytes (in grad_wire_dtype) reduced and shipped as one bucket."""
     overlap: bool = True
     """Reduce and ship each bucket as soon as backward completes it, during backward."""
+    shared_memory: Literal["auto", "off"] = "auto"
+    """auto: exchange gradients and weights with state servers on the same node through
+    /dev/shm instead of gRPC streams (CPU workers); off: always stream over gRPC."""
     cpus: float = 1.0
     """Ray CPUs reserved per worker."""
     gpus: float = 0.0
@@ -126,6 +131,56 @@ class WorkerConfig:
         _positive("worker.bucket_bytes", self.bucket_bytes)
         _non_negative("worker.cpus", self.cpus)
         _non_negative("worker.gpus", self.gpus)
+
+
+@dataclass(kw_only=True, slots=True)
+class TierConfig:
+    """Where a state server keeps its optimizer state: RAM, spilling to NVMe files when a
+    RAM budget is set."""
+
+    nvme_paths: list[str] = field(default_factory=list)
+    """Directories for partition files, one per drive (no RAID needed); partitions are spread round-robin over them, under <path>/<run_id>/server-<i>/."""
+    ram_budget_bytes: int | None = None
+    """Hard limit on the memory a state server's optimizer state may use, staging buffers included; null keeps all state in RAM."""
+    partition_bytes: int = 64 << 20
+    """Optimizer state (12 bytes per parameter) per partition, the unit that moves between RAM and disk; 16-256 MiB suits NVMe."""
+    buffer_count: int = 3
+    """Staging buffers of one partition each that disk partitions stream through: 2 double-buffers, 3 overlaps a read, an update and a write."""
+    io_threads: int = 4
+    """Threads issuing the NVMe tier's reads and writes."""
+    direct_io: Literal["auto", "on", "off"] = "auto"
+    """O_DIRECT for partition files: auto uses it where the filesystem accepts it, on requires it, off never uses it."""
+
+    def __post_init__(self) -> None:
+        _positive("state_server.tier.partition_bytes", self.partition_bytes)
+        if self.partition_bytes < 4096:
+            raise ConfigError(f"state_server.tier.partition_bytes must be >= 4096, got {self.partition_bytes}")
+        if self.buffer_count < 2:
+            raise ConfigError(f"state_server.tier.buffer_count must be >= 2, got {self.buffer_count}")
+        _positive("state_server.tier.io_threads", self.io_threads)
+        if any(not p for p in self.nvme_paths):
+            raise ConfigError("state_server.tier.nvme_paths must not contain an empty path")
+        if len(set(self.nvme_paths)) != len(self.nvme_paths):
+            raise ConfigError(f"state_server.tier.nvme_paths lists a path twice: {self.nvme_paths}")
+        if self.ram_budget_bytes is None:
+            return
+        _positive("state_server.tier.ram_budget_bytes", self.ram_budget_bytes)
+        if not self.nvme_paths:
+            raise ConfigError(
+                "state_server.tier.ram_budget_bytes is set but state_server.tier.nvme_paths is empty; "
+                "name at least one directory for the state that does not fit"
+            )
+        staging = self.staging_bytes()
+        if self.ram_budget_bytes < staging:
+            raise ConfigError(
+                f"state_server.tier.ram_budget_bytes={self.ram_budget_bytes} cannot hold the "
+                f"{self.buffer_count} staging buffers ({staging} bytes); raise it, or lower "
+                "state_server.tier.partition_bytes or state_server.tier.buffer_count"
+            )
+
+    def staging_bytes(self) -> int:
+        """Memory of the staging buffers: ``buffer_count`` partitions in their file layout."""
+        return self.buffer_count * FileLayout(elements_per_partition(self.partition_bytes)).file_bytes
 
 
 @dataclass(kw_only=True, slots=True)
@@ -146,6 +201,7 @@ class StateServerConfig:
     """Deadline of each call from a worker."""
     resources: dict[str, float] = field(default_factory=dict)
     """Extra Ray custom resources each state server's bundle asks for."""
+    tier: TierConfig = field(default_factory=TierConfig)
 
     def __post_init__(self) -> None:
         _positive("state_server.num_servers", self.num_servers)
@@ -277,6 +333,11 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         if value not in allowed:
             raise ConfigError(f"{key} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
         return value
+    if origin is list:
+        (item_type,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_coerce(item_type, item, f"{key}[{index}]") for index, item in enumerate(value)]
     if origin is dict:
         key_type, value_type = typing.get_args(hint)
         if not isinstance(value, dict):

@@ -97,6 +97,7 @@ class TrainingSession:
             for i in range(cfg.state_server.num_servers)
         ]
         self.server_addresses = _get([s.address.remote() for s in self.servers], timeout, "starting state servers")
+        server_nodes = _get([s.node_id.remote() for s in self.servers], timeout, "starting state servers")
 
         worker_cls = ray.remote(TrainingWorker)
         first_worker_bundle = cfg.state_server.num_servers
@@ -104,7 +105,8 @@ class TrainingSession:
             worker_cls.options(
                 num_cpus=cfg.worker.cpus, num_gpus=cfg.worker.gpus, resources=dict(cfg.worker.resources),
                 scheduling_strategy=on_bundle(first_worker_bundle + rank), name=f"{self.run_id}-worker-{rank}",
-            ).remote(cfg, rank=rank, run_id=self.run_id, server_addresses=self.server_addresses)
+            ).remote(cfg, rank=rank, run_id=self.run_id, server_addresses=self.server_addresses,
+                     server_node_ids=server_nodes)
             for rank in range(cfg.worker.num_workers)
         ]
         host, port = _get(self.workers[0].rendezvous_address.remote(), timeout, "starting workers")

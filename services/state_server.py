@@ -35,6 +35,13 @@ class StateServer:
         """host:port of the gRPC API."""
         return self._grpc.address
 
+    def node_id(self) -> str:
+        """The Ray node this server runs on ("" outside Ray); workers on the same node
+        use shared memory."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
     def metrics_address(self) -> str:
         return self.metrics.address if self.metrics.serving else ""
 

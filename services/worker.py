@@ -14,6 +14,7 @@ import logging
 import queue
 import socket
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ from cargohold.services.node import node_ip
 from cargohold.services.optim import global_norm_from_squares, sum_of_squares
 from cargohold.services.shard_state import WIRE_DTYPES, ShardSpec
 from cargohold.services.transport.grpc_client import StateServerClient
+from cargohold.services.transport.shm import SHM_ROOT, SharedRegion
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,8 @@ def layout_for_config(config: TrainConfig, model: torch.nn.Module) -> ShardLayou
 
 
 class TrainingWorker:
-    def __init__(self, config: TrainConfig, *, rank: int, run_id: str, server_addresses: list[str]) -> None:
+    def __init__(self, config: TrainConfig, *, rank: int, run_id: str, server_addresses: list[str],
+                 server_node_ids: list[str] | None = None) -> None:
         torch.set_num_threads(config.worker.torch_threads)
         self.config = config
         self.rank = rank
@@ -119,8 +122,18 @@ class TrainingWorker:
             param.register_post_accumulate_grad_hook(self._on_gradient(index))
         self._events = {}  # bucket -> CUDA event recorded when backward finished it
         shard_size = self.layout.worker_shard_size
-        self._grad_shard = torch.empty(shard_size, dtype=self.wire_dtype, device=self.device)
-        self._weight_shard = torch.empty(shard_size, dtype=self.compute_dtype, device=self.device)
+        # Servers on this node read gradients from, and write weights into, shared memory.
+        self._shm_servers = self._colocated_servers(server_node_ids)
+        self._shm: SharedRegion | None = None
+        if self._shm_servers:
+            wire, compute = self.wire_dtype.itemsize, self.compute_dtype.itemsize
+            self._shm = SharedRegion.create(f"{run_id}-rank{rank}-{uuid.uuid4().hex[:8]}",
+                                            shard_size * (wire + compute))
+            self._grad_shard = self._shm.tensor(self.wire_dtype, 0, shard_size)
+            self._weight_shard = self._shm.tensor(self.compute_dtype, shard_size * wire, shard_size)
+        else:
+            self._grad_shard = torch.empty(shard_size, dtype=self.wire_dtype, device=self.device)
+            self._weight_shard = torch.empty(shard_size, dtype=self.compute_dtype, device=self.device)
         self._host_grad_shard = self._host_buffer(shard_size, self.wire_dtype)
 
         self.tokens = load_tokens(
@@ -188,6 +201,8 @@ class TrainingWorker:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
         self._comm.shutdown(wait=False, cancel_futures=True)
+        if self._shm is not None:
+            self._shm.close()
         for client in self.clients:
             client.close()
         self.metrics.stop()
@@ -302,7 +317,9 @@ class TrainingWorker:
         start = segment.shard_offset - piece_offset
         gradient = host_piece[start : start + segment.numel]
         client = self.clients[segment.server]
-        outcome = client.push(self.run_id, segment.segment_id, step, gradient, lr=lr, defer_update=clipping)
+        shm = self._shm_ref(segment, self._grad_shard)
+        outcome = client.push(self.run_id, segment.segment_id, step, gradient, lr=lr, defer_update=clipping,
+                              shm=shm)
         self.metrics.record_sent("PushGradient", gradient.numel() * gradient.element_size())
         if clipping:
             return False
@@ -317,11 +334,30 @@ class TrainingWorker:
         return outcome.applied
 
     def _fetch(self, segment, step: int) -> None:
+        shm = self._shm_ref(segment, self._weight_shard)
         weights = self.clients[segment.server].fetch(
-            self.run_id, segment.segment_id, step, self.config.worker.compute_dtype, segment.numel
+            self.run_id, segment.segment_id, step, self.config.worker.compute_dtype, segment.numel, shm=shm,
         )
-        self.metrics.record_received("FetchWeights", weights.numel() * weights.element_size())
-        self._weight_shard[self._local(segment)].copy_(weights, non_blocking=True)
+        nbytes = segment.numel * self.compute_dtype.itemsize
+        self.metrics.record_received("FetchWeights.shm" if shm else "FetchWeights", nbytes)
+        if weights is not None:
+            self._weight_shard[self._local(segment)].copy_(weights, non_blocking=True)
+
+    def _shm_ref(self, segment, shard: torch.Tensor) -> tuple[str, int] | None:
+        """Where ``segment``'s slice of a shared-memory shard buffer lies, for a co-located server."""
+        if segment.server not in self._shm_servers:
+            return None
+        base = shard.data_ptr() - self._shm.bytes.data_ptr()
+        return str(self._shm.path), base + segment.shard_offset * shard.element_size()
+
+    def _colocated_servers(self, server_node_ids: list[str] | None) -> set[int]:
+        if (self.config.worker.shared_memory == "off" or not server_node_ids
+                or self.device.type != "cpu" or not SHM_ROOT.is_dir()):
+            return set()
+        import ray
+
+        here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        return {index for index, node in enumerate(server_node_ids) if node == here}
 
     def _local(self, segment) -> slice:
         return slice(segment.shard_offset, segment.shard_offset + segment.numel)

@@ -48,10 +48,13 @@ def _run(config):
 
 
 CASES = {
+    # Workers and servers share the node, so payloads go through shared memory unless
+    # worker.shared_memory is off (then they stream over gRPC, as across hosts).
     # One bucket, clipping configured (inactive): gradients staged, then CommitStep.
     "1-server-fp32-one-bucket": dict(state_server__num_servers=1, worker__bucket_bytes=1 << 30),
-    # Many 64 KiB buckets reduced and pushed during backward.
-    "2-servers-fp32-buckets": dict(state_server__num_servers=2, worker__bucket_bytes=64 << 10),
+    # Many 64 KiB buckets reduced and pushed during backward, streamed over gRPC.
+    "2-servers-fp32-buckets-grpc": dict(state_server__num_servers=2, worker__bucket_bytes=64 << 10,
+                                        worker__shared_memory="off"),
     # No clipping: each bucket is applied as it arrives, weights fetched during backward.
     "3-servers-fp32-no-clip": dict(state_server__num_servers=3, worker__bucket_bytes=64 << 10,
                                    optim__max_grad_norm=0.0),

@@ -15,6 +15,9 @@ import torch
 from cargohold.services.errors import InvalidTensorError
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.shard_state import WIRE_DTYPES, ShardSpec
+from cargohold.services.tiers.planner import Bandwidth
+from cargohold.services.tiers.residency import PartitionKey, Residency
+from cargohold.services.tiers.storage import PartitionRow, TierSummary
 from cargohold.v1 import state_server_pb2 as pb
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -127,4 +130,51 @@ def spec_from_proto(message: pb.ShardSpec) -> ShardSpec:
             beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
             max_grad_norm=h.max_grad_norm,
         ),
+    )
+
+
+_RESIDENCY_TO_PROTO = {Residency.RAM: pb.RESIDENCY_RAM, Residency.NVME: pb.RESIDENCY_NVME}
+_PROTO_TO_RESIDENCY = {v: k for k, v in _RESIDENCY_TO_PROTO.items()}
+
+
+def partition_row_to_proto(row: PartitionRow) -> pb.PartitionPlan:
+    return pb.PartitionPlan(
+        key=pb.ShardKey(run_id=row.key.run_id, shard_id=row.key.shard_id), index=row.key.index,
+        offset=row.offset, numel=row.numel, planned=_RESIDENCY_TO_PROTO[row.planned],
+        actual=_RESIDENCY_TO_PROTO[row.actual], order=row.order, step=row.step, path=row.path,
+    )
+
+
+def partition_row_from_proto(message: pb.PartitionPlan) -> PartitionRow:
+    return PartitionRow(
+        key=PartitionKey(message.key.run_id, message.key.shard_id, message.index),
+        offset=message.offset, numel=message.numel, planned=_PROTO_TO_RESIDENCY[message.planned],
+        actual=_PROTO_TO_RESIDENCY[message.actual], order=message.order, step=message.step,
+        path=message.path,
+    )
+
+
+def tier_summary_to_proto(summary: TierSummary) -> pb.TierPlanSummary:
+    return pb.TierPlanSummary(
+        enabled=summary.enabled, ram_budget_bytes=summary.ram_budget_bytes,
+        staging_bytes=summary.staging_bytes, buffer_count=summary.buffer_count,
+        ram_used_bytes=summary.ram_used_bytes, planned_ram_bytes=summary.planned_ram_bytes,
+        planned_nvme_bytes=summary.planned_nvme_bytes, predicted_io_seconds=summary.predicted_io_seconds,
+        paths=[
+            pb.TierPath(path=path, direct_io=direct, read_bytes_per_s=bw.read_bytes_per_s,
+                        write_bytes_per_s=bw.write_bytes_per_s)
+            for path, direct, bw in zip(summary.paths, summary.direct_io, summary.bandwidth)
+        ],
+    )
+
+
+def tier_summary_from_proto(message: pb.TierPlanSummary) -> TierSummary:
+    return TierSummary(
+        enabled=message.enabled, ram_budget_bytes=message.ram_budget_bytes,
+        staging_bytes=message.staging_bytes, buffer_count=message.buffer_count,
+        ram_used_bytes=message.ram_used_bytes, planned_ram_bytes=message.planned_ram_bytes,
+        planned_nvme_bytes=message.planned_nvme_bytes, predicted_io_seconds=message.predicted_io_seconds,
+        paths=tuple(p.path for p in message.paths),
+        direct_io=tuple(p.direct_io for p in message.paths),
+        bandwidth=tuple(Bandwidth(p.read_bytes_per_s, p.write_bytes_per_s) for p in message.paths),
     )

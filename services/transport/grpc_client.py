@@ -17,10 +17,13 @@ from cargohold.services.transport.codec import (
     TensorAssembler,
     dtype_from_proto,
     dtype_to_proto,
+    partition_row_from_proto,
     spec_from_proto,
     spec_to_proto,
     tensor_chunks,
+    tier_summary_from_proto,
 )
+from cargohold.services.tiers.storage import PartitionRow, TierSummary
 from cargohold.services.transport.grpc_server import SERVICE_NAME
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
@@ -49,6 +52,9 @@ class ServerStats:
     duplicate_pushes: int
     resident_bytes_by_tier: dict[str, int]
     metrics_address: str
+    partitions: tuple[PartitionRow, ...] = ()
+    """The tier planner's decision for every partition (one per shard without a budget)."""
+    tier: TierSummary | None = None
 
 
 class StateServerClient:
@@ -110,9 +116,11 @@ class StateServerClient:
         return spec_from_proto(reply.spec), reply.step
 
     def push(self, run_id: str, shard_id: int, step: int, gradient: torch.Tensor, *,
-             global_norm: float = 0.0, lr: float = 0.0, defer_update: bool = False) -> PushOutcome:
+             global_norm: float = 0.0, lr: float = 0.0, defer_update: bool = False,
+             shm: tuple[str, int] | None = None) -> PushOutcome:
         """Send the gradient of ``step``; harmless to repeat. With ``defer_update`` the
-        server only stages it, and :meth:`commit` applies it."""
+        server only stages it, and :meth:`commit` applies it. With ``shm`` (path, byte
+        offset) the server reads ``gradient``'s bytes from that shared memory instead."""
         wire_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(gradient.dtype)
         if wire_dtype is None:
             raise TransportError(f"gradients travel as float32 or bfloat16, not {gradient.dtype}")
@@ -120,10 +128,13 @@ class StateServerClient:
             key=pb.ShardKey(run_id=run_id, shard_id=shard_id), step=step,
             dtype=dtype_to_proto(wire_dtype), numel=gradient.numel(),
             global_grad_norm=global_norm, lr=lr, defer_update=defer_update,
+            shm=_shm_ref(shm),
         )
 
         def requests() -> Iterator[pb.PushGradientRequest]:
             yield pb.PushGradientRequest(header=header)
+            if shm is not None:
+                return
             for chunk in tensor_chunks(gradient, self.chunk_bytes):
                 yield pb.PushGradientRequest(chunk=chunk)
 
@@ -137,12 +148,25 @@ class StateServerClient:
         ))
         return PushOutcome(applied=reply.applied, step=reply.step, seconds=reply.update_seconds)
 
-    def fetch(self, run_id: str, shard_id: int, step: int, dtype: str, numel: int) -> torch.Tensor:
-        """The weights after ``step``; ``numel`` is what the caller expects to receive."""
+    def fetch(self, run_id: str, shard_id: int, step: int, dtype: str, numel: int, *,
+              shm: tuple[str, int] | None = None) -> torch.Tensor | None:
+        """The weights after ``step``; ``numel`` is what the caller expects to receive.
+
+        With ``shm`` (path, byte offset) the server writes them into that shared memory
+        and this returns None.
+        """
         request = pb.FetchWeightsRequest(
             key=pb.ShardKey(run_id=run_id, shard_id=shard_id), step=step,
-            dtype=dtype_to_proto(dtype), chunk_bytes=self.chunk_bytes,
+            dtype=dtype_to_proto(dtype), chunk_bytes=self.chunk_bytes, shm=_shm_ref(shm),
         )
+        if shm is not None:
+            try:
+                reply = list(self._stub.FetchWeights(request, timeout=self.timeout_s))
+            except grpc.RpcError as error:
+                raise self._error("FetchWeights", error) from error
+            if len(reply) != 1 or reply[0].numel != numel or reply[0].step != step:
+                raise TransportError(f"FetchWeights to shared memory from {self.address}: unexpected reply")
+            return None
         assembler = TensorAssembler(numel, dtype, what=f"shard {shard_id} weights from {self.address}")
         try:
             for message in self._stub.FetchWeights(request, timeout=self.timeout_s):
@@ -167,6 +191,8 @@ class StateServerClient:
             duplicate_pushes=reply.duplicate_pushes,
             resident_bytes_by_tier=dict(reply.resident_bytes_by_tier),
             metrics_address=reply.metrics_address,
+            partitions=tuple(partition_row_from_proto(p) for p in reply.partitions),
+            tier=tier_summary_from_proto(reply.tier),
         )
 
     def _call(self, rpc: str, method, request):
@@ -177,3 +203,7 @@ class StateServerClient:
 
     def _error(self, rpc: str, error: grpc.RpcError) -> RemoteError:
         return RemoteError(rpc, self.address, error.code(), error.details() or "")
+
+
+def _shm_ref(shm: tuple[str, int] | None) -> pb.SharedMemoryRef | None:
+    return None if shm is None else pb.SharedMemoryRef(path=shm[0], byte_offset=shm[1])

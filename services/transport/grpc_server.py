@@ -14,14 +14,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cargohold.services.errors import (
     CargoholdError,
+    CorruptPartitionError,
+    IncompleteStepError,
     InvalidTensorError,
     ShardConflictError,
     StepMismatchError,
+    TierError,
+    TierSpaceError,
     UnknownShardError,
 )
 from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.shard_state import PushOutcome, ShardRegistry
+from cargohold.services.shard_state import WIRE_DTYPES, PushOutcome, ShardRegistry
 from cargohold.services.staging import GradientStaging
+from cargohold.services.transport.shm import RegionCache
 from cargohold.services.transport.codec import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
@@ -30,9 +35,11 @@ from cargohold.services.transport.codec import (
     TensorAssembler,
     dtype_from_proto,
     dtype_to_proto,
+    partition_row_to_proto,
     spec_from_proto,
     spec_to_proto,
     tensor_chunks,
+    tier_summary_to_proto,
 )
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
@@ -43,6 +50,10 @@ SERVICE_NAME = "cargohold.v1.StateServer"
 
 _STATUS_OF_ERROR: tuple[tuple[type[CargoholdError], grpc.StatusCode], ...] = (
     (ChecksumError, grpc.StatusCode.DATA_LOSS),
+    (CorruptPartitionError, grpc.StatusCode.DATA_LOSS),
+    (TierSpaceError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (IncompleteStepError, grpc.StatusCode.FAILED_PRECONDITION),
+    (TierError, grpc.StatusCode.UNAVAILABLE),
     (UnknownShardError, grpc.StatusCode.NOT_FOUND),
     (ShardConflictError, grpc.StatusCode.ALREADY_EXISTS),
     (StepMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -58,6 +69,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         self._registry = registry
         self._metrics = metrics
         self._staging = GradientStaging()
+        self._regions = RegionCache()
         # RPCs run on a thread pool and `+=` on an attribute is not atomic: guard the counters.
         self._counts = threading.Lock()
         self.duplicate_pushes = 0
@@ -78,7 +90,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             except UnknownShardError:
                 existing = None
             state = self._registry.register(spec, weights)
-            self._metrics.set_resident_bytes("ram", self._registry.resident_bytes())
+            self._report_resident_bytes()
             return pb.RegisterShardResponse(step=state.step, created=existing is None)
 
         return self._guard("RegisterShard", context, handle)
@@ -103,8 +115,17 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                     f"shard {state.spec.shard_id}: gradient must be {state.spec.numel} x "
                     f"{state.spec.grad_dtype}, got {header.numel} x {dtype}"
                 )
-            gradient = self._receive(request_iterator, header.numel, dtype, "chunk",
-                                     f"shard {state.spec.shard_id} gradient", "PushGradient")
+            if header.HasField("shm"):
+                if next(request_iterator, None) is not None:
+                    raise InvalidTensorError("PushGradient: no chunks may follow a shared-memory header")
+                region = self._regions.open(header.shm.path)
+                gradient = region.tensor(WIRE_DTYPES[dtype], header.shm.byte_offset, header.numel)
+                self._metrics.record_received("PushGradient.shm", gradient.numel() * gradient.element_size())
+                if header.defer_update:  # the worker reuses its buffer next step: keep a copy
+                    gradient = gradient.clone()
+            else:
+                gradient = self._receive(request_iterator, header.numel, dtype, "chunk",
+                                         f"shard {state.spec.shard_id} gradient", "PushGradient")
             if header.defer_update:
                 outcome = self._staging.stage(state, header.step, gradient)
             else:
@@ -145,6 +166,12 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             if chunk_bytes > MAX_CHUNK_BYTES:
                 raise InvalidTensorError(f"chunk_bytes must be <= {MAX_CHUNK_BYTES}, got {chunk_bytes}")
             weights = state.weights(request.step, dtype)
+            if request.HasField("shm"):
+                region = self._regions.open(request.shm.path)
+                region.tensor(weights.dtype, request.shm.byte_offset, weights.numel()).copy_(weights)
+                self._metrics.record_sent("FetchWeights.shm", weights.numel() * weights.element_size())
+                return [pb.WeightsChunk(step=request.step, dtype=request.dtype, numel=weights.numel(),
+                                        chunk=pb.TensorChunk())]
             # Chunks are built before the first is sent so a failure aborts the call
             # cleanly; they are slices of one copy of the weights.
             return [
@@ -174,11 +201,21 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 sent_bytes=self.sent_bytes,
                 updates_applied=self.updates_applied,
                 duplicate_pushes=self.duplicate_pushes,
-                resident_bytes_by_tier={"ram": self._registry.resident_bytes()},
+                resident_bytes_by_tier=self._registry.bytes_by_tier(),
                 metrics_address=self._metrics.address if self._metrics.serving else "",
+                partitions=[partition_row_to_proto(r) for r in self._registry.storage.rows(request.run_id or None)],
+                tier=tier_summary_to_proto(self._registry.storage.summary()),
             )
 
         return self._guard("GetStats", context, handle)
+
+    def close(self) -> None:
+        """Unmap shared memory the workers offered."""
+        self._regions.close()
+
+    def _report_resident_bytes(self) -> None:
+        for tier, nbytes in self._registry.bytes_by_tier().items():
+            self._metrics.set_resident_bytes(tier, nbytes)
 
     def _receive(self, request_iterator: Iterator, numel: int, dtype: str, field: str, what: str, rpc: str):
         assembler = TensorAssembler(numel, dtype, what=what)
@@ -236,3 +273,4 @@ class GrpcStateServer:
     def stop(self, grace: float = 1.0) -> None:
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        self.servicer.close()

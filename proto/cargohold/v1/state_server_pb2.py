@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63\x61rgohold/v1/state_server.proto\x12\x0c\x63\x61rgohold.v1\",\n\x08ShardKey\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\r\"j\n\x10\x41\x64\x61mWHyperParams\x12\r\n\x05\x62\x65ta1\x18\x01 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x02 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x03 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x05 \x01(\x01\"*\n\x08\x46ragment\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\xd1\x01\n\tShardSpec\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.cargohold.v1.ShardKey\x12\r\n\x05start\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12)\n\tfragments\x18\x04 \x03(\x0b\x32\x16.cargohold.v1.Fragment\x12\'\n\ngrad_dtype\x18\x05 \x01(\x0e\x32\x13.cargohold.v1.DType\x12-\n\x05hyper\x18\x06 \x01(\x0b\x32\x1e.cargohold.v1.AdamWHyperParams\"@\n\x0bTensorChunk\x12\x13\n\x0b\x62yte_offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\x07\"}\n\x14RegisterShardRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x17.cargohold.v1.ShardSpecH\x00\x12\x34\n\x0finitial_weights\x18\x02 \x01(\x0b\x32\x19.cargohold.v1.TensorChunkH\x00\x42\x06\n\x04part\"6\n\x15RegisterShardResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\";\n\x14\x44\x65scribeShardRequest\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.cargohold.v1.ShardKey\"L\n\x15\x44\x65scribeShardResponse\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.cargohold.v1.ShardSpec\x12\x0c\n\x04step\x18\x02 \x01(\x04\"\xae\x01\n\nPushHeader\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.cargohold.v1.ShardKey\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.cargohold.v1.DType\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x18\n\x10global_grad_norm\x18\x05 \x01(\x01\x12\n\n\x02lr\x18\x06 \x01(\x01\x12\x14\n\x0c\x64\x65\x66\x65r_update\x18\x07 \x01(\x08\"u\n\x13PushGradientRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.cargohold.v1.PushHeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.cargohold.v1.TensorChunkH\x00\x42\x06\n\x04part\"M\n\x14PushGradientResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x16\n\x0eupdate_seconds\x18\x03 \x01(\x01\"l\n\x11\x43ommitStepRequest\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.cargohold.v1.ShardKey\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x18\n\x10global_grad_norm\x18\x03 \x01(\x01\x12\n\n\x02lr\x18\x04 \x01(\x01\"\x81\x01\n\x13\x46\x65tchWeightsRequest\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.cargohold.v1.ShardKey\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.cargohold.v1.DType\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\r\"y\n\x0cWeightsChunk\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.cargohold.v1.DType\x12\r\n\x05numel\x18\x03 \x01(\x04\x12(\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x19.cargohold.v1.TensorChunk\"!\n\x0fGetStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"f\n\nShardStats\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.cargohold.v1.ShardKey\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x04 \x01(\x04\"\xc9\x02\n\x10GetStatsResponse\x12(\n\x06shards\x18\x01 \x03(\x0b\x32\x18.cargohold.v1.ShardStats\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\x12\x12\n\nsent_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fupdates_applied\x18\x04 \x01(\x04\x12\x18\n\x10\x64uplicate_pushes\x18\x05 \x01(\x04\x12W\n\x16resident_bytes_by_tier\x18\x06 \x03(\x0b\x32\x37.cargohold.v1.GetStatsResponse.ResidentBytesByTierEntry\x12\x17\n\x0fmetrics_address\x18\x07 \x01(\t\x1a:\n\x18ResidentBytesByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*E\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x32\x8b\x04\n\x0bStateServer\x12Z\n\rRegisterShard\x12\".cargohold.v1.RegisterShardRequest\x1a#.cargohold.v1.RegisterShardResponse(\x01\x12X\n\rDescribeShard\x12\".cargohold.v1.DescribeShardRequest\x1a#.cargohold.v1.DescribeShardResponse\x12W\n\x0cPushGradient\x12!.cargohold.v1.PushGradientRequest\x1a\".cargohold.v1.PushGradientResponse(\x01\x12Q\n\nCommitStep\x12\x1f.cargohold.v1.CommitStepRequest\x1a\".cargohold.v1.PushGradientResponse\x12O\n\x0c\x46\x65tchWeights\x12!.cargohold.v1.FetchWeightsRequest\x1a\x1a.cargohold.v1.WeightsChunk0\x01\x12I\n\x08GetStats\x12\x1d.cargohold.v1.GetStatsRequest\x1a\x1e.cargohold.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63\x61rgohold/v1/state_server.proto\x12\x0c\x63\x61rgohold.v1\",\n\x08ShardKey\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\r\"j\n\x10\x41\x64\x61mWHyperParams\x12\r\n\x05\x62\x65ta1\x18\x01 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x02 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x03 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x05 \x01(\x01\"*\n\x08\x46ragment\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\xd1\x01\n\tShardSpec\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.cargohold.v1.ShardKey\x12\r\n\x05start\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12)\n\tfragments\x18\x04 \x03(\x0b\x32\x16.cargohold.v1.Fragment\x12\'\n\ngrad_dtype\x18\x05 \x01(\x0e\x32\x13.cargohold.v1.DType\x12-\n\x05hyper\x18\x06 \x01(\x0b\x32\x1e.cargohold.v1.AdamWHyperParams\"@\n\x0bTensorChunk\x12\x13\n\x0b\x62yte_offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\x07\"}\n\x14RegisterShardRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x17.cargohold.v1.ShardSpecH\x00\x12\x34\n\x0finitial_weights\x18\x02 \x01(\x0b\x32\x19.cargohold.v1.TensorChunkH\x00\x42\x06\n\x04part\"6\n\x15RegisterShardResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\";\n\x14\x44\x65scribeShardRequest\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.cargohold.v1.ShardKey\"L\n\x15\x44\x65scribeShardResponse\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.cargohold.v1.ShardSpec\x12\x0c\n\x04step\x18\x02 \x01(\x04\"4\n\x0fSharedMemoryRef\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x13\n\x0b\x62yte_offset\x18\x02 \x01(\x04\"\xda\x01\n\nPushHeader\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.cargohold.v1.ShardKey\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.cargohold.v1.DType\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x18\n\x10global_grad_norm\x18\x05 \x01(\x01\x12\n\n\x02lr\x18\x06 \x01(\x01\x12\x14\n\x0c\x64\x65\x66\x65r_update\x18\x07 \x01(\x08\x12*\n\x03shm\x18\x08 \x01(\x0b\x32\x1d.cargohold.v1.SharedMemoryRef\"u\n\x13PushGradientRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.cargohold.v1.PushHeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.cargohold.v1.TensorChunkH\x00\x42\x06\n\x04part\"M\n\x14PushGradientResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x16\n\x0eupdate_seconds\x18\x03 \x01(\x01\"l\n\x11\x43ommitStepRequest\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.cargohold.v1.ShardKey\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x18\n\x10global_grad_norm\x18\x03 \x01(\x01\x12\n\n\x02lr\x18\x04 \x01(\x01\"\xad\x01\n\x13\x46\x65tchWeightsRequest\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.cargohold.v1.ShardKey\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.cargohold.v1.DType\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\r\x12*\n\x03shm\x18\x05 \x01(\x0b\x32\x1d.cargohold.v1.SharedMemoryRef\"y\n\x0cWeightsChunk\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.cargohold.v1.DType\x12\r\n\x05numel\x18\x03 \x01(\x04\x12(\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x19.cargohold.v1.TensorChunk\"!\n\x0fGetStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"f\n\nShardStats\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.cargohold.v1.ShardKey\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x04 \x01(\x04\"\xe0\x01\n\rPartitionPlan\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.cargohold.v1.ShardKey\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\x12(\n\x07planned\x18\x05 \x01(\x0e\x32\x17.cargohold.v1.Residency\x12\'\n\x06\x61\x63tual\x18\x06 \x01(\x0e\x32\x17.cargohold.v1.Residency\x12\r\n\x05order\x18\x07 \x01(\r\x12\x0c\n\x04step\x18\x08 \x01(\x04\x12\x0c\n\x04path\x18\t \x01(\t\"`\n\x08TierPath\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\tdirect_io\x18\x02 \x01(\x08\x12\x18\n\x10read_bytes_per_s\x18\x03 \x01(\x01\x12\x19\n\x11write_bytes_per_s\x18\x04 \x01(\x01\"\xfd\x01\n\x0fTierPlanSummary\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x18\n\x10ram_budget_bytes\x18\x02 \x01(\x04\x12\x15\n\rstaging_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62uffer_count\x18\x04 \x01(\r\x12\x16\n\x0eram_used_bytes\x18\x05 \x01(\x04\x12\x19\n\x11planned_ram_bytes\x18\x06 \x01(\x04\x12\x1a\n\x12planned_nvme_bytes\x18\x07 \x01(\x04\x12\x1c\n\x14predicted_io_seconds\x18\x08 \x01(\x01\x12%\n\x05paths\x18\t \x03(\x0b\x32\x16.cargohold.v1.TierPath\"\xa7\x03\n\x10GetStatsResponse\x12(\n\x06shards\x18\x01 \x03(\x0b\x32\x18.cargohold.v1.ShardStats\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\x12\x12\n\nsent_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fupdates_applied\x18\x04 \x01(\x04\x12\x18\n\x10\x64uplicate_pushes\x18\x05 \x01(\x04\x12W\n\x16resident_bytes_by_tier\x18\x06 \x03(\x0b\x32\x37.cargohold.v1.GetStatsResponse.ResidentBytesByTierEntry\x12\x17\n\x0fmetrics_address\x18\x07 \x01(\t\x12/\n\npartitions\x18\x08 \x03(\x0b\x32\x1b.cargohold.v1.PartitionPlan\x12+\n\x04tier\x18\t \x01(\x0b\x32\x1d.cargohold.v1.TierPlanSummary\x1a:\n\x18ResidentBytesByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*E\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02*M\n\tResidency\x12\x19\n\x15RESIDENCY_UNSPECIFIED\x10\x00\x12\x11\n\rRESIDENCY_RAM\x10\x01\x12\x12\n\x0eRESIDENCY_NVME\x10\x02\x32\x8b\x04\n\x0bStateServer\x12Z\n\rRegisterShard\x12\".cargohold.v1.RegisterShardRequest\x1a#.cargohold.v1.RegisterShardResponse(\x01\x12X\n\rDescribeShard\x12\".cargohold.v1.DescribeShardRequest\x1a#.cargohold.v1.DescribeShardResponse\x12W\n\x0cPushGradient\x12!.cargohold.v1.PushGradientRequest\x1a\".cargohold.v1.PushGradientResponse(\x01\x12Q\n\nCommitStep\x12\x1f.cargohold.v1.CommitStepRequest\x1a\".cargohold.v1.PushGradientResponse\x12O\n\x0c\x46\x65tchWeights\x12!.cargohold.v1.FetchWeightsRequest\x1a\x1a.cargohold.v1.WeightsChunk0\x01\x12I\n\x08GetStats\x12\x1d.cargohold.v1.GetStatsRequest\x1a\x1e.cargohold.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETSTATSRESPONSE_RESIDENTBYTESBYTIERENTRY']._loaded_options = None
   _globals['_GETSTATSRESPONSE_RESIDENTBYTESBYTIERENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2058
-  _globals['_DTYPE']._serialized_end=2127
+  _globals['_DTYPE']._serialized_start=2875
+  _globals['_DTYPE']._serialized_end=2944
+  _globals['_RESIDENCY']._serialized_start=2946
+  _globals['_RESIDENCY']._serialized_end=3023
   _globals['_SHARDKEY']._serialized_start=49
   _globals['_SHARDKEY']._serialized_end=93
   _globals['_ADAMWHYPERPARAMS']._serialized_start=95
@@ -53,26 +55,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBESHARDREQUEST']._serialized_end=767
   _globals['_DESCRIBESHARDRESPONSE']._serialized_start=769
   _globals['_DESCRIBESHARDRESPONSE']._serialized_end=845
-  _globals['_PUSHHEADER']._serialized_start=848
-  _globals['_PUSHHEADER']._serialized_end=1022
-  _globals['_PUSHGRADIENTREQUEST']._serialized_start=1024
-  _globals['_PUSHGRADIENTREQUEST']._serialized_end=1141
-  _globals['_PUSHGRADIENTRESPONSE']._serialized_start=1143
-  _globals['_PUSHGRADIENTRESPONSE']._serialized_end=1220
-  _globals['_COMMITSTEPREQUEST']._serialized_start=1222
-  _globals['_COMMITSTEPREQUEST']._serialized_end=1330
-  _globals['_FETCHWEIGHTSREQUEST']._serialized_start=1333
-  _globals['_FETCHWEIGHTSREQUEST']._serialized_end=1462
-  _globals['_WEIGHTSCHUNK']._serialized_start=1464
-  _globals['_WEIGHTSCHUNK']._serialized_end=1585
-  _globals['_GETSTATSREQUEST']._serialized_start=1587
-  _globals['_GETSTATSREQUEST']._serialized_end=1620
-  _globals['_SHARDSTATS']._serialized_start=1622
-  _globals['_SHARDSTATS']._serialized_end=1724
-  _globals['_GETSTATSRESPONSE']._serialized_start=1727
-  _globals['_GETSTATSRESPONSE']._serialized_end=2056
-  _globals['_GETSTATSRESPONSE_RESIDENTBYTESBYTIERENTRY']._serialized_start=1998
-  _globals['_GETSTATSRESPONSE_RESIDENTBYTESBYTIERENTRY']._serialized_end=2056
-  _globals['_STATESERVER']._serialized_start=2130
-  _globals['_STATESERVER']._serialized_end=2653
+  _globals['_SHAREDMEMORYREF']._serialized_start=847
+  _globals['_SHAREDMEMORYREF']._serialized_end=899
+  _globals['_PUSHHEADER']._serialized_start=902
+  _globals['_PUSHHEADER']._serialized_end=1120
+  _globals['_PUSHGRADIENTREQUEST']._serialized_start=1122
+  _globals['_PUSHGRADIENTREQUEST']._serialized_end=1239
+  _globals['_PUSHGRADIENTRESPONSE']._serialized_start=1241
+  _globals['_PUSHGRADIENTRESPONSE']._serialized_end=1318
+  _globals['_COMMITSTEPREQUEST']._serialized_start=1320
+  _globals['_COMMITSTEPREQUEST']._serialized_end=1428
+  _globals['_FETCHWEIGHTSREQUEST']._serialized_start=1431
+  _globals['_FETCHWEIGHTSREQUEST']._serialized_end=1604
+  _globals['_WEIGHTSCHUNK']._serialized_start=1606
+  _globals['_WEIGHTSCHUNK']._serialized_end=1727
+  _globals['_GETSTATSREQUEST']._serialized_start=1729
+  _globals['_GETSTATSREQUEST']._serialized_end=1762
+  _globals['_SHARDSTATS']._serialized_start=1764
+  _globals['_SHARDSTATS']._serialized_end=1866
+  _globals['_PARTITIONPLAN']._serialized_start=1869
+  _globals['_PARTITIONPLAN']._serialized_end=2093
+  _globals['_TIERPATH']._serialized_start=2095
+  _globals['_TIERPATH']._serialized_end=2191
+  _globals['_TIERPLANSUMMARY']._serialized_start=2194
+  _globals['_TIERPLANSUMMARY']._serialized_end=2447
+  _globals['_GETSTATSRESPONSE']._serialized_start=2450
+  _globals['_GETSTATSRESPONSE']._serialized_end=2873
+  _globals['_GETSTATSRESPONSE_RESIDENTBYTESBYTIERENTRY']._serialized_start=2815
+  _globals['_GETSTATSRESPONSE_RESIDENTBYTESBYTIERENTRY']._serialized_end=2873
+  _globals['_STATESERVER']._serialized_start=3026
+  _globals['_STATESERVER']._serialized_end=3549
 # @@protoc_insertion_point(module_scope)

@@ -12,9 +12,18 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_UNSPECIFIED: _ClassVar[DType]
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
+
+class Residency(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESIDENCY_UNSPECIFIED: _ClassVar[Residency]
+    RESIDENCY_RAM: _ClassVar[Residency]
+    RESIDENCY_NVME: _ClassVar[Residency]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
+RESIDENCY_UNSPECIFIED: Residency
+RESIDENCY_RAM: Residency
+RESIDENCY_NVME: Residency
 
 class ShardKey(_message.Message):
     __slots__ = ("run_id", "shard_id")
@@ -102,8 +111,16 @@ class DescribeShardResponse(_message.Message):
     step: int
     def __init__(self, spec: _Optional[_Union[ShardSpec, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
 
+class SharedMemoryRef(_message.Message):
+    __slots__ = ("path", "byte_offset")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    byte_offset: int
+    def __init__(self, path: _Optional[str] = ..., byte_offset: _Optional[int] = ...) -> None: ...
+
 class PushHeader(_message.Message):
-    __slots__ = ("key", "step", "dtype", "numel", "global_grad_norm", "lr", "defer_update")
+    __slots__ = ("key", "step", "dtype", "numel", "global_grad_norm", "lr", "defer_update", "shm")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +128,7 @@ class PushHeader(_message.Message):
     GLOBAL_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     DEFER_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     step: int
     dtype: DType
@@ -118,7 +136,8 @@ class PushHeader(_message.Message):
     global_grad_norm: float
     lr: float
     defer_update: bool
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., defer_update: _Optional[bool] = ...) -> None: ...
+    shm: SharedMemoryRef
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., defer_update: _Optional[bool] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
 class PushGradientRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -151,16 +170,18 @@ class CommitStepRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class FetchWeightsRequest(_message.Message):
-    __slots__ = ("key", "step", "dtype", "chunk_bytes")
+    __slots__ = ("key", "step", "dtype", "chunk_bytes", "shm")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     step: int
     dtype: DType
     chunk_bytes: int
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    shm: SharedMemoryRef
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunk_bytes: _Optional[int] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
     __slots__ = ("step", "dtype", "numel", "chunk")
@@ -192,8 +213,64 @@ class ShardStats(_message.Message):
     resident_bytes: int
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., numel: _Optional[int] = ..., resident_bytes: _Optional[int] = ...) -> None: ...
 
+class PartitionPlan(_message.Message):
+    __slots__ = ("key", "index", "offset", "numel", "planned", "actual", "order", "step", "path")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
+    ACTUAL_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    index: int
+    offset: int
+    numel: int
+    planned: Residency
+    actual: Residency
+    order: int
+    step: int
+    path: str
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., index: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., planned: _Optional[_Union[Residency, str]] = ..., actual: _Optional[_Union[Residency, str]] = ..., order: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class TierPath(_message.Message):
+    __slots__ = ("path", "direct_io", "read_bytes_per_s", "write_bytes_per_s")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_IO_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    direct_io: bool
+    read_bytes_per_s: float
+    write_bytes_per_s: float
+    def __init__(self, path: _Optional[str] = ..., direct_io: _Optional[bool] = ..., read_bytes_per_s: _Optional[float] = ..., write_bytes_per_s: _Optional[float] = ...) -> None: ...
+
+class TierPlanSummary(_message.Message):
+    __slots__ = ("enabled", "ram_budget_bytes", "staging_bytes", "buffer_count", "ram_used_bytes", "planned_ram_bytes", "planned_nvme_bytes", "predicted_io_seconds", "paths")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    RAM_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RAM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_RAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_NVME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_IO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    ram_budget_bytes: int
+    staging_bytes: int
+    buffer_count: int
+    ram_used_bytes: int
+    planned_ram_bytes: int
+    planned_nvme_bytes: int
+    predicted_io_seconds: float
+    paths: _containers.RepeatedCompositeFieldContainer[TierPath]
+    def __init__(self, enabled: _Optional[bool] = ..., ram_budget_bytes: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., buffer_count: _Optional[int] = ..., ram_used_bytes: _Optional[int] = ..., planned_ram_bytes: _Optional[int] = ..., planned_nvme_bytes: _Optional[int] = ..., predicted_io_seconds: _Optional[float] = ..., paths: _Optional[_Iterable[_Union[TierPath, _Mapping]]] = ...) -> None: ...
+
 class GetStatsResponse(_message.Message):
-    __slots__ = ("shards", "received_bytes", "sent_bytes", "updates_applied", "duplicate_pushes", "resident_bytes_by_tier", "metrics_address")
+    __slots__ = ("shards", "received_bytes", "sent_bytes", "updates_applied", "duplicate_pushes", "resident_bytes_by_tier", "metrics_address", "partitions", "tier")
     class ResidentBytesByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +285,8 @@ class GetStatsResponse(_message.Message):
     DUPLICATE_PUSHES_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_BYTES_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[ShardStats]
     received_bytes: int
     sent_bytes: int
@@ -215,4 +294,6 @@ class GetStatsResponse(_message.Message):
     duplicate_pushes: int
     resident_bytes_by_tier: _containers.ScalarMap[str, int]
     metrics_address: str
-    def __init__(self, shards: _Optional[_Iterable[_Union[ShardStats, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., updates_applied: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., resident_bytes_by_tier: _Optional[_Mapping[str, int]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    partitions: _containers.RepeatedCompositeFieldContainer[PartitionPlan]
+    tier: TierPlanSummary
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardStats, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., updates_applied: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., resident_bytes_by_tier: _Optional[_Mapping[str, int]] = ..., metrics_address: _Optional[str] = ..., partitions: _Optional[_Iterable[_Union[PartitionPlan, _Mapping]]] = ..., tier: _Optional[_Union[TierPlanSummary, _Mapping]] = ...) -> None: ...
