@@ -21,6 +21,7 @@ import yaml
 from cargohold.services.errors import ConfigError
 from cargohold.services.models.gpt import GPTConfig
 from cargohold.services.optim import AdamWHyperParams
+from cargohold.services.transport.auth import TlsFiles
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import elements_per_partition
 
@@ -139,7 +140,7 @@ class TierConfig:
     RAM budget is set."""
 
     nvme_paths: list[str] = field(default_factory=list)
-    """Directories for partition files, one per drive (no RAID needed); partitions are spread round-robin over them, under <path>/<run_id>/server-<i>/."""
+    """Directories for partition files, one per drive (no RAID needed); partitions are spread round-robin over them, under `<path>/<run_id>/server-<i>/`."""
     ram_budget_bytes: int | None = None
     """Hard limit on the memory a state server's optimizer state may use, staging buffers included; null keeps all state in RAM."""
     partition_bytes: int = 64 << 20
@@ -233,6 +234,30 @@ class ClusterConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class SecurityConfig:
+    auth_token_env: str | None = "CARGOHOLD_AUTH_TOKEN"
+    """Environment variable (read by the launcher) holding the token every state-server
+    call must carry; unset or empty makes a random token per run. None turns
+    authentication off."""
+    tls_cert_file: str | None = None
+    """PEM certificate each end presents for mutual TLS (with its key and the CA); its
+    subjectAltName must cover the nodes' addresses. All three set, or none."""
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("tls_cert_file", "tls_key_file", "tls_ca_file") if getattr(self, k)]
+        if given and len(given) != 3:
+            missing = sorted({"tls_cert_file", "tls_key_file", "tls_ca_file"} - set(given))
+            raise ConfigError(f"security.{', security.'.join(missing)} must be set too, for mutual TLS")
+
+    def tls(self) -> TlsFiles | None:
+        if not self.tls_cert_file:
+            return None
+        return TlsFiles(cert_file=self.tls_cert_file, key_file=self.tls_key_file, ca_file=self.tls_ca_file)
+
+
+@dataclass(kw_only=True, slots=True)
 class MetricsConfig:
     enabled: bool = True
     """Serve Prometheus metrics from every worker and state server."""
@@ -256,6 +281,7 @@ class TrainConfig:
     state_server: StateServerConfig = field(default_factory=StateServerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         _positive("steps", self.steps)

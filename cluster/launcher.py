@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -52,6 +54,7 @@ class TrainingSession:
         self.server_addresses: list[str] = []
         self._placement: PlacementGroup | None = None
         self._owns_ray = False
+        self._auth_token = resolve_auth_token(config.security.auth_token_env)
 
     def __enter__(self) -> TrainingSession:
         self.start()
@@ -93,7 +96,8 @@ class TrainingSession:
             server_cls.options(
                 num_cpus=cfg.state_server.cpus, resources=dict(cfg.state_server.resources),
                 scheduling_strategy=on_bundle(i), name=f"{self.run_id}-state-server-{i}",
-            ).remote(cfg.state_server, server_index=i, metrics_enabled=cfg.metrics.enabled)
+            ).remote(cfg.state_server, server_index=i, metrics_enabled=cfg.metrics.enabled,
+                     auth_token=self._auth_token, tls=cfg.security.tls())
             for i in range(cfg.state_server.num_servers)
         ]
         self.server_addresses = _get([s.address.remote() for s in self.servers], timeout, "starting state servers")
@@ -106,7 +110,7 @@ class TrainingSession:
                 num_cpus=cfg.worker.cpus, num_gpus=cfg.worker.gpus, resources=dict(cfg.worker.resources),
                 scheduling_strategy=on_bundle(first_worker_bundle + rank), name=f"{self.run_id}-worker-{rank}",
             ).remote(cfg, rank=rank, run_id=self.run_id, server_addresses=self.server_addresses,
-                     server_node_ids=server_nodes)
+                     server_node_ids=server_nodes, auth_token=self._auth_token)
             for rank in range(cfg.worker.num_workers)
         ]
         host, port = _get(self.workers[0].rendezvous_address.remote(), timeout, "starting workers")
@@ -168,6 +172,14 @@ def train(config: TrainConfig, on_step: Callable[[StepReport], None] | None = No
             if on_step is not None:
                 on_step(report)
         return result
+
+
+def resolve_auth_token(env_name: str | None) -> str | None:
+    """The token state-server calls carry: from the environment, else fresh for this run.
+    Never logged; actors receive it as an argument, outside the config."""
+    if env_name is None:
+        return None
+    return os.environ.get(env_name) or secrets.token_urlsafe(32)
 
 
 def connect_ray(config: TrainConfig) -> bool:

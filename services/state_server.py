@@ -1,5 +1,9 @@
 """The state-server process: owns the shard registry, serves it over gRPC on the node's
 own address and exports its metrics. A plain class; the launcher runs it as a Ray actor.
+
+Its optimizer state lives in the tiers ``config.tier`` describes: all in RAM by default,
+spilling to files under ``config.tier.nvme_paths`` when a RAM budget is set. A path that
+cannot be created, written or read fails the constructor, naming it.
 """
 
 from __future__ import annotations
@@ -12,22 +16,26 @@ from cargohold.cluster.config import StateServerConfig
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.node import node_ip
 from cargohold.services.shard_state import ShardRegistry
+from cargohold.services.tiers.storage import TieredStorage
+from cargohold.services.transport.auth import TlsFiles
 from cargohold.services.transport.grpc_server import GrpcStateServer
 
 logger = logging.getLogger(__name__)
 
 
 class StateServer:
-    def __init__(self, config: StateServerConfig, *, server_index: int, metrics_enabled: bool = True) -> None:
+    def __init__(self, config: StateServerConfig, *, server_index: int, metrics_enabled: bool = True,
+                 auth_token: str | None = None, tls: TlsFiles | None = None) -> None:
         torch.set_num_threads(config.torch_threads)
         host = config.bind_host or node_ip()
         self.server_index = server_index
-        self.registry = ShardRegistry()
         self.metrics = StateServerMetrics(f"state-server-{server_index}")
+        self.registry = ShardRegistry(TieredStorage(config.tier, server_index=server_index, observer=self.metrics))
         if metrics_enabled:
             self.metrics.start(host=host)
         self._grpc = GrpcStateServer(
-            self.registry, self.metrics, host=host, max_workers=config.rpc_threads
+            self.registry, self.metrics, host=host, max_workers=config.rpc_threads,
+            auth_token=auth_token, tls=tls,
         )
         self._grpc.start()
 
@@ -50,6 +58,8 @@ class StateServer:
         return {s.spec.shard_id: {**s.snapshot(), "step": torch.tensor(s.step)} for s in self.registry.shards(run_id)}
 
     def stop(self) -> None:
+        """Stop serving, then stop the tier I/O and delete this server's partition files."""
         self._grpc.stop()
         self.metrics.stop()
+        self.registry.close()
 

@@ -80,7 +80,7 @@ def layout_for_config(config: TrainConfig, model: torch.nn.Module) -> ShardLayou
 
 class TrainingWorker:
     def __init__(self, config: TrainConfig, *, rank: int, run_id: str, server_addresses: list[str],
-                 server_node_ids: list[str] | None = None) -> None:
+                 server_node_ids: list[str] | None = None, auth_token: str | None = None) -> None:
         torch.set_num_threads(config.worker.torch_threads)
         self.config = config
         self.rank = rank
@@ -142,7 +142,8 @@ class TrainingWorker:
         )
         self.clients = [
             StateServerClient(address, chunk_bytes=config.state_server.chunk_bytes,
-                              timeout_s=config.state_server.rpc_timeout_s)
+                              timeout_s=config.state_server.rpc_timeout_s, auth_token=auth_token,
+                              tls=config.security.tls())
             for address in server_addresses
         ]
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(16, len(self.segments))), thread_name_prefix="push")

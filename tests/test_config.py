@@ -82,11 +82,21 @@ CONFIG_SURFACE = [
     "state_server.chunk_bytes",
     "state_server.rpc_timeout_s",
     "state_server.resources",
+    "state_server.tier.nvme_paths",
+    "state_server.tier.ram_budget_bytes",
+    "state_server.tier.partition_bytes",
+    "state_server.tier.buffer_count",
+    "state_server.tier.io_threads",
+    "state_server.tier.direct_io",
     "cluster.address",
     "cluster.num_cpus",
     "cluster.placement_strategy",
     "cluster.startup_timeout_s",
     "metrics.enabled",
+    "security.auth_token_env",
+    "security.tls_cert_file",
+    "security.tls_key_file",
+    "security.tls_ca_file",
 ]
 
 

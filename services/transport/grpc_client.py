@@ -24,6 +24,7 @@ from cargohold.services.transport.codec import (
     tier_summary_from_proto,
 )
 from cargohold.services.tiers.storage import PartitionRow, TierSummary
+from cargohold.services.transport.auth import TlsFiles, bearer
 from cargohold.services.transport.grpc_server import SERVICE_NAME
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
@@ -61,17 +62,18 @@ class StateServerClient:
     """Blocking calls with a deadline each; thread-safe (one channel, many calls)."""
 
     def __init__(self, address: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, auth_token: str | None = None,
+                 tls: TlsFiles | None = None) -> None:
         self.address = address
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
+        self._metadata = bearer(auth_token) if auth_token is not None else ()
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        self._channel = (grpc.secure_channel(address, tls.channel_credentials(), options=options)
+                         if tls is not None else grpc.insecure_channel(address, options=options))
         self._stub = pb_grpc.StateServerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -161,7 +163,7 @@ class StateServerClient:
         )
         if shm is not None:
             try:
-                reply = list(self._stub.FetchWeights(request, timeout=self.timeout_s))
+                reply = list(self._stub.FetchWeights(request, timeout=self.timeout_s, metadata=self._metadata))
             except grpc.RpcError as error:
                 raise self._error("FetchWeights", error) from error
             if len(reply) != 1 or reply[0].numel != numel or reply[0].step != step:
@@ -169,7 +171,7 @@ class StateServerClient:
             return None
         assembler = TensorAssembler(numel, dtype, what=f"shard {shard_id} weights from {self.address}")
         try:
-            for message in self._stub.FetchWeights(request, timeout=self.timeout_s):
+            for message in self._stub.FetchWeights(request, timeout=self.timeout_s, metadata=self._metadata):
                 if message.numel != numel or dtype_from_proto(message.dtype) != dtype or message.step != step:
                     raise TransportError(
                         f"FetchWeights from {self.address}: got {message.numel} x "
@@ -197,7 +199,7 @@ class StateServerClient:
 
     def _call(self, rpc: str, method, request):
         try:
-            return method(request, timeout=self.timeout_s)
+            return method(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
             raise self._error(rpc, error) from error
 

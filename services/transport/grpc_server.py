@@ -26,6 +26,7 @@ from cargohold.services.errors import (
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.shard_state import WIRE_DTYPES, PushOutcome, ShardRegistry
 from cargohold.services.staging import GradientStaging
+from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
 from cargohold.services.transport.shm import RegionCache
 from cargohold.services.transport.codec import (
     DEFAULT_CHUNK_BYTES,
@@ -155,6 +156,8 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 self.duplicate_pushes += 1
         if outcome.applied:
             self._metrics.observe_update(outcome.seconds)
+            if self._registry.storage.enabled:  # partitions move between tiers as they update
+                self._report_resident_bytes()
         else:
             self._metrics.record_duplicate()
 
@@ -247,10 +250,14 @@ class GrpcStateServer:
     """A gRPC server on ``host:port`` serving the StateServer and health services."""
 
     def __init__(self, registry: ShardRegistry, metrics: StateServerMetrics, *, host: str,
-                 port: int = 0, max_workers: int = 8) -> None:
+                 port: int = 0, max_workers: int = 8, auth_token: str | None = None,
+                 tls: TlsFiles | None = None) -> None:
+        """``auth_token``: calls must carry it (health checks excepted); ``tls``: serve
+        mutual TLS only."""
         self.servicer = StateServerServicer(registry, metrics)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="state-server-rpc"),
+            interceptors=[TokenAuthInterceptor(auth_token)] if auth_token is not None else [],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -259,7 +266,9 @@ class GrpcStateServer:
         pb_grpc.add_StateServerServicer_to_server(self.servicer, self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        target = f"{host}:{port}"
+        bound = (self._server.add_secure_port(target, tls.server_credentials()) if tls is not None
+                 else self._server.add_insecure_port(target))
         if bound == 0:
             raise CargoholdError(f"state server could not bind {host}:{port}")
         self.address = f"{host}:{bound}"

@@ -1,0 +1,79 @@
+"""Who may call a state server: a shared bearer token in call metadata, checked by a
+server interceptor, and optional mutual TLS. Health checks stay open so orchestrators
+can probe liveness without the secret; they reveal nothing and change nothing."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from cargohold.services.errors import ConfigError
+
+AUTH_METADATA_KEY = "authorization"
+OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM files for mutual TLS: this end's certificate and key, and the CA that signed
+    the other end's."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+    def read(self) -> tuple[bytes, bytes, bytes]:
+        try:
+            return tuple(Path(p).read_bytes() for p in (self.cert_file, self.key_file, self.ca_file))
+        except OSError as error:
+            raise ConfigError(f"cannot read TLS file {error.filename}: {error.strerror}") from error
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        cert, key, ca = self.read()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        cert, key, ca = self.read()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def bearer(token: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata that authenticates with ``token``."""
+    return ((AUTH_METADATA_KEY, f"Bearer {token}"),)
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Rejects every call but health checks unless it carries ``Bearer <token>``."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ConfigError("the auth token must not be empty")
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        if handler_call_details.method in OPEN_METHODS:
+            return continuation(handler_call_details)
+        offered = dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA_KEY, "")
+        if hmac.compare_digest(offered.encode(), self._expected):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        return _refusal(handler, "missing or wrong auth token" if offered else "no auth token")
+
+
+def _refusal(handler: grpc.RpcMethodHandler | None, reason: str) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming shape that aborts with UNAUTHENTICATED."""
+
+    def abort(_request, context: grpc.ServicerContext):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    if handler is None or not (handler.request_streaming or handler.response_streaming):
+        return grpc.unary_unary_rpc_method_handler(abort)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort)
+    return grpc.unary_stream_rpc_method_handler(abort)

@@ -1,0 +1,138 @@
+"""Strangers are kept out: calls without the shared token, or with a wrong one, get
+UNAUTHENTICATED and change nothing; with mutual TLS a client without a certificate the
+CA signed cannot even connect. Health checks stay open for orchestrators' probes."""
+
+from __future__ import annotations
+
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cargohold.services.errors import ConfigError, TransportError
+from cargohold.services.metrics import StateServerMetrics
+from cargohold.services.shard_state import ShardRegistry
+from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
+from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
+from cargohold.services.transport.grpc_server import SERVICE_NAME, GrpcStateServer
+from test_transport import G1, GLOBAL_NORM, LR, NUMEL, RUN, W0, _assert_bitwise_equal, _spec
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+TOKEN = "s3cret-token"
+
+
+@contextmanager
+def server(**kwargs):
+    metrics = StateServerMetrics("auth")
+    grpc_server = GrpcStateServer(ShardRegistry(), metrics, host="127.0.0.1", **kwargs)
+    grpc_server.start()
+    try:
+        yield grpc_server
+    finally:
+        grpc_server.stop(0.2)
+
+
+def test_calls_without_or_with_a_wrong_token_are_refused_and_change_nothing() -> None:
+    with server(auth_token=TOKEN) as s, \
+            StateServerClient(s.address, timeout_s=10, auth_token=TOKEN) as good, \
+            StateServerClient(s.address, timeout_s=10) as anonymous, \
+            StateServerClient(s.address, timeout_s=10, auth_token="guess") as wrong:
+        good.wait_ready(10)
+        anonymous.wait_ready(10)  # health checks need no token
+        for client, reason in ((anonymous, "no auth token"), (wrong, "wrong auth token")):
+            for call in (lambda: client.register(_spec(), W0),
+                         lambda: client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR),
+                         lambda: client.fetch(RUN, 0, 0, "float32", NUMEL),
+                         lambda: client.describe(RUN, 0),
+                         lambda: client.stats()):
+                with pytest.raises(RemoteError) as error:
+                    call()
+                assert error.value.code == grpc.StatusCode.UNAUTHENTICATED
+                assert reason in error.value.details
+                assert TOKEN not in str(error.value)
+        assert good.stats().shard_steps == {}  # the refused register created nothing
+        good.register(_spec(), W0)
+        with pytest.raises(RemoteError):
+            wrong.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR)
+        assert good.describe(RUN, 0)[1] == 0
+        assert good.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR).applied
+
+
+def test_health_is_open_without_a_token() -> None:
+    with server(auth_token=TOKEN) as s, grpc.insecure_channel(s.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_an_empty_token_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="must not be empty"):
+        TokenAuthInterceptor("")
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, TlsFiles]:
+    """A CA, a certificate it signed for 127.0.0.1, and one from a stranger CA."""
+    d = tmp_path_factory.mktemp("pki")
+    for ca in ("ca", "rogue"):
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={ca}",
+                 "-keyout", f"{ca}.key", "-out", f"{ca}.pem", cwd=d)
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+                 "-keyout", f"{ca}-node.key", "-out", f"{ca}-node.csr", cwd=d)
+        (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+        _openssl("x509", "-req", "-in", f"{ca}-node.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+                 "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", f"{ca}-node.pem", cwd=d)
+    return {
+        ca: TlsFiles(cert_file=str(d / f"{ca}-node.pem"), key_file=str(d / f"{ca}-node.key"),
+                     ca_file=str(d / "ca.pem"))
+        for ca in ("ca", "rogue")
+    }
+
+
+def test_mutual_tls_admits_only_certificates_of_the_ca(pki) -> None:
+    with server(auth_token=TOKEN, tls=pki["ca"]) as s:
+        with StateServerClient(s.address, timeout_s=10, auth_token=TOKEN, tls=pki["ca"]) as good:
+            good.register(_spec(), W0)
+            assert good.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR).applied
+            weights = good.fetch(RUN, 0, 1, "float32", NUMEL)
+        with StateServerClient(s.address, timeout_s=3, auth_token=TOKEN, tls=pki["rogue"]) as rogue:
+            with pytest.raises((RemoteError, TransportError)):
+                rogue.push(RUN, 0, 2, G1, global_norm=GLOBAL_NORM, lr=LR)
+        with StateServerClient(s.address, timeout_s=3, auth_token=TOKEN) as plaintext:
+            with pytest.raises(RemoteError) as error:
+                plaintext.describe(RUN, 0)
+            assert error.value.code == grpc.StatusCode.UNAVAILABLE
+        with StateServerClient(s.address, timeout_s=10, auth_token=TOKEN, tls=pki["ca"]) as good:
+            assert good.describe(RUN, 0)[1] == 1
+            _assert_bitwise_equal(good.fetch(RUN, 0, 1, "float32", NUMEL), weights)
+
+
+def test_missing_tls_files_are_a_config_error(tmp_path: Path) -> None:
+    files = TlsFiles(cert_file=str(tmp_path / "nope.pem"), key_file="k", ca_file="c")
+    with pytest.raises(ConfigError, match="nope.pem"):
+        files.server_credentials()
+
+
+def test_partial_tls_config_names_the_missing_keys() -> None:
+    from cargohold.cluster.config import load_config
+
+    with pytest.raises(ConfigError, match="security.tls_ca_file, security.tls_key_file must be set"):
+        load_config(None, ["security.tls_cert_file=/x.pem"])
+
+
+def test_the_launcher_token_comes_from_the_environment_or_is_fresh(monkeypatch) -> None:
+    from cargohold.cluster.launcher import resolve_auth_token
+
+    monkeypatch.setenv("CARGOHOLD_TEST_TOKEN", "from-env")
+    assert resolve_auth_token("CARGOHOLD_TEST_TOKEN") == "from-env"
+    monkeypatch.delenv("CARGOHOLD_TEST_TOKEN")
+    fresh = {resolve_auth_token("CARGOHOLD_TEST_TOKEN") for _ in range(3)}
+    assert len(fresh) == 3 and all(len(t) >= 32 for t in fresh)
+    assert resolve_auth_token(None) is None
