@@ -114,6 +114,10 @@ class WorkerConfig:
     """Gradient bytes (in grad_wire_dtype) reduced and shipped as one bucket."""
     overlap: bool = True
     """Reduce and ship each bucket as soon as backward completes it, during backward."""
+    delayed_update: bool = False
+    """One-step delayed parameter update (ZeRO-Offload's DPU): step t computes on the
+    weights of update t-2 while update t-1 finishes. Hides the update; changes the
+    optimisation trajectory (see docs/benchmarks.md)."""
     shared_memory: Literal["auto", "off"] = "auto"
     """auto: exchange gradients and weights with state servers on the same node through
     /dev/shm instead of gRPC streams (CPU workers); off: always stream over gRPC."""

@@ -116,6 +116,9 @@ class TrainingWorker:
             param.data = weight
             param.grad = grad  # backward accumulates into the flat buffer in place
         self.model = model.train()
+        # With a delayed update the next weights are gathered here during compute.
+        self._spare_weights = torch.empty_like(self.flat_weights) if config.worker.delayed_update else None
+        self._pending: Future | None = None
         self._readiness = BucketReadiness(self.layout)
         self._ready: queue.SimpleQueue[int] = queue.SimpleQueue()
         for index, param in enumerate(model.parameters()):
@@ -197,6 +200,8 @@ class TrainingWorker:
         return self.metrics.address if self.metrics.serving else ""
 
     def flat_weights_cpu(self) -> torch.Tensor:
+        """The newest weights (with a delayed update, after waiting for the last one)."""
+        self._adopt_pending_weights()
         return self.flat_weights.detach().to("cpu", copy=True)
 
     def shutdown(self) -> None:
@@ -248,26 +253,15 @@ class TrainingWorker:
         mean_loss = float(totals[1]) / self.world_size
         lap("reduce")
 
-        if clipping:
-            for future in transfers:
-                future.result()
-            transfers = [self._pool.submit(self._commit_and_fetch, seg, step, global_norm, lr)
-                         for seg in self.segments]
-        applied = 0
-        gathers = []
-        for bucket in self.layout.buckets:
-            for segment, future in zip(self.segments, transfers):
-                if segment.bucket == bucket.index:
-                    applied += future.result()
-            offset = self.layout.piece_offset(bucket.index)
-            gathers.append(dist.all_gather_single(
-                self.flat_weights[bucket.start : bucket.stop],
-                self._weight_shard[offset : offset + bucket.piece_size], async_op=True,
-            ))
-        lap("push")
-        for work in gathers:
-            work.wait()
-        lap("gather")
+        if self.config.worker.delayed_update:
+            applied = self._finish_delayed(step, transfers, global_norm, lr, clipping)
+            lap("push")
+        else:
+            if clipping:
+                transfers = self._commit(transfers, step, global_norm, lr, fetch=True)
+            gathering = self._comm.submit(self._gather, transfers, self.flat_weights)
+            applied = gathering.result()
+            lap("push")
 
         seconds = time.perf_counter() - started
         self.metrics.observe_step(seconds, mean_loss)
@@ -275,6 +269,63 @@ class TrainingWorker:
             rank=self.rank, step=step, loss=mean_loss, global_grad_norm=global_norm,
             seconds=seconds, phases=phases, applied=applied,
         )
+
+    def _commit(self, staged: list[Future], step: int, global_norm: float, lr: float, *,
+                fetch: bool) -> list[Future]:
+        """Once every staged push landed, commit each segment (and fetch its weights)."""
+        for future in staged:
+            future.result()
+        return [self._pool.submit(self._commit_and_fetch, seg, step, global_norm, lr, fetch)
+                for seg in self.segments]
+
+    def _gather(self, transfers: list[Future], target: torch.Tensor) -> int:
+        """On the collectives thread: all-gather each bucket's weights into ``target`` as
+        soon as this worker's segments of it are fetched. Returns the updates applied."""
+        applied = 0
+        works = []
+        for bucket in self.layout.buckets:
+            for segment, future in zip(self.segments, transfers):
+                if segment.bucket == bucket.index:
+                    applied += future.result()
+            offset = self.layout.piece_offset(bucket.index)
+            works.append(dist.all_gather_single(
+                target[bucket.start : bucket.stop],
+                self._weight_shard[offset : offset + bucket.piece_size], async_op=True,
+            ))
+        for work in works:
+            work.wait()
+        return applied
+
+    # --- one-step delayed parameter update ------------------------------------------
+    def _finish_delayed(self, step: int, staged: list[Future], global_norm: float, lr: float,
+                        clipping: bool) -> int:
+        """DPU: this step's gradients were computed on the weights of two updates ago.
+        Switch the model to the weights the previous step's update produced (fetched and
+        gathered during this step's compute), then start this step's update and let its
+        weights arrive during the next step."""
+        applied = self._adopt_pending_weights()
+        if clipping:
+            staged = self._commit(staged, step, global_norm, lr, fetch=False)
+        fetches = [self._pool.submit(self._await_and_fetch, seg, future, step)
+                   for seg, future in zip(self.segments, staged)]
+        self._pending = self._comm.submit(self._gather, fetches, self._spare_weights)
+        return applied
+
+    def _await_and_fetch(self, segment, update: Future, step: int) -> bool:
+        applied = update.result()
+        self._fetch(segment, step)
+        return applied
+
+    def _adopt_pending_weights(self) -> int:
+        """Wait for the weights of the last update and point the parameters at them."""
+        if self._pending is None:
+            return 0
+        applied = self._pending.result()
+        self._pending = None
+        self.flat_weights, self._spare_weights = self._spare_weights, self.flat_weights
+        for param, weight in zip(self.model.parameters(), parameter_views(self.layout, self.flat_weights)):
+            param.data = weight
+        return applied
 
     def _on_gradient(self, index: int):
         def hook(_param: torch.Tensor) -> None:
@@ -324,14 +375,16 @@ class TrainingWorker:
         self.metrics.record_sent("PushGradient", gradient.numel() * gradient.element_size())
         if clipping:
             return False
-        self._fetch(segment, step)
+        if not self.config.worker.delayed_update:
+            self._fetch(segment, step)
         return outcome.applied
 
-    def _commit_and_fetch(self, segment, step: int, global_norm: float, lr: float) -> bool:
+    def _commit_and_fetch(self, segment, step: int, global_norm: float, lr: float, fetch: bool) -> bool:
         outcome = self.clients[segment.server].commit(
             self.run_id, segment.segment_id, step, global_norm=global_norm, lr=lr
         )
-        self._fetch(segment, step)
+        if fetch:
+            self._fetch(segment, step)
         return outcome.applied
 
     def _fetch(self, segment, step: int) -> None:
@@ -384,7 +437,7 @@ class TrainingWorker:
             return t.numel() * t.element_size()
 
         return {
-            "weights": size(self.flat_weights),
+            "weights": size(self.flat_weights) + (size(self._spare_weights) if self._spare_weights is not None else 0),
             "gradients": size(self.flat_grad),
             "grad_shard": size(self._grad_shard) + size(self._weight_shard) + size(self._host_grad_shard),
         }

@@ -52,7 +52,11 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
     wire = WIRE_DTYPES[config.worker.grad_wire_dtype]
     master_model = build_model(config)
     masters = list(master_model.parameters())
-    model = copy.deepcopy(master_model).to(compute) if compute != torch.float32 else master_model
+    model = copy.deepcopy(master_model).to(compute)
+    # Weights after each update (index 0: the initial ones). Step t computes on those of
+    # update t-1, or of t-2 with the delayed parameter update.
+    history = [[m.detach().clone() for m in masters]]
+    lag = 2 if config.worker.delayed_update else 1
     o = config.optim
     optimizer = torch.optim.AdamW(
         masters, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
@@ -61,6 +65,9 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
                          seq_len=config.model.block_size)
     losses = []
     for step in range(1, steps + 1):
+        with torch.no_grad():
+            for low, weights in zip(model.parameters(), history[max(step - lag, 0)]):
+                low.copy_(weights)
         summed: list[torch.Tensor] | None = None
         step_loss = 0.0
         for rank in range(world):
@@ -81,10 +88,7 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
         for group in optimizer.param_groups:
             group["lr"] = o.lr_at(step, config.steps)
         optimizer.step()
-        if model is not master_model:
-            with torch.no_grad():
-                for low, master in zip(model.parameters(), masters):
-                    low.copy_(master)
+        history.append([m.detach().clone() for m in masters])
     state = [optimizer.state[p] for p in masters]
     return ReferenceResult(
         masters=[p.detach().clone() for p in masters],

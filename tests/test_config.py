@@ -69,6 +69,7 @@ CONFIG_SURFACE = [
     "worker.grad_wire_dtype",
     "worker.bucket_bytes",
     "worker.overlap",
+    "worker.delayed_update",
     "worker.shared_memory",
     "worker.cpus",
     "worker.gpus",
