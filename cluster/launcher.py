@@ -204,10 +204,18 @@ def connect_ray(config: TrainConfig) -> bool:
 
 
 def _get(refs, timeout: float | None, what: str):
+    """ray.get that fails as soon as any one call fails, instead of waiting in list order
+    for calls that may be blocked in a collective with the failed one."""
+    pending = list(refs) if isinstance(refs, list) else [refs]
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        return ray.get(refs, timeout=timeout)
-    except ray.exceptions.GetTimeoutError as error:
-        raise TrainingError(f"timed out after {timeout}s {what}") from error
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                raise TrainingError(f"timed out after {timeout}s {what}")
+            ray.get(ready[0])
+        return ray.get(refs)
     except ray.exceptions.RayActorError as error:
         raise TrainingError(f"an actor died while {what}: {error}") from error
     except ray.exceptions.RayTaskError as error:
