@@ -72,6 +72,10 @@ class OptimConfig:
     schedule: Literal["constant", "cosine"] = "constant"
     """After warm-up: keep lr, or decay it along a cosine to lr * min_lr_ratio."""
     min_lr_ratio: float = 0.1
+    nonfinite: Literal["skip", "fail", "ignore"] = "skip"
+    """A step whose global gradient norm is NaN or Inf: skip its update (logged, counted in
+    cargohold_worker_skipped_steps_total), fail the run, or apply it unchecked. With
+    "ignore" and no clipping, servers apply each bucket while backward still runs."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -360,6 +364,8 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {hint}")
     if origin is Literal:
         allowed = typing.get_args(hint)
+        if isinstance(value, bool) and ("on" if value else "off") in allowed:
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
         if value not in allowed:
             raise ConfigError(f"{key} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
         return value

@@ -11,6 +11,7 @@ Ray actor.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import socket
 import time
@@ -50,6 +51,8 @@ class StepReport:
     phases: dict[str, float] = field(default_factory=dict)
     applied: int = 0
     """Segments whose push was applied (not ignored as a repeat)."""
+    skipped: bool = False
+    """The gradient norm was not finite and the update was skipped (optim.nonfinite)."""
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -119,6 +122,7 @@ class TrainingWorker:
         # With a delayed update the next weights are gathered here during compute.
         self._spare_weights = torch.empty_like(self.flat_weights) if config.worker.delayed_update else None
         self._pending: Future | None = None
+        self._updates = 0  # updates the servers applied; set by register_shards
         self._readiness = BucketReadiness(self.layout)
         self._ready: queue.SimpleQueue[int] = queue.SimpleQueue()
         for index, param in enumerate(model.parameters()):
@@ -194,7 +198,8 @@ class TrainingWorker:
         self._initial_shard = torch.empty(0)
         if len(steps) > 1:
             raise TrainingError(f"rank {self.rank}: registered segments are at different steps {sorted(steps)}")
-        return steps.pop() if steps else 0
+        self._updates = steps.pop() if steps else 0
+        return self._updates
 
     def metrics_address(self) -> str:
         return self.metrics.address if self.metrics.serving else ""
@@ -217,8 +222,12 @@ class TrainingWorker:
 
     # --- the step ------------------------------------------------------------------
     def train_step(self, step: int) -> StepReport:
-        """One step. Buckets are reduced and pushed as backward completes them; with
-        clipping on, servers stage them until the global norm is known (CommitStep)."""
+        """One step on the batch of data step ``step``. Buckets are reduced and pushed as
+        backward completes them; with clipping on (or non-finite gradients checked), the
+        servers stage them until the global norm is known, then CommitStep applies them.
+
+        Server shards count *updates*, which fall behind data steps when a step with a
+        non-finite gradient is skipped (``optim.nonfinite: skip``)."""
         phases: dict[str, float] = {}
         started = mark = time.perf_counter()
 
@@ -234,12 +243,14 @@ class TrainingWorker:
             batch_size=self.config.data.batch_size, seq_len=self.config.model.block_size,
             seed=self.config.data.seed,
         )
-        clipping = self.config.optim.max_grad_norm > 0
+        policy = self.config.optim.nonfinite
+        defer = self.config.optim.max_grad_norm > 0 or policy != "ignore"
         lr = self.config.optim.lr_at(step, self.config.steps)
+        update = self._updates + 1
         self.flat_grad.zero_()
         self._readiness.reset()
         self._events.clear()
-        shipping = self._comm.submit(self._reduce_and_ship, step, lr, clipping)
+        shipping = self._comm.submit(self._reduce_and_ship, update, lr, defer)
         _, loss = self.model(x.to(self.device), y.to(self.device))
         loss.backward()
         for index in self._readiness.release_rest():
@@ -253,21 +264,33 @@ class TrainingWorker:
         mean_loss = float(totals[1]) / self.world_size
         lap("reduce")
 
-        if self.config.worker.delayed_update:
-            applied = self._finish_delayed(step, transfers, global_norm, lr, clipping)
-            lap("push")
+        skipped = not math.isfinite(global_norm) and policy != "ignore"
+        if skipped:
+            for future in transfers:  # the staged gradients are replaced by the next push
+                future.result()
+            if policy == "fail":
+                raise TrainingError(
+                    f"the gradient norm of step {step} is {global_norm}; set optim.nonfinite=skip to "
+                    "skip such steps, or lower optim.lr"
+                )
+            logger.warning("step %d: gradient norm %s, update skipped", step, global_norm)
+            applied = self._adopt_pending_weights()
+        elif self.config.worker.delayed_update:
+            applied = self._finish_delayed(update, transfers, global_norm, lr, defer)
         else:
-            if clipping:
-                transfers = self._commit(transfers, step, global_norm, lr, fetch=True)
+            if defer:
+                transfers = self._commit(transfers, update, global_norm, lr, fetch=True)
             gathering = self._comm.submit(self._gather, transfers, self.flat_weights)
             applied = gathering.result()
-            lap("push")
+        if not skipped:
+            self._updates = update
+        lap("push")
 
         seconds = time.perf_counter() - started
         self.metrics.observe_step(seconds, mean_loss)
         return StepReport(
             rank=self.rank, step=step, loss=mean_loss, global_grad_norm=global_norm,
-            seconds=seconds, phases=phases, applied=applied,
+            seconds=seconds, phases=phases, applied=applied, skipped=skipped,
         )
 
     def _commit(self, staged: list[Future], step: int, global_norm: float, lr: float, *,
@@ -298,13 +321,13 @@ class TrainingWorker:
 
     # --- one-step delayed parameter update ------------------------------------------
     def _finish_delayed(self, step: int, staged: list[Future], global_norm: float, lr: float,
-                        clipping: bool) -> int:
+                        defer: bool) -> int:
         """DPU: this step's gradients were computed on the weights of two updates ago.
         Switch the model to the weights the previous step's update produced (fetched and
         gathered during this step's compute), then start this step's update and let its
         weights arrive during the next step."""
         applied = self._adopt_pending_weights()
-        if clipping:
+        if defer:
             staged = self._commit(staged, step, global_norm, lr, fetch=False)
         fetches = [self._pool.submit(self._await_and_fetch, seg, future, step)
                    for seg, future in zip(self.segments, staged)]
@@ -341,7 +364,7 @@ class TrainingWorker:
             self._events[bucket] = event
         self._ready.put(bucket)
 
-    def _reduce_and_ship(self, step: int, lr: float, clipping: bool) -> tuple[float, list[Future]]:
+    def _reduce_and_ship(self, step: int, lr: float, defer: bool) -> tuple[float, list[Future]]:
         """On the collectives thread: reduce each bucket as it completes and hand its
         segments to the transfer pool. Returns the shard's sum of squares and the transfers."""
         sum_squares = 0.0
@@ -360,20 +383,20 @@ class TrainingWorker:
             for segment in self.segments:
                 if segment.bucket == bucket.index:
                     transfers[segment.segment_id] = self._pool.submit(
-                        self._push, segment, step, host, offset, lr, clipping
+                        self._push, segment, step, host, offset, lr, defer
                     )
         return sum_squares, [transfers[s.segment_id] for s in self.segments]
 
     def _push(self, segment, step: int, host_piece: torch.Tensor, piece_offset: int, lr: float,
-              clipping: bool) -> bool:
+              defer: bool) -> bool:
         start = segment.shard_offset - piece_offset
         gradient = host_piece[start : start + segment.numel]
         client = self.clients[segment.server]
         shm = self._shm_ref(segment, self._grad_shard)
-        outcome = client.push(self.run_id, segment.segment_id, step, gradient, lr=lr, defer_update=clipping,
+        outcome = client.push(self.run_id, segment.segment_id, step, gradient, lr=lr, defer_update=defer,
                               shm=shm)
         self.metrics.record_sent("PushGradient", gradient.numel() * gradient.element_size())
-        if clipping:
+        if defer:
             return False
         if not self.config.worker.delayed_update:
             self._fetch(segment, step)

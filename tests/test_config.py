@@ -63,6 +63,7 @@ CONFIG_SURFACE = [
     "optim.warmup_steps",
     "optim.schedule",
     "optim.min_lr_ratio",
+    "optim.nonfinite",
     "worker.num_workers",
     "worker.device",
     "worker.compute_dtype",
@@ -194,6 +195,18 @@ def test_override_below_a_scalar_is_refused() -> None:
     _assert_names(error, "steps")
 
 
+def test_tier_paths_are_a_list_from_yaml_and_overrides(tmp_path: Path) -> None:
+    text = "state_server:\n  tier:\n    nvme_paths: [/mnt/nvme0, /mnt/nvme1]\n    ram_budget_bytes: 8000000000\n"
+    config = load_config(_write(tmp_path, text), ["state_server.tier.direct_io=off"])
+    tier = config.state_server.tier
+    assert tier.nvme_paths == ["/mnt/nvme0", "/mnt/nvme1"] and tier.ram_budget_bytes == 8_000_000_000
+    assert tier.direct_io == "off"  # YAML 1.1 reads a bare off as false; the schema wants the word
+    assert load_config(_write(tmp_path, "state_server:\n  tier:\n    direct_io: on\n")).state_server.tier.direct_io == "on"
+    assert 3 * (64 << 20) - 4096 <= tier.staging_bytes() <= 3 * ((64 << 20) + 4 * 4096)  # 3 partitions
+    assert load_config(None, ["state_server.tier.nvme_paths=[/x]"]).state_server.tier.nvme_paths == ["/x"]
+    assert from_dict(TrainConfig, to_dict(config)) == config
+
+
 # --- refusals -----------------------------------------------------------------------------
 
 
@@ -233,6 +246,9 @@ def test_unknown_override_key_is_refused() -> None:
         ("worker:\n  resources: [a, b]\n", "worker.resources"),
         ("worker:\n  resources: {node_a: many}\n", "worker.resources.node_a"),
         ("cluster:\n  num_cpus: four\n", "cluster.num_cpus"),
+        ("state_server:\n  tier:\n    nvme_paths: /mnt/nvme0\n", "state_server.tier.nvme_paths"),
+        ("state_server:\n  tier:\n    nvme_paths: [/mnt/a, 7]\n", "state_server.tier.nvme_paths[1]"),
+        ("state_server:\n  tier:\n    direct_io: maybe\n", "state_server.tier.direct_io"),
     ],
 )
 def test_wrong_types_are_refused_naming_the_key(tmp_path: Path, text: str, key: str) -> None:
@@ -252,6 +268,13 @@ def test_wrong_types_are_refused_naming_the_key(tmp_path: Path, text: str, key: 
         ("optim:\n  lr: .nan\n", "optim.lr"),
         ("model:\n  dropout: 1.0\n", "model.dropout"),
         ("cluster:\n  num_cpus: 0\n", "cluster.num_cpus"),
+        ("state_server:\n  tier:\n    ram_budget_bytes: 1000000000\n", "state_server.tier.nvme_paths"),
+        ("state_server:\n  tier:\n    nvme_paths: [/a]\n    ram_budget_bytes: 1000\n",
+         "state_server.tier.ram_budget_bytes"),
+        ("state_server:\n  tier:\n    buffer_count: 1\n", "state_server.tier.buffer_count"),
+        ("state_server:\n  tier:\n    partition_bytes: 100\n", "state_server.tier.partition_bytes"),
+        ("state_server:\n  tier:\n    nvme_paths: [/a, /a]\n", "state_server.tier.nvme_paths"),
+        ("state_server:\n  tier:\n    io_threads: 0\n", "state_server.tier.io_threads"),
     ],
 )
 def test_bad_values_are_refused_naming_the_key(tmp_path: Path, text: str, key: str) -> None:
@@ -363,6 +386,7 @@ def test_reference_uses_the_field_docstrings() -> None:
         (float, "float"),
         (str | None, "str | None"),
         (dict[str, float], "dict[str, float]"),
+        (list[str], "list[str]"),
     ],
 )
 def test_type_names_are_readable(hint: object, name: str) -> None:
