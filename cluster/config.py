@@ -269,6 +269,24 @@ class SecurityConfig:
 class MetricsConfig:
     enabled: bool = True
     """Serve Prometheus metrics from every worker and state server."""
+    port: int = 0
+    """0: each actor's endpoint takes a free port. Otherwise the first of a range:
+    state server i serves on port + i, worker rank r on port + num_servers + r (fixed
+    ports for Kubernetes pod monitors and static scrape configs)."""
+    file_sd_path: str | None = None
+    """Write the run's metrics endpoints here as a Prometheus file_sd target list
+    (labels: job, run, role, index), replaced atomically when the run starts."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"metrics.port must be in 0..65535, got {self.port}")
+
+    def port_for(self, role: str, index: int, config: TrainConfig) -> int:
+        """The port an actor's endpoint binds (0 = any free port)."""
+        if self.port == 0:
+            return 0
+        offset = index if role == "state_server" else config.state_server.num_servers + index
+        return self.port + offset
 
 
 @dataclass(kw_only=True, slots=True)
@@ -293,6 +311,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _positive("steps", self.steps)
+        last_port = self.metrics.port + self.state_server.num_servers + self.worker.num_workers - 1
+        if self.metrics.port and last_port > 65535:
+            raise ConfigError(f"metrics.port {self.metrics.port} leaves no room for every actor (up to {last_port})")
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> TrainConfig:

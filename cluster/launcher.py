@@ -20,6 +20,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.services.errors import TrainingError
 from cargohold.services.state_server import StateServer
 from cargohold.services.worker import StepReport, TrainingWorker
@@ -97,6 +98,7 @@ class TrainingSession:
                 num_cpus=cfg.state_server.cpus, resources=dict(cfg.state_server.resources),
                 scheduling_strategy=on_bundle(i), name=f"{self.run_id}-state-server-{i}",
             ).remote(cfg.state_server, server_index=i, metrics_enabled=cfg.metrics.enabled,
+                     metrics_port=cfg.metrics.port_for("state_server", i, cfg),
                      auth_token=self._auth_token, tls=cfg.security.tls())
             for i in range(cfg.state_server.num_servers)
         ]
@@ -122,6 +124,10 @@ class TrainingSession:
         self.step_count = steps.pop()
         logger.info("run %s: %d workers, %d state servers at %s", self.run_id, len(self.workers),
                     len(self.servers), ", ".join(self.server_addresses))
+        targets = self.metrics_targets()
+        logger.info("metrics endpoints: %s", ", ".join(f"{t.role}-{t.index} {t.address}" for t in targets))
+        if cfg.metrics.file_sd_path:
+            write_file_sd(cfg.metrics.file_sd_path, self.run_id, targets)
 
     def step(self) -> StepReport:
         """Run the next step on every worker; returns rank 0's report."""
@@ -136,8 +142,14 @@ class TrainingSession:
     def server_snapshots(self) -> list[dict[int, dict[str, torch.Tensor]]]:
         return ray.get([s.snapshot.remote(self.run_id) for s in self.servers])
 
+    def metrics_targets(self) -> list[Target]:
+        """Every actor's metrics endpoint, state servers first."""
+        roles = [("state_server", i) for i in range(len(self.servers))] + [("worker", r) for r in range(len(self.workers))]
+        addresses = ray.get([a.metrics_address.remote() for a in self.servers + self.workers])
+        return [Target(address=a, role=role, index=i) for a, (role, i) in zip(addresses, roles) if a]
+
     def metrics_addresses(self) -> list[str]:
-        return [a for a in ray.get([a.metrics_address.remote() for a in self.servers + self.workers]) if a]
+        return [t.address for t in self.metrics_targets()]
 
     def worker_resident_bytes(self) -> dict[str, int]:
         return ray.get(self.workers[0].resident_bytes.remote())
@@ -195,6 +207,7 @@ def connect_ray(config: TrainConfig) -> bool:
     needed = (config.worker.num_workers * config.worker.cpus
               + config.state_server.num_servers * config.state_server.cpus)
     ray.init(
+        address="local",  # a new cluster even when another runs on this machine
         num_cpus=config.cluster.num_cpus or max(1, math.ceil(needed)),
         include_dashboard=False,
         _node_ip_address="127.0.0.1",

@@ -45,3 +45,42 @@ class TransportError(CargoholdError):
 
 class TrainingError(CargoholdError):
     """The training run failed; raised by the launcher with the cause."""
+
+
+class TierError(CargoholdError):
+    """The tiered storage of optimizer state (RAM, NVMe files) failed; subclasses say how."""
+
+
+class CorruptPartitionError(TierError):
+    """A partition file is torn, corrupted or not the partition it should be.
+
+    ``path`` and ``partition`` name the file and the partition; the message names both.
+    """
+
+    def __init__(self, message: str, *, path: str, partition: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.partition = partition
+
+    def __reduce__(self):  # keep the fields when the error crosses a Ray actor boundary
+        return (_rebuild_corrupt, (str(self), self.path, self.partition))
+
+
+class TierSpaceError(TierError):
+    """A tier path cannot hold the state: too little free space, or a write ran out of it."""
+
+
+class IncompleteStepError(TierError):
+    """A shard's update stopped part-way (a failed read or write); retrying the push finishes it."""
+
+
+def _rebuild_corrupt(message: str, path: str, partition: str) -> CorruptPartitionError:
+    return CorruptPartitionError(message, path=path, partition=partition)
+
+
+class CheckpointError(CargoholdError):
+    """A checkpoint cannot be written, found or read; the message names the path and why."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file is torn, corrupted or not the file its manifest describes."""

@@ -37,6 +37,14 @@ WORKER_PHASE_SECONDS = "cargohold_worker_phase_seconds_total"
 WORKER_STEPS = "cargohold_worker_steps_total"
 WORKER_LOSS = "cargohold_worker_loss"
 WORKER_RESIDENT_BYTES = "cargohold_worker_resident_bytes"
+TIER_READ_BYTES = "cargohold_tier_read_bytes_total"
+TIER_WRITE_BYTES = "cargohold_tier_write_bytes_total"
+TIER_IO_SECONDS = "cargohold_tier_io_seconds_total"
+TIER_QUEUE_DEPTH = "cargohold_tier_queue_depth"
+TIER_PREFETCH = "cargohold_tier_prefetch_total"
+TIER_IO_WAIT_SECONDS = "cargohold_tier_io_wait_seconds_total"
+TIER_PLAN_PARTITIONS = "cargohold_tier_plan_partitions"
+TIER_PREDICTED_IO_SECONDS = "cargohold_tier_predicted_io_seconds"
 
 METRIC_NAMES: tuple[str, ...] = (
     TRANSPORT_RECEIVED_BYTES,
@@ -51,6 +59,14 @@ METRIC_NAMES: tuple[str, ...] = (
     WORKER_STEPS,
     WORKER_LOSS,
     WORKER_RESIDENT_BYTES,
+    TIER_READ_BYTES,
+    TIER_WRITE_BYTES,
+    TIER_IO_SECONDS,
+    TIER_QUEUE_DEPTH,
+    TIER_PREFETCH,
+    TIER_IO_WAIT_SECONDS,
+    TIER_PLAN_PARTITIONS,
+    TIER_PREDICTED_IO_SECONDS,
 )
 """Every metric family cargohold exports; dashboards may use no other `cargohold_` name.
 
@@ -59,6 +75,8 @@ for a histogram, and `_created` for a counter (its name without `_total`) or his
 """
 
 TIERS: frozenset[str] = frozenset({"ram", "nvme"})
+TIER_OPS: frozenset[str] = frozenset({"read", "write"})
+PREFETCH_RESULTS: frozenset[str] = frozenset({"hit", "miss"})
 PHASES: frozenset[str] = frozenset({"compute", "reduce", "push", "fetch", "gather"})
 WORKER_MEMORY_KINDS: frozenset[str] = frozenset({"weights", "gradients", "grad_shard"})
 
@@ -187,6 +205,33 @@ class StateServerMetrics(MetricsEndpoint):
             ["server", "rpc", "code"],
             registry=self.registry,
         )
+        self._init_tier_metrics(server_id)
+
+    def _init_tier_metrics(self, server_id: str) -> None:
+        """The NVMe tier's series; every label value is created up front so a dashboard
+        sees zeros, not gaps, on a server that never touched disk."""
+        labels = ["server"]
+        self._tier_bytes = {
+            "read": Counter(TIER_READ_BYTES, "Bytes the NVMe tier read from partition files.", labels,
+                            registry=self.registry).labels(server=server_id),
+            "write": Counter(TIER_WRITE_BYTES, "Bytes the NVMe tier wrote to partition files.", labels,
+                             registry=self.registry).labels(server=server_id),
+        }
+        io_seconds = Counter(TIER_IO_SECONDS, "Seconds spent in NVMe tier transfers, by operation.",
+                             ["server", "op"], registry=self.registry)
+        self._tier_seconds = {op: io_seconds.labels(server=server_id, op=op) for op in TIER_OPS}
+        self._tier_queue = Gauge(TIER_QUEUE_DEPTH, "NVMe tier transfers queued or running.", labels,
+                                 registry=self.registry).labels(server=server_id)
+        prefetch = Counter(TIER_PREFETCH, "Disk partitions an update found already staged (hit) or had "
+                           "to wait to start reading (miss).", ["server", "result"], registry=self.registry)
+        self._prefetch = {r: prefetch.labels(server=server_id, result=r) for r in PREFETCH_RESULTS}
+        self._io_wait = Counter(TIER_IO_WAIT_SECONDS, "Seconds shard updates stood still waiting for "
+                                "tier I/O.", labels, registry=self.registry).labels(server=server_id)
+        planned = Gauge(TIER_PLAN_PARTITIONS, "Partitions the tier planner places in each tier.",
+                        ["server", "tier"], registry=self.registry)
+        self._planned = {t: planned.labels(server=server_id, tier=t) for t in TIERS}
+        self._predicted = Gauge(TIER_PREDICTED_IO_SECONDS, "Disk seconds per step the planner predicts "
+                                "from measured bandwidth.", labels, registry=self.registry).labels(server=server_id)
 
     def record_received(self, rpc: str, nbytes: int) -> None:
         """Count `nbytes` of payload received by `rpc`."""
@@ -195,6 +240,31 @@ class StateServerMetrics(MetricsEndpoint):
     def record_sent(self, rpc: str, nbytes: int) -> None:
         """Count `nbytes` of payload sent by `rpc`."""
         self._transport.sent(rpc, nbytes)
+
+    def record_tier_io(self, op: str, nbytes: int, seconds: float) -> None:
+        """Count one NVMe tier transfer ("read" or "write") of `nbytes` taking `seconds`."""
+        _check_label("op", op, TIER_OPS)
+        self._tier_bytes[op].inc(nbytes)
+        self._tier_seconds[op].inc(seconds)
+
+    def set_tier_queue_depth(self, depth: int) -> None:
+        """Set the number of NVMe tier transfers queued or running."""
+        self._tier_queue.set(depth)
+
+    def record_prefetch(self, hit: bool) -> None:
+        """Count one disk partition an update found staged (hit) or not (miss)."""
+        self._prefetch["hit" if hit else "miss"].inc()
+
+    def add_tier_io_wait(self, seconds: float) -> None:
+        """Add time an update waited on tier I/O."""
+        self._io_wait.inc(seconds)
+
+    def set_tier_plan(self, partitions: dict[str, int], predicted_io_seconds: float) -> None:
+        """Publish the planner's decision: partitions per tier and predicted disk seconds per step."""
+        for tier, count in partitions.items():
+            _check_label("tier", tier, TIERS)
+            self._planned[tier].set(count)
+        self._predicted.set(predicted_io_seconds)
 
     def observe_update(self, seconds: float) -> None:
         """Record one applied shard update and how long it took."""

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
+NODE_IP_ENV = "CARGOHOLD_NODE_IP"
+"""Deployment setting: the address servers bind, overriding what Ray reports (e.g. a
+dedicated interface, or loopback when several Ray nodes share one test machine)."""
+
 
 def node_ip() -> str:
-    """This node's address as Ray knows it, so servers bind it and never 0.0.0.0;
-    loopback outside Ray."""
+    """This node's address, so servers bind it and never 0.0.0.0: ``$CARGOHOLD_NODE_IP``,
+    else the address Ray knows, else loopback outside Ray."""
     import ray
 
+    if override := os.environ.get(NODE_IP_ENV):
+        return override
     if ray.is_initialized():
         return ray.util.get_node_ip_address()
     return "127.0.0.1"

@@ -98,10 +98,36 @@ def adamw_step(
     """
     if len(gradients) != len(state.master):
         raise ValueError(f"{len(gradients)} gradient views for {len(state.master)} state views")
-    coefficient = clip_coefficient(global_norm, hyper.max_grad_norm)
+    clip_(gradients, clip_coefficient(global_norm, hyper.max_grad_norm))
+    state.step += 1
+    fused_adamw_(state, gradients, lr=lr, hyper=hyper)
+
+
+def clip_(gradients: Sequence[torch.Tensor], coefficient: torch.Tensor | None) -> None:
+    """Scale gradients in place by a :func:`clip_coefficient` (None: leave them).
+
+    Elementwise, so clipping the views of a shard piece by piece gives the same bits as
+    clipping them all at once.
+    """
     if coefficient is not None and gradients:
         torch._foreach_mul_(list(gradients), coefficient)
-    state.step += 1
+
+
+def fused_adamw_(
+    state: AdamWState,
+    gradients: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    hyper: AdamWHyperParams,
+) -> None:
+    """The fused AdamW kernel alone over the views of ``state``, at ``state.step``.
+
+    No clipping and no step increment: a caller that splits one shard's update over
+    several pieces (the tier store's partitions) clips and counts the step once, then
+    runs this per piece with the same step value.
+    """
+    if len(gradients) != len(state.master):
+        raise ValueError(f"{len(gradients)} gradient views for {len(state.master)} state views")
     if not state.master:
         return
     torch._fused_adamw_(

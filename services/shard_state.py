@@ -20,7 +20,9 @@ from cargohold.services.errors import (
     StepMismatchError,
     UnknownShardError,
 )
-from cargohold.services.optim import AdamWHyperParams, AdamWState, adamw_step
+from cargohold.services.optim import AdamWHyperParams, clip_coefficient
+from cargohold.services.tiers.residency import Residency
+from cargohold.services.tiers.storage import TieredStorage
 
 WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """Dtypes gradients and weights may travel in, by the name used in configs and the API."""
@@ -70,33 +72,47 @@ class PushOutcome:
 
 
 class ShardState:
-    """fp32 master weights and Adam moments of one segment, updated under a lock."""
+    """fp32 master weights and Adam moments of one segment, updated under a lock.
 
-    def __init__(self, spec: ShardSpec, initial_weights: torch.Tensor) -> None:
+    The arrays live in a :class:`TieredStorage` (the server's, or a private all-RAM one),
+    split into partitions there when a RAM budget is set. The clip coefficient and the
+    step count are per shard: computed once per push, whatever the partitions.
+    """
+
+    def __init__(self, spec: ShardSpec, initial_weights: torch.Tensor, *,
+                 storage: TieredStorage | None = None) -> None:
         _check_tensor(spec, initial_weights, torch.float32, "initial weights")
         self.spec = spec
         self.lock = threading.Lock()
-        self._master = initial_weights.detach().clone().contiguous()
-        self._exp_avg = torch.zeros_like(self._master)
-        self._exp_avg_sq = torch.zeros_like(self._master)
-        self._adam = AdamWState(
-            master=self._views(self._master),
-            exp_avg=self._views(self._exp_avg),
-            exp_avg_sq=self._views(self._exp_avg_sq),
-            step=torch.tensor(0.0, dtype=torch.float32),
-        )
+        self._storage = storage if storage is not None else TieredStorage()
+        self._storage.add_shard(spec.run_id, spec.shard_id, spec.numel, spec.fragments,
+                                initial_weights.detach().contiguous())
+        self._step = 0
+        self._fetch_dtype: str | None = None
+        """Dtype of the latest weight fetch: pushes prepare the weights in it."""
+        self._prepared: tuple[int, str, torch.Tensor] | None = None
+        """(step, dtype, weights) made during the latest push, until fetched once."""
 
     @property
     def step(self) -> int:
         """The number of updates applied; weights read now are those after this step."""
-        return int(self._adam.step.item())
+        return self._step
 
     @property
     def resident_bytes(self) -> int:
-        return 3 * self._master.numel() * self._master.element_size()
+        """Bytes of this shard's state held in RAM."""
+        return self._storage.state_bytes(self.spec.run_id, self.spec.shard_id)[Residency.RAM]
+
+    def bytes_by_tier(self) -> dict[Residency, int]:
+        return self._storage.state_bytes(self.spec.run_id, self.spec.shard_id)
 
     def push(self, step: int, gradient: torch.Tensor, *, global_norm: float, lr: float) -> PushOutcome:
-        """Apply the gradient of ``step`` once; a repeat of the last step is ignored."""
+        """Apply the gradient of ``step`` once; a repeat of the last step is ignored.
+
+        If the update stops part-way (a corrupt partition file, a failed write) the error
+        propagates and the shard stays at the previous step; pushing the same step again
+        finishes the partitions that had not been updated.
+        """
         _check_tensor(self.spec, gradient, WIRE_DTYPES[self.spec.grad_dtype], "gradient")
         if not (math.isfinite(lr) and lr >= 0.0):
             raise InvalidTensorError(f"shard {self.spec.shard_id}: lr must be finite and >= 0, got {lr}")
@@ -115,14 +131,17 @@ class ShardState:
                     f"it accepts a gradient for step {current + 1}, got step {step}"
                 )
             started = time.perf_counter()
-            grad32 = gradient.to(torch.float32, copy=True).contiguous()
-            adamw_step(
-                self._adam,
-                self._views(grad32),
-                lr=lr,
-                hyper=self.spec.hyper,
-                global_norm=global_norm,
+            self._prepared = None
+            dtype = self._fetch_dtype
+            weights, _ = self._storage.update(
+                self.spec.run_id, self.spec.shard_id, step, gradient,
+                coefficient=clip_coefficient(global_norm, self.spec.hyper.max_grad_norm),
+                lr=lr, hyper=self.spec.hyper,
+                weights_dtype=WIRE_DTYPES[dtype] if dtype is not None else None,
             )
+            self._step = step
+            if weights is not None and dtype is not None:
+                self._prepared = (step, dtype, weights)
             return PushOutcome(applied=True, step=step, seconds=time.perf_counter() - started)
 
     def weights(self, step: int, dtype: str) -> torch.Tensor:
@@ -136,33 +155,35 @@ class ShardState:
                     f"shard {self.spec.shard_id} of run {self.spec.run_id!r} holds the weights "
                     f"of step {current}, not of step {step}"
                 )
-            return self._master.to(WIRE_DTYPES[dtype], copy=True)
+            self._fetch_dtype = dtype
+            prepared, self._prepared = self._prepared, None
+            if prepared is not None and prepared[:2] == (step, dtype):
+                return prepared[2]
+            return self._storage.read_weights(self.spec.run_id, self.spec.shard_id, step, WIRE_DTYPES[dtype])
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of master, exp_avg and exp_avg_sq (for tests and checkpoints)."""
         with self.lock:
-            return {
-                "master": self._master.clone(),
-                "exp_avg": self._exp_avg.clone(),
-                "exp_avg_sq": self._exp_avg_sq.clone(),
-            }
-
-    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        return [buffer[offset : offset + length] for offset, length in self.spec.fragments]
+            return self._storage.snapshot(self.spec.run_id, self.spec.shard_id, self.step)
 
 
 class ShardRegistry:
-    """All shards a server owns, keyed by (run id, shard id)."""
+    """All shards a server owns, keyed by (run id, shard id), over one tiered storage."""
 
-    def __init__(self) -> None:
+    def __init__(self, storage: TieredStorage | None = None) -> None:
         self._lock = threading.Lock()
+        self._registering = threading.Lock()
+        """Serialises registrations, which may write partition files, without holding
+        ``_lock`` (and so every other shard's lookups) meanwhile."""
         self._shards: dict[tuple[str, int], ShardState] = {}
+        self.storage = storage if storage is not None else TieredStorage()
 
     def register(self, spec: ShardSpec, initial_weights: torch.Tensor) -> ShardState:
         """Create the shard, or return it unchanged if registered with the same spec."""
         key = (spec.run_id, spec.shard_id)
-        with self._lock:
-            existing = self._shards.get(key)
+        with self._registering:
+            with self._lock:
+                existing = self._shards.get(key)
             if existing is not None:
                 if existing.spec != spec:
                     raise ShardConflictError(
@@ -170,8 +191,9 @@ class ShardRegistry:
                         "with a different specification"
                     )
                 return existing
-            state = ShardState(spec, initial_weights)
-            self._shards[key] = state
+            state = ShardState(spec, initial_weights, storage=self.storage)
+            with self._lock:
+                self._shards[key] = state
             return state
 
     def get(self, run_id: str, shard_id: int) -> ShardState:
@@ -186,7 +208,17 @@ class ShardRegistry:
             return [s for (run, _), s in self._shards.items() if run_id in (None, run)]
 
     def resident_bytes(self) -> int:
-        return sum(s.resident_bytes for s in self.shards())
+        """Bytes of optimizer state held in RAM, over every shard."""
+        return self.storage.state_bytes()[Residency.RAM]
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        """Bytes of optimizer state in each tier ("ram", and "nvme" when one is configured)."""
+        totals = self.storage.state_bytes()
+        return {r.value: n for r, n in totals.items() if r is Residency.RAM or self.storage.enabled}
+
+    def close(self) -> None:
+        """Stop the storage's I/O and delete this server's partition files."""
+        self.storage.close()
 
 
 def _check_tensor(spec: ShardSpec, tensor: torch.Tensor, dtype: torch.dtype, what: str) -> None:

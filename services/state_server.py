@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 class StateServer:
     def __init__(self, config: StateServerConfig, *, server_index: int, metrics_enabled: bool = True,
+                 metrics_port: int = 0,
                  auth_token: str | None = None, tls: TlsFiles | None = None) -> None:
         torch.set_num_threads(config.torch_threads)
         host = config.bind_host or node_ip()
@@ -32,7 +33,7 @@ class StateServer:
         self.metrics = StateServerMetrics(f"state-server-{server_index}")
         self.registry = ShardRegistry(TieredStorage(config.tier, server_index=server_index, observer=self.metrics))
         if metrics_enabled:
-            self.metrics.start(host=host)
+            self.metrics.start(host=host, port=metrics_port)
         self._grpc = GrpcStateServer(
             self.registry, self.metrics, host=host, max_workers=config.rpc_threads,
             auth_token=auth_token, tls=tls,

@@ -158,7 +158,7 @@ class TrainingWorker:
         self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collectives")
         self.metrics = WorkerMetrics(rank)
         if config.metrics.enabled:
-            self.metrics.start(host=node_ip())
+            self.metrics.start(host=node_ip(), port=config.metrics.port_for("worker", rank, config))
         self._report_resident_bytes()
 
     # --- lifecycle -----------------------------------------------------------------
@@ -395,7 +395,8 @@ class TrainingWorker:
         shm = self._shm_ref(segment, self._grad_shard)
         outcome = client.push(self.run_id, segment.segment_id, step, gradient, lr=lr, defer_update=defer,
                               shm=shm)
-        self.metrics.record_sent("PushGradient", gradient.numel() * gradient.element_size())
+        self.metrics.record_sent("PushGradient.shm" if shm else "PushGradient",
+                                 gradient.numel() * gradient.element_size())
         if defer:
             return False
         if not self.config.worker.delayed_update:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import ray
+
+# Everything the tests start binds loopback: cargohold's servers (read by
+# cargohold.services.node in every actor, which inherits this environment through the
+# raylets the tests start) and gloo's sockets.
+os.environ["CARGOHOLD_NODE_IP"] = "127.0.0.1"
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 
 
 

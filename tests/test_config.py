@@ -95,6 +95,8 @@ CONFIG_SURFACE = [
     "cluster.placement_strategy",
     "cluster.startup_timeout_s",
     "metrics.enabled",
+    "metrics.port",
+    "metrics.file_sd_path",
     "security.auth_token_env",
     "security.tls_cert_file",
     "security.tls_key_file",

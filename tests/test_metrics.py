@@ -130,6 +130,39 @@ def test_state_server_values_round_trip(server: StateServerMetrics) -> None:
             assert ("server", sid) in labels, name
 
 
+def test_tier_values_round_trip(server: StateServerMetrics) -> None:
+    got = _samples(server)
+    sid = "ss-0"
+    # Every tier series exists before any I/O, at zero.
+    assert got[_key("cargohold_tier_prefetch_total", server=sid, result="miss")] == 0
+    assert got[_key("cargohold_tier_io_seconds_total", server=sid, op="write")] == 0
+    assert got[_key("cargohold_tier_plan_partitions", server=sid, tier="nvme")] == 0
+
+    server.record_tier_io("read", 4096, 0.5)
+    server.record_tier_io("read", 4096, 0.25)
+    server.record_tier_io("write", 100, 1.0)
+    server.set_tier_queue_depth(3)
+    server.record_prefetch(True)
+    server.record_prefetch(True)
+    server.record_prefetch(False)
+    server.add_tier_io_wait(0.125)
+    server.set_tier_plan({"ram": 2, "nvme": 9}, 1.5)
+    got = _samples(server)
+    assert got[_key("cargohold_tier_read_bytes_total", server=sid)] == 8192
+    assert got[_key("cargohold_tier_write_bytes_total", server=sid)] == 100
+    assert got[_key("cargohold_tier_io_seconds_total", server=sid, op="read")] == 0.75
+    assert got[_key("cargohold_tier_io_seconds_total", server=sid, op="write")] == 1.0
+    assert got[_key("cargohold_tier_queue_depth", server=sid)] == 3
+    assert got[_key("cargohold_tier_prefetch_total", server=sid, result="hit")] == 2
+    assert got[_key("cargohold_tier_prefetch_total", server=sid, result="miss")] == 1
+    assert got[_key("cargohold_tier_io_wait_seconds_total", server=sid)] == 0.125
+    assert got[_key("cargohold_tier_plan_partitions", server=sid, tier="ram")] == 2
+    assert got[_key("cargohold_tier_plan_partitions", server=sid, tier="nvme")] == 9
+    assert got[_key("cargohold_tier_predicted_io_seconds", server=sid)] == 1.5
+    with pytest.raises(ConfigError, match="'seek'"):
+        server.record_tier_io("seek", 1, 1.0)
+
+
 def test_worker_values_round_trip(worker: WorkerMetrics) -> None:
     worker.observe_step(1.5, loss=2.75)
     worker.observe_step(0.5, loss=2.25)

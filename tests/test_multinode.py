@@ -5,6 +5,8 @@ metrics of every actor for real while the run is up."""
 
 from __future__ import annotations
 
+import json
+import socket
 import urllib.request
 
 import pytest
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def four_nodes():
+    # cargohold's servers bind loopback through CARGOHOLD_NODE_IP (conftest.py).
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     for resource in ("trainer", "trainer", "hold", "hold"):
         cluster.add_node(num_cpus=2, resources={resource: 1})
@@ -46,13 +49,34 @@ def _value(samples: dict, family: str, sample: str, **labels: str) -> float:
                and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def test_every_actor_on_its_own_node(four_nodes) -> None:
+def _free_port_range(count: int) -> int:
+    """A base port whose next ``count`` ports are free now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")
+
+
+def test_every_actor_on_its_own_node(four_nodes, tmp_path) -> None:
+    base_port = _free_port_range(4)
     config = tiny_config(
         steps=6,
         state_server__num_servers=2,
         state_server__resources={"hold": 1},
         worker__resources={"trainer": 1},
         cluster__placement_strategy="STRICT_SPREAD",
+        metrics__port=base_port,
+        metrics__file_sd_path=str(tmp_path / "sd" / "cargohold.json"),
     )
     with TrainingSession(config) as session:
         losses = [session.step().loss for _ in range(config.steps)]
@@ -61,6 +85,16 @@ def test_every_actor_on_its_own_node(four_nodes) -> None:
         scrapes = {address: _scrape(address) for address in session.metrics_addresses()}
 
     assert len(set(nodes)) == 4, "each actor must run on its own node"
+    # Fixed ports: state server i on base + i, worker r on base + 2 + r; published for
+    # Prometheus file-based discovery with role labels.
+    groups = json.loads((tmp_path / "sd" / "cargohold.json").read_text())
+    published = {(g["labels"]["role"], g["labels"]["index"]): g["targets"][0] for g in groups}
+    assert published == {
+        ("state_server", "0"): f"127.0.0.1:{base_port}", ("state_server", "1"): f"127.0.0.1:{base_port + 1}",
+        ("worker", "0"): f"127.0.0.1:{base_port + 2}", ("worker", "1"): f"127.0.0.1:{base_port + 3}",
+    }
+    assert set(scrapes) == set(published.values())
+    assert all(address.startswith("127.0.0.1:") for address in session.server_addresses)
     reference = reference_train(config, config.steps)
     assert losses == reference.losses
 

@@ -1,0 +1,193 @@
+"""How close does the NVMe tier come to the disk, and what does it cost a step?
+
+    python benchmarks/nvme_tier.py --path /mnt/nvme0/cargohold-bench
+    python benchmarks/nvme_tier.py --path /tmp/bench --state-mib 1536 --budget-mib 320 --steps 4
+
+In one run, on the disk under ``--path``:
+
+1. **Raw disk.** Sequential O_DIRECT write (then fsync) and read of a ``--raw-mib`` file in
+   ``--block-mib`` requests, ``--io-threads`` in flight: the bandwidth the disk offers.
+2. **Tier.** One shard of ``--state-mib`` of optimizer state (fp32 master, exp_avg,
+   exp_avg_sq) on a state server with a ``--budget-mib`` RAM budget, so most partitions
+   live on disk; ``--steps`` optimizer steps (ShardState.push, as a PushGradient ends
+   in). It reports the bytes swapped in and out per step and their rate, and compares the
+   step with the disk time the same bytes would take at the raw bandwidth
+   (``read / raw_read + written / raw_write``): ``tier / raw`` is that ideal disk time
+   over the measured step time, 1.0 when the tier moves data as fast as the disk can.
+3. **RAM.** The same shard and steps with all state in RAM: the step's compute alone.
+
+Ratios printed: tier throughput / raw disk bandwidth (goal >= 0.85) and step(NVMe) /
+step(RAM). When the update itself is slower than the disk, the step cannot be shorter
+than the RAM step, and the best the tier can do is hide its I/O behind it; the line
+``overlap`` says how much of that it achieves. Weights are checked bitwise between the
+RAM and the NVMe run. Step times are the mean of steps 2..N (step 1 starts cold). The
+files are deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from cargohold.cluster.config import TierConfig
+from cargohold.services.optim import AdamWHyperParams
+from cargohold.services.shard_state import ShardRegistry, ShardSpec
+from cargohold.services.tiers.storage import TieredStorage
+
+MIB = 1 << 20
+
+
+def raw_bandwidth(directory: str, nbytes: int, block: int, threads: int) -> tuple[float, float, bool]:
+    """(write, read) bytes/s of a sequential O_DIRECT file; falls back to buffered I/O
+    (then says so) where the filesystem refuses O_DIRECT."""
+    path = os.path.join(directory, "raw-bandwidth.bin")
+    buffer = mmap.mmap(-1, block)
+    buffer.write(os.urandom(block))
+    view = memoryview(buffer)
+    offsets = range(0, nbytes, block)
+    direct = True
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_DIRECT, 0o600)
+    except OSError:
+        direct = False
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            started = time.perf_counter()
+            list(pool.map(lambda offset: os.pwritev(fd, [view], offset), offsets))
+            os.fsync(fd)
+            write = nbytes / (time.perf_counter() - started)
+        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        reads = [mmap.mmap(-1, block) for _ in range(threads)]
+        with ThreadPoolExecutor(threads) as pool:
+            started = time.perf_counter()
+            list(pool.map(lambda i: os.preadv(fd, [reads[i % threads]], offsets[i]), range(len(offsets))))
+            read = nbytes / (time.perf_counter() - started)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return write, read, direct
+
+
+class Counter:
+    """A TierObserver that adds up the tier's I/O."""
+
+    def __init__(self) -> None:
+        self.read = self.written = 0
+        self.read_s = self.write_s = self.wait_s = 0.0
+        self.hits = self.misses = 0
+
+    def record_tier_io(self, op: str, nbytes: int, seconds: float) -> None:
+        if op == "read":
+            self.read, self.read_s = self.read + nbytes, self.read_s + seconds
+        else:
+            self.written, self.write_s = self.written + nbytes, self.write_s + seconds
+
+    def set_tier_queue_depth(self, depth: int) -> None:
+        pass
+
+    def record_prefetch(self, hit: bool) -> None:
+        self.hits += hit
+        self.misses += not hit
+
+    def add_tier_io_wait(self, seconds: float) -> None:
+        self.wait_s += seconds
+
+    def set_tier_plan(self, partitions: dict[str, int], predicted_io_seconds: float) -> None:
+        self.plan = partitions
+
+
+def run_steps(tier: TierConfig, numel: int, steps: int, observer: Counter | None):
+    spec = ShardSpec(run_id="bench", shard_id=0, start=0, numel=numel, fragments=((0, numel),),
+                     grad_dtype="float32", hyper=AdamWHyperParams(weight_decay=0.01))
+    initial = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    gradient = torch.randn(numel, generator=torch.Generator().manual_seed(1)).mul_(1e-2)
+    registry = ShardRegistry(TieredStorage(tier, observer=observer))
+    try:
+        state = registry.register(spec, initial)
+        del initial
+        times, moved = [], []
+        for step in range(1, steps + 1):
+            before = (observer.read, observer.written) if observer else (0, 0)
+            started = time.perf_counter()
+            state.push(step, gradient, global_norm=1.0, lr=1e-3)
+            times.append(time.perf_counter() - started)
+            if observer:
+                moved.append((observer.read - before[0], observer.written - before[1]))
+        weights = state.weights(steps, "float32")
+        by_tier = registry.bytes_by_tier()
+    finally:
+        registry.close()
+    return times, moved, weights, by_tier
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--path", default=None, help="a directory on the disk to measure (default: a temp dir)")
+    parser.add_argument("--state-mib", type=int, default=1536, help="optimizer state of the shard")
+    parser.add_argument("--budget-mib", type=int, default=320, help="the state server's RAM budget")
+    parser.add_argument("--partition-mib", type=int, default=64)
+    parser.add_argument("--buffers", type=int, default=3)
+    parser.add_argument("--io-threads", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--raw-mib", type=int, default=1024)
+    parser.add_argument("--block-mib", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for Adam")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    base = args.path or tempfile.mkdtemp(prefix="cargohold-bench-")
+    os.makedirs(base, exist_ok=True)
+    numel = args.state_mib * MIB // 12 // 64 * 64
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    print(f"machine: {platform.machine()} {cpu}, {os.cpu_count()} cores, torch threads {args.threads}, "
+          f"kernel {platform.release()}")
+    print(f"disk: {base} ({shutil.disk_usage(base).free / 2**30:.0f} GiB free)")
+    try:
+        write, read, direct = raw_bandwidth(base, args.raw_mib * MIB, args.block_mib * MIB, args.io_threads)
+        print(f"raw disk ({'O_DIRECT' if direct else 'buffered'}, {args.block_mib} MiB blocks, "
+              f"{args.io_threads} in flight, {args.raw_mib} MiB): write {write / 1e9:.2f} GB/s, read {read / 1e9:.2f} GB/s")
+
+        tier = TierConfig(nvme_paths=[os.path.join(base, "tier")], ram_budget_bytes=args.budget_mib * MIB,
+                          partition_bytes=args.partition_mib * MIB, buffer_count=args.buffers,
+                          io_threads=args.io_threads)
+        counter = Counter()
+        nvme_times, moved, nvme_weights, by_tier = run_steps(tier, numel, args.steps, counter)
+        ram_times, _, ram_weights, _ = run_steps(TierConfig(), numel, args.steps, None)
+    finally:
+        if args.path is None:
+            shutil.rmtree(base, ignore_errors=True)
+    assert torch.equal(nvme_weights, ram_weights), "the NVMe run's weights differ from the RAM run's"
+
+    tail = slice(1, None) if args.steps > 1 else slice(None)
+    step_nvme, step_ram = statistics.mean(nvme_times[tail]), statistics.mean(ram_times[tail])
+    read_b = statistics.mean(m[0] for m in moved[tail])
+    write_b = statistics.mean(m[1] for m in moved[tail])
+    ideal_io = read_b / read + write_b / write
+    print(f"state: {12 * numel / MIB:.0f} MiB in {args.partition_mib} MiB partitions; budget "
+          f"{args.budget_mib} MiB; resident {by_tier['ram'] / MIB:.0f} MiB, on disk {by_tier['nvme'] / MIB:.0f} MiB")
+    print(f"tier per step: swapped in {read_b / MIB:.0f} MiB, out {write_b / MIB:.0f} MiB; "
+          f"prefetch hits {counter.hits}, misses {counter.misses}; update waited {counter.wait_s:.2f} s in all")
+    print(f"tier throughput: in {read_b / step_nvme / 1e9:.2f} GB/s, out {write_b / step_nvme / 1e9:.2f} GB/s, "
+          f"total {(read_b + write_b) / step_nvme / 1e9:.2f} GB/s")
+    print(f"step: NVMe {step_nvme:.3f} s, RAM {step_ram:.3f} s; disk time at raw bandwidth {ideal_io:.3f} s")
+    print(f"ratio tier / raw disk bandwidth: {ideal_io / step_nvme:.3f}   (goal >= 0.85)")
+    print(f"ratio step(NVMe) / step(RAM): {step_nvme / step_ram:.3f}")
+    print(f"overlap: step(NVMe) / max(step(RAM), raw disk time) = {step_nvme / max(step_ram, ideal_io):.3f}   "
+          "(1.0 = I/O fully hidden or fully disk-bound)")
+    print("weights: NVMe run bitwise equal to RAM run")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,771 @@
+"""The on-disk checkpoint format: payload files per segment, a manifest written last.
+
+A checkpoint is one directory under a root, named after its step::
+
+    <root>/step-0000001200/
+        manifest.json        written last: format version, step, run id, config hash,
+                             model signature, padded length, shard records, the size and
+                             CRC-32C of every payload file, and a free-form ``extra``
+        seg-00003.bin ...    one payload file per segment (any cut of the flat buffer)
+
+The directory is built as ``step-<step>.partial`` (:meth:`CheckpointStore.begin`); each
+payload file is written to a temporary name, fsynced and renamed, and the directory is
+fsynced. :meth:`CheckpointStore.commit` then writes the manifest the same way and renames
+the directory to its final name, so a directory named ``step-<step>`` exists only once
+all its files and its manifest are durable. A crash at any point leaves earlier
+checkpoints as they were and, at worst, a ``.partial`` directory that is never read and
+is removed by the next commit. Directories that are being deleted or replaced are first
+renamed out of the ``step-<step>`` namespace for the same reason.
+
+A payload file is a fixed little-endian header, then the raw fp32 arrays::
+
+    magic "CHOLDCKP" | version u32 | header bytes u32 | step u64 | start u64 | numel u64
+    | dtype u32 | arrays u32 | per array: name (16 bytes, NUL-padded), CRC-32C u32
+    | CRC-32C of the header so far u32
+    master, exp_avg, exp_avg_sq: numel x float32 each
+
+The header checksum catches a flipped byte in the header, the per-array checksums one in
+the data, the size check a torn file; the manifest's whole-file checksum ties the file to
+the manifest that names it.
+
+Resharding is free: a file covers a flat range ``[start, stop)``, and
+:func:`read_flat_range` assembles any other range from whichever files cover it, so a
+checkpoint saved by S state servers for W workers loads onto S' servers for W' workers.
+The parameter offsets in the flat buffer depend only on the parameters and the alignment,
+not on S or W; only the trailing padding (``total``) changes with W.
+
+One writer per root at a time (the launcher); readers may run concurrently with it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import torch
+
+from cargohold.services.errors import CheckpointError, CorruptCheckpointError
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MAGIC = b"CHOLDCKP"
+MANIFEST_NAME = "manifest.json"
+ARRAYS = ("master", "exp_avg", "exp_avg_sq")
+"""The arrays of every payload file, in file order."""
+DTYPE_FLOAT32 = 1
+
+_STEP_DIR = re.compile(r"step-(\d{10,})")
+_PARTIAL_DIR = re.compile(r"step-(\d{10,})\.partial")
+_TRASH_SUFFIXES = (".deleting", ".replaced")
+"""Suffixes of directories on their way out; never read, removed by the next commit."""
+_TEMP_SUFFIX = ".tmp"
+
+_HEADER = struct.Struct("<8sIIQQQII")
+_ARRAY = struct.Struct("<16sI")
+_CRC = struct.Struct("<I")
+_HEADER_BYTES = _HEADER.size + len(ARRAYS) * _ARRAY.size + _CRC.size
+_CHUNK = 1 << 20
+"""google-crc32c takes only immutable ``bytes``: checksums run over 1 MiB copies, which
+stay in cache and are also what gets written."""
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """A payload file as the manifest knows it: its name in the checkpoint directory, its
+    size and the CRC-32C of its whole content."""
+
+    name: str
+    nbytes: int
+    crc32c: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRecord:
+    """The flat range ``[start, stop)`` of the model buffer that ``file`` holds."""
+
+    segment_id: int
+    start: int
+    stop: int
+    step: int
+    file: str
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """Everything needed to find, verify and place a checkpoint's payload.
+
+    Construction validates the fields (types, ranges, no overlapping shards, every shard's
+    file listed, every shard at ``step``) and raises :class:`CheckpointError`.
+    """
+
+    format_version: int
+    step: int
+    run_id: str
+    config_hash: str
+    model_signature: tuple[tuple[str, tuple[int, ...]], ...]
+    """Parameter names and shapes, in layout order."""
+    total: int
+    """Padded length of the flat buffer the checkpoint was saved from."""
+    shards: tuple[ShardRecord, ...]
+    files: tuple[FileRecord, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+    """JSON-able extras: data position, layout counts. Put ``"align"`` here so that
+    :func:`check_compatible` can catch a changed alignment."""
+
+    def __post_init__(self) -> None:
+        _validate_manifest(self)
+
+    def to_json(self) -> str:
+        body = {
+            "format_version": self.format_version,
+            "step": self.step,
+            "run_id": self.run_id,
+            "config_hash": self.config_hash,
+            "model_signature": [[name, list(shape)] for name, shape in self.model_signature],
+            "total": self.total,
+            "shards": [
+                {"segment_id": s.segment_id, "start": s.start, "stop": s.stop, "step": s.step, "file": s.file}
+                for s in self.shards
+            ],
+            "files": [{"name": f.name, "nbytes": f.nbytes, "crc32c": f.crc32c} for f in self.files],
+            "extra": self.extra,
+        }
+        try:
+            return json.dumps(body, indent=1, allow_nan=False) + "\n"
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"manifest extra is not JSON-able: {error}") from error
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str) -> Manifest:
+        """Parse and validate; every error names ``source`` (the manifest's path)."""
+        try:
+            body = json.loads(text)
+        except ValueError as error:
+            raise CheckpointError(f"{source}: not a valid manifest (JSON: {error})") from error
+        try:
+            return cls._from_body(body)
+        except CheckpointError as error:
+            raise CheckpointError(f"{source}: {error}") from error
+
+    @classmethod
+    def _from_body(cls, body: object) -> Manifest:
+        if not isinstance(body, dict):
+            raise CheckpointError(f"the manifest is a JSON {type(body).__name__}, not an object")
+        version = body.get("format_version")
+        if version != FORMAT_VERSION or isinstance(version, bool):
+            raise CheckpointError(
+                f"format version {version!r}; this build reads version {FORMAT_VERSION}"
+            )
+        keys = {"format_version", "step", "run_id", "config_hash", "model_signature", "total",
+                "shards", "files", "extra"}
+        if set(body) != keys:
+            missing, unknown = sorted(keys - set(body)), sorted(set(body) - keys)
+            raise CheckpointError(f"manifest fields missing {missing}, unknown {unknown}")
+        signature = _list(body["model_signature"], "model_signature")
+        shards = _list(body["shards"], "shards")
+        files = _list(body["files"], "files")
+        extra = body["extra"]
+        if not isinstance(extra, dict):
+            raise CheckpointError("extra must be an object")
+        return cls(
+            format_version=version,
+            step=body["step"],
+            run_id=body["run_id"],
+            config_hash=body["config_hash"],
+            model_signature=tuple(_signature_entry(entry, i) for i, entry in enumerate(signature)),
+            total=body["total"],
+            shards=tuple(ShardRecord(**_record(entry, ShardRecord, f"shards[{i}]"))
+                         for i, entry in enumerate(shards)),
+            files=tuple(FileRecord(**_record(entry, FileRecord, f"files[{i}]"))
+                        for i, entry in enumerate(files)),
+            extra=extra,
+        )
+
+
+def _list(value: object, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise CheckpointError(f"{what} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _signature_entry(entry: object, index: int) -> tuple[str, tuple[int, ...]]:
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)):
+        raise CheckpointError(f"model_signature[{index}] must be [name, [dims]], got {entry!r}")
+    return entry[0], tuple(entry[1])
+
+
+def _record(entry: object, kind: type, what: str) -> dict[str, Any]:
+    names = set(kind.__dataclass_fields__)  # type: ignore[attr-defined]
+    if not isinstance(entry, dict) or set(entry) != names:
+        raise CheckpointError(f"{what} must be an object with fields {sorted(names)}, got {entry!r}")
+    return entry
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_name(name: object, what: str) -> None:
+    """A payload file name: one plain path component, not one the store itself uses."""
+    if (not isinstance(name, str) or not name or name in (".", "..", MANIFEST_NAME)
+            or "/" in name or "\\" in name or "\0" in name or name.endswith(_TEMP_SUFFIX)):
+        raise CheckpointError(
+            f"{what} {name!r} is not a valid payload file name (one path component, not "
+            f"{MANIFEST_NAME!r}, not ending in {_TEMP_SUFFIX!r})"
+        )
+
+
+def _validate_manifest(m: Manifest) -> None:
+    if m.format_version != FORMAT_VERSION or not _is_int(m.format_version):
+        raise CheckpointError(f"format version {m.format_version!r}; this build writes version {FORMAT_VERSION}")
+    for name in ("step", "total"):
+        value = getattr(m, name)
+        if not _is_int(value) or value < 0:
+            raise CheckpointError(f"{name} must be an integer >= 0, got {value!r}")
+    if m.total < 1:
+        raise CheckpointError(f"total must be >= 1, got {m.total}")
+    for name in ("run_id", "config_hash"):
+        if not isinstance(getattr(m, name), str):
+            raise CheckpointError(f"{name} must be a string, got {getattr(m, name)!r}")
+    if not isinstance(m.model_signature, tuple):
+        raise CheckpointError("model_signature must be a tuple of (name, shape)")
+    for index, entry in enumerate(m.model_signature):
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
+                and isinstance(entry[1], tuple) and all(_is_int(d) and d >= 0 for d in entry[1])):
+            raise CheckpointError(f"model_signature[{index}] must be (name, shape), got {entry!r}")
+    if not isinstance(m.extra, dict) or not all(isinstance(k, str) for k in m.extra):
+        raise CheckpointError("extra must be a dict with string keys")
+
+    if not isinstance(m.files, tuple) or not all(isinstance(f, FileRecord) for f in m.files):
+        raise CheckpointError("files must be a tuple of FileRecord")
+    names: set[str] = set()
+    for record in m.files:
+        _check_name(record.name, "file")
+        if record.name in names:
+            raise CheckpointError(f"file {record.name!r} is listed twice")
+        names.add(record.name)
+        if not _is_int(record.nbytes) or record.nbytes < 0:
+            raise CheckpointError(f"file {record.name!r}: nbytes must be an integer >= 0, got {record.nbytes!r}")
+        if not _is_int(record.crc32c) or not 0 <= record.crc32c < 1 << 32:
+            raise CheckpointError(f"file {record.name!r}: crc32c must be a 32-bit unsigned integer")
+
+    if not isinstance(m.shards, tuple) or not all(isinstance(s, ShardRecord) for s in m.shards):
+        raise CheckpointError("shards must be a tuple of ShardRecord")
+    for shard in m.shards:
+        where = f"shard {shard.segment_id!r}"
+        if not all(_is_int(v) for v in (shard.segment_id, shard.start, shard.stop, shard.step)):
+            raise CheckpointError(f"{where}: segment_id, start, stop and step must be integers")
+        if not 0 <= shard.start < shard.stop <= m.total:
+            raise CheckpointError(f"{where}: range [{shard.start}, {shard.stop}) is empty or outside [0, {m.total})")
+        if shard.step != m.step:
+            raise CheckpointError(f"{where} is at step {shard.step}, the checkpoint at step {m.step}")
+        if not isinstance(shard.file, str) or shard.file not in names:
+            raise CheckpointError(f"{where}: its file {shard.file!r} is not listed in files")
+    ordered = sorted(m.shards, key=lambda s: s.start)
+    for left, right in zip(ordered, ordered[1:]):
+        if right.start < left.stop:
+            raise CheckpointError(
+                f"shards {left.segment_id} [{left.start}, {left.stop}) and {right.segment_id} "
+                f"[{right.start}, {right.stop}) overlap"
+            )
+
+
+def _gaps(shards: Iterable[ShardRecord], start: int, stop: int) -> list[tuple[int, int]]:
+    """The parts of ``[start, stop)`` no shard covers (shards do not overlap)."""
+    gaps, cursor = [], start
+    for shard in sorted(shards, key=lambda s: s.start):
+        if shard.stop <= cursor or shard.start >= stop:
+            continue
+        if shard.start > cursor:
+            gaps.append((cursor, shard.start))
+        cursor = shard.stop
+    if cursor < stop:
+        gaps.append((cursor, stop))
+    return gaps
+
+
+def check_compatible(
+    manifest: Manifest,
+    *,
+    model_signature: Sequence[tuple[str, Sequence[int]]],
+    total: int,
+    align: int | None = None,
+) -> None:
+    """Refuse a checkpoint of another model, naming the first parameter that differs.
+
+    ``total`` may differ from the checkpoint's: the padding at the end of the buffer
+    follows the worker count, and resharding onto another worker count is allowed (the
+    parameters sit at the same offsets for the same alignment). Pass ``align`` to also
+    check the alignment recorded in ``manifest.extra["align"]``, when the writer put it
+    there; a changed alignment moves every parameter.
+    """
+    ours = tuple((str(name), tuple(int(d) for d in shape)) for name, shape in model_signature)
+    theirs = manifest.model_signature
+    for index, (saved, wanted) in enumerate(zip(theirs, ours)):
+        if saved != wanted:
+            raise CheckpointError(
+                f"checkpoint is of another model: parameter {index} is {saved[0]!r} of shape "
+                f"{saved[1]} in the checkpoint but {wanted[0]!r} of shape {wanted[1]} in this model"
+            )
+    if len(theirs) != len(ours):
+        longer, where = (theirs, "only the checkpoint") if len(theirs) > len(ours) else (ours, "only this model")
+        name, shape = longer[min(len(theirs), len(ours))]
+        raise CheckpointError(
+            f"checkpoint is of another model: {where} has parameter {name!r} of shape {shape} "
+            f"({len(theirs)} parameters in the checkpoint, {len(ours)} in this model)"
+        )
+    if align is None:
+        return
+    saved_align = manifest.extra.get("align")
+    if saved_align is not None and saved_align != align:
+        raise CheckpointError(
+            f"checkpoint is of another layout: it was saved with align {saved_align}, this run "
+            f"uses {align}; every parameter would land at another offset"
+        )
+    offset = 0
+    for _, shape in ours:
+        offset += -(-math.prod(shape) // align) * align
+    if offset > manifest.total or offset > total:
+        raise CheckpointError(
+            f"checkpoint is of another layout: the parameters need {offset} elements at align "
+            f"{align}, the checkpoint holds {manifest.total} and this layout {total}"
+        )
+
+
+# --------------------------------------------------------------------------- payload files
+
+
+def _crc(view: memoryview, crc: int = 0) -> int:
+    for start in range(0, len(view), _CHUNK):
+        crc = google_crc32c.extend(crc, bytes(view[start : start + _CHUNK]))
+    return crc
+
+
+def _os_error(action: str, path: Path, error: OSError) -> CheckpointError:
+    reason = error.strerror or str(error)
+    hint = ("; free space there or lower the number of checkpoints kept"
+            if error.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+    return CheckpointError(f"{action} {path} failed: {reason}{hint}")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _write_durably(target: Path, chunks: Iterable[bytes]) -> int:
+    """Write ``chunks`` to ``target`` via a temporary name: write, fsync, rename, fsync the
+    directory. Returns the CRC-32C of the content. On failure nothing is left behind."""
+    temporary = target.with_name(target.name + _TEMP_SUFFIX)
+    renamed = False
+    try:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            crc = 0
+            for chunk in chunks:
+                crc = google_crc32c.extend(crc, chunk)
+                _write_all(fd, chunk)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, target)
+        renamed = True
+        _fsync_dir(target.parent)
+        return crc
+    except OSError as error:
+        for leftover in (temporary, target) if renamed else (temporary,):
+            try:
+                leftover.unlink()
+            except OSError:
+                pass
+        raise _os_error("writing checkpoint file", target, error) from error
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    array = tensor.numpy()
+    if array.dtype.byteorder == ">":  # the format is little-endian
+        array = array.astype("<f4")
+    return memoryview(array).cast("B")
+
+
+def write_shard_file(
+    directory: Path, name: str, *, step: int, start: int, tensors: Mapping[str, torch.Tensor]
+) -> FileRecord:
+    """Write master/exp_avg/exp_avg_sq of the flat range starting at ``start`` durably to
+    ``directory/name`` and return its manifest record.
+
+    The tensors must be fp32, 1-D and of equal length. An OSError (a full disk, an
+    unwritable directory) becomes a CheckpointError naming the file and the reason, and
+    leaves no file behind.
+    """
+    _check_name(name, "payload file")
+    target = Path(directory) / name
+    if set(tensors) != set(ARRAYS):
+        raise CheckpointError(f"{target}: tensors must be exactly {list(ARRAYS)}, got {sorted(tensors)}")
+    if not (_is_int(step) and step >= 0 and _is_int(start) and start >= 0):
+        raise CheckpointError(f"{target}: step and start must be integers >= 0, got {step!r}, {start!r}")
+    arrays = [tensors[a].detach().to("cpu").contiguous() for a in ARRAYS]
+    numel = arrays[0].numel()
+    for array_name, array in zip(ARRAYS, arrays):
+        if array.dtype != torch.float32 or array.dim() != 1 or array.numel() != numel or numel == 0:
+            raise CheckpointError(
+                f"{target}: {array_name} must be a non-empty 1-D float32 tensor of the same length "
+                f"as master ({numel}), got {array.dtype} of shape {tuple(array.shape)}"
+            )
+    views = [_as_bytes(a) for a in arrays]
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, _HEADER_BYTES, step, start, numel, DTYPE_FLOAT32, len(ARRAYS))
+    for array_name, view in zip(ARRAYS, views):
+        header += _ARRAY.pack(array_name.encode(), _crc(view))
+    header += _CRC.pack(google_crc32c.value(header))
+
+    def chunks() -> Iterable[bytes]:
+        yield header
+        for view in views:
+            for offset in range(0, len(view), _CHUNK):
+                yield bytes(view[offset : offset + _CHUNK])
+
+    crc = _write_durably(target, chunks())
+    return FileRecord(name=name, nbytes=_HEADER_BYTES + len(ARRAYS) * 4 * numel, crc32c=crc)
+
+
+def read_shard_file(
+    path: Path, record: FileRecord | None = None
+) -> tuple[int, int, dict[str, torch.Tensor]]:
+    """Read and verify a payload file; returns ``(step, start, tensors)``.
+
+    Checks the magic, version, header checksum, size and each array's checksum, and with
+    ``record`` the size and whole-file checksum the manifest recorded. Any mismatch or a
+    truncated file raises CorruptCheckpointError naming the file.
+    """
+    path = Path(path)
+
+    def corrupt(reason: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"checkpoint file {path} is corrupt: {reason}")
+
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if record is not None and size != record.nbytes:
+                raise corrupt(f"it is {size} bytes, the manifest records {record.nbytes} (a torn write?)")
+            if size < _HEADER_BYTES:
+                raise corrupt(f"it is {size} bytes, shorter than the {_HEADER_BYTES}-byte header (truncated)")
+            buffer = bytearray(size)
+            view = memoryview(buffer)
+            got = 0
+            while got < size:
+                n = handle.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+    except FileNotFoundError as error:
+        raise corrupt("the file is missing") from error
+    except OSError as error:
+        raise _os_error("reading checkpoint file", path, error) from error
+    if got != size:
+        raise corrupt(f"read {got} of {size} bytes (truncated while reading)")
+
+    header = bytes(view[:_HEADER_BYTES])
+    magic, version, header_bytes, step, start, numel, dtype, count = _HEADER.unpack_from(header)
+    if magic != MAGIC:
+        raise corrupt(f"bad magic {magic!r}, not a cargohold checkpoint file")
+    (stored,) = _CRC.unpack_from(header, _HEADER_BYTES - _CRC.size)
+    if google_crc32c.value(header[: _HEADER_BYTES - _CRC.size]) != stored:
+        raise corrupt("header checksum mismatch")
+    if version != FORMAT_VERSION:
+        raise corrupt(f"format version {version}; this build reads version {FORMAT_VERSION}")
+    if header_bytes != _HEADER_BYTES or dtype != DTYPE_FLOAT32 or count != len(ARRAYS):
+        raise corrupt(f"unsupported layout (header {header_bytes} bytes, dtype {dtype}, {count} arrays)")
+    expected = _HEADER_BYTES + len(ARRAYS) * 4 * numel
+    if size != expected:
+        raise corrupt(f"it is {size} bytes, its header says {expected} ({numel} elements; truncated?)")
+    if record is not None and _crc(view) != record.crc32c:
+        raise corrupt("whole-file checksum differs from the manifest's")
+    out: dict[str, torch.Tensor] = {}
+    for index, array_name in enumerate(ARRAYS):
+        name, crc = _ARRAY.unpack_from(header, _HEADER.size + index * _ARRAY.size)
+        if name.rstrip(b"\0") != array_name.encode():
+            raise corrupt(f"array {index} is {name!r}, expected {array_name!r}")
+        offset = _HEADER_BYTES + index * 4 * numel
+        if _crc(view[offset : offset + 4 * numel]) != crc:
+            raise corrupt(f"{array_name} checksum mismatch")
+        out[array_name] = torch.frombuffer(buffer, dtype=torch.float32, count=numel, offset=offset)
+    return step, start, out
+
+
+def read_flat_range(directory: Path, manifest: Manifest, start: int, stop: int) -> dict[str, torch.Tensor]:
+    """master/exp_avg/exp_avg_sq of flat elements ``[start, stop)``, from whichever files
+    cover them, however those were cut: the resharding read.
+
+    Elements at or past ``manifest.total`` are trailing padding of a layout for another
+    worker count; they read as zeros (padding is never updated). Below it, every element
+    must be covered by a shard, else CheckpointError names the gap. Each file is read and
+    verified once.
+    """
+    directory = Path(directory)
+    if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop):
+        raise CheckpointError(f"flat range [{start}, {stop}) is not a valid range")
+    held_stop = min(stop, manifest.total)
+    gaps = _gaps(manifest.shards, start, held_stop) if start < held_stop else []
+    if gaps:
+        lo, hi = gaps[0]
+        raise CheckpointError(
+            f"checkpoint {directory} (step {manifest.step}) holds no file for flat elements "
+            f"[{lo}, {hi}) of the requested [{start}, {stop})"
+        )
+    out = {name: torch.zeros(stop - start, dtype=torch.float32) for name in ARRAYS}
+    records = {f.name: f for f in manifest.files}
+    by_file: dict[str, list[ShardRecord]] = {}
+    for shard in manifest.shards:
+        if shard.start < held_stop and shard.stop > start:
+            by_file.setdefault(shard.file, []).append(shard)
+    for name, shards in by_file.items():
+        path = directory / name
+        step, file_start, arrays = read_shard_file(path, records[name])
+        file_stop = file_start + arrays["master"].numel()
+        if step != manifest.step:
+            raise CorruptCheckpointError(
+                f"checkpoint file {path} is corrupt: it holds step {step}, the manifest step {manifest.step}"
+            )
+        for shard in shards:
+            if shard.start < file_start or shard.stop > file_stop:
+                raise CorruptCheckpointError(
+                    f"checkpoint file {path} is corrupt: it holds [{file_start}, {file_stop}), the "
+                    f"manifest puts shard {shard.segment_id} [{shard.start}, {shard.stop}) in it"
+                )
+            lo, hi = max(shard.start, start), min(shard.stop, stop)
+            for array_name in ARRAYS:
+                out[array_name][lo - start : hi - start] = arrays[array_name][lo - file_start : hi - file_start]
+    return out
+
+
+# ---------------------------------------------------------------------------------- store
+
+
+class CheckpointStore:
+    """The checkpoints under one root: build, commit, prune, find.
+
+    ``keep_last`` complete checkpoints are kept; the one just committed always is.
+    """
+
+    def __init__(self, root: Path, *, keep_last: int = 3) -> None:
+        if not _is_int(keep_last) or keep_last < 1:
+            raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def final_dir(self, step: int) -> Path:
+        return self.root / f"step-{step:010d}"
+
+    def partial_dir(self, step: int) -> Path:
+        return self.root / f"step-{step:010d}.partial"
+
+    def begin(self, step: int) -> Path:
+        """Create a fresh ``step-<step>.partial`` directory (removing a stale one, e.g.
+        from a crashed save) for the payload files of ``step``."""
+        if not _is_int(step) or step < 0:
+            raise CheckpointError(f"step must be an integer >= 0, got {step!r}")
+        partial = self.partial_dir(step)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if partial.exists():
+                shutil.rmtree(partial)
+            partial.mkdir()
+        except OSError as error:
+            raise _os_error("creating checkpoint directory", partial, error) from error
+        return partial
+
+    def commit(self, step: int, manifest: Manifest) -> Path:
+        """Make the partial checkpoint of ``step`` complete: check its files, write the
+        manifest, rename the directory to its final name, then prune.
+
+        On failure the partial directory is removed (it cannot become a checkpoint),
+        earlier checkpoints are untouched, and CheckpointError says why. A complete
+        checkpoint of the same step is replaced.
+        """
+        partial, final = self.partial_dir(step), self.final_dir(step)
+        replaced: Path | None = None
+        try:
+            if manifest.step != step:
+                raise CheckpointError(f"commit of step {step} got a manifest of step {manifest.step}")
+            if not partial.is_dir():
+                raise CheckpointError(f"{partial} does not exist; call begin({step}) before commit")
+            gaps = _gaps(manifest.shards, 0, manifest.total)
+            if gaps:
+                raise CheckpointError(
+                    f"the manifest of step {step} covers no shard for flat elements {gaps[0]} "
+                    f"of [0, {manifest.total}); a state server's files are missing from it"
+                )
+            _check_files(partial, manifest)
+            _write_durably(partial / MANIFEST_NAME, [manifest.to_json().encode()])
+            _fsync_dir(partial)
+            if final.exists():
+                replaced = final.with_name(final.name + ".replaced")
+                _remove_tree(replaced)
+                os.rename(final, replaced)
+            os.rename(partial, final)
+            _fsync_dir(self.root)
+        except (OSError, CheckpointError) as error:
+            _remove_tree(partial)
+            if replaced is not None and replaced.exists() and not final.exists():
+                try:  # put the checkpoint being replaced back under its name
+                    os.rename(replaced, final)
+                except OSError:
+                    logger.warning("could not restore %s from %s", final, replaced)
+            if isinstance(error, CheckpointError):
+                raise
+            raise _os_error("committing checkpoint", final, error) from error
+        if replaced is not None:
+            _remove_tree(replaced)
+        self._prune(step)
+        return final
+
+    def abort(self, step: int) -> None:
+        """Remove the partial directory of ``step`` (a save that will not be committed)."""
+        try:
+            if self.partial_dir(step).exists():
+                shutil.rmtree(self.partial_dir(step))
+        except OSError as error:
+            raise _os_error("removing partial checkpoint", self.partial_dir(step), error) from error
+
+    def complete_steps(self) -> list[int]:
+        """Steps with a directory of the final name, oldest first (not verified)."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        except OSError as error:
+            raise _os_error("listing checkpoint root", self.root, error) from error
+        return sorted(int(m.group(1)) for m in map(_STEP_DIR.fullmatch, names) if m)
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint whose manifest parses and whose files exist with the
+        recorded sizes. Checksums are verified when the payload is read, not here."""
+        for step in reversed(self.complete_steps()):
+            path = self.final_dir(step)
+            try:
+                self._verify(path, step)
+            except CheckpointError as error:
+                logger.warning("skipping checkpoint %s: %s", path, error)
+                continue
+            return path
+        return None
+
+    def resolve(self, spec: str) -> Path:
+        """``"latest"`` or a path (a checkpoint directory or a root) -> a complete
+        checkpoint directory."""
+        if spec == "latest":
+            found = self.latest()
+            if found is None:
+                raise CheckpointError(f"no complete checkpoint under {self.root} to resume from")
+            return found
+        path = Path(spec).expanduser()
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
+        if _PARTIAL_DIR.fullmatch(path.name):
+            raise CheckpointError(f"{path} is an unfinished checkpoint (its save never committed)")
+        if (path / MANIFEST_NAME).exists() or _STEP_DIR.fullmatch(path.name):
+            match = _STEP_DIR.fullmatch(path.name)
+            self._verify(path, int(match.group(1)) if match else None)
+            return path
+        found = CheckpointStore(path, keep_last=self.keep_last).latest()
+        if found is None:
+            raise CheckpointError(
+                f"{path} is neither a checkpoint directory (no {MANIFEST_NAME}) nor a root "
+                "holding a complete checkpoint"
+            )
+        return found
+
+    def load(self, path: Path) -> Manifest:
+        """Parse and validate the manifest of the checkpoint at ``path``."""
+        source = Path(path) / MANIFEST_NAME
+        try:
+            text = source.read_text(encoding="utf-8")
+        except FileNotFoundError as error:
+            raise CheckpointError(f"{source} is missing: not a complete checkpoint") from error
+        except (OSError, UnicodeDecodeError) as error:
+            raise CheckpointError(f"{source}: cannot be read ({error})") from error
+        return Manifest.from_json(text, source=str(source))
+
+    def _verify(self, path: Path, step: int | None) -> Manifest:
+        manifest = self.load(path)
+        if step is not None and manifest.step != step:
+            raise CheckpointError(f"{path / MANIFEST_NAME}: it is of step {manifest.step}, its directory of step {step}")
+        _check_files(path, manifest)
+        return manifest
+
+    def _prune(self, committed: int) -> None:
+        """Keep ``committed`` and the newest ``keep_last - 1`` others; drop partials of
+        older steps and leftovers of interrupted removals. Failures only warn: the
+        checkpoint is committed."""
+        others = [s for s in self.complete_steps() if s != committed]
+        doomed = [self.final_dir(s) for s in others[: max(0, len(others) - (self.keep_last - 1))]]
+        try:
+            names = os.listdir(self.root)
+        except OSError as error:
+            logger.warning("cannot list %s to prune old checkpoints: %s", self.root, error)
+            names = []
+        for name in sorted(names):
+            partial = _PARTIAL_DIR.fullmatch(name)
+            if (partial and int(partial.group(1)) < committed) or (
+                    name.startswith("step-") and name.endswith(_TRASH_SUFFIXES)):
+                doomed.append(self.root / name)
+        for path in doomed:
+            try:
+                if _STEP_DIR.fullmatch(path.name):
+                    # out of the complete namespace first, so a crash mid-delete leaves no
+                    # half-deleted directory under a complete checkpoint's name
+                    trash = path.with_name(path.name + ".deleting")
+                    _remove_tree(trash)
+                    os.rename(path, trash)
+                    path = trash
+                shutil.rmtree(path)
+            except OSError as error:
+                logger.warning("could not remove %s while pruning checkpoints: %s", path, error)
+
+
+def _check_files(directory: Path, manifest: Manifest) -> None:
+    for record in manifest.files:
+        path = directory / record.name
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {path} named in the manifest is missing") from None
+        except OSError as error:
+            raise _os_error("checking checkpoint file", path, error) from error
+        if size != record.nbytes:
+            raise CheckpointError(f"checkpoint file {path} is {size} bytes, the manifest records {record.nbytes}")
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove a directory tree if it exists; best effort (used on paths being discarded)."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        logger.warning("could not remove %s: %s", path, error)

@@ -1,0 +1,394 @@
+"""The NVMe tier: one file per partition under ``<nvme_path>/<run_id>/server-<i>/``, moved
+through page-aligned staging buffers with O_DIRECT where the filesystem takes it.
+
+Writes are crash-consistent: a partition is written to ``<file>.tmp``, fsynced, renamed
+over the file and the directory fsynced, so the file always holds either the previous
+good state or the new one, never a mix; a failed write (disk full, I/O error) removes the
+temporary file and leaves the last good one readable. Every read checks the file's size,
+header and checksums (:mod:`.fileformat`) and refuses a torn or corrupted file with a
+:class:`CorruptPartitionError` naming it.
+
+O_DIRECT: ``direct_io="auto"`` probes each path at start-up (an aligned write and read
+of a probe file) and falls back to buffered I/O where the filesystem refuses it (ramfs,
+some overlay and network filesystems), and again at run time if an O_DIRECT request is
+ever refused; ``"on"`` makes a refusal an error, ``"off"`` never asks. Buffered I/O drops
+the file's pages from the page cache after each transfer, so the tier does not hold a
+second copy of the state in memory behind the budget's back.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from cargohold.services.errors import TierError, TierSpaceError
+from cargohold.services.tiers.fileformat import (
+    ARRAYS,
+    BLOCK,
+    HEADER_BYTES,
+    FileLayout,
+    PartitionHeader,
+    corrupt_error,
+    crc32c,
+    unpack_header,
+)
+from cargohold.services.tiers.io_pool import AlignedBuffer, BufferPool, IoPool
+from cargohold.services.tiers.planner import Bandwidth
+from cargohold.services.tiers.residency import PartitionKey, Residency
+from cargohold.services.tiers.store import Partition, Staged, TierObserver
+
+logger = logging.getLogger(__name__)
+
+REQUEST_BYTES = 64 << 20
+"""Largest single read or write request; a partition moves in few, large, sequential ones."""
+PROBE_BYTES = 8 << 20
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(slots=True)
+class TierPath:
+    """One configured NVMe path and what the start-up probe found."""
+
+    root: str
+    direct: bool
+    device: int
+    bandwidth: Bandwidth
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+
+    def measured(self) -> Bandwidth:
+        """Bandwidth seen in real transfers once there are some, the probe's until then."""
+        read = self.read_bytes / self.read_seconds if self.read_bytes >= PROBE_BYTES and self.read_seconds else 0.0
+        write = self.write_bytes / self.write_seconds if self.write_bytes >= PROBE_BYTES and self.write_seconds else 0.0
+        return Bandwidth(read or self.bandwidth.read_bytes_per_s, write or self.bandwidth.write_bytes_per_s)
+
+
+def probe_path(root: str, direct_io: str, probe_bytes: int = PROBE_BYTES) -> TierPath:
+    """Create ``root`` if needed, check it takes an aligned write and read (O_DIRECT unless
+    ``direct_io`` is "off"), and measure both. Raises TierError naming the path."""
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as error:
+        raise TierError(f"state_server.tier.nvme_paths: cannot create {root}: {error.strerror}") from error
+    usage = shutil.disk_usage(root)
+    if usage.total:  # ramfs and the like report no capacity at all
+        probe_bytes = max(BLOCK, min(probe_bytes, usage.free // 4) // BLOCK * BLOCK)  # never fill the disk
+    buffer = AlignedBuffer(probe_bytes)
+    buffer.tensor.fill_(0x5A)
+    probe = os.path.join(root, f".cargohold-probe-{os.getpid()}-{threading.get_ident()}")
+    direct = direct_io != "off"
+    try:
+        while True:
+            try:
+                started = time.perf_counter()
+                _write_file(probe, buffer.view, direct)
+                written = time.perf_counter() - started
+                started = time.perf_counter()
+                got = _read_into(probe, buffer.view, direct)
+                read = time.perf_counter() - started
+                break
+            except OSError as error:
+                if direct and error.errno == errno.EINVAL:
+                    if direct_io == "on":
+                        raise TierError(
+                            f"state_server.tier.nvme_paths: {root} refuses O_DIRECT ({error.strerror}); "
+                            "set state_server.tier.direct_io to auto or off"
+                        ) from error
+                    logger.info("%s refuses O_DIRECT; using buffered I/O there", root)
+                    direct = False
+                    continue
+                kind = TierSpaceError if error.errno in _SPACE_ERRNOS else TierError
+                raise kind(f"state_server.tier.nvme_paths: cannot write and read {root}: {error.strerror}") from error
+        if got != probe_bytes:
+            raise TierError(f"state_server.tier.nvme_paths: {root} returned {got} of {probe_bytes} probe bytes")
+    finally:
+        _unlink(probe)
+        buffer.close()
+    return TierPath(root=root, direct=direct, device=os.stat(root).st_dev,
+                    bandwidth=Bandwidth(probe_bytes / max(read, 1e-9), probe_bytes / max(written, 1e-9)))
+
+
+class NvmeTier:
+    """Partition files on one or several paths, moved through a shared buffer pool."""
+
+    residency = Residency.NVME
+
+    def __init__(self, paths: Sequence[TierPath], *, server_index: int, io: IoPool, buffers: BufferPool,
+                 observer: TierObserver) -> None:
+        self.paths = list(paths)
+        self.server_index = server_index
+        self._io = io
+        self._buffers = buffers
+        self._observer = observer
+        self._runs: set[str] = set()
+        self._lock = threading.Lock()
+
+    # --- files ------------------------------------------------------------------------
+    def directory(self, run_id: str, path_index: int) -> str:
+        return os.path.join(self.paths[path_index].root, run_id, f"server-{self.server_index}")
+
+    def file_of(self, key: PartitionKey, path_index: int) -> str:
+        return os.path.join(self.directory(key.run_id, path_index),
+                            f"shard-{key.shard_id:06d}.part-{key.index:05d}.bin")
+
+    def prepare_run(self, run_id: str) -> None:
+        """Create the run's directories; refuse a run id that cannot name one."""
+        if not _RUN_ID.fullmatch(run_id):
+            raise TierError(
+                f"run id {run_id!r} cannot name a directory under state_server.tier.nvme_paths; "
+                "use up to 128 letters, digits, '.', '_' or '-'"
+            )
+        with self._lock:
+            if run_id in self._runs:
+                return
+            for index in range(len(self.paths)):
+                try:
+                    os.makedirs(self.directory(run_id, index), exist_ok=True)
+                except OSError as error:
+                    raise TierError(f"cannot create {self.directory(run_id, index)}: {error.strerror}") from error
+            self._runs.add(run_id)
+
+    def check_space(self, files: Iterable[tuple[int, int]], what: str) -> None:
+        """Refuse, before anything is written, when the (path index, bytes) of new files
+        plus room for a full set of writes in flight exceed a filesystem's free space."""
+        need: dict[int, int] = {}
+        root_of: dict[int, str] = {}
+        for path_index, nbytes in files:
+            device = self.paths[path_index].device
+            need[device] = need.get(device, 0) + nbytes
+            root_of.setdefault(device, self.paths[path_index].root)
+        for device, nbytes in need.items():
+            usage = shutil.disk_usage(root_of[device])
+            if usage.total == 0:
+                continue  # a filesystem without a stated capacity (ramfs): nothing to check against
+            nbytes += self._buffers.count * self._buffers.nbytes
+            check_free_space(root_of[device], nbytes, usage.free, what)
+
+    def remove_runs(self) -> None:
+        """Delete this server's partition files of every run it held."""
+        with self._lock:
+            runs, self._runs = set(self._runs), set()
+        for run_id in runs:
+            for index, path in enumerate(self.paths):
+                shutil.rmtree(self.directory(run_id, index), ignore_errors=True)
+                try:
+                    os.rmdir(os.path.join(path.root, run_id))
+                except OSError:
+                    pass  # another server's files are still there
+
+    # --- TierStore ----------------------------------------------------------------------
+    def stage(self, partition: Partition, *, block: bool) -> Staged | None:
+        got = self._buffers.acquire((partition.key, partition.step), block=block)
+        if got is None:
+            return None
+        buffer, warm = got
+        arrays = buffer.arrays(partition.span.numel)
+        if warm:
+            return Staged(partition, arrays, warm=True, handle=buffer)
+        step = partition.step
+        ready = self._io.submit(lambda: self._read(partition, buffer, step, master_only=False))
+        return Staged(partition, arrays, ready=ready, handle=buffer)
+
+    def commit(self, staged: Staged, step: int) -> Future[None]:
+        return self._write_async(staged.partition, staged.handle, step, release=True)
+
+    def discard(self, staged: Staged, *, intact: bool) -> None:
+        try:
+            staged.ready.result()
+        except Exception:
+            intact = False
+        self._buffers.release(staged.handle, (staged.partition.key, staged.partition.step) if intact else None)
+
+    def drop(self, partition: Partition) -> None:
+        self._buffers.forget(partition.key)
+        _unlink(partition.path)
+
+    # --- moves in and out of the tier ---------------------------------------------------
+    def create(self, partition: Partition, master: torch.Tensor) -> Future[None]:
+        """Write a new partition file: ``master``, zero moments, at ``partition.step``."""
+        buffer, _ = self._buffers.acquire(None, block=True)
+        layout = FileLayout(partition.span.numel)
+        buffer.tensor[: layout.file_bytes].zero_()
+        buffer.arrays(partition.span.numel).master.copy_(master)
+        return self._write_async(partition, buffer, partition.step, release=True)
+
+    def write_from(self, partition: Partition, buffer: AlignedBuffer, step: int) -> Future[None]:
+        """Write a RAM partition's own buffer as the file of ``step`` (a demotion)."""
+        return self._write_async(partition, buffer, step, release=False)
+
+    def read_master_into(self, partition: Partition, out: torch.Tensor) -> None:
+        """Copy (and cast) the stored master weights into ``out``; a warm buffer saves the read."""
+        buffer, warm = self._buffers.acquire((partition.key, partition.step), block=True)
+        intact = warm
+        try:
+            if not warm:
+                step = partition.step
+                self._io.submit(lambda: self._read(partition, buffer, step, master_only=True)).result()
+            out.copy_(buffer.arrays(partition.span.numel).master)
+        finally:
+            self._buffers.release(buffer, (partition.key, partition.step) if intact else None)
+
+    # --- I/O jobs (run on the I/O pool) -------------------------------------------------
+    def _write_async(self, partition: Partition, buffer: AlignedBuffer, step: int, *, release: bool) -> Future[None]:
+        def job() -> None:
+            ok = False
+            try:
+                self._write(partition, buffer, step)
+                ok = True
+            finally:
+                if release:
+                    self._buffers.release(buffer, (partition.key, step) if ok else None)
+
+        return self._io.submit(job)
+
+    def _write(self, partition: Partition, buffer: AlignedBuffer, step: int) -> None:
+        layout = FileLayout(partition.span.numel)
+        checksums = tuple(
+            crc32c(buffer.view[layout.offset(i) : layout.offset(i) + layout.region_bytes])
+            for i in range(len(ARRAYS))
+        )
+        buffer.view[:HEADER_BYTES] = PartitionHeader(
+            key=partition.key, numel=partition.span.numel, step=step, checksums=checksums
+        ).pack()
+        target = partition.path
+        temporary = target + ".tmp"
+        tier_path = self.paths[partition.path_index]
+        started = time.perf_counter()
+        try:
+            try:
+                _write_file(temporary, buffer.view[: layout.file_bytes], tier_path.direct)
+            except OSError as error:
+                if not (tier_path.direct and error.errno == errno.EINVAL):
+                    raise
+                self._fall_back(tier_path, error)
+                _write_file(temporary, buffer.view[: layout.file_bytes], False)
+            os.replace(temporary, target)
+            _fsync_directory(os.path.dirname(target))
+        except OSError as error:
+            _unlink(temporary)
+            kind = TierSpaceError if error.errno in _SPACE_ERRNOS else TierError
+            raise kind(
+                f"writing partition file {target} ({partition.key}) at step {step} failed: "
+                f"{error.strerror}; the last good file is kept"
+                + ("; free space or add paths to state_server.tier.nvme_paths" if kind is TierSpaceError else "")
+            ) from error
+        seconds = time.perf_counter() - started
+        tier_path.write_bytes += layout.file_bytes
+        tier_path.write_seconds += seconds
+        self._observer.record_tier_io("write", layout.file_bytes, seconds)
+
+    def _read(self, partition: Partition, buffer: AlignedBuffer, step: int, *, master_only: bool) -> None:
+        layout = FileLayout(partition.span.numel)
+        path = partition.path
+        arrays = 1 if master_only else len(ARRAYS)
+        nbytes = HEADER_BYTES + arrays * layout.region_bytes
+        tier_path = self.paths[partition.path_index]
+        started = time.perf_counter()
+        try:
+            size = os.stat(path).st_size
+            if size != layout.file_bytes:
+                raise corrupt_error(path, partition.key,
+                                    f"it is {size} bytes, expected {layout.file_bytes} (a torn write?)")
+            try:
+                got = _read_into(path, buffer.view[:nbytes], tier_path.direct)
+            except OSError as error:
+                if not (tier_path.direct and error.errno == errno.EINVAL):
+                    raise
+                self._fall_back(tier_path, error)
+                got = _read_into(path, buffer.view[:nbytes], False)
+        except FileNotFoundError as error:
+            raise corrupt_error(path, partition.key, "the file is missing") from error
+        except OSError as error:
+            raise TierError(f"reading partition file {path} ({partition.key}) failed: {error.strerror}") from error
+        if got != nbytes:
+            raise corrupt_error(path, partition.key, f"read {got} of {nbytes} bytes (truncated)")
+        header = unpack_header(buffer.view, path=path, key=partition.key, numel=partition.span.numel)
+        if header.step != step:
+            raise corrupt_error(path, partition.key, f"it holds step {header.step}, expected step {step}")
+        for index in range(arrays):
+            start = layout.offset(index)
+            if crc32c(buffer.view[start : start + layout.region_bytes]) != header.checksums[index]:
+                raise corrupt_error(path, partition.key, f"{ARRAYS[index]} checksum mismatch")
+        seconds = time.perf_counter() - started
+        tier_path.read_bytes += nbytes
+        tier_path.read_seconds += seconds
+        self._observer.record_tier_io("read", nbytes, seconds)
+
+    @staticmethod
+    def _fall_back(tier_path: TierPath, error: OSError) -> None:
+        logger.warning("%s refused an O_DIRECT request (%s); using buffered I/O there",
+                       tier_path.root, error.strerror)
+        tier_path.direct = False
+
+
+def check_free_space(root: str, need: int, free: int, what: str) -> None:
+    """Raise TierSpaceError when ``need`` bytes do not fit in ``free``; pure, for the tests."""
+    if need > free:
+        raise TierSpaceError(
+            f"state_server.tier.nvme_paths: {root} has {free} bytes free but {what} needs {need} bytes "
+            "there (partition files plus room for the writes in flight); free space, add paths to "
+            "state_server.tier.nvme_paths or raise state_server.tier.ram_budget_bytes"
+        )
+
+
+def _write_file(path: str, view: memoryview, direct: bool) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        offset = 0
+        while offset < len(view):
+            written = os.pwritev(fd, [view[offset : offset + REQUEST_BYTES]], offset)
+            if written <= 0:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            offset += written
+        os.fsync(fd)
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _read_into(path: str, view: memoryview, direct: bool) -> int:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+    try:
+        offset = 0
+        while offset < len(view):
+            got = os.preadv(fd, [view[offset : offset + REQUEST_BYTES]], offset)
+            if got == 0:
+                break
+            offset += got
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return offset
+    finally:
+        os.close(fd)
+
+
+def _fsync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    if not path:
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

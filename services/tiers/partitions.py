@@ -1,0 +1,80 @@
+"""Cutting a shard (segment) into partitions: pure arithmetic.
+
+A partition is a contiguous piece of a segment whose master weights, exp_avg and
+exp_avg_sq move between tiers together. Cuts fall at multiples of ``align`` elements
+from the segment start; segments and parameters start at multiples of ``align`` in the
+flat buffer (:mod:`cargohold.services.layout`), so every cut is at a parameter-relative
+multiple of ``align`` too, and the fused kernel over a partition's fragments rounds
+every element exactly as over the whole parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cargohold.services.errors import ConfigError
+from cargohold.services.layout import DEFAULT_ALIGN
+
+STATE_BYTES_PER_ELEMENT = 12
+"""fp32 master weight, exp_avg and exp_avg_sq."""
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionSpan:
+    """Elements ``[start, stop)`` of a segment and the real-parameter runs inside them."""
+
+    index: int
+    start: int
+    stop: int
+    fragments: tuple[tuple[int, int], ...]
+    """(offset, length) relative to ``start``, clipped to the partition."""
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def state_bytes(self) -> int:
+        return STATE_BYTES_PER_ELEMENT * self.numel
+
+
+def elements_per_partition(partition_bytes: int, align: int = DEFAULT_ALIGN) -> int:
+    """The most elements whose state fits ``partition_bytes``, a multiple of ``align``."""
+    elements = (partition_bytes // STATE_BYTES_PER_ELEMENT) // align * align
+    if elements < align:
+        raise ConfigError(
+            f"state_server.tier.partition_bytes={partition_bytes} holds fewer than {align} elements "
+            f"({STATE_BYTES_PER_ELEMENT * align} bytes); raise it"
+        )
+    return elements
+
+
+def split_segment(
+    numel: int,
+    fragments: Sequence[tuple[int, int]],
+    max_elements: int | None,
+    align: int = DEFAULT_ALIGN,
+) -> tuple[PartitionSpan, ...]:
+    """Partitions of ``max_elements`` (a multiple of ``align``) covering ``[0, numel)``;
+    None keeps the segment whole. Only the last partition may be shorter."""
+    if max_elements is not None and (max_elements <= 0 or max_elements % align):
+        raise ValueError(f"max_elements must be a positive multiple of {align}, got {max_elements}")
+    size = numel if max_elements is None else max_elements
+    spans = []
+    for index, start in enumerate(range(0, numel, size)):
+        stop = min(numel, start + size)
+        spans.append(PartitionSpan(index, start, stop, clip_fragments(fragments, start, stop)))
+    return tuple(spans)
+
+
+def clip_fragments(
+    fragments: Sequence[tuple[int, int]], start: int, stop: int
+) -> tuple[tuple[int, int], ...]:
+    """The parts of ``fragments`` inside ``[start, stop)``, relative to ``start``."""
+    clipped = []
+    for offset, length in fragments:
+        lo, hi = max(offset, start), min(offset + length, stop)
+        if lo < hi:
+            clipped.append((lo - start, hi - lo))
+    return tuple(clipped)

@@ -1,0 +1,114 @@
+"""Streaming one shard's update over its partitions: while partition k is updated, the
+following ones are read in (as far ahead as free staging buffers allow) and k-1 is
+written back behind it. The number of buffers therefore sets the depth: two give double
+buffering, three let a read, an update and a write overlap.
+
+Tier-agnostic: it asks each partition's :class:`TierStore` to stage it, runs ``update``
+on the arrays, and hands them to ``finish`` (commit, or move to another tier).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from cargohold.services.tiers.residency import Residency
+from cargohold.services.tiers.store import Partition, PartitionArrays, Staged, TierObserver, TierStore
+
+
+@dataclass(slots=True)
+class StreamReport:
+    """What one streamed update did, for metrics and the benchmark."""
+
+    partitions: int = 0
+    prefetch_hits: int = 0
+    """Disk partitions already read (or being read) when the update reached them."""
+    prefetch_misses: int = 0
+    io_wait_seconds: float = 0.0
+    """Time the update stood still waiting for a buffer, a read or the final writes."""
+
+
+def stream_update(
+    order: Sequence[Partition],
+    *,
+    store_of: Callable[[Partition], TierStore],
+    update: Callable[[Partition, PartitionArrays], None],
+    finish: Callable[[Partition, Staged], Future[None]],
+    observer: TierObserver,
+) -> StreamReport:
+    """Update every partition of ``order`` in that order; returns once all are durable.
+
+    On the first failure (a corrupt read, a failed write) it stops updating, lets the
+    I/O in flight finish, and raises that error: partitions already finished keep their
+    new state, the rest keep their old one.
+    """
+    report = StreamReport()
+    staged: dict[int, Staged] = {}
+    issued = 0
+    writes: list[Future[None]] = []
+    failure: BaseException | None = None
+
+    def prefetch() -> None:
+        nonlocal issued
+        while issued < len(order):
+            partition = order[issued]
+            ahead = store_of(partition).stage(partition, block=False)
+            if ahead is None:
+                return  # no free buffer now; try again after the next update
+            ahead.prefetched = True
+            staged[issued] = ahead
+            issued += 1
+
+    try:
+        for position, partition in enumerate(order):
+            failed = next((w.exception() for w in writes if w.done() and w.exception() is not None), None)
+            if failed is not None:
+                raise failed  # a write-back failed (disk full?): stop updating, keep the rest as it was
+            store = store_of(partition)
+            if position >= issued:
+                # Nothing staged ahead is held now, so waiting for a buffer cannot deadlock:
+                # every buffer in use is being read or written and will come back.
+                waited = time.perf_counter()
+                current = store.stage(partition, block=True)
+                report.io_wait_seconds += time.perf_counter() - waited
+                staged[position] = current
+                issued = position + 1
+            prefetch()
+            current = staged.pop(position)
+            if partition.residency is Residency.NVME:
+                hit = current.warm or current.prefetched
+                report.prefetch_hits += hit
+                report.prefetch_misses += not hit
+                observer.record_prefetch(hit)
+            waited = time.perf_counter()
+            try:
+                current.ready.result()
+            except BaseException:
+                store.discard(current, intact=False)
+                raise
+            report.io_wait_seconds += time.perf_counter() - waited
+            try:
+                update(partition, current.arrays)
+            except BaseException:
+                store.discard(current, intact=False)
+                raise
+            writes.append(finish(partition, current))
+            report.partitions += 1
+    except BaseException as error:
+        failure = error
+        for ahead in staged.values():
+            store_of(ahead.partition).discard(ahead, intact=True)
+    finally:
+        waited = time.perf_counter()
+        for write in writes:
+            try:
+                write.result()
+            except BaseException as error:
+                failure = failure or error
+        report.io_wait_seconds += time.perf_counter() - waited
+        observer.add_tier_io_wait(report.io_wait_seconds)
+    if failure is not None:
+        raise failure
+    return report

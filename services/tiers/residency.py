@@ -1,0 +1,26 @@
+"""Where a partition of optimizer state lives: the one residency enum, and the key that
+names a partition."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Residency(enum.Enum):
+    """The tier holding a partition's fp32 master weights and Adam moments."""
+
+    RAM = "ram"
+    NVME = "nvme"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class PartitionKey:
+    """One partition: piece ``index`` of shard ``shard_id`` of run ``run_id``."""
+
+    run_id: str
+    shard_id: int
+    index: int
+
+    def __str__(self) -> str:
+        return f"partition {self.index} of shard {self.shard_id} of run {self.run_id!r}"

@@ -1,0 +1,376 @@
+"""A state server's optimizer state, kept in tiers: RAM, and NVMe files when a RAM budget
+is set. It owns the partitions of every shard, re-plans residency when shards register,
+streams each update through the pipeline, and moves a partition to the tier the plan
+wants right after its next update (the data is in memory then anyway).
+
+Without ``ram_budget_bytes`` every shard is one partition in RAM, and an update is the
+same single kernel call over the whole shard as without tiers.
+
+The RAM budget is a hard limit on the memory this store holds: resident partitions
+(in their 4 KiB-aligned file layout) plus the staging buffers are never more than it.
+Not counted: the gradient a push brings and the weights a fetch returns (a shard's
+size in the wire dtype each), which belong to the transport.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from cargohold.cluster.config import TierConfig
+from cargohold.services.errors import IncompleteStepError
+from cargohold.services.optim import AdamWHyperParams, AdamWState, clip_, fused_adamw_
+from cargohold.services.tiers.fileformat import FileLayout
+from cargohold.services.tiers.io_pool import BufferPool, IoPool
+from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path
+from cargohold.services.tiers.partitions import elements_per_partition, split_segment
+from cargohold.services.tiers.pipeline import StreamReport, stream_update
+from cargohold.services.tiers.planner import Bandwidth, PartitionDemand, TierPlan, plan_tiers, stream_order
+from cargohold.services.tiers.ram import RamTier
+from cargohold.services.tiers.residency import PartitionKey, Residency
+from cargohold.services.tiers.store import (
+    NullObserver,
+    Partition,
+    PartitionArrays,
+    Staged,
+    TierObserver,
+    TierStore,
+    done_future,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionRow:
+    """One partition as the stats report it."""
+
+    key: PartitionKey
+    offset: int
+    numel: int
+    planned: Residency
+    actual: Residency
+    order: int
+    """Position in its shard's stream at the next step."""
+    step: int
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class TierSummary:
+    """The plan's totals and the disk facts it was made from."""
+
+    enabled: bool
+    ram_budget_bytes: int
+    """0 when there is no budget."""
+    staging_bytes: int
+    buffer_count: int
+    ram_used_bytes: int
+    """Memory held now: resident partitions plus the staging buffers allocated so far."""
+    planned_ram_bytes: int
+    planned_nvme_bytes: int
+    predicted_io_seconds: float
+    paths: tuple[str, ...]
+    direct_io: tuple[bool, ...]
+    bandwidth: tuple[Bandwidth, ...]
+
+
+class TieredStorage:
+    """All partitions of one state server. Thread-safe across shards; the caller (the
+    shard) serialises calls about the same shard."""
+
+    def __init__(self, config: TierConfig | None = None, *, server_index: int = 0,
+                 observer: TierObserver | None = None) -> None:
+        self.config = config or TierConfig()
+        self._observer = observer or NullObserver()
+        self._lock = threading.Lock()
+        self._shards: dict[tuple[str, int], list[Partition]] = {}
+        self._plan = TierPlan()
+        budget = self.config.ram_budget_bytes
+        self._nvme: NvmeTier | None = None
+        self._io: IoPool | None = None
+        self._buffers: BufferPool | None = None
+        if budget is None:
+            self._max_elements: int | None = None
+            self.staging_bytes = 0
+            self._ram = RamTier(None)
+            return
+        self._max_elements = elements_per_partition(self.config.partition_bytes)
+        buffer_bytes = FileLayout(self._max_elements).file_bytes
+        self.staging_bytes = self.config.buffer_count * buffer_bytes
+        self._ram = RamTier(budget - self.staging_bytes)
+        paths = [probe_path(p, self.config.direct_io, min(PROBE_BYTES, buffer_bytes)) for p in self.config.nvme_paths]
+        self._io = IoPool(self.config.io_threads, self._observer)
+        self._buffers = BufferPool(self.config.buffer_count, buffer_bytes)
+        self._nvme = NvmeTier(paths, server_index=server_index, io=self._io, buffers=self._buffers,
+                              observer=self._observer)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether an NVMe tier (and so a RAM budget) is configured."""
+        return self._nvme is not None
+
+    # --- registration -------------------------------------------------------------------
+    def add_shard(self, run_id: str, shard_id: int, numel: int, fragments: Sequence[tuple[int, int]],
+                  initial: torch.Tensor) -> None:
+        """Create a shard's partitions from its fp32 initial weights (moments zero, step 0),
+        re-planning every partition of the server. All or nothing."""
+        spans = split_segment(numel, fragments, self._max_elements)
+        with self._lock:
+            if self._nvme is not None:
+                self._nvme.prepare_run(run_id)
+            parts = [Partition(PartitionKey(run_id, shard_id, s.index), s, Residency.RAM) for s in spans]
+            plan = self._replan(parts)
+            to_disk: list[Partition] = []
+            for part in parts:
+                if self._nvme is not None:
+                    part.path_index = plan.path_index[part.key]
+                    part.path = self._nvme.file_of(part.key, part.path_index)
+                if plan.of(part.key) is Residency.RAM:
+                    arrays = self._ram.admit(part)
+                    if arrays is not None:
+                        arrays.master.copy_(initial[part.span.start : part.span.stop])
+                        continue
+                part.residency = Residency.NVME  # RAM is still full; it moves in later
+                to_disk.append(part)
+            try:
+                if to_disk:
+                    assert self._nvme is not None  # no budget means no limit on RAM
+                    self._nvme.check_space(
+                        ((p.path_index, FileLayout(p.span.numel).file_bytes) for p in to_disk),
+                        f"shard {shard_id} of run {run_id!r}",
+                    )
+                    created = [self._nvme.create(p, initial[p.span.start : p.span.stop]) for p in to_disk]
+                    errors = [f.exception() for f in created]  # waits for every write
+                    first = next((e for e in errors if e is not None), None)
+                    if first is not None:
+                        raise first
+            except BaseException:
+                for part in parts:
+                    (self._ram if part.residency is Residency.RAM else self._nvme).drop(part)
+                raise
+            self._shards[(run_id, shard_id)] = parts
+            self._plan = plan
+        self._report_plan(plan)
+
+    def _replan(self, new: Sequence[Partition] = ()) -> TierPlan:
+        demands = [
+            PartitionDemand(p.key, FileLayout(p.span.numel).file_bytes)
+            for parts in [*self._shards.values(), new] for p in parts
+        ]
+        nvme = self._nvme
+        return plan_tiers(
+            demands,
+            ram_budget_bytes=self.config.ram_budget_bytes,
+            staging_bytes=self.staging_bytes,
+            bandwidths=[p.measured() for p in nvme.paths] if nvme else (),
+            num_paths=len(nvme.paths) if nvme else 1,
+        )
+
+    # --- the update ---------------------------------------------------------------------
+    def update(self, run_id: str, shard_id: int, step: int, gradient: torch.Tensor, *,
+               coefficient: torch.Tensor | None, lr: float, hyper: AdamWHyperParams,
+               weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, StreamReport]:
+        """Apply the (already validated) gradient of ``step`` to every partition not yet
+        at ``step``, clipping by ``coefficient``. Returns the updated master weights in
+        ``weights_dtype`` when asked (None if the update resumed an interrupted one)."""
+        parts = self._shards[(run_id, shard_id)]
+        pending = [p for p in parts if p.step != step]
+        for part in pending:
+            if part.step != step - 1:
+                raise IncompleteStepError(f"{part.key} is at step {part.step}; cannot apply step {step}")
+        by_index = {p.key.index: p for p in pending}
+        order = [by_index[i] for i in stream_order([(p.key.index, p.residency) for p in pending], step)]
+        plan = self._plan
+        step_tensor = torch.tensor(float(step), dtype=torch.float32)
+        numel = parts[-1].span.stop
+        weights = (torch.empty(numel, dtype=weights_dtype)
+                   if weights_dtype is not None and len(pending) == len(parts) else None)
+
+        def update(part: Partition, arrays: PartitionArrays) -> None:
+            span = part.span
+            if span.fragments:
+                grad32 = gradient[span.start : span.stop].to(torch.float32, copy=True)
+
+                def views(t: torch.Tensor) -> list[torch.Tensor]:
+                    return [t[offset : offset + length] for offset, length in span.fragments]
+
+                grads = views(grad32)
+                clip_(grads, coefficient)
+                state = AdamWState(views(arrays.master), views(arrays.exp_avg), views(arrays.exp_avg_sq),
+                                   step_tensor)
+                fused_adamw_(state, grads, lr=lr, hyper=hyper)
+            if weights is not None:
+                weights[span.start : span.stop].copy_(arrays.master)
+
+        def finish(part: Partition, staged: Staged) -> Future[None]:
+            return self._finish(part, staged, step, plan.of(part.key))
+
+        report = stream_update(order, store_of=self._store_of, update=update, finish=finish,
+                               observer=self._observer)
+        return weights, report
+
+    def _finish(self, part: Partition, staged: Staged, step: int, planned: Residency) -> Future[None]:
+        """Keep an updated partition, moving it to the tier the plan wants if it can."""
+        if part.residency is Residency.RAM:
+            part.step = step
+            if planned is Residency.RAM or self._nvme is None:
+                return done_future()
+
+            def demoted(error: BaseException | None) -> None:
+                if error is None:
+                    part.residency = Residency.NVME
+                    self._ram.drop(part)
+                else:  # it stays in RAM, as valid as before; the budget was already paying for it
+                    logger.warning("could not move %s to disk: %s", part.key, error)
+
+            return _then(self._nvme.write_from(part, self._ram.buffer(part), step), demoted, swallow=True)
+        assert self._nvme is not None
+        if planned is Residency.RAM and self._ram.admit(part, staged.arrays) is not None:
+            self._nvme.discard(staged, intact=False)
+            self._nvme.drop(part)
+            part.residency, part.step = Residency.RAM, step
+            return done_future()
+
+        def committed(error: BaseException | None) -> None:
+            if error is None:
+                part.step = step
+
+        return _then(self._nvme.commit(staged, step), committed)
+
+    def _store_of(self, part: Partition) -> TierStore:
+        if part.residency is Residency.RAM:
+            return self._ram
+        assert self._nvme is not None
+        return self._nvme
+
+    # --- reads --------------------------------------------------------------------------
+    def read_weights(self, run_id: str, shard_id: int, step: int, dtype: torch.dtype) -> torch.Tensor:
+        """The master weights of ``step`` cast to ``dtype`` (a new tensor)."""
+        parts = self._consistent(run_id, shard_id, step)
+        out = torch.empty(parts[-1].span.stop, dtype=dtype)
+        for part in parts:
+            view = out[part.span.start : part.span.stop]
+            if part.residency is Residency.RAM:
+                view.copy_(self._ram.arrays(part).master)
+            else:
+                assert self._nvme is not None
+                self._nvme.read_master_into(part, view)
+        return out
+
+    def snapshot(self, run_id: str, shard_id: int, step: int) -> dict[str, torch.Tensor]:
+        """fp32 copies of master, exp_avg and exp_avg_sq of the whole shard."""
+        parts = self._consistent(run_id, shard_id, step)
+        numel = parts[-1].span.stop
+        out = {name: torch.empty(numel, dtype=torch.float32) for name in ("master", "exp_avg", "exp_avg_sq")}
+        for part in parts:
+            store = self._store_of(part)
+            staged = store.stage(part, block=True)
+            assert staged is not None
+            try:
+                staged.ready.result()
+            except BaseException:
+                store.discard(staged, intact=False)
+                raise
+            for name, array in zip(out, staged.arrays):
+                out[name][part.span.start : part.span.stop] = array
+            store.discard(staged, intact=True)
+        return out
+
+    def _consistent(self, run_id: str, shard_id: int, step: int) -> list[Partition]:
+        parts = self._shards[(run_id, shard_id)]
+        behind = [p for p in parts if p.step != step]
+        if behind:
+            ahead = max(p.step for p in parts)
+            raise IncompleteStepError(
+                f"shard {shard_id} of run {run_id!r} stopped part-way through step {ahead} "
+                f"({len(parts) - len(behind)} of {len(parts)} partitions at step {step}); "
+                f"repeat the push of step {ahead} to finish it"
+            )
+        return parts
+
+    # --- accounting and stats -------------------------------------------------------------
+    def state_bytes(self, run_id: str | None = None, shard_id: int | None = None) -> dict[Residency, int]:
+        """Bytes of optimizer state (12 per element) in each tier, for a shard or all."""
+        totals = {Residency.RAM: 0, Residency.NVME: 0}
+        with self._lock:
+            shards = [(k, v) for k, v in self._shards.items()
+                      if run_id is None or (k[0] == run_id and shard_id in (None, k[1]))]
+        for _, parts in shards:
+            for part in parts:
+                totals[part.residency] += part.span.state_bytes
+        return totals
+
+    def rows(self, run_id: str | None = None) -> list[PartitionRow]:
+        """Every partition with the plan's decision and its place in the next stream."""
+        with self._lock:
+            shards = sorted((k, list(v)) for k, v in self._shards.items() if run_id in (None, k[0]))
+            plan = self._plan
+        rows = []
+        for _, parts in shards:
+            next_step = min(p.step for p in parts) + 1
+            order = stream_order([(p.key.index, p.residency) for p in parts], next_step)
+            position = {index: n for n, index in enumerate(order)}
+            rows += [
+                PartitionRow(key=p.key, offset=p.span.start, numel=p.span.numel, planned=plan.of(p.key),
+                             actual=p.residency, order=position[p.key.index], step=p.step,
+                             path=p.path if p.residency is Residency.NVME else "")
+                for p in parts
+            ]
+        return rows
+
+    def summary(self) -> TierSummary:
+        with self._lock:
+            plan = self._plan
+        nvme = self._nvme
+        buffers = self._buffers.allocated_bytes if self._buffers is not None else 0
+        return TierSummary(
+            enabled=nvme is not None,
+            ram_budget_bytes=self.config.ram_budget_bytes or 0,
+            staging_bytes=self.staging_bytes,
+            buffer_count=self.config.buffer_count if nvme is not None else 0,
+            ram_used_bytes=self._ram.used_bytes + buffers,
+            planned_ram_bytes=plan.ram_bytes,
+            planned_nvme_bytes=plan.nvme_bytes,
+            predicted_io_seconds=plan.predicted_io_seconds,
+            paths=tuple(p.root for p in nvme.paths) if nvme else (),
+            direct_io=tuple(p.direct for p in nvme.paths) if nvme else (),
+            bandwidth=tuple(p.measured() for p in nvme.paths) if nvme else (),
+        )
+
+    def _report_plan(self, plan: TierPlan) -> None:
+        self._observer.set_tier_plan({r.value: plan.count(r) for r in Residency}, plan.predicted_io_seconds)
+
+    def close(self) -> None:
+        """Stop the I/O threads and delete this server's partition files."""
+        if self._io is not None:
+            self._io.shutdown()
+        if self._nvme is not None:
+            self._nvme.remove_runs()
+
+
+def _then(future: Future[None], then: Callable[[BaseException | None], None], *,
+          swallow: bool = False) -> Future[None]:
+    """A future that completes after ``then`` has seen the outcome of ``future`` (a done
+    callback alone could run after a waiter of ``future`` has woken)."""
+    chained: Future[None] = Future()
+
+    def settle(done: Future[None]) -> None:
+        error = done.exception()
+        try:
+            then(error)
+        except BaseException as failure:  # pragma: no cover - bookkeeping bug
+            chained.set_exception(failure)
+            return
+        if error is not None and not swallow:
+            chained.set_exception(error)
+        else:
+            chained.set_result(None)
+
+    future.add_done_callback(settle)
+    return chained

@@ -1,0 +1,129 @@
+"""The seam every tier implements (:class:`TierStore`), the records it trades in, and the
+observer the tiers report their I/O to (the state server's metrics satisfy it)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from cargohold.services.tiers.partitions import PartitionSpan
+from cargohold.services.tiers.residency import PartitionKey, Residency
+
+
+@dataclass(slots=True, eq=False)
+class Partition:
+    """What the server knows of one partition: where it is and what step it holds."""
+
+    key: PartitionKey
+    span: PartitionSpan
+    residency: Residency
+    """Where it is now; the plan may want it elsewhere (it moves after its next update)."""
+    step: int = 0
+    """The step whose update its stored state includes."""
+    path: str = ""
+    """Its file when on (or destined for) the NVMe tier; empty without one."""
+    path_index: int = 0
+    """Which configured NVMe path ``path`` is on."""
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionArrays:
+    """fp32 views of one partition's state, each ``numel`` long."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+    def __iter__(self):
+        return iter((self.master, self.exp_avg, self.exp_avg_sq))
+
+
+def _done() -> Future[None]:
+    future: Future[None] = Future()
+    future.set_result(None)
+    return future
+
+
+@dataclass(slots=True, eq=False)
+class Staged:
+    """A partition made addressable for one update or read.
+
+    ``arrays`` may be used once ``ready`` has completed without error.
+    """
+
+    partition: Partition
+    arrays: PartitionArrays
+    ready: Future[None] = field(default_factory=_done)
+    warm: bool = False
+    """The bytes were already in memory: no read was needed."""
+    prefetched: bool = False
+    """Staged ahead of the update that uses it (set by the pipeline)."""
+    handle: object = None
+    """The tier's own token (the NVMe tier's buffer)."""
+
+
+class TierStore(Protocol):
+    """One storage tier. The pipeline stages a partition, the kernel updates its arrays in
+    place, then the tier commits them (or discards them unchanged)."""
+
+    residency: Residency
+
+    def stage(self, partition: Partition, *, block: bool) -> Staged | None:
+        """Make the partition's arrays addressable, reading them in if needed. With
+        ``block=False`` returns None instead of waiting for memory to stage into."""
+        ...
+
+    def commit(self, staged: Staged, step: int) -> Future[None]:
+        """Keep the updated arrays as the state of ``step``; the future completes when they
+        are durable in this tier. Releases the staging."""
+        ...
+
+    def discard(self, staged: Staged, *, intact: bool) -> None:
+        """Release the staging without keeping changes; ``intact`` says the arrays still
+        equal the stored state (a read that was not modified)."""
+        ...
+
+    def drop(self, partition: Partition) -> None:
+        """Forget the partition and free what it held in this tier."""
+        ...
+
+
+class TierObserver(Protocol):
+    """Where the tiers report their I/O (the state server's metrics)."""
+
+    def record_tier_io(self, op: str, nbytes: int, seconds: float) -> None: ...
+
+    def set_tier_queue_depth(self, depth: int) -> None: ...
+
+    def record_prefetch(self, hit: bool) -> None: ...
+
+    def add_tier_io_wait(self, seconds: float) -> None: ...
+
+    def set_tier_plan(self, partitions: dict[str, int], predicted_io_seconds: float) -> None: ...
+
+
+class NullObserver:
+    """An observer that records nothing (tests, benchmarks, RAM-only registries)."""
+
+    def record_tier_io(self, op: str, nbytes: int, seconds: float) -> None:
+        pass
+
+    def set_tier_queue_depth(self, depth: int) -> None:
+        pass
+
+    def record_prefetch(self, hit: bool) -> None:
+        pass
+
+    def add_tier_io_wait(self, seconds: float) -> None:
+        pass
+
+    def set_tier_plan(self, partitions: dict[str, int], predicted_io_seconds: float) -> None:
+        pass
+
+
+def done_future() -> Future[None]:
+    """A future that has already completed."""
+    return _done()

@@ -1,0 +1,676 @@
+"""The checkpoint format on real files: round trips under any cut, resharding, the
+manifest-last rule, crash consistency under SIGKILL, corruption, a full disk, and the
+model check.
+
+The crash tests kill writer processes. Starting Python with torch costs seconds, so one
+helper process (the "zygote") imports everything once and forks a writer per trial; the
+writers run the helpers of this very file, loaded by path.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import re
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cargohold.services.checkpoint import (
+    ARRAYS,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    CheckpointStore,
+    FileRecord,
+    Manifest,
+    ShardRecord,
+    check_compatible,
+    read_flat_range,
+    read_shard_file,
+    write_shard_file,
+)
+from cargohold.services.errors import CargoholdError, CheckpointError, CorruptCheckpointError
+from cargohold.services.layout import build_layout
+
+pytestmark = pytest.mark.timeout(120)
+
+# ------------------------------------------------------------------------------ helpers
+# Used by the tests and, loaded by path, by the forked writer processes.
+
+WRITER_TOTAL = 3 * 2**18
+"""Elements of the crash writer's buffer: 3 arrays x 3 MiB, so a save takes a while."""
+WRITER_KEEP = 2
+
+
+def random_data(total: int, seed: int) -> dict[str, torch.Tensor]:
+    block = np.random.default_rng(seed).standard_normal((len(ARRAYS), total), dtype=np.float32)
+    return {name: torch.from_numpy(block[i]) for i, name in enumerate(ARRAYS)}
+
+
+def writer_cuts(step: int, total: int = WRITER_TOTAL) -> list[int]:
+    """Where the writer cuts its buffer into 3 files at ``step`` (varies with the step)."""
+    return sorted(64 * u for u in random.Random(step).sample(range(1, total // 64), 2))
+
+
+def save(store: CheckpointStore, step: int, data: dict[str, torch.Tensor], cuts: list[int], *,
+         signature: tuple | None = None, extra: dict | None = None) -> Path:
+    """A complete save: begin, one payload file per piece between ``cuts``, commit."""
+    total = data["master"].numel()
+    bounds = [0, *cuts, total]
+    directory = store.begin(step)
+    files, shards = [], []
+    for index, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        record = write_shard_file(directory, f"seg-{index:05d}.bin", step=step, start=start,
+                                  tensors={k: v[start:stop] for k, v in data.items()})
+        files.append(record)
+        shards.append(ShardRecord(segment_id=index, start=start, stop=stop, step=step, file=record.name))
+    manifest = Manifest(
+        format_version=FORMAT_VERSION, step=step, run_id="run-test", config_hash="cfg-0",
+        model_signature=signature if signature is not None else (("flat", (total,)),),
+        total=total, shards=tuple(shards), files=tuple(files),
+        extra=extra if extra is not None else {"data_position": 7 * step},
+    )
+    return store.commit(step, manifest)
+
+
+def save_writer_step(store: CheckpointStore, step: int) -> Path:
+    """What the crash writer saves at ``step``: content a pure function of the step."""
+    return save(store, step, random_data(WRITER_TOTAL, step), writer_cuts(step))
+
+
+def writer_loop(root: str, timings: str) -> None:
+    """Save steps after the latest one, forever (until killed); append each save's
+    duration to ``timings`` so the test can aim its kills."""
+    store = CheckpointStore(Path(root), keep_last=WRITER_KEEP)
+    latest = store.latest()
+    step = store.load(latest).step + 1 if latest is not None else 1
+    while True:
+        began = time.monotonic()
+        save_writer_step(store, step)
+        fd = os.open(timings, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.write(fd, f"{time.monotonic() - began:.6f}\n".encode())  # one small write: whole or nothing
+        os.close(fd)
+        step += 1
+
+
+def save_steps(root: str, count: str) -> None:
+    store = CheckpointStore(Path(root), keep_last=WRITER_KEEP)
+    for step in range(1, int(count) + 1):
+        save_writer_step(store, step)
+
+
+def save_under_size_limit(root: str, limit: str, result: str) -> None:
+    """Save step 2 of the writer with files limited to ``limit`` bytes; report the error."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), hard))
+    try:
+        save_writer_step(CheckpointStore(Path(root), keep_last=WRITER_KEEP), 2)
+        outcome = "saved"
+    except CheckpointError as error:
+        outcome = str(error)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    Path(result).write_text(outcome)
+
+
+def verify_writer_checkpoint(path: Path) -> int:
+    """Assert the checkpoint at ``path`` is complete and holds what the writer saves for
+    its step; returns the step."""
+    manifest = CheckpointStore(path.parent).load(path)
+    assert path.name == f"step-{manifest.step:010d}"
+    assert manifest.extra == {"data_position": 7 * manifest.step}
+    assert [s.start for s in manifest.shards][1:] == writer_cuts(manifest.step)
+    got = read_flat_range(path, manifest, 0, WRITER_TOTAL)
+    expected = random_data(WRITER_TOTAL, manifest.step)
+    for name in ARRAYS:
+        assert torch.equal(got[name], expected[name]), f"{path}: {name} differs from step {manifest.step}'s"
+    return manifest.step
+
+
+# ------------------------------------------------------------------------------- zygote
+
+ZYGOTE = r"""
+import importlib.util, os, sys, traceback
+import torch
+torch.set_num_threads(1)  # no thread pools before fork
+spec = importlib.util.spec_from_file_location("checkpoint_test_helpers", sys.argv[1])
+helpers = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(helpers)
+print("ready", flush=True)
+for line in sys.stdin:
+    command, *args = line.split()
+    if command == "spawn":
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                getattr(helpers, args[0])(*args[1:])
+            except BaseException:
+                traceback.print_exc()
+                code = 3
+            sys.stderr.flush()
+            os._exit(code)
+        print(pid, flush=True)
+    elif command == "wait":
+        _, status = os.waitpid(int(args[0]), 0)
+        print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+class Zygote:
+    """A Python process with torch and this file loaded, forking helper calls on demand."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self._log_file = open(log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", ZYGOTE, __file__], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self._log_file, text=True,
+        )
+        self._reply("ready")
+
+    def _reply(self, expected: str | None = None) -> str:
+        line = self.proc.stdout.readline().strip()
+        if not line or (expected is not None and line != expected):
+            pytest.fail(f"zygote answered {line!r}; its log:\n{self.log.read_text()}")
+        return line
+
+    def _ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def spawn(self, function: str, *args: str) -> int:
+        return int(self._ask(" ".join(["spawn", function, *args])))
+
+    def wait(self, pid: int) -> int:
+        """Reap a child; its exit code, or -signal if a signal ended it."""
+        return int(self._ask(f"wait {pid}"))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self._log_file.close()
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory: pytest.TempPathFactory):
+    helper = Zygote(tmp_path_factory.mktemp("zygote") / "zygote.log")
+    yield helper
+    helper.close()
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+def test_round_trip_latest_and_arbitrary_ranges(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "ckpt")
+    data = random_data(10_000, seed=1)
+    path = save(store, 12, data, [1_000, 6_400])
+    assert path == tmp_path / "ckpt" / "step-0000000012"
+    assert store.latest() == path
+    assert store.resolve("latest") == path == store.resolve(str(path)) == store.resolve(str(tmp_path / "ckpt"))
+    manifest = store.load(path)
+    assert manifest.step == 12 and manifest.extra == {"data_position": 84}
+    assert Manifest.from_json(manifest.to_json(), source="x") == manifest
+    for start, stop in [(0, 10_000), (999, 1_001), (6_400, 6_400), (3, 9_999), (6_399, 6_401)]:
+        got = read_flat_range(path, manifest, start, stop)
+        for name in ARRAYS:
+            assert torch.equal(got[name], data[name][start:stop]), (name, start, stop)
+    step, start, tensors = read_shard_file(path / "seg-00001.bin", manifest.files[1])
+    assert (step, start) == (12, 1_000)
+    assert all(torch.equal(tensors[n], data[n][1_000:6_400]) for n in ARRAYS)
+
+
+@st.composite
+def _cuts_and_ranges(draw: st.DrawFn) -> tuple[int, list[int], list[int]]:
+    total = draw(st.integers(min_value=1, max_value=3_000))
+    interior = st.integers(min_value=1, max_value=max(1, total - 1))
+    write_cuts = sorted(draw(st.sets(interior, max_size=5 if total > 1 else 0)))
+    read_cuts = sorted(draw(st.sets(interior, max_size=6 if total > 1 else 0)))
+    return total, write_cuts, read_cuts
+
+
+@settings(max_examples=30, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(case=_cuts_and_ranges(), seed=st.integers(0, 2**32 - 1))
+def test_any_write_cut_reads_back_under_any_read_cut(case: tuple[int, list[int], list[int]], seed: int) -> None:
+    total, write_cuts, read_cuts = case
+    data = random_data(total, seed)
+    with tempfile.TemporaryDirectory() as root:
+        store = CheckpointStore(Path(root))
+        path = save(store, 3, data, write_cuts)
+        assert store.latest() == path
+        manifest = store.load(path)
+        bounds = [0, *read_cuts, total]
+        pieces = [read_flat_range(path, manifest, a, b) for a, b in zip(bounds, bounds[1:])]
+        for piece, (a, b) in zip(pieces, zip(bounds, bounds[1:])):
+            for name in ARRAYS:
+                assert torch.equal(piece[name], data[name][a:b])
+        for name in ARRAYS:
+            assert torch.equal(torch.cat([p[name] for p in pieces]), data[name])
+
+
+def test_one_file_may_hold_several_shards(tmp_path: Path) -> None:
+    """A server may write adjacent segments as one file; each shard names its sub-range."""
+    store = CheckpointStore(tmp_path)
+    data = random_data(1_000, seed=9)
+    directory = store.begin(6)
+    low = write_shard_file(directory, "low.bin", step=6, start=0, tensors={k: v[:600] for k, v in data.items()})
+    high = write_shard_file(directory, "high.bin", step=6, start=600, tensors={k: v[600:] for k, v in data.items()})
+    shards = (ShardRecord(0, 0, 256, 6, "low.bin"), ShardRecord(1, 256, 600, 6, "low.bin"),
+              ShardRecord(2, 600, 1_000, 6, "high.bin"))
+    path = store.commit(6, Manifest(format_version=FORMAT_VERSION, step=6, run_id="r", config_hash="c",
+                                    model_signature=(), total=1_000, shards=shards, files=(low, high), extra={}))
+    manifest = store.load(path)
+    for start, stop in [(0, 1_000), (300, 700), (255, 257)]:
+        got = read_flat_range(path, manifest, start, stop)
+        assert all(torch.equal(got[n], data[n][start:stop]) for n in ARRAYS), (start, stop)
+    # a shard the file does not hold is corruption
+    wrong = Manifest(**{**{f: getattr(manifest, f) for f in Manifest.__dataclass_fields__},
+                        "shards": (ShardRecord(0, 0, 600, 6, "high.bin"), ShardRecord(2, 600, 1_000, 6, "low.bin"))})
+    with pytest.raises(CorruptCheckpointError, match=r"high\.bin is corrupt: it holds \[600, 1000\)"):
+        read_flat_range(path, wrong, 0, 1_000)
+
+
+def _save_layout(store: CheckpointStore, step: int, layout, data: dict[str, torch.Tensor]) -> Path:
+    """Save the way state servers do: each server writes one file per segment it owns."""
+    directory = store.begin(step)
+    files, shards = [], []
+    for server in range(layout.num_servers):
+        for seg in layout.segments_of_server(server):
+            record = write_shard_file(directory, f"s{server}-seg{seg.segment_id:05d}.bin", step=step,
+                                      start=seg.start,
+                                      tensors={k: v[seg.start : seg.stop] for k, v in data.items()})
+            files.append(record)
+            shards.append(ShardRecord(seg.segment_id, seg.start, seg.stop, step, record.name))
+    manifest = Manifest(
+        format_version=FORMAT_VERSION, step=step, run_id="run-r", config_hash="cfg",
+        model_signature=tuple((p.name, p.shape) for p in layout.params), total=layout.total,
+        shards=tuple(shards), files=tuple(files),
+        extra={"align": layout.align, "num_workers": layout.num_workers, "num_servers": layout.num_servers},
+    )
+    return store.commit(step, manifest)
+
+
+def test_reshard_two_servers_onto_one_and_three(tmp_path: Path) -> None:
+    shapes = [("emb", (100,)), ("w1", (33, 7)), ("w2", (500,)), ("b", (3,))]
+    saved = build_layout(shapes, num_workers=2, num_servers=2, bucket_elements=256)
+    data = random_data(saved.total, seed=5)
+    store = CheckpointStore(tmp_path)
+    path = _save_layout(store, 40, saved, data)
+    manifest = store.load(path)
+    assert len(manifest.files) == len(saved.segments) > 2
+    targets = [(1, 1), (3, 3), (6, 2)]
+    for workers, servers in targets:
+        target = build_layout(shapes, num_workers=workers, num_servers=servers)
+        check_compatible(manifest, model_signature=[(p.name, p.shape) for p in target.params],
+                         total=target.total, align=target.align)
+        for server in range(servers):
+            lo, hi = target.server_range(server)
+            got = read_flat_range(path, manifest, lo, hi)
+            for seg in target.segments_of_server(server):
+                part = read_flat_range(path, manifest, seg.start, seg.stop)
+                for name in ARRAYS:
+                    assert torch.equal(part[name], got[name][seg.start - lo : seg.stop - lo])
+            for name in ARRAYS:
+                held = min(hi, saved.total)
+                assert torch.equal(got[name][: max(0, held - lo)], data[name][lo:held])
+                # trailing padding of a layout for more workers: not in the checkpoint, zeros
+                assert not got[name][max(0, held - lo) :].any()
+    # both directions ran: a target with less trailing padding and one with more
+    totals = {build_layout(shapes, num_workers=w, num_servers=s).total for w, s in targets}
+    assert min(totals) < saved.total < max(totals)
+
+
+def test_a_gap_in_the_shards_is_named(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    data = random_data(1_000, seed=2)
+    path = save(store, 1, data, [300, 700])
+    manifest = store.load(path)
+    holey = Manifest(**{**{f: getattr(manifest, f) for f in Manifest.__dataclass_fields__},
+                        "shards": tuple(s for s in manifest.shards if s.start != 300)})
+    with pytest.raises(CheckpointError, match=r"no file for flat elements \[300, 700\)"):
+        read_flat_range(path, holey, 250, 800)
+    assert torch.equal(read_flat_range(path, holey, 700, 1_000)["exp_avg"], data["exp_avg"][700:])
+    directory = store.begin(2)
+    for record in manifest.files:
+        shutil.copy(path / record.name, directory / record.name)
+    with pytest.raises(CheckpointError, match=r"\(300, 700\)"):
+        store.commit(2, Manifest(**{**{f: getattr(holey, f) for f in Manifest.__dataclass_fields__},
+                                    "step": 2, "shards": tuple(
+                                        ShardRecord(s.segment_id, s.start, s.stop, 2, s.file)
+                                        for s in holey.shards)}))
+    assert not directory.exists() and store.latest() == path
+
+
+# ---------------------------------------------------------------------- manifest last
+
+
+def test_partial_and_incomplete_directories_are_never_latest(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep_last=5)
+    assert store.latest() is None
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        store.resolve("latest")
+    good = save(store, 1, random_data(2_000, 1), [1_000])
+
+    partial = store.begin(2)  # files written, never committed
+    write_shard_file(partial, "seg-00000.bin", step=2, start=0, tensors=random_data(2_000, 2))
+    assert store.latest() == good
+    with pytest.raises(CheckpointError, match="unfinished"):
+        store.resolve(str(partial))
+
+    # a manifest, but a file missing or short: skipped by latest(), refused by resolve()
+    for damage in ("missing", "short"):
+        fake = tmp_path / "step-0000000003"
+        shutil.copytree(good, fake)
+        manifest = json.loads((fake / MANIFEST_NAME).read_text())
+        manifest["step"] = 3
+        manifest["shards"] = [{**s, "step": 3} for s in manifest["shards"]]
+        (fake / MANIFEST_NAME).write_text(json.dumps(manifest))
+        assert store.latest() == fake  # complete as it stands
+        if damage == "missing":
+            (fake / "seg-00001.bin").unlink()
+        else:
+            with open(fake / "seg-00001.bin", "r+b") as handle:
+                handle.truncate(100)
+        assert store.latest() == good, damage
+        with pytest.raises(CheckpointError, match="seg-00001.bin"):
+            store.resolve(str(fake))
+        shutil.rmtree(fake)
+
+
+def test_keep_last_prunes_oldest_and_stale_partials(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep_last=3)
+    data = random_data(640, 0)
+    for step in (1, 2):
+        save(store, step, data, [64])
+    store.begin(3)  # stale partial of an older step: removed by the commit of step 5
+    store.begin(7)  # a partial of a later step: left alone
+    save(store, 5, data, [128])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-0000000001", "step-0000000002", "step-0000000005", "step-0000000007.partial"]
+    for step in (6, 8, 9):
+        save(store, step, data, [320])
+    assert store.complete_steps() == [6, 8, 9]
+    assert not (tmp_path / "step-0000000007.partial").exists()
+    assert store.latest() == tmp_path / "step-0000000009"
+    # the checkpoint just committed is kept even when newer ones exist (a resumed run)
+    save(store, 4, data, [64])
+    assert store.complete_steps() == [4, 8, 9]
+    # committing a step again replaces it
+    other = random_data(640, 1)
+    path = save(store, 8, other, [64, 128])
+    assert store.complete_steps() == [4, 8, 9]
+    assert torch.equal(read_flat_range(path, store.load(path), 0, 640)["master"], other["master"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000000004", "step-0000000008", "step-0000000009"]
+    store.begin(10)
+    store.abort(10)
+    assert not store.partial_dir(10).exists()
+
+
+# ------------------------------------------------------------------- crash consistency
+
+
+def _crash_trials(zygote: Zygote, root: Path, trials: int, seed: int) -> None:
+    started = time.monotonic()
+    pid = zygote.spawn("save_steps", str(root.with_name("calibration")), "2")
+    assert zygote.wait(pid) == 0, zygote.log.read_text()
+    floor = (time.monotonic() - started) / 2
+    timings = root.with_name("timings.txt")
+    store = CheckpointStore(root)
+    partial_seen = progress = 0
+    for trial in range(trials):
+        # aim at ~3 saves, so kills land in every phase; the duration of a save is the
+        # median of the writers' recent ones (the machine's load changes), never below a
+        # floor that grows while kills keep coming too early for any save to finish
+        recent = [float(x) for x in timings.read_text().split()[-9:]] if timings.exists() else []
+        per_save = max(floor, statistics.median(recent)) if recent else floor
+        delay = random.Random(seed + trial).uniform(0.0, 3.0 * per_save)
+        before = store.complete_steps()
+        pid = zygote.spawn("writer_loop", str(root), str(timings))
+        try:
+            time.sleep(delay)
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            code = zygote.wait(pid)
+        assert code == -signal.SIGKILL, f"writer ended by itself ({code}):\n{zygote.log.read_text()}"
+        names = sorted(os.listdir(root)) if root.exists() else []
+        state = f"trial {trial}, killed after {delay:.3f}s (a save ~{per_save:.3f}s), left {names}"
+        partial_seen += any(name.endswith(".partial") for name in names)
+        steps = store.complete_steps()
+        progress += steps != before
+        if steps == before and delay > 2.0 * per_save:
+            floor = 1.5 * per_save
+        latest = store.latest()
+        if latest is None:
+            assert steps == [], f"{state}: complete directories {steps} but latest() is None"
+            continue
+        assert not latest.name.endswith(".partial"), state
+        # every directory under a complete name is complete and holds exactly its step's data
+        try:
+            assert [verify_writer_checkpoint(store.final_dir(s)) for s in steps] == steps
+        except (AssertionError, CheckpointError) as error:
+            pytest.fail(f"{state}: {error}")
+        assert latest == store.final_dir(steps[-1]) and len(steps) <= WRITER_KEEP + 1, state
+    # the kills landed mid-save at least once, and the writer got somewhere
+    assert partial_seen > 0 and progress > 0, (partial_seen, progress, per_save, floor)
+
+
+def test_sigkill_during_saves_never_exposes_a_partial_checkpoint(zygote: Zygote, tmp_path: Path) -> None:
+    _crash_trials(zygote, tmp_path / "ckpt", trials=20, seed=1_000)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkill_during_saves_many_trials(zygote: Zygote, tmp_path: Path) -> None:
+    _crash_trials(zygote, tmp_path / "ckpt", trials=200, seed=50_000)
+
+
+# ---------------------------------------------------------------------------- corruption
+
+
+@pytest.mark.parametrize("where", ["magic", "header step", "header checksum", "data start", "data end"])
+def test_a_flipped_byte_is_caught_naming_the_file(tmp_path: Path, where: str) -> None:
+    store = CheckpointStore(tmp_path)
+    path = save(store, 4, random_data(4_000, 4), [1_000])
+    manifest = store.load(path)
+    victim = path / "seg-00001.bin"
+    size = victim.stat().st_size
+    offset = {"magic": 0, "header step": 17, "header checksum": 110, "data start": 112,
+              "data end": size - 1}[where]
+    raw = bytearray(victim.read_bytes())
+    raw[offset] ^= 0x10
+    victim.write_bytes(raw)
+    for record in (None, manifest.files[1]):
+        with pytest.raises(CorruptCheckpointError, match=str(victim)):
+            read_shard_file(victim, record)
+    with pytest.raises(CorruptCheckpointError, match=str(victim)):
+        read_flat_range(path, manifest, 0, 4_000)
+    read_flat_range(path, manifest, 0, 1_000)  # the other file is fine
+
+
+def test_a_truncated_file_is_caught_and_skipped_by_latest(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    older = save(store, 1, random_data(3_000, 1), [1_500])
+    newer = save(store, 2, random_data(3_000, 2), [1_500])
+    manifest = store.load(newer)
+    victim = newer / "seg-00000.bin"
+    for size in (victim.stat().st_size - 1, 50):
+        with open(victim, "r+b") as handle:
+            handle.truncate(size)
+        for record in (None, manifest.files[0]):
+            with pytest.raises(CorruptCheckpointError, match=str(victim)):
+                read_shard_file(victim, record)
+        with pytest.raises(CorruptCheckpointError, match=str(victim)):
+            read_flat_range(newer, manifest, 0, 3_000)
+        assert store.latest() == older
+
+
+@pytest.mark.parametrize("damage", ["garbage", "version", "missing field", "bad type", "overlap"])
+def test_a_bad_manifest_is_refused_naming_it(tmp_path: Path, damage: str) -> None:
+    store = CheckpointStore(tmp_path)
+    older = save(store, 1, random_data(1_000, 1), [500])
+    newer = save(store, 2, random_data(1_000, 2), [500])
+    source = newer / MANIFEST_NAME
+    body = json.loads(source.read_text())
+    if damage == "garbage":
+        text, reason = '{"format_version": 1, "step": 2,', "not a valid manifest"
+    else:
+        if damage == "version":
+            body["format_version"], reason = FORMAT_VERSION + 1, "format version 2; this build reads version 1"
+        elif damage == "missing field":
+            del body["config_hash"]
+            reason = r"missing \['config_hash'\]"
+        elif damage == "bad type":
+            body["shards"][0]["stop"], reason = "500", "must be integers"
+        else:
+            body["shards"][1]["start"], reason = 400, "overlap"
+        text = json.dumps(body)
+    source.write_text(text)
+    with pytest.raises(CheckpointError, match=str(source)) as info:
+        store.load(newer)
+    assert re.search(reason, str(info.value)), str(info.value)
+    assert store.latest() == older
+    with pytest.raises(CheckpointError, match=MANIFEST_NAME):
+        store.resolve(str(newer))
+
+
+# ----------------------------------------------------------------------------- disk full
+
+
+def _mount_tmpfs(mountpoint: Path, size: str) -> None:
+    mountpoint.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)],
+                            capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a {size} tmpfs here ({result.stderr.strip() or result.returncode}); "
+                    "test_a_file_size_limit_fails_the_save covers a failed write instead")
+
+
+def _fill(directory: Path) -> Path:
+    """Write a file until the filesystem is full."""
+    filler = directory / "filler"
+    block = b"\xa5" * 4096
+    with open(filler, "wb", buffering=0) as handle:
+        try:
+            while True:
+                handle.write(block)
+        except OSError as error:
+            assert error.errno == errno.ENOSPC
+    return filler
+
+
+def test_disk_full_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    mountpoint = tmp_path / "small"
+    _mount_tmpfs(mountpoint, "2m")
+    try:
+        store = CheckpointStore(mountpoint / "ckpt", keep_last=3)
+        first_data = random_data(32_768, 1)  # 384 KiB
+        first = save(store, 1, first_data, [16_384])
+        full = os.strerror(errno.ENOSPC)
+
+        # a payload that does not fit: the failing file is named and removed
+        with pytest.raises(CheckpointError, match=rf"seg-00001\.bin failed: {full}"):
+            save(store, 2, random_data(196_608, 2), [98_304])  # 2 x 1.1 MiB
+        assert sorted(p.name for p in store.partial_dir(2).iterdir()) == ["seg-00000.bin"]
+        store.abort(2)
+
+        # payload written, then the manifest does not fit: the commit fails, nothing is left
+        directory = store.begin(3)
+        record = write_shard_file(directory, "seg-00000.bin", step=3, start=0, tensors=random_data(1_024, 3))
+        filler = _fill(mountpoint)
+        manifest = Manifest(format_version=FORMAT_VERSION, step=3, run_id="r", config_hash="c",
+                            model_signature=(("flat", (1_024,)),), total=1_024,
+                            shards=(ShardRecord(0, 0, 1_024, 3, record.name),), files=(record,), extra={})
+        with pytest.raises(CheckpointError, match=rf"{MANIFEST_NAME} failed: {full}"):
+            store.commit(3, manifest)
+        assert not directory.exists()
+
+        for _ in range(2):
+            assert store.latest() == first
+            got = read_flat_range(first, store.load(first), 0, 32_768)
+            assert all(torch.equal(got[n], first_data[n]) for n in ARRAYS)
+            filler.unlink(missing_ok=True)
+        assert store.latest() == first
+        assert save(store, 3, random_data(1_024, 3), []) == store.latest()  # space again: saves work
+    finally:
+        subprocess.run(["umount", str(mountpoint)], capture_output=True, timeout=30)
+
+
+def test_a_file_size_limit_fails_the_save(zygote: Zygote, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    store = CheckpointStore(root, keep_last=WRITER_KEEP)
+    first = save_writer_step(store, 1)
+    result = tmp_path / "result.txt"
+    pid = zygote.spawn("save_under_size_limit", str(root), str(1 << 20), str(result))
+    assert zygote.wait(pid) == 0, zygote.log.read_text()
+    message = result.read_text()
+    named = re.search(r"checkpoint file (\S+) failed: " + os.strerror(errno.EFBIG), message)
+    assert named, message
+    assert Path(named.group(1)).parent == store.partial_dir(2)
+    assert not Path(named.group(1)).exists()
+    assert not any(p.name.endswith(".tmp") for p in store.partial_dir(2).iterdir())
+    assert store.latest() == first
+    assert verify_writer_checkpoint(first) == 1
+
+
+def test_an_unwritable_place_names_the_file_and_reason(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir"
+    with pytest.raises(CheckpointError, match=rf"{missing}/x\.bin failed: {os.strerror(errno.ENOENT)}"):
+        write_shard_file(missing, "x.bin", step=1, start=0, tensors=random_data(64, 0))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(CheckpointError, match="file/step-0000000001.partial"):
+        CheckpointStore(blocker).begin(1)
+
+
+# ------------------------------------------------------------------------- compatibility
+
+
+def test_check_compatible_names_the_differing_parameter(tmp_path: Path) -> None:
+    shapes = [("emb", (100,)), ("w1", (33, 7)), ("w2", (500,))]
+    layout = build_layout(shapes, num_workers=2, num_servers=2)
+    path = _save_layout(CheckpointStore(tmp_path), 1, layout, random_data(layout.total, 0))
+    manifest = CheckpointStore(tmp_path).load(path)
+    check_compatible(manifest, model_signature=shapes, total=layout.total, align=64)
+    check_compatible(manifest, model_signature=shapes, total=layout.total + 128)
+    cases = [
+        ([("emb", (100,)), ("w1", (7, 33)), ("w2", (500,))], "parameter 1 is 'w1' of shape \\(33, 7\\)"),
+        ([("emb", (100,)), ("w1b", (33, 7)), ("w2", (500,))], "'w1b'"),
+        (shapes[:2], "only the checkpoint has parameter 'w2'"),
+        ([*shapes, ("head", (4,))], "only this model has parameter 'head'"),
+    ]
+    for signature, named in cases:
+        with pytest.raises(CheckpointError, match=f"checkpoint is of another model: .*{named}"):
+            check_compatible(manifest, model_signature=signature, total=layout.total)
+    with pytest.raises(CheckpointError, match="align 64, this run uses 128"):
+        check_compatible(manifest, model_signature=shapes, total=layout.total, align=128)
+
+
+def test_errors_are_cargohold_errors() -> None:
+    assert issubclass(CorruptCheckpointError, CheckpointError)
+    assert issubclass(CheckpointError, CargoholdError)
+    with pytest.raises(CheckpointError, match="covers no shard|not listed"):
+        Manifest(format_version=FORMAT_VERSION, step=1, run_id="r", config_hash="c",
+                 model_signature=(), total=10, shards=(ShardRecord(0, 0, 10, 1, "a.bin"),),
+                 files=(FileRecord("b.bin", 0, 0),), extra={})
