@@ -10,7 +10,9 @@ as a state server holding a whole model would, and times:
 * ``optim.adamw_step`` over the fragment views (the kernel the server runs), with all
   cores and with one thread, and the same kernel run over chunks of ``--chunk-elements``;
 * ``ShardState.push`` (what a PushGradient ends in) and ``push`` + ``weights("bfloat16")``
-  (a whole server step: update, then the weights a worker fetches);
+  (a whole server step: update, then the weights a worker fetches, handed back with
+  ``recycle`` as the server does after the last chunk, so the next push writes them into
+  the same buffer);
 * ``torch.optim.AdamW`` with ``fused=True`` and with ``foreach=True`` on separate
   parameter tensors of the same shapes.
 
@@ -150,8 +152,8 @@ def run_shard_state(numel, fragments, weights, grad, steps, threads, fetch: bool
     for k in range(1, steps + 1):
         def step() -> None:
             shard.push(k, grad, global_norm=0.0, lr=LR)
-            if fetch:
-                shard.weights(k, "bfloat16")
+            if fetch:  # as the server does once a fetch has sent its last chunk
+                shard.recycle(shard.weights(k, "bfloat16"))
         times.append(_timed(step))
     snap = shard.snapshot()
     return times, (snap["master"], snap["exp_avg_sq"])
@@ -191,6 +193,7 @@ def measure_size(target: float, reps: int, chunk: int, all_threads: int) -> tupl
         ("ShardState.push", all_threads, 28, lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, False)),
         ("ShardState.push", 1, 28, lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, False)),
         ("push + weights(bf16)", all_threads, 30, lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, True)),
+        ("push + weights(bf16)", 1, 30, lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, True)),
     ]
     results, reference = [], None
     for name, threads, bytes_per_param, run in variants:
@@ -206,9 +209,9 @@ def measure_size(target: float, reps: int, chunk: int, all_threads: int) -> tupl
     copy = min(_timed(lambda: grad.to(torch.float32, copy=True)) for _ in range(reps))
     model = (f"\nmodel: GPT n_layer={config.n_layer} n_embd={config.n_embd} vocab={config.vocab_size}: "
              f"{real / 1e6:.1f}M params in {len(fragments)} fragments (segment of {numel} elements)\n"
-             f"ShardState.push copies the gradient first (gradient.to(float32, copy=True)): alone "
-             f"{copy * 1e3:.0f} ms, {numel * 8 / copy / 1e9:.1f} GB/s (a fresh allocation each push, so "
-             "page faults included)")
+             f"ShardState.push uses an fp32 gradient in place; the copy it used to make first "
+             f"(gradient.to(float32, copy=True), a fresh allocation each push) would take {copy * 1e3:.0f} ms "
+             f"alone, {numel * 8 / copy / 1e9:.1f} GB/s with its page faults")
     print(f"measured {real / 1e6:.1f}M params", flush=True)
     return model, real, results
 

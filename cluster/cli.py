@@ -3,6 +3,10 @@
     cargohold train                               # the embedded demo: local Ray, small GPT
     cargohold train --config examples/demo.yaml   # a config file
     cargohold train --config FILE --set steps=10 --set worker.num_workers=4
+    cargohold plan --config FILE --device-memory 80GiB --host-memory 256GiB --nvme 2TiB
+
+``cargohold plan`` starts nothing: it prints the memory and per-step traffic the run
+needs and exits 0 when it fits, 3 when it does not (cluster/plan.py).
 
 Under ``ray job submit`` set ``cluster.address: auto`` (or ``--set cluster.address=auto``)
 to join the job's cluster instead of starting one.
@@ -30,7 +34,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_BAD_CONFIG
     try:
-        config = load_config(args.config, args.overrides)
+        overrides = list(args.overrides)
+        if getattr(args, "resume", None):
+            overrides.append(f"checkpoint.resume={args.resume}")
+        config = load_config(args.config, overrides)
+        if args.command == "plan":
+            from cargohold.cluster.plan import plan_command
+
+            return plan_command(config, args)  # 0 fits, 3 does not; a bad cluster is a ConfigError
     except ConfigError as error:
         print(f"cargohold: bad configuration: {error}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -75,8 +86,18 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
     train = commands.add_parser("train", help="run a training job (the embedded demo by default)")
     train.add_argument("--config", metavar="FILE", help="YAML config; defaults apply to every key it omits")
+    train.add_argument("--resume", metavar="PATH|latest",
+                       help="continue from a checkpoint folder, or the latest in checkpoint.dir")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override one key, e.g. --set steps=10 --set optim.lr=3e-4 (repeatable)")
+    plan = commands.add_parser("plan", help="print the memory and traffic a run needs and whether it fits; "
+                               "starts nothing (exit 0 fits, 3 does not, 2 bad config)")
+    plan.add_argument("--config", metavar="FILE", help="YAML config; defaults apply to every key it omits")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override one key (repeatable)")
+    from cargohold.cluster.plan import add_arguments
+
+    add_arguments(plan)
     return parser
 
 

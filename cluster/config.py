@@ -20,6 +20,7 @@ import yaml
 
 from cargohold.services.errors import ConfigError
 from cargohold.services.models.gpt import GPTConfig
+from cargohold.services.models.hf import HFModelConfig
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.transport.auth import TlsFiles
 from cargohold.services.tiers.fileformat import FileLayout
@@ -242,6 +243,30 @@ class ClusterConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Where checkpoints go (step-<N>/ folders with a manifest.json written last); None
+    takes none, and then a failure cannot be recovered from."""
+    every_steps: int = 0
+    """Take a checkpoint every this many steps (and after the last); 0 only at the end."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted after a new one lands."""
+    resume: str | None = None
+    """Start from "latest" (in dir) or from a checkpoint folder; None starts fresh."""
+    max_failures: int = 0
+    """Actor failures to recover from (restart everything from the latest checkpoint)
+    before the run gives up."""
+
+    def __post_init__(self) -> None:
+        _non_negative("checkpoint.every_steps", self.every_steps)
+        _positive("checkpoint.keep_last", self.keep_last)
+        _non_negative("checkpoint.max_failures", self.max_failures)
+        if (self.every_steps or self.max_failures or self.resume == "latest") and not self.dir:
+            raise ConfigError("checkpoint.dir must be set for checkpoint.every_steps, checkpoint.max_failures "
+                              "or checkpoint.resume=latest")
+
+
+@dataclass(kw_only=True, slots=True)
 class SecurityConfig:
     auth_token_env: str | None = "CARGOHOLD_AUTH_TOKEN"
     """Environment variable (read by the launcher) holding the token every state-server
@@ -300,7 +325,10 @@ class TrainConfig:
     """Seeds model initialisation (identical on every worker)."""
     progress: bool = True
     """Show a progress bar with loss and step time."""
+    export_dir: str | None = None
+    """Write the trained fp32 weights here as safetensors at the end of the run: for an `hf` model a folder `transformers.AutoModelForCausalLM.from_pretrained` loads, for the built-in GPT `model.safetensors` and `cargohold_gpt.json` (`cargohold.cluster.export.load_exported_gpt` loads them). None exports nothing."""
     model: GPTConfig = field(default_factory=GPTConfig)
+    hf: HFModelConfig = field(default_factory=HFModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
@@ -308,9 +336,14 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         _positive("steps", self.steps)
+        if self.export_dir == "":
+            raise ConfigError("export_dir must be a folder path or null, got an empty string")
+        if self.hf.enabled:
+            self.hf.check(self.model.block_size)
         last_port = self.metrics.port + self.state_server.num_servers + self.worker.num_workers - 1
         if self.metrics.port and last_port > 65535:
             raise ConfigError(f"metrics.port {self.metrics.port} leaves no room for every actor (up to {last_port})")
@@ -318,25 +351,28 @@ class TrainConfig:
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> TrainConfig:
     """Read YAML (or start from defaults) and apply ``dotted.key=value`` overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader)
-        except OSError as error:
-            raise ConfigError(f"cannot read config file {path}: {error.strerror}") from error
-        except UnicodeDecodeError as error:
-            raise ConfigError(f"config file {path} is not UTF-8 text: {error}") from error
-        except yaml.YAMLError as error:
-            raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping, got {type(loaded).__name__}")
-        data = loaded
+    data: dict[str, Any] = read_yaml_mapping(path, "config file") if path is not None else {}
     for override in overrides:
         _apply_override(data, override)
     return from_dict(TrainConfig, data)
+
+
+def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
+    """A YAML file holding a mapping (empty file: {}); ConfigError names the file."""
+    path = Path(path)
+    try:
+        loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader)
+    except OSError as error:
+        raise ConfigError(f"cannot read {what} {path}: {error.strerror}") from error
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{what} {path} is not UTF-8 text: {error}") from error
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{what} {path} is not valid YAML: {error}") from error
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{what} {path} must hold a mapping, got {type(loaded).__name__}")
+    return loaded
 
 
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:

@@ -13,17 +13,20 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
 import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.config import TrainConfig, config_hash
+from cargohold.cluster.export import export_weights, master_weights
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
+from cargohold.services.checkpoint import FORMAT_VERSION, CheckpointStore, Manifest, check_compatible
 from cargohold.services.errors import TrainingError
 from cargohold.services.state_server import StateServer
-from cargohold.services.worker import StepReport, TrainingWorker
+from cargohold.services.worker import StepReport, TrainingWorker, build_model, layout_for_config, segment_spec
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +34,28 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class TrainResult:
     run_id: str
+    first_step: int | None = None
+    """The step training started after (0, or a resumed checkpoint's); losses[i] is the
+    loss of step first_step + i + 1."""
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     server_addresses: list[str] = field(default_factory=list)
     metrics_addresses: list[str] = field(default_factory=list)
     worker_resident_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes rank 0 holds for training, by kind (weights, gradients, grad_shard)."""
+    checkpoints: list[Path] = field(default_factory=list)
+    checkpoint_stall_seconds: list[float] = field(default_factory=list)
+    """How long each checkpoint held training up (the snapshot, not the writing)."""
+    restarts: int = 0
+    recovery_seconds: list[float] = field(default_factory=list)
+    """From each failure's restart to training again."""
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCheckpoint:
+    step: int
+    updates: int
+    stall_seconds: float
 
 
 class TrainingSession:
@@ -46,8 +65,12 @@ class TrainingSession:
     between steps.
     """
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: TrainConfig, *, resume: Path | None = None) -> None:
+        """``resume``: a complete checkpoint folder to restore the servers' state from."""
         self.config = config
+        self.resume = resume
+        with torch.device("meta"):
+            self.layout = layout_for_config(config, build_model(config))
         self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.step_count = 0
         self.servers: list = []
@@ -105,6 +128,10 @@ class TrainingSession:
         self.server_addresses = _get([s.address.remote() for s in self.servers], timeout, "starting state servers")
         server_nodes = _get([s.node_id.remote() for s in self.servers], timeout, "starting state servers")
 
+        update = 0
+        if self.resume is not None:
+            update, self.step_count = self._restore(self.resume, timeout)
+
         worker_cls = ray.remote(TrainingWorker)
         first_worker_bundle = cfg.state_server.num_servers
         self.workers = [
@@ -119,15 +146,64 @@ class TrainingSession:
         _get([w.init_process_group.remote(host, port) for w in self.workers], timeout,
              "forming the worker process group")
         steps = set(_get([w.register_shards.remote() for w in self.workers], timeout, "registering shards"))
-        if len(steps) != 1:
-            raise TrainingError(f"workers' shards are at different steps {sorted(steps)}")
-        self.step_count = steps.pop()
+        if steps != {update}:
+            raise TrainingError(f"workers' shards are at updates {sorted(steps)}, expected {update}")
+        if self.resume is not None:
+            _get([w.load_weights.remote() for w in self.workers], timeout, "loading restored weights")
         logger.info("run %s: %d workers, %d state servers at %s", self.run_id, len(self.workers),
                     len(self.servers), ", ".join(self.server_addresses))
         targets = self.metrics_targets()
         logger.info("metrics endpoints: %s", ", ".join(f"{t.role}-{t.index} {t.address}" for t in targets))
         if cfg.metrics.file_sd_path:
             write_file_sd(cfg.metrics.file_sd_path, self.run_id, targets)
+
+    def _restore(self, directory: Path, timeout: float) -> tuple[int, int]:
+        """Restore every server's segments from a checkpoint; returns (updates, data step)."""
+        manifest = CheckpointStore(directory.parent).load(directory)
+        check_compatible(manifest, model_signature=[(p.name, p.shape) for p in self.layout.params],
+                         total=self.layout.total, align=self.layout.align)
+        update = int(manifest.extra.get("updates", manifest.step))
+        _get([
+            server.restore.remote(str(directory), manifest.to_json(),
+                                  [segment_spec(self.config, self.run_id, seg) for seg in self.layout.segments_of_server(i)],
+                                  update)
+            for i, server in enumerate(self.servers)
+        ], timeout, f"restoring {directory}")
+        logger.info("run %s: restored %s (step %d, %d updates)", self.run_id, directory, manifest.step, update)
+        return update, manifest.step
+
+    def checkpoint_begin(self, store: CheckpointStore) -> PendingCheckpoint:
+        """Snapshot every server's state as of the current step; the files are written
+        in the background (RAM tier) while training goes on."""
+        started = time.perf_counter()
+        step = self.step_count
+        directory = store.begin(step)
+        _get([w.settle.remote() for w in self.workers], None, "settling before a checkpoint")
+        updates = set(_get([s.checkpoint_begin.remote(self.run_id, str(directory), step) for s in self.servers],
+                           None, f"checkpointing step {step}"))
+        if len(updates) != 1:
+            store.abort(step)
+            raise TrainingError(f"servers are at different updates {sorted(updates)} at step {step}")
+        return PendingCheckpoint(step=step, updates=updates.pop(), stall_seconds=time.perf_counter() - started)
+
+    def checkpoint_finish(self, store: CheckpointStore, pending: PendingCheckpoint) -> Path:
+        """Wait for the servers' files, then write the manifest: the checkpoint is complete."""
+        records = [r for rs in _get([s.checkpoint_wait.remote() for s in self.servers], None,
+                                    f"writing checkpoint {pending.step}") for r in rs]
+        manifest = Manifest(
+            format_version=FORMAT_VERSION, step=pending.step, run_id=self.run_id,
+            config_hash=config_hash(self.config),
+            model_signature=tuple((p.name, p.shape) for p in self.layout.params),
+            total=self.layout.total,
+            shards=tuple(sorted((shard for shard, _ in records), key=lambda r: r.start)),
+            files=tuple(file for _, file in records),
+            extra={"updates": pending.updates, "align": self.layout.align,
+                   "num_workers": self.config.worker.num_workers,
+                   "num_servers": self.config.state_server.num_servers},
+        )
+        path = store.commit(pending.step, manifest)
+        logger.info("checkpoint of step %d written to %s", pending.step, path)
+        return path
 
     def step(self) -> StepReport:
         """Run the next step on every worker; returns rank 0's report."""
@@ -172,18 +248,67 @@ class TrainingSession:
 
 
 def train(config: TrainConfig, on_step: Callable[[StepReport], None] | None = None) -> TrainResult:
-    """Run ``config.steps`` steps and return the losses and timings."""
-    with TrainingSession(config) as session:
-        result = TrainResult(run_id=session.run_id, server_addresses=list(session.server_addresses),
-                             metrics_addresses=session.metrics_addresses(),
-                             worker_resident_bytes=session.worker_resident_bytes())
+    """Run ``config.steps`` steps, taking checkpoints as configured; on an actor failure
+    restart everything from the latest checkpoint, up to ``checkpoint.max_failures``."""
+    ckpt = config.checkpoint
+    store = CheckpointStore(Path(ckpt.dir), keep_last=ckpt.keep_last) if ckpt.dir else None
+    resume = _resolve_resume(ckpt.resume, store)
+    result = TrainResult(run_id="")
+    while True:
+        try:
+            _train_session(config, store, resume, result, on_step)
+            return result
+        except TrainingError as error:
+            latest = store.latest() if store is not None else None
+            if result.restarts >= ckpt.max_failures or latest is None:
+                raise
+            result.restarts += 1
+            logger.warning("run failed (%s); restart %d of %d from %s", error, result.restarts,
+                           ckpt.max_failures, latest)
+            resume = latest
+
+
+def _train_session(config: TrainConfig, store: CheckpointStore | None, resume: Path | None,
+                   result: TrainResult, on_step: Callable[[StepReport], None] | None) -> None:
+    every = config.checkpoint.every_steps
+    recovering = time.perf_counter()
+    with TrainingSession(config, resume=resume) as session:
+        if result.restarts:
+            result.recovery_seconds.append(time.perf_counter() - recovering)
+        result.run_id = session.run_id
+        result.server_addresses = list(session.server_addresses)
+        result.metrics_addresses = session.metrics_addresses()
+        result.worker_resident_bytes = session.worker_resident_bytes()
+        if result.first_step is None:
+            result.first_step = session.step_count
+        done = session.step_count - result.first_step  # a recovery repeats what came after
+        del result.losses[done:], result.step_seconds[done:]
+        pending = None
         while session.step_count < config.steps:
             report = session.step()
             result.losses.append(report.loss)
             result.step_seconds.append(report.seconds)
             if on_step is not None:
                 on_step(report)
-        return result
+            if store is not None and (session.step_count == config.steps
+                                      or (every and session.step_count % every == 0)):
+                if pending is not None:
+                    result.checkpoints.append(session.checkpoint_finish(store, pending))
+                pending = session.checkpoint_begin(store)
+                result.checkpoint_stall_seconds.append(pending.stall_seconds)
+        if pending is not None:
+            result.checkpoints.append(session.checkpoint_finish(store, pending))
+        if config.export_dir is not None:
+            export_weights(config, session.layout, master_weights(session.layout, session.server_snapshots()),
+                           config.export_dir)
+
+
+def _resolve_resume(spec: str | None, store: CheckpointStore | None) -> Path | None:
+    if spec is None:
+        return None
+    if spec == "latest":
+        return store.resolve("latest") if store is not None else None
+    return CheckpointStore(Path(spec).parent).resolve(spec)
 
 
 def resolve_auth_token(env_name: str | None) -> str | None:

@@ -55,6 +55,7 @@ from typing import Any
 import google_crc32c
 import torch
 
+from cargohold.services.durable import fsync_directory
 from cargohold.services.errors import CheckpointError, CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -363,14 +364,6 @@ def _os_error(action: str, path: Path, error: OSError) -> CheckpointError:
     return CheckpointError(f"{action} {path} failed: {reason}{hint}")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
@@ -395,7 +388,7 @@ def _write_durably(target: Path, chunks: Iterable[bytes]) -> int:
             os.close(fd)
         os.replace(temporary, target)
         renamed = True
-        _fsync_dir(target.parent)
+        fsync_directory(target.parent)
         return crc
     except OSError as error:
         for leftover in (temporary, target) if renamed else (temporary,):
@@ -622,13 +615,13 @@ class CheckpointStore:
                 )
             _check_files(partial, manifest)
             _write_durably(partial / MANIFEST_NAME, [manifest.to_json().encode()])
-            _fsync_dir(partial)
+            fsync_directory(partial)
             if final.exists():
                 replaced = final.with_name(final.name + ".replaced")
                 _remove_tree(replaced)
                 os.rename(final, replaced)
             os.rename(partial, final)
-            _fsync_dir(self.root)
+            fsync_directory(self.root)
         except (OSError, CheckpointError) as error:
             _remove_tree(partial)
             if replaced is not None and replaced.exists() and not final.exists():

@@ -78,6 +78,10 @@ def _rebuild_corrupt(message: str, path: str, partition: str) -> CorruptPartitio
     return CorruptPartitionError(message, path=path, partition=partition)
 
 
+class ExportError(CargoholdError):
+    """Trained weights cannot be exported (``export_dir``) or an export cannot be read."""
+
+
 class CheckpointError(CargoholdError):
     """A checkpoint cannot be written, found or read; the message names the path and why."""
 

@@ -113,6 +113,20 @@ def clip_(gradients: Sequence[torch.Tensor], coefficient: torch.Tensor | None) -
         torch._foreach_mul_(list(gradients), coefficient)
 
 
+def clipped(gradients: Sequence[torch.Tensor], coefficient: torch.Tensor | None) -> list[torch.Tensor]:
+    """The gradients scaled by a :func:`clip_coefficient` into new tensors, leaving the
+    given ones as they are; without clipping, the given tensors themselves.
+
+    The same elementwise fp32 product as :func:`clip_`, so the same bits; it reads each
+    gradient once and writes once, where copying first and then clipping in place moves
+    every byte twice. The fused kernel only reads gradients, so without clipping a
+    caller's gradient can go to it as is.
+    """
+    if coefficient is None or not gradients:
+        return list(gradients)
+    return list(torch._foreach_mul(list(gradients), coefficient))
+
+
 def fused_adamw_(
     state: AdamWState,
     gradients: Sequence[torch.Tensor],

@@ -80,18 +80,28 @@ class ShardState:
     """
 
     def __init__(self, spec: ShardSpec, initial_weights: torch.Tensor, *,
-                 storage: TieredStorage | None = None) -> None:
+                 storage: TieredStorage | None = None,
+                 moments: tuple[torch.Tensor, torch.Tensor] | None = None, step: int = 0) -> None:
+        """``moments`` (exp_avg, exp_avg_sq) and ``step`` restore a checkpointed shard;
+        without them it starts fresh at step 0."""
         _check_tensor(spec, initial_weights, torch.float32, "initial weights")
+        for name, moment in zip(("exp_avg", "exp_avg_sq"), moments or ()):
+            _check_tensor(spec, moment, torch.float32, name)
+        if step < 0:
+            raise InvalidTensorError(f"shard {spec.shard_id}: step must be >= 0, got {step}")
         self.spec = spec
         self.lock = threading.Lock()
         self._storage = storage if storage is not None else TieredStorage()
         self._storage.add_shard(spec.run_id, spec.shard_id, spec.numel, spec.fragments,
-                                initial_weights.detach().contiguous())
-        self._step = 0
+                                initial_weights.detach().contiguous(), moments=moments, step=step)
+        self._step = step
         self._fetch_dtype: str | None = None
         """Dtype of the latest weight fetch: pushes prepare the weights in it."""
         self._prepared: tuple[int, str, torch.Tensor] | None = None
         """(step, dtype, weights) made during the latest push, until fetched once."""
+        self._spare: torch.Tensor | None = None
+        """A weights buffer a fetch has finished with (:meth:`recycle`): the next push or
+        read writes into it instead of faulting in a new one. Held by nobody else."""
 
     @property
     def step(self) -> int:
@@ -106,8 +116,13 @@ class ShardState:
     def bytes_by_tier(self) -> dict[Residency, int]:
         return self._storage.state_bytes(self.spec.run_id, self.spec.shard_id)
 
-    def push(self, step: int, gradient: torch.Tensor, *, global_norm: float, lr: float) -> PushOutcome:
+    def push(self, step: int, gradient: torch.Tensor, *, global_norm: float, lr: float,
+             owned: bool = False) -> PushOutcome:
         """Apply the gradient of ``step`` once; a repeat of the last step is ignored.
+
+        An fp32 gradient is used in place, not copied. ``owned``: the caller hands the
+        gradient over (a tensor the transport just assembled) and will not use it again,
+        so clipping may scale it in place; otherwise it is left exactly as it was.
 
         If the update stops part-way (a corrupt partition file, a failed write) the error
         propagates and the shard stays at the previous step; pushing the same step again
@@ -123,29 +138,34 @@ class ShardState:
             )
         with self.lock:
             current = self.step
-            if step == current and step > 0:
+            if repeats_last_step(self.spec, current, step, verb="accepts"):
                 return PushOutcome(applied=False, step=current, seconds=0.0)
-            if step != current + 1:
-                raise StepMismatchError(
-                    f"shard {self.spec.shard_id} of run {self.spec.run_id!r} is at step {current}; "
-                    f"it accepts a gradient for step {current + 1}, got step {step}"
-                )
             started = time.perf_counter()
             self._prepared = None
             dtype = self._fetch_dtype
-            weights, _ = self._storage.update(
-                self.spec.run_id, self.spec.shard_id, step, gradient,
-                coefficient=clip_coefficient(global_norm, self.spec.hyper.max_grad_norm),
-                lr=lr, hyper=self.spec.hyper,
-                weights_dtype=WIRE_DTYPES[dtype] if dtype is not None else None,
-            )
+            spare = self._take_spare(dtype)
+            try:
+                weights, _ = self._storage.update(
+                    self.spec.run_id, self.spec.shard_id, step, gradient,
+                    coefficient=clip_coefficient(global_norm, self.spec.hyper.max_grad_norm),
+                    lr=lr, hyper=self.spec.hyper, gradient_owned=owned,
+                    weights_dtype=WIRE_DTYPES[dtype] if dtype is not None else None,
+                    weights_out=spare,
+                )
+            except BaseException:
+                if spare is not None:  # scratch either way: keep it for the retry
+                    self._spare = spare
+                raise
+            if spare is not None and weights is not spare:  # a resumed update makes no weights
+                self._spare = spare
             self._step = step
             if weights is not None and dtype is not None:
                 self._prepared = (step, dtype, weights)
             return PushOutcome(applied=True, step=step, seconds=time.perf_counter() - started)
 
     def weights(self, step: int, dtype: str) -> torch.Tensor:
-        """A copy of the master weights after ``step``, in a wire dtype."""
+        """A copy of the master weights after ``step``, in a wire dtype; the caller is its
+        only holder (hand it back with :meth:`recycle` when done)."""
         if dtype not in WIRE_DTYPES:
             raise InvalidTensorError(f"weight dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
         with self.lock:
@@ -159,7 +179,33 @@ class ShardState:
             prepared, self._prepared = self._prepared, None
             if prepared is not None and prepared[:2] == (step, dtype):
                 return prepared[2]
-            return self._storage.read_weights(self.spec.run_id, self.spec.shard_id, step, WIRE_DTYPES[dtype])
+            spare = self._take_spare(dtype)
+            try:
+                return self._storage.read_weights(self.spec.run_id, self.spec.shard_id, step,
+                                                  WIRE_DTYPES[dtype], out=spare)
+            except BaseException:
+                if spare is not None:
+                    self._spare = spare
+                raise
+
+    def recycle(self, weights: torch.Tensor) -> None:
+        """Hand back a tensor :meth:`weights` returned, once nothing reads it any more
+        (the server, after the last chunk of a fetch is built): the next push or read
+        writes into it rather than into a new allocation, whose page faults cost as much
+        as the cast itself. Each buffer has one holder at a time, so concurrent fetches
+        never share one; a buffer never handed back is simply freed."""
+        with self.lock:
+            if (self._spare is None and weights.dim() == 1 and weights.numel() == self.spec.numel
+                    and weights.dtype in WIRE_DTYPES.values() and weights.is_contiguous()):
+                self._spare = weights
+
+    def _take_spare(self, dtype: str | None) -> torch.Tensor | None:
+        """The recycled buffer if it is in ``dtype`` (the caller now holds it); under the lock."""
+        spare = self._spare
+        if spare is None or dtype is None or spare.dtype != WIRE_DTYPES[dtype]:
+            return None
+        self._spare = None
+        return spare
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of master, exp_avg and exp_avg_sq (for tests and checkpoints)."""
@@ -196,6 +242,22 @@ class ShardRegistry:
                 self._shards[key] = state
             return state
 
+    def restore(self, spec: ShardSpec, tensors: dict[str, torch.Tensor], step: int) -> ShardState:
+        """Create a shard from checkpointed master weights and moments at ``step``."""
+        key = (spec.run_id, spec.shard_id)
+        with self._registering:
+            with self._lock:
+                if key in self._shards:
+                    raise ShardConflictError(
+                        f"shard {spec.shard_id} of run {spec.run_id!r} is already registered; "
+                        "restore into a fresh state server"
+                    )
+            state = ShardState(spec, tensors["master"], storage=self.storage,
+                               moments=(tensors["exp_avg"], tensors["exp_avg_sq"]), step=step)
+            with self._lock:
+                self._shards[key] = state
+            return state
+
     def get(self, run_id: str, shard_id: int) -> ShardState:
         with self._lock:
             state = self._shards.get((run_id, shard_id))
@@ -219,6 +281,19 @@ class ShardRegistry:
     def close(self) -> None:
         """Stop the storage's I/O and delete this server's partition files."""
         self.storage.close()
+
+
+def repeats_last_step(spec: ShardSpec, current: int, step: int, *, verb: str) -> bool:
+    """True when ``step`` repeats the update the shard already applied (to be ignored);
+    raises StepMismatchError unless it is the next one."""
+    if step == current and step > 0:
+        return True
+    if step != current + 1:
+        raise StepMismatchError(
+            f"shard {spec.shard_id} of run {spec.run_id!r} is at step {current}; "
+            f"it {verb} a gradient for step {current + 1}, got step {step}"
+        )
+    return False
 
 
 def _check_tensor(spec: ShardSpec, tensor: torch.Tensor, dtype: torch.dtype, what: str) -> None:

@@ -12,7 +12,7 @@ import threading
 import torch
 
 from cargohold.services.errors import InvalidTensorError, StepMismatchError
-from cargohold.services.shard_state import WIRE_DTYPES, PushOutcome, ShardState
+from cargohold.services.shard_state import WIRE_DTYPES, PushOutcome, ShardState, repeats_last_step
 
 
 class GradientStaging:
@@ -31,13 +31,8 @@ class GradientStaging:
                 f"got {gradient.numel()} x {gradient.dtype}"
             )
         current = state.step
-        if step == current and step > 0:
+        if repeats_last_step(spec, current, step, verb="stages"):
             return PushOutcome(applied=False, step=current, seconds=0.0)
-        if step != current + 1:
-            raise StepMismatchError(
-                f"shard {spec.shard_id} of run {spec.run_id!r} is at step {current}; it stages a "
-                f"gradient for step {current + 1}, got step {step}"
-            )
         with self._lock:
             self._staged[(spec.run_id, spec.shard_id)] = (step, gradient)
         return PushOutcome(applied=False, step=step, seconds=0.0)
@@ -55,6 +50,8 @@ class GradientStaging:
                 f"shard {spec.shard_id} of run {spec.run_id!r} has no gradient staged for step "
                 f"{step} (it is at step {state.step}); push it with defer_update first"
             )
+        # Not handed over (owned=False): a commit retried after a failed write passes the
+        # same tensor again, so clipping must not scale it in place.
         outcome = state.push(step, staged[1], global_norm=global_norm, lr=lr)
         with self._lock:
             if self._staged.get(key, (None,))[0] == step:

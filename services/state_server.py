@@ -13,9 +13,11 @@ import logging
 import torch
 
 from cargohold.cluster.config import StateServerConfig
+from cargohold.services.checkpoint import FileRecord, Manifest, ShardRecord
+from cargohold.services.checkpointing import ShardCheckpointer
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.node import node_ip
-from cargohold.services.shard_state import ShardRegistry
+from cargohold.services.shard_state import ShardRegistry, ShardSpec
 from cargohold.services.tiers.storage import TieredStorage
 from cargohold.services.transport.auth import TlsFiles
 from cargohold.services.transport.grpc_server import GrpcStateServer
@@ -39,6 +41,7 @@ class StateServer:
             auth_token=auth_token, tls=tls,
         )
         self._grpc.start()
+        self._checkpointer = ShardCheckpointer(self.registry, server_index)
 
     def address(self) -> str:
         """host:port of the gRPC API."""
@@ -57,6 +60,18 @@ class StateServer:
     def snapshot(self, run_id: str) -> dict[int, dict[str, torch.Tensor]]:
         """Copies of every shard's fp32 state for a run, by shard id (tests, checkpoints)."""
         return {s.spec.shard_id: {**s.snapshot(), "step": torch.tensor(s.step)} for s in self.registry.shards(run_id)}
+
+    def checkpoint_begin(self, run_id: str, directory: str, step: int) -> int:
+        """Start writing this server's shards of ``run_id`` into ``directory``."""
+        return self._checkpointer.begin(run_id, directory, step)
+
+    def checkpoint_wait(self) -> list[tuple[ShardRecord, FileRecord]]:
+        return self._checkpointer.wait()
+
+    def restore(self, directory: str, manifest_json: str, specs: list[ShardSpec], update: int) -> None:
+        """Create ``specs`` from the checkpoint in ``directory`` (resharded as needed)."""
+        manifest = Manifest.from_json(manifest_json, source=f"{directory}/manifest.json")
+        self._checkpointer.restore(directory, manifest, specs, update)
 
     def stop(self) -> None:
         """Stop serving, then stop the tier I/O and delete this server's partition files."""

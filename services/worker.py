@@ -26,9 +26,10 @@ from cargohold.cluster.config import TrainConfig
 from cargohold.services.bucketing import BucketReadiness
 from cargohold.services.data import batch_for_step, load_tokens
 from cargohold.services.errors import TrainingError
-from cargohold.services.layout import ShardLayout, layout_for_module, parameter_views
+from cargohold.services.layout import Segment, ShardLayout, layout_for_module, parameter_views
 from cargohold.services.metrics import WorkerMetrics
 from cargohold.services.models.gpt import GPT
+from cargohold.services.models.hf import build_hf_model
 from cargohold.services.node import node_ip
 from cargohold.services.optim import global_norm_from_squares, sum_of_squares
 from cargohold.services.shard_state import WIRE_DTYPES, ShardSpec
@@ -64,9 +65,12 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
-def build_model(config: TrainConfig) -> GPT:
-    """The model with its deterministic fp32 initialisation (same on every rank)."""
+def build_model(config: TrainConfig) -> torch.nn.Module:
+    """The model with its deterministic fp32 initialisation (same on every rank): the
+    transformers causal LM that ``hf`` names, else the built-in GPT."""
     torch.manual_seed(config.seed)
+    if config.hf.enabled:
+        return build_hf_model(config.hf)
     return GPT(config.model)
 
 
@@ -78,6 +82,19 @@ def layout_for_config(config: TrainConfig, model: torch.nn.Module) -> ShardLayou
         num_workers=config.worker.num_workers,
         num_servers=config.state_server.num_servers,
         bucket_elements=max(1, config.worker.bucket_bytes // wire_bytes),
+    )
+
+
+def segment_spec(config: TrainConfig, run_id: str, segment: Segment) -> ShardSpec:
+    """What a state server is told about one segment it owns."""
+    return ShardSpec(
+        run_id=run_id,
+        shard_id=segment.segment_id,
+        start=segment.start,
+        numel=segment.numel,
+        fragments=tuple((f.segment_start, f.length) for f in segment.fragments),
+        grad_dtype=config.worker.grad_wire_dtype,
+        hyper=config.optim.hyper_params(),
     )
 
 
@@ -182,15 +199,7 @@ class TrainingWorker:
         """Register this worker's segments with their servers; returns the common step."""
         steps = set()
         for segment in self.segments:
-            spec = ShardSpec(
-                run_id=self.run_id,
-                shard_id=segment.segment_id,
-                start=segment.start,
-                numel=segment.numel,
-                fragments=tuple((f.segment_start, f.length) for f in segment.fragments),
-                grad_dtype=self.config.worker.grad_wire_dtype,
-                hyper=self.config.optim.hyper_params(),
-            )
+            spec = segment_spec(self.config, self.run_id, segment)
             for client in self.clients:
                 client.wait_ready()
             step, _ = self.clients[segment.server].register(spec, self._initial_shard[self._local(segment)])
@@ -203,6 +212,21 @@ class TrainingWorker:
 
     def metrics_address(self) -> str:
         return self.metrics.address if self.metrics.serving else ""
+
+    def load_weights(self) -> None:
+        """Fetch the servers' current weights (after a restore) and gather them."""
+        def fetch(segment) -> int:
+            self._fetch(segment, self._updates)
+            return 0
+
+        transfers = [self._pool.submit(fetch, segment) for segment in self.segments]
+        self._comm.submit(self._gather, transfers, self.flat_weights).result()
+
+    def settle(self) -> None:
+        """Wait for a delayed update still in flight (before a checkpoint), keeping the
+        weights the next step computes on."""
+        if self._pending is not None:
+            self._pending.exception()
 
     def flat_weights_cpu(self) -> torch.Tensor:
         """The newest weights (with a delayed update, after waiting for the last one)."""
@@ -413,13 +437,16 @@ class TrainingWorker:
 
     def _fetch(self, segment, step: int) -> None:
         shm = self._shm_ref(segment, self._weight_shard)
+        target = self._weight_shard[self._local(segment)]
+        on_cpu = target.device.type == "cpu"
         weights = self.clients[segment.server].fetch(
             self.run_id, segment.segment_id, step, self.config.worker.compute_dtype, segment.numel, shm=shm,
+            out=target if on_cpu and shm is None else None,  # chunks land in the shard directly
         )
         nbytes = segment.numel * self.compute_dtype.itemsize
         self.metrics.record_received("FetchWeights.shm" if shm else "FetchWeights", nbytes)
-        if weights is not None:
-            self._weight_shard[self._local(segment)].copy_(weights, non_blocking=True)
+        if weights is not None and not on_cpu:
+            target.copy_(weights, non_blocking=True)
 
     def _shm_ref(self, segment, shard: torch.Tensor) -> tuple[str, int] | None:
         """Where ``segment``'s slice of a shared-memory shard buffer lies, for a co-located server."""

@@ -43,6 +43,7 @@ CONFIG_SURFACE = [
     "steps",
     "seed",
     "progress",
+    "export_dir",
     "model.vocab_size",
     "model.block_size",
     "model.n_layer",
@@ -50,6 +51,8 @@ CONFIG_SURFACE = [
     "model.n_embd",
     "model.dropout",
     "model.bias",
+    "hf.config_path",
+    "hf.checkpoint_dir",
     "data.corpus_path",
     "data.corpus_bytes",
     "data.batch_size",
@@ -101,6 +104,11 @@ CONFIG_SURFACE = [
     "security.tls_cert_file",
     "security.tls_key_file",
     "security.tls_ca_file",
+    "checkpoint.dir",
+    "checkpoint.every_steps",
+    "checkpoint.keep_last",
+    "checkpoint.resume",
+    "checkpoint.max_failures",
 ]
 
 

@@ -212,6 +212,54 @@ def test_push_does_not_modify_the_callers_gradient() -> None:
     assert torch.equal(gradient, kept)
 
 
+def test_without_clipping_the_gradient_is_read_in_place_and_left_alone() -> None:
+    spec = _spec(hyper=AdamWHyperParams(max_grad_norm=0.0))
+    state, reference = _state(spec), _state(spec)
+    gradient = _gradient(1)
+    kept = gradient.clone()
+    state.push(1, gradient, global_norm=50.0, lr=1e-2)
+    assert torch.equal(gradient, kept)  # the kernel only reads it
+    reference.push(1, kept.clone(), global_norm=50.0, lr=1e-2, owned=True)
+    _assert_snapshot_equal(state.snapshot(), reference.snapshot())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_owned_gradient_gives_the_same_update_bitwise(dtype: torch.dtype) -> None:
+    """Handed over, the gradient may be clipped in place: the bits of the update stay."""
+    spec = _spec(grad_dtype="float32" if dtype == torch.float32 else "bfloat16")
+    owned, lent = _state(spec), _state(spec)
+    for step in (1, 2):
+        gradient = _gradient(step, dtype=dtype)
+        assert owned.push(step, gradient.clone(), global_norm=50.0, lr=1e-2, owned=True).applied
+        assert lent.push(step, gradient, global_norm=50.0, lr=1e-2).applied
+        assert torch.equal(gradient, _gradient(step, dtype=dtype))
+    _assert_snapshot_equal(owned.snapshot(), lent.snapshot())
+
+
+def test_weights_buffers_are_reused_only_once_handed_back() -> None:
+    state = _state()
+    state.push(1, _gradient(1), global_norm=0.5, lr=1e-2)
+    first = state.weights(1, "bfloat16")  # read (nothing prepared yet); now pushes prepare bf16
+    kept = first.clone()
+    state.push(2, _gradient(2), global_norm=0.5, lr=1e-2)
+    assert torch.equal(first, kept)  # not handed back: never written again
+    second = state.weights(2, "bfloat16")  # the weights the push prepared
+    assert second.data_ptr() != first.data_ptr()
+    state.recycle(second)
+    state.push(3, _gradient(3), global_norm=0.5, lr=1e-2)
+    third = state.weights(3, "bfloat16")
+    assert third.data_ptr() == second.data_ptr()  # the push prepared into the recycled buffer
+    assert torch.equal(third, state.snapshot()["master"].to(torch.bfloat16))
+    again = state.weights(3, "bfloat16")  # a second fetch of the step while the first holds it
+    assert again.data_ptr() != third.data_ptr() and torch.equal(again, third)
+    state.recycle(third)
+    state.recycle(again)  # one spare at most; the other is freed
+    in_fp32 = state.weights(3, "float32")  # a spare of another dtype is not used
+    assert torch.equal(in_fp32, state.snapshot()["master"])
+    reread = state.weights(3, "bfloat16")
+    assert reread.data_ptr() == third.data_ptr() and torch.equal(reread, again)
+
+
 def test_padding_stays_exactly_as_registered() -> None:
     state = _state()
     mask = _padding_mask(state.spec)

@@ -262,6 +262,45 @@ def test_weights_come_back_in_several_ordered_checksummed_chunks(stepped: Served
     assert len(_fetch_raw(stepped, 1, chunk_bytes=0)) == 1
 
 
+def test_a_failure_after_the_first_weights_chunk_ends_the_call_with_a_status(
+        stepped: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks are built as they are sent; one that cannot be built still aborts the call."""
+    from cargohold.services.transport import grpc_server
+
+    real, built = grpc_server.fill_chunk, []
+
+    def fill_then_fail(chunk: pb.TensorChunk, offset: int, data: bytes) -> None:
+        if built:
+            raise RuntimeError("simulated failure while building a chunk")
+        built.append(offset)
+        real(chunk, offset, data)
+
+    before = _observe(stepped)
+    monkeypatch.setattr(grpc_server, "fill_chunk", fill_then_fail)
+    code, details = _status(lambda: stepped.client.fetch(RUN, 0, 1, "float32", NUMEL))
+    assert code == Code.INTERNAL and "simulated failure" in details and built == [0]
+    monkeypatch.setattr(grpc_server, "fill_chunk", real)
+    _assert_unchanged(stepped, before)  # and the server goes on serving
+
+
+def test_fetch_into_a_given_tensor_and_repeated_fetches_agree(stepped: Served) -> None:
+    """``out`` receives the weights in place; the server's recycled buffers change no bits."""
+    expected = _local(_spec(), [G1])
+    shard = torch.full((NUMEL + 8,), -1.0, dtype=torch.bfloat16)
+    target = shard[4 : 4 + NUMEL]
+    assert stepped.client.fetch(RUN, 0, 1, "bfloat16", NUMEL, out=target) is target
+    _assert_bitwise_equal(target, expected.weights(1, "bfloat16"))
+    assert torch.all(shard[:4] == -1.0) and torch.all(shard[-4:] == -1.0)
+    for step, gradient in ((2, G2), (3, G1)):  # each push prepares into the buffer the last fetch freed
+        stepped.client.push(RUN, 0, step, gradient, global_norm=GLOBAL_NORM, lr=LR)
+        expected.push(step, gradient, global_norm=GLOBAL_NORM, lr=LR)
+        for _ in range(2):
+            _assert_bitwise_equal(stepped.client.fetch(RUN, 0, step, "bfloat16", NUMEL),
+                                  expected.weights(step, "bfloat16"))
+    with pytest.raises(CargoholdError, match="contiguous CPU tensor of 10240 x bfloat16"):
+        stepped.client.fetch(RUN, 0, 3, "bfloat16", NUMEL, out=torch.empty(NUMEL))
+
+
 def test_gradient_chunks_may_split_elements_anywhere(served: Served) -> None:
     """The server reassembles bytes, not elements: odd chunk sizes give the same update."""
     served.client.register(_spec(), W0)

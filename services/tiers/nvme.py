@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cargohold.services.durable import fsync_directory
 from cargohold.services.errors import TierError, TierSpaceError
 from cargohold.services.tiers.fileformat import (
     ARRAYS,
@@ -217,12 +218,18 @@ class NvmeTier:
         _unlink(partition.path)
 
     # --- moves in and out of the tier ---------------------------------------------------
-    def create(self, partition: Partition, master: torch.Tensor) -> Future[None]:
-        """Write a new partition file: ``master``, zero moments, at ``partition.step``."""
+    def create(self, partition: Partition, master: torch.Tensor,
+               moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> Future[None]:
+        """Write a new partition file at ``partition.step``: ``master`` and the moments
+        (zero unless given, as when restoring a checkpoint)."""
         buffer, _ = self._buffers.acquire(None, block=True)
         layout = FileLayout(partition.span.numel)
         buffer.tensor[: layout.file_bytes].zero_()
-        buffer.arrays(partition.span.numel).master.copy_(master)
+        arrays = buffer.arrays(partition.span.numel)
+        arrays.master.copy_(master)
+        if moments is not None:
+            arrays.exp_avg.copy_(moments[0])
+            arrays.exp_avg_sq.copy_(moments[1])
         return self._write_async(partition, buffer, partition.step, release=True)
 
     def write_from(self, partition: Partition, buffer: AlignedBuffer, step: int) -> Future[None]:
@@ -276,7 +283,7 @@ class NvmeTier:
                 self._fall_back(tier_path, error)
                 _write_file(temporary, buffer.view[: layout.file_bytes], False)
             os.replace(temporary, target)
-            _fsync_directory(os.path.dirname(target))
+            fsync_directory(os.path.dirname(target))
         except OSError as error:
             _unlink(temporary)
             kind = TierSpaceError if error.errno in _SPACE_ERRNOS else TierError
@@ -373,14 +380,6 @@ def _read_into(path: str, view: memoryview, direct: bool) -> int:
         if not direct:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return offset
-    finally:
-        os.close(fd)
-
-
-def _fsync_directory(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)
 

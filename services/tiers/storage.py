@@ -9,7 +9,8 @@ same single kernel call over the whole shard as without tiers.
 The RAM budget is a hard limit on the memory this store holds: resident partitions
 (in their 4 KiB-aligned file layout) plus the staging buffers are never more than it.
 Not counted: the gradient a push brings and the weights a fetch returns (a shard's
-size in the wire dtype each), which belong to the transport.
+size in the wire dtype each; the shard keeps the latter between steps to reuse it, see
+``ShardState.recycle``), which belong to the transport.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.errors import IncompleteStepError
-from cargohold.services.optim import AdamWHyperParams, AdamWState, clip_, fused_adamw_
+from cargohold.services.optim import AdamWHyperParams, AdamWState, clip_, clipped, fused_adamw_
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.io_pool import BufferPool, IoPool
 from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path
@@ -117,14 +118,16 @@ class TieredStorage:
 
     # --- registration -------------------------------------------------------------------
     def add_shard(self, run_id: str, shard_id: int, numel: int, fragments: Sequence[tuple[int, int]],
-                  initial: torch.Tensor) -> None:
-        """Create a shard's partitions from its fp32 initial weights (moments zero, step 0),
-        re-planning every partition of the server. All or nothing."""
+                  initial: torch.Tensor, *, moments: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  step: int = 0) -> None:
+        """Create a shard's partitions from its fp32 weights — moments zero at step 0, or
+        restored ones at ``step`` — re-planning every partition of the server. All or
+        nothing."""
         spans = split_segment(numel, fragments, self._max_elements)
         with self._lock:
             if self._nvme is not None:
                 self._nvme.prepare_run(run_id)
-            parts = [Partition(PartitionKey(run_id, shard_id, s.index), s, Residency.RAM) for s in spans]
+            parts = [Partition(PartitionKey(run_id, shard_id, s.index), s, Residency.RAM, step=step) for s in spans]
             plan = self._replan(parts)
             to_disk: list[Partition] = []
             for part in parts:
@@ -135,6 +138,9 @@ class TieredStorage:
                     arrays = self._ram.admit(part)
                     if arrays is not None:
                         arrays.master.copy_(initial[part.span.start : part.span.stop])
+                        if moments is not None:
+                            arrays.exp_avg.copy_(moments[0][part.span.start : part.span.stop])
+                            arrays.exp_avg_sq.copy_(moments[1][part.span.start : part.span.stop])
                         continue
                 part.residency = Residency.NVME  # RAM is still full; it moves in later
                 to_disk.append(part)
@@ -145,7 +151,11 @@ class TieredStorage:
                         ((p.path_index, FileLayout(p.span.numel).file_bytes) for p in to_disk),
                         f"shard {shard_id} of run {run_id!r}",
                     )
-                    created = [self._nvme.create(p, initial[p.span.start : p.span.stop]) for p in to_disk]
+                    created = [
+                        self._nvme.create(p, initial[p.span.start : p.span.stop], None if moments is None else
+                                          tuple(m[p.span.start : p.span.stop] for m in moments))
+                        for p in to_disk
+                    ]
                     errors = [f.exception() for f in created]  # waits for every write
                     first = next((e for e in errors if e is not None), None)
                     if first is not None:
@@ -175,10 +185,18 @@ class TieredStorage:
     # --- the update ---------------------------------------------------------------------
     def update(self, run_id: str, shard_id: int, step: int, gradient: torch.Tensor, *,
                coefficient: torch.Tensor | None, lr: float, hyper: AdamWHyperParams,
-               weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, StreamReport]:
+               gradient_owned: bool = False, weights_dtype: torch.dtype | None = None,
+               weights_out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, StreamReport]:
         """Apply the (already validated) gradient of ``step`` to every partition not yet
         at ``step``, clipping by ``coefficient``. Returns the updated master weights in
-        ``weights_dtype`` when asked (None if the update resumed an interrupted one)."""
+        ``weights_dtype`` when asked (None if the update resumed an interrupted one),
+        written into ``weights_out`` when given (a spare buffer of that dtype and size).
+
+        An fp32 gradient is read in place, never copied: the kernel only reads it, and
+        clipping scales it in place when ``gradient_owned`` (the caller hands it over and
+        will not use it again) or else into a new tensor per partition. Not owned, it is
+        left exactly as it was, so a retry of an interrupted update can pass it again.
+        """
         parts = self._shards[(run_id, shard_id)]
         pending = [p for p in parts if p.step != step]
         for part in pending:
@@ -189,19 +207,26 @@ class TieredStorage:
         plan = self._plan
         step_tensor = torch.tensor(float(step), dtype=torch.float32)
         numel = parts[-1].span.stop
-        weights = (torch.empty(numel, dtype=weights_dtype)
-                   if weights_dtype is not None and len(pending) == len(parts) else None)
+        weights = None
+        if weights_dtype is not None and len(pending) == len(parts):
+            weights = (weights_out if weights_out is not None and weights_out.dtype == weights_dtype
+                       and weights_out.shape == (numel,) else torch.empty(numel, dtype=weights_dtype))
 
         def update(part: Partition, arrays: PartitionArrays) -> None:
             span = part.span
             if span.fragments:
-                grad32 = gradient[span.start : span.stop].to(torch.float32, copy=True)
-
                 def views(t: torch.Tensor) -> list[torch.Tensor]:
                     return [t[offset : offset + length] for offset, length in span.fragments]
 
-                grads = views(grad32)
-                clip_(grads, coefficient)
+                piece = gradient[span.start : span.stop]
+                if piece.dtype != torch.float32:  # bf16 on the wire: the cast is a new tensor, ours
+                    grads = views(piece.to(torch.float32))
+                    clip_(grads, coefficient)
+                elif gradient_owned:
+                    grads = views(piece)
+                    clip_(grads, coefficient)
+                else:
+                    grads = clipped(views(piece), coefficient)
                 state = AdamWState(views(arrays.master), views(arrays.exp_avg), views(arrays.exp_avg_sq),
                                    step_tensor)
                 fused_adamw_(state, grads, lr=lr, hyper=hyper)
@@ -250,10 +275,14 @@ class TieredStorage:
         return self._nvme
 
     # --- reads --------------------------------------------------------------------------
-    def read_weights(self, run_id: str, shard_id: int, step: int, dtype: torch.dtype) -> torch.Tensor:
-        """The master weights of ``step`` cast to ``dtype`` (a new tensor)."""
+    def read_weights(self, run_id: str, shard_id: int, step: int, dtype: torch.dtype, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """The master weights of ``step`` cast to ``dtype``: a new tensor, or ``out`` (a
+        spare buffer) when it has that dtype and size."""
         parts = self._consistent(run_id, shard_id, step)
-        out = torch.empty(parts[-1].span.stop, dtype=dtype)
+        numel = parts[-1].span.stop
+        if out is None or out.dtype != dtype or out.shape != (numel,):
+            out = torch.empty(numel, dtype=dtype)
         for part in parts:
             view = out[part.span.start : part.span.stop]
             if part.residency is Residency.RAM:

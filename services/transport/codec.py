@@ -1,7 +1,12 @@
 """Tensors to checksummed byte chunks and back, and proto <-> internal conversions.
 
-One copy each way: tensor memory -> the protobuf ``bytes`` field on send, and each
-received chunk -> its place in a preallocated tensor on receive.
+The payload of a chunk is copied as little as protobuf (upb) allows. Sending: the tensor
+slice into a ``bytes`` object (a bytes field accepts nothing else), that object into the
+message (built in place: constructing a request from a finished chunk message would copy
+it once more), and gRPC's serialisation. Receiving: gRPC's parse, one read of the field
+(upb builds a new ``bytes`` object on *every* read, so it is read exactly once), and the
+copy into its place in a preallocated tensor. CRC-32C runs over the ``bytes`` object in
+place.
 """
 
 from __future__ import annotations
@@ -44,54 +49,85 @@ def dtype_from_proto(value: int) -> str:
     return name
 
 
-def tensor_chunks(tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
-    """Split a 1-D tensor's bytes into TensorChunk messages with CRC-32C."""
+def byte_chunks(tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
+    """(byte offset, bytes) of each piece of a 1-D tensor's memory, made one at a time."""
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise InvalidTensorError(f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}, got {chunk_bytes}")
     raw = tensor.detach().contiguous().view(torch.uint8).numpy()
     for offset in range(0, raw.size, chunk_bytes):
-        data = raw[offset : offset + chunk_bytes].tobytes()
-        yield pb.TensorChunk(byte_offset=offset, data=data, crc32c=google_crc32c.value(data))
+        yield offset, raw[offset : offset + chunk_bytes].tobytes()
+
+
+def fill_chunk(chunk: pb.TensorChunk, byte_offset: int, data: bytes) -> None:
+    """Set a TensorChunk in place (e.g. ``request.chunk``), with the CRC-32C of ``data``."""
+    chunk.byte_offset = byte_offset
+    chunk.data = data
+    chunk.crc32c = google_crc32c.value(data)  # reads the bytes object in place, no copy
+
+
+def tensor_chunks(tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
+    """Split a 1-D tensor's bytes into TensorChunk messages with CRC-32C. To put chunks
+    into a request, :func:`fill_chunk` its field instead: merging one of these into a
+    request copies the payload again."""
+    for offset, data in byte_chunks(tensor, chunk_bytes):
+        chunk = pb.TensorChunk()
+        fill_chunk(chunk, offset, data)
+        yield chunk
 
 
 class TensorAssembler:
-    """Receives the chunks of one tensor in order into a preallocated buffer."""
+    """Receives the chunks of one tensor in order into a preallocated buffer: a new one,
+    or ``out`` (a 1-D contiguous CPU tensor of that dtype and size, e.g. the caller's own
+    slice of a larger buffer; on a failure part of it may have been overwritten)."""
 
-    def __init__(self, numel: int, dtype: str, *, what: str) -> None:
+    def __init__(self, numel: int, dtype: str, *, what: str, out: torch.Tensor | None = None) -> None:
         if dtype not in WIRE_DTYPES:
             raise InvalidTensorError(f"{what}: dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
         self.what = what
-        try:
-            self.tensor = torch.empty(numel, dtype=WIRE_DTYPES[dtype])
-        except (RuntimeError, TypeError, OverflowError, MemoryError) as error:
-            # The size comes from the sender (any uint64): one this host cannot hold is a
-            # bad request (INVALID_ARGUMENT), not a server bug (INTERNAL).
-            raise InvalidTensorError(
-                f"{what}: cannot hold {numel} x {dtype} elements on this host "
-                f"({type(error).__name__}: {str(error).splitlines()[0]})"
-            ) from error
-        self._raw = self.tensor.view(torch.uint8).numpy()
+        if out is not None:
+            if (out.dtype != WIRE_DTYPES[dtype] or out.shape != (numel,) or out.device.type != "cpu"
+                    or not out.is_contiguous()):
+                raise InvalidTensorError(
+                    f"{what}: the output tensor must be a contiguous CPU tensor of {numel} x {dtype}, "
+                    f"got {tuple(out.shape)} x {out.dtype} on {out.device}"
+                )
+            self.tensor = out
+        else:
+            try:
+                self.tensor = torch.empty(numel, dtype=WIRE_DTYPES[dtype])
+            except (RuntimeError, TypeError, OverflowError, MemoryError) as error:
+                # The size comes from the sender (any uint64): one this host cannot hold is a
+                # bad request (INVALID_ARGUMENT), not a server bug (INTERNAL).
+                raise InvalidTensorError(
+                    f"{what}: cannot hold {numel} x {dtype} elements on this host "
+                    f"({type(error).__name__}: {str(error).splitlines()[0]})"
+                ) from error
+        self._raw = self.tensor.detach().view(torch.uint8).numpy()
         self._received = 0
 
     @property
     def received_bytes(self) -> int:
         return self._received
 
-    def add(self, chunk: pb.TensorChunk) -> None:
-        size = len(chunk.data)
-        if chunk.byte_offset != self._received:
+    def add(self, chunk: pb.TensorChunk) -> int:
+        """Check and place one chunk; returns its size in bytes."""
+        data = chunk.data  # a new bytes object per read (upb): read it once
+        byte_offset = chunk.byte_offset
+        size = len(data)
+        if byte_offset != self._received:
             raise InvalidTensorError(
-                f"{self.what}: chunk at byte {chunk.byte_offset} arrived, expected byte {self._received}"
+                f"{self.what}: chunk at byte {byte_offset} arrived, expected byte {self._received}"
             )
         if self._received + size > self._raw.size:
             raise InvalidTensorError(
                 f"{self.what}: {self._received + size} bytes received, more than the "
                 f"{self._raw.size} bytes declared"
             )
-        if google_crc32c.value(chunk.data) != chunk.crc32c:
-            raise ChecksumError(f"{self.what}: CRC-32C mismatch in chunk at byte {chunk.byte_offset}")
-        self._raw[self._received : self._received + size] = np.frombuffer(chunk.data, dtype=np.uint8)
+        if google_crc32c.value(data) != chunk.crc32c:
+            raise ChecksumError(f"{self.what}: CRC-32C mismatch in chunk at byte {byte_offset}")
+        self._raw[self._received : self._received + size] = np.frombuffer(data, dtype=np.uint8)
         self._received += size
+        return size
 
     def finish(self) -> torch.Tensor:
         if self._received != self._raw.size:

@@ -15,12 +15,13 @@ from cargohold.services.transport.codec import (
     DEFAULT_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
     TensorAssembler,
+    byte_chunks,
     dtype_from_proto,
     dtype_to_proto,
+    fill_chunk,
     partition_row_from_proto,
     spec_from_proto,
     spec_to_proto,
-    tensor_chunks,
     tier_summary_from_proto,
 )
 from cargohold.services.tiers.storage import PartitionRow, TierSummary
@@ -106,8 +107,10 @@ class StateServerClient:
         """Register a shard with its fp32 initial weights; returns (step, created)."""
         def requests() -> Iterator[pb.RegisterShardRequest]:
             yield pb.RegisterShardRequest(spec=spec_to_proto(spec))
-            for chunk in tensor_chunks(initial_weights, self.chunk_bytes):
-                yield pb.RegisterShardRequest(initial_weights=chunk)
+            for offset, data in byte_chunks(initial_weights, self.chunk_bytes):
+                request = pb.RegisterShardRequest()
+                fill_chunk(request.initial_weights, offset, data)
+                yield request
 
         reply = self._call("RegisterShard", self._stub.RegisterShard, requests())
         return reply.step, reply.created
@@ -137,8 +140,10 @@ class StateServerClient:
             yield pb.PushGradientRequest(header=header)
             if shm is not None:
                 return
-            for chunk in tensor_chunks(gradient, self.chunk_bytes):
-                yield pb.PushGradientRequest(chunk=chunk)
+            for offset, data in byte_chunks(gradient, self.chunk_bytes):
+                request = pb.PushGradientRequest()  # filled in place: no merge copy of the chunk
+                fill_chunk(request.chunk, offset, data)
+                yield request
 
         reply = self._call("PushGradient", self._stub.PushGradient, requests())
         return PushOutcome(applied=reply.applied, step=reply.step, seconds=reply.update_seconds)
@@ -151,11 +156,14 @@ class StateServerClient:
         return PushOutcome(applied=reply.applied, step=reply.step, seconds=reply.update_seconds)
 
     def fetch(self, run_id: str, shard_id: int, step: int, dtype: str, numel: int, *,
-              shm: tuple[str, int] | None = None) -> torch.Tensor | None:
+              shm: tuple[str, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The weights after ``step``; ``numel`` is what the caller expects to receive.
 
         With ``shm`` (path, byte offset) the server writes them into that shared memory
-        and this returns None.
+        and this returns None. With ``out`` (a contiguous CPU tensor of ``numel`` x
+        ``dtype``, such as the caller's slice of its weight shard) the chunks are written
+        straight into it and it is returned: no new tensor, no copy after; if the call
+        fails, part of ``out`` may have been overwritten.
         """
         request = pb.FetchWeightsRequest(
             key=pb.ShardKey(run_id=run_id, shard_id=shard_id), step=step,
@@ -169,7 +177,7 @@ class StateServerClient:
             if len(reply) != 1 or reply[0].numel != numel or reply[0].step != step:
                 raise TransportError(f"FetchWeights to shared memory from {self.address}: unexpected reply")
             return None
-        assembler = TensorAssembler(numel, dtype, what=f"shard {shard_id} weights from {self.address}")
+        assembler = TensorAssembler(numel, dtype, what=f"shard {shard_id} weights from {self.address}", out=out)
         try:
             for message in self._stub.FetchWeights(request, timeout=self.timeout_s, metadata=self._metadata):
                 if message.numel != numel or dtype_from_proto(message.dtype) != dtype or message.step != step:
@@ -178,7 +186,7 @@ class StateServerClient:
                         f"{dtype_from_proto(message.dtype)} of step {message.step}, expected "
                         f"{numel} x {dtype} of step {step}"
                     )
-                assembler.add(message.chunk)
+                assembler.add(message.chunk)  # reads the payload once
         except grpc.RpcError as error:
             raise self._error("FetchWeights", error) from error
         return assembler.finish()

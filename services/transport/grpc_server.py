@@ -10,6 +10,7 @@ from concurrent import futures
 from typing import TypeVar
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cargohold.services.errors import (
@@ -24,7 +25,7 @@ from cargohold.services.errors import (
     UnknownShardError,
 )
 from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.shard_state import WIRE_DTYPES, PushOutcome, ShardRegistry
+from cargohold.services.shard_state import WIRE_DTYPES, PushOutcome, ShardRegistry, ShardState
 from cargohold.services.staging import GradientStaging
 from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
 from cargohold.services.transport.shm import RegionCache
@@ -34,12 +35,12 @@ from cargohold.services.transport.codec import (
     MAX_MESSAGE_BYTES,
     ChecksumError,
     TensorAssembler,
+    byte_chunks,
     dtype_from_proto,
-    dtype_to_proto,
+    fill_chunk,
     partition_row_to_proto,
     spec_from_proto,
     spec_to_proto,
-    tensor_chunks,
     tier_summary_to_proto,
 )
 from cargohold.v1 import state_server_pb2 as pb
@@ -124,13 +125,18 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 self._metrics.record_received("PushGradient.shm", gradient.numel() * gradient.element_size())
                 if header.defer_update:  # the worker reuses its buffer next step: keep a copy
                     gradient = gradient.clone()
+                owned = False  # a view of the worker's buffer (deferred: a copy staging keeps)
             else:
                 gradient = self._receive(request_iterator, header.numel, dtype, "chunk",
                                          f"shard {state.spec.shard_id} gradient", "PushGradient")
+                owned = True  # assembled for this call alone: clipping may scale it in place
             if header.defer_update:
+                # Staged, it may be applied more than once (a commit retried after a failed
+                # write), so the commit leaves it unscaled: see GradientStaging.commit.
                 outcome = self._staging.stage(state, header.step, gradient)
             else:
-                outcome = state.push(header.step, gradient, global_norm=header.global_grad_norm, lr=header.lr)
+                outcome = state.push(header.step, gradient, global_norm=header.global_grad_norm,
+                                     lr=header.lr, owned=owned)
                 self._count(outcome)
             return pb.PushGradientResponse(step=outcome.step, applied=outcome.applied,
                                            update_seconds=outcome.seconds)
@@ -162,7 +168,8 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             self._metrics.record_duplicate()
 
     def FetchWeights(self, request: pb.FetchWeightsRequest, context: grpc.ServicerContext) -> Iterator[pb.WeightsChunk]:
-        def handle() -> list[pb.WeightsChunk]:
+        def handle() -> Iterator[tuple[pb.WeightsChunk, int]]:
+            # Everything that can refuse the call runs here, before the first message.
             state = self._registry.get(request.key.run_id, request.key.shard_id)
             dtype = dtype_from_proto(request.dtype)
             chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES
@@ -172,22 +179,30 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             if request.HasField("shm"):
                 region = self._regions.open(request.shm.path)
                 region.tensor(weights.dtype, request.shm.byte_offset, weights.numel()).copy_(weights)
+                state.recycle(weights)
                 self._metrics.record_sent("FetchWeights.shm", weights.numel() * weights.element_size())
-                return [pb.WeightsChunk(step=request.step, dtype=request.dtype, numel=weights.numel(),
-                                        chunk=pb.TensorChunk())]
-            # Chunks are built before the first is sent so a failure aborts the call
-            # cleanly; they are slices of one copy of the weights.
-            return [
-                pb.WeightsChunk(step=request.step, dtype=request.dtype, numel=weights.numel(), chunk=c)
-                for c in tensor_chunks(weights, chunk_bytes)
-            ]
+                return iter([(pb.WeightsChunk(step=request.step, dtype=request.dtype, numel=weights.numel(),
+                                              chunk=pb.TensorChunk()), 0)])
+            return self._weight_chunks(state, request, weights, chunk_bytes)
 
-        for message in self._guard("FetchWeights", context, handle):
-            size = len(message.chunk.data)
+        # Chunks are built one at a time from the one copy of the weights, as gRPC asks for
+        # them; a failure while building one still ends the call with its status.
+        messages = self._guard("FetchWeights", context, handle)
+        while (item := self._guard("FetchWeights", context, lambda: next(messages, None))) is not None:
+            message, size = item
             with self._counts:
                 self.sent_bytes += size
             self._metrics.record_sent("FetchWeights", size)
             yield message
+
+    @staticmethod
+    def _weight_chunks(state: ShardState, request: pb.FetchWeightsRequest, weights: torch.Tensor,
+                       chunk_bytes: int) -> Iterator[tuple[pb.WeightsChunk, int]]:
+        for offset, data in byte_chunks(weights, chunk_bytes):
+            message = pb.WeightsChunk(step=request.step, dtype=request.dtype, numel=weights.numel())
+            fill_chunk(message.chunk, offset, data)  # in place: no merge copy
+            yield message, len(data)
+        state.recycle(weights)  # every chunk holds its own bytes now
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
         def handle() -> pb.GetStatsResponse:
@@ -220,16 +235,16 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         for tier, nbytes in self._registry.bytes_by_tier().items():
             self._metrics.set_resident_bytes(tier, nbytes)
 
-    def _receive(self, request_iterator: Iterator, numel: int, dtype: str, field: str, what: str, rpc: str):
+    def _receive(self, request_iterator: Iterator, numel: int, dtype: str, field: str, what: str,
+                 rpc: str) -> torch.Tensor:
         assembler = TensorAssembler(numel, dtype, what=what)
         for message in request_iterator:
             if message.WhichOneof("part") != field:
                 raise InvalidTensorError(f"{rpc}: only {field} messages may follow the first")
-            chunk = getattr(message, field)
-            assembler.add(chunk)
+            size = assembler.add(getattr(message, field))
             with self._counts:
-                self.received_bytes += len(chunk.data)
-            self._metrics.record_received(rpc, len(chunk.data))
+                self.received_bytes += size
+            self._metrics.record_received(rpc, size)
         return assembler.finish()
 
     def _guard(self, rpc: str, context: grpc.ServicerContext, handle: Callable[[], T]) -> T:

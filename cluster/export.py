@@ -1,0 +1,115 @@
+"""Export trained weights as safetensors, for use outside cargohold.
+
+At the end of a run with ``export_dir`` set, the launcher reassembles the fp32 master
+weights from the state servers (not a worker's compute-dtype copy) and calls
+:func:`export_weights`:
+
+* an ``hf`` model becomes a transformers folder (``config.json``, ``model.safetensors``,
+  ``generation_config.json``) written by transformers' own ``save_pretrained``, so names,
+  tied weights (stored once, re-tied on load) and sharding are what transformers expects::
+
+      model = transformers.AutoModelForCausalLM.from_pretrained(export_dir)
+
+* the built-in GPT becomes ``model.safetensors`` (its ``named_parameters()`` names) and
+  ``cargohold_gpt.json`` (the ``model`` config section)::
+
+      model = cargohold.cluster.export.load_exported_gpt(export_dir)
+
+Token ids are bytes (0..255) in both cases; there is no tokenizer to export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from cargohold.cluster.config import TrainConfig
+from cargohold.services.errors import ConfigError, ExportError
+from cargohold.services.layout import ShardLayout, parameter_views
+from cargohold.services.models.gpt import GPT, GPTConfig
+from cargohold.services.models.hf import hf_name
+from cargohold.services.worker import build_model
+
+WEIGHTS_FILE = "model.safetensors"
+GPT_CONFIG_FILE = "cargohold_gpt.json"
+GPT_FORMAT = "cargohold-gpt"
+GPT_FORMAT_VERSION = 1
+
+
+def master_weights(layout: ShardLayout, snapshots: list[dict[int, dict[str, torch.Tensor]]]) -> torch.Tensor:
+    """The flat fp32 master weights, reassembled from every state server's snapshot
+    (``TrainingSession.server_snapshots()``); zeros in the padding."""
+    flat = torch.zeros(layout.total, dtype=torch.float32)
+    seen: set[int] = set()
+    for snapshot in snapshots:
+        for shard_id, state in snapshot.items():
+            segment = layout.segments[shard_id]
+            flat[segment.start : segment.stop] = state["master"]
+            seen.add(shard_id)
+    missing = sorted(set(range(len(layout.segments))) - seen)
+    if missing:
+        raise ExportError(f"the state servers hold no master weights for segments {missing[:10]}")
+    return flat
+
+
+def export_weights(config: TrainConfig, layout: ShardLayout, flat: torch.Tensor, out_dir: str | Path) -> Path:
+    """Write the fp32 weights ``flat`` (laid out by ``layout``) of the model ``config``
+    describes into ``out_dir`` (created if needed); returns the folder."""
+    if flat.dtype != torch.float32 or flat.dim() != 1 or flat.numel() != layout.total:
+        raise ExportError(f"export needs the flat fp32 master weights ({layout.total} elements), got "
+                          f"{flat.dtype} of shape {tuple(flat.shape)}")
+    with torch.device("meta"):  # names and shapes only
+        model = build_model(config)
+    expected = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    if expected != [(p.name, p.shape) for p in layout.params]:
+        raise ExportError("the layout does not match the model the config describes; export with the "
+                          "config the run trained")
+    out = Path(out_dir)
+    weights = dict(zip((p.name for p in layout.params), parameter_views(layout, flat.cpu())))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if config.hf.enabled:
+            model.hf.save_pretrained(out, state_dict={hf_name(n): w for n, w in weights.items()})
+        else:
+            _save_gpt(config.model, weights, out)
+    except OSError as error:
+        raise ExportError(f"cannot write the export to export_dir={str(out)!r}: {error}") from error
+    return out
+
+
+def load_exported_gpt(directory: str | Path) -> GPT:
+    """The built-in GPT of an export, with its trained weights, in eval mode."""
+    directory = Path(directory)
+    spec_file, weights_file = directory / GPT_CONFIG_FILE, directory / WEIGHTS_FILE
+    try:
+        spec = json.loads(spec_file.read_text(encoding="utf-8"))
+        if spec.get("format") != GPT_FORMAT or spec.get("version") != GPT_FORMAT_VERSION:
+            raise ExportError(f"{spec_file} is not a {GPT_FORMAT} v{GPT_FORMAT_VERSION} export")
+        config = GPTConfig(**spec["model"])
+        state = load_file(weights_file)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ConfigError, SafetensorError) as error:
+        raise ExportError(f"cannot read the GPT export in {directory}: {error}") from error
+    with torch.device("meta"):
+        model = GPT(config)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as error:
+        raise ExportError(f"{weights_file} does not hold the weights of {spec_file}'s model: {error}") from error
+    return model.eval()
+
+
+def _save_gpt(config: GPTConfig, weights: dict[str, torch.Tensor], out: Path) -> None:
+    spec = {"format": GPT_FORMAT, "version": GPT_FORMAT_VERSION, "model": dataclasses.asdict(config)}
+    # Each file is written beside its final name and renamed over it: never half a file.
+    partial = out / f".{WEIGHTS_FILE}.partial"
+    save_file(weights, partial, metadata={"format": "pt"})
+    os.replace(partial, out / WEIGHTS_FILE)
+    partial = out / f".{GPT_CONFIG_FILE}.partial"
+    partial.write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
+    os.replace(partial, out / GPT_CONFIG_FILE)

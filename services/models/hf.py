@@ -1,0 +1,197 @@
+"""Hugging Face ``transformers`` causal language models, trained like the built-in GPT.
+
+The ``hf`` config section names either a causal-LM *config* (a local folder holding
+``config.json``, or the file itself; the weights are initialised from ``seed``) or a local
+*checkpoint* folder (``save_pretrained`` output; training starts from its weights). The
+model is wrapped in :class:`HFCausalLM`, which gives the trainer's model contract
+``forward(idx, targets) -> (logits, mean loss)``.
+
+Nothing is ever downloaded: each path must exist on disk, and every transformers call
+passes ``local_files_only=True`` (the effect of ``HF_HUB_OFFLINE=1``, without setting it
+for the whole process). Models that need ``trust_remote_code`` are refused.
+
+transformers is an optional dependency (``pip install 'cargohold[hf]'``); it is imported
+only when an ``hf`` path is set, so the built-in GPT trains without it.
+
+Three things make these models fit the trainer's correctness contract (offloaded training
+equals single-process AdamW bitwise):
+
+* **Loss.** HF's own loss shifts the labels by one; cargohold's batches are already
+  ``y = x`` shifted, so the wrapper computes the mean cross-entropy of the logits against
+  ``targets`` itself, in fp32, exactly as :class:`~cargohold.services.models.gpt.GPT` does.
+* **No dropout.** The inner model always runs in eval mode, whatever ``train()`` says:
+  dropout would draw different masks on each rank and in the reference. (transformers
+  models change nothing else between the two modes that training here uses.)
+* **Buffers.** The worker points each *parameter* at its flat weight buffer and never
+  moves the module, so buffers (e.g. Llama's rotary ``inv_freq``) would stay on the CPU
+  and a ``.to(bfloat16)`` would round them. The wrapper keeps every floating buffer as it
+  was built (fp32) and puts it on the input's device on first use, so a worker on a GPU
+  and the CPU reference compute the same thing.
+
+Tied input/output embeddings (``tie_word_embeddings``) are one ``Parameter`` used twice:
+``parameters()`` yields it once, so it has one place in the flat buffer, one AdamW state,
+and one gradient (autograd sums both uses before accumulating it). Pointing its ``.data``
+at the flat buffer keeps the tie. Parameter names carry the prefix ``hf.``
+(:data:`PREFIX`); exports strip it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cargohold.services.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+PREFIX = "hf."
+"""What :class:`HFCausalLM` adds in front of the transformers parameter names."""
+
+BYTE_VOCAB = 256
+"""cargohold's data is byte-level: token ids 0..255."""
+
+
+@dataclass(kw_only=True, slots=True)
+class HFModelConfig:
+    """Train a Hugging Face transformers causal LM instead of the built-in GPT (needs the
+    `hf` extra). Set one of the two paths; `model.block_size` stays the training sequence
+    length and the other `model.*` keys are ignored. Paths are local; nothing is downloaded."""
+
+    config_path: str | None = None
+    """A local folder holding a causal-LM `config.json` (or the file itself); the model is built from it with fresh weights drawn from `seed`."""
+    checkpoint_dir: str | None = None
+    """A local folder of pretrained weights (`save_pretrained` output) to start training from; excludes `hf.config_path`."""
+
+    def __post_init__(self) -> None:
+        if self.config_path is not None and self.checkpoint_dir is not None:
+            raise ConfigError("hf.config_path and hf.checkpoint_dir are both set; set only one of them")
+        if self.config_path is not None and not Path(self.config_path).exists():
+            raise ConfigError(f"hf.config_path {self.config_path!r} does not exist (a local folder or "
+                              "config.json; nothing is downloaded)")
+        if self.checkpoint_dir is not None and not Path(self.checkpoint_dir).is_dir():
+            raise ConfigError(f"hf.checkpoint_dir {self.checkpoint_dir!r} is not a folder (a local "
+                              "save_pretrained output; nothing is downloaded)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a transformers model replaces the built-in GPT."""
+        return self.config_path is not None or self.checkpoint_dir is not None
+
+    @property
+    def key(self) -> str:
+        """The dotted key that names the model, for messages."""
+        return "hf.checkpoint_dir" if self.checkpoint_dir is not None else "hf.config_path"
+
+    @property
+    def path(self) -> str:
+        return self.checkpoint_dir if self.checkpoint_dir is not None else self.config_path
+
+    def check(self, block_size: int) -> None:
+        """Refuse a model the byte-level data of ``block_size`` tokens cannot train."""
+        config = pretrained_config(self)
+        vocab = getattr(config, "vocab_size", None)
+        if not isinstance(vocab, int) or vocab < BYTE_VOCAB:
+            raise ConfigError(f"the model at {self.key}={self.path!r} has vocab_size {vocab}; cargohold's "
+                              f"data is byte-level and needs vocab_size >= {BYTE_VOCAB}")
+        positions = getattr(config, "max_position_embeddings", None)
+        if isinstance(positions, int) and block_size > positions:
+            raise ConfigError(f"model.block_size ({block_size}) exceeds max_position_embeddings "
+                              f"({positions}) of the model at {self.key}={self.path!r}; lower model.block_size")
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM with the trainer's contract (see the module docstring)."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.hf = model
+        # Plain references, not registered: .to()/_apply leave them alone, deepcopy follows.
+        self._buffers_as_built = [
+            (module, name, buffer)
+            for module in model.modules()
+            for name, buffer in module._buffers.items()
+            if buffer is not None and buffer.is_floating_point()
+        ]
+        self.hf.eval()
+
+    def train(self, mode: bool = True) -> HFCausalLM:
+        super().train(mode)
+        self.hf.eval()  # dropout stays off: see the module docstring
+        return self
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[B, T, vocab_size]`` for token ids ``idx`` ``[B, T]`` and, with
+        ``targets``, the mean cross-entropy computed in fp32 (no label shift)."""
+        self._place_buffers(idx.device)
+        logits = self.hf(input_ids=idx, use_cache=False).logits
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return logits, loss
+
+    def _place_buffers(self, device: torch.device) -> None:
+        for module, name, built in self._buffers_as_built:
+            current = module._buffers[name]
+            if current.device != device or current.dtype != built.dtype:
+                module._buffers[name] = built.to(device)
+
+
+def build_hf_model(config: HFModelConfig) -> HFCausalLM:
+    """The fp32 model ``config`` names: fresh weights from the global torch seed (the
+    caller seeds), or the checkpoint's. Under ``torch.device("meta")`` only the shapes are
+    built, from the checkpoint's config."""
+    transformers = _transformers()
+    pretrained = pretrained_config(config)
+    on_meta = torch.get_default_device().type == "meta"
+    try:
+        if config.checkpoint_dir is not None and not on_meta:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                _local(config.checkpoint_dir), config=pretrained, dtype=torch.float32, local_files_only=True,
+            )
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(pretrained, dtype=torch.float32)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot build a causal LM from {config.key}={config.path!r}: {error}") from error
+    return HFCausalLM(model)
+
+
+def pretrained_config(config: HFModelConfig) -> PretrainedConfig:
+    """The transformers config of the model ``config`` names, read from disk only."""
+    transformers = _transformers()
+    path = _local(config.path)
+    try:  # a folder, or a config.json itself
+        loaded = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:  # JSONDecodeError is a ValueError
+        raise ConfigError(f"cannot read a transformers config from {config.key}={config.path!r}: {error}") from error
+    causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if loaded.model_type not in causal:
+        raise ConfigError(f"{config.key}={config.path!r} is a {loaded.model_type!r} model, not a causal LM "
+                          "that transformers.AutoModelForCausalLM can build")
+    return loaded
+
+
+def hf_name(name: str) -> str:
+    """The transformers name of a parameter of :class:`HFCausalLM`."""
+    return name.removeprefix(PREFIX)
+
+
+def _local(path: str) -> Path:
+    # Absolute, so transformers can never read it as a hub repo id.
+    return Path(path).expanduser().resolve()
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as error:
+        raise ConfigError("hf.config_path / hf.checkpoint_dir need the transformers package: "
+                          "pip install 'cargohold[hf]'") from error
+    return transformers

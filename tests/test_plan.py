@@ -1,0 +1,394 @@
+"""`cargohold plan`: the arithmetic on small configs, the cluster description and size
+parsing, the command's exit codes and JSON, and the plan checked against a real run.
+
+Margins against a real run (test_plan_matches_a_real_run):
+* worker buffers (TrainingWorker.resident_bytes) and the bytes pushed and fetched per
+  step: equal, no margin;
+* a state server's state per tier (12 B/element): equal once every partition sits in its
+  planned tier (partitions move after their next update; compared after 3 steps);
+* the memory its tiers hold (RAM tier + staging buffers, in the 4 KiB-aligned file
+  layout) and the NVMe bytes written per step: equal;
+* NVMe bytes read per step: at most the planned bytes and at least the planned bytes less
+  the staging buffers (partitions still staged from the previous step are not read).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from cargohold.cluster import cli
+from cargohold.cluster.config import TierConfig
+from cargohold.cluster.plan import (
+    EXIT_DOES_NOT_FIT,
+    ClusterDescription,
+    NodeGroup,
+    load_cluster,
+    plan_run,
+    render,
+)
+from cargohold.cluster.sizes import format_bytes, parse_size
+from cargohold.services.errors import ConfigError
+from cargohold.services.layout import ShardLayout
+from cargohold.services.tiers.fileformat import FileLayout
+from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT
+from cargohold.services.tiers.storage import TieredStorage
+from cargohold.services.worker import build_model, layout_for_config
+from tests.reference import tiny_config
+
+NVME_TIER = {"ram_budget_bytes": 320 << 10, "partition_bytes": 64 << 10, "buffer_count": 3, "io_threads": 2}
+"""The bitwise NVMe contract test's tier: ~1.6 MiB of state, most of it on disk."""
+
+
+def _tier(tmp_path: Path, **overrides) -> dict:
+    return {**NVME_TIER, "nvme_paths": [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")], **overrides}
+
+
+def _layout(config) -> ShardLayout:
+    return layout_for_config(config, build_model(config))
+
+
+# --- sizes ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, expected", [
+    ("24GiB", 24 << 30), ("512MiB", 512 << 20), ("1.5TB", 1_500_000_000_000), ("100Gi", 100 << 30),
+    ("4096", 4096), (" 2 kib ", 2048), ("64k", 64_000), ("1e3", 1000), (1 << 40, 1 << 40), ("0", 0),
+])
+def test_parse_size(text, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["24GB!", "GiB", "-1GiB", "1.5", "0.1KiB", "12 gigs", "", "1e400", True])
+def test_parse_size_refuses_with_a_clear_message(text) -> None:
+    with pytest.raises(ConfigError, match="--host-memory"):
+        parse_size(text, "--host-memory")
+
+
+def test_format_bytes() -> None:
+    assert [format_bytes(n) for n in (0, 1023, 1024, 1536, 33 << 30, int(37.1 * (1 << 30)), 3 << 40)] == [
+        "0 B", "1023 B", "1 KiB", "1.5 KiB", "33 GiB", "37.1 GiB", "3 TiB"]
+
+
+# --- the arithmetic ------------------------------------------------------------------------
+@pytest.mark.parametrize("num_workers", [1, 2, 4])
+def test_worker_buffers_follow_the_layout(num_workers: int) -> None:
+    config = tiny_config(worker__num_workers=num_workers, worker__bucket_bytes=64 << 10)
+    plan, layout = plan_run(config), _layout(config)
+    total, shard = layout.total, layout.worker_shard_size
+    assert plan.flat_elements == total and shard * num_workers == total
+    assert plan.worker.buffers == {"weights": 4 * total, "gradients": 4 * total, "grad_shard": 8 * shard}
+    traffic = plan.worker.traffic
+    assert traffic.push_bytes == traffic.fetch_bytes == 4 * shard
+    assert traffic.reduce_scatter_bytes == traffic.all_gather_bytes == (num_workers - 1) * total * 4 // num_workers
+    # Every element is pushed by exactly one worker to exactly one server.
+    assert sum(s.traffic.push_bytes for s in plan.servers) == num_workers * traffic.push_bytes == 4 * total
+
+
+def test_more_workers_shrink_only_the_shard() -> None:
+    plans = {w: plan_run(tiny_config(worker__num_workers=w)) for w in (1, 2, 4)}
+    weights = {w: p.worker.buffers["weights"] for w, p in plans.items()}
+    shards = {w: p.worker.buffers["grad_shard"] for w, p in plans.items()}
+    assert weights[1] == weights[2] == weights[4]  # the tiny model pads to a multiple of 4 x 64 anyway
+    assert shards[1] == 2 * shards[2] == 4 * shards[4]
+    assert plans[1].worker.traffic.reduce_scatter_bytes == 0  # nothing to reduce alone
+
+
+def test_bf16_halves_fetch_bytes_and_weights() -> None:
+    fp32 = plan_run(tiny_config())
+    bf16 = plan_run(tiny_config(worker__compute_dtype="bfloat16"))
+    wire16 = plan_run(tiny_config(worker__compute_dtype="bfloat16", worker__grad_wire_dtype="bfloat16"))
+    assert bf16.worker.traffic.fetch_bytes * 2 == fp32.worker.traffic.fetch_bytes
+    assert bf16.worker.traffic.push_bytes == fp32.worker.traffic.push_bytes  # gradients still fp32 on the wire
+    assert bf16.worker.buffers["weights"] * 2 == fp32.worker.buffers["weights"]
+    assert [s.traffic.fetch_bytes * 2 for s in bf16.servers] == [s.traffic.fetch_bytes for s in fp32.servers]
+    assert wire16.worker.traffic.push_bytes * 2 == fp32.worker.traffic.push_bytes
+    assert wire16.worker.traffic.all_gather_bytes * 2 == fp32.worker.traffic.all_gather_bytes
+    # The state servers keep fp32 state whatever the workers compute in.
+    assert [s.ram_state_bytes for s in bf16.servers] == [s.ram_state_bytes for s in fp32.servers]
+
+
+def test_delayed_update_doubles_the_weights() -> None:
+    plain = plan_run(tiny_config())
+    delayed = plan_run(tiny_config(worker__delayed_update=True))
+    assert delayed.worker.buffers["weights"] == 2 * plain.worker.buffers["weights"]
+    assert delayed.worker.buffers["gradients"] == plain.worker.buffers["gradients"]
+
+
+def test_a_gpu_worker_pins_its_gradient_shard() -> None:
+    config = tiny_config(worker__device="auto", worker__compute_dtype="bfloat16")
+    plan = plan_run(config, ClusterDescription(device_memory_bytes=1 << 30))
+    w, shard = plan.worker, plan.worker.shard_elements
+    assert w.device == "cuda" and plan.transport == "grpc" and w.shared_memory_bytes == 0
+    assert w.pinned_bytes == 4 * shard
+    assert w.buffers["grad_shard"] == shard * (4 + 2) + w.pinned_bytes  # as resident_bytes() counts it
+    assert w.device_bytes == sum(w.buffers.values()) - w.pinned_bytes  # the pinned copy is on the host
+    assert w.host_bytes == w.pinned_bytes + w.corpus_bytes
+    on_cpu = plan_run(config)
+    assert on_cpu.worker.device == "cpu" and on_cpu.worker.pinned_bytes == 0
+    assert on_cpu.transport == "shared_memory" and on_cpu.worker.shared_memory_bytes == shard * (4 + 2)
+
+
+def test_all_state_in_ram_without_a_budget() -> None:
+    plan = plan_run(tiny_config(state_server__num_servers=2))
+    layout = _layout(tiny_config(state_server__num_servers=2))
+    for server in plan.servers:
+        start, stop = layout.server_range(server.index)
+        assert server.elements == stop - start
+        assert server.ram_state_bytes == STATE_BYTES_PER_ELEMENT * server.elements
+        assert server.nvme_state_bytes == server.nvme_file_bytes == server.staging_bytes == 0
+        segments = layout.segments_of_server(server.index)
+        assert server.partitions == len(segments)  # one partition per segment
+        assert server.ram_resident_bytes == sum(FileLayout(s.numel).file_bytes for s in segments)
+        assert server.gradient_bytes == 4 * server.elements  # clipping on: every gradient is staged
+
+
+def test_nvme_holds_the_state_not_kept_in_ram(tmp_path: Path) -> None:
+    config = tiny_config(state_server__num_servers=2, state_server__tier=_tier(tmp_path))
+    plan = plan_run(config)
+    tier: TierConfig = config.state_server.tier
+    for server in plan.servers:
+        assert server.ram_state_bytes + server.nvme_state_bytes == STATE_BYTES_PER_ELEMENT * server.elements
+        assert 0 < server.nvme_state_bytes and 0 < server.ram_state_bytes
+        assert server.staging_bytes == tier.staging_bytes()
+        assert server.ram_bytes <= tier.ram_budget_bytes  # resident partitions + staging within the budget
+        # Files are the state in its file layout: a 4 KiB header and each array padded to 4 KiB.
+        on_disk = server.partitions_on_nvme
+        assert server.nvme_state_bytes < server.nvme_file_bytes <= server.nvme_state_bytes + on_disk * 4 * 4096
+        assert sum(server.nvme_bytes_by_path.values()) == server.nvme_file_bytes
+        assert set(server.nvme_bytes_by_path) == set(tier.nvme_paths)
+        assert server.nvme_need_bytes == server.nvme_file_bytes + server.staging_bytes
+        assert server.traffic.nvme_write_bytes == server.traffic.nvme_read_bytes == server.nvme_file_bytes
+    bigger = plan_run(tiny_config(state_server__num_servers=2,
+                                  state_server__tier=_tier(tmp_path, ram_budget_bytes=640 << 10)))
+    assert all(b.nvme_state_bytes < s.nvme_state_bytes for b, s in zip(bigger.servers, plan.servers))
+
+
+def test_the_plan_is_the_tier_storages_own(tmp_path: Path) -> None:
+    """Register server 0's segments with a real TieredStorage (real files): its planner
+    places the same bytes in each tier as the plan says."""
+    config = tiny_config(state_server__tier=_tier(tmp_path))
+    plan, layout = plan_run(config), _layout(config)
+    storage = TieredStorage(config.state_server.tier, server_index=0)
+    try:
+        for segment in layout.segments_of_server(0):
+            storage.add_shard("plan", segment.segment_id, segment.numel,
+                              [(f.segment_start, f.length) for f in segment.fragments],
+                              torch.zeros(segment.numel))
+        summary = storage.summary()
+    finally:
+        storage.close()
+    server = plan.servers[0]
+    assert summary.planned_ram_bytes == server.ram_resident_bytes
+    assert summary.planned_nvme_bytes == server.nvme_file_bytes
+    assert summary.staging_bytes == server.staging_bytes
+
+
+def test_render_shows_every_tier_and_the_verdict(tmp_path: Path) -> None:
+    config = tiny_config(state_server__tier=_tier(tmp_path))
+    text = render(plan_run(config, ClusterDescription(nvme_bytes=1 << 30)))
+    for needle in ("Each worker", "Each state server", "state on NVMe", "NVMe writes", "push", "fetch",
+                   "activations (estimate)", "fits          NVMe of state server 0", "=> fits"):
+        assert needle in text, needle
+
+
+# --- fitting -------------------------------------------------------------------------------
+def test_checks_name_each_resource_and_its_shortfall(tmp_path: Path) -> None:
+    config = tiny_config(worker__device="cuda", state_server__tier=_tier(tmp_path))
+    plan = plan_run(config, ClusterDescription(device_memory_bytes=1 << 20, nvme_bytes=1 << 30))
+    verdicts = {c.resource: c for c in plan.checks}
+    device = verdicts["device memory per worker"]
+    assert device.fits is False and device.need == plan.worker.device_peak_bytes and "short" in device.reason
+    assert verdicts["NVMe of state server 0"].fits is True
+    host = next(c for c in plan.checks if c.resource.startswith("host RAM"))
+    assert host.fits is None and "--host-memory" in host.reason  # not given: not checked, not failed
+    assert not plan.fits
+    roomy = plan_run(config, ClusterDescription(device_memory_bytes=1 << 30, nvme_bytes=1 << 30))
+    assert roomy.fits
+
+
+def test_host_memory_counts_every_actor_on_a_node() -> None:
+    config = tiny_config(worker__num_workers=4, state_server__num_servers=2)
+    plan = plan_run(config)
+    worker, server = plan.worker.host_peak_bytes, max(s.ram_peak_bytes for s in plan.servers)
+    need = 4 * worker + 2 * server
+    one_node = plan_run(config, ClusterDescription(nodes=(NodeGroup(workers=4, servers=2, host_memory_bytes=need),)))
+    assert one_node.fits
+    short = plan_run(config, ClusterDescription(nodes=(NodeGroup(workers=4, servers=2, host_memory_bytes=need - 1),)))
+    assert not short.fits
+    spread = ClusterDescription(nodes=(NodeGroup(count=2, workers=2, servers=1),))
+    two = plan_run(config, spread)
+    assert two.transport == "mixed"  # streams to the other node: the server holds the streamed copies too
+    per_node = 2 * two.worker.host_peak_bytes + max(s.ram_peak_bytes for s in two.servers)
+    assert per_node < need
+    fitted = plan_run(config, ClusterDescription(nodes=(
+        NodeGroup(count=2, workers=2, servers=1, host_memory_bytes=per_node),)))
+    assert fitted.fits
+    too_few = plan_run(config, ClusterDescription(nodes=(NodeGroup(count=1, workers=2, servers=2),)))
+    slots = {c.resource: c for c in too_few.checks}["worker slots"]
+    assert slots.fits is False and slots.need == 4 and slots.available == 2
+
+
+def test_load_cluster_from_yaml_and_flags(tmp_path: Path) -> None:
+    config = tiny_config(worker__num_workers=8, state_server__num_servers=2)
+    path = tmp_path / "cluster.yaml"
+    path.write_text("device_memory: 80GiB\nnvme: 100Gi\nhost_memory: 64GiB\nnodes:\n"
+                    "  - {count: 1, workers: 8, host_memory: 480GiB}\n  - {count: 2, servers: 1}\n")
+    cluster = load_cluster(path, config=config)
+    assert cluster.device_memory_bytes == 80 << 30 and cluster.nvme_bytes == 100 << 30
+    assert cluster.nodes == (NodeGroup(count=1, workers=8, servers=0, host_memory_bytes=480 << 30),
+                             NodeGroup(count=2, workers=0, servers=1, host_memory_bytes=64 << 30))
+    flagged = load_cluster(path, config=config, nvme="2TiB")
+    assert flagged.nvme_bytes == 2 << 40
+    default = load_cluster(None, config=config, host_memory="256GiB")
+    assert default.nodes == (NodeGroup(workers=8, servers=2, host_memory_bytes=256 << 30),)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("device_memry: 1GiB\n", "unknown cluster key 'device_memry'"),
+    ("nodes:\n  - {count: 1, wokers: 2}\n", "unknown cluster key nodes[0].wokers"),
+    ("nodes:\n  - {count: two}\n", "nodes[0].count must be an integer"),
+    ("nvme: lots\n", "nvme (--nvme): cannot read 'lots'"),
+    ("- 1\n", "must hold a mapping"),
+    ("nodes: {count: 1}\n", "nodes must be a list"),
+    ("a: [\n", "not valid YAML"),
+])
+def test_a_bad_cluster_file_is_refused(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        load_cluster(path, config=tiny_config())
+    assert message in str(error.value)
+
+
+# --- the command ---------------------------------------------------------------------------
+@pytest.fixture
+def tiny_yaml(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text("model: {n_layer: 2, n_head: 2, n_embd: 64, block_size: 32}\n"
+                    "data: {corpus_bytes: 100000}\n")
+    return path
+
+
+def test_cli_exits_0_when_it_fits(tiny_yaml: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "--config", str(tiny_yaml), "--host-memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "fits          host RAM per node" in out and "=> fits" in out
+
+
+def test_cli_exits_3_when_it_does_not_fit(tiny_yaml: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "--config", str(tiny_yaml), "--host-memory", "1MiB"]) == EXIT_DOES_NOT_FIT == 3
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT  host RAM per node" in out and "=> does not fit" in out
+
+
+def test_cli_json(tiny_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--config", str(tiny_yaml), "--json", "--device-memory", "1KiB", "--nvme", "1TB",
+            "--set", "worker.device=cuda", "--set", "state_server.tier.ram_budget_bytes=327680",
+            "--set", "state_server.tier.partition_bytes=65536",
+            "--set", f"state_server.tier.nvme_paths=[{tmp_path / 'nvme'}]"]
+    assert cli.main(args) == 3
+    data = json.loads(capsys.readouterr().out)
+    expected = plan_run(*_cli_config(tiny_yaml, args))
+    assert data["fits"] is False
+    assert data["worker"]["buffers"] == expected.worker.buffers
+    assert data["worker"]["device_peak_bytes"] == expected.worker.device_peak_bytes
+    assert data["servers"][0]["nvme_file_bytes"] == expected.servers[0].nvme_file_bytes > 0
+    assert data["servers"][0]["ram_peak_bytes"] == expected.servers[0].ram_peak_bytes
+    checks = {c["resource"]: c for c in data["checks"]}
+    assert checks["device memory per worker"]["fits"] is False
+    assert checks["NVMe of state server 0"]["fits"] is True
+
+
+def _cli_config(path: Path, args: list[str]):
+    from cargohold.cluster.config import load_config
+
+    overrides = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    config = load_config(path, overrides)
+    return config, ClusterDescription(device_memory_bytes=1024, nvme_bytes=10**12)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host-memory", "24GB!"], "cannot read '24GB!' as a size"),
+    (["--device-memory", "eighty"], "--device-memory"),
+    (["--set", "optim.lrr=1"], "unknown config key 'optim.lrr'"),
+    (["--set", "state_server.num_servers=100000"], "use fewer state servers"),
+    (["--cluster", "/nonexistent/cluster.yaml"], "cannot read cluster file"),
+])
+def test_cli_exits_2_on_a_bad_config(tiny_yaml: Path, capsys: pytest.CaptureFixture[str], args: list[str],
+                                     message: str) -> None:
+    assert cli.main(["plan", "--config", str(tiny_yaml), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cargohold: bad configuration:") and message in err
+
+
+# --- against a real run ----------------------------------------------------------------------
+def _scrape(address: str) -> dict[tuple[str, frozenset], float]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        families = text_string_to_metric_families(reply.read().decode())
+    return {(s.name, frozenset(s.labels.items())): s.value for f in families for s in f.samples}
+
+
+def _total(samples: dict, name: str, **labels: str) -> float:
+    """Sum of ``name`` over the samples whose labels include ``labels`` (an ``rpc`` prefix)."""
+    rpc = labels.pop("rpc", None)
+    return sum(v for (n, ls), v in samples.items() if n == name
+               and all((k, x) in ls for k, x in labels.items())
+               and (rpc is None or dict(ls).get("rpc", "").startswith(rpc)))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tiered", [False, True], ids=["all-ram", "nvme"])
+def test_plan_matches_a_real_run(ray_local, tmp_path: Path, tiered: bool) -> None:
+    from cargohold.cluster.launcher import TrainingSession
+
+    overrides = {"state_server__tier": _tier(tmp_path)} if tiered else {}
+    config = tiny_config(steps=5, **overrides)
+    plan = plan_run(config)
+    server_plan = plan.servers[0]
+    assert (server_plan.nvme_state_bytes > 0) is tiered
+
+    with TrainingSession(config) as session:
+        assert session.worker_resident_bytes() == plan.worker.buffers  # both are buffer sizes: equal
+        targets = {(t.role, t.index): t.address for t in session.metrics_targets()}
+        for _ in range(3):
+            session.step()
+        server = session.servers[0]
+        by_tier = ray_get(server.__ray_call__.remote(lambda s: s.registry.bytes_by_tier()))
+        summary = ray_get(server.__ray_call__.remote(lambda s: s.registry.storage.summary()))
+        before = _scrape(targets[("state_server", 0)])
+        session.step()
+        session.step()
+        after = _scrape(targets[("state_server", 0)])
+        worker = _scrape(targets[("worker", 0)])
+
+    # State per tier (12 B/element), once every partition reached its planned tier.
+    assert by_tier["ram"] == server_plan.ram_state_bytes
+    assert by_tier.get("nvme", 0) == server_plan.nvme_state_bytes
+    # Memory the tiers hold: resident partitions in file layout plus the staging buffers.
+    assert summary.ram_used_bytes == server_plan.ram_bytes
+    assert summary.planned_nvme_bytes == server_plan.nvme_file_bytes
+
+    steps, sent, received = 5, "cargohold_transport_sent_bytes_total", "cargohold_transport_received_bytes_total"
+    assert _total(worker, sent, rpc="PushGradient") == steps * plan.worker.traffic.push_bytes
+    assert _total(worker, received, rpc="FetchWeights") == steps * plan.worker.traffic.fetch_bytes
+    assert _total(after, received, rpc="PushGradient") == steps * server_plan.traffic.push_bytes
+    assert _total(after, sent, rpc="FetchWeights") == steps * server_plan.traffic.fetch_bytes
+
+    def per_step(name: str) -> float:
+        return (_total(after, name) - _total(before, name)) / 2
+
+    assert per_step("cargohold_tier_write_bytes_total") == server_plan.traffic.nvme_write_bytes
+    read = per_step("cargohold_tier_read_bytes_total")
+    planned = server_plan.traffic.nvme_read_bytes
+    assert planned - server_plan.staging_bytes <= read <= planned
+
+
+def ray_get(ref):
+    import ray
+
+    return ray.get(ref, timeout=60)

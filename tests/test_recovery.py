@@ -1,0 +1,119 @@
+"""Checkpoints, resume and fault recovery with real actors: a run that is interrupted —
+stopped and resumed, resumed onto another number of state servers, or hit by a SIGKILLed
+state server or worker — ends bitwise where the uninterrupted run ends: weights, both
+Adam moments and step counters."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from cargohold.cluster.launcher import TrainingSession, train
+from cargohold.services.checkpoint import CheckpointStore, read_flat_range
+from cargohold.services.errors import CheckpointError, TrainingError
+from reference import tiny_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+STEPS = 8
+
+
+def _final_state(directory: Path) -> dict[str, torch.Tensor]:
+    store = CheckpointStore(directory)
+    latest = store.latest()
+    manifest = store.load(latest)
+    assert manifest.step == STEPS
+    return read_flat_range(latest, manifest, 0, manifest.total)
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(a[key], b[key]), f"{key} differs by up to {(a[key] - b[key]).abs().max():.3e}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_local, tmp_path_factory) -> dict[str, torch.Tensor]:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    result = train(tiny_config(steps=STEPS, state_server__num_servers=2, checkpoint__dir=str(root)))
+    assert len(result.checkpoints) == 1 and result.restarts == 0
+    return _final_state(root)
+
+
+@pytest.mark.parametrize("resume_servers", [2, 1, 3])
+def test_stop_and_resume_onto_any_number_of_servers(uninterrupted, tmp_path, resume_servers: int) -> None:
+    # Stop after 4 of 8 steps (the lr schedule spans all 8), with a checkpoint.
+    first = tiny_config(steps=STEPS, state_server__num_servers=2, checkpoint__dir=str(tmp_path))
+    store = CheckpointStore(tmp_path)
+    with TrainingSession(first) as session:
+        for _ in range(4):
+            session.step()
+        pending = session.checkpoint_begin(store)
+        assert pending.stall_seconds < 5.0
+        assert session.checkpoint_finish(store, pending).name == "step-0000000004"
+    second = tiny_config(steps=STEPS, state_server__num_servers=resume_servers, checkpoint__dir=str(tmp_path),
+                         checkpoint__resume="latest")
+    resumed = train(second)
+    assert resumed.first_step == 4 and len(resumed.losses) == STEPS - 4
+    _assert_same(_final_state(tmp_path), uninterrupted)
+
+
+def _kill(actor) -> None:
+    os.kill(ray.get(actor.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("victim", ["state-server", "worker"])
+def test_a_killed_actor_is_recovered_from_the_last_checkpoint(uninterrupted, tmp_path, monkeypatch,
+                                                              victim: str) -> None:
+    original_step = TrainingSession.step
+    killed = []
+
+    def step_with_fault(session: TrainingSession):
+        if not killed and session.step_count == 5:  # after the checkpoint of step 4
+            killed.append(victim)
+            _kill(session.servers[1] if victim == "state-server" else session.workers[1])
+        return original_step(session)
+
+    monkeypatch.setattr(TrainingSession, "step", step_with_fault)
+    config = tiny_config(steps=STEPS, state_server__num_servers=2, checkpoint__dir=str(tmp_path),
+                         checkpoint__every_steps=2, checkpoint__max_failures=1)
+    result = train(config)
+    assert killed == [victim] and result.restarts == 1 and len(result.recovery_seconds) == 1
+    assert len(result.losses) == STEPS
+    _assert_same(_final_state(tmp_path), uninterrupted)
+
+
+def test_failures_beyond_the_limit_stop_the_run(ray_local, tmp_path, monkeypatch) -> None:
+    original_step = TrainingSession.step
+
+    def always_fail(session: TrainingSession):
+        if session.step_count == 3:
+            _kill(session.servers[0])
+        return original_step(session)
+
+    monkeypatch.setattr(TrainingSession, "step", always_fail)
+    config = tiny_config(steps=6, checkpoint__dir=str(tmp_path), checkpoint__every_steps=2,
+                         checkpoint__max_failures=1)
+    with pytest.raises(TrainingError, match="step 4"):
+        train(config)
+
+
+def test_a_checkpoint_of_another_model_is_refused(ray_local, tmp_path) -> None:
+    train(tiny_config(steps=2, checkpoint__dir=str(tmp_path)))
+    other = tiny_config(steps=4, model__n_embd=32, checkpoint__dir=str(tmp_path), checkpoint__resume="latest")
+    with pytest.raises(CheckpointError, match="another model"):
+        train(other)
+
+
+def test_a_flipped_byte_is_named_on_resume(ray_local, tmp_path) -> None:
+    train(tiny_config(steps=2, checkpoint__dir=str(tmp_path)))
+    latest = CheckpointStore(tmp_path).latest()
+    victim = sorted(latest.glob("*.bin"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    victim.write_bytes(bytes(data))
+    with pytest.raises(TrainingError, match=victim.name):
+        train(tiny_config(steps=4, checkpoint__dir=str(tmp_path), checkpoint__resume="latest"))
