@@ -127,6 +127,38 @@ def measure_grpc(address: str, gradient: torch.Tensor, chunk_sizes: list[int], r
     return results
 
 
+def measure_shared_memory(address: str, gradient: torch.Tensor, reps: int) -> dict[str, float]:
+    """The co-located path: the gradient already sits in the worker's /dev/shm shard (the
+    reduce-scatter writes it there); push names it and the server updates straight from
+    the mapping (push time = wall time minus the server's update seconds, as for gRPC; a
+    staged push adds one copy into a buffer reused from step to step); fetch has the
+    server write the weights into the worker's shared weight shard."""
+    from cargohold.services.transport.shm import SharedRegion
+
+    numel = gradient.numel()
+    spec = ShardSpec(run_id=RUN, shard_id=1, start=0, numel=numel, fragments=((0, numel),),
+                     grad_dtype="float32", hyper=AdamWHyperParams())
+    region = SharedRegion.create(f"bench-{os.getpid()}", 2 * numel * 4)
+    try:
+        region.tensor(torch.float32, 0, numel).copy_(gradient)
+        path = str(region.path)
+        with StateServerClient(address) as client:
+            client.wait_ready()
+            step, _ = client.register(spec, gradient)
+            pushes = []
+            for _ in range(reps):
+                step += 1
+                started = time.perf_counter()
+                outcome = client.push(RUN, 1, step, gradient, lr=1e-3, shm=(path, 0))
+                pushes.append(time.perf_counter() - started - outcome.seconds)
+            fetch = min(_timed(lambda: client.fetch(RUN, 1, step, "float32", numel, shm=(path, numel * 4)))
+                        for _ in range(reps))
+        assert torch.isfinite(region.tensor(torch.float32, numel * 4, numel)).all()
+    finally:
+        region.close()
+    return {"push": min(pushes), "fetch": fetch}
+
+
 # --- baselines ----------------------------------------------------------------------
 def measure_tcp(payload: torch.Tensor, reps: int) -> float:
     """Best seconds to move the bytes over one loopback TCP connection."""
@@ -195,7 +227,8 @@ def _add(assembler: TensorAssembler, chunk: pb.TensorChunk) -> None:
 
 
 # --- output ---------------------------------------------------------------------------
-def report(nbytes, grpc_results, bare, tcp, memcpy1, memcpy_all, threads, stages, stage_chunk) -> None:
+def report(nbytes, grpc_results, bare, tcp, memcpy1, memcpy_all, threads, stages, stage_chunk,
+           shared: dict[str, float]) -> None:
     gbps = lambda seconds: nbytes / seconds / 1e9  # noqa: E731
     print(f"\n{nbytes / MiB:.0f} MiB of fp32 gradient, 127.0.0.1, best of the repetitions")
     print(f"{'path':34} {'seconds':>8} {'GB/s':>7} {'vs TCP':>7}")
@@ -216,6 +249,10 @@ def report(nbytes, grpc_results, bare, tcp, memcpy1, memcpy_all, threads, stages
     print(f"RATIO gRPC push / bare gRPC stream = {min(bare.values()) / best[1]['push']:.2f} "
           "(what cargohold's own encoding costs on top of gRPC Python)")
     print(f"RATIO TCP / memcpy(1 thread) = {memcpy1 / tcp:.2f}")
+    for kind, seconds in shared.items():
+        print(f"{'co-located ' + kind + ' (shared memory)':34} {seconds:8.3f} {gbps(seconds):7.2f} {tcp / seconds:7.2f}")
+    print(f"RATIO co-located push / memcpy(1 thread) = {memcpy1 / shared['push']:.2f}, "
+          f"co-located fetch / memcpy(1 thread) = {memcpy1 / shared['fetch']:.2f}; goal >= 0.9")
 
     per_mib = stage_chunk / MiB
     print(f"\nWhere a push's CPU goes, per {stage_chunk // 1024} KiB chunk (timed alone in this process):")
@@ -273,13 +310,14 @@ def main() -> None:
         address, bare_address = parent.recv()
         bare = measure_bare_grpc(bare_address, gradient, chunk_sizes, args.reps)
         grpc_results = measure_grpc(address, gradient, chunk_sizes, args.reps)
+        shared = measure_shared_memory(address, gradient, args.reps)
     finally:
         parent.send("stop")
         server.join(timeout=30)
         if server.is_alive():
             server.terminate()
             server.join()
-    report(nbytes, grpc_results, bare, tcp, memcpy1, memcpy_all, threads, stages, MiB)
+    report(nbytes, grpc_results, bare, tcp, memcpy1, memcpy_all, threads, stages, MiB, shared)
 
 
 if __name__ == "__main__":

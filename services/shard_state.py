@@ -163,9 +163,11 @@ class ShardState:
                 self._prepared = (step, dtype, weights)
             return PushOutcome(applied=True, step=step, seconds=time.perf_counter() - started)
 
-    def weights(self, step: int, dtype: str) -> torch.Tensor:
+    def weights(self, step: int, dtype: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of the master weights after ``step``, in a wire dtype; the caller is its
-        only holder (hand it back with :meth:`recycle` when done)."""
+        only holder (hand it back with :meth:`recycle` when done). With ``out`` (a 1-D
+        tensor of the shard's size and that dtype, e.g. a worker's shared memory) the copy
+        is written there and ``out`` returned."""
         if dtype not in WIRE_DTYPES:
             raise InvalidTensorError(f"weight dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
         with self.lock:
@@ -178,7 +180,16 @@ class ShardState:
             self._fetch_dtype = dtype
             prepared, self._prepared = self._prepared, None
             if prepared is not None and prepared[:2] == (step, dtype):
-                return prepared[2]
+                if out is None:
+                    return prepared[2]
+                out.copy_(prepared[2])
+                if self._spare is None:
+                    self._spare = prepared[2]
+                return out
+            if out is not None:
+                _check_tensor(self.spec, out, WIRE_DTYPES[dtype], "weights destination")
+                return self._storage.read_weights(self.spec.run_id, self.spec.shard_id, step,
+                                                  WIRE_DTYPES[dtype], out=out)
             spare = self._take_spare(dtype)
             try:
                 return self._storage.read_weights(self.spec.run_id, self.spec.shard_id, step,

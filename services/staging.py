@@ -21,9 +21,13 @@ class GradientStaging:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._staged: dict[tuple[str, int], tuple[int, torch.Tensor]] = {}
+        self._spares: dict[tuple[str, int], torch.Tensor] = {}
+        """Per shard that stages borrowed gradients: last step's copy, reused for the next
+        (a fresh allocation's page faults cost as much as the copy itself)."""
 
-    def stage(self, state: ShardState, step: int, gradient: torch.Tensor) -> PushOutcome:
-        """Hold ``gradient`` for ``step``; a push for the already applied step is ignored."""
+    def stage(self, state: ShardState, step: int, gradient: torch.Tensor, *, borrowed: bool = False) -> PushOutcome:
+        """Hold ``gradient`` for ``step``; a push for the already applied step is ignored.
+        ``borrowed``: the caller's buffer (shared memory the worker reuses), so keep a copy."""
         spec = state.spec
         if gradient.dtype != WIRE_DTYPES[spec.grad_dtype] or gradient.numel() != spec.numel:
             raise InvalidTensorError(
@@ -33,8 +37,17 @@ class GradientStaging:
         current = state.step
         if repeats_last_step(spec, current, step, verb="stages"):
             return PushOutcome(applied=False, step=current, seconds=0.0)
+        key = (spec.run_id, spec.shard_id)
+        if borrowed:
+            with self._lock:
+                spare = self._spares.pop(key, None)
+            if spare is None or spare.dtype != gradient.dtype or spare.numel() != gradient.numel():
+                spare = torch.empty_like(gradient)
+            gradient = spare.copy_(gradient)
         with self._lock:
-            self._staged[(spec.run_id, spec.shard_id)] = (step, gradient)
+            self._staged[key] = (step, gradient)
+            if borrowed:
+                self._spares.setdefault(key, torch.empty(0))  # marks the shard as reusing
         return PushOutcome(applied=False, step=step, seconds=0.0)
 
     def commit(self, state: ShardState, step: int, *, global_norm: float, lr: float) -> PushOutcome:
@@ -56,6 +69,8 @@ class GradientStaging:
         with self._lock:
             if self._staged.get(key, (None,))[0] == step:
                 del self._staged[key]
+                if key in self._spares:
+                    self._spares[key] = staged[1]
         return outcome
 
     def staged_bytes(self) -> int:

@@ -123,9 +123,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 region = self._regions.open(header.shm.path)
                 gradient = region.tensor(WIRE_DTYPES[dtype], header.shm.byte_offset, header.numel)
                 self._metrics.record_received("PushGradient.shm", gradient.numel() * gradient.element_size())
-                if header.defer_update:  # the worker reuses its buffer next step: keep a copy
-                    gradient = gradient.clone()
-                owned = False  # a view of the worker's buffer (deferred: a copy staging keeps)
+                owned = False  # a view of the worker's buffer, which it reuses next step
             else:
                 gradient = self._receive(request_iterator, header.numel, dtype, "chunk",
                                          f"shard {state.spec.shard_id} gradient", "PushGradient")
@@ -133,7 +131,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             if header.defer_update:
                 # Staged, it may be applied more than once (a commit retried after a failed
                 # write), so the commit leaves it unscaled: see GradientStaging.commit.
-                outcome = self._staging.stage(state, header.step, gradient)
+                outcome = self._staging.stage(state, header.step, gradient, borrowed=not owned)
             else:
                 outcome = state.push(header.step, gradient, global_norm=header.global_grad_norm,
                                      lr=header.lr, owned=owned)
@@ -175,14 +173,14 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES
             if chunk_bytes > MAX_CHUNK_BYTES:
                 raise InvalidTensorError(f"chunk_bytes must be <= {MAX_CHUNK_BYTES}, got {chunk_bytes}")
-            weights = state.weights(request.step, dtype)
-            if request.HasField("shm"):
+            if request.HasField("shm"):  # written straight into the worker's weight shard
                 region = self._regions.open(request.shm.path)
-                region.tensor(weights.dtype, request.shm.byte_offset, weights.numel()).copy_(weights)
-                state.recycle(weights)
+                target = region.tensor(WIRE_DTYPES[dtype], request.shm.byte_offset, state.spec.numel)
+                weights = state.weights(request.step, dtype, out=target)
                 self._metrics.record_sent("FetchWeights.shm", weights.numel() * weights.element_size())
                 return iter([(pb.WeightsChunk(step=request.step, dtype=request.dtype, numel=weights.numel(),
                                               chunk=pb.TensorChunk()), 0)])
+            weights = state.weights(request.step, dtype)
             return self._weight_chunks(state, request, weights, chunk_bytes)
 
         # Chunks are built one at a time from the one copy of the weights, as gRPC asks for
