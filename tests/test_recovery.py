@@ -117,3 +117,31 @@ def test_a_flipped_byte_is_named_on_resume(ray_local, tmp_path) -> None:
     victim.write_bytes(bytes(data))
     with pytest.raises(TrainingError, match=victim.name):
         train(tiny_config(steps=4, checkpoint__dir=str(tmp_path), checkpoint__resume="latest"))
+
+
+def test_resume_onto_another_number_of_workers_restores_every_tensor(ray_local, tmp_path) -> None:
+    """Saved by 2 workers and 1 server, restored onto 1 worker and 3 servers: parameters
+    keep their flat offsets (only the trailing padding follows the worker count), so every
+    master weight, moment and the workers' weights come back bitwise."""
+    train(tiny_config(steps=3, checkpoint__dir=str(tmp_path)))
+    saved_dir = CheckpointStore(tmp_path).latest()
+    manifest = CheckpointStore(tmp_path).load(saved_dir)
+    saved = read_flat_range(saved_dir, manifest, 0, manifest.total)
+    config = tiny_config(steps=6, worker__num_workers=1, state_server__num_servers=3)
+    with TrainingSession(config, resume=saved_dir) as session:
+        assert session.step_count == 3
+        layout = session.layout
+        restored = {key: torch.zeros(layout.total) for key in saved}
+        for snapshot in session.server_snapshots():
+            for shard_id, tensors in snapshot.items():
+                segment = layout.segments[shard_id]
+                assert int(tensors["step"]) == 3
+                for key in saved:
+                    restored[key][segment.start : segment.stop] = tensors[key]
+        weights = session.worker_weights(0)
+        for slot in layout.params:
+            span = slice(slot.offset, slot.offset + slot.numel)
+            for key in saved:
+                assert torch.equal(restored[key][span], saved[key][span]), (slot.name, key)
+            assert torch.equal(weights[span], saved["master"][span]), slot.name
+        assert session.step().step == 4
