@@ -32,9 +32,6 @@ CARGOHOLD_TOKEN_ENV = "CARGOHOLD_AUTH_TOKEN"
 # Series a histogram or counter adds to its name in the exposition format.
 COMPANION_SUFFIXES = ("_bucket", "_sum", "_count", "_created")
 # Grafana's built-in interval variables, which are not PromQL; a real duration stands in.
-# Families that may lack a panel for now: the NVMe tier's metrics, whose names are still
-# settling; remove the prefix here when the dashboard gains its tier panels.
-PANELS_PENDING = ("cargohold_tier_",)
 GRAFANA_INTERVALS = re.compile(r"\$__(rate_interval|interval|range)\b|\$\{__(rate_interval|interval|range)\}")
 
 
@@ -339,11 +336,11 @@ def test_dashboard_queries_only_exported_metrics() -> None:
     variables = [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     problems |= {query: bad for query in variables if (bad := unknown_metrics(query, promql=False))}
     assert not problems, problems
-    # Every family the code exports has a panel, except those still awaiting one.
+    # Every family the code exports has a panel.
     used = {name for _, expr in exprs for name in re.findall(r"cargohold_[a-z0-9_]+", expr)}
     used = {next((n.removesuffix(s) for s in COMPANION_SUFFIXES if n.endswith(s) and n.removesuffix(s) in METRIC_NAMES), n)
             for n in used}
-    missing = {name for name in METRIC_NAMES if name not in used and not name.startswith(PANELS_PENDING)}
+    missing = {name for name in METRIC_NAMES if name not in used}
     assert not missing, f"no panel for {sorted(missing)}"
 
 
