@@ -296,8 +296,9 @@ class MetricsConfig:
     """Serve Prometheus metrics from every worker and state server."""
     port: int = 0
     """0: each actor's endpoint takes a free port. Otherwise the first of a range:
-    state server i serves on port + i, worker rank r on port + num_servers + r (fixed
-    ports for Kubernetes pod monitors and static scrape configs)."""
+    state server i serves on port + i, worker rank r on port + num_servers + r, the
+    launcher on the port after the last worker's (fixed ports for Kubernetes pod
+    monitors and static scrape configs)."""
     file_sd_path: str | None = None
     """Write the run's metrics endpoints here as a Prometheus file_sd target list
     (labels: job, run, role, index), replaced atomically when the run starts."""
@@ -311,7 +312,7 @@ class MetricsConfig:
         if self.port == 0:
             return 0
         offset = index if role == "state_server" else config.state_server.num_servers + index
-        return self.port + offset
+        return self.port + offset  # the launcher is "worker" num_workers: the last port
 
 
 @dataclass(kw_only=True, slots=True)
@@ -344,7 +345,7 @@ class TrainConfig:
             raise ConfigError("export_dir must be a folder path or null, got an empty string")
         if self.hf.enabled:
             self.hf.check(self.model.block_size)
-        last_port = self.metrics.port + self.state_server.num_servers + self.worker.num_workers - 1
+        last_port = self.metrics.port + self.state_server.num_servers + self.worker.num_workers
         if self.metrics.port and last_port > 65535:
             raise ConfigError(f"metrics.port {self.metrics.port} leaves no room for every actor (up to {last_port})")
 

@@ -25,6 +25,8 @@ from cargohold.cluster.export import export_weights, master_weights
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.services.checkpoint import FORMAT_VERSION, CheckpointStore, Manifest, check_compatible
 from cargohold.services.errors import TrainingError
+from cargohold.services.metrics import LauncherMetrics
+from cargohold.services.node import node_ip
 from cargohold.services.state_server import StateServer
 from cargohold.services.worker import StepReport, TrainingWorker, build_model, layout_for_config, segment_spec
 
@@ -55,6 +57,8 @@ class TrainResult:
 class PendingCheckpoint:
     step: int
     updates: int
+    started: float
+    """time.perf_counter() when it began."""
     stall_seconds: float
 
 
@@ -184,7 +188,8 @@ class TrainingSession:
         if len(updates) != 1:
             store.abort(step)
             raise TrainingError(f"servers are at different updates {sorted(updates)} at step {step}")
-        return PendingCheckpoint(step=step, updates=updates.pop(), stall_seconds=time.perf_counter() - started)
+        return PendingCheckpoint(step=step, updates=updates.pop(), started=started,
+                                 stall_seconds=time.perf_counter() - started)
 
     def checkpoint_finish(self, store: CheckpointStore, pending: PendingCheckpoint) -> Path:
         """Wait for the servers' files, then write the manifest: the checkpoint is complete."""
@@ -247,18 +252,39 @@ class TrainingSession:
             self._owns_ray = False
 
 
-def train(config: TrainConfig, on_step: Callable[[StepReport], None] | None = None) -> TrainResult:
+def train(config: TrainConfig, on_step: Callable[[StepReport], None] | None = None, *,
+          metrics: LauncherMetrics | None = None) -> TrainResult:
     """Run ``config.steps`` steps, taking checkpoints as configured; on an actor failure
-    restart everything from the latest checkpoint, up to ``checkpoint.max_failures``."""
+    restart everything from the latest checkpoint, up to ``checkpoint.max_failures``.
+
+    ``metrics``: where to count checkpoints, failures and recoveries; by default the run
+    serves its own (when metrics are enabled) until it ends."""
+    own_metrics = metrics is None
+    if metrics is None:
+        metrics = LauncherMetrics()
+        if config.metrics.enabled:
+            metrics.start(host=node_ip(), port=config.metrics.port_for(
+                "launcher", config.worker.num_workers, config))
+            logger.info("launcher metrics on %s", metrics.address)
+    try:
+        return _train(config, on_step, metrics)
+    finally:
+        if own_metrics:
+            metrics.stop()
+
+
+def _train(config: TrainConfig, on_step: Callable[[StepReport], None] | None,
+           metrics: LauncherMetrics) -> TrainResult:
     ckpt = config.checkpoint
     store = CheckpointStore(Path(ckpt.dir), keep_last=ckpt.keep_last) if ckpt.dir else None
     resume = _resolve_resume(ckpt.resume, store)
     result = TrainResult(run_id="")
     while True:
         try:
-            _train_session(config, store, resume, result, on_step)
+            _train_session(config, store, resume, result, on_step, metrics)
             return result
         except TrainingError as error:
+            metrics.record_failure()
             latest = store.latest() if store is not None else None
             if result.restarts >= ckpt.max_failures or latest is None:
                 raise
@@ -269,15 +295,24 @@ def train(config: TrainConfig, on_step: Callable[[StepReport], None] | None = No
 
 
 def _train_session(config: TrainConfig, store: CheckpointStore | None, resume: Path | None,
-                   result: TrainResult, on_step: Callable[[StepReport], None] | None) -> None:
+                   result: TrainResult, on_step: Callable[[StepReport], None] | None,
+                   metrics: LauncherMetrics) -> None:
     every = config.checkpoint.every_steps
     recovering = time.perf_counter()
+
+    def finish(pending: PendingCheckpoint) -> None:
+        path = session.checkpoint_finish(store, pending)
+        nbytes = sum(f.stat().st_size for f in path.iterdir())
+        metrics.observe_checkpoint(pending.stall_seconds, time.perf_counter() - pending.started, nbytes)
+        result.checkpoints.append(path)
+
     with TrainingSession(config, resume=resume) as session:
         if result.restarts:
             result.recovery_seconds.append(time.perf_counter() - recovering)
+            metrics.observe_recovery(result.recovery_seconds[-1])
         result.run_id = session.run_id
         result.server_addresses = list(session.server_addresses)
-        result.metrics_addresses = session.metrics_addresses()
+        result.metrics_addresses = session.metrics_addresses() + ([metrics.address] if metrics.serving else [])
         result.worker_resident_bytes = session.worker_resident_bytes()
         if result.first_step is None:
             result.first_step = session.step_count
@@ -290,14 +325,15 @@ def _train_session(config: TrainConfig, store: CheckpointStore | None, resume: P
             result.step_seconds.append(report.seconds)
             if on_step is not None:
                 on_step(report)
+            if pending is not None:  # its files were written while this step ran
+                finish(pending)
+                pending = None
             if store is not None and (session.step_count == config.steps
                                       or (every and session.step_count % every == 0)):
-                if pending is not None:
-                    result.checkpoints.append(session.checkpoint_finish(store, pending))
                 pending = session.checkpoint_begin(store)
                 result.checkpoint_stall_seconds.append(pending.stall_seconds)
         if pending is not None:
-            result.checkpoints.append(session.checkpoint_finish(store, pending))
+            finish(pending)
         if config.export_dir is not None:
             export_weights(config, session.layout, master_weights(session.layout, session.server_snapshots()),
                            config.export_dir)

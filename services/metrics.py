@@ -45,6 +45,13 @@ TIER_PREFETCH = "cargohold_tier_prefetch_total"
 TIER_IO_WAIT_SECONDS = "cargohold_tier_io_wait_seconds_total"
 TIER_PLAN_PARTITIONS = "cargohold_tier_plan_partitions"
 TIER_PREDICTED_IO_SECONDS = "cargohold_tier_predicted_io_seconds"
+CHECKPOINT_STALL_SECONDS = "cargohold_checkpoint_stall_seconds"
+CHECKPOINT_WRITE_SECONDS = "cargohold_checkpoint_write_seconds"
+CHECKPOINT_BYTES = "cargohold_checkpoint_bytes_total"
+CHECKPOINTS = "cargohold_checkpoints_total"
+FAILURES = "cargohold_failures_total"
+RESTARTS = "cargohold_restarts_total"
+RECOVERY_SECONDS = "cargohold_recovery_seconds"
 
 METRIC_NAMES: tuple[str, ...] = (
     TRANSPORT_RECEIVED_BYTES,
@@ -67,6 +74,13 @@ METRIC_NAMES: tuple[str, ...] = (
     TIER_IO_WAIT_SECONDS,
     TIER_PLAN_PARTITIONS,
     TIER_PREDICTED_IO_SECONDS,
+    CHECKPOINT_STALL_SECONDS,
+    CHECKPOINT_WRITE_SECONDS,
+    CHECKPOINT_BYTES,
+    CHECKPOINTS,
+    FAILURES,
+    RESTARTS,
+    RECOVERY_SECONDS,
 )
 """Every metric family cargohold exports; dashboards may use no other `cargohold_` name.
 
@@ -348,3 +362,40 @@ class WorkerMetrics(MetricsEndpoint):
     def record_received(self, rpc: str, nbytes: int) -> None:
         """Count `nbytes` of payload received by `rpc`."""
         self._transport.received(rpc, nbytes)
+
+
+# Checkpoint and recovery times: a snapshot takes milliseconds, a write or a restart of a
+# large run minutes.
+_LAUNCHER_BUCKETS = (
+    0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0,
+)  # fmt: skip
+
+
+class LauncherMetrics(MetricsEndpoint):
+    """Metrics of the driver: checkpoints, failures and recoveries of a run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._stall = Histogram(CHECKPOINT_STALL_SECONDS, "Seconds a checkpoint held training up (the snapshot).",
+                                buckets=_LAUNCHER_BUCKETS, registry=self.registry)
+        self._write = Histogram(CHECKPOINT_WRITE_SECONDS, "Seconds from a checkpoint's start to its manifest landing.",
+                                buckets=_LAUNCHER_BUCKETS, registry=self.registry)
+        self._bytes = Counter(CHECKPOINT_BYTES, "Bytes of checkpoint files written.", registry=self.registry)
+        self._checkpoints = Counter(CHECKPOINTS, "Checkpoints completed.", registry=self.registry)
+        self._failures = Counter(FAILURES, "Run failures (an actor died or a step failed).", registry=self.registry)
+        self._restarts = Counter(RESTARTS, "Restarts from a checkpoint after a failure.", registry=self.registry)
+        self._recovery = Histogram(RECOVERY_SECONDS, "Seconds from a failure to training again.",
+                                   buckets=_LAUNCHER_BUCKETS, registry=self.registry)
+
+    def observe_checkpoint(self, stall_seconds: float, write_seconds: float, nbytes: int) -> None:
+        self._stall.observe(stall_seconds)
+        self._write.observe(write_seconds)
+        self._bytes.inc(nbytes)
+        self._checkpoints.inc()
+
+    def record_failure(self) -> None:
+        self._failures.inc()
+
+    def observe_recovery(self, seconds: float) -> None:
+        self._restarts.inc()
+        self._recovery.observe(seconds)

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from cargohold.cluster.config import SecurityConfig, load_config
-from cargohold.services.metrics import METRIC_NAMES, StateServerMetrics, WorkerMetrics
+from cargohold.services.metrics import METRIC_NAMES, LauncherMetrics, StateServerMetrics, WorkerMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -274,7 +274,7 @@ def _panels(dashboard: dict) -> Iterator[dict]:
 
 @functools.cache
 def _histograms() -> frozenset[str]:
-    registries = (StateServerMetrics("check").registry, WorkerMetrics(0).registry)
+    registries = (StateServerMetrics("check").registry, WorkerMetrics(0).registry, LauncherMetrics().registry)
     return frozenset(family.name for registry in registries for family in registry.collect()
                      if family.type == "histogram")
 

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cargohold.services.errors import ConfigError
 from cargohold.services.metrics import (
     METRIC_NAMES,
+    LauncherMetrics,
     MetricsEndpoint,
     StateServerMetrics,
     WorkerMetrics,
@@ -289,7 +290,17 @@ def test_metric_names_lists_exactly_what_is_exported(
     worker.record_sent("PushGradient", 1)
     worker.record_received("FetchWeights", 1)
 
+    launcher = LauncherMetrics()
+    launcher.start(host="127.0.0.1", port=0)
+    try:
+        launcher.observe_checkpoint(0.01, 0.5, 1024)
+        launcher.record_failure()
+        launcher.observe_recovery(3.0)
+        launcher_names = _exported_names(launcher)
+    finally:
+        launcher.stop()
+
     assert len(set(METRIC_NAMES)) == len(METRIC_NAMES)
-    assert _exported_names(server) | _exported_names(worker) == set(METRIC_NAMES)
+    assert _exported_names(server) | _exported_names(worker) | launcher_names == set(METRIC_NAMES)
     shared = {"cargohold_transport_sent_bytes_total", "cargohold_transport_received_bytes_total"}
     assert _exported_names(server) & _exported_names(worker) == shared

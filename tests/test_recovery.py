@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import os
 import signal
+import urllib.request
 from pathlib import Path
 
 import pytest
 import ray
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from cargohold.cluster.launcher import TrainingSession, train
 from cargohold.services.checkpoint import CheckpointStore, read_flat_range
 from cargohold.services.errors import CheckpointError, TrainingError
+from cargohold.services.metrics import LauncherMetrics
 from reference import tiny_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -61,6 +64,13 @@ def test_stop_and_resume_onto_any_number_of_servers(uninterrupted, tmp_path, res
     _assert_same(_final_state(tmp_path), uninterrupted)
 
 
+def _scrape(address: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if not sample.labels}
+
+
 def _kill(actor) -> None:
     os.kill(ray.get(actor.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
 
@@ -80,10 +90,25 @@ def test_a_killed_actor_is_recovered_from_the_last_checkpoint(uninterrupted, tmp
     monkeypatch.setattr(TrainingSession, "step", step_with_fault)
     config = tiny_config(steps=STEPS, state_server__num_servers=2, checkpoint__dir=str(tmp_path),
                          checkpoint__every_steps=2, checkpoint__max_failures=1)
-    result = train(config)
+    metrics = LauncherMetrics()
+    metrics.start(host="127.0.0.1")
+    try:
+        result = train(config, metrics=metrics)
+        scraped = _scrape(metrics.address)
+    finally:
+        metrics.stop()
     assert killed == [victim] and result.restarts == 1 and len(result.recovery_seconds) == 1
     assert len(result.losses) == STEPS
     _assert_same(_final_state(tmp_path), uninterrupted)
+    # A checkpoint lands one step after it began: steps 2 and 4 before the kill (before
+    # step 6), then 6 and 8 after the restart from step 4.
+    assert [p.name for p in result.checkpoints] == [f"step-{s:010d}" for s in (2, 4, 6, 8)]
+    # The launcher's metrics, scraped.
+    assert scraped["cargohold_failures_total"] == 1 and scraped["cargohold_restarts_total"] == 1
+    assert scraped["cargohold_recovery_seconds_count"] == 1 and scraped["cargohold_recovery_seconds_sum"] > 0
+    assert scraped["cargohold_checkpoints_total"] == 4
+    assert scraped["cargohold_checkpoint_bytes_total"] > 0
+    assert scraped["cargohold_checkpoint_stall_seconds_count"] == scraped["cargohold_checkpoints_total"]
 
 
 def test_failures_beyond_the_limit_stop_the_run(ray_local, tmp_path, monkeypatch) -> None:
