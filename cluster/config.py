@@ -256,6 +256,9 @@ class CheckpointConfig:
     max_failures: int = 0
     """Actor failures to recover from (restart everything from the latest checkpoint)
     before the run gives up."""
+    on_save_error: Literal["stop", "continue"] = "stop"
+    """A checkpoint that cannot be written (disk full, unwritable): stop the run with the
+    reason, or log it and keep training (earlier checkpoints stay intact either way)."""
 
     def __post_init__(self) -> None:
         _non_negative("checkpoint.every_steps", self.every_steps)

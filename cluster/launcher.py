@@ -9,6 +9,8 @@ import logging
 import math
 import os
 import secrets
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -24,7 +26,7 @@ from cargohold.cluster.config import TrainConfig, config_hash
 from cargohold.cluster.export import export_weights, master_weights
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.services.checkpoint import FORMAT_VERSION, CheckpointStore, Manifest, check_compatible
-from cargohold.services.errors import TrainingError
+from cargohold.services.errors import CheckpointError, TrainingError
 from cargohold.services.metrics import LauncherMetrics
 from cargohold.services.node import node_ip
 from cargohold.services.state_server import StateServer
@@ -259,6 +261,8 @@ def train(config: TrainConfig, on_step: Callable[[StepReport], None] | None = No
 
     ``metrics``: where to count checkpoints, failures and recoveries; by default the run
     serves its own (when metrics are enabled) until it ends."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, _request_checkpoint)
     own_metrics = metrics is None
     if metrics is None:
         metrics = LauncherMetrics()
@@ -301,7 +305,16 @@ def _train_session(config: TrainConfig, store: CheckpointStore | None, resume: P
     recovering = time.perf_counter()
 
     def finish(pending: PendingCheckpoint) -> None:
-        path = session.checkpoint_finish(store, pending)
+        try:
+            path = session.checkpoint_finish(store, pending)
+        except (CheckpointError, TrainingError) as error:
+            if not _is_save_error(error):
+                raise
+            store.abort(pending.step)  # earlier checkpoints stay as they were
+            if config.checkpoint.on_save_error == "stop":
+                raise
+            logger.warning("checkpoint of step %d not written, training goes on: %s", pending.step, error)
+            return
         nbytes = sum(f.stat().st_size for f in path.iterdir())
         metrics.observe_checkpoint(pending.stall_seconds, time.perf_counter() - pending.started, nbytes)
         result.checkpoints.append(path)
@@ -328,7 +341,7 @@ def _train_session(config: TrainConfig, store: CheckpointStore | None, resume: P
             if pending is not None:  # its files were written while this step ran
                 finish(pending)
                 pending = None
-            if store is not None and (session.step_count == config.steps
+            if store is not None and (session.step_count == config.steps or _take_request()
                                       or (every and session.step_count % every == 0)):
                 pending = session.checkpoint_begin(store)
                 result.checkpoint_stall_seconds.append(pending.stall_seconds)
@@ -337,6 +350,30 @@ def _train_session(config: TrainConfig, store: CheckpointStore | None, resume: P
         if config.export_dir is not None:
             export_weights(config, session.layout, master_weights(session.layout, session.server_snapshots()),
                            config.export_dir)
+
+
+_checkpoint_requested = threading.Event()
+
+
+def _request_checkpoint(signum: int, frame: object) -> None:
+    _checkpoint_requested.set()
+
+
+def _take_request() -> bool:
+    """True once after SIGUSR1 asked for a checkpoint (on demand, e.g. before maintenance)."""
+    if _checkpoint_requested.is_set():
+        _checkpoint_requested.clear()
+        return True
+    return False
+
+
+def _is_save_error(error: BaseException) -> bool:
+    """A checkpoint write failed (here or, reported through Ray, on a state server)."""
+    while error is not None:
+        if isinstance(error, CheckpointError):
+            return True
+        error = getattr(error, "cause", None) or error.__cause__
+    return False
 
 
 def _resolve_resume(spec: str | None, store: CheckpointStore | None) -> Path | None:

@@ -109,6 +109,7 @@ CONFIG_SURFACE = [
     "checkpoint.keep_last",
     "checkpoint.resume",
     "checkpoint.max_failures",
+    "checkpoint.on_save_error",
 ]
 
 

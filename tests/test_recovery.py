@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -170,3 +171,45 @@ def test_resume_onto_another_number_of_workers_restores_every_tensor(ray_local, 
                 assert torch.equal(restored[key][span], saved[key][span]), (slot.name, key)
             assert torch.equal(weights[span], saved["master"][span]), slot.name
         assert session.step().step == 4
+
+
+def test_sigusr1_takes_a_checkpoint_on_demand(ray_local, tmp_path) -> None:
+    def ask_at_step_3(report) -> None:
+        if report.step == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    result = train(tiny_config(steps=5, checkpoint__dir=str(tmp_path)), on_step=ask_at_step_3)
+    assert [p.name for p in result.checkpoints] == ["step-0000000003", "step-0000000005"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 2.5 MiB filesystem: room for one checkpoint of the tiny model, not two."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2560k", "tmpfs", str(mount)],
+                          capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("policy", ["continue", "stop"])
+def test_a_full_disk_keeps_the_last_checkpoint_and_follows_the_policy(ray_local, small_disk, policy: str) -> None:
+    config = tiny_config(steps=6, checkpoint__dir=str(small_disk), checkpoint__every_steps=2,
+                         checkpoint__keep_last=3, checkpoint__on_save_error=policy)
+    if policy == "continue":
+        result = train(config)
+        assert len(result.losses) == 6
+    else:
+        with pytest.raises((TrainingError, CheckpointError), match="No space left on device"):
+            train(config)
+    store = CheckpointStore(small_disk)
+    latest = store.latest()
+    assert latest is not None and latest.name == "step-0000000002"
+    manifest = store.load(latest)
+    assert read_flat_range(latest, manifest, 0, manifest.total)["master"].isfinite().all()
+    assert not list(small_disk.glob("*.partial")), "a failed save leaves no partial folder"
