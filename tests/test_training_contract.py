@@ -34,6 +34,18 @@ def _server_state(session: TrainingSession, layout: ShardLayout, key: str) -> to
     return flat
 
 
+def _assert_matches_reference(config, layout: ShardLayout, losses, weights, server) -> None:
+    """Losses, server state and worker weights bitwise equal to plain AdamW's."""
+    reference = reference_train(config, config.steps)
+    assert losses == reference.losses
+    for key, which in (("master", "masters"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+        expected = reference.flat(layout, which)
+        assert torch.equal(server[key], expected), (
+            f"{key} differs: max abs diff {(server[key] - expected).abs().max():.3e}"
+        )
+    assert torch.equal(weights, reference.flat(layout).to(weights.dtype))
+
+
 def _run(config):
     layout = _layout(config)
     with TrainingSession(config) as session:
@@ -72,15 +84,7 @@ CASES = {
 def test_matches_torch_adamw_bitwise(ray_local, overrides: dict) -> None:
     config = tiny_config(**overrides)
     layout, losses, weights, server = _run(config)
-    reference = reference_train(config, config.steps)
-
-    assert losses == reference.losses
-    for key, which in (("master", "masters"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-        expected = reference.flat(layout, which)
-        assert torch.equal(server[key], expected), (
-            f"{key} differs: max abs diff {(server[key] - expected).abs().max():.3e}"
-        )
-    assert torch.equal(weights, reference.flat(layout).to(weights.dtype))
+    _assert_matches_reference(config, layout, losses, weights, server)
     assert losses[-1] < losses[0] - 0.5, "the loss should fall visibly in 20 steps"
 
 
@@ -107,14 +111,7 @@ def test_nvme_tier_matches_torch_adamw_bitwise(ray_local, tmp_path, num_servers:
     assert partitions - num_servers <= len(files) < partitions, f"{len(files)} partition files"
     assert {f.parts[len(tmp_path.parts)] for f in files} == {"nvme0", "nvme1"}, "spread over both paths"
 
-    reference = reference_train(config, config.steps)
-    assert losses == reference.losses
-    for key, which in (("master", "masters"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-        expected = reference.flat(layout, which)
-        assert torch.equal(server[key], expected), (
-            f"{key} differs: max abs diff {(server[key] - expected).abs().max():.3e}"
-        )
-    assert torch.equal(weights, reference.flat(layout).to(weights.dtype))
+    _assert_matches_reference(config, layout, losses, weights, server)
 
 
 @pytest.mark.parametrize("steps, tolerance", [(1, 2e-7), (20, 1e-4)])
