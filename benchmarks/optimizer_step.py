@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +40,7 @@ from cargohold.services.layout import build_layout
 from cargohold.services.models.gpt import GPT, GPTConfig, num_parameters
 from cargohold.services.optim import AdamWHyperParams, AdamWState, adamw_step, fused_adamw_
 from cargohold.services.shard_state import ShardSpec, ShardState
+from timing import timed
 
 ADAM_BYTES_PER_PARAM = 28
 """Read param, grad, exp_avg, exp_avg_sq (4 x 4 B); write param, exp_avg, exp_avg_sq (3 x 4 B)."""
@@ -98,7 +98,7 @@ def stream_bandwidth(threads: int, elements: int = 1 << 27, reps: int = 3) -> di
     result = {}
     for name, (kernel, bytes_per_elem) in kernels.items():
         kernel()
-        best = min(_timed(kernel) for _ in range(reps))
+        best = min(timed(kernel) for _ in range(reps))
         result[name] = elements * bytes_per_elem / best
     result["bound"] = max(result.values())
     del a, b, c
@@ -140,7 +140,7 @@ def run_kernel(numel, fragments, weights, grad, steps, threads, chunk=None) -> t
             state.step += 1
             for part, g in parts:
                 fused_adamw_(part, g, lr=LR, hyper=HYPER)
-    return [_timed(step) for _ in range(steps)], (master, exp_avg_sq)
+    return [timed(step) for _ in range(steps)], (master, exp_avg_sq)
 
 
 def run_shard_state(numel, fragments, weights, grad, steps, threads, fetch: bool) -> tuple[list[float], tuple]:
@@ -154,7 +154,7 @@ def run_shard_state(numel, fragments, weights, grad, steps, threads, fetch: bool
             shard.push(k, grad, global_norm=0.0, lr=LR)
             if fetch:  # as the server does once a fetch has sent its last chunk
                 shard.recycle(shard.weights(k, "bfloat16"))
-        times.append(_timed(step))
+        times.append(timed(step))
     snap = shard.snapshot()
     return times, (snap["master"], snap["exp_avg_sq"])
 
@@ -167,7 +167,7 @@ def run_torch(numel, fragments, weights, grad, steps, threads, *, fused: bool) -
         p.grad = grad[o : o + n].clone()
     optimizer = torch.optim.AdamW(params, lr=LR, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
                                   weight_decay=HYPER.weight_decay, fused=fused, foreach=not fused)
-    times = [_timed(optimizer.step) for _ in range(steps)]
+    times = [timed(optimizer.step) for _ in range(steps)]
     master, exp_avg_sq = weights.clone(), torch.zeros(numel)  # padding as the views leave it
     for p, (o, n) in zip(params, fragments):
         master[o : o + n] = p.detach()
@@ -206,7 +206,7 @@ def measure_size(target: float, reps: int, chunk: int, all_threads: int) -> tupl
         del state
         gc.collect()
     torch.set_num_threads(all_threads)
-    copy = min(_timed(lambda: grad.to(torch.float32, copy=True)) for _ in range(reps))
+    copy = min(timed(lambda: grad.to(torch.float32, copy=True)) for _ in range(reps))
     model = (f"\nmodel: GPT n_layer={config.n_layer} n_embd={config.n_embd} vocab={config.vocab_size}: "
              f"{real / 1e6:.1f}M params in {len(fragments)} fragments (segment of {numel} elements)\n"
              f"ShardState.push uses an fp32 gradient in place; the copy it used to make first "
@@ -232,12 +232,6 @@ def print_table(params: int, results: list[Result], bandwidth: dict[int, dict[st
     ref = results[0].seconds
     for r in results[1:]:
         print(f"  RATIO {r.name} ({r.threads} thr) / torch fused: speed x{ref / r.seconds:.2f}")
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
 
 
 def main() -> None:

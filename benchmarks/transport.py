@@ -29,7 +29,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 import google_crc32c
 import numpy as np
@@ -40,6 +39,7 @@ from cargohold.services.shard_state import ShardSpec
 from cargohold.services.transport.codec import TensorAssembler, fill_chunk
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.v1 import state_server_pb2 as pb
+from timing import timed
 
 RUN = "transport-bench"
 MiB = 1 << 20
@@ -95,7 +95,7 @@ def measure_bare_grpc(address: str, payload: torch.Tensor, chunk_sizes: list[int
         with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]) as channel:
             push = channel.stream_unary("/bench.Sink/Push")
             chunks = [raw[o : o + chunk].tobytes() for o in range(0, raw.size, chunk)]  # made before timing
-            results[chunk] = min(_timed(lambda: push(iter(chunks), timeout=120)) for _ in range(reps))
+            results[chunk] = min(timed(lambda: push(iter(chunks), timeout=120)) for _ in range(reps))
             del chunks
     return results
 
@@ -120,8 +120,8 @@ def measure_grpc(address: str, gradient: torch.Tensor, chunk_sizes: list[int], r
                 wall = time.perf_counter() - started
                 push_total.append(wall)
                 push.append(wall - outcome.seconds)
-                fetch.append(_timed(lambda: client.fetch(RUN, 0, step, "float32", numel)))
-                into.append(_timed(lambda: client.fetch(RUN, 0, step, "float32", numel, out=out)))
+                fetch.append(timed(lambda: client.fetch(RUN, 0, step, "float32", numel)))
+                into.append(timed(lambda: client.fetch(RUN, 0, step, "float32", numel, out=out)))
         results[chunk] = {"push": min(push), "push+update": min(push_total), "fetch": min(fetch),
                           "fetch into out": min(into)}
     return results
@@ -151,7 +151,7 @@ def measure_shared_memory(address: str, gradient: torch.Tensor, reps: int) -> di
                 started = time.perf_counter()
                 outcome = client.push(RUN, 1, step, gradient, lr=1e-3, shm=(path, 0))
                 pushes.append(time.perf_counter() - started - outcome.seconds)
-            fetch = min(_timed(lambda: client.fetch(RUN, 1, step, "float32", numel, shm=(path, numel * 4)))
+            fetch = min(timed(lambda: client.fetch(RUN, 1, step, "float32", numel, shm=(path, numel * 4)))
                         for _ in range(reps))
         assert torch.isfinite(region.tensor(torch.float32, numel * 4, numel)).all()
     finally:
@@ -191,7 +191,7 @@ def measure_tcp(payload: torch.Tensor, reps: int) -> float:
 def measure_memcpy(payload: torch.Tensor, reps: int, threads: int) -> float:
     torch.set_num_threads(threads)
     target = torch.ones_like(payload)
-    return min(_timed(lambda: target.copy_(payload)) for _ in range(reps))
+    return min(timed(lambda: target.copy_(payload)) for _ in range(reps))
 
 
 # --- where a push's CPU goes ----------------------------------------------------------
@@ -218,7 +218,7 @@ def stage_costs(gradient: torch.Tensor, chunk: int) -> list[tuple[str, str, floa
         ("server: grpc deserializer FromString", "1", lambda: pb.PushGradientRequest.FromString(wire)),
         ("server: TensorAssembler.add (1 read, crc, copy)", "2", lambda: _add(target, parsed.chunk)),
     ]
-    return [(name, copies, min(_timed(fn) for _ in range(20)) if fn else float("nan")) for name, copies, fn in stages]
+    return [(name, copies, min(timed(fn) for _ in range(20)) if fn else float("nan")) for name, copies, fn in stages]
 
 
 def _add(assembler: TensorAssembler, chunk: pb.TensorChunk) -> None:
@@ -277,12 +277,6 @@ def report(nbytes, grpc_results, bare, tcp, memcpy1, memcpy_all, threads, stages
           "Per fetch: server 4 (the cast into a recycled weights buffer, tobytes, into the message, serialize), "
           "kernel 2, client 3 (parse, one read, into the tensor, or straight into the caller's out=) = 9; "
           "an ideal path needs 3 (into a send buffer, the kernel's 2) or 1 with shared memory.")
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
 
 
 def main() -> None:
