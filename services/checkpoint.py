@@ -4,9 +4,13 @@ A checkpoint is one directory under a root, named after its step::
 
     <root>/step-0000001200/
         manifest.json        written last: format version, step, run id, config hash,
-                             model signature, padded length, shard records, the size and
-                             CRC-32C of every payload file, and a free-form ``extra``
-        seg-00003.bin ...    one payload file per segment (any cut of the flat buffer)
+                             model signature, padded length, shard records, the format,
+                             size and CRC-32C of every payload file, and a free-form
+                             ``extra``
+        seg-00003.bin ...    payload files, each holding a flat range (any cut of the
+                             flat buffer): shard files (below), or NVMe-tier partition
+                             files (:mod:`cargohold.services.tiers.fileformat`), which a
+                             state server hard-links from its tier instead of copying
 
 The directory is built as ``step-<step>.partial`` (:meth:`CheckpointStore.begin`); each
 payload file is written to a temporary name, fsynced and renamed, and the directory is
@@ -26,7 +30,9 @@ A payload file is a fixed little-endian header, then the raw fp32 arrays::
 
 The header checksum catches a flipped byte in the header, the per-array checksums one in
 the data, the size check a torn file; the manifest's whole-file checksum ties the file to
-the manifest that names it.
+the manifest that names it. A tier partition file ties itself by its header's checksum,
+which covers its identity, update count and per-array checksums: recording it costs a
+4 KiB read where a whole-file checksum would read every byte of a linked file.
 
 Resharding is free: a file covers a flat range ``[start, stop)``, and
 :func:`read_flat_range` assembles any other range from whichever files cover it, so a
@@ -56,11 +62,24 @@ import google_crc32c
 import torch
 
 from cargohold.services.durable import fsync_directory
-from cargohold.services.errors import CheckpointError, CorruptCheckpointError
+from cargohold.services.errors import CheckpointError, CorruptCheckpointError, CorruptPartitionError
+from cargohold.services.tiers import fileformat as tier_format
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Of the manifest. Version 2 added ``files[].format``; version 1 manifests (every file a
+shard file) are still read."""
+READABLE_VERSIONS = (1, 2)
+SHARD_FILE_VERSION = 1
+"""Of a shard payload file's header."""
+SHARD_FILE = "shard"
+"""A payload file in the format below, whole-file CRC-32C in the manifest."""
+TIER_PARTITION_FILE = "tier-partition"
+"""An NVMe-tier partition file (:mod:`cargohold.services.tiers.fileformat`), hard-linked
+or copied from the tier or written from RAM; the manifest records its header's CRC-32C,
+which covers the checksums of its arrays."""
+FILE_FORMATS = (SHARD_FILE, TIER_PARTITION_FILE)
 MAGIC = b"CHOLDCKP"
 MANIFEST_NAME = "manifest.json"
 ARRAYS = ("master", "exp_avg", "exp_avg_sq")
@@ -93,6 +112,8 @@ class FileRecord:
     name: str
     nbytes: int
     crc32c: int
+    """Of the whole file for a shard file, of the header for a tier partition file."""
+    format: str = SHARD_FILE
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +164,8 @@ class Manifest:
                 {"segment_id": s.segment_id, "start": s.start, "stop": s.stop, "step": s.step, "file": s.file}
                 for s in self.shards
             ],
-            "files": [{"name": f.name, "nbytes": f.nbytes, "crc32c": f.crc32c} for f in self.files],
+            "files": [{"name": f.name, "nbytes": f.nbytes, "crc32c": f.crc32c}
+                      | ({"format": f.format} if self.format_version >= 2 else {}) for f in self.files],
             "extra": self.extra,
         }
         try:
@@ -168,9 +190,9 @@ class Manifest:
         if not isinstance(body, dict):
             raise CheckpointError(f"the manifest is a JSON {type(body).__name__}, not an object")
         version = body.get("format_version")
-        if version != FORMAT_VERSION or isinstance(version, bool):
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
             raise CheckpointError(
-                f"format version {version!r}; this build reads version {FORMAT_VERSION}"
+                f"format version {version!r}; this build reads versions {list(READABLE_VERSIONS)}"
             )
         keys = {"format_version", "step", "run_id", "config_hash", "model_signature", "total",
                 "shards", "files", "extra"}
@@ -192,7 +214,8 @@ class Manifest:
             total=body["total"],
             shards=tuple(ShardRecord(**_record(entry, ShardRecord, f"shards[{i}]"))
                          for i, entry in enumerate(shards)),
-            files=tuple(FileRecord(**_record(entry, FileRecord, f"files[{i}]"))
+            files=tuple(FileRecord(**_record(entry, FileRecord, f"files[{i}]",
+                                             without=("format",) if version == 1 else ()))
                         for i, entry in enumerate(files)),
             extra=extra,
         )
@@ -210,8 +233,8 @@ def _signature_entry(entry: object, index: int) -> tuple[str, tuple[int, ...]]:
     return entry[0], tuple(entry[1])
 
 
-def _record(entry: object, kind: type, what: str) -> dict[str, Any]:
-    names = set(kind.__dataclass_fields__)  # type: ignore[attr-defined]
+def _record(entry: object, kind: type, what: str, without: Sequence[str] = ()) -> dict[str, Any]:
+    names = set(kind.__dataclass_fields__) - set(without)  # type: ignore[attr-defined]
     if not isinstance(entry, dict) or set(entry) != names:
         raise CheckpointError(f"{what} must be an object with fields {sorted(names)}, got {entry!r}")
     return entry
@@ -232,8 +255,8 @@ def _check_name(name: object, what: str) -> None:
 
 
 def _validate_manifest(m: Manifest) -> None:
-    if m.format_version != FORMAT_VERSION or not _is_int(m.format_version):
-        raise CheckpointError(f"format version {m.format_version!r}; this build writes version {FORMAT_VERSION}")
+    if m.format_version not in READABLE_VERSIONS or not _is_int(m.format_version):
+        raise CheckpointError(f"format version {m.format_version!r}; this build knows versions {list(READABLE_VERSIONS)}")
     for name in ("step", "total"):
         value = getattr(m, name)
         if not _is_int(value) or value < 0:
@@ -264,6 +287,9 @@ def _validate_manifest(m: Manifest) -> None:
             raise CheckpointError(f"file {record.name!r}: nbytes must be an integer >= 0, got {record.nbytes!r}")
         if not _is_int(record.crc32c) or not 0 <= record.crc32c < 1 << 32:
             raise CheckpointError(f"file {record.name!r}: crc32c must be a 32-bit unsigned integer")
+        allowed = FILE_FORMATS if m.format_version >= 2 else (SHARD_FILE,)
+        if record.format not in allowed:
+            raise CheckpointError(f"file {record.name!r}: format {record.format!r} is not one of {list(allowed)}")
 
     if not isinstance(m.shards, tuple) or not all(isinstance(s, ShardRecord) for s in m.shards):
         raise CheckpointError("shards must be a tuple of ShardRecord")
@@ -431,7 +457,7 @@ def write_shard_file(
                 f"as master ({numel}), got {array.dtype} of shape {tuple(array.shape)}"
             )
     views = [_as_bytes(a) for a in arrays]
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, _HEADER_BYTES, step, start, numel, DTYPE_FLOAT32, len(ARRAYS))
+    header = _HEADER.pack(MAGIC, SHARD_FILE_VERSION, _HEADER_BYTES, step, start, numel, DTYPE_FLOAT32, len(ARRAYS))
     for array_name, view in zip(ARRAYS, views):
         header += _ARRAY.pack(array_name.encode(), _crc(view))
     header += _CRC.pack(google_crc32c.value(header))
@@ -446,114 +472,227 @@ def write_shard_file(
     return FileRecord(name=name, nbytes=_HEADER_BYTES + len(ARRAYS) * 4 * numel, crc32c=crc)
 
 
+@dataclass(frozen=True, slots=True)
+class _Payload:
+    """A verified payload file: the flat range it holds and where its arrays lie."""
+
+    path: Path
+    step: int
+    """What its header says: the data step (shard file) or update count (tier file)."""
+    start: int
+    numel: int
+    offsets: tuple[int, ...]
+    """Byte offset of master, exp_avg and exp_avg_sq."""
+
+
+def _corrupt(path: Path, reason: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"checkpoint file {path} is corrupt: {reason}")
+
+
+def _open_sized(path: Path, record: FileRecord | None) -> tuple[int, int]:
+    """An open descriptor and the size, checked against ``record``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError as error:
+        raise _corrupt(path, "the file is missing") from error
+    except OSError as error:
+        raise _os_error("reading checkpoint file", path, error) from error
+    size = os.fstat(fd).st_size
+    if record is not None and size != record.nbytes:
+        os.close(fd)
+        raise _corrupt(path, f"it is {size} bytes, the manifest records {record.nbytes} (a torn write?)")
+    return fd, size
+
+
+def _pread_exact(fd: int, path: Path, nbytes: int, offset: int) -> bytes:
+    try:
+        data = os.pread(fd, nbytes, offset)
+    except OSError as error:
+        raise _os_error("reading checkpoint file", path, error) from error
+    if len(data) != nbytes:
+        raise _corrupt(path, f"read {len(data)} of {nbytes} bytes at offset {offset} (truncated while reading)")
+    return data
+
+
+def _stream_crc(fd: int, path: Path, offset: int, nbytes: int, also: int | None = None) -> tuple[int, int | None]:
+    """CRC-32C of ``nbytes`` at ``offset``, read in 1 MiB pieces; with ``also``, that
+    running checksum extended by the same bytes too."""
+    crc = 0
+    for at in range(offset, offset + nbytes, _CHUNK):
+        piece = _pread_exact(fd, path, min(_CHUNK, offset + nbytes - at), at)
+        crc = google_crc32c.extend(crc, piece)
+        if also is not None:
+            also = google_crc32c.extend(also, piece)
+    return crc, also
+
+
+def _verify_shard_file(fd: int, path: Path, size: int, record: FileRecord | None) -> _Payload:
+    """Check a shard file's header, size and every checksum in one streamed pass."""
+    if size < _HEADER_BYTES:
+        raise _corrupt(path, f"it is {size} bytes, shorter than the {_HEADER_BYTES}-byte header (truncated)")
+    header = _pread_exact(fd, path, _HEADER_BYTES, 0)
+    magic, version, header_bytes, step, start, numel, dtype, count = _HEADER.unpack_from(header)
+    if magic != MAGIC:
+        raise _corrupt(path, f"bad magic {magic!r}, not a cargohold checkpoint file")
+    (stored,) = _CRC.unpack_from(header, _HEADER_BYTES - _CRC.size)
+    if google_crc32c.value(header[: _HEADER_BYTES - _CRC.size]) != stored:
+        raise _corrupt(path, "header checksum mismatch")
+    if version != SHARD_FILE_VERSION:
+        raise _corrupt(path, f"format version {version}; this build reads version {SHARD_FILE_VERSION}")
+    if header_bytes != _HEADER_BYTES or dtype != DTYPE_FLOAT32 or count != len(ARRAYS):
+        raise _corrupt(path, f"unsupported layout (header {header_bytes} bytes, dtype {dtype}, {count} arrays)")
+    expected = _HEADER_BYTES + len(ARRAYS) * 4 * numel
+    if size != expected:
+        raise _corrupt(path, f"it is {size} bytes, its header says {expected} ({numel} elements; truncated?)")
+    whole = google_crc32c.value(header)
+    offsets = tuple(_HEADER_BYTES + index * 4 * numel for index in range(len(ARRAYS)))
+    failed = None
+    for index, array_name in enumerate(ARRAYS):
+        name, crc = _ARRAY.unpack_from(header, _HEADER.size + index * _ARRAY.size)
+        if name.rstrip(b"\0") != array_name.encode():
+            raise _corrupt(path, f"array {index} is {name!r}, expected {array_name!r}")
+        got, whole = _stream_crc(fd, path, offsets[index], 4 * numel, whole)
+        if got != crc and failed is None:
+            failed = f"{array_name} checksum mismatch"
+    if record is not None and whole != record.crc32c:
+        raise _corrupt(path, "whole-file checksum differs from the manifest's")
+    if failed is not None:
+        raise _corrupt(path, failed)
+    return _Payload(path, step, start, numel, offsets)
+
+
+def _verify_tier_file(fd: int, path: Path, size: int, record: FileRecord, shard: ShardRecord,
+                      run_id: str) -> _Payload:
+    """Check a partition file against its manifest record and shard record: the header
+    (its checksum is the one the manifest recorded), the identity, the size and each
+    array's checksum, streamed."""
+    if size < tier_format.HEADER_BYTES:
+        raise _corrupt(path, f"it is {size} bytes, shorter than a partition file header (truncated)")
+    try:
+        header = tier_format.parse_header(_pread_exact(fd, path, tier_format.HEADER_BYTES, 0), path=str(path))
+    except CorruptPartitionError as error:
+        raise _corrupt(path, str(error)) from None
+    if header.checksum() != record.crc32c:
+        raise _corrupt(path, "header checksum differs from the manifest's")
+    layout = tier_format.FileLayout(header.numel)
+    if size != layout.file_bytes:
+        raise _corrupt(path, f"it is {size} bytes, its header says {layout.file_bytes} (truncated?)")
+    if (header.key.run_id, header.key.shard_id) != (run_id, shard.segment_id) or header.numel != shard.stop - shard.start:
+        raise _corrupt(path, f"it holds {header.key} of {header.numel} elements, the manifest puts shard "
+                             f"{shard.segment_id} [{shard.start}, {shard.stop}) of run {run_id!r} in it")
+    offsets = tuple(layout.offset(index) for index in range(len(ARRAYS)))
+    for index, array_name in enumerate(ARRAYS):
+        if _stream_crc(fd, path, offsets[index], layout.region_bytes)[0] != header.checksums[index]:
+            raise _corrupt(path, f"{array_name} checksum mismatch")
+    return _Payload(path, header.step, shard.start, header.numel, offsets)
+
+
+def _read_into(fd: int, payload: _Payload, lo: int, hi: int, out: Mapping[str, torch.Tensor], at: int) -> None:
+    """Elements ``[lo, hi)`` (flat) of each array into ``out[name][at : at + hi - lo]``."""
+    for index, array_name in enumerate(ARRAYS):
+        target = memoryview(out[array_name][at : at + hi - lo].numpy()).cast("B")
+        offset = payload.offsets[index] + 4 * (lo - payload.start)
+        got = 0
+        while got < len(target):
+            try:
+                n = os.preadv(fd, [target[got:]], offset + got)
+            except OSError as error:
+                raise _os_error("reading checkpoint file", payload.path, error) from error
+            if n == 0:
+                raise _corrupt(payload.path, "it ended early while being read (truncated?)")
+            got += n
+
+
 def read_shard_file(
     path: Path, record: FileRecord | None = None
 ) -> tuple[int, int, dict[str, torch.Tensor]]:
-    """Read and verify a payload file; returns ``(step, start, tensors)``.
+    """Read and verify a shard payload file; returns ``(step, start, tensors)``.
 
     Checks the magic, version, header checksum, size and each array's checksum, and with
     ``record`` the size and whole-file checksum the manifest recorded. Any mismatch or a
     truncated file raises CorruptCheckpointError naming the file.
     """
     path = Path(path)
-
-    def corrupt(reason: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"checkpoint file {path} is corrupt: {reason}")
-
+    fd, size = _open_sized(path, record)
     try:
-        with open(path, "rb", buffering=0) as handle:
-            size = os.fstat(handle.fileno()).st_size
-            if record is not None and size != record.nbytes:
-                raise corrupt(f"it is {size} bytes, the manifest records {record.nbytes} (a torn write?)")
-            if size < _HEADER_BYTES:
-                raise corrupt(f"it is {size} bytes, shorter than the {_HEADER_BYTES}-byte header (truncated)")
-            buffer = bytearray(size)
-            view = memoryview(buffer)
-            got = 0
-            while got < size:
-                n = handle.readinto(view[got:])
-                if not n:
-                    break
-                got += n
-    except FileNotFoundError as error:
-        raise corrupt("the file is missing") from error
-    except OSError as error:
-        raise _os_error("reading checkpoint file", path, error) from error
-    if got != size:
-        raise corrupt(f"read {got} of {size} bytes (truncated while reading)")
+        payload = _verify_shard_file(fd, path, size, record)
+        out = {name: torch.empty(payload.numel, dtype=torch.float32) for name in ARRAYS}
+        _read_into(fd, payload, payload.start, payload.start + payload.numel, out, 0)
+    finally:
+        os.close(fd)
+    return payload.step, payload.start, out
 
-    header = bytes(view[:_HEADER_BYTES])
-    magic, version, header_bytes, step, start, numel, dtype, count = _HEADER.unpack_from(header)
-    if magic != MAGIC:
-        raise corrupt(f"bad magic {magic!r}, not a cargohold checkpoint file")
-    (stored,) = _CRC.unpack_from(header, _HEADER_BYTES - _CRC.size)
-    if google_crc32c.value(header[: _HEADER_BYTES - _CRC.size]) != stored:
-        raise corrupt("header checksum mismatch")
-    if version != FORMAT_VERSION:
-        raise corrupt(f"format version {version}; this build reads version {FORMAT_VERSION}")
-    if header_bytes != _HEADER_BYTES or dtype != DTYPE_FLOAT32 or count != len(ARRAYS):
-        raise corrupt(f"unsupported layout (header {header_bytes} bytes, dtype {dtype}, {count} arrays)")
-    expected = _HEADER_BYTES + len(ARRAYS) * 4 * numel
-    if size != expected:
-        raise corrupt(f"it is {size} bytes, its header says {expected} ({numel} elements; truncated?)")
-    if record is not None and _crc(view) != record.crc32c:
-        raise corrupt("whole-file checksum differs from the manifest's")
-    out: dict[str, torch.Tensor] = {}
-    for index, array_name in enumerate(ARRAYS):
-        name, crc = _ARRAY.unpack_from(header, _HEADER.size + index * _ARRAY.size)
-        if name.rstrip(b"\0") != array_name.encode():
-            raise corrupt(f"array {index} is {name!r}, expected {array_name!r}")
-        offset = _HEADER_BYTES + index * 4 * numel
-        if _crc(view[offset : offset + 4 * numel]) != crc:
-            raise corrupt(f"{array_name} checksum mismatch")
-        out[array_name] = torch.frombuffer(buffer, dtype=torch.float32, count=numel, offset=offset)
-    return step, start, out
+
+class CheckpointReader:
+    """Flat ranges of one checkpoint's state — however the saving layout cut them: the
+    resharding read.
+
+    Memory stays bounded by the range asked for: each file is verified once, in a
+    streamed pass of 1 MiB pieces, before its first use, and a range then reads only its
+    own bytes. A restore into an NVMe tier asks for one partition at a time, so a state
+    larger than RAM comes back through a buffer of one partition.
+    """
+
+    def __init__(self, directory: Path, manifest: Manifest) -> None:
+        self.directory = Path(directory)
+        self.manifest = manifest
+        self._records = {f.name: f for f in manifest.files}
+        self._verified: dict[str, _Payload] = {}
+
+    def read(self, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """master/exp_avg/exp_avg_sq of flat elements ``[start, stop)``.
+
+        Elements at or past ``manifest.total`` are trailing padding of a layout for another
+        worker count; they read as zeros (padding is never updated). Below it, every
+        element must be covered by a shard, else CheckpointError names the gap.
+        """
+        manifest = self.manifest
+        if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop):
+            raise CheckpointError(f"flat range [{start}, {stop}) is not a valid range")
+        held_stop = min(stop, manifest.total)
+        gaps = _gaps(manifest.shards, start, held_stop) if start < held_stop else []
+        if gaps:
+            lo, hi = gaps[0]
+            raise CheckpointError(
+                f"checkpoint {self.directory} (step {manifest.step}) holds no file for flat elements "
+                f"[{lo}, {hi}) of the requested [{start}, {stop})"
+            )
+        out = {name: torch.zeros(stop - start, dtype=torch.float32) for name in ARRAYS}
+        for shard in sorted(manifest.shards, key=lambda s: s.start):
+            lo, hi = max(shard.start, start), min(shard.stop, held_stop)
+            if lo >= hi:
+                continue
+            path = self.directory / shard.file
+            fd, size = _open_sized(path, self._records[shard.file])
+            try:
+                payload = self._verified.get(shard.file) or self._verify(fd, path, size, shard)
+                _read_into(fd, payload, lo, hi, out, lo - start)
+            finally:
+                os.close(fd)
+        return out
+
+    def _verify(self, fd: int, path: Path, size: int, shard: ShardRecord) -> _Payload:
+        record = self._records[shard.file]
+        if record.format == TIER_PARTITION_FILE:
+            holders = [s for s in self.manifest.shards if s.file == shard.file]
+            if len(holders) != 1:
+                raise CheckpointError(f"{path}: a partition file holds one shard, the manifest puts {len(holders)} in it")
+            payload = _verify_tier_file(fd, path, size, record, shard, self.manifest.run_id)
+        else:
+            payload = _verify_shard_file(fd, path, size, record)
+            if payload.step != self.manifest.step:
+                raise _corrupt(path, f"it holds step {payload.step}, the manifest step {self.manifest.step}")
+        for held in (s for s in self.manifest.shards if s.file == shard.file):
+            if held.start < payload.start or held.stop > payload.start + payload.numel:
+                raise _corrupt(path, f"it holds [{payload.start}, {payload.start + payload.numel}), the manifest "
+                                     f"puts shard {held.segment_id} [{held.start}, {held.stop}) in it")
+        self._verified[shard.file] = payload
+        return payload
 
 
 def read_flat_range(directory: Path, manifest: Manifest, start: int, stop: int) -> dict[str, torch.Tensor]:
-    """master/exp_avg/exp_avg_sq of flat elements ``[start, stop)``, from whichever files
-    cover them, however those were cut: the resharding read.
-
-    Elements at or past ``manifest.total`` are trailing padding of a layout for another
-    worker count; they read as zeros (padding is never updated). Below it, every element
-    must be covered by a shard, else CheckpointError names the gap. Each file is read and
-    verified once.
-    """
-    directory = Path(directory)
-    if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop):
-        raise CheckpointError(f"flat range [{start}, {stop}) is not a valid range")
-    held_stop = min(stop, manifest.total)
-    gaps = _gaps(manifest.shards, start, held_stop) if start < held_stop else []
-    if gaps:
-        lo, hi = gaps[0]
-        raise CheckpointError(
-            f"checkpoint {directory} (step {manifest.step}) holds no file for flat elements "
-            f"[{lo}, {hi}) of the requested [{start}, {stop})"
-        )
-    out = {name: torch.zeros(stop - start, dtype=torch.float32) for name in ARRAYS}
-    records = {f.name: f for f in manifest.files}
-    by_file: dict[str, list[ShardRecord]] = {}
-    for shard in manifest.shards:
-        if shard.start < held_stop and shard.stop > start:
-            by_file.setdefault(shard.file, []).append(shard)
-    for name, shards in by_file.items():
-        path = directory / name
-        step, file_start, arrays = read_shard_file(path, records[name])
-        file_stop = file_start + arrays["master"].numel()
-        if step != manifest.step:
-            raise CorruptCheckpointError(
-                f"checkpoint file {path} is corrupt: it holds step {step}, the manifest step {manifest.step}"
-            )
-        for shard in shards:
-            if shard.start < file_start or shard.stop > file_stop:
-                raise CorruptCheckpointError(
-                    f"checkpoint file {path} is corrupt: it holds [{file_start}, {file_stop}), the "
-                    f"manifest puts shard {shard.segment_id} [{shard.start}, {shard.stop}) in it"
-                )
-            lo, hi = max(shard.start, start), min(shard.stop, stop)
-            for array_name in ARRAYS:
-                out[array_name][lo - start : hi - start] = arrays[array_name][lo - file_start : hi - file_start]
-    return out
+    """:meth:`CheckpointReader.read` of one range (each file is verified once)."""
+    return CheckpointReader(directory, manifest).read(start, stop)
 
 
 # ---------------------------------------------------------------------------------- store

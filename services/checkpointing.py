@@ -1,24 +1,45 @@
-"""A state server's side of checkpoints: write its shards' state into a checkpoint's
+"""A state server's side of checkpoints: put its shards' state into a checkpoint's
 partial directory, and restore shards from a complete checkpoint — cut the way the new
 layout needs, whatever layout wrote it.
 
-With every shard in RAM, ``begin`` only takes copies (the stall) and a background thread
-writes them while training goes on. With an NVMe tier, copying everything would break
-the RAM budget, so ``begin`` writes shard by shard before returning.
+All in RAM (no tier), ``begin`` only takes copies (the stall) and a background thread
+writes them as shard files while training goes on.
+
+With an NVMe tier, copying everything would break the RAM budget, and most of the state
+is already in immutable files: ``begin`` hard-links each partition file on the tier into
+the checkpoint (no bytes move), writes the partitions resident in RAM (the stall, at most
+the RAM budget's worth), and, where the checkpoint is on another filesystem and a link
+is refused, leaves the copies of the opened files to a background thread.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from cargohold.services.checkpoint import FileRecord, Manifest, ShardRecord, read_flat_range, write_shard_file
-from cargohold.services.errors import CheckpointError
-from cargohold.services.shard_state import ShardRegistry, ShardSpec
+from cargohold.services.checkpoint import (
+    TIER_PARTITION_FILE,
+    CheckpointReader,
+    FileRecord,
+    Manifest,
+    ShardRecord,
+    write_shard_file,
+)
+from cargohold.services.durable import fsync_directory
+from cargohold.services.errors import CheckpointError, TierError
+from cargohold.services.shard_state import ShardRegistry, ShardSpec, ShardState
+from cargohold.services.tiers.preserve import PendingCopy
+from cargohold.services.tiers.residency import PartitionKey
+
+logger = logging.getLogger(__name__)
 
 ARRAYS = ("master", "exp_avg", "exp_avg_sq")
+Records = list[tuple[ShardRecord, FileRecord]]
 
 
 class ShardCheckpointer:
@@ -26,11 +47,15 @@ class ShardCheckpointer:
         self._registry = registry
         self._server_index = server_index
         self._thread: threading.Thread | None = None
-        self._result: list[tuple[ShardRecord, FileRecord]] | BaseException | None = None
+        self._result: Records | BaseException | None = None
+        self.preserved: dict[str, int] = {}
+        """Partition files of the last checkpoint by how they got there ("linked",
+        "copied", "written"), for stats and tests."""
 
     def begin(self, run_id: str, directory: str, step: int) -> int:
         """Start writing every shard of ``run_id`` as of data step ``step``; returns the
-        update count they are at (lower than ``step`` when steps were skipped)."""
+        update count they are at (lower than ``step`` when steps were skipped). A failed
+        write is raised by :meth:`wait`, like one in the background."""
         if self._thread is not None:
             raise CheckpointError("a checkpoint is still being written; wait for it first")
         shards = self._registry.shards(run_id)
@@ -40,17 +65,13 @@ class ShardCheckpointer:
         update = updates.pop() if updates else 0
         self._result = None
         if self._registry.storage.enabled:
-            self._result = self._write(directory, step, ((s.spec, s.snapshot()) for s in shards))
+            self._preserve(directory, step, shards)
         else:
             copies = [(s.spec, s.snapshot()) for s in shards]
-            self._thread = threading.Thread(
-                target=lambda: setattr(self, "_result", self._write(directory, step, copies)),
-                name="checkpoint-writer", daemon=True,
-            )
-            self._thread.start()
+            self._background(lambda: self._write(directory, step, copies))
         return update
 
-    def wait(self) -> list[tuple[ShardRecord, FileRecord]]:
+    def wait(self) -> Records:
         """The records of the files written by the last ``begin``; raises its error."""
         if self._thread is not None:
             self._thread.join()
@@ -62,28 +83,97 @@ class ShardCheckpointer:
             raise CheckpointError("no checkpoint was begun")
         return result
 
-    def _write(self, directory: str, step: int, shards) -> list[tuple[ShardRecord, FileRecord]] | BaseException:
+    def _background(self, work: Callable[[], Records]) -> None:
+        def run() -> None:
+            try:
+                self._result = work()
+            except BaseException as error:  # handed to wait(), which raises it in the caller
+                self._result = error
+
+        self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def _write(self, directory: str, step: int, shards: list[tuple[ShardSpec, dict[str, torch.Tensor]]]) -> Records:
+        records = []
+        for spec, tensors in shards:
+            name = f"server{self._server_index}-shard{spec.shard_id:06d}.bin"
+            file = write_shard_file(Path(directory), name, step=step, start=spec.start,
+                                    tensors={k: tensors[k] for k in ARRAYS})
+            records.append((ShardRecord(segment_id=spec.shard_id, start=spec.start,
+                                        stop=spec.start + spec.numel, step=step, file=name), file))
+        return records
+
+    def _preserve(self, directory: str, step: int, shards: list[ShardState]) -> None:
+        """Link or write every partition file now; copies, if any, in the background."""
+        records: Records = []
+        copies: list[PendingCopy] = []
+        counts = {"linked": 0, "copied": 0, "written": 0}
+
+        def name_of(key: PartitionKey) -> str:
+            return f"server{self._server_index}-shard{key.shard_id:06d}-part{key.index:05d}.tier"
+
         try:
-            records = []
-            for spec, tensors in shards:
-                name = f"server{self._server_index}-shard{spec.shard_id:06d}.bin"
-                file = write_shard_file(Path(directory), name, step=step, start=spec.start,
-                                        tensors={k: tensors[k] for k in ARRAYS})
-                records.append((ShardRecord(segment_id=spec.shard_id, start=spec.start,
-                                            stop=spec.start + spec.numel, step=step, file=name), file))
+            for shard in shards:
+                _, preserved, pending = shard.preserve(directory, name_of)
+                copies += pending
+                for part in preserved:
+                    counts[part.how] += 1
+                    records.append((
+                        ShardRecord(segment_id=shard.spec.shard_id, start=shard.spec.start + part.start,
+                                    stop=shard.spec.start + part.stop, step=step, file=part.name),
+                        FileRecord(name=part.name, nbytes=part.nbytes, crc32c=part.checksum,
+                                   format=TIER_PARTITION_FILE),
+                    ))
+        except (OSError, TierError) as error:
+            for copy in copies:
+                copy.cancel()
+            self._result = _save_error(directory, error)
+            return
+        self.preserved = counts
+        logger.info("checkpoint of step %d: %d partition files linked, %d to copy, %d written from RAM",
+                    step, counts["linked"], counts["copied"], counts["written"])
+
+        def finish() -> Records:
+            try:
+                while copies:
+                    copy = copies.pop(0)
+                    try:
+                        copy.run()
+                    except OSError as error:
+                        raise _save_error(directory, error, copy.target) from error
+                fsync_directory(directory)
+            except OSError as error:
+                raise _save_error(directory, error) from error
+            finally:
+                for copy in copies:
+                    copy.cancel()
             return records
-        except BaseException as error:  # handed to wait(), which raises it in the caller
-            return error
+
+        if copies:
+            self._background(finish)
+        else:
+            self._result = finish()
 
     def restore(self, directory: str, manifest: Manifest, specs: list[ShardSpec], update: int) -> None:
-        """Register ``specs`` with the state the checkpoint holds for their flat ranges;
-        elements past the checkpoint's buffer (more padding in the new layout) are zero."""
+        """Register ``specs`` with the state the checkpoint holds for their flat ranges,
+        read a partition at a time; elements past the checkpoint's buffer (more padding
+        in the new layout) are zero."""
+        reader = CheckpointReader(Path(directory), manifest)
         for spec in specs:
-            stop = spec.start + spec.numel
-            tensors = {k: torch.zeros(spec.numel, dtype=torch.float32) for k in ARRAYS}
-            covered = min(stop, manifest.total)
-            if covered > spec.start:
-                read = read_flat_range(Path(directory), manifest, spec.start, covered)
-                for key in ARRAYS:
-                    tensors[key][: covered - spec.start] = read[key]
-            self._registry.restore(spec, tensors, update)
+            def source(lo: int, hi: int, spec: ShardSpec = spec):
+                got = reader.read(spec.start + lo, spec.start + hi)
+                return got["master"], (got["exp_avg"], got["exp_avg_sq"])
+
+            self._registry.restore(spec, source, update)
+
+
+def _save_error(directory: str, error: BaseException, file: str | None = None) -> CheckpointError:
+    if isinstance(error, OSError):
+        file = file or error.filename
+        where = f" ({file})" if file else ""
+        hint = ("; free space there or lower the number of checkpoints kept"
+                if error.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+        reason = f"{error.strerror or error}{where}{hint}"
+    else:
+        reason = str(error)
+    return CheckpointError(f"saving the NVMe tier's partitions into {directory} failed: {reason}")

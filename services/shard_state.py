@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +22,9 @@ from cargohold.services.errors import (
     UnknownShardError,
 )
 from cargohold.services.optim import AdamWHyperParams, clip_coefficient
-from cargohold.services.tiers.residency import Residency
-from cargohold.services.tiers.storage import TieredStorage
+from cargohold.services.tiers.preserve import PendingCopy
+from cargohold.services.tiers.residency import PartitionKey, Residency
+from cargohold.services.tiers.storage import PreservedPartition, StateSource, TieredStorage, tensor_source
 
 WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """Dtypes gradients and weights may travel in, by the name used in configs and the API."""
@@ -79,21 +81,28 @@ class ShardState:
     step count are per shard: computed once per push, whatever the partitions.
     """
 
-    def __init__(self, spec: ShardSpec, initial_weights: torch.Tensor, *,
+    def __init__(self, spec: ShardSpec, initial_weights: torch.Tensor | None = None, *,
                  storage: TieredStorage | None = None,
-                 moments: tuple[torch.Tensor, torch.Tensor] | None = None, step: int = 0) -> None:
-        """``moments`` (exp_avg, exp_avg_sq) and ``step`` restore a checkpointed shard;
+                 moments: tuple[torch.Tensor, torch.Tensor] | None = None, step: int = 0,
+                 source: StateSource | None = None) -> None:
+        """Starts from ``initial_weights``, or from ``source`` (a checkpoint read a
+        partition at a time, so a restore fits the tiers' memory). ``moments``
+        (exp_avg, exp_avg_sq) or a source, with ``step``, restore a checkpointed shard;
         without them it starts fresh at step 0."""
-        _check_tensor(spec, initial_weights, torch.float32, "initial weights")
-        for name, moment in zip(("exp_avg", "exp_avg_sq"), moments or ()):
-            _check_tensor(spec, moment, torch.float32, name)
+        if (initial_weights is None) == (source is None):
+            raise InvalidTensorError(f"shard {spec.shard_id}: give initial weights or a source, not both or neither")
+        if source is None:
+            _check_tensor(spec, initial_weights, torch.float32, "initial weights")
+            for name, moment in zip(("exp_avg", "exp_avg_sq"), moments or ()):
+                _check_tensor(spec, moment, torch.float32, name)
+            source = tensor_source(initial_weights.detach().contiguous(),
+                                   None if moments is None else tuple(m.detach().contiguous() for m in moments))
         if step < 0:
             raise InvalidTensorError(f"shard {spec.shard_id}: step must be >= 0, got {step}")
         self.spec = spec
         self.lock = threading.Lock()
         self._storage = storage if storage is not None else TieredStorage()
-        self._storage.add_shard(spec.run_id, spec.shard_id, spec.numel, spec.fragments,
-                                initial_weights.detach().contiguous(), moments=moments, step=step)
+        self._storage.add_shard(spec.run_id, spec.shard_id, spec.numel, spec.fragments, source, step=step)
         self._step = step
         self._fetch_dtype: str | None = None
         """Dtype of the latest weight fetch: pushes prepare the weights in it."""
@@ -223,6 +232,14 @@ class ShardState:
         with self.lock:
             return self._storage.snapshot(self.spec.run_id, self.spec.shard_id, self.step)
 
+    def preserve(self, directory: str,
+                 name_of: Callable[[PartitionKey], str]) -> tuple[int, list[PreservedPartition], list[PendingCopy]]:
+        """Put the shard's partition files into ``directory`` (see
+        :meth:`TieredStorage.preserve`); returns the update count they hold too."""
+        with self.lock:
+            step = self.step
+            return step, *self._storage.preserve(self.spec.run_id, self.spec.shard_id, step, directory, name_of)
+
 
 class ShardRegistry:
     """All shards a server owns, keyed by (run id, shard id), over one tiered storage."""
@@ -253,8 +270,9 @@ class ShardRegistry:
                 self._shards[key] = state
             return state
 
-    def restore(self, spec: ShardSpec, tensors: dict[str, torch.Tensor], step: int) -> ShardState:
-        """Create a shard from checkpointed master weights and moments at ``step``."""
+    def restore(self, spec: ShardSpec, source: StateSource, step: int) -> ShardState:
+        """Create a shard from checkpointed master weights and moments at ``step``, read
+        from ``source`` a partition at a time."""
         key = (spec.run_id, spec.shard_id)
         with self._registering:
             with self._lock:
@@ -263,8 +281,7 @@ class ShardRegistry:
                         f"shard {spec.shard_id} of run {spec.run_id!r} is already registered; "
                         "restore into a fresh state server"
                     )
-            state = ShardState(spec, tensors["master"], storage=self.storage,
-                               moments=(tensors["exp_avg"], tensors["exp_avg_sq"]), step=step)
+            state = ShardState(spec, storage=self.storage, source=source, step=step)
             with self._lock:
                 self._shards[key] = state
             return state

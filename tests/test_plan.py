@@ -37,7 +37,7 @@ from cargohold.services.errors import ConfigError
 from cargohold.services.layout import ShardLayout
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT
-from cargohold.services.tiers.storage import TieredStorage
+from cargohold.services.tiers.storage import TieredStorage, tensor_source
 from cargohold.services.worker import build_model, layout_for_config
 from tests.reference import tiny_config
 
@@ -177,7 +177,7 @@ def test_the_plan_is_the_tier_storages_own(tmp_path: Path) -> None:
         for segment in layout.segments_of_server(0):
             storage.add_shard("plan", segment.segment_id, segment.numel,
                               [(f.segment_start, f.length) for f in segment.fragments],
-                              torch.zeros(segment.numel))
+                              tensor_source(torch.zeros(segment.numel)))
         summary = storage.summary()
     finally:
         storage.close()

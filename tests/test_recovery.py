@@ -65,6 +65,39 @@ def test_stop_and_resume_onto_any_number_of_servers(uninterrupted, tmp_path, res
     _assert_same(_final_state(tmp_path), uninterrupted)
 
 
+def _tier(root: Path, partition_kib: int) -> dict[str, object]:
+    """Most of the tiny model's state on disk (as in the training contract's NVMe test)."""
+    return {"nvme_paths": [str(root / "nvme")], "ram_budget_bytes": 320 << 10,
+            "partition_bytes": partition_kib << 10, "buffer_count": 3}
+
+
+def test_an_nvme_tier_checkpoint_links_its_files_and_resumes_bitwise(uninterrupted, tmp_path) -> None:
+    """Saved with most state on the NVMe tier: the checkpoint hard-links the tier's
+    partition files (they have a second name while the tier holds that version). Resumed
+    onto one server with another partition size, the run ends where the uninterrupted one
+    does."""
+    checkpoints = tmp_path / "checkpoints"
+    first = tiny_config(steps=STEPS, state_server__num_servers=2, checkpoint__dir=str(checkpoints),
+                        state_server__tier=_tier(tmp_path, 64))
+    store = CheckpointStore(checkpoints)
+    with TrainingSession(first) as session:
+        for _ in range(4):
+            session.step()
+        pending = session.checkpoint_begin(store)
+        saved = session.checkpoint_finish(store, pending)
+        files = sorted(saved.glob("*.tier"))
+        linked = [f for f in files if f.stat().st_nlink == 2]
+        assert len(files) == 26 and len(linked) >= 20, f"{len(linked)} of {len(files)} files linked"
+        tier_files = {(f.stat().st_dev, f.stat().st_ino) for f in (tmp_path / "nvme").rglob("*.bin")}
+        assert {(f.stat().st_dev, f.stat().st_ino) for f in linked} <= tier_files
+    assert all(f.stat().st_nlink == 1 for f in files), "the stopped tier removed its names, the checkpoint kept its own"
+    second = tiny_config(steps=STEPS, state_server__num_servers=1, checkpoint__dir=str(checkpoints),
+                         checkpoint__resume="latest", state_server__tier=_tier(tmp_path, 32))
+    resumed = train(second)
+    assert resumed.first_step == 4
+    _assert_same(_final_state(checkpoints), uninterrupted)
+
+
 def _scrape(address: str) -> dict[str, float]:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
         text = reply.read().decode()

@@ -39,7 +39,7 @@ from cargohold.services.state_server import StateServer
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.nvme import check_free_space
 from cargohold.services.tiers.residency import Residency
-from cargohold.services.tiers.storage import TieredStorage
+from cargohold.services.tiers.storage import TieredStorage, tensor_source
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
 from cargohold.services.transport.grpc_server import GrpcStateServer
 
@@ -284,7 +284,7 @@ def test_state_larger_than_the_free_space_is_refused_at_registration(tmp_path: P
         # Nothing fits in RAM, and the size check runs before a tensor is touched: no
         # need for the initial weights of a state that size.
         with pytest.raises(TierSpaceError, match="bytes free") as caught:
-            storage.add_shard("run-t", 0, numel, (), torch.empty(0))
+            storage.add_shard("run-t", 0, numel, (), tensor_source(torch.empty(0)))
         assert "shard 0 of run 'run-t'" in str(caught.value)
         assert storage.rows() == [] and not list(tmp_path.rglob("*.bin"))
 

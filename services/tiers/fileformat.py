@@ -93,16 +93,26 @@ class PartitionHeader:
         body += _CRC.pack(google_crc32c.value(body))
         return body + bytes(HEADER_BYTES - len(body))
 
+    def checksum(self) -> int:
+        """The CRC-32C the packed header stores: it covers the identity, the step and the
+        arrays' checksums, so it stands for the whole file (a checkpoint's manifest
+        records it for a partition file instead of a whole-file checksum)."""
+        packed = self.pack()
+        end = _FIXED.size + len(self.key.run_id.encode())
+        return _CRC.unpack_from(packed, end)[0]
 
-def unpack_header(raw: bytes | memoryview, *, path: str, key: PartitionKey, numel: int) -> PartitionHeader:
-    """Parse and check a header block; raises CorruptPartitionError naming file and partition."""
+
+def parse_header(raw: bytes | memoryview, *, path: str, expected: PartitionKey | None = None) -> PartitionHeader:
+    """Parse and check a header block whatever partition it names (a checkpoint's reader
+    takes the identity from it); raises CorruptPartitionError naming the file, and the
+    ``expected`` partition when given."""
     def corrupt(reason: str) -> CorruptPartitionError:
-        return corrupt_error(path, key, reason)
+        return corrupt_error(path, expected, reason)
 
     raw = bytes(raw[:HEADER_BYTES])
     if len(raw) < HEADER_BYTES:
         raise corrupt(f"header is {len(raw)} bytes, shorter than a header")
-    (magic, version, header_bytes, dtype, arrays, file_numel, region, step, shard_id, index,
+    (magic, version, header_bytes, dtype, arrays, numel, region, step, shard_id, index,
      crc0, crc1, crc2, run_len) = _FIXED.unpack_from(raw)
     if magic != MAGIC:
         raise corrupt(f"bad magic {magic!r}, not a cargohold partition file")
@@ -116,20 +126,27 @@ def unpack_header(raw: bytes | memoryview, *, path: str, key: PartitionKey, nume
         raise corrupt(f"format version {version}, this build reads version {FORMAT_VERSION}")
     if header_bytes != HEADER_BYTES or dtype != DTYPE_FLOAT32 or arrays != len(ARRAYS):
         raise corrupt(f"unsupported layout (header {header_bytes} bytes, dtype {dtype}, {arrays} arrays)")
-    found = PartitionKey(raw[_FIXED.size:end].decode(errors="replace"), shard_id, index)
-    if found != key:
-        raise corrupt(f"the file holds {found}")
-    if file_numel != numel or region != FileLayout(numel).region_bytes:
-        raise corrupt(f"shape is {file_numel} elements, expected {numel}")
-    return PartitionHeader(key=found, numel=file_numel, step=step, checksums=(crc0, crc1, crc2),
-                           version=version)
+    if region != FileLayout(numel).region_bytes:
+        raise corrupt(f"regions of {region} bytes do not fit {numel} elements")
+    key = PartitionKey(raw[_FIXED.size:end].decode(errors="replace"), shard_id, index)
+    return PartitionHeader(key=key, numel=numel, step=step, checksums=(crc0, crc1, crc2), version=version)
 
 
-def corrupt_error(path: str, key: PartitionKey, reason: str) -> CorruptPartitionError:
-    return CorruptPartitionError(
-        f"partition file {path} ({key}) is corrupt: {reason}; it was not used",
-        path=path, partition=str(key),
-    )
+def unpack_header(raw: bytes | memoryview, *, path: str, key: PartitionKey, numel: int) -> PartitionHeader:
+    """Parse and check the header of the file of partition ``key`` (``numel`` elements);
+    raises CorruptPartitionError naming file and partition."""
+    header = parse_header(raw, path=path, expected=key)
+    if header.key != key:
+        raise corrupt_error(path, key, f"the file holds {header.key}")
+    if header.numel != numel:
+        raise corrupt_error(path, key, f"shape is {header.numel} elements, expected {numel}")
+    return header
+
+
+def corrupt_error(path: str, key: PartitionKey | None, reason: str) -> CorruptPartitionError:
+    what = f"partition file {path}" + (f" ({key})" if key is not None else "")
+    return CorruptPartitionError(f"{what} is corrupt: {reason}; it was not used",
+                                 path=path, partition=str(key) if key is not None else "")
 
 
 def crc32c(view: memoryview) -> int:

@@ -263,29 +263,19 @@ class NvmeTier:
 
     def _write(self, partition: Partition, buffer: AlignedBuffer, step: int) -> None:
         layout = FileLayout(partition.span.numel)
-        checksums = tuple(
-            crc32c(buffer.view[layout.offset(i) : layout.offset(i) + layout.region_bytes])
-            for i in range(len(ARRAYS))
-        )
-        buffer.view[:HEADER_BYTES] = PartitionHeader(
-            key=partition.key, numel=partition.span.numel, step=step, checksums=checksums
-        ).pack()
         target = partition.path
-        temporary = target + ".tmp"
         tier_path = self.paths[partition.path_index]
         started = time.perf_counter()
         try:
             try:
-                _write_file(temporary, buffer.view[: layout.file_bytes], tier_path.direct)
+                write_partition_file(target, buffer, partition.key, partition.span.numel, step,
+                                     direct=tier_path.direct)
             except OSError as error:
                 if not (tier_path.direct and error.errno == errno.EINVAL):
                     raise
                 self._fall_back(tier_path, error)
-                _write_file(temporary, buffer.view[: layout.file_bytes], False)
-            os.replace(temporary, target)
-            fsync_directory(os.path.dirname(target))
+                write_partition_file(target, buffer, partition.key, partition.span.numel, step, direct=False)
         except OSError as error:
-            _unlink(temporary)
             kind = TierSpaceError if error.errno in _SPACE_ERRNOS else TierError
             raise kind(
                 f"writing partition file {target} ({partition.key}) at step {step} failed: "
@@ -349,6 +339,30 @@ def check_free_space(root: str, need: int, free: int, what: str) -> None:
             "there (partition files plus room for the writes in flight); free space, add paths to "
             "state_server.tier.nvme_paths or raise state_server.tier.ram_budget_bytes"
         )
+
+
+def write_partition_file(target: str, buffer: AlignedBuffer, key: PartitionKey, numel: int, step: int, *,
+                         direct: bool) -> PartitionHeader:
+    """Write a partition held in ``buffer`` (its file layout; the header block is filled
+    here) as the file of ``step`` at ``target``: to ``<target>.tmp``, fsynced, renamed over
+    ``target``, directory fsynced. Every version is a new file renamed into place and none
+    is ever changed in place, which is what lets a checkpoint hard-link one. Raises the
+    OSError, leaving no temporary file and ``target`` as it was."""
+    layout = FileLayout(numel)
+    checksums = tuple(
+        crc32c(buffer.view[layout.offset(i) : layout.offset(i) + layout.region_bytes]) for i in range(len(ARRAYS))
+    )
+    header = PartitionHeader(key=key, numel=numel, step=step, checksums=checksums)
+    buffer.view[:HEADER_BYTES] = header.pack()
+    temporary = target + ".tmp"
+    try:
+        _write_file(temporary, buffer.view[: layout.file_bytes], direct)
+        os.replace(temporary, target)
+        fsync_directory(os.path.dirname(target))
+    except OSError:
+        _unlink(temporary)
+        raise
+    return header
 
 
 def _write_file(path: str, view: memoryview, direct: bool) -> None:

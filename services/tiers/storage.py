@@ -16,6 +16,7 @@ size in the wire dtype each; the shard keeps the latter between steps to reuse i
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -28,9 +29,10 @@ from cargohold.services.errors import IncompleteStepError
 from cargohold.services.optim import AdamWHyperParams, AdamWState, clip_, clipped, fused_adamw_
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.io_pool import BufferPool, IoPool
-from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path
+from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path, write_partition_file
 from cargohold.services.tiers.partitions import elements_per_partition, split_segment
 from cargohold.services.tiers.pipeline import StreamReport, stream_update
+from cargohold.services.tiers.preserve import PendingCopy, link_or_pin
 from cargohold.services.tiers.planner import Bandwidth, PartitionDemand, TierPlan, plan_tiers, stream_order
 from cargohold.services.tiers.ram import RamTier
 from cargohold.services.tiers.residency import PartitionKey, Residency
@@ -60,6 +62,23 @@ class PartitionRow:
     """Position in its shard's stream at the next step."""
     step: int
     path: str
+
+
+@dataclass(frozen=True, slots=True)
+class PreservedPartition:
+    """A partition file :meth:`TieredStorage.preserve` put into a directory."""
+
+    key: PartitionKey
+    name: str
+    start: int
+    """First element of the partition within its shard."""
+    stop: int
+    nbytes: int
+    checksum: int
+    """The header's CRC-32C, which covers the checksums of the arrays (see
+    :meth:`.fileformat.PartitionHeader.checksum`)."""
+    how: str
+    """"linked", "copied" (once the pending copy has run) or "written"."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,11 +137,11 @@ class TieredStorage:
 
     # --- registration -------------------------------------------------------------------
     def add_shard(self, run_id: str, shard_id: int, numel: int, fragments: Sequence[tuple[int, int]],
-                  initial: torch.Tensor, *, moments: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  step: int = 0) -> None:
-        """Create a shard's partitions from its fp32 weights — moments zero at step 0, or
-        restored ones at ``step`` — re-planning every partition of the server. All or
-        nothing."""
+                  source: StateSource, *, step: int = 0) -> None:
+        """Create a shard's partitions from ``source`` — fp32 weights with zero moments
+        at step 0, or a checkpoint's state at ``step`` — re-planning every partition of
+        the server. The source is asked for one partition at a time, so a restore never
+        holds more than a partition beyond the tiers' own memory. All or nothing."""
         spans = split_segment(numel, fragments, self._max_elements)
         with self._lock:
             if self._nvme is not None:
@@ -130,20 +149,17 @@ class TieredStorage:
             parts = [Partition(PartitionKey(run_id, shard_id, s.index), s, Residency.RAM, step=step) for s in spans]
             plan = self._replan(parts)
             to_disk: list[Partition] = []
+            resident: dict[PartitionKey, PartitionArrays] = {}
             for part in parts:
                 if self._nvme is not None:
                     part.path_index = plan.path_index[part.key]
                     part.path = self._nvme.file_of(part.key, part.path_index)
-                if plan.of(part.key) is Residency.RAM:
-                    arrays = self._ram.admit(part)
-                    if arrays is not None:
-                        arrays.master.copy_(initial[part.span.start : part.span.stop])
-                        if moments is not None:
-                            arrays.exp_avg.copy_(moments[0][part.span.start : part.span.stop])
-                            arrays.exp_avg_sq.copy_(moments[1][part.span.start : part.span.stop])
-                        continue
-                part.residency = Residency.NVME  # RAM is still full; it moves in later
-                to_disk.append(part)
+                arrays = self._ram.admit(part) if plan.of(part.key) is Residency.RAM else None
+                if arrays is not None:
+                    resident[part.key] = arrays
+                else:
+                    part.residency = Residency.NVME  # RAM is full for now; it moves in later
+                    to_disk.append(part)
             try:
                 if to_disk:
                     assert self._nvme is not None  # no budget means no limit on RAM
@@ -151,15 +167,24 @@ class TieredStorage:
                         ((p.path_index, FileLayout(p.span.numel).file_bytes) for p in to_disk),
                         f"shard {shard_id} of run {run_id!r}",
                     )
-                    created = [
-                        self._nvme.create(p, initial[p.span.start : p.span.stop], None if moments is None else
-                                          tuple(m[p.span.start : p.span.stop] for m in moments))
-                        for p in to_disk
-                    ]
+                created: list[Future[None]] = []
+                try:
+                    for part in parts:
+                        master, moments = _source_piece(source, part, shard_id)
+                        if part.residency is Residency.RAM:
+                            arrays = resident[part.key]
+                            arrays.master.copy_(master)
+                            if moments is not None:
+                                arrays.exp_avg.copy_(moments[0])
+                                arrays.exp_avg_sq.copy_(moments[1])
+                        else:
+                            assert self._nvme is not None
+                            created.append(self._nvme.create(part, master, moments))
+                finally:
                     errors = [f.exception() for f in created]  # waits for every write
-                    first = next((e for e in errors if e is not None), None)
-                    if first is not None:
-                        raise first
+                first = next((e for e in errors if e is not None), None)
+                if first is not None:
+                    raise first
             except BaseException:
                 for part in parts:
                     (self._ram if part.residency is Residency.RAM else self._nvme).drop(part)
@@ -311,6 +336,47 @@ class TieredStorage:
             store.discard(staged, intact=True)
         return out
 
+    def preserve(self, run_id: str, shard_id: int, step: int, directory: str,
+                 name_of: Callable[[PartitionKey], str]) -> tuple[list[PreservedPartition], list[PendingCopy]]:
+        """Put every partition of a shard at ``step`` into ``directory`` as a partition
+        file named ``name_of(key)``, for a checkpoint: files on the NVMe tier are
+        hard-linked (their version is immutable), or, on another filesystem, held open
+        and returned as copies to run later; partitions in RAM are written now, since
+        the next update changes them in place. The caller holds the shard still (its
+        lock) until this returns and fsyncs ``directory`` once the copies are done.
+
+        Raises OSError or a TierError; what it already put there stays for the caller to
+        remove with the directory."""
+        parts = self._consistent(run_id, shard_id, step)
+        preserved: list[PreservedPartition] = []
+        copies: list[PendingCopy] = []
+        try:
+            for part in parts:
+                name = name_of(part.key)
+                target = os.path.join(directory, name)
+                numel = part.span.numel
+                try:
+                    if part.residency is Residency.RAM:
+                        header = write_partition_file(target, self._ram.buffer(part), part.key, numel, part.step,
+                                                      direct=False)
+                        how = "written"
+                    else:
+                        header, copy = link_or_pin(part.path, target, key=part.key, numel=numel, step=part.step)
+                        how = "linked" if copy is None else "copied"
+                        if copy is not None:
+                            copies.append(copy)
+                except OSError as error:  # name the file whatever call failed
+                    raise OSError(error.errno, error.strerror, target) from error
+                preserved.append(PreservedPartition(
+                    key=part.key, name=name, start=part.span.start, stop=part.span.stop,
+                    nbytes=FileLayout(numel).file_bytes, checksum=header.checksum(), how=how,
+                ))
+        except BaseException:
+            for copy in copies:
+                copy.cancel()
+            raise
+        return preserved, copies
+
     def _consistent(self, run_id: str, shard_id: int, step: int) -> list[Partition]:
         parts = self._shards[(run_id, shard_id)]
         behind = [p for p in parts if p.step != step]
@@ -381,6 +447,29 @@ class TieredStorage:
             self._io.shutdown()
         if self._nvme is not None:
             self._nvme.remove_runs()
+
+
+StateSource = Callable[[int, int], tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]]
+"""Elements ``[start, stop)`` of a shard -> fp32 master weights and (exp_avg, exp_avg_sq),
+or None for zero moments."""
+
+
+def tensor_source(initial: torch.Tensor, moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> StateSource:
+    """A :data:`StateSource` over whole-shard tensors."""
+    def piece(start: int, stop: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        return initial[start:stop], None if moments is None else (moments[0][start:stop], moments[1][start:stop])
+
+    return piece
+
+
+def _source_piece(source: StateSource, part: Partition,
+                  shard_id: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    master, moments = source(part.span.start, part.span.stop)
+    for name, array in zip(("master", "exp_avg", "exp_avg_sq"), (master, *(moments or ()))):
+        if array.dtype != torch.float32 or array.shape != (part.span.numel,):
+            raise ValueError(f"shard {shard_id}: the {name} source gave {array.dtype} of shape "
+                             f"{tuple(array.shape)} for {part.key}, expected float32 ({part.span.numel},)")
+    return master, moments
 
 
 def _then(future: Future[None], then: Callable[[BaseException | None], None], *,

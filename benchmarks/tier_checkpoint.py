@@ -1,0 +1,140 @@
+"""What does a checkpoint of NVMe-tier state cost training, against copying the state?
+
+    python benchmarks/tier_checkpoint.py --path /mnt/nvme0/cargohold-bench
+    python benchmarks/tier_checkpoint.py --path /tmp/bench --other-path /dev/shm/bench
+
+In one run, on the disk under ``--path``:
+
+1. **Tier.** One shard of ``--state-mib`` of optimizer state on a state server with a
+   ``--budget-mib`` RAM budget, so most partitions are files; two optimizer steps.
+2. **Our checkpoint** into a folder on the same filesystem (ShardCheckpointer, as a state
+   server runs it): ``stall`` is what training waits (the hard links plus the writes of
+   the RAM-resident partitions), ``total`` until the checkpoint could be committed.
+3. **Baseline: a full copy.** The same partition files copied with ``shutil.copyfile``
+   and fsynced, as a checkpoint that copies every byte would at least cost.
+4. **Baseline: through RAM.** What cargohold did before linking: the whole shard read
+   back into memory (``snapshot``) and written as a shard file, training waiting.
+
+With ``--other-path`` (another filesystem) the checkpoint goes there: links are refused
+and the pinned files are copied in the background; ``stall`` stays short and ``total``
+approaches the copy.
+
+Ratio printed: stall / full copy (lower is better; the link itself is metadata only, the
+rest is the RAM-resident part). The checkpoint is read back and checked bitwise against
+the state it was taken from. Files are deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from cargohold.cluster.config import TierConfig
+from cargohold.services.checkpoint import CheckpointReader, FileRecord, Manifest, ShardRecord, write_shard_file
+from cargohold.services.checkpointing import ShardCheckpointer
+from cargohold.services.optim import AdamWHyperParams
+from cargohold.services.shard_state import ShardRegistry, ShardSpec
+from cargohold.services.tiers.residency import Residency
+from cargohold.services.tiers.storage import TieredStorage
+from timing import timed
+
+MIB = 1 << 20
+
+
+def copy_files(sources: list[str], directory: str) -> None:
+    for source in sources:
+        target = os.path.join(directory, os.path.basename(source))
+        shutil.copyfile(source, target)
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--path", default=None, help="a directory on the tier's disk (default: a temp dir)")
+    parser.add_argument("--other-path", default=None, help="checkpoint onto this (another filesystem) instead")
+    parser.add_argument("--state-mib", type=int, default=1536)
+    parser.add_argument("--budget-mib", type=int, default=320)
+    parser.add_argument("--partition-mib", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    base = args.path or tempfile.mkdtemp(prefix="cargohold-bench-")
+    os.makedirs(base, exist_ok=True)
+    checkpoints = os.path.join(args.other_path or base, "checkpoint")
+    baseline = os.path.join(base, "full-copy")
+    numel = args.state_mib * MIB // 12 // 64 * 64
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}")
+    print(f"tier on {base}; checkpoint on {args.other_path or base} "
+          f"({'another' if args.other_path else 'the same'} filesystem)")
+
+    spec = ShardSpec(run_id="bench", shard_id=0, start=0, numel=numel, fragments=((0, numel),),
+                     grad_dtype="float32", hyper=AdamWHyperParams(weight_decay=0.01))
+    tier = TierConfig(nvme_paths=[os.path.join(base, "tier")], ram_budget_bytes=args.budget_mib * MIB,
+                      partition_bytes=args.partition_mib * MIB, buffer_count=3, io_threads=4)
+    registry = ShardRegistry(TieredStorage(tier))
+    try:
+        state = registry.register(spec, torch.randn(numel, generator=torch.Generator().manual_seed(0)))
+        gradient = torch.randn(numel, generator=torch.Generator().manual_seed(1)).mul_(1e-2)
+        for step in (1, 2):
+            state.push(step, gradient, global_norm=1.0, lr=1e-3)
+        rows = registry.storage.rows("bench")
+        disk = [r.path for r in rows if r.actual is Residency.NVME]
+        on_disk = sum(12 * r.numel for r in rows if r.actual is Residency.NVME)
+        print(f"state: {12 * numel / MIB:.0f} MiB in {len(rows)} partitions, {on_disk / MIB:.0f} MiB on disk "
+              f"({len(disk)} files), {(12 * numel - on_disk) / MIB:.0f} MiB in RAM")
+
+        os.makedirs(baseline)
+        copy_seconds = timed(lambda: copy_files(disk, baseline))
+        shutil.rmtree(baseline)
+        os.makedirs(baseline)
+        through_ram = timed(lambda: write_shard_file(Path(baseline), "shard.bin", step=2, start=0,
+                                                     tensors=state.snapshot()))
+        shutil.rmtree(baseline)
+
+        os.makedirs(checkpoints)
+        checkpointer = ShardCheckpointer(registry, server_index=0)
+        started = time.perf_counter()
+        checkpointer.begin("bench", checkpoints, 2)
+        stall = time.perf_counter() - started
+        records: list[tuple[ShardRecord, FileRecord]] = checkpointer.wait()
+        total = time.perf_counter() - started
+        how = checkpointer.preserved
+
+        saved = state.snapshot()
+        manifest = Manifest(format_version=2, step=2, run_id="bench", config_hash="", total=numel,
+                            model_signature=(("flat", (numel,)),), shards=tuple(r for r, _ in records),
+                            files=tuple(f for _, f in records), extra={})
+        reader = CheckpointReader(checkpoints, manifest)
+        for start in range(0, numel, 16 << 20):
+            got = reader.read(start, min(numel, start + (16 << 20)))
+            for key in got:
+                assert torch.equal(got[key], saved[key][start : start + got[key].numel()]), key
+    finally:
+        registry.close()
+        for folder in (checkpoints, baseline):
+            shutil.rmtree(folder, ignore_errors=True)
+        if args.path is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+    print(f"checkpoint: {how['linked']} files linked, {how['copied']} copied, {how['written']} written from RAM")
+    print(f"full copy of the {len(disk)} disk files: {copy_seconds:.3f} s ({on_disk / copy_seconds / 1e9:.2f} GB/s)")
+    print(f"through RAM (snapshot + shard file, the previous way): {through_ram:.3f} s")
+    print(f"ours: stall {stall:.3f} s, total {total:.3f} s")
+    print(f"ratio stall / full copy: {stall / copy_seconds:.3f}   ratio total / full copy: {total / copy_seconds:.3f}   "
+          f"ratio stall / through RAM: {stall / through_ram:.3f}")
+    print("checkpoint read back bitwise equal to the state")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Putting a partition's file into another directory (a checkpoint's) without copying
+what is already on disk.
+
+A partition file on the NVMe tier is immutable: every new version is written to a
+temporary name and renamed over the old one (:func:`.nvme.write_partition_file`), so the
+inode a name points to at a given step never changes afterwards. A hard link to it
+therefore keeps that step's state for as long as the link exists, whatever the tier does
+next, and costs no bytes and no time. Where a link is refused (another filesystem,
+EXDEV; a filesystem without hard links; too many links) the file is copied instead, from
+a descriptor opened before training goes on, so the copy can run in the background and
+still read exactly the version that was current: ``os.copy_file_range`` lets the kernel
+copy (or reflink, where the filesystem shares extents) without passing the bytes through
+this process, with a plain read/write loop as the fallback.
+
+Before a file is linked or copied its header is read and checked (partition, size,
+step), so a checkpoint never records a file that is not the state it claims to be.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+
+from cargohold.services.tiers.fileformat import HEADER_BYTES, FileLayout, PartitionHeader, corrupt_error, unpack_header
+from cargohold.services.tiers.residency import PartitionKey
+
+LINK_REFUSED = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP})
+"""errnos of ``link`` that mean "not here", answered by copying."""
+_COPY_CHUNK = 64 << 20
+_KERNEL_COPY_REFUSED = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP,
+                                  errno.EBADF})
+
+
+@dataclass(slots=True)
+class PendingCopy:
+    """A file to copy later from ``source_fd``, a descriptor of the version to keep."""
+
+    source_fd: int
+    source: str
+    target: str
+    nbytes: int
+
+    def run(self) -> None:
+        """Copy to ``<target>.tmp``, fsync, rename to ``target`` (the caller fsyncs the
+        directory once for all files). Closes the source; raises the OSError, leaving
+        no temporary file."""
+        temporary = self.target + ".tmp"
+        try:
+            out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                _copy_range(self.source_fd, out, self.nbytes)
+                os.fsync(out)
+            finally:
+                os.close(out)
+            os.replace(temporary, self.target)
+        except OSError:
+            _unlink(temporary)
+            raise
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Give up the copy and close the source (idempotent)."""
+        if self.source_fd >= 0:
+            os.close(self.source_fd)
+            self.source_fd = -1
+
+
+def link_or_pin(source: str, target: str, *, key: PartitionKey, numel: int,
+                step: int) -> tuple[PartitionHeader, PendingCopy | None]:
+    """Hard-link the file of ``key`` at ``step`` to ``target``, or, where the filesystem
+    refuses, return a :class:`PendingCopy` holding the version open. Raises
+    CorruptPartitionError when the file is not that partition at that step, and the
+    OSError of any other failure."""
+    fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        header = _check(fd, source, key, numel, step)
+        try:
+            os.link(source, target)
+        except OSError as error:
+            if error.errno not in LINK_REFUSED:
+                raise
+            copy, fd = PendingCopy(fd, source, target, FileLayout(numel).file_bytes), -1
+            return header, copy
+        if not os.path.samestat(os.fstat(fd), os.stat(target)):  # replaced between open and link
+            _unlink(target)
+            raise corrupt_error(source, key, "it was replaced while being linked into a checkpoint")
+        return header, None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _check(fd: int, path: str, key: PartitionKey, numel: int, step: int) -> PartitionHeader:
+    size = os.fstat(fd).st_size
+    expected = FileLayout(numel).file_bytes
+    if size != expected:
+        raise corrupt_error(path, key, f"it is {size} bytes, expected {expected} (a torn write?)")
+    header = unpack_header(os.pread(fd, HEADER_BYTES, 0), path=path, key=key, numel=numel)
+    if header.step != step:
+        raise corrupt_error(path, key, f"it holds step {header.step}, expected step {step}")
+    return header
+
+
+def _copy_range(source: int, target: int, nbytes: int) -> None:
+    offset = 0
+    kernel = True
+    while offset < nbytes:
+        want = min(_COPY_CHUNK, nbytes - offset)
+        if kernel:
+            try:
+                done = os.copy_file_range(source, target, want, offset, offset)
+            except OSError as error:
+                if error.errno not in _KERNEL_COPY_REFUSED:
+                    raise
+                kernel = False
+                continue
+        else:
+            chunk = os.pread(source, want, offset)
+            done = os.pwrite(target, chunk, offset) if chunk else 0
+        if done <= 0:
+            raise OSError(errno.EIO, f"the file ended after {offset} of {nbytes} bytes")
+        offset += done
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

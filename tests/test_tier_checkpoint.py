@@ -1,0 +1,303 @@
+"""Checkpoints of a state server whose state lives on the NVMe tier, with real files: the
+tier's partition files become part of a checkpoint by hard link (no bytes copied), by a
+copy of the pinned version when the checkpoint is on another filesystem, and by a write
+for the partitions resident in RAM; the checkpoint keeps the saved state while the tier
+moves on; restoring it, onto the same or another partitioning or all-RAM, continues
+bitwise; damage and a full disk are reported naming the file.
+
+Another filesystem is a real tmpfs mounted for the test (it skips where mounting is not
+allowed)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from cargohold.cluster.config import TierConfig
+from cargohold.services.checkpoint import (
+    FORMAT_VERSION,
+    TIER_PARTITION_FILE,
+    CheckpointStore,
+    Manifest,
+    read_flat_range,
+)
+from cargohold.services.checkpointing import ShardCheckpointer
+from cargohold.services.errors import CheckpointError, CorruptCheckpointError
+from cargohold.services.optim import AdamWHyperParams
+from cargohold.services.shard_state import ShardRegistry, ShardSpec
+from cargohold.services.tiers.fileformat import HEADER_BYTES, FileLayout
+from cargohold.services.tiers.residency import PartitionKey, Residency
+from cargohold.services.tiers.storage import TieredStorage
+
+pytestmark = pytest.mark.timeout(120)
+
+RUN = "run-ck"
+HYPER = AdamWHyperParams(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
+PER_PARTITION = 1344  # 16 KiB partitions
+NUMEL = 10 * PER_PARTITION + 320  # 11 partitions, the last one short
+FRAGMENTS = ((0, 5000), (5056, 6000), (11072, 2688))
+SHARDS = 2
+TOTAL = SHARDS * NUMEL
+BUFFER_BYTES = FileLayout(PER_PARTITION).file_bytes
+LR = 1e-2
+NORM = 2.0  # > max_grad_norm: clipping is active
+ARRAYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _tier(root: Path, **changes: object) -> TierConfig:
+    fields: dict[str, object] = dict(nvme_paths=[str(root / "d0"), str(root / "d1")],
+                                     ram_budget_bytes=5 * BUFFER_BYTES, partition_bytes=16 << 10,
+                                     buffer_count=3, io_threads=2)
+    fields.update(changes)
+    return TierConfig(**fields)  # type: ignore[arg-type]
+
+
+def _specs() -> list[ShardSpec]:
+    return [ShardSpec(run_id=RUN, shard_id=i, start=i * NUMEL, numel=NUMEL, fragments=FRAGMENTS,
+                      grad_dtype="float32", hyper=HYPER) for i in range(SHARDS)]
+
+
+def _fresh(tier: TierConfig | None) -> ShardRegistry:
+    registry = ShardRegistry(TieredStorage(tier))
+    for spec in _specs():
+        registry.register(spec, torch.randn(NUMEL, generator=torch.Generator().manual_seed(spec.shard_id)))
+    return registry
+
+
+def _push(registry: ShardRegistry, steps: range) -> None:
+    for step in steps:
+        for spec in _specs():
+            gradient = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * step + spec.shard_id))
+            registry.get(RUN, spec.shard_id).push(step, gradient, global_norm=NORM, lr=LR)
+
+
+def _state(registry: ShardRegistry) -> dict[str, torch.Tensor]:
+    shards = [registry.get(RUN, spec.shard_id).snapshot() for spec in _specs()]
+    return {key: torch.cat([s[key] for s in shards]) for key in ARRAYS}
+
+
+def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    for key in ARRAYS:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+def _checkpoint(store: CheckpointStore, registry: ShardRegistry, step: int) -> tuple[Path, dict[str, int]]:
+    checkpointer = ShardCheckpointer(registry, server_index=0)
+    directory = store.begin(step)
+    update = checkpointer.begin(RUN, str(directory), step)
+    try:
+        records = checkpointer.wait()
+    except CheckpointError:
+        store.abort(step)
+        raise
+    manifest = Manifest(format_version=FORMAT_VERSION, step=step, run_id=RUN, config_hash="cfg",
+                        model_signature=(("flat", (TOTAL,)),), total=TOTAL,
+                        shards=tuple(sorted((r for r, _ in records), key=lambda r: r.start)),
+                        files=tuple(f for _, f in records), extra={"updates": update})
+    return store.commit(step, manifest), checkpointer.preserved
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    manifest = CheckpointStore(path.parent).load(path)
+    return read_flat_range(path, manifest, 0, manifest.total)
+
+
+def _disk_rows(registry: ShardRegistry) -> dict[PartitionKey, str]:
+    return {r.key: r.path for r in registry.storage.rows(RUN) if r.actual is Residency.NVME}
+
+
+def _checkpoint_file(path: Path, key: PartitionKey) -> Path:
+    return path / f"server0-shard{key.shard_id:06d}-part{key.index:05d}.tier"
+
+
+@pytest.fixture
+def other_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs: another device than tmp_path, room for one checkpoint of the
+    two shards here (~630 KiB in partition files) but not two."""
+    mount = tmp_path / "other-fs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1024k", "tmpfs", str(mount)],
+                          capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        assert os.stat(mount).st_dev != os.stat(tmp_path).st_dev
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
+
+
+def test_disk_partitions_are_hard_linked_and_keep_the_saved_state(tmp_path: Path) -> None:
+    registry = _fresh(_tier(tmp_path))
+    try:
+        _push(registry, range(1, 4))
+        saved = _state(registry)
+        on_disk = _disk_rows(registry)
+        partitions = len(registry.storage.rows(RUN))
+        assert 0 < len(on_disk) < partitions, "some partitions on disk, some in RAM"
+        path, how = _checkpoint(CheckpointStore(tmp_path / "ckpt"), registry, 3)
+
+        assert how == {"linked": len(on_disk), "copied": 0, "written": partitions - len(on_disk)}
+        for key, tier_file in on_disk.items():
+            linked = _checkpoint_file(path, key)
+            assert os.path.samefile(linked, tier_file), f"{linked} is not the tier's file"
+            assert os.stat(linked).st_nlink == 2
+        written = [f for f in path.glob("*.tier") if os.stat(f).st_nlink == 1]
+        assert len(written) == partitions - len(on_disk)
+        _assert_equal(_read(path), saved)
+
+        _push(registry, range(4, 7))  # every tier file is replaced by a new version
+        assert all(os.stat(f).st_nlink == 1 for f in path.glob("*.tier")), "the tier let go of the old versions"
+        assert not any(os.path.samefile(_checkpoint_file(path, k), p) for k, p in _disk_rows(registry).items())
+        _assert_equal(_read(path), saved)
+    finally:
+        registry.close()
+    assert list(path.glob("*.tier")), "closing the tier leaves the checkpoint's files"
+    _assert_equal(_read(path), saved)
+
+
+@pytest.mark.parametrize("target", ["same-partitions", "other-partitions", "all-in-ram"])
+def test_a_tier_checkpoint_restores_and_continues_bitwise(tmp_path: Path, target: str) -> None:
+    store = CheckpointStore(tmp_path / "ckpt")
+    original = _fresh(_tier(tmp_path / "a"))
+    try:
+        _push(original, range(1, 4))
+        saved = _state(original)
+        path, _ = _checkpoint(store, original, 3)
+        _push(original, range(4, 6))
+        expected = _state(original)
+    finally:
+        original.close()
+
+    tier = {"same-partitions": _tier(tmp_path / "b"),
+            "other-partitions": _tier(tmp_path / "b", partition_bytes=40 << 10, ram_budget_bytes=4 * (40 << 10)),
+            "all-in-ram": None}[target]
+    restored = ShardRegistry(TieredStorage(tier))
+    try:
+        ShardCheckpointer(restored, server_index=0).restore(str(path), store.load(path), _specs(), update=3)
+        assert all(restored.get(RUN, s.shard_id).step == 3 for s in _specs())
+        if tier is not None:
+            assert _disk_rows(restored), "the restored state is back on disk"
+        _assert_equal(_state(restored), saved)
+        _push(restored, range(4, 6))
+        _assert_equal(_state(restored), expected)
+    finally:
+        restored.close()
+
+
+def test_on_another_filesystem_the_pinned_version_is_copied(tmp_path: Path, other_filesystem: Path) -> None:
+    """Links across filesystems fail (EXDEV): the files are opened when the checkpoint
+    begins and copied afterwards, and the copies hold the saved version even though the
+    tier replaced every file before they ran."""
+    registry = _fresh(_tier(tmp_path))
+    try:
+        _push(registry, range(1, 3))
+        saved = _state(registry)
+        on_disk = _disk_rows(registry)
+        directory = other_filesystem / "pinned"
+        directory.mkdir()
+        copies = []
+        for spec in _specs():
+            _, preserved, pending = registry.get(RUN, spec.shard_id).preserve(
+                str(directory), lambda key: f"{key.shard_id}-{key.index}.tier")
+            copies += pending
+            assert {p.how for p in preserved} == {"copied", "written"}
+        assert len(copies) == len(on_disk)
+        _push(registry, range(3, 5))  # the tier moves on before the copies run
+        for copy in copies:
+            copy.run()
+        for key in on_disk:
+            start = key.index * PER_PARTITION
+            stop = min(NUMEL, start + PER_PARTITION)
+            raw = (directory / f"{key.shard_id}-{key.index}.tier").read_bytes()
+            offset = HEADER_BYTES
+            for name in ARRAYS:
+                got = torch.frombuffer(bytearray(raw[offset : offset + 4 * (stop - start)]), dtype=torch.float32)
+                assert torch.equal(got, saved[name][key.shard_id * NUMEL + start : key.shard_id * NUMEL + stop])
+                offset += FileLayout(stop - start).region_bytes
+
+        # the whole save through the checkpointer: copies in the background, then committed
+        shutil.rmtree(directory)  # the small filesystem holds one copy
+        after = _state(registry)
+        path, how = _checkpoint(CheckpointStore(other_filesystem / "ckpt"), registry, 4)
+        assert how["linked"] == 0 and how["copied"] == len(_disk_rows(registry))
+        assert all(os.stat(f).st_nlink == 1 for f in path.glob("*.tier"))
+        _assert_equal(_read(path), after)
+    finally:
+        registry.close()
+
+
+def test_a_full_checkpoint_disk_fails_the_save_and_keeps_the_last_one(tmp_path: Path,
+                                                                      other_filesystem: Path) -> None:
+    store = CheckpointStore(other_filesystem, keep_last=3)
+    registry = _fresh(_tier(tmp_path))
+    try:
+        _push(registry, range(1, 3))
+        saved = _state(registry)
+        first, _ = _checkpoint(store, registry, 2)
+        _push(registry, range(3, 5))
+        with pytest.raises(CheckpointError, match=r"No space left on device \(.*step-0000000004.partial/server0-"):
+            _checkpoint(store, registry, 4)
+        assert store.latest() == first and not list(other_filesystem.glob("*.partial"))
+        _assert_equal(_read(first), saved)
+        _push(registry, range(5, 6))  # training goes on: the tier is untouched by the failure
+    finally:
+        registry.close()
+
+
+@pytest.mark.parametrize("damage", ["array byte", "header byte", "truncated", "another version"])
+def test_a_damaged_partition_file_is_named(tmp_path: Path, damage: str) -> None:
+    store = CheckpointStore(tmp_path / "ckpt", keep_last=5)
+    registry = _fresh(_tier(tmp_path))
+    try:
+        _push(registry, range(1, 3))
+        older, _ = _checkpoint(store, registry, 2)
+        _push(registry, range(3, 5))
+        path, _ = _checkpoint(store, registry, 4)
+        _push(registry, range(5, 6))  # the checkpoint's files are its own now (one link)
+    finally:
+        registry.close()
+    victim = sorted(path.glob("*.tier"))[3]
+    data = bytearray(victim.read_bytes())
+    if damage == "array byte":
+        data[HEADER_BYTES + 4 * 100] ^= 0x10
+        reason = "master checksum mismatch"
+    elif damage == "header byte":
+        data[20] ^= 0x01
+        reason = "header checksum mismatch"
+    elif damage == "truncated":
+        data = data[: len(data) - 4096]
+        reason = "bytes"
+    else:
+        data = bytearray((older / victim.name).read_bytes())
+        reason = "header checksum differs from the manifest's"
+    victim.unlink()  # never write through a link: that would change the other names too
+    victim.write_bytes(bytes(data))
+    manifest = store.load(path)
+    with pytest.raises(CorruptCheckpointError, match=reason) as caught:
+        read_flat_range(path, manifest, 0, TOTAL)
+    assert str(victim) in str(caught.value)
+
+
+def test_a_partition_file_named_for_another_shard_is_refused(tmp_path: Path) -> None:
+    registry = _fresh(_tier(tmp_path))
+    try:
+        _push(registry, range(1, 2))
+        path, _ = _checkpoint(CheckpointStore(tmp_path / "ckpt"), registry, 1)
+    finally:
+        registry.close()
+    manifest = CheckpointStore(tmp_path / "ckpt").load(path)
+    assert {f.format for f in manifest.files} == {TIER_PARTITION_FILE}
+    first, second = manifest.shards[0], manifest.shards[len(manifest.shards) // 2]
+    swapped = [s if s not in (first, second) else
+               type(s)(s.segment_id, s.start, s.stop, s.step, second.file if s is first else first.file)
+               for s in manifest.shards]
+    bad = Manifest(**{**{f: getattr(manifest, f) for f in manifest.__dataclass_fields__}, "shards": tuple(swapped)})
+    with pytest.raises(CorruptCheckpointError, match="the manifest puts shard"):
+        read_flat_range(path, bad, 0, TOTAL)
