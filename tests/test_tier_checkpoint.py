@@ -10,9 +10,12 @@ allowed)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -301,3 +304,76 @@ def test_a_partition_file_named_for_another_shard_is_refused(tmp_path: Path) -> 
     bad = Manifest(**{**{f: getattr(manifest, f) for f in manifest.__dataclass_fields__}, "shards": tuple(swapped)})
     with pytest.raises(CorruptCheckpointError, match="the manifest puts shard"):
         read_flat_range(path, bad, 0, TOTAL)
+
+
+RSS_OVERHEAD = 8 << 20
+"""Beyond the budget: one partition as read from the checkpoint (its three arrays), 1 MiB
+checksum pieces, the tier's per-partition temporaries and allocator slack."""
+
+
+@pytest.mark.parametrize("saved_by", ["tier", "ram"])
+def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larger(
+        tmp_path: Path, saved_by: str) -> None:
+    """A checkpoint of 48 MiB of state — tier partition files, or one 48 MiB shard file
+    written from RAM — restored into a tier with an 8 MiB budget: the peak RSS of the
+    restoring process grows by the budget plus a stated overhead, not by the state."""
+    script = textwrap.dedent("""
+        import json, sys, torch
+        torch.set_num_threads(1)
+        from pathlib import Path
+        from cargohold.cluster.config import TierConfig
+        from cargohold.services.checkpoint import FORMAT_VERSION, CheckpointStore, Manifest
+        from cargohold.services.checkpointing import ShardCheckpointer
+        from cargohold.services.optim import AdamWHyperParams
+        from cargohold.services.shard_state import ShardRegistry, ShardSpec
+        from cargohold.services.tiers.storage import TieredStorage
+
+        def status(field):
+            for line in open("/proc/self/status"):
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+
+        root, budget, saved_by = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+        N = 4 << 20  # 48 MiB of state
+        spec = ShardSpec(run_id="rss", shard_id=0, start=0, numel=N, fragments=((0, N),),
+                         grad_dtype="float32", hyper=AdamWHyperParams())
+        def tier(path):
+            return TierConfig(nvme_paths=[path], ram_budget_bytes=budget, partition_bytes=1 << 20,
+                              buffer_count=3, io_threads=2)
+        store = CheckpointStore(Path(root) / "ckpt")
+        saving = ShardRegistry(TieredStorage(tier(root + "/a") if saved_by == "tier" else None))
+        state = saving.register(spec, torch.randn(N, generator=torch.Generator().manual_seed(0)))
+        state.push(1, torch.randn(N, generator=torch.Generator().manual_seed(1)), global_norm=1.0, lr=1e-3)
+        expected = state.snapshot()
+        checkpointer = ShardCheckpointer(saving, 0)
+        checkpointer.begin("rss", str(store.begin(1)), 1)
+        records = checkpointer.wait()
+        path = store.commit(1, Manifest(format_version=FORMAT_VERSION, step=1, run_id="rss", config_hash="",
+                                        model_signature=(("flat", (N,)),), total=N,
+                                        shards=tuple(r for r, _ in records), files=tuple(f for _, f in records)))
+        saving.close()
+        del state, saving
+        restoring = ShardRegistry(TieredStorage(tier(root + "/b")))
+        manifest = store.load(path)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak (VmHWM) to the current RSS
+        base = status("VmRSS")
+        ShardCheckpointer(restoring, 0).restore(str(path), manifest, [spec], 1)
+        growth = status("VmHWM") - base
+        got = restoring.get("rss", 0).snapshot()
+        same = all(torch.equal(got[k], expected[k]) for k in expected)
+        print(json.dumps({"growth": growth, "state": 12 * N, "nvme": restoring.bytes_by_tier()["nvme"],
+                          "files": sorted(p.suffix for p in path.iterdir()), "same": same}))
+        restoring.close()
+    """)
+    budget = 8 << 20
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(budget), saved_by],
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["same"], "the restored state differs from the saved one"
+    assert set(result["files"]) == {".json", ".tier" if saved_by == "tier" else ".bin"}
+    assert result["state"] >= 6 * budget and result["nvme"] > result["state"] * 0.8
+    assert result["growth"] <= budget + RSS_OVERHEAD, (
+        f"RSS grew {result['growth'] / 2**20:.1f} MiB restoring into a {budget / 2**20:.0f} MiB budget"
+    )
