@@ -64,6 +64,15 @@ class PendingCheckpoint:
     stall_seconds: float
 
 
+@dataclass(frozen=True, slots=True)
+class SavedCheckpoint:
+    path: Path
+    written_bytes: int
+    """Bytes written or copied into it."""
+    linked_bytes: int
+    """Bytes of NVMe-tier files hard-linked into it: kept, not moved."""
+
+
 class TrainingSession:
     """The actors of one run. ``start()``, then ``step()`` repeatedly, then ``close()``.
 
@@ -193,10 +202,10 @@ class TrainingSession:
         return PendingCheckpoint(step=step, updates=updates.pop(), started=started,
                                  stall_seconds=time.perf_counter() - started)
 
-    def checkpoint_finish(self, store: CheckpointStore, pending: PendingCheckpoint) -> Path:
+    def checkpoint_finish(self, store: CheckpointStore, pending: PendingCheckpoint) -> SavedCheckpoint:
         """Wait for the servers' files, then write the manifest: the checkpoint is complete."""
-        records = [r for rs in _get([s.checkpoint_wait.remote() for s in self.servers], None,
-                                    f"writing checkpoint {pending.step}") for r in rs]
+        waited = _get([s.checkpoint_wait.remote() for s in self.servers], None, f"writing checkpoint {pending.step}")
+        records = [r for rs, _ in waited for r in rs]
         manifest = Manifest(
             format_version=FORMAT_VERSION, step=pending.step, run_id=self.run_id,
             config_hash=config_hash(self.config),
@@ -209,8 +218,11 @@ class TrainingSession:
                    "num_servers": self.config.state_server.num_servers},
         )
         path = store.commit(pending.step, manifest)
-        logger.info("checkpoint of step %d written to %s", pending.step, path)
-        return path
+        linked = sum(n for _, n in waited)
+        total = sum(f.nbytes for f in manifest.files)
+        logger.info("checkpoint of step %d written to %s (%d bytes, %d of them hard-linked from the NVMe tier)",
+                    pending.step, path, total, linked)
+        return SavedCheckpoint(path=path, written_bytes=total - linked, linked_bytes=linked)
 
     def step(self) -> StepReport:
         """Run the next step on every worker; returns rank 0's report."""
@@ -306,7 +318,7 @@ def _train_session(config: TrainConfig, store: CheckpointStore | None, resume: P
 
     def finish(pending: PendingCheckpoint) -> None:
         try:
-            path = session.checkpoint_finish(store, pending)
+            saved = session.checkpoint_finish(store, pending)
         except (CheckpointError, TrainingError) as error:
             if not _is_save_error(error):
                 raise
@@ -315,9 +327,9 @@ def _train_session(config: TrainConfig, store: CheckpointStore | None, resume: P
                 raise
             logger.warning("checkpoint of step %d not written, training goes on: %s", pending.step, error)
             return
-        nbytes = sum(f.stat().st_size for f in path.iterdir())
-        metrics.observe_checkpoint(pending.stall_seconds, time.perf_counter() - pending.started, nbytes)
-        result.checkpoints.append(path)
+        metrics.observe_checkpoint(pending.stall_seconds, time.perf_counter() - pending.started,
+                                   saved.written_bytes, saved.linked_bytes)
+        result.checkpoints.append(saved.path)
 
     with TrainingSession(config, resume=resume) as session:
         if result.restarts:

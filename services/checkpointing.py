@@ -51,6 +51,8 @@ class ShardCheckpointer:
         self.preserved: dict[str, int] = {}
         """Partition files of the last checkpoint by how they got there ("linked",
         "copied", "written"), for stats and tests."""
+        self.linked_bytes = 0
+        """Bytes of the last checkpoint's files that are hard links (nothing written)."""
 
     def begin(self, run_id: str, directory: str, step: int) -> int:
         """Start writing every shard of ``run_id`` as of data step ``step``; returns the
@@ -64,6 +66,7 @@ class ShardCheckpointer:
             raise CheckpointError(f"shards of run {run_id!r} are at different updates {sorted(updates)}")
         update = updates.pop() if updates else 0
         self._result = None
+        self.preserved, self.linked_bytes = {}, 0
         if self._registry.storage.enabled:
             self._preserve(directory, step, shards)
         else:
@@ -108,6 +111,7 @@ class ShardCheckpointer:
         records: Records = []
         copies: list[PendingCopy] = []
         counts = {"linked": 0, "copied": 0, "written": 0}
+        linked: set[str] = set()
 
         def name_of(key: PartitionKey) -> str:
             return f"server{self._server_index}-shard{key.shard_id:06d}-part{key.index:05d}.tier"
@@ -118,6 +122,8 @@ class ShardCheckpointer:
                 copies += pending
                 for part in preserved:
                     counts[part.how] += 1
+                    if part.how == "linked":
+                        linked.add(part.name)
                     records.append((
                         ShardRecord(segment_id=shard.spec.shard_id, start=shard.spec.start + part.start,
                                     stop=shard.spec.start + part.stop, step=step, file=part.name),
@@ -130,6 +136,7 @@ class ShardCheckpointer:
             self._result = _save_error(directory, error)
             return
         self.preserved = counts
+        self.linked_bytes = sum(f.nbytes for _, f in records if f.name in linked)
         logger.info("checkpoint of step %d: %d partition files linked, %d to copy, %d written from RAM",
                     step, counts["linked"], counts["copied"], counts["written"])
 

@@ -48,6 +48,7 @@ TIER_PREDICTED_IO_SECONDS = "cargohold_tier_predicted_io_seconds"
 CHECKPOINT_STALL_SECONDS = "cargohold_checkpoint_stall_seconds"
 CHECKPOINT_WRITE_SECONDS = "cargohold_checkpoint_write_seconds"
 CHECKPOINT_BYTES = "cargohold_checkpoint_bytes_total"
+CHECKPOINT_LINKED_BYTES = "cargohold_checkpoint_linked_bytes_total"
 CHECKPOINTS = "cargohold_checkpoints_total"
 FAILURES = "cargohold_failures_total"
 RESTARTS = "cargohold_restarts_total"
@@ -77,6 +78,7 @@ METRIC_NAMES: tuple[str, ...] = (
     CHECKPOINT_STALL_SECONDS,
     CHECKPOINT_WRITE_SECONDS,
     CHECKPOINT_BYTES,
+    CHECKPOINT_LINKED_BYTES,
     CHECKPOINTS,
     FAILURES,
     RESTARTS,
@@ -380,17 +382,23 @@ class LauncherMetrics(MetricsEndpoint):
                                 buckets=_LAUNCHER_BUCKETS, registry=self.registry)
         self._write = Histogram(CHECKPOINT_WRITE_SECONDS, "Seconds from a checkpoint's start to its manifest landing.",
                                 buckets=_LAUNCHER_BUCKETS, registry=self.registry)
-        self._bytes = Counter(CHECKPOINT_BYTES, "Bytes of checkpoint files written.", registry=self.registry)
+        self._bytes = Counter(CHECKPOINT_BYTES, "Bytes of checkpoint files written (or copied).", registry=self.registry)
+        self._linked = Counter(CHECKPOINT_LINKED_BYTES,
+                               "Bytes of NVMe-tier partition files checkpoints hard-linked instead of writing.",
+                               registry=self.registry)
         self._checkpoints = Counter(CHECKPOINTS, "Checkpoints completed.", registry=self.registry)
         self._failures = Counter(FAILURES, "Run failures (an actor died or a step failed).", registry=self.registry)
         self._restarts = Counter(RESTARTS, "Restarts from a checkpoint after a failure.", registry=self.registry)
         self._recovery = Histogram(RECOVERY_SECONDS, "Seconds from a failure to training again.",
                                    buckets=_LAUNCHER_BUCKETS, registry=self.registry)
 
-    def observe_checkpoint(self, stall_seconds: float, write_seconds: float, nbytes: int) -> None:
+    def observe_checkpoint(self, stall_seconds: float, write_seconds: float, nbytes: int,
+                           linked_bytes: int = 0) -> None:
+        """``nbytes`` written or copied, ``linked_bytes`` hard-linked (not moved)."""
         self._stall.observe(stall_seconds)
         self._write.observe(write_seconds)
         self._bytes.inc(nbytes)
+        self._linked.inc(linked_bytes)
         self._checkpoints.inc()
 
     def record_failure(self) -> None:

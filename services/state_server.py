@@ -65,8 +65,9 @@ class StateServer:
         """Start writing this server's shards of ``run_id`` into ``directory``."""
         return self._checkpointer.begin(run_id, directory, step)
 
-    def checkpoint_wait(self) -> list[tuple[ShardRecord, FileRecord]]:
-        return self._checkpointer.wait()
+    def checkpoint_wait(self) -> tuple[list[tuple[ShardRecord, FileRecord]], int]:
+        """The records of the files written, and how many of their bytes are hard links."""
+        return self._checkpointer.wait(), self._checkpointer.linked_bytes
 
     def restore(self, directory: str, manifest_json: str, specs: list[ShardSpec], update: int) -> None:
         """Create ``specs`` from the checkpoint in ``directory`` (resharded as needed)."""

@@ -293,7 +293,7 @@ def test_metric_names_lists_exactly_what_is_exported(
     launcher = LauncherMetrics()
     launcher.start(host="127.0.0.1", port=0)
     try:
-        launcher.observe_checkpoint(0.01, 0.5, 1024)
+        launcher.observe_checkpoint(0.01, 0.5, 1024, 4096)
         launcher.record_failure()
         launcher.observe_recovery(3.0)
         launcher_names = _exported_names(launcher)

@@ -57,7 +57,7 @@ def test_stop_and_resume_onto_any_number_of_servers(uninterrupted, tmp_path, res
             session.step()
         pending = session.checkpoint_begin(store)
         assert pending.stall_seconds < 5.0
-        assert session.checkpoint_finish(store, pending).name == "step-0000000004"
+        assert session.checkpoint_finish(store, pending).path.name == "step-0000000004"
     second = tiny_config(steps=STEPS, state_server__num_servers=resume_servers, checkpoint__dir=str(tmp_path),
                          checkpoint__resume="latest")
     resumed = train(second)
@@ -85,9 +85,11 @@ def test_an_nvme_tier_checkpoint_links_its_files_and_resumes_bitwise(uninterrupt
             session.step()
         pending = session.checkpoint_begin(store)
         saved = session.checkpoint_finish(store, pending)
-        files = sorted(saved.glob("*.tier"))
+        files = sorted(saved.path.glob("*.tier"))
         linked = [f for f in files if f.stat().st_nlink == 2]
         assert len(files) == 26 and len(linked) >= 20, f"{len(linked)} of {len(files)} files linked"
+        assert saved.linked_bytes == sum(f.stat().st_size for f in linked)
+        assert saved.written_bytes == sum(f.stat().st_size for f in files) - saved.linked_bytes
         tier_files = {(f.stat().st_dev, f.stat().st_ino) for f in (tmp_path / "nvme").rglob("*.bin")}
         assert {(f.stat().st_dev, f.stat().st_ino) for f in linked} <= tier_files
     assert all(f.stat().st_nlink == 1 for f in files), "the stopped tier removed its names, the checkpoint kept its own"
