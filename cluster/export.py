@@ -42,15 +42,15 @@ GPT_FORMAT = "cargohold-gpt"
 GPT_FORMAT_VERSION = 1
 
 
-def master_weights(layout: ShardLayout, snapshots: list[dict[int, dict[str, torch.Tensor]]]) -> torch.Tensor:
-    """The flat fp32 master weights, reassembled from every state server's snapshot
-    (``TrainingSession.server_snapshots()``); zeros in the padding."""
+def master_weights(layout: ShardLayout, masters: list[dict[int, torch.Tensor]]) -> torch.Tensor:
+    """The flat fp32 master weights, reassembled from every state server's segments
+    (``TrainingSession.server_masters()``); zeros in the padding."""
     flat = torch.zeros(layout.total, dtype=torch.float32)
     seen: set[int] = set()
-    for snapshot in snapshots:
-        for shard_id, state in snapshot.items():
+    for server in masters:
+        for shard_id, weights in server.items():
             segment = layout.segments[shard_id]
-            flat[segment.start : segment.stop] = state["master"]
+            flat[segment.start : segment.stop] = weights
             seen.add(shard_id)
     missing = sorted(set(range(len(layout.segments))) - seen)
     if missing:

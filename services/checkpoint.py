@@ -514,19 +514,27 @@ def _pread_exact(fd: int, path: Path, nbytes: int, offset: int) -> bytes:
     return data
 
 
-def _stream_crc(fd: int, path: Path, offset: int, nbytes: int, also: int | None = None) -> tuple[int, int | None]:
-    """CRC-32C of ``nbytes`` at ``offset``, read in 1 MiB pieces; with ``also``, that
-    running checksum extended by the same bytes too."""
+def _stream_crc(fd: int, path: Path, offset: int, nbytes: int, buffer: memoryview,
+                also: int | None = None) -> tuple[int, int | None]:
+    """CRC-32C of ``nbytes`` at ``offset``, read in pieces the size of ``buffer`` (a
+    reused one: no allocation per piece, so verifying large files leaves no allocator
+    slack behind); with ``also``, that running checksum extended by the same bytes too."""
     crc = 0
-    for at in range(offset, offset + nbytes, _CHUNK):
-        piece = _pread_exact(fd, path, min(_CHUNK, offset + nbytes - at), at)
-        crc = google_crc32c.extend(crc, piece)
+    for at in range(offset, offset + nbytes, len(buffer)):
+        piece = buffer[: min(len(buffer), offset + nbytes - at)]
+        try:
+            got = os.preadv(fd, [piece], at)
+        except OSError as error:
+            raise _os_error("reading checkpoint file", path, error) from error
+        if got != len(piece):
+            raise _corrupt(path, f"read {got} of {len(piece)} bytes at offset {at} (truncated while reading)")
+        crc = tier_format.crc32c(piece, crc)
         if also is not None:
-            also = google_crc32c.extend(also, piece)
+            also = tier_format.crc32c(piece, also)
     return crc, also
 
 
-def _verify_shard_file(fd: int, path: Path, size: int, record: FileRecord | None) -> _Payload:
+def _verify_shard_file(fd: int, path: Path, size: int, record: FileRecord | None, buffer: memoryview) -> _Payload:
     """Check a shard file's header, size and every checksum in one streamed pass."""
     if size < _HEADER_BYTES:
         raise _corrupt(path, f"it is {size} bytes, shorter than the {_HEADER_BYTES}-byte header (truncated)")
@@ -551,7 +559,7 @@ def _verify_shard_file(fd: int, path: Path, size: int, record: FileRecord | None
         name, crc = _ARRAY.unpack_from(header, _HEADER.size + index * _ARRAY.size)
         if name.rstrip(b"\0") != array_name.encode():
             raise _corrupt(path, f"array {index} is {name!r}, expected {array_name!r}")
-        got, whole = _stream_crc(fd, path, offsets[index], 4 * numel, whole)
+        got, whole = _stream_crc(fd, path, offsets[index], 4 * numel, buffer, whole)
         if got != crc and failed is None:
             failed = f"{array_name} checksum mismatch"
     if record is not None and whole != record.crc32c:
@@ -562,7 +570,7 @@ def _verify_shard_file(fd: int, path: Path, size: int, record: FileRecord | None
 
 
 def _verify_tier_file(fd: int, path: Path, size: int, record: FileRecord, shard: ShardRecord,
-                      run_id: str) -> _Payload:
+                      run_id: str, buffer: memoryview) -> _Payload:
     """Check a partition file against its manifest record and shard record: the header
     (its checksum is the one the manifest recorded), the identity, the size and each
     array's checksum, streamed."""
@@ -582,7 +590,7 @@ def _verify_tier_file(fd: int, path: Path, size: int, record: FileRecord, shard:
                              f"{shard.segment_id} [{shard.start}, {shard.stop}) of run {run_id!r} in it")
     offsets = tuple(layout.offset(index) for index in range(len(ARRAYS)))
     for index, array_name in enumerate(ARRAYS):
-        if _stream_crc(fd, path, offsets[index], layout.region_bytes)[0] != header.checksums[index]:
+        if _stream_crc(fd, path, offsets[index], layout.region_bytes, buffer)[0] != header.checksums[index]:
             raise _corrupt(path, f"{array_name} checksum mismatch")
     return _Payload(path, header.step, shard.start, header.numel, offsets)
 
@@ -615,7 +623,7 @@ def read_shard_file(
     path = Path(path)
     fd, size = _open_sized(path, record)
     try:
-        payload = _verify_shard_file(fd, path, size, record)
+        payload = _verify_shard_file(fd, path, size, record, memoryview(bytearray(_CHUNK)))
         out = {name: torch.empty(payload.numel, dtype=torch.float32) for name in ARRAYS}
         _read_into(fd, payload, payload.start, payload.start + payload.numel, out, 0)
     finally:
@@ -638,9 +646,12 @@ class CheckpointReader:
         self.manifest = manifest
         self._records = {f.name: f for f in manifest.files}
         self._verified: dict[str, _Payload] = {}
+        self._buffer = memoryview(bytearray(_CHUNK))
 
-    def read(self, start: int, stop: int) -> dict[str, torch.Tensor]:
-        """master/exp_avg/exp_avg_sq of flat elements ``[start, stop)``.
+    def read(self, start: int, stop: int, out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """master/exp_avg/exp_avg_sq of flat elements ``[start, stop)``: new tensors, or
+        views of the first ``stop - start`` elements of ``out``'s fp32 tensors (scratch
+        reused across calls, so a long restore allocates nothing per partition).
 
         Elements at or past ``manifest.total`` are trailing padding of a layout for another
         worker count; they read as zeros (padding is never updated). Below it, every
@@ -657,7 +668,13 @@ class CheckpointReader:
                 f"checkpoint {self.directory} (step {manifest.step}) holds no file for flat elements "
                 f"[{lo}, {hi}) of the requested [{start}, {stop})"
             )
-        out = {name: torch.zeros(stop - start, dtype=torch.float32) for name in ARRAYS}
+        if out is None:
+            out = {name: torch.zeros(stop - start, dtype=torch.float32) for name in ARRAYS}
+        else:
+            out = {name: out[name][: stop - start] for name in ARRAYS}
+            if held_stop < stop:
+                for tensor in out.values():
+                    tensor[max(0, held_stop - start) :].zero_()
         for shard in sorted(manifest.shards, key=lambda s: s.start):
             lo, hi = max(shard.start, start), min(shard.stop, held_stop)
             if lo >= hi:
@@ -677,9 +694,9 @@ class CheckpointReader:
             holders = [s for s in self.manifest.shards if s.file == shard.file]
             if len(holders) != 1:
                 raise CheckpointError(f"{path}: a partition file holds one shard, the manifest puts {len(holders)} in it")
-            payload = _verify_tier_file(fd, path, size, record, shard, self.manifest.run_id)
+            payload = _verify_tier_file(fd, path, size, record, shard, self.manifest.run_id, self._buffer)
         else:
-            payload = _verify_shard_file(fd, path, size, record)
+            payload = _verify_shard_file(fd, path, size, record, self._buffer)
             if payload.step != self.manifest.step:
                 raise _corrupt(path, f"it holds step {payload.step}, the manifest step {self.manifest.step}")
         for held in (s for s in self.manifest.shards if s.file == shard.file):

@@ -166,9 +166,13 @@ class ShardCheckpointer:
         read a partition at a time; elements past the checkpoint's buffer (more padding
         in the new layout) are zero."""
         reader = CheckpointReader(Path(directory), manifest)
+        scratch: dict[str, torch.Tensor] = {}
         for spec in specs:
             def source(lo: int, hi: int, spec: ShardSpec = spec):
-                got = reader.read(spec.start + lo, spec.start + hi)
+                # the tiers copy each piece before asking for the next: one scratch serves all
+                if not scratch or scratch["master"].numel() < hi - lo:
+                    scratch.update({k: torch.empty(hi - lo, dtype=torch.float32) for k in ARRAYS})
+                got = reader.read(spec.start + lo, spec.start + hi, out=scratch)
                 return got["master"], (got["exp_avg"], got["exp_avg_sq"])
 
             self._registry.restore(spec, source, update)

@@ -232,6 +232,12 @@ class ShardState:
         with self.lock:
             return self._storage.snapshot(self.spec.run_id, self.spec.shard_id, self.step)
 
+    def master_weights(self) -> torch.Tensor:
+        """A new fp32 copy of the master weights, read a partition at a time; unlike
+        :meth:`weights` it leaves what the next push prepares alone (export)."""
+        with self.lock:
+            return self._storage.read_weights(self.spec.run_id, self.spec.shard_id, self.step, torch.float32)
+
     def preserve(self, directory: str,
                  name_of: Callable[[PartitionKey], str]) -> tuple[int, list[PreservedPartition], list[PendingCopy]]:
         """Put the shard's partition files into ``directory`` (see

@@ -61,6 +61,11 @@ class StateServer:
         """Copies of every shard's fp32 state for a run, by shard id (tests, checkpoints)."""
         return {s.spec.shard_id: {**s.snapshot(), "step": torch.tensor(s.step)} for s in self.registry.shards(run_id)}
 
+    def masters(self, run_id: str) -> dict[int, torch.Tensor]:
+        """fp32 master weights of every shard of a run, by shard id (export): read a
+        partition at a time from the tiers, without the moments."""
+        return {s.spec.shard_id: s.master_weights() for s in self.registry.shards(run_id)}
+
     def checkpoint_begin(self, run_id: str, directory: str, step: int) -> int:
         """Start writing this server's shards of ``run_id`` into ``directory``."""
         return self._checkpointer.begin(run_id, directory, step)

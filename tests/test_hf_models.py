@@ -264,7 +264,7 @@ def _train(config, export_dir: Path | None = None):
         initial = session.worker_weights(0)
         losses = [session.step().loss for _ in range(config.steps)]
         weights = session.worker_weights(0)
-        masters = master_weights(layout, session.server_snapshots())
+        masters = master_weights(layout, session.server_masters())
     if export_dir is not None:
         export_weights(config, layout, masters, export_dir)
     return layout, initial, losses, weights, masters

@@ -149,11 +149,10 @@ def corrupt_error(path: str, key: PartitionKey | None, reason: str) -> CorruptPa
                                  path=path, partition=str(key) if key is not None else "")
 
 
-def crc32c(view: memoryview) -> int:
-    """CRC-32C of a (writable) buffer of any size."""
+def crc32c(view: memoryview, crc: int = 0) -> int:
+    """CRC-32C of a (writable) buffer of any size; ``crc`` continues a running one."""
     if _NATIVE_EXTEND is not None and not view.readonly and len(view):
-        return _NATIVE_EXTEND(0, ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view))
-    crc = 0
+        return _NATIVE_EXTEND(crc, ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view))
     for start in range(0, len(view), _CRC_CHUNK):
         crc = google_crc32c.extend(crc, bytes(view[start : start + _CRC_CHUNK]))
     return crc

@@ -451,7 +451,8 @@ class TieredStorage:
 
 StateSource = Callable[[int, int], tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]]
 """Elements ``[start, stop)`` of a shard -> fp32 master weights and (exp_avg, exp_avg_sq),
-or None for zero moments."""
+or None for zero moments. They are copied before the next call, so a source may hand out
+views of one reused scratch buffer."""
 
 
 def tensor_source(initial: torch.Tensor, moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> StateSource:
