@@ -68,7 +68,7 @@ class ShardCheckpointer:
         self._result = None
         self.preserved, self.linked_bytes = {}, 0
         if self._registry.storage.enabled:
-            self._preserve(directory, step, shards)
+            self._preserve(directory, step, update, shards)
         else:
             copies = [(s.spec, s.snapshot()) for s in shards]
             self._background(lambda: self._write(directory, step, copies))
@@ -106,8 +106,9 @@ class ShardCheckpointer:
                                         stop=spec.start + spec.numel, step=step, file=name), file))
         return records
 
-    def _preserve(self, directory: str, step: int, shards: list[ShardState]) -> None:
-        """Link or write every partition file now; copies, if any, in the background."""
+    def _preserve(self, directory: str, step: int, update: int, shards: list[ShardState]) -> None:
+        """Link or write every partition file of the shards at ``update`` now; copies, if
+        any, in the background."""
         records: Records = []
         copies: list[PendingCopy] = []
         counts = {"linked": 0, "copied": 0, "written": 0}
@@ -118,8 +119,11 @@ class ShardCheckpointer:
 
         try:
             for shard in shards:
-                _, preserved, pending = shard.preserve(directory, name_of)
+                held, preserved, pending = shard.preserve(directory, name_of)
                 copies += pending
+                if held != update:
+                    raise TierError(f"shard {shard.spec.shard_id} moved to update {held} while checkpointing "
+                                    f"update {update}; a push arrived during the save")
                 for part in preserved:
                     counts[part.how] += 1
                     if part.how == "linked":
