@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from cargohold.services.checkpoint import CheckpointStore, read_flat_range
 from cargohold.services.errors import CheckpointError, TrainingError
 from cargohold.services.metrics import LauncherMetrics
 from reference import tiny_config
+from system import mounted_tmpfs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 STEPS = 8
@@ -220,16 +220,8 @@ def test_sigusr1_takes_a_checkpoint_on_demand(ray_local, tmp_path) -> None:
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 2.5 MiB filesystem: room for one checkpoint of the tiny model, not two."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2560k", "tmpfs", str(mount)],
-                          capture_output=True, text=True, timeout=30)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "2560k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
 
 
 @pytest.mark.parametrize("policy", ["continue", "stop"])

@@ -10,11 +10,8 @@ allowed)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +34,7 @@ from cargohold.services.shard_state import ShardRegistry, ShardSpec
 from cargohold.services.tiers.fileformat import HEADER_BYTES, FileLayout
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.storage import TieredStorage
+from system import mounted_tmpfs, run_measured
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,17 +121,9 @@ def _checkpoint_file(path: Path, key: PartitionKey) -> Path:
 def other_filesystem(tmp_path: Path) -> Iterator[Path]:
     """A real 1 MiB tmpfs: another device than tmp_path, room for one checkpoint of the
     two shards here (~630 KiB in partition files) but not two."""
-    mount = tmp_path / "other-fs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1024k", "tmpfs", str(mount)],
-                          capture_output=True, text=True, timeout=30)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "other-fs", "1024k") as mount:
         assert os.stat(mount).st_dev != os.stat(tmp_path).st_dev
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
 
 
 def test_disk_partitions_are_hard_linked_and_keep_the_saved_state(tmp_path: Path) -> None:
@@ -329,11 +319,7 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         from cargohold.services.optim import AdamWHyperParams
         from cargohold.services.shard_state import ShardRegistry, ShardSpec
         from cargohold.services.tiers.storage import TieredStorage
-
-        def status(field):
-            for line in open("/proc/self/status"):
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
+        from system import proc_status, reset_peak_rss
 
         root, budget, saved_by = sys.argv[1], int(sys.argv[2]), sys.argv[3]
         N = 4 << 20  # 48 MiB of state
@@ -357,11 +343,9 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         del state, saving
         restoring = ShardRegistry(TieredStorage(tier(root + "/b")))
         manifest = store.load(path)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak (VmHWM) to the current RSS
-        base = status("VmRSS")
+        base = reset_peak_rss()
         ShardCheckpointer(restoring, 0).restore(str(path), manifest, [spec], 1)
-        growth = status("VmHWM") - base
+        growth = proc_status("VmHWM") - base
         got = restoring.get("rss", 0).snapshot()
         same = all(torch.equal(got[k], expected[k]) for k in expected)
         print(json.dumps({"growth": growth, "state": 12 * N, "nvme": restoring.bytes_by_tier()["nvme"],
@@ -369,10 +353,7 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         restoring.close()
     """)
     budget = 8 << 20
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(budget), saved_by],
-                          capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_measured(script, tmp_path, budget, saved_by, timeout=100)
     assert result["same"], "the restored state differs from the saved one"
     assert set(result["files"]) == {".json", ".tier" if saved_by == "tier" else ".bin"}
     assert result["state"] >= 6 * budget and result["nvme"] > result["state"] * 0.8

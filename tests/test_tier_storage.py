@@ -42,6 +42,7 @@ from cargohold.services.tiers.residency import Residency
 from cargohold.services.tiers.storage import TieredStorage, tensor_source
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
 from cargohold.services.transport.grpc_server import GrpcStateServer
+from system import run_measured
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -471,11 +472,7 @@ def test_rss_growth_stays_within_the_budget_while_the_state_is_six_times_larger(
         from cargohold.services.optim import AdamWHyperParams
         from cargohold.services.shard_state import ShardRegistry, ShardSpec
         from cargohold.services.tiers.storage import TieredStorage
-
-        def status(field):
-            for line in open("/proc/self/status"):
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
+        from system import proc_status, reset_peak_rss
 
         root, budget = sys.argv[1], int(sys.argv[2])
         def spec(run, n):
@@ -491,22 +488,17 @@ def test_rss_growth_stays_within_the_budget_while_the_state_is_six_times_larger(
         warm = ShardRegistry(TieredStorage(config(root + "/warm", 1 << 20, 64 << 10)))
         warm.register(spec("warm", 1 << 16), initial[: 1 << 16]).push(1, gradient[: 1 << 16], global_norm=1.0, lr=1e-3)
         warm.close()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak (VmHWM) to the current RSS
-        base = status("VmRSS")
+        base = reset_peak_rss()
         registry = ShardRegistry(TieredStorage(config(root + "/tier", budget, 1 << 20)))
         state = registry.register(spec("rss", N), initial)
         for step in (1, 2, 3):
             state.push(step, gradient, global_norm=1.0, lr=1e-3)
-        print(json.dumps({"growth": status("VmHWM") - base, "state": 12 * N,
+        print(json.dumps({"growth": proc_status("VmHWM") - base, "state": 12 * N,
                           "nvme": registry.bytes_by_tier()["nvme"]}))
         registry.close()
     """)
     budget = 8 << 20
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(budget)], capture_output=True,
-                          text=True, timeout=50)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_measured(script, tmp_path, budget, timeout=50)
     assert result["state"] >= 6 * budget and result["nvme"] > result["state"] * 0.9
     assert result["growth"] <= budget + RSS_OVERHEAD, (
         f"RSS grew {result['growth'] / 2**20:.1f} MiB with a {budget / 2**20:.0f} MiB budget"
