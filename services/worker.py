@@ -26,6 +26,7 @@ from cargohold.cluster.config import TrainConfig
 from cargohold.services.bucketing import BucketReadiness
 from cargohold.services.data import batch_for_step, load_tokens
 from cargohold.services.errors import TrainingError
+from cargohold.services.flat_params import move_into_flat
 from cargohold.services.layout import Segment, ShardLayout, layout_for_module, parameter_views
 from cargohold.services.metrics import WorkerMetrics
 from cargohold.services.models.gpt import GPT
@@ -117,23 +118,15 @@ class TrainingWorker:
             )
         model = build_model(config)
         self.layout: ShardLayout = layout_for_config(config, model)
-        initial = torch.zeros(self.layout.total, dtype=torch.float32)
-        for view, param in zip(parameter_views(self.layout, initial), model.parameters()):
-            view.copy_(param.detach())
         self.segments = self.layout.segments_of_worker(rank)
         self.pieces = self.layout.worker_pieces(rank)
-        # fp32 initial values of this worker's segments, sent once at registration.
-        self._initial_shard = torch.cat([initial[a:b] for a, b in self.pieces])
-
-        self.flat_weights = initial.to(device=self.device, dtype=self.compute_dtype)
+        # The parameters move into the flat weights one by one (never two copies of the
+        # model); the fp32 initial values of this worker's pieces are sent once at
+        # registration.
+        self.flat_weights, self._initial_shard = move_into_flat(
+            model, self.layout, self.pieces, dtype=self.compute_dtype, device=self.device)
         self.flat_grad = torch.zeros_like(self.flat_weights)
-        del initial
-        for param, weight, grad in zip(
-            model.parameters(),
-            parameter_views(self.layout, self.flat_weights),
-            parameter_views(self.layout, self.flat_grad),
-        ):
-            param.data = weight
+        for param, grad in zip(model.parameters(), parameter_views(self.layout, self.flat_grad)):
             param.grad = grad  # backward accumulates into the flat buffer in place
         self.model = model.train()
         # With a delayed update the next weights are gathered here during compute.
