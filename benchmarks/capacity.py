@@ -35,10 +35,11 @@ import torch
 from cargohold.services.models.gpt import GPT, GPTConfig, num_parameters
 
 BLOCK = 128
-ESTIMATE_BYTES_PER_PARAM = {"plain": 16, ("cargohold", "float32"): 14, ("cargohold", "bfloat16"): 10}
+ESTIMATE_BYTES_PER_PARAM = {"plain": 16, ("cargohold", "float32"): 12, ("cargohold", "bfloat16"): 7}
 """Rough peak bytes per parameter, only to bound the search: plain AdamW 4 x 4; a cargohold
-worker at W=2 holds weights, grads and two half-size shards (12), plus the fp32 model it
-builds from during construction."""
+worker at W=2 holds weights, grads and two half-size shards (fp32 12, bf16 2 + 2 + 3); its
+construction, which moves the fp32 model into the flat buffer one parameter at a time,
+stays below that."""
 BASE_BYTES = 600 << 20
 """Rough interpreter + torch (+ Ray) resident memory, only to bound the search."""
 
