@@ -121,14 +121,22 @@ def load_tokens(path: str | None, num_bytes: int, seed: int, *, seq_len: int = 1
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _step_seed(seed: int, step: int) -> int:
-    """A 63-bit generator seed from (seed, step), stable across processes and versions.
+def stable_seed(*parts: object) -> int:
+    """A 63-bit generator seed from ``parts`` (e.g. seed and step), stable across
+    processes and versions.
 
     Python's ``hash`` of a tuple is not guaranteed stable across versions or platforms,
     and ``seed + step`` would make run (seed, step + 1) repeat run (seed + 1, step).
     """
-    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def dropout_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of the random draws (dropout) rank ``rank`` makes in step ``step``: a
+    function of the step, not of how many steps the process has run, so a resumed run
+    draws what the uninterrupted one did."""
+    return stable_seed("dropout", seed, step, rank)
 
 
 def batch_for_step(
@@ -165,7 +173,7 @@ def batch_for_step(
         raise ConfigError(
             f"tokens hold {tokens.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}"
         )
-    generator = torch.Generator().manual_seed(_step_seed(seed, step))
+    generator = torch.Generator().manual_seed(stable_seed(seed, step))
     starts = torch.randint(
         0, tokens.numel() - seq_len, (world_size * batch_size,), generator=generator
     )

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.bucketing import BucketReadiness
-from cargohold.services.data import batch_for_step, load_tokens
+from cargohold.services.data import batch_for_step, dropout_seed, load_tokens
 from cargohold.services.errors import TrainingError
 from cargohold.services.flat_params import move_into_flat
 from cargohold.services.layout import Segment, ShardLayout, layout_for_module, parameter_views
@@ -263,6 +263,7 @@ class TrainingWorker:
         policy = self.config.optim.nonfinite
         defer = self.config.optim.max_grad_norm > 0 or policy != "ignore"
         lr = self.config.optim.lr_at(step, self.config.steps)
+        torch.manual_seed(dropout_seed(self.config.seed, step, self.rank))  # CPU and every GPU
         update = self._updates + 1
         self.flat_grad.zero_()
         self._readiness.reset()

@@ -6,6 +6,7 @@ Adam moments and step counters."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import urllib.request
 from pathlib import Path
@@ -32,6 +33,13 @@ def _final_state(directory: Path) -> dict[str, torch.Tensor]:
     manifest = store.load(latest)
     assert manifest.step == STEPS
     return read_flat_range(latest, manifest, 0, manifest.total)
+
+
+def _state_at(root: Path, step: int) -> dict[str, torch.Tensor]:
+    store = CheckpointStore(root)
+    path = store.final_dir(step)
+    manifest = store.load(path)
+    return read_flat_range(path, manifest, 0, manifest.total)
 
 
 def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -98,6 +106,21 @@ def test_an_nvme_tier_checkpoint_links_its_files_and_resumes_bitwise(uninterrupt
     resumed = train(second)
     assert resumed.first_step == 4
     _assert_same(_final_state(checkpoints), uninterrupted)
+
+
+def test_resume_with_dropout_is_bitwise(ray_local, tmp_path) -> None:
+    """Dropout draws random masks every step: they are a function of (seed, step, rank),
+    not of how many steps this process has run, so a resumed run draws the same masks."""
+    dropout = {"model__dropout": 0.2, "steps": 6}
+    whole = tmp_path / "whole"
+    train(tiny_config(checkpoint__dir=str(whole), **dropout))
+    halves = tmp_path / "halves"
+    train(tiny_config(checkpoint__dir=str(halves), checkpoint__every_steps=3, **dropout))
+    shutil.rmtree(CheckpointStore(halves).final_dir(6))
+    resumed = train(tiny_config(checkpoint__dir=str(halves), checkpoint__resume="latest", **dropout))
+    assert resumed.first_step == 3
+    expected, got = (_state_at(root, 6) for root in (whole, halves))
+    _assert_same(got, expected)
 
 
 def _scrape(address: str) -> dict[str, float]:
