@@ -123,6 +123,9 @@ class WorkerConfig:
     """One-step delayed parameter update (ZeRO-Offload's DPU): step t computes on the
     weights of update t-2 while update t-1 finishes. Hides the update; changes the
     optimisation trajectory (see docs/benchmarks.md)."""
+    delayed_update_after_steps: int = 0
+    """With delayed_update, train this many data steps normally first (ZeRO-Offload's
+    warm-up): stale gradients hurt most early, while the loss falls fast."""
     shared_memory: Literal["auto", "off"] = "auto"
     """auto: exchange gradients and weights with state servers on the same node through
     /dev/shm instead of gRPC streams (CPU workers); off: always stream over gRPC."""
@@ -139,6 +142,7 @@ class WorkerConfig:
         _positive("worker.num_workers", self.num_workers)
         _positive("worker.torch_threads", self.torch_threads)
         _positive("worker.bucket_bytes", self.bucket_bytes)
+        _non_negative("worker.delayed_update_after_steps", self.delayed_update_after_steps)
         _non_negative("worker.cpus", self.cpus)
         _non_negative("worker.gpus", self.gpus)
 

@@ -268,7 +268,7 @@ class TrainingWorker:
         self.flat_grad.zero_()
         self._readiness.reset()
         self._events.clear()
-        shipping = self._comm.submit(self._reduce_and_ship, update, lr, defer)
+        shipping = self._comm.submit(self._reduce_and_ship, update, lr, defer, self._delayed(step))
         _, loss = self.model(x.to(self.device), y.to(self.device))
         loss.backward()
         for index in self._readiness.release_rest():
@@ -293,7 +293,7 @@ class TrainingWorker:
                 )
             logger.warning("step %d: gradient norm %s, update skipped", step, global_norm)
             applied = self._adopt_pending_weights()
-        elif self.config.worker.delayed_update:
+        elif self._delayed(step):
             applied = self._finish_delayed(update, transfers, global_norm, lr, defer)
         else:
             if defer:
@@ -382,7 +382,12 @@ class TrainingWorker:
             self._events[bucket] = event
         self._ready.put(bucket)
 
-    def _reduce_and_ship(self, step: int, lr: float, defer: bool) -> tuple[float, list[Future]]:
+    def _delayed(self, step: int) -> bool:
+        """Whether data step ``step`` uses the delayed update (past the warm-up)."""
+        worker = self.config.worker
+        return worker.delayed_update and step > worker.delayed_update_after_steps
+
+    def _reduce_and_ship(self, step: int, lr: float, defer: bool, delayed: bool) -> tuple[float, list[Future]]:
         """On the collectives thread: reduce each bucket as it completes and hand its
         segments to the transfer pool. Returns the shard's sum of squares and the transfers."""
         sum_squares = 0.0
@@ -401,12 +406,12 @@ class TrainingWorker:
             for segment in self.segments:
                 if segment.bucket == bucket.index:
                     transfers[segment.segment_id] = self._pool.submit(
-                        self._push, segment, step, host, offset, lr, defer
+                        self._push, segment, step, host, offset, lr, defer, delayed
                     )
         return sum_squares, [transfers[s.segment_id] for s in self.segments]
 
     def _push(self, segment, step: int, host_piece: torch.Tensor, piece_offset: int, lr: float,
-              defer: bool) -> bool:
+              defer: bool, delayed: bool) -> bool:
         start = segment.shard_offset - piece_offset
         gradient = host_piece[start : start + segment.numel]
         client = self.clients[segment.server]
@@ -417,7 +422,7 @@ class TrainingWorker:
                                  gradient.numel() * gradient.element_size())
         if defer:
             return False
-        if not self.config.worker.delayed_update:
+        if not delayed:  # the delayed update fetches after the step, during the next one
             self._fetch(segment, step)
         return outcome.applied
 

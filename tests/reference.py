@@ -54,9 +54,10 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
     masters = list(master_model.parameters())
     model = copy.deepcopy(master_model).to(compute)
     # Weights after each update (index 0: the initial ones). Step t computes on those of
-    # update t-1, or of t-2 with the delayed parameter update.
+    # update t-1, or of t-2 with the delayed parameter update once past its warm-up (the
+    # first delayed step still computes on t-1: nothing was in flight before it).
     history = [[m.detach().clone() for m in masters]]
-    lag = 2 if config.worker.delayed_update else 1
+    warm_up = config.worker.delayed_update_after_steps
     o = config.optim
     optimizer = torch.optim.AdamW(
         masters, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
@@ -66,6 +67,7 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
     losses = []
     for step in range(1, steps + 1):
         with torch.no_grad():
+            lag = 2 if config.worker.delayed_update and step > warm_up + 1 else 1
             for low, weights in zip(model.parameters(), history[max(step - lag, 0)]):
                 low.copy_(weights)
         summed: list[torch.Tensor] | None = None

@@ -74,6 +74,7 @@ CONFIG_SURFACE = [
     "worker.bucket_bytes",
     "worker.overlap",
     "worker.delayed_update",
+    "worker.delayed_update_after_steps",
     "worker.shared_memory",
     "worker.cpus",
     "worker.gpus",

@@ -75,6 +75,9 @@ CASES = {
                                           worker__delayed_update=True),
     "1-server-fp32-delayed-update-no-clip": dict(worker__delayed_update=True, optim__max_grad_norm=0.0,
                                                  optim__nonfinite="ignore"),
+    # ... after 5 normal steps (step 6 computes on update 5, step 7 on update 5 too).
+    "2-servers-fp32-delayed-update-after-5": dict(state_server__num_servers=2, worker__delayed_update=True,
+                                                  worker__delayed_update_after_steps=5),
     "2-servers-bf16-no-overlap": dict(state_server__num_servers=2, worker__compute_dtype="bfloat16",
                                       worker__bucket_bytes=64 << 10, worker__overlap=False),
 }
