@@ -38,6 +38,8 @@ from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.shm import SHM_ROOT, SharedRegion
 
 logger = logging.getLogger(__name__)
+SHUTDOWN_WAIT_S = 60.0
+"""How long shutdown waits for a delayed update still in flight."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +229,15 @@ class TrainingWorker:
         return self.flat_weights.detach().to("cpu", copy=True)
 
     def shutdown(self) -> None:
+        """Stop after the work in flight. A delayed update's gather still running
+        collectives must end before the process group and shared memory go (else the
+        collective thread touches freed state: a segfault at teardown); it is given
+        ``SHUTDOWN_WAIT_S``, since a dead peer can block it for good."""
+        if self._pending is not None:
+            try:
+                self._pending.exception(timeout=SHUTDOWN_WAIT_S)
+            except TimeoutError:
+                logger.warning("a delayed update was still in flight after %ss; stopping anyway", SHUTDOWN_WAIT_S)
         self._pool.shutdown(wait=True)
         self._comm.shutdown(wait=False, cancel_futures=True)
         if self._shm is not None:
