@@ -7,9 +7,11 @@ writes them as shard files while training goes on.
 
 With an NVMe tier, copying everything would break the RAM budget, and most of the state
 is already in immutable files: ``begin`` hard-links each partition file on the tier into
-the checkpoint (no bytes move), writes the partitions resident in RAM (the stall, at most
-the RAM budget's worth), and, where the checkpoint is on another filesystem and a link
-is refused, leaves the copies of the opened files to a background thread.
+the checkpoint (no bytes move) and returns. A background thread then writes the
+partitions resident in RAM, in place, while the next step computes; the update of such a
+partition waits until it has been written (the only stall: when training reaches it
+first). Where the checkpoint is on another filesystem and a link is refused, the thread
+also copies the files, opened at ``begin`` so that they hold that step's version.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -33,8 +35,9 @@ from cargohold.services.checkpoint import (
 from cargohold.services.durable import fsync_directory
 from cargohold.services.errors import CheckpointError, TierError
 from cargohold.services.shard_state import ShardRegistry, ShardSpec, ShardState
-from cargohold.services.tiers.preserve import PendingCopy
+from cargohold.services.tiers.preserve import PendingWrite
 from cargohold.services.tiers.residency import PartitionKey
+from cargohold.services.tiers.storage import PreservedPartition
 
 logger = logging.getLogger(__name__)
 
@@ -107,60 +110,56 @@ class ShardCheckpointer:
         return records
 
     def _preserve(self, directory: str, step: int, update: int, shards: list[ShardState]) -> None:
-        """Link or write every partition file of the shards at ``update`` now; copies, if
-        any, in the background."""
-        records: Records = []
-        copies: list[PendingCopy] = []
-        counts = {"linked": 0, "copied": 0, "written": 0}
-        linked: set[str] = set()
+        """Link every disk partition file of the shards at ``update`` now; write the RAM
+        partitions (first: their next update waits for them) and copy what could not be
+        linked in the background."""
+        preserved: list[tuple[ShardState, PreservedPartition]] = []
 
         def name_of(key: PartitionKey) -> str:
             return f"server{self._server_index}-shard{key.shard_id:06d}-part{key.index:05d}.tier"
 
         try:
             for shard in shards:
-                held, preserved, pending = shard.preserve(directory, name_of)
-                copies += pending
+                held, parts = shard.preserve(directory, name_of)
+                preserved += [(shard, part) for part in parts]
                 if held != update:
                     raise TierError(f"shard {shard.spec.shard_id} moved to update {held} while checkpointing "
                                     f"update {update}; a push arrived during the save")
-                for part in preserved:
-                    counts[part.how] += 1
-                    if part.how == "linked":
-                        linked.add(part.name)
-                    records.append((
-                        ShardRecord(segment_id=shard.spec.shard_id, start=shard.spec.start + part.start,
-                                    stop=shard.spec.start + part.stop, step=step, file=part.name),
-                        FileRecord(name=part.name, nbytes=part.nbytes, crc32c=part.checksum,
-                                   format=TIER_PARTITION_FILE),
-                    ))
         except (OSError, TierError) as error:
-            for copy in copies:
-                copy.cancel()
+            _cancel(part for _, part in preserved)
             self._result = _save_error(directory, error)
             return
-        self.preserved = counts
-        self.linked_bytes = sum(f.nbytes for _, f in records if f.name in linked)
-        logger.info("checkpoint of step %d: %d partition files linked, %d to copy, %d written from RAM",
-                    step, counts["linked"], counts["copied"], counts["written"])
+        self.preserved = {how: sum(part.how == how for _, part in preserved) for how in ("linked", "copied", "written")}
+        self.linked_bytes = sum(part.nbytes for _, part in preserved if part.how == "linked")
+        logger.info("checkpoint of step %d: %d partition files linked, %d to copy, %d to write from RAM",
+                    step, self.preserved["linked"], self.preserved["copied"], self.preserved["written"])
+        jobs = sorted((part for _, part in preserved if part.pending is not None),
+                      key=lambda part: not isinstance(part.pending, PendingWrite))
 
         def finish() -> Records:
+            checksums = {}
             try:
-                while copies:
-                    copy = copies.pop(0)
+                for part in jobs:
                     try:
-                        copy.run()
+                        header = part.pending.run()
                     except OSError as error:
-                        raise _save_error(directory, error, copy.target) from error
+                        raise _save_error(directory, error, error.filename) from error
+                    if isinstance(part.pending, PendingWrite):
+                        checksums[part.name] = header.checksum()
                 fsync_directory(directory)
             except OSError as error:
                 raise _save_error(directory, error) from error
             finally:
-                for copy in copies:
-                    copy.cancel()
-            return records
+                _cancel(jobs)  # whatever did not run: release the partitions waiting on it
+            return [
+                (ShardRecord(segment_id=shard.spec.shard_id, start=shard.spec.start + part.start,
+                             stop=shard.spec.start + part.stop, step=step, file=part.name),
+                 FileRecord(name=part.name, nbytes=part.nbytes, crc32c=checksums.get(part.name, part.checksum),
+                            format=TIER_PARTITION_FILE))
+                for shard, part in preserved
+            ]
 
-        if copies:
+        if jobs:
             self._background(finish)
         else:
             self._result = finish()
@@ -180,6 +179,12 @@ class ShardCheckpointer:
                 return got["master"], (got["exp_avg"], got["exp_avg_sq"])
 
             self._registry.restore(spec, source, update)
+
+
+def _cancel(parts: Iterable[PreservedPartition]) -> None:
+    for part in parts:
+        if part.pending is not None:
+            part.pending.cancel()
 
 
 def _save_error(directory: str, error: BaseException, file: str | None = None) -> CheckpointError:

@@ -22,7 +22,6 @@ from cargohold.services.errors import (
     UnknownShardError,
 )
 from cargohold.services.optim import AdamWHyperParams, clip_coefficient
-from cargohold.services.tiers.preserve import PendingCopy
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.storage import PreservedPartition, StateSource, TieredStorage, tensor_source
 
@@ -238,13 +237,12 @@ class ShardState:
         with self.lock:
             return self._storage.read_weights(self.spec.run_id, self.spec.shard_id, self.step, torch.float32)
 
-    def preserve(self, directory: str,
-                 name_of: Callable[[PartitionKey], str]) -> tuple[int, list[PreservedPartition], list[PendingCopy]]:
+    def preserve(self, directory: str, name_of: Callable[[PartitionKey], str]) -> tuple[int, list[PreservedPartition]]:
         """Put the shard's partition files into ``directory`` (see
         :meth:`TieredStorage.preserve`); returns the update count they hold too."""
         with self.lock:
             step = self.step
-            return step, *self._storage.preserve(self.spec.run_id, self.spec.shard_id, step, directory, name_of)
+            return step, self._storage.preserve(self.spec.run_id, self.spec.shard_id, step, directory, name_of)
 
 
 class ShardRegistry:

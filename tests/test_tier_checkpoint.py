@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -197,10 +198,14 @@ def test_on_another_filesystem_the_pinned_version_is_copied(tmp_path: Path, othe
         directory.mkdir()
         copies = []
         for spec in _specs():
-            _, preserved, pending = registry.get(RUN, spec.shard_id).preserve(
+            _, preserved = registry.get(RUN, spec.shard_id).preserve(
                 str(directory), lambda key: f"{key.shard_id}-{key.index}.tier")
-            copies += pending
             assert {p.how for p in preserved} == {"copied", "written"}
+            for part in preserved:
+                if part.how == "written":
+                    part.pending.run()  # before the next update, which waits for it
+                else:
+                    copies.append(part.pending)
         assert len(copies) == len(on_disk)
         _push(registry, range(3, 5))  # the tier moves on before the copies run
         for copy in copies:
@@ -360,3 +365,52 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
     assert result["growth"] <= budget + RSS_OVERHEAD, (
         f"RSS grew {result['growth'] / 2**20:.1f} MiB restoring into a {budget / 2**20:.0f} MiB budget"
     )
+
+
+def test_the_next_update_waits_for_the_ram_partitions_to_be_written(tmp_path: Path) -> None:
+    """RAM partitions are written after the checkpoint began, while training goes on: an
+    update that reaches one first waits, so the file holds the saved state."""
+    registry = _fresh(_tier(tmp_path))
+    try:
+        _push(registry, range(1, 3))
+        saved = registry.get(RUN, 0).snapshot()
+        directory = tmp_path / "pending"
+        directory.mkdir()
+        _, preserved = registry.get(RUN, 0).preserve(str(directory), lambda key: f"{key.index}.tier")
+        writes = [p for p in preserved if p.how == "written"]
+        assert writes and all(p.pending is not None for p in preserved if p.how != "linked")
+        gradient = torch.randn(NUMEL, generator=torch.Generator().manual_seed(3))
+        pushing = threading.Thread(
+            target=lambda: registry.get(RUN, 0).push(3, gradient, global_norm=NORM, lr=LR), daemon=True)
+        pushing.start()
+        pushing.join(timeout=1.0)
+        assert pushing.is_alive(), "the update ran over a partition its checkpoint had not written yet"
+        for part in writes:
+            part.pending.run()
+        pushing.join(timeout=30)
+        assert not pushing.is_alive() and registry.get(RUN, 0).step == 3
+        for part in writes:
+            raw = (directory / part.name).read_bytes()
+            got = torch.frombuffer(bytearray(raw[HEADER_BYTES : HEADER_BYTES + 4 * (part.stop - part.start)]),
+                                   dtype=torch.float32)
+            assert torch.equal(got, saved["master"][part.start : part.stop]), f"{part.name} holds step 3"
+    finally:
+        registry.close()
+
+
+def test_a_cancelled_write_releases_the_partition(tmp_path: Path) -> None:
+    registry = _fresh(_tier(tmp_path))
+    try:
+        _push(registry, range(1, 2))
+        directory = tmp_path / "cancelled"
+        directory.mkdir()
+        _, preserved = registry.get(RUN, 0).preserve(str(directory), lambda key: f"{key.index}.tier")
+        written = [p.name for p in preserved if p.how == "written"]
+        assert written
+        for part in preserved:
+            if part.pending is not None:
+                part.pending.cancel()
+        _push(registry, range(2, 3))  # would wait for ever on a write never run nor cancelled
+        assert not [name for name in written if (directory / name).exists()], "a cancelled write wrote"
+    finally:
+        registry.close()

@@ -1,5 +1,5 @@
 """Putting a partition's file into another directory (a checkpoint's) without copying
-what is already on disk.
+what is already on disk, and without holding training up for what is not.
 
 A partition file on the NVMe tier is immutable: every new version is written to a
 temporary name and renamed over the old one (:func:`.nvme.write_partition_file`), so the
@@ -14,15 +14,23 @@ this process, with a plain read/write loop as the fallback.
 
 Before a file is linked or copied its header is read and checked (partition, size,
 step), so a checkpoint never records a file that is not the state it claims to be.
+
+A partition resident in RAM changes in place at its next update, so it must be written
+out first; :class:`PendingWrite` does that in the background too, and the update of that
+partition waits on its ``done`` event (set however the write ends). Training stalls only
+if it reaches a partition before its write did.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
 from dataclasses import dataclass
 
 from cargohold.services.tiers.fileformat import HEADER_BYTES, FileLayout, PartitionHeader, corrupt_error, unpack_header
+from cargohold.services.tiers.io_pool import AlignedBuffer
+from cargohold.services.tiers.nvme import write_partition_file
 from cargohold.services.tiers.residency import PartitionKey
 
 LINK_REFUSED = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP})
@@ -43,8 +51,8 @@ class PendingCopy:
 
     def run(self) -> None:
         """Copy to ``<target>.tmp``, fsync, rename to ``target`` (the caller fsyncs the
-        directory once for all files). Closes the source; raises the OSError, leaving
-        no temporary file."""
+        directory once for all files). Closes the source; raises the OSError naming
+        ``target``, leaving no temporary file."""
         temporary = self.target + ".tmp"
         try:
             out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -54,9 +62,9 @@ class PendingCopy:
             finally:
                 os.close(out)
             os.replace(temporary, self.target)
-        except OSError:
+        except OSError as error:
             _unlink(temporary)
-            raise
+            raise OSError(error.errno, error.strerror, self.target) from error
         finally:
             self.cancel()
 
@@ -65,6 +73,33 @@ class PendingCopy:
         if self.source_fd >= 0:
             os.close(self.source_fd)
             self.source_fd = -1
+
+
+@dataclass(slots=True)
+class PendingWrite:
+    """A RAM-resident partition to write as a partition file before its next update."""
+
+    buffer: AlignedBuffer
+    key: PartitionKey
+    numel: int
+    step: int
+    target: str
+    done: threading.Event
+    """Set once the write has ended, well or not: the partition's next update waits on it."""
+
+    def run(self) -> PartitionHeader:
+        """Write (buffered, crash-consistently) and return the header written; raises
+        the OSError naming the file."""
+        try:
+            return write_partition_file(self.target, self.buffer, self.key, self.numel, self.step, direct=False)
+        except OSError as error:
+            raise OSError(error.errno, error.strerror, self.target) from error
+        finally:
+            self.done.set()
+
+    def cancel(self) -> None:
+        """Give up the write; the partition may be updated again (idempotent)."""
+        self.done.set()
 
 
 def link_or_pin(source: str, target: str, *, key: PartitionKey, numel: int,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -29,11 +30,11 @@ from cargohold.services.errors import IncompleteStepError
 from cargohold.services.optim import AdamWHyperParams, AdamWState, clip_, clipped, fused_adamw_
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.io_pool import BufferPool, IoPool
-from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path, write_partition_file
+from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path
 from cargohold.services.tiers.partitions import elements_per_partition, split_segment
 from cargohold.services.tiers.pipeline import StreamReport, stream_update
-from cargohold.services.tiers.preserve import PendingCopy, link_or_pin
 from cargohold.services.tiers.planner import Bandwidth, PartitionDemand, TierPlan, plan_tiers, stream_order
+from cargohold.services.tiers.preserve import PendingCopy, PendingWrite, link_or_pin
 from cargohold.services.tiers.ram import RamTier
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.store import (
@@ -74,11 +75,17 @@ class PreservedPartition:
     """First element of the partition within its shard."""
     stop: int
     nbytes: int
-    checksum: int
+    checksum: int | None
     """The header's CRC-32C, which covers the checksums of the arrays (see
-    :meth:`.fileformat.PartitionHeader.checksum`)."""
-    how: str
-    """"linked", "copied" (once the pending copy has run) or "written"."""
+    :meth:`.fileformat.PartitionHeader.checksum`); for a RAM partition, that of the
+    header its pending write returns."""
+    pending: PendingCopy | PendingWrite | None
+    """The copy or write still to run; None for a hard link."""
+
+    @property
+    def how(self) -> str:
+        """"linked", "copied" or "written"."""
+        return {type(None): "linked", PendingCopy: "copied", PendingWrite: "written"}[type(self.pending)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +245,11 @@ class TieredStorage:
                        and weights_out.shape == (numel,) else torch.empty(numel, dtype=weights_dtype))
 
         def update(part: Partition, arrays: PartitionArrays) -> None:
+            if part.saving is not None:  # a checkpoint is still writing this partition out
+                waited = time.perf_counter()
+                part.saving.wait()
+                part.saving = None
+                self._observer.add_tier_io_wait(time.perf_counter() - waited)
             span = part.span
             if span.fragments:
                 def views(t: torch.Tensor) -> list[torch.Tensor]:
@@ -337,45 +349,46 @@ class TieredStorage:
         return out
 
     def preserve(self, run_id: str, shard_id: int, step: int, directory: str,
-                 name_of: Callable[[PartitionKey], str]) -> tuple[list[PreservedPartition], list[PendingCopy]]:
+                 name_of: Callable[[PartitionKey], str]) -> list[PreservedPartition]:
         """Put every partition of a shard at ``step`` into ``directory`` as a partition
-        file named ``name_of(key)``, for a checkpoint: files on the NVMe tier are
-        hard-linked (their version is immutable), or, on another filesystem, held open
-        and returned as copies to run later; partitions in RAM are written now, since
-        the next update changes them in place. The caller holds the shard still (its
-        lock) until this returns and fsyncs ``directory`` once the copies are done.
+        file named ``name_of(key)``, for a checkpoint. Files on the NVMe tier are
+        hard-linked now (their version is immutable), or, on another filesystem, held
+        open with a :class:`PendingCopy` to run later. Partitions in RAM get a
+        :class:`PendingWrite` to run later, and their next update waits until it has
+        run (or was cancelled): every pending job must be run or cancelled. The caller
+        holds the shard still (its lock) until this returns and fsyncs ``directory``
+        once the jobs are done.
 
-        Raises OSError or a TierError; what it already put there stays for the caller to
-        remove with the directory."""
+        Raises OSError or a TierError, having cancelled its jobs; what it already put
+        there stays for the caller to remove with the directory."""
         parts = self._consistent(run_id, shard_id, step)
         preserved: list[PreservedPartition] = []
-        copies: list[PendingCopy] = []
         try:
             for part in parts:
                 name = name_of(part.key)
                 target = os.path.join(directory, name)
                 numel = part.span.numel
-                try:
-                    if part.residency is Residency.RAM:
-                        header = write_partition_file(target, self._ram.buffer(part), part.key, numel, part.step,
-                                                      direct=False)
-                        how = "written"
-                    else:
-                        header, copy = link_or_pin(part.path, target, key=part.key, numel=numel, step=part.step)
-                        how = "linked" if copy is None else "copied"
-                        if copy is not None:
-                            copies.append(copy)
-                except OSError as error:  # name the file whatever call failed
-                    raise OSError(error.errno, error.strerror, target) from error
+                checksum: int | None = None
+                pending: PendingCopy | PendingWrite | None = None
+                if part.residency is Residency.RAM:
+                    part.saving = threading.Event()
+                    pending = PendingWrite(self._ram.buffer(part), part.key, numel, part.step, target, part.saving)
+                else:
+                    try:
+                        header, pending = link_or_pin(part.path, target, key=part.key, numel=numel, step=part.step)
+                    except OSError as error:  # name the file whatever call failed
+                        raise OSError(error.errno, error.strerror, target) from error
+                    checksum = header.checksum()
                 preserved.append(PreservedPartition(
                     key=part.key, name=name, start=part.span.start, stop=part.span.stop,
-                    nbytes=FileLayout(numel).file_bytes, checksum=header.checksum(), how=how,
+                    nbytes=FileLayout(numel).file_bytes, checksum=checksum, pending=pending,
                 ))
         except BaseException:
-            for copy in copies:
-                copy.cancel()
+            for done in preserved:
+                if done.pending is not None:
+                    done.pending.cancel()
             raise
-        return preserved, copies
+        return preserved
 
     def _consistent(self, run_id: str, shard_id: int, step: int) -> list[Partition]:
         parts = self._shards[(run_id, shard_id)]

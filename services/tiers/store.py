@@ -3,6 +3,7 @@ observer the tiers report their I/O to (the state server's metrics satisfy it)."
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -27,6 +28,9 @@ class Partition:
     """Its file when on (or destined for) the NVMe tier; empty without one."""
     path_index: int = 0
     """Which configured NVMe path ``path`` is on."""
+    saving: threading.Event | None = None
+    """Set while a checkpoint still has to write this (RAM) partition out: its next update
+    waits for the event."""
 
 
 @dataclass(frozen=True, slots=True)
