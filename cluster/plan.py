@@ -46,6 +46,7 @@ import torch
 
 from cargohold.cluster.config import TrainConfig, read_yaml_mapping
 from cargohold.cluster.sizes import format_bytes, parse_size
+from cargohold.services.checkpoint import shard_file_bytes
 from cargohold.services.errors import ConfigError, LayoutError
 from cargohold.services.layout import ShardLayout
 from cargohold.services.shard_state import WIRE_DTYPES
@@ -198,8 +199,8 @@ class WorkerPlan:
     corpus_bytes: int
     """Training text in host memory (at most data.corpus_bytes)."""
     startup_host_bytes: int
-    """Host memory while it starts: the fp32 model, a flat fp32 copy, its fp32 shard
-    (and on CPU the flat weights and gradients)."""
+    """Host memory while it starts: the fp32 model and its fp32 initial shard (on CPU,
+    then the flat weights and gradients)."""
     traffic: WorkerTraffic
 
     @property
@@ -262,6 +263,13 @@ class ServerPlan:
     """Files plus room for the writes in flight (what start-up checks against free space)."""
     nvme_bytes_by_path: dict[str, int]
     traffic: ServerTraffic
+    checkpoint_bytes: int = 0
+    """Payload files one checkpoint holds for this server (0 without ``checkpoint.dir``)."""
+    checkpoint_written_bytes: int = 0
+    """Of those, bytes written per checkpoint (the rest are the NVMe tier's files,
+    hard-linked; copied instead when ``checkpoint.dir`` is on another filesystem)."""
+    checkpoint_snapshot_bytes: int = 0
+    """RAM a checkpoint copies the state into until written (all-RAM state only)."""
 
     @property
     def ram_bytes(self) -> int:
@@ -270,7 +278,8 @@ class ServerPlan:
 
     @property
     def ram_peak_bytes(self) -> int:
-        return self.ram_bytes + self.gradient_bytes + self.update_temp_bytes + self.weights_bytes
+        return (self.ram_bytes + self.gradient_bytes + self.update_temp_bytes + self.weights_bytes
+                + self.checkpoint_snapshot_bytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -303,6 +312,8 @@ class RunPlan:
     worker: WorkerPlan
     servers: tuple[ServerPlan, ...]
     checks: tuple[Check, ...]
+    checkpoint_keep_last: int = 0
+    """``checkpoint.keep_last`` when checkpoints are on (``checkpoint.dir``), else 0."""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -341,6 +352,7 @@ def plan_run(config: TrainConfig, cluster: ClusterDescription | None = None) -> 
         num_servers=layout.num_servers, compute_dtype=config.worker.compute_dtype,
         grad_wire_dtype=config.worker.grad_wire_dtype, transport=transport, worker=worker, servers=servers,
         checks=checks, notes=notes,
+        checkpoint_keep_last=config.checkpoint.keep_last if config.checkpoint.dir is not None else 0,
     )
 
 
@@ -388,9 +400,14 @@ def _plan_worker(config: TrainConfig, layout: ShardLayout, device: str, transpor
     largest_bucket = max(b.stop - b.start for b in layout.buckets)
     largest_piece = max(b.piece_size for b in layout.buckets)
     transient = (largest_bucket * wire if wire != compute else 0) + largest_piece * 8
-    startup = layout.num_real_elements * _FP32 + total * _FP32 + shard * _FP32
+    # The fp32 model is built, then moved parameter by parameter into the flat weights
+    # (services/flat_params.py), the fp32 initial shard taken on the way: on a GPU the host
+    # holds the model and that shard; on a CPU the flat weights replace the model as it
+    # moves (one parameter overlaps), then the flat gradients join them.
+    largest_param = max(slot.numel for slot in layout.params)
+    startup = layout.num_real_elements * _FP32 + shard * _FP32
     if device == "cpu":
-        startup += total * compute * (1 if compute == _FP32 else 2)  # flat gradients (+ weights unless aliased)
+        startup = max(startup + largest_param * compute, 2 * total * compute + shard * _FP32)
     return WorkerPlan(
         device=device,
         buffers=buffers,
@@ -449,6 +466,14 @@ def _plan_server(config: TrainConfig, layout: ShardLayout, index: int, transport
         ram_budget_bytes=budget, staging_bytes=staging, num_paths=max(1, len(tier.nvme_paths)),
     )
     on_disk = [k for k in numel if plan.of(k) is Residency.NVME]
+    checkpointing = config.checkpoint.dir is not None
+    if budget is None:  # one shard file per segment, written from a snapshot in RAM
+        checkpoint_bytes = checkpoint_written = sum(shard_file_bytes(s.numel) for s in segments)
+        snapshot = sum(s.numel for s in segments) * STATE_BYTES_PER_ELEMENT
+    else:  # one partition file each: disk ones hard-linked, RAM ones written in place
+        checkpoint_bytes = sum(FileLayout(n).file_bytes for n in numel.values())
+        checkpoint_written = checkpoint_bytes - sum(FileLayout(numel[k]).file_bytes for k in on_disk)
+        snapshot = 0
     by_path: dict[str, int] = {}
     for key in on_disk:
         path = tier.nvme_paths[plan.path_index[key]]
@@ -481,6 +506,9 @@ def _plan_server(config: TrainConfig, layout: ShardLayout, index: int, transport
             push_bytes=elements * wire, fetch_bytes=elements * compute,
             nvme_write_bytes=plan.nvme_bytes, nvme_read_bytes=plan.nvme_bytes,
         ),
+        checkpoint_bytes=checkpoint_bytes if checkpointing else 0,
+        checkpoint_written_bytes=checkpoint_written if checkpointing else 0,
+        checkpoint_snapshot_bytes=snapshot if checkpointing else 0,
     )
 
 
@@ -565,6 +593,7 @@ def render(plan: RunPlan) -> str:
         ("RAM: step gradients", lambda s: s.gradient_bytes),
         ("RAM: update temporaries", lambda s: s.update_temp_bytes),
         ("RAM: weights to fetch", lambda s: s.weights_bytes),
+        ("RAM: checkpoint snapshot", lambda s: s.checkpoint_snapshot_bytes),
         ("= RAM peak", lambda s: s.ram_peak_bytes),
         ("NVMe files", lambda s: s.nvme_file_bytes),
         ("NVMe + writes in flight", lambda s: s.nvme_need_bytes),
@@ -580,6 +609,16 @@ def render(plan: RunPlan) -> str:
     lines += [f"  server {s.index}: receives {b(s.traffic.push_bytes)}, sends {b(s.traffic.fetch_bytes)}"
               + (f", NVMe writes {b(s.traffic.nvme_write_bytes)} and reads <= {b(s.traffic.nvme_read_bytes)}"
                  if s.traffic.nvme_write_bytes else "") for s in plan.servers]
+
+    if any(s.checkpoint_bytes for s in plan.servers):
+        total = sum(s.checkpoint_bytes for s in plan.servers)
+        written = sum(s.checkpoint_written_bytes for s in plan.servers)
+        kept = plan.checkpoint_keep_last
+        lines += ["", "Per checkpoint",
+                  f"  files {b(total)}: written {b(written)}, hard-linked from the NVMe tier {b(total - written)}",
+                  f"  checkpoint.dir holds up to {kept + 1} while one is saved: {b((kept + 1) * total)}"
+                  + ("; on the tier's filesystem the linked files stop being shared once the tier "
+                     "writes newer versions" if written < total else "")]
 
     lines += ["", "Fits"]
     for c in plan.checks:

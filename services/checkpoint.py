@@ -432,6 +432,11 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
+def shard_file_bytes(numel: int) -> int:
+    """Size of the shard file of ``numel`` elements: header and three fp32 arrays."""
+    return _HEADER_BYTES + len(ARRAYS) * 4 * numel
+
+
 def write_shard_file(
     directory: Path, name: str, *, step: int, start: int, tensors: Mapping[str, torch.Tensor]
 ) -> FileRecord:
@@ -469,7 +474,7 @@ def write_shard_file(
                 yield bytes(view[offset : offset + _CHUNK])
 
     crc = _write_durably(target, chunks())
-    return FileRecord(name=name, nbytes=_HEADER_BYTES + len(ARRAYS) * 4 * numel, crc32c=crc)
+    return FileRecord(name=name, nbytes=shard_file_bytes(numel), crc32c=crc)
 
 
 @dataclass(frozen=True, slots=True)

@@ -195,6 +195,27 @@ def test_render_shows_every_tier_and_the_verdict(tmp_path: Path) -> None:
         assert needle in text, needle
 
 
+def test_checkpoints_are_planned_per_tier(tmp_path: Path) -> None:
+    """All in RAM a checkpoint copies the state (12 B/param of server RAM) and writes all
+    of it; with the NVMe tier it writes only the RAM-resident partitions and hard-links
+    the rest, copying nothing in RAM."""
+    ram = plan_run(tiny_config(checkpoint__dir=str(tmp_path), checkpoint__keep_last=2))
+    tiered = plan_run(tiny_config(checkpoint__dir=str(tmp_path), state_server__tier=_tier(tmp_path)))
+    off = plan_run(tiny_config())
+    server = ram.servers[0]
+    assert server.checkpoint_snapshot_bytes == server.elements * 12
+    assert server.checkpoint_written_bytes == server.checkpoint_bytes > server.elements * 12
+    assert server.ram_peak_bytes == off.servers[0].ram_peak_bytes + server.checkpoint_snapshot_bytes
+    disk = tiered.servers[0]
+    assert disk.checkpoint_snapshot_bytes == 0
+    assert disk.checkpoint_written_bytes > 0
+    assert disk.checkpoint_bytes - disk.checkpoint_written_bytes == disk.nvme_file_bytes
+    assert off.servers[0].checkpoint_bytes == 0 and "Per checkpoint" not in render(off)
+    text = render(ram)
+    assert "RAM: checkpoint snapshot" in text and "holds up to 3 while one is saved" in text
+    assert "hard-linked from the NVMe tier" in render(tiered)
+
+
 # --- fitting -------------------------------------------------------------------------------
 def test_checks_name_each_resource_and_its_shortfall(tmp_path: Path) -> None:
     config = tiny_config(worker__device="cuda", state_server__tier=_tier(tmp_path))
@@ -346,11 +367,14 @@ def _total(samples: dict, name: str, **labels: str) -> float:
 def test_plan_matches_a_real_run(ray_local, tmp_path: Path, tiered: bool) -> None:
     from cargohold.cluster.launcher import TrainingSession
 
+    from cargohold.services.checkpoint import CheckpointStore
+
     overrides = {"state_server__tier": _tier(tmp_path)} if tiered else {}
-    config = tiny_config(steps=5, **overrides)
+    config = tiny_config(steps=5, checkpoint__dir=str(tmp_path / "checkpoints"), **overrides)
     plan = plan_run(config)
     server_plan = plan.servers[0]
     assert (server_plan.nvme_state_bytes > 0) is tiered
+    assert (server_plan.checkpoint_snapshot_bytes > 0) is not tiered
 
     with TrainingSession(config) as session:
         assert session.worker_resident_bytes() == plan.worker.buffers  # both are buffer sizes: equal
@@ -365,6 +389,13 @@ def test_plan_matches_a_real_run(ray_local, tmp_path: Path, tiered: bool) -> Non
         session.step()
         after = _scrape(targets[("state_server", 0)])
         worker = _scrape(targets[("worker", 0)])
+        store = CheckpointStore(tmp_path / "checkpoints")
+        saved = session.checkpoint_finish(store, session.checkpoint_begin(store))
+
+    # One checkpoint: the files the plan counts, written or hard-linked as it says.
+    assert saved.written_bytes + saved.linked_bytes == server_plan.checkpoint_bytes
+    assert saved.written_bytes == server_plan.checkpoint_written_bytes
+    assert (saved.linked_bytes > 0) is tiered
 
     # State per tier (12 B/element), once every partition reached its planned tier.
     assert by_tier["ram"] == server_plan.ram_state_bytes
