@@ -466,8 +466,9 @@ def _plan_server(config: TrainConfig, layout: ShardLayout, index: int, transport
         ram_budget_bytes=budget, staging_bytes=staging, num_paths=max(1, len(tier.nvme_paths)),
     )
     on_disk = [k for k in numel if plan.of(k) is Residency.NVME]
-    checkpointing = config.checkpoint.dir is not None
-    if budget is None:  # one shard file per segment, written from a snapshot in RAM
+    if config.checkpoint.dir is None:
+        checkpoint_bytes = checkpoint_written = snapshot = 0
+    elif budget is None:  # one shard file per segment, written from a snapshot in RAM
         checkpoint_bytes = checkpoint_written = sum(shard_file_bytes(s.numel) for s in segments)
         snapshot = sum(s.numel for s in segments) * STATE_BYTES_PER_ELEMENT
     else:  # one partition file each: disk ones hard-linked, RAM ones written in place
@@ -506,9 +507,9 @@ def _plan_server(config: TrainConfig, layout: ShardLayout, index: int, transport
             push_bytes=elements * wire, fetch_bytes=elements * compute,
             nvme_write_bytes=plan.nvme_bytes, nvme_read_bytes=plan.nvme_bytes,
         ),
-        checkpoint_bytes=checkpoint_bytes if checkpointing else 0,
-        checkpoint_written_bytes=checkpoint_written if checkpointing else 0,
-        checkpoint_snapshot_bytes=snapshot if checkpointing else 0,
+        checkpoint_bytes=checkpoint_bytes,
+        checkpoint_written_bytes=checkpoint_written,
+        checkpoint_snapshot_bytes=snapshot,
     )
 
 

@@ -97,8 +97,8 @@ _ARRAY = struct.Struct("<16sI")
 _CRC = struct.Struct("<I")
 _HEADER_BYTES = _HEADER.size + len(ARRAYS) * _ARRAY.size + _CRC.size
 _CHUNK = 1 << 20
-"""google-crc32c takes only immutable ``bytes``: checksums run over 1 MiB copies, which
-stay in cache and are also what gets written."""
+"""Files are written from 1 MiB copies (the whole-file checksum runs over them as they go)
+and verified by reading 1 MiB pieces into one reused buffer."""
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -377,17 +377,15 @@ def check_compatible(
 # --------------------------------------------------------------------------- payload files
 
 
-def _crc(view: memoryview, crc: int = 0) -> int:
-    for start in range(0, len(view), _CHUNK):
-        crc = google_crc32c.extend(crc, bytes(view[start : start + _CHUNK]))
-    return crc
+def free_space_hint(error: OSError) -> str:
+    """What to do, appended to the message of a write that ran out of space."""
+    return ("; free space there or lower the number of checkpoints kept"
+            if error.errno in (errno.ENOSPC, errno.EDQUOT) else "")
 
 
 def _os_error(action: str, path: Path, error: OSError) -> CheckpointError:
     reason = error.strerror or str(error)
-    hint = ("; free space there or lower the number of checkpoints kept"
-            if error.errno in (errno.ENOSPC, errno.EDQUOT) else "")
-    return CheckpointError(f"{action} {path} failed: {reason}{hint}")
+    return CheckpointError(f"{action} {path} failed: {reason}{free_space_hint(error)}")
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
@@ -464,7 +462,7 @@ def write_shard_file(
     views = [_as_bytes(a) for a in arrays]
     header = _HEADER.pack(MAGIC, SHARD_FILE_VERSION, _HEADER_BYTES, step, start, numel, DTYPE_FLOAT32, len(ARRAYS))
     for array_name, view in zip(ARRAYS, views):
-        header += _ARRAY.pack(array_name.encode(), _crc(view))
+        header += _ARRAY.pack(array_name.encode(), tier_format.crc32c(view))
     header += _CRC.pack(google_crc32c.value(header))
 
     def chunks() -> Iterable[bytes]:

@@ -16,7 +16,6 @@ also copies the files, opened at ``begin`` so that they hold that step's version
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -30,6 +29,7 @@ from cargohold.services.checkpoint import (
     FileRecord,
     Manifest,
     ShardRecord,
+    free_space_hint,
     write_shard_file,
 )
 from cargohold.services.durable import fsync_directory
@@ -138,12 +138,9 @@ class ShardCheckpointer:
 
         def finish() -> Records:
             checksums = {}
-            try:
+            try:  # each job's OSError names its file
                 for part in jobs:
-                    try:
-                        header = part.pending.run()
-                    except OSError as error:
-                        raise _save_error(directory, error, error.filename) from error
+                    header = part.pending.run()
                     if isinstance(part.pending, PendingWrite):
                         checksums[part.name] = header.checksum()
                 fsync_directory(directory)
@@ -187,13 +184,10 @@ def _cancel(parts: Iterable[PreservedPartition]) -> None:
             part.pending.cancel()
 
 
-def _save_error(directory: str, error: BaseException, file: str | None = None) -> CheckpointError:
+def _save_error(directory: str, error: BaseException) -> CheckpointError:
     if isinstance(error, OSError):
-        file = file or error.filename
-        where = f" ({file})" if file else ""
-        hint = ("; free space there or lower the number of checkpoints kept"
-                if error.errno in (errno.ENOSPC, errno.EDQUOT) else "")
-        reason = f"{error.strerror or error}{where}{hint}"
+        where = f" ({error.filename})" if error.filename else ""
+        reason = f"{error.strerror or error}{where}{free_space_hint(error)}"
     else:
         reason = str(error)
     return CheckpointError(f"saving the NVMe tier's partitions into {directory} failed: {reason}")

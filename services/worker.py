@@ -279,7 +279,8 @@ class TrainingWorker:
         self.flat_grad.zero_()
         self._readiness.reset()
         self._events.clear()
-        shipping = self._comm.submit(self._reduce_and_ship, update, lr, defer, self._delayed(step))
+        delayed = self._delayed(step)
+        shipping = self._comm.submit(self._reduce_and_ship, update, lr, defer, delayed)
         _, loss = self.model(x.to(self.device), y.to(self.device))
         loss.backward()
         for index in self._readiness.release_rest():
@@ -304,7 +305,7 @@ class TrainingWorker:
                 )
             logger.warning("step %d: gradient norm %s, update skipped", step, global_norm)
             applied = self._adopt_pending_weights()
-        elif self._delayed(step):
+        elif delayed:
             applied = self._finish_delayed(update, transfers, global_norm, lr, defer)
         else:
             if defer:

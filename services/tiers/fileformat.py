@@ -143,6 +143,19 @@ def unpack_header(raw: bytes | memoryview, *, path: str, key: PartitionKey, nume
     return header
 
 
+def check_size(size: int, *, path: str, key: PartitionKey, numel: int) -> None:
+    """Refuse a file of partition ``key`` whose size is not its layout's (torn)."""
+    expected = FileLayout(numel).file_bytes
+    if size != expected:
+        raise corrupt_error(path, key, f"it is {size} bytes, expected {expected} (a torn write?)")
+
+
+def check_step(header: PartitionHeader, step: int, *, path: str) -> None:
+    """Refuse a file of another version than the one of ``step``."""
+    if header.step != step:
+        raise corrupt_error(path, header.key, f"it holds step {header.step}, expected step {step}")
+
+
 def corrupt_error(path: str, key: PartitionKey | None, reason: str) -> CorruptPartitionError:
     what = f"partition file {path}" + (f" ({key})" if key is not None else "")
     return CorruptPartitionError(f"{what} is corrupt: {reason}; it was not used",

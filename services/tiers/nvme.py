@@ -39,6 +39,8 @@ from cargohold.services.tiers.fileformat import (
     HEADER_BYTES,
     FileLayout,
     PartitionHeader,
+    check_size,
+    check_step,
     corrupt_error,
     crc32c,
     unpack_header,
@@ -116,7 +118,7 @@ def probe_path(root: str, direct_io: str, probe_bytes: int = PROBE_BYTES) -> Tie
         if got != probe_bytes:
             raise TierError(f"state_server.tier.nvme_paths: {root} returned {got} of {probe_bytes} probe bytes")
     finally:
-        _unlink(probe)
+        unlink_if_present(probe)
         buffer.close()
     return TierPath(root=root, direct=direct, device=os.stat(root).st_dev,
                     bandwidth=Bandwidth(probe_bytes / max(read, 1e-9), probe_bytes / max(written, 1e-9)))
@@ -215,7 +217,7 @@ class NvmeTier:
 
     def drop(self, partition: Partition) -> None:
         self._buffers.forget(partition.key)
-        _unlink(partition.path)
+        unlink_if_present(partition.path)
 
     # --- moves in and out of the tier ---------------------------------------------------
     def create(self, partition: Partition, master: torch.Tensor,
@@ -295,10 +297,7 @@ class NvmeTier:
         tier_path = self.paths[partition.path_index]
         started = time.perf_counter()
         try:
-            size = os.stat(path).st_size
-            if size != layout.file_bytes:
-                raise corrupt_error(path, partition.key,
-                                    f"it is {size} bytes, expected {layout.file_bytes} (a torn write?)")
+            check_size(os.stat(path).st_size, path=path, key=partition.key, numel=partition.span.numel)
             try:
                 got = _read_into(path, buffer.view[:nbytes], tier_path.direct)
             except OSError as error:
@@ -313,8 +312,7 @@ class NvmeTier:
         if got != nbytes:
             raise corrupt_error(path, partition.key, f"read {got} of {nbytes} bytes (truncated)")
         header = unpack_header(buffer.view, path=path, key=partition.key, numel=partition.span.numel)
-        if header.step != step:
-            raise corrupt_error(path, partition.key, f"it holds step {header.step}, expected step {step}")
+        check_step(header, step, path=path)
         for index in range(arrays):
             start = layout.offset(index)
             if crc32c(buffer.view[start : start + layout.region_bytes]) != header.checksums[index]:
@@ -360,7 +358,7 @@ def write_partition_file(target: str, buffer: AlignedBuffer, key: PartitionKey, 
         os.replace(temporary, target)
         fsync_directory(os.path.dirname(target))
     except OSError:
-        _unlink(temporary)
+        unlink_if_present(temporary)
         raise
     return header
 
@@ -398,7 +396,8 @@ def _read_into(path: str, view: memoryview, direct: bool) -> int:
         os.close(fd)
 
 
-def _unlink(path: str) -> None:
+def unlink_if_present(path: str) -> None:
+    """Remove ``path`` if it exists ("" names nothing)."""
     if not path:
         return
     try:

@@ -28,9 +28,17 @@ import os
 import threading
 from dataclasses import dataclass
 
-from cargohold.services.tiers.fileformat import HEADER_BYTES, FileLayout, PartitionHeader, corrupt_error, unpack_header
+from cargohold.services.tiers.fileformat import (
+    HEADER_BYTES,
+    FileLayout,
+    PartitionHeader,
+    check_size,
+    check_step,
+    corrupt_error,
+    unpack_header,
+)
 from cargohold.services.tiers.io_pool import AlignedBuffer
-from cargohold.services.tiers.nvme import write_partition_file
+from cargohold.services.tiers.nvme import unlink_if_present, write_partition_file
 from cargohold.services.tiers.residency import PartitionKey
 
 LINK_REFUSED = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP})
@@ -63,7 +71,7 @@ class PendingCopy:
                 os.close(out)
             os.replace(temporary, self.target)
         except OSError as error:
-            _unlink(temporary)
+            unlink_if_present(temporary)
             raise OSError(error.errno, error.strerror, self.target) from error
         finally:
             self.cancel()
@@ -119,7 +127,7 @@ def link_or_pin(source: str, target: str, *, key: PartitionKey, numel: int,
             copy, fd = PendingCopy(fd, source, target, FileLayout(numel).file_bytes), -1
             return header, copy
         if not os.path.samestat(os.fstat(fd), os.stat(target)):  # replaced between open and link
-            _unlink(target)
+            unlink_if_present(target)
             raise corrupt_error(source, key, "it was replaced while being linked into a checkpoint")
         return header, None
     finally:
@@ -128,13 +136,9 @@ def link_or_pin(source: str, target: str, *, key: PartitionKey, numel: int,
 
 
 def _check(fd: int, path: str, key: PartitionKey, numel: int, step: int) -> PartitionHeader:
-    size = os.fstat(fd).st_size
-    expected = FileLayout(numel).file_bytes
-    if size != expected:
-        raise corrupt_error(path, key, f"it is {size} bytes, expected {expected} (a torn write?)")
+    check_size(os.fstat(fd).st_size, path=path, key=key, numel=numel)
     header = unpack_header(os.pread(fd, HEADER_BYTES, 0), path=path, key=key, numel=numel)
-    if header.step != step:
-        raise corrupt_error(path, key, f"it holds step {header.step}, expected step {step}")
+    check_step(header, step, path=path)
     return header
 
 
@@ -158,9 +162,3 @@ def _copy_range(source: int, target: int, nbytes: int) -> None:
             raise OSError(errno.EIO, f"the file ended after {offset} of {nbytes} bytes")
         offset += done
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
