@@ -1,67 +1,245 @@
-"""The largest GPT each approach trains within a per-worker memory limit, found by running.
+"""The largest GPT a worker trains within a per-worker memory limit, found by running.
 
-    python benchmarks/capacity.py                                   # 2 GiB, plain vs cargohold fp32
-    python benchmarks/capacity.py --approaches cargohold --dtype bfloat16
-    python benchmarks/capacity.py --limit-gib 4 --probes 5
+    python benchmarks/capacity.py                                   # 2 GiB; plain fp32, cargohold bf16 W=2 and W=4
+    python benchmarks/capacity.py --workers 2 --wire bfloat16 --probes 5
+    python benchmarks/capacity.py --approaches cargohold --workers 4 --log /tmp/capacity-w4.log
 
 Candidates are GPTs of ``--n-layer`` blocks (byte vocabulary, block 128) whose width grows
-in steps of 64. For each approach a binary search of ``--probes`` runs over the widths
-whose estimated footprint is below 1.6 x the limit; a candidate fits when the measured
-peak resident set (``VmHWM`` in /proc/<pid>/status: the high-water mark of RSS, which
-counts the interpreter, torch, gRPC and Ray's core worker too) stays within the limit.
+in steps of 64 (``n_head = width / 64``). A candidate fits when the peak resident set of
+every worker process (``VmHWM`` in /proc/<pid>/status: the high-water mark of RSS, which
+counts the interpreter, torch, gRPC, Ray's core worker and the shared-memory exchange
+buffers the worker touched) stays within the limit.
 
 * plain: a fresh process builds the fp32 model, runs 2 steps of forward/backward and
   ``torch.optim.AdamW(fused=True)`` (weights, grads, exp_avg, exp_avg_sq: 16 B/param).
-* cargohold: a ``TrainingSession`` with 2 workers and 1 state server runs 1 step (every
-  buffer exists from construction on); the worker's figure is the larger of the two
-  workers' VmHWM, read from inside each actor (their RSS after the step is printed too:
-  the steady state, below the peak that the worker's construction reaches). The state
-  server's memory is host RAM outside the worker: reported, not counted against the limit.
+* cargohold: a fresh driver process starts Ray and a ``TrainingSession`` of W workers
+  (FSDP2, ``--dtype`` weights, each wire dtype of ``--wire`` for gradients) and 1 state
+  server, and runs 1 step. A thread of the driver samples every Ray process it started
+  every 50 ms: its VmHWM, its RSS and its title (``ray::TrainingWorker.<method>``), so the
+  peak is attributed to the call that raised it (``init_process_group``: building the
+  sharded model and the exchange buffers; ``register_shards``: the initial values and the
+  fp32 registration; ``train_step``). The state server's memory is host RAM outside the
+  worker: reported, not counted against the limit.
 
-Both run one sequence of 128 tokens per worker per step (activations are small next to
-the states) on 1 thread. Nothing is asserted; the limit is compared, not enforced.
+The search per configuration: a first probe of the tiny model (width 64) gives the
+process's *runtime* (interpreter, torch, Ray, gRPC: everything that is not the model);
+then each probe picks the widest candidate that the straight line through the probes so
+far (peak against parameters) predicts to fit, kept strictly inside the bracket of the
+widest fitting and the narrowest failing probe. Peak memory is close to linear in the
+parameters, so 3-4 probes land on adjacent widths. "B/param" = (peak - runtime) /
+parameters, the cost of a parameter with everything in flight (gathered blocks,
+gradients, registration) included; "buffers" = ``TrainingWorker.resident_bytes()``
+(weights + exchange) / parameters, what the worker holds between steps.
+
+One sequence of 128 tokens per worker per step, 1 torch thread per process. Nothing is
+asserted; the limit is compared, not enforced (RLIMIT_AS would count the address space
+torch and Ray reserve, not what they touch). On a shared machine the figures move a little
+between runs (the page cache and other tests do not change VmHWM, but allocator timing
+does).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
+import shutil
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from cargohold.services.models.gpt import GPT, GPTConfig, num_parameters
 
 BLOCK = 128
-ESTIMATE_BYTES_PER_PARAM = {"plain": 16, ("cargohold", "float32"): 12, ("cargohold", "bfloat16"): 7}
-"""Rough peak bytes per parameter, only to bound the search: plain AdamW 4 x 4; a cargohold
-worker at W=2 holds weights, grads and two half-size shards (fp32 12, bf16 2 + 2 + 3); its
-construction, which moves the fp32 model into the flat buffer one parameter at a time,
-stays below that."""
-BASE_BYTES = 600 << 20
-"""Rough interpreter + torch (+ Ray) resident memory, only to bound the search."""
+TINY_WIDTH = 64
+"""The runtime probe: the same n_layer at width 64 (~1.3M parameters, a few MB)."""
+WIDTHS = range(128, 8193, 64)
+PLAIN_BYTES_PER_PARAM = 16
+"""fp32 weights, gradients, exp_avg, exp_avg_sq."""
+ESTIMATE_BYTES_PER_PARAM = {"plain": 16.5, ("bfloat16", "float32"): 5.0, ("bfloat16", "bfloat16"): 4.0,
+                            ("float32", "float32"): 9.0, ("float32", "bfloat16"): 7.0}
+"""Rough peak bytes per parameter at W=2 with 24 blocks, only to place the first probe.
+A cargohold worker holds its 1/W chunk of the weights in the compute dtype, and an
+exchange buffer of its range in the wire dtype (gradients) and in the compute dtype
+(fetched weights): bf16 weights at W=2 are 1 + (2 + 1) with fp32 gradients on the wire,
+1 + (1 + 1) with bf16. The extra 0.2 is what is in flight (a gathered block and its
+gradients, the fp32 initial values of one unit at registration). Divided by W/2 for
+other W; plain AdamW does not depend on W."""
+BASE_BYTES = {"plain": 350 << 20, "cargohold": 650 << 20}
+"""Rough runtime resident memory, only to place the first probe."""
+SAMPLE_S = 0.05
 
 
+# --- reading process memory -------------------------------------------------------------
 def peak_rss(status: str, field: str = "VmHWM") -> int:
-    """VmHWM (or another Vm field) in bytes from the text of /proc/<pid>/status."""
+    """VmHWM (or another Vm/Rss field) in bytes from the text of /proc/<pid>/status."""
     line = next(line for line in status.splitlines() if line.startswith(field + ":"))
     return int(line.split()[1]) * 1024
 
 
+def _read(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return None
+
+
+def exchange_rss(pid: int) -> int:
+    """Resident bytes of the process's mappings of files in /dev/shm (``smaps``)."""
+    total, in_shm = 0, False
+    for line in (_read(f"/proc/{pid}/smaps") or "").splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header
+            in_shm = len(fields) >= 6 and fields[5].startswith("/dev/shm/")
+        elif in_shm and fields[:1] == ["Rss:"]:
+            total += int(fields[1]) * 1024
+    return total
+
+
+@dataclass
+class ProcessTrace:
+    """What the sampler saw of one process."""
+
+    pid: int
+    role: str
+    """worker, server or driver."""
+    hwm: int = 0
+    rss: int = 0
+    """VmRSS after the step (:meth:`RayProcessWatch.freeze_rss`)."""
+    shared: int = 0
+    """The part of ``rss`` that maps files in /dev/shm: the workers' exchange buffers,
+    counted in the RSS of the worker and of the co-located server alike."""
+    peak_during: str = ""
+    """The call (method of the actor) running when VmHWM last rose."""
+    hwm_after: dict[str, int] = field(default_factory=dict)
+    """VmHWM when each call was last seen running: the peak reached up to and during it."""
+    last_call: str = "start"
+
+
+class RayProcessWatch:
+    """Samples every descendant of this process whose title names a cargohold actor, so
+    per-process peaks are known without calling into the actors (which run one call at a
+    time). Titles are Ray's ``ray::<Class>.<method>`` (``ray::<Class>`` when idle)."""
+
+    ROLES = {"TrainingWorker": "worker", "StateServer": "server"}
+
+    def __init__(self, interval: float = SAMPLE_S) -> None:
+        self.interval = interval
+        self.traces: dict[int, ProcessTrace] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-watch")
+        self._known_other: set[int] = set()
+        self._frozen = False
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> RayProcessWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+    def freeze_rss(self) -> None:
+        """Sample now and keep each process's RSS as it is (after the step, before teardown)."""
+        self.sample()
+        self._frozen = True
+
+    def by_role(self, role: str) -> list[ProcessTrace]:
+        return sorted((t for t in self.traces.values() if t.role == role), key=lambda t: t.pid)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def sample(self) -> None:
+        with self._lock:
+            self._sample()
+
+    def _sample(self) -> None:
+        for pid in self._descendants(os.getpid()):
+            if pid in self._known_other:
+                continue
+            title = (_read(f"/proc/{pid}/cmdline") or "").split("\0")[0]
+            actor = title.removeprefix("ray::").split(".")[0].split(" ")[0] if title.startswith("ray::") else ""
+            role = self.ROLES.get(actor)
+            if role is None:
+                if title and "python" not in title and not title.startswith("ray::"):
+                    self._known_other.add(pid)  # raylet, gcs: never an actor (Python workers are renamed later)
+                continue
+            status = _read(f"/proc/{pid}/status")
+            if status is None or "VmHWM:" not in status:  # gone, or a zombie (no memory left)
+                continue
+            trace = self.traces.setdefault(pid, ProcessTrace(pid, role))
+            # Between calls the title is the bare class: a rise seen then happened at the
+            # end of the call seen last (or in what little runs between calls).
+            call = title.removeprefix(f"ray::{actor}").lstrip(".").split("(")[0] or trace.last_call
+            hwm = peak_rss(status)
+            if hwm > trace.hwm:
+                trace.peak_during = call
+            trace.hwm, trace.last_call = hwm, call
+            trace.hwm_after[call] = hwm
+            if not self._frozen:
+                trace.rss = peak_rss(status, "VmRSS")
+                trace.shared = exchange_rss(pid)
+
+    @staticmethod
+    def _descendants(root: int) -> list[int]:
+        children: dict[int, list[int]] = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            stat = _read(f"/proc/{entry.name}/stat")
+            if stat is None:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+        out, todo = [], [root]
+        while todo:
+            for child in children.get(todo.pop(), []):
+                out.append(child)
+                todo.append(child)
+        return out
+
+
+def start_local_ray(num_cpus: int) -> None:
+    import ray
+
+    # address="local": never join a cluster someone else started on this machine.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False)
+
+
+def remove_shared_memory(run_id: str) -> None:
+    """Exchange buffers a failed session left in /dev/shm."""
+    for path in glob.glob(f"/dev/shm/*{run_id}*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+# --- the models -------------------------------------------------------------------------
 def gpt_config(n_layer: int, width: int) -> GPTConfig:
     return GPTConfig(vocab_size=256, block_size=BLOCK, n_layer=n_layer, n_head=width // 64, n_embd=width)
 
 
-def params_of(config: GPTConfig) -> int:
+def params_of(n_layer: int, width: int) -> int:
     with torch.device("meta"):
-        return num_parameters(GPT(config))
+        return num_parameters(GPT(gpt_config(n_layer, width)))
 
 
 # --- plain AdamW, one process --------------------------------------------------------
-def plain_probe(n_layer: int, width: int) -> None:
-    """Run in a child process: train 2 steps, print the peak RSS as JSON."""
+def plain_probe(n_layer: int, width: int) -> dict:
+    """Run in a child process: train 2 steps, return the peak RSS."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT(gpt_config(n_layer, width)).train()
@@ -72,128 +250,286 @@ def plain_probe(n_layer: int, width: int) -> None:
         _, loss = model(x, x)
         loss.backward()
         optimizer.step()
-    with open("/proc/self/status") as f:
-        print(json.dumps({"peak": peak_rss(f.read())}))
+    return {"worker": peak_rss(_read("/proc/self/status"))}
 
 
-def measure_plain(n_layer: int, width: int, _dtype: str) -> dict[str, int]:
-    out = subprocess.run([sys.executable, __file__, "--probe-plain", f"{n_layer},{width}"],
-                         capture_output=True, text=True, timeout=600, check=True)
-    return {"worker": json.loads(out.stdout.strip().splitlines()[-1])["peak"]}
+# --- cargohold: W workers + 1 state server ----------------------------------------------------
+def cargohold_overrides(n_layer: int, width: int, workers: int, dtype: str, wire: str,
+                        tier: str | None = None, budget: int = 0) -> list[str]:
+    overrides = [
+        "steps=1", "progress=false", "metrics.enabled=false",
+        f"model.n_layer={n_layer}", f"model.n_embd={width}", f"model.n_head={width // 64}",
+        f"model.block_size={BLOCK}", "data.batch_size=1", "data.corpus_bytes=200000",
+        f"worker.compute_dtype={dtype}", f"worker.grad_wire_dtype={wire}",
+        f"worker.num_workers={workers}", "worker.torch_threads=1", "state_server.num_servers=1",
+        "cluster.startup_timeout_s=1200", "state_server.rpc_timeout_s=1200",
+    ]
+    if tier:
+        overrides += [f"state_server.tier.nvme_paths=[{tier}]", f"state_server.tier.ram_budget_bytes={budget}"]
+    return overrides
 
 
-# --- cargohold, 2 workers + 1 state server -----------------------------------------------
-def measure_cargohold(n_layer: int, width: int, dtype: str) -> dict[str, int]:
+def run_session(overrides: list[str], workers: int) -> dict:
+    """Start Ray in this process, run one step of a session under a
+    :class:`RayProcessWatch`, and report every process's memory (this one's too)."""
     import ray
 
     from cargohold.cluster.config import load_config
     from cargohold.cluster.launcher import TrainingSession
 
-    config = load_config(None, [
-        "steps=1", "progress=false", "metrics.enabled=false",
-        f"model.n_layer={n_layer}", f"model.n_embd={width}", f"model.n_head={width // 64}",
-        f"model.block_size={BLOCK}", "data.batch_size=1", "data.corpus_bytes=200000",
-        f"worker.compute_dtype={dtype}", f"worker.grad_wire_dtype={dtype}",
-        "worker.num_workers=2", "worker.torch_threads=1", "state_server.num_servers=1",
-    ])
-    read_status = lambda actor: open("/proc/self/status").read()  # noqa: E731 (runs inside the actor)
-    with TrainingSession(config) as session:
-        session.step()
-        workers = ray.get([w.__ray_call__.remote(read_status) for w in session.workers])
-        servers = ray.get([s.__ray_call__.remote(read_status) for s in session.servers])
-        buffers = session.worker_resident_bytes()
-    return {"worker": max(peak_rss(s) for s in workers), "server": max(peak_rss(s) for s in servers),
-            "steady": max(peak_rss(s, "VmRSS") for s in workers), "buffers": sum(buffers.values())}
+    run_id = f"bench-{os.getpid()}-{int(time.time())}"
+    config = load_config(None, [*overrides, f"run_id={run_id}"])
+    start_local_ray(workers + 1)
+    timings = {}
+    try:
+        with RayProcessWatch() as watch:
+            started = time.perf_counter()
+            with TrainingSession(config) as session:
+                timings["start_s"] = time.perf_counter() - started
+                started = time.perf_counter()
+                report = session.step()
+                timings["step_s"] = time.perf_counter() - started
+                buffers = ray.get([w.resident_bytes.remote() for w in session.workers])
+                watch.freeze_rss()
+    finally:
+        ray.shutdown()
+        remove_shared_memory(run_id)
+        for path in config.state_server.tier.nvme_paths:
+            shutil.rmtree(Path(path) / run_id, ignore_errors=True)
+    trace = lambda t: {"hwm": t.hwm, "rss": t.rss, "shared": t.shared, "peak_during": t.peak_during,  # noqa: E731
+                       "hwm_after": t.hwm_after}
+    return {
+        "workers": [trace(t) for t in watch.by_role("worker")],
+        "servers": [trace(t) for t in watch.by_role("server")],
+        "driver": peak_rss(_read("/proc/self/status")),
+        "buffers": buffers, "phases": report.phases, "loss": report.loss, **timings,
+    }
+
+
+def cargohold_probe(n_layer: int, width: int, workers: int, dtype: str, wire: str, tier: str | None = None,
+                    budget: int = 0) -> dict:
+    result = run_session(cargohold_overrides(n_layer, width, workers, dtype, wire, tier, budget), workers)
+    if len(result["workers"]) != workers:
+        raise RuntimeError(f"watched {len(result['workers'])} worker processes, expected {workers}")
+    result["worker"] = max(w["hwm"] for w in result["workers"])
+    return result
 
 
 # --- the search -------------------------------------------------------------------------
-def search(approach: str, dtype: str, limit: int, n_layer: int, probes: int) -> list[tuple[int, int, dict]]:
-    """Binary search over widths; returns (width, params, measurement) of every probe."""
-    key = "plain" if approach == "plain" else (approach, dtype)
-    widths = [w for w in range(128, 8193, 64)
-              if BASE_BYTES + ESTIMATE_BYTES_PER_PARAM[key] * params_of(gpt_config(n_layer, w)) < 1.6 * limit]
-    measure = measure_plain if approach == "plain" else measure_cargohold
-    lo, hi = -1, len(widths)  # widths[lo] fits, widths[hi] does not (sentinels)
-    probed = []
-    for _ in range(probes):
-        if hi - lo <= 1:
-            break
-        mid = (lo + hi) // 2
-        width = widths[mid]
+@dataclass
+class Search:
+    """One configuration: an approach, and for cargohold W, dtypes, the server's tier and
+    the workers' environment."""
+
+    approach: str
+    workers: int = 1
+    dtype: str = "float32"
+    wire: str = "float32"
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of the probe process (Ray's processes inherit it)."""
+    tier: str | None = None
+    """The state server's NVMe-tier folder (None: all its state in RAM)."""
+    budget: int = 0
+    runtime: dict | None = None
+    probes: list[tuple[int, int, dict]] = field(default_factory=list)
+    """(width, params, result) of every probe but the runtime one."""
+
+    @property
+    def label(self) -> str:
+        if self.approach == "plain":
+            return "plain AdamW fp32"
+        extra = "".join(f", {k}={v}" for k, v in self.env.items())
+        return f"cargohold {_short(self.dtype)} W={self.workers}, wire {_short(self.wire)}{extra}"
+
+    def fitting(self, limit: int) -> list[tuple[int, int, dict]]:
+        return [p for p in self.probes if p[2]["worker"] is not None and p[2]["worker"] <= limit]
+
+    def measure(self, n_layer: int, width: int) -> dict:
+        """One probe in a fresh child process (its own Ray, nothing left from earlier probes)."""
+        spec = {"approach": self.approach, "n_layer": n_layer, "width": width}
+        if self.approach != "plain":
+            spec.update(workers=self.workers, dtype=self.dtype, wire=self.wire, tier=self.tier, budget=self.budget)
+        out = subprocess.run([sys.executable, __file__, "--probe", json.dumps(spec)], capture_output=True, text=True,
+                             timeout=1800, env={**os.environ, **self.env})
+        if out.returncode != 0:
+            return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:] or ["?"], "worker": None}
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def prior(self) -> tuple[float, float]:
+        """(bytes per parameter, base bytes) before any probe of this configuration."""
+        if self.approach == "plain":
+            return ESTIMATE_BYTES_PER_PARAM["plain"], BASE_BYTES["plain"]
+        return ESTIMATE_BYTES_PER_PARAM[(self.dtype, self.wire)] * 2 / self.workers, BASE_BYTES["cargohold"]
+
+
+def _short(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+
+
+def next_width(search: Search, limit: int, n_layer: int) -> int | None:
+    """The widest candidate predicted to fit, strictly between the bracket's ends."""
+    fits = [w for w, _, r in search.probes if r["worker"] is not None and r["worker"] <= limit]
+    fails = [w for w, _, r in search.probes if r["worker"] is None or r["worker"] > limit]
+    lo, hi = max(fits, default=0), min(fails, default=WIDTHS[-1] + 64)
+    inside = [w for w in WIDTHS if lo < w < hi]
+    if not inside:
+        return None
+    points = [(p, r["worker"]) for _, p, r in search.probes if r["worker"] is not None]
+    if points:
+        points.append((params_of(n_layer, TINY_WIDTH), search.runtime["worker"]))
+        slope, base = fit_line(points)
+    else:
+        slope, base = search.prior()
+        base = search.runtime["worker"] + 0.1 * 2**30 if search.runtime else base
+    predicted = [w for w in inside if base + slope * params_of(n_layer, w) <= limit]
+    return predicted[-1] if predicted else inside[0]
+
+
+def fit_line(points: list[tuple[int, int]]) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of y against x."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / spread if spread else 0.0
+    return slope, my - slope * mx
+
+
+def run_search(search: Search, limit: int, n_layer: int, probes: int, runtimes: dict,
+               widths: list[int] | None = None) -> None:
+    """``runtimes`` caches the width-64 probe per (approach, W, environment): the wire dtype
+    changes nothing at 1.3M parameters. ``widths``: probe exactly these instead of searching."""
+    gib = 2**30
+    key = (search.approach, search.workers, tuple(sorted(search.env.items())))
+    if key not in runtimes:
         started = time.perf_counter()
-        result = measure(n_layer, width, dtype)
-        params = params_of(gpt_config(n_layer, width))
-        probed.append((width, params, result))
-        fits = result["worker"] <= limit
-        steady = f" (RSS after the step {result['steady'] / 2**30:.2f} GiB)" if "steady" in result else ""
-        print(f"  {approach:9} width {width:5} {params / 1e6:7.1f}M params: worker peak "
-              f"{result['worker'] / 2**30:5.2f} GiB{steady} -> {'fits' if fits else 'too big'} "
+        runtimes[key] = search.measure(n_layer, TINY_WIDTH)
+        print(f"  {search.label}: runtime (width {TINY_WIDTH}) worker peak "
+              f"{runtimes[key]['worker'] / gib:.2f} GiB ({time.perf_counter() - started:.0f}s)", flush=True)
+    search.runtime = runtimes[key]
+    for index in range(len(widths) if widths else probes):
+        width = widths[index] if widths else next_width(search, limit, n_layer)
+        if width is None:
+            break
+        started = time.perf_counter()
+        result = search.measure(n_layer, width)
+        params = params_of(n_layer, width)
+        search.probes.append((width, params, result))
+        if result["worker"] is None:
+            print(f"  {search.label}: width {width} {params / 1e6:.1f}M failed: {result['error']}", flush=True)
+            continue
+        print(f"  {search.label}: width {width:5} {params / 1e6:7.1f}M  {describe(result, limit)} "
               f"({time.perf_counter() - started:.0f}s)", flush=True)
-        lo, hi = (mid, hi) if fits else (lo, mid)
-    return probed
+
+
+def describe(result: dict, limit: int) -> str:
+    gib = 2**30
+    text = f"worker peak {result['worker'] / gib:5.2f} GiB -> {'fits' if result['worker'] <= limit else 'too big'}"
+    if "workers" in result:
+        top = max(result["workers"], key=lambda w: w["hwm"])
+        calls = ", ".join(f"{call} {hwm / gib:.2f}" for call, hwm in top["hwm_after"].items())
+        server = max(result["servers"], key=lambda s: s["hwm"])
+        peaks = ", ".join(f"{w['hwm'] / gib:.2f}" for w in result["workers"])
+        text += (f"; peak during {top['peak_during']} (VmHWM after each call: {calls}); RSS after the step "
+                 f"{top['rss'] / gib:.2f}, {top['shared'] / gib:.2f} of it in /dev/shm (every worker's peak: "
+                 f"{peaks}); server peak {server['hwm'] / gib:.2f} GiB, RSS after the step {server['rss'] / gib:.2f}, "
+                 f"{server['shared'] / gib:.2f} of it the workers' exchange buffers in /dev/shm; "
+                 f"start {result['start_s']:.0f}s, step {result['step_s']:.0f}s")
+    return text
+
+
+def report(searches: list[Search], limit: int) -> None:
+    gib = 2**30
+    width = max([len(s.label) for s in searches] + [13])
+    print(f"\n{'configuration':{width}} {'largest fitting':>17} {'worker peak':>11} {'runtime':>8} {'B/param':>8} "
+          f"{'buffers':>8} {'slope':>6} {'server peak':>12}")
+    best = {}
+    for search in searches:
+        fitting = search.fitting(limit)
+        if not fitting:
+            print(f"{search.label:{width}} {'none probed fits':>17}")
+            continue
+        model_width, params, result = max(fitting, key=lambda p: p[1])
+        best[search.label] = (search, params)
+        runtime = search.runtime["worker"]
+        buffers = f"{sum(result['buffers'][0].values()) / params:8.2f}" if "buffers" in result else f"{'-':>8}"
+        server = f"{'-':>12}"
+        if "servers" in result:
+            top = max(result["servers"], key=lambda s: s["hwm"])
+            server = f"{top['hwm'] / gib:8.2f} GiB ({(top['hwm'] - top['shared']) / gib:.2f} without /dev/shm)"
+        if search.tier:
+            server += f" (NVMe tier, {search.budget / gib:.0f} GiB RAM budget)"
+        measured = [(p, r["worker"]) for _, p, r in search.probes if r["worker"] is not None]
+        slope = fit_line(measured)[0] if len({p for p, _ in measured}) >= 2 else float("nan")
+        print(f"{search.label:{width}} {params / 1e6:10.1f}M w{model_width:<5} {result['worker'] / gib:7.2f} GiB "
+              f"{runtime / gib:4.2f} GiB {(result['worker'] - runtime) / params:8.2f} {buffers} {slope:6.2f} {server}")
+    plain = next((params for s, params in best.values() if s.approach == "plain"), None)
+    for label, (search, params) in best.items():
+        if plain and search.approach != "plain":
+            print(f"RATIO {label} / plain AdamW, largest model = {params / plain:.2f}")
+    for label, (search, params) in best.items():
+        twin = next((p for s, p in best.values() if s.approach == search.approach and s.workers == 2
+                     and (s.dtype, s.wire, s.env) == (search.dtype, search.wire, search.env)), None)
+        if search.workers > 2 and twin:
+            print(f"RATIO {label} / the same at W=2, largest model = {params / twin:.2f} "
+                  f"(W ratio {search.workers / 2:.0f})")
+    print(f"B/param = (worker peak - runtime) / params, with everything in flight; plain AdamW holds "
+          f"{PLAIN_BYTES_PER_PARAM} B/param of tensors. buffers = resident_bytes() (weights + exchange) / params. "
+          f"slope = least-squares bytes per extra parameter over the probes. runtime = the worker peak at width "
+          f"{TINY_WIDTH}. The search resolves widths only to the probes it made.")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit-gib", type=float, default=2.0, help="per-worker memory limit")
     parser.add_argument("--approaches", default="plain,cargohold")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="cargohold's compute and gradient dtype (plain AdamW is always fp32)")
-    parser.add_argument("--n-layer", type=int, default=12)
-    parser.add_argument("--probes", type=int, default=4, help="runs per approach")
-    parser.add_argument("--probe-plain", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                        help="cargohold's compute dtype (plain AdamW is always fp32)")
+    parser.add_argument("--wire", default="float32,bfloat16", help="gradient wire dtypes to try (comma-separated)")
+    parser.add_argument("--workers", default="2,4", help="cargohold worker counts to try (comma-separated)")
+    parser.add_argument("--n-layer", type=int, default=24)
+    parser.add_argument("--probes", type=int, default=3, help="probes per configuration after the runtime one")
+    parser.add_argument("--widths", help="probe exactly these widths (comma-separated) instead of searching")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="environment of cargohold's processes (e.g. MALLOC_MMAP_THRESHOLD_=131072)")
+    parser.add_argument("--server-ram-gib", type=float, default=12.0,
+                        help="a configuration whose state server would need more (20 B/param at the largest "
+                             "candidate the prior predicts) runs it with an NVMe tier")
+    parser.add_argument("--tier-path", default="/tmp/cargohold-capacity", help="folder for that NVMe tier")
+    parser.add_argument("--tier-budget-gib", type=float, default=2.0, help="RAM budget of that tier")
+    parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.probe_plain:
-        plain_probe(*(int(v) for v in args.probe_plain.split(",")))
+    if args.probe:
+        spec = json.loads(args.probe)
+        if spec.pop("approach") == "plain":
+            print(json.dumps(plain_probe(**spec)))
+        else:
+            print(json.dumps(cargohold_probe(**spec)))
         return
 
     limit = int(args.limit_gib * 2**30)
-    approaches = args.approaches.split(",")
-    print(f"limit {args.limit_gib} GiB per worker; GPT n_layer={args.n_layer}, vocab 256, block {BLOCK}")
-    owns_ray = False
-    if "cargohold" in approaches:
-        import ray
-
-        owns_ray = not ray.is_initialized()
-        if owns_ray:
-            # address="local": never join a cluster someone else started on this machine.
-            ray.init(address="local", num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1",
-                     log_to_driver=False)
+    env = dict(item.split("=", 1) for item in args.env)
+    searches = []
+    if "plain" in args.approaches.split(","):
+        searches.append(Search("plain"))
+    if "cargohold" in args.approaches.split(","):
+        for workers in (int(w) for w in args.workers.split(",")):
+            for wire in args.wire.split(","):
+                search = Search("cargohold", workers, args.dtype, wire, env)
+                slope, base = search.prior()
+                largest = (limit - base) / slope
+                if 20 * largest > args.server_ram_gib * 2**30:
+                    search.tier, search.budget = args.tier_path, int(args.tier_budget_gib * 2**30)
+                searches.append(search)
+    print(f"limit {args.limit_gib} GiB per worker; GPT n_layer={args.n_layer}, vocab 256, block {BLOCK}; "
+          f"load average {Path('/proc/loadavg').read_text().split()[0]}", flush=True)
+    runtimes: dict = {}
     try:
-        found = {a: search(a, args.dtype, limit, args.n_layer, args.probes) for a in approaches}
+        for search in searches:
+            run_search(search, limit, args.n_layer, args.probes, runtimes,
+                       [int(w) for w in args.widths.split(",")] if args.widths else None)
     finally:
-        if owns_ray:
-            ray.shutdown()
-
-    print(f"\n{'approach':22} {'largest fitting':>16} {'worker peak':>12} {'B/param':>8} {'marginal':>9} "
-          f"{'server peak':>12}")
-    best = {}
-    for approach, probed in found.items():
-        label = approach if approach == "plain" else f"cargohold {args.dtype}"
-        fitting = [p for p in probed if p[2]["worker"] <= limit]
-        if not fitting:
-            print(f"{label:22} {'none probed fits':>16}")
-            continue
-        width, params, result = max(fitting, key=lambda p: p[1])
-        best[approach] = params
-        server = f"{result['server'] / 2**30:10.2f} GiB" if "server" in result else f"{'-':>12}"
-        print(f"{label:22} {params / 1e6:11.1f}M w{width:<4} {result['worker'] / 2**30:8.2f} GiB "
-              f"{result['worker'] / params:8.1f} {marginal(probed):>9} {server}")
-    if len(best) == 2:
-        print(f"RATIO cargohold / plain largest model = {best['cargohold'] / best['plain']:.2f}")
-    print("worker peak = VmHWM of the process (interpreter, torch, gRPC, Ray included); B/param = "
-          "that peak / params; marginal = bytes per extra parameter and fixed base, fitted over the "
-          "probes. The search resolves widths only to the probes it made.")
-
-
-def marginal(probed: list[tuple[int, int, dict]]) -> str:
-    """'slope B/param + base GiB' of peak against params over the probes (least squares)."""
-    if len({p[1] for p in probed}) < 2:
-        return "-"
-    xs, ys = [p[1] for p in probed], [p[2]["worker"] for p in probed]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return f"{slope:.1f}+{(my - slope * mx) / 2**30:.2f}G"
+        shutil.rmtree(args.tier_path, ignore_errors=True)
+    report(searches, limit)
 
 
 if __name__ == "__main__":

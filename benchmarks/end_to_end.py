@@ -2,15 +2,27 @@
 
     python benchmarks/end_to_end.py                       # examples/demo.yaml, 6 steps, 2 warm-up
     python benchmarks/end_to_end.py --steps 8 --set data.batch_size=4
+    python benchmarks/end_to_end.py --variants zero3,zero2
 
 cargohold runs through ``TrainingSession(config).step()`` (Ray in this process, the
-config's workers and state servers, RAM tier), once with ``worker.overlap=true`` and once
-with ``worker.overlap=false``; each step's ``StepReport`` (rank 0) gives the step time
-and its phases: compute (forward/backward), reduce (reduce-scatter and the norm
-all-reduce), push (waiting for the pushes, the server's update and the fetches) and
-gather (all-gather of the weights). The baseline is the same model, initialisation, data
-and optimizer settings in this one process: forward/backward on the global batch
-(num_workers x batch_size sequences at once), clipping and
+config's workers and state servers, RAM tier) once per variant:
+
+* zero3: ``worker.reshard_after_forward=true`` (the default): each block's weights are
+  all-gathered for its forward, freed, and gathered again for its backward;
+* zero2: ``worker.reshard_after_forward=false``: gathered once, kept from forward to
+  backward (one all-gather per block instead of two, every block's full weights resident);
+* zero3+ac: zero3 with ``worker.activation_checkpointing=blocks`` (each block's forward
+  run again in backward);
+* zero2+ac: the same on zero2.
+
+Each step's ``StepReport`` (rank 0) gives the step time and its phases: compute (forward
+and backward, FSDP2's all-gathers and reduce-scatters, the copies of reduced gradients
+into the exchange buffer and the pushes issued meanwhile), reduce (waiting for the pushes,
+and the all-reduce of the gradient norm), update (commit and fetch of every segment, and
+the copy of the fetched weights into FSDP2's shards). The peak resident set (VmHWM) of
+the largest worker process is read as in ``capacity.py``. The baseline is the same model,
+initialisation, data and optimizer settings in this one process: forward/backward on the
+global batch (num_workers x batch_size sequences at once), clipping and
 ``torch.optim.AdamW(fused=True)``, with 1 thread and with every core. The first
 ``--warmup`` steps of each are left out. Nothing is asserted.
 
@@ -33,20 +45,29 @@ import torch
 from cargohold.cluster.config import TrainConfig, load_config
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.services.data import batch_for_step, load_tokens
-from cargohold.services.worker import build_model
+from cargohold.services.models.build import build_model
+from capacity import RayProcessWatch
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
-PHASES = ("compute", "reduce", "push", "gather")
+PHASES = ("compute", "reduce", "update")
+VARIANTS = {
+    "zero3": ["worker.reshard_after_forward=true", "worker.activation_checkpointing=off"],
+    "zero2": ["worker.reshard_after_forward=false", "worker.activation_checkpointing=off"],
+    "zero3+ac": ["worker.reshard_after_forward=true", "worker.activation_checkpointing=blocks"],
+    "zero2+ac": ["worker.reshard_after_forward=false", "worker.activation_checkpointing=blocks"],
+}
 
 
 def run_cargohold(config: TrainConfig, warmup: int) -> dict[str, float]:
-    """Mean step seconds and phase seconds (rank 0) over the steps after the warm-up."""
+    """Mean step seconds and phase seconds (rank 0) over the steps after the warm-up, and
+    the largest worker's peak resident set."""
     reports = []
-    with TrainingSession(config) as session:
+    with RayProcessWatch() as watch, TrainingSession(config) as session:
         for _ in range(config.steps):
             reports.append(session.step())
     kept = reports[warmup:]
-    result = {"step": statistics.mean(r.seconds for r in kept)}
+    result = {"step": statistics.mean(r.seconds for r in kept),
+              "peak": max(t.hwm for t in watch.by_role("worker"))}
     for phase in PHASES:
         result[phase] = statistics.mean(r.phases.get(phase, 0.0) for r in kept)
     return result
@@ -90,20 +111,22 @@ def main() -> None:
     parser.add_argument("--config", default=str(DEMO))
     parser.add_argument("--steps", type=int, default=6, help="steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the means")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override for every run (repeatable)")
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
-    base = [f"steps={args.steps}", "progress=false", *args.overrides]
-    variants = {
-        "overlap on": load_config(args.config, [*base, "worker.overlap=true"]),
-        "overlap off": load_config(args.config, [*base, "worker.overlap=false"]),
-    }
-    config = variants["overlap on"]
+    names = args.variants.split(",")
+    if unknown := [n for n in names if n not in VARIANTS]:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    base = [f"steps={args.steps}", "progress=false", "metrics.enabled=false"]
+    variants = {name: load_config(args.config, [*base, *VARIANTS[name], *args.overrides]) for name in names}
+    config = load_config(args.config, [*base, *args.overrides])
     cores = os.cpu_count() or 1
+    print(f"load average {Path('/proc/loadavg').read_text().split()[0]}", flush=True)
 
-    # One Ray for both runs (sessions then leave it running). address="local": a cluster
+    # One Ray for every run (sessions then leave it running). address="local": a cluster
     # another process started on this machine (ray start) must not be joined.
     needed = config.worker.num_workers * config.worker.cpus + config.state_server.num_servers * config.state_server.cpus
     owns_ray = not ray.is_initialized()
@@ -117,25 +140,28 @@ def main() -> None:
             ray.shutdown()
     in_memory = {threads: run_in_memory(config, args.warmup, threads) for threads in sorted({1, cores})}
 
-    m = config.model
+    m, w = config.model, config.worker
     print(f"\nmodel: GPT n_layer={m.n_layer} n_embd={m.n_embd} block={m.block_size}; "
-          f"{config.worker.num_workers} workers x batch {config.data.batch_size} "
-          f"({config.worker.torch_threads} thread each), {config.state_server.num_servers} state server(s) "
-          f"({config.state_server.torch_threads} thread); {cores} cores shared by all of them")
+          f"{w.num_workers} workers x batch {config.data.batch_size} ({w.torch_threads} thread each, compute "
+          f"{w.compute_dtype}, wire {w.grad_wire_dtype}), {config.state_server.num_servers} state server(s) "
+          f"({config.state_server.torch_threads} thread); {cores} cores shared by all of them; load average "
+          f"{Path('/proc/loadavg').read_text().split()[0]} at the end")
     print(f"mean of steps {args.warmup + 1}..{args.steps}, seconds (rank 0's phases)")
-    print(f"{'run':28} {'step':>7} " + " ".join(f"{p:>7}" for p in PHASES) + f" {'wait%':>6}")
+    print(f"{'run':28} {'step':>7} " + " ".join(f"{p:>7}" for p in PHASES) + f" {'update%':>7} {'peak':>9}")
     for name, r in results.items():
         print(f"{'cargohold ' + name:28} {r['step']:7.3f} " + " ".join(f"{r[p]:7.3f}" for p in PHASES)
-              + f" {100 * r['push'] / r['step']:5.1f}%")
+              + f" {100 * r['update'] / r['step']:6.1f}% {r['peak'] / 2**30:5.2f} GiB")
     for threads, seconds in in_memory.items():
         print(f"{f'in-memory AdamW, {threads} thread(s)':28} {seconds:7.3f}")
     best = min(in_memory.values())
     for name, r in results.items():
         print(f"RATIO cargohold {name} / in-memory (best) = {r['step'] / best:.2f}")
-    print("wait% = push phase / step: time rank 0 waited on pushes, the server's update and the "
-          "fetches after its own reduce. With every process on the same few cores this ratio "
-          "reflects CPU contention, not the offload alone.")
-
+    for name, r in results.items():
+        if name != "zero3" and "zero3" in results:
+            print(f"RATIO cargohold {name} / cargohold zero3 = {r['step'] / results['zero3']['step']:.2f}")
+    print("update% = update phase / step: time rank 0 waited for the servers' updates and fetches after its "
+          "own backward. peak = the largest worker's VmHWM. With every process on the same few cores these "
+          "ratios reflect CPU contention, not the offload alone.")
 
 if __name__ == "__main__":
     main()

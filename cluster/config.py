@@ -76,7 +76,7 @@ class OptimConfig:
     nonfinite: Literal["skip", "fail", "ignore"] = "skip"
     """A step whose global gradient norm is NaN or Inf: skip its update (logged, counted in
     cargohold_worker_skipped_steps_total), fail the run, or apply it unchecked. With
-    "ignore" and no clipping, servers apply each bucket while backward still runs."""
+    "ignore" and no clipping, servers apply each unit's gradients while backward still runs."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -115,10 +115,18 @@ class WorkerConfig:
     """Dtype of the weights the worker holds and computes in."""
     grad_wire_dtype: DType = "float32"
     """Dtype gradients are reduced among workers and pushed to state servers in."""
-    bucket_bytes: int = 16 << 20
-    """Gradient bytes (in grad_wire_dtype) reduced and shipped as one bucket."""
-    overlap: bool = True
-    """Reduce and ship each bucket as soon as backward completes it, during backward."""
+    reshard_after_forward: bool = True
+    """Free each block's gathered weights after its forward and gather them again for
+    backward (ZeRO-3); false keeps them from forward to backward (ZeRO-2-like: faster,
+    but every block's full weights stay resident during the step)."""
+    offload_params: bool = False
+    """Keep the sharded weights and gradients in host memory (pinned on GPU nodes) and copy
+    each block to the device only for its forward and backward (ZeRO-Infinity's
+    offload_param): device memory then holds the blocks in flight and the activations.
+    On CPU workers the device is host memory already: nothing moves (the path still runs)."""
+    activation_checkpointing: Literal["off", "blocks"] = "off"
+    """blocks: keep only each transformer block's input in forward and recompute the rest
+    in backward (torch's activation checkpointing), trading compute for memory."""
     delayed_update: bool = False
     """One-step delayed parameter update (ZeRO-Offload's DPU): step t computes on the
     weights of update t-2 while update t-1 finishes. Hides the update; changes the
@@ -141,7 +149,6 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         _positive("worker.num_workers", self.num_workers)
         _positive("worker.torch_threads", self.torch_threads)
-        _positive("worker.bucket_bytes", self.bucket_bytes)
         _non_negative("worker.delayed_update_after_steps", self.delayed_update_after_steps)
         _non_negative("worker.cpus", self.cpus)
         _non_negative("worker.gpus", self.gpus)

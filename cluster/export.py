@@ -31,10 +31,10 @@ from safetensors.torch import load_file, save_file
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.errors import ConfigError, ExportError
-from cargohold.services.layout import ShardLayout, parameter_views
+from cargohold.services.layout import ShardLayout, gather_params
+from cargohold.services.models.build import build_model
 from cargohold.services.models.gpt import GPT, GPTConfig
 from cargohold.services.models.hf import hf_name
-from cargohold.services.worker import build_model
 
 WEIGHTS_FILE = "model.safetensors"
 GPT_CONFIG_FILE = "cargohold_gpt.json"
@@ -66,12 +66,13 @@ def export_weights(config: TrainConfig, layout: ShardLayout, flat: torch.Tensor,
                           f"{flat.dtype} of shape {tuple(flat.shape)}")
     with torch.device("meta"):  # names and shapes only
         model = build_model(config)
-    expected = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-    if expected != [(p.name, p.shape) for p in layout.params]:
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if expected != {p.name: p.shape for p in layout.params}:
         raise ExportError("the layout does not match the model the config describes; export with the "
                           "config the run trained")
     out = Path(out_dir)
-    weights = dict(zip((p.name for p in layout.params), parameter_views(layout, flat.cpu())))
+    gathered = gather_params(layout, flat.cpu())
+    weights = {name: gathered[name] for name in expected}  # the model's order, not the layout's groups
     try:
         out.mkdir(parents=True, exist_ok=True)
         if config.hf.enabled:

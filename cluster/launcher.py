@@ -25,12 +25,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cargohold.cluster.config import TrainConfig, config_hash
 from cargohold.cluster.export import export_weights, master_weights
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
-from cargohold.services.checkpoint import FORMAT_VERSION, CheckpointStore, Manifest, check_compatible
+from cargohold.services.checkpoint import FORMAT_VERSION, MANIFEST_NAME, CheckpointStore, Manifest, check_compatible
 from cargohold.services.errors import CheckpointError, TrainingError
 from cargohold.services.metrics import LauncherMetrics
 from cargohold.services.node import node_ip
+from cargohold.services.reshard import layout_extra, saved_layout, segment_runs
+from cargohold.services.state_port import segment_spec
 from cargohold.services.state_server import StateServer
-from cargohold.services.worker import StepReport, TrainingWorker, build_model, layout_for_config, segment_spec
+from cargohold.services.worker import StepReport, TrainingWorker, model_layout
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ class TrainResult:
     server_addresses: list[str] = field(default_factory=list)
     metrics_addresses: list[str] = field(default_factory=list)
     worker_resident_bytes: dict[str, int] = field(default_factory=dict)
-    """Bytes rank 0 holds for training, by kind (weights, gradients, grad_shard)."""
+    """Bytes rank 0 holds for training, by kind (weights, exchange)."""
     checkpoints: list[Path] = field(default_factory=list)
     checkpoint_stall_seconds: list[float] = field(default_factory=list)
     """How long each checkpoint held training up (the snapshot, not the writing)."""
@@ -84,8 +86,7 @@ class TrainingSession:
         """``resume``: a complete checkpoint folder to restore the servers' state from."""
         self.config = config
         self.resume = resume
-        with torch.device("meta"):
-            self.layout = layout_for_config(config, build_model(config))
+        _, _, self.layout = model_layout(config)
         self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.step_count = 0
         self.servers: list = []
@@ -173,14 +174,17 @@ class TrainingSession:
             write_file_sd(cfg.metrics.file_sd_path, self.run_id, targets)
 
     def _restore(self, directory: Path, timeout: float) -> tuple[int, int]:
-        """Restore every server's segments from a checkpoint; returns (updates, data step)."""
+        """Restore every server's segments from a checkpoint, whatever layout saved it;
+        returns (updates, data step)."""
         manifest = CheckpointStore(directory.parent).load(directory)
+        saved = saved_layout(manifest, str(directory / MANIFEST_NAME))
         check_compatible(manifest, model_signature=[(p.name, p.shape) for p in self.layout.params],
-                         total=self.layout.total, align=self.layout.align)
+                         align=self.layout.align)
         update = int(manifest.extra.get("updates", manifest.step))
         _get([
             server.restore.remote(str(directory), manifest.to_json(),
-                                  [segment_spec(self.config, self.run_id, seg) for seg in self.layout.segments_of_server(i)],
+                                  [(segment_spec(self.config, self.run_id, seg), segment_runs(saved, self.layout, seg))
+                                   for seg in self.layout.segments_of_server(i)],
                                   update)
             for i, server in enumerate(self.servers)
         ], timeout, f"restoring {directory}")
@@ -213,9 +217,7 @@ class TrainingSession:
             total=self.layout.total,
             shards=tuple(sorted((shard for shard, _ in records), key=lambda r: r.start)),
             files=tuple(file for _, file in records),
-            extra={"updates": pending.updates, "align": self.layout.align,
-                   "num_workers": self.config.worker.num_workers,
-                   "num_servers": self.config.state_server.num_servers},
+            extra={"updates": pending.updates, **layout_extra(self.layout)},
         )
         path = store.commit(pending.step, manifest)
         linked = sum(n for _, n in waited)
@@ -232,7 +234,12 @@ class TrainingSession:
         return reports[0]
 
     def worker_weights(self, rank: int = 0) -> torch.Tensor:
-        return ray.get(self.workers[rank].flat_weights_cpu.remote())
+        """Worker ``rank``'s range of the flat space: its newest weights, compute dtype."""
+        return ray.get(self.workers[rank].local_weights.remote())
+
+    def all_worker_weights(self) -> torch.Tensor:
+        """The whole flat space of the workers' newest weights (ranges are in rank order)."""
+        return torch.cat(ray.get([w.local_weights.remote() for w in self.workers]))
 
     def server_snapshots(self) -> list[dict[int, dict[str, torch.Tensor]]]:
         """Every server's full fp32 state by shard id (tests: it is 12 bytes a parameter)."""

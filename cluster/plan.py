@@ -2,6 +2,7 @@
 config and a cluster description, before anything is launched.
 
     cargohold plan --config examples/demo.yaml --host-memory 16GiB
+    cargohold plan --config examples/llama-13b-1gpu.yaml --device-memory 24GiB --host-memory 256GiB --nvme 2TiB
     cargohold plan --config train.yaml --device-memory 80GiB --host-memory 480GiB --nvme 100GiB --json
     cargohold plan --config train.yaml --cluster cluster.yaml      # node groups, see ClusterDescription
 
@@ -9,12 +10,13 @@ Exit status: 0 when every checked resource fits, 3 when one does not (the reason
 printed per resource), 2 for a bad config or cluster description.
 
 Everything is computed from the same code a run uses: the model is built on the meta
-device, laid out by ``layout_for_config`` (what every worker does), and each state
-server's partitions are placed by the tier planner itself (``plan_tiers`` over the same
-``PartitionDemand`` list ``TieredStorage`` builds). So:
+device and cut into FSDP2 units and laid out by ``model_layout`` (what every worker
+does), and each state server's partitions are placed by the tier planner itself
+(``plan_tiers`` over the same ``PartitionDemand`` list ``TieredStorage`` builds). So:
 
-* a worker's **buffers** (``weights``, ``gradients``, ``grad_shard``) are exactly the sizes
-  ``TrainingWorker.resident_bytes()`` reports;
+* a worker's **buffers** (``weights``: its FSDP2 shards, the most any rank holds;
+  ``exchange``: the gradient and weight buffers of its range of the flat space) are
+  exactly the sizes ``TrainingWorker.resident_bytes()`` reports;
 * a state server's **state in RAM / on NVMe** (12 bytes per element) is exactly what it
   reports as ``cargohold_state_resident_bytes{tier}`` once every partition sits in its
   planned tier (partitions move after their first update); the **memory** those
@@ -23,12 +25,25 @@ server's partitions are placed by the tier planner itself (``plan_tiers`` over t
   hold on disk;
 * push and fetch bytes are what the workers count in ``cargohold_transport_*_bytes_total``.
 
+A worker's memory follows FSDP2 (ZeRO-3): between steps it holds its 1/W shards (on the
+device, or in pinned host memory with ``worker.offload_params``) and its exchange
+buffers (host memory). During a step the device also holds, at most, the root unit
+(embeddings, final norm, head: gathered from forward to backward) and two blocks (the
+one computed and the one FSDP2 prefetches; every block with
+``worker.reshard_after_forward: false``) unsharded in the compute dtype, the all-gather
+buffer of the unit arriving, the root's gradients (reduced only when backward ends) and
+one unit's unsharded gradients with FSDP2's reduce-scatter input and output (wire
+dtype), and the activations (all of them, or with ``worker.activation_checkpointing:
+blocks`` each block's input plus one block's recomputed activations).
+
 Estimates and bounds, said as such in the output: activations (a formula, see
-:func:`activation_bytes_estimate`), per-step temporaries (upper bounds: every transfer a
-state server may hold at once), NVMe reads (at most every disk partition; those still in
-a staging buffer from the previous step are not read again). Not counted at all: the
-Python/torch/Ray runtime of each process (~0.5-1 GiB), the CUDA context and allocator
-caching, Ray's object store, and anything else running on the node.
+:func:`activation_bytes_estimate`), units in flight and per-step temporaries (upper
+bounds: everything FSDP2 and the step may hold at once, counted as if at the same
+moment), the state servers' per-step temporaries (every transfer a server may hold at
+once), NVMe reads (at most every disk partition; those still in a staging buffer from
+the previous step are not read again). Not counted at all: the Python/torch/Ray runtime
+of each process (~0.5-1 GiB), the CUDA context and allocator caching and fragmentation,
+NCCL's buffers, Ray's object store, and anything else running on the node.
 """
 
 from __future__ import annotations
@@ -40,7 +55,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +69,9 @@ from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT, elements_per_partition, split_segment
 from cargohold.services.tiers.planner import PartitionDemand, TierPlan, plan_tiers
 from cargohold.services.tiers.residency import PartitionKey, Residency
+
+if TYPE_CHECKING:
+    from cargohold.services.sharding import Unit
 
 EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 3
@@ -166,52 +184,85 @@ class WorkerTraffic:
     """Bytes one worker moves per step."""
 
     reduce_scatter_bytes: int
-    """Sent by each worker reducing the gradients (ring algorithm: (W-1)/W of the buffer, wire dtype)."""
+    """Sent by each worker reducing every unit's gradients (ring: (W-1)/W of each unit's
+    padded size, wire dtype)."""
     all_gather_bytes: int
-    """Sent by each worker gathering the weights (ring: (W-1)/W of the buffer, compute dtype)."""
+    """Sent by each worker gathering the units (ring: (W-1)/W of each unit, compute
+    dtype): every unit in forward, the blocks again in backward when resharded."""
     push_bytes: int
-    """Its gradient shard, to the state servers, in the wire dtype."""
+    """Its range of the gradients, to the state servers, in the wire dtype."""
     fetch_bytes: int
-    """Its weight shard, from the state servers, in the compute dtype."""
+    """Its range of the weights, from the state servers, in the compute dtype."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerPlan:
-    """One worker (all are the same size)."""
+    """One worker: rank 0, which holds the most of FSDP2's uneven dim-0 shards."""
 
     device: str
     """Where it computes: "cuda" or "cpu" (then its device memory is host memory)."""
+    offload: bool
+    """Its weight shards live in host memory (``worker.offload_params`` on a GPU)."""
     buffers: dict[str, int]
-    """The buffers it holds for training, keyed as ``TrainingWorker.resident_bytes()``."""
-    shard_elements: int
-    device_bytes: int
-    """Buffers on the compute device: weights, gradients, gradient and weight shard (the
-    latter two in /dev/shm instead when a state server shares the node, on CPU)."""
+    """What it holds between steps, keyed as ``TrainingWorker.resident_bytes()``: its FSDP2
+    weight shards (compute dtype) and its exchange buffers (gradients in the wire dtype,
+    weights in the compute dtype, ``range_elements`` each)."""
+    range_elements: int
+    """Elements of its range of the flat space (``layout.worker_size``)."""
+    blocks: int
+    """Transformer blocks, each one FSDP2 unit (the root is one more)."""
+    reshard_after_forward: bool
+    """``worker.reshard_after_forward``: blocks are gathered again for backward."""
+    gathered_bytes: int
+    """Units unsharded at once on the device, in the compute dtype (upper bound): the root,
+    the block computed and the one prefetched (every block without
+    ``reshard_after_forward``), and the all-gather buffer of the unit arriving."""
+    gradient_bytes: int
+    """Gradients on the device during backward (upper bound): the root's unsharded
+    gradients (reduced when backward ends) plus the larger of a block's unsharded
+    gradients with its reduce-scatter input and output (wire dtype) and the root's
+    reduce-scatter input and output. None persists: reduced gradients are copied to the
+    exchange buffer and dropped."""
     transient_bytes: int
-    """Per-step temporaries on the device: the bucket cast to the wire dtype (when it
-    differs from the compute dtype) and the fp64 copy of a piece for the norm."""
+    """Other per-step temporaries on the device (upper bound): the fp64 copy of a unit's
+    reduced gradient for the norm, its cast to the weights' dtype when the wire dtype
+    differs, and with offload the shards of the two units in flight copied in."""
     activation_bytes: int
     """Estimate (see activation_bytes_estimate)."""
+    activation_checkpointing: str
+    """``worker.activation_checkpointing``: "off" or "blocks"."""
     pinned_bytes: int
-    """Pinned host memory: the gradient shard's copy for device-to-host transfers (GPU only)."""
+    """Pinned host memory (GPU only): the exchange buffers and the offloaded weight shards."""
     shared_memory_bytes: int
-    """/dev/shm a CPU worker uses when a state server shares its node (part of device_bytes)."""
+    """/dev/shm a CPU worker's exchange buffers use when a state server shares its node."""
+    host_transient_bytes: int
+    """Host memory a step needs beyond the buffers: with offload, FSDP2's host copy of
+    one unit's reduced gradient (dropped at once)."""
     corpus_bytes: int
     """Training text in host memory (at most data.corpus_bytes)."""
     startup_host_bytes: int
-    """Host memory while it starts: the fp32 model and its fp32 initial shard (on CPU,
-    then the flat weights and gradients)."""
+    """Host memory while it starts: the buffers held in host memory, one module's full
+    fp32 initial values and one unit's fp32 initial chunk (registered with the servers a
+    unit at a time); the model itself is only ever built on the meta device."""
     traffic: WorkerTraffic
 
     @property
+    def device_bytes(self) -> int:
+        """Resident on the compute device between steps: the weight shards unless offloaded."""
+        return 0 if self.offload else self.buffers["weights"]
+
+    @property
     def device_peak_bytes(self) -> int:
-        return self.device_bytes + self.transient_bytes + self.activation_bytes
+        return (self.device_bytes + self.gathered_bytes + self.gradient_bytes + self.transient_bytes
+                + self.activation_bytes)
 
     @property
     def host_bytes(self) -> int:
-        """Host memory while training (on CPU everything, on GPU the pinned shard and corpus)."""
+        """Host memory while training: the exchange buffers, offloaded shards, temporaries
+        and corpus; on a CPU also everything the device total counts."""
         on_host = self.device_peak_bytes if self.device == "cpu" else 0
-        return on_host + self.pinned_bytes + self.corpus_bytes
+        offloaded = self.buffers["weights"] if self.offload else 0
+        return on_host + self.buffers["exchange"] + offloaded + self.host_transient_bytes + self.corpus_bytes
 
     @property
     def host_peak_bytes(self) -> int:
@@ -324,8 +375,8 @@ class RunPlan:
         """Plain data for ``--json``, derived totals included."""
         data = dataclasses.asdict(self)
         data["fits"] = self.fits
-        data["worker"].update(device_peak_bytes=self.worker.device_peak_bytes, host_bytes=self.worker.host_bytes,
-                              host_peak_bytes=self.worker.host_peak_bytes)
+        data["worker"].update(device_bytes=self.worker.device_bytes, device_peak_bytes=self.worker.device_peak_bytes,
+                              host_bytes=self.worker.host_bytes, host_peak_bytes=self.worker.host_peak_bytes)
         for out, server in zip(data["servers"], self.servers):
             out.update(ram_bytes=server.ram_bytes, ram_peak_bytes=server.ram_peak_bytes)
         return data
@@ -334,37 +385,38 @@ class RunPlan:
 def plan_run(config: TrainConfig, cluster: ClusterDescription | None = None) -> RunPlan:
     """What ``config`` needs of every tier and moves per step, checked against ``cluster``."""
     cluster = cluster or ClusterDescription()
-    layout, model = _layout(config)
+    model, units, layout = _layout(config)
     device = _worker_device(config, cluster)
     groups = cluster.groups(config)
     transport = _transport(config, device, groups)
-    worker = _plan_worker(config, layout, device, transport, activation_bytes_estimate(config, model))
+    worker = _plan_worker(config, layout, model, device, transport, activation_bytes_estimate(config, model))
     servers = tuple(_plan_server(config, layout, s, transport) for s in range(layout.num_servers))
     checks = _checks(config, cluster, groups, worker, servers)
-    notes = (
-        "activations are an estimate (fused attention, no s x s score matrix); per-step "
-        "temporaries and NVMe reads are upper bounds",
-        "not counted: each process's Python/torch/Ray runtime (~0.5-1 GiB), the CUDA context "
-        "and caching allocator, Ray's object store",
-    )
+    notes = [
+        "activations are an estimate (fused attention, no s x s score matrix); units in flight, "
+        "per-step temporaries and NVMe reads are upper bounds",
+        "not counted: each process's Python/torch/Ray runtime (~0.5-1 GiB), the CUDA context, "
+        "caching allocator and NCCL buffers, Ray's object store",
+    ]
+    if config.worker.offload_params and device == "cpu":
+        notes.append("worker.offload_params does nothing for CPU workers (their weights are in host memory "
+                     "anyway); planned without it")
     return RunPlan(
         parameters=layout.num_real_elements, flat_elements=layout.total, num_workers=layout.num_workers,
         num_servers=layout.num_servers, compute_dtype=config.worker.compute_dtype,
         grad_wire_dtype=config.worker.grad_wire_dtype, transport=transport, worker=worker, servers=servers,
-        checks=checks, notes=notes,
+        checks=checks, notes=tuple(notes),
         checkpoint_keep_last=config.checkpoint.keep_last if config.checkpoint.dir is not None else 0,
     )
 
 
-def _layout(config: TrainConfig) -> tuple[ShardLayout, torch.nn.Module]:
-    """The layout every worker computes, from the model ``build_model`` makes, built on the
-    meta device (shapes only; nothing allocated, nothing read)."""
-    from cargohold.services.worker import build_model, layout_for_config
+def _layout(config: TrainConfig) -> tuple[torch.nn.Module, list[Unit], ShardLayout]:
+    """The meta-device model, its FSDP2 units and the layout every worker computes
+    (shapes only; nothing allocated, nothing read)."""
+    from cargohold.services.worker import model_layout
 
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # build_model seeds torch
-        model = build_model(config)
     try:
-        return layout_for_config(config, model), model
+        return model_layout(config)
     except LayoutError as error:
         raise ConfigError(f"the model cannot be laid out: {error}") from error
 
@@ -385,45 +437,76 @@ def _transport(config: TrainConfig, device: str, groups: Sequence[NodeGroup]) ->
     return "mixed" if any(g.workers and g.servers for g in groups) else "grpc"
 
 
-def _plan_worker(config: TrainConfig, layout: ShardLayout, device: str, transport: str,
+@dataclass(frozen=True, slots=True)
+class _UnitSize:
+    """One FSDP2 unit in elements: its parameters, and its padded chunk on each worker
+    (dim 0 split in ``ceil(rows / W)`` rows: the reduce-scatter output; ``W`` times it is
+    the all-gather output and the reduce-scatter input)."""
+
+    numel: int
+    chunk: int
+
+
+def _unit_sizes(layout: ShardLayout) -> list[_UnitSize]:
+    return [_UnitSize(numel=sum(s.numel for s in layout.group_params(g.index)),
+                      chunk=sum(s.slot_numel for s in layout.group_params(g.index))) for g in layout.groups]
+
+
+def _plan_worker(config: TrainConfig, layout: ShardLayout, model: torch.nn.Module, device: str, transport: str,
                  activations: int) -> WorkerPlan:
-    compute = _DTYPE_BYTES[config.worker.compute_dtype]
-    wire = _DTYPE_BYTES[config.worker.grad_wire_dtype]
-    total, shard, world = layout.total, layout.worker_shard_size, layout.num_workers
-    copies = 2 if config.worker.delayed_update else 1  # the spare weights of the delayed update
-    pinned = shard * wire if device == "cuda" else 0
-    buffers = {
-        "weights": copies * total * compute,
-        "gradients": total * compute,
-        "grad_shard": shard * (wire + compute) + pinned,
-    }
-    largest_bucket = max(b.stop - b.start for b in layout.buckets)
-    largest_piece = max(b.piece_size for b in layout.buckets)
-    transient = (largest_bucket * wire if wire != compute else 0) + largest_piece * 8
-    # The fp32 model is built, then moved parameter by parameter into the flat weights
-    # (services/flat_params.py), the fp32 initial shard taken on the way: on a GPU the host
-    # holds the model and that shard; on a CPU the flat weights replace the model as it
-    # moves (one parameter overlaps), then the flat gradients join them.
-    largest_param = max(slot.numel for slot in layout.params)
-    startup = layout.num_real_elements * _FP32 + shard * _FP32
-    if device == "cpu":
-        startup = max(startup + largest_param * compute, 2 * total * compute + shard * _FP32)
+    settings = config.worker
+    compute = _DTYPE_BYTES[settings.compute_dtype]
+    wire = _DTYPE_BYTES[settings.grad_wire_dtype]
+    world = layout.num_workers
+    offload = settings.offload_params and device == "cuda"
+    # FSDP2's local shards, in the compute dtype; rank 0 holds the most (the last ranks'
+    # dim-0 chunks run short or empty).
+    weights = sum(slot.local_numel(0) for slot in layout.params) * compute
+    exchange = layout.worker_size * (wire + compute)  # ExchangeBuffers: one range each
+    units = _unit_sizes(layout)
+    root, blocks = units[0], units[1:]
+    if settings.reshard_after_forward:  # the block computed and the one prefetched
+        in_flight = sum(sorted((u.numel for u in blocks), reverse=True)[:2])
+    else:  # every block stays gathered from its forward to its backward
+        in_flight = sum(u.numel for u in blocks)
+    gather_buffer = max(world * u.chunk for u in units) if world > 1 else 0  # none to gather alone
+    gathered = (root.numel + in_flight + gather_buffer) * compute
+
+    def reduce_scatter(unit: _UnitSize) -> int:  # FSDP2's input (W chunks) and output, wire dtype
+        return (world + 1) * unit.chunk * wire
+
+    gradients = root.numel * compute + max(
+        max(u.numel * compute + reduce_scatter(u) for u in blocks), reduce_scatter(root))
+    chunk = max(u.chunk for u in units)
+    transient = chunk * 8 + (chunk * compute if wire != compute else 0) + (2 * chunk * compute if offload else 0)
+
+    on_host = weights if offload or device == "cpu" else 0
+    one_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    startup = (exchange + on_host + config.data.corpus_bytes
+               + one_module * _FP32 + max(g.stop - g.start for g in layout.groups) * _FP32)
+    gathers = sum(u.chunk for u in units) + (sum(u.chunk for u in blocks) if settings.reshard_after_forward else 0)
     return WorkerPlan(
         device=device,
-        buffers=buffers,
-        shard_elements=shard,
-        device_bytes=sum(buffers.values()) - pinned,
+        offload=offload,
+        buffers={"weights": weights, "exchange": exchange},
+        range_elements=layout.worker_size,
+        blocks=len(blocks),
+        reshard_after_forward=settings.reshard_after_forward,
+        gathered_bytes=gathered,
+        gradient_bytes=gradients,
         transient_bytes=transient,
         activation_bytes=activations,
-        pinned_bytes=pinned,
-        shared_memory_bytes=shard * (wire + compute) if transport != "grpc" else 0,
+        activation_checkpointing=settings.activation_checkpointing,
+        pinned_bytes=exchange + (weights if offload else 0) if device == "cuda" else 0,
+        shared_memory_bytes=exchange if transport != "grpc" else 0,
+        host_transient_bytes=chunk * compute if offload else 0,
         corpus_bytes=config.data.corpus_bytes,
         startup_host_bytes=startup,
         traffic=WorkerTraffic(
-            reduce_scatter_bytes=(world - 1) * total * wire // world,
-            all_gather_bytes=(world - 1) * total * compute // world,
-            push_bytes=shard * wire,
-            fetch_bytes=shard * compute,
+            reduce_scatter_bytes=(world - 1) * sum(u.chunk for u in units) * wire,
+            all_gather_bytes=(world - 1) * gathers * compute,
+            push_bytes=layout.worker_size * wire,
+            fetch_bytes=layout.worker_size * compute,
         ),
     )
 
@@ -431,21 +514,44 @@ def _plan_worker(config: TrainConfig, layout: ShardLayout, device: str, transpor
 def activation_bytes_estimate(config: TrainConfig, model: torch.nn.Module | None = None) -> int:
     """Activations backward keeps for one batch, after Korthikanti et al. 2022 ("Reducing
     Activation Recomputation in Large Transformer Models", eq. 1): 34·s·b·h bytes per layer
-    at 2-byte activations, without the 5·a·s²·b of a materialised score matrix (the models
-    use fused attention), scaled to the compute dtype; plus the logits in the compute
-    dtype, their fp32 copy for the loss and its gradient. An estimate: it assumes a 4h-wide
-    MLP. For an ``hf`` model the sizes come from its transformers config (``model``)."""
+    at 2-byte activations for a 4h-wide MLP, without the 5·a·s²·b of a materialised score
+    matrix (the models use fused attention), scaled to the compute dtype. Of the 34, 16
+    are the MLP's wide tensors (its up-projection's output and the activation's, 2 bytes
+    each at width 4h); for a model (``model``, on the meta device) with another MLP width
+    ``I`` or a gated MLP (SwiGLU: gate and up outputs, the activation's, their product)
+    they become 4·I per up-projection, so a layer keeps 18·h + 4·k·I, k the number of
+    up-projections. With ``worker.activation_checkpointing: blocks`` only each block's
+    input (s·b·h) stays, plus one block's full activations while it is recomputed. Plus
+    the logits in the compute dtype, their fp32 copy for the loss and its gradient."""
     layers, width, vocab = config.model.n_layer, config.model.n_embd, config.model.vocab_size
+    intermediate, up_projections = 4 * width, 1
     inner = getattr(getattr(model, "hf", None), "config", None)  # HFCausalLM.hf: the PreTrainedModel
     if config.hf.enabled and inner is not None:
         layers = getattr(inner, "num_hidden_layers", layers)
         width = getattr(inner, "hidden_size", width)
         vocab = getattr(inner, "vocab_size", vocab)
+        intermediate = next((v for v in (getattr(inner, key, None) for key in ("intermediate_size", "n_inner",
+                                                                               "ffn_dim"))
+                             if isinstance(v, int) and v > 0), intermediate)
+    if model is not None and intermediate != width:
+        up_projections = max(1, _matrices_of_width(model, width, intermediate) - 1)  # less the down-projection
     compute = _DTYPE_BYTES[config.worker.compute_dtype]
     tokens = config.data.batch_size * config.model.block_size
-    per_layer = 34 * tokens * width * compute // 2
+    per_layer = tokens * (18 * width + 4 * up_projections * intermediate) * compute // 2
     logits = tokens * vocab * (compute + 2 * _FP32)
+    if config.worker.activation_checkpointing == "blocks":
+        return layers * tokens * width * compute + per_layer + logits
     return layers * per_layer + logits
+
+
+def _matrices_of_width(model: torch.nn.Module, width: int, intermediate: int) -> int:
+    """Weight matrices of the first transformer block mapping ``width`` to ``intermediate``
+    or back (either orientation: transformers' Conv1D stores them transposed)."""
+    from cargohold.services.models.blocks import transformer_blocks
+
+    _, block = transformer_blocks(model)[0]
+    shapes = {(width, intermediate), (intermediate, width)}
+    return sum(1 for p in block.parameters() if tuple(p.shape) in shapes)
 
 
 def _plan_server(config: TrainConfig, layout: ShardLayout, index: int, transport: str) -> ServerPlan:
@@ -525,9 +631,13 @@ def _checks(config: TrainConfig, cluster: ClusterDescription, groups: Sequence[N
             f"the config asks for {want} but the node groups hold {have}; add nodes or lower the count")))
 
     if worker.device == "cuda":
+        settings = config.worker
+        remedies = [*(["set worker.offload_params=true"] if not settings.offload_params else []),
+                    *(["worker.activation_checkpointing=blocks"] if settings.activation_checkpointing == "off" else []),
+                    *(["worker.compute_dtype=bfloat16"] if settings.compute_dtype == "float32" else []),
+                    "add workers", "lower data.batch_size or model.block_size"]
         checks.append(_check("device memory per worker", worker.device_peak_bytes, cluster.device_memory_bytes,
-                             "--device-memory", "lower model size or batch_size, use compute_dtype=bfloat16, "
-                             "or turn off worker.delayed_update"))
+                             "--device-memory", ", ".join(remedies[:-1]) + " or " + remedies[-1]))
     server_peak = max(s.ram_peak_bytes for s in servers)
     for number, group in enumerate(groups, 1):
         name = f"node group {number} ({group.count} x {group.workers} workers + {group.servers} servers)"
@@ -556,6 +666,10 @@ def _check(resource: str, need: int, available: int | None, flag: str, remedy: s
 
 
 # --- output -------------------------------------------------------------------------------
+_LABEL = 33
+"""Width of the row names in :func:`render`."""
+
+
 def render(plan: RunPlan) -> str:
     """The plan as a table in human units."""
     w, b = plan.worker, format_bytes
@@ -566,26 +680,34 @@ def render(plan: RunPlan) -> str:
         f"  weights in {plan.compute_dtype}, gradients on the wire in {plan.grad_wire_dtype}, "
         f"push/fetch over {plan.transport.replace('_', ' ')}",
         "",
-        f"Each worker ({w.shard_elements:,}-element shard)",
+        f"Each worker (rank 0, the largest shards; a {w.range_elements:,}-element range of the flat buffer)",
+        f"  FSDP2 units: root + {w.blocks} block{'s' * (w.blocks != 1)}"
+        + (", resharded after forward" if w.reshard_after_forward else ", gathered from forward to backward")
+        + f"; activation checkpointing {w.activation_checkpointing}"
+        + ("; weight shards offloaded to host RAM" if w.offload else ""),
     ]
     on = "GPU" if w.device == "cuda" else "host RAM"
+    host = "pinned host RAM" if w.device == "cuda" else "host RAM"
+    gathered = "root + 2 blocks" if w.reshard_after_forward else f"root + {w.blocks} blocks"
     rows = [
-        ("weights", w.buffers["weights"], on),
-        ("gradients", w.buffers["gradients"], on),
-        ("gradient + weight shard", w.device_bytes - w.buffers["weights"] - w.buffers["gradients"],
-         "host RAM, /dev/shm" if w.shared_memory_bytes else on),
+        *([] if w.offload else [("weight shards", w.buffers["weights"], on)]),
+        (f"{gathered} gathered (bound)", w.gathered_bytes, on),
+        ("gradients in backward (bound)", w.gradient_bytes, on),
         ("per-step temporaries (bound)", w.transient_bytes, on),
         ("activations (estimate)", w.activation_bytes, on),
         ("= compute device total", w.device_peak_bytes, on),
-        ("pinned gradient shard", w.pinned_bytes, "pinned host RAM"),
+        *([("weight shards (offloaded)", w.buffers["weights"], host)] if w.offload else []),
+        ("exchange buffers", w.buffers["exchange"], "host RAM, /dev/shm" if w.shared_memory_bytes else host),
+        *([("offload: gradient copies", w.host_transient_bytes, "host RAM")] if w.offload else []),
         ("corpus", w.corpus_bytes, "host RAM"),
+        ("while training", w.host_bytes, "host RAM"),
         ("while starting", w.startup_host_bytes, "host RAM"),
         ("= host peak", w.host_peak_bytes, "host RAM"),
     ]
-    lines += [f"  {name:<30} {b(n):>10}  {where}" for name, n, where in rows]
+    lines += [f"  {name:<{_LABEL}} {b(n):>10}  {where}" for name, n, where in rows]
 
     names = [f"server {s.index}" for s in plan.servers]
-    lines += ["", "Each state server" + " " * 15 + "".join(f"{n:>12}" for n in names)]
+    lines += ["", f"{'Each state server':<{_LABEL + 2}}" + "".join(f"{n:>12}" for n in names)]
     server_rows = [
         ("state in RAM (12 B/param)", lambda s: s.ram_state_bytes),
         ("state on NVMe", lambda s: s.nvme_state_bytes),
@@ -599,8 +721,9 @@ def render(plan: RunPlan) -> str:
         ("NVMe files", lambda s: s.nvme_file_bytes),
         ("NVMe + writes in flight", lambda s: s.nvme_need_bytes),
     ]
-    lines += [f"  {name:<30}" + "".join(f"{b(get(s)):>12}" for s in plan.servers) for name, get in server_rows]
-    lines.append(f"  {'partitions (on NVMe)':<30}"
+    lines += [f"  {name:<{_LABEL}}" + "".join(f"{b(get(s)):>12}" for s in plan.servers)
+              for name, get in server_rows]
+    lines.append(f"  {'partitions (on NVMe)':<{_LABEL}}"
                  + "".join(f"{f'{s.partitions} ({s.partitions_on_nvme})':>12}" for s in plan.servers))
 
     t = w.traffic

@@ -34,21 +34,23 @@ the manifest that names it. A tier partition file ties itself by its header's ch
 which covers its identity, update count and per-array checksums: recording it costs a
 4 KiB read where a whole-file checksum would read every byte of a linked file.
 
-Resharding is free: a file covers a flat range ``[start, stop)``, and
-:func:`read_flat_range` assembles any other range from whichever files cover it, so a
-checkpoint saved by S state servers for W workers loads onto S' servers for W' workers.
-The parameter offsets in the flat buffer depend only on the parameters and the alignment,
-not on S or W; only the trailing padding (``total``) changes with W.
+A file covers a flat range ``[start, stop)``, and :class:`CheckpointReader` assembles any
+other range from whichever files cover it: how the saving servers cut the space does not
+matter. Where a parameter element sits in the flat space depends on the worker count
+and the grouping, though, so restoring onto another layout reads each new segment's
+elements from their saved positions (:mod:`cargohold.services.reshard`, from the layout
+the manifest's ``extra`` records).
 
 One writer per root at a time (the launcher); readers may run concurrently with it.
 """
 
 from __future__ import annotations
 
+import bisect
 import errno
+import itertools
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -146,8 +148,9 @@ class Manifest:
     shards: tuple[ShardRecord, ...]
     files: tuple[FileRecord, ...]
     extra: dict[str, Any] = field(default_factory=dict)
-    """JSON-able extras: data position, layout counts. Put ``"align"`` here so that
-    :func:`check_compatible` can catch a changed alignment."""
+    """JSON-able extras: the update count, and the saving layout
+    (:func:`cargohold.services.reshard.layout_extra`: its kind, ``align``, worker and server
+    counts, groups)."""
 
     def __post_init__(self) -> None:
         _validate_manifest(self)
@@ -330,48 +333,47 @@ def check_compatible(
     manifest: Manifest,
     *,
     model_signature: Sequence[tuple[str, Sequence[int]]],
-    total: int,
-    align: int | None = None,
+    align: int,
 ) -> None:
     """Refuse a checkpoint of another model, naming the first parameter that differs.
 
-    ``total`` may differ from the checkpoint's: the padding at the end of the buffer
-    follows the worker count, and resharding onto another worker count is allowed (the
-    parameters sit at the same offsets for the same alignment). Pass ``align`` to also
-    check the alignment recorded in ``manifest.extra["align"]``, when the writer put it
-    there; a changed alignment moves every parameter.
+    Parameters are matched by name: the checkpoint may list them in another order (its
+    layout grouped them otherwise), and any worker or server count restores. The
+    alignment recorded in ``manifest.extra["align"]`` must be ``align``.
     """
-    ours = tuple((str(name), tuple(int(d) for d in shape)) for name, shape in model_signature)
-    theirs = manifest.model_signature
-    for index, (saved, wanted) in enumerate(zip(theirs, ours)):
-        if saved != wanted:
+    theirs = _shape_map(manifest.model_signature, "the checkpoint")
+    ours = _shape_map(model_signature, "this model")
+    for name, shape in theirs.items():
+        if name not in ours:
             raise CheckpointError(
-                f"checkpoint is of another model: parameter {index} is {saved[0]!r} of shape "
-                f"{saved[1]} in the checkpoint but {wanted[0]!r} of shape {wanted[1]} in this model"
+                f"checkpoint is of another model: only the checkpoint has parameter {name!r} of shape "
+                f"{shape} ({len(theirs)} parameters in the checkpoint, {len(ours)} in this model)"
             )
-    if len(theirs) != len(ours):
-        longer, where = (theirs, "only the checkpoint") if len(theirs) > len(ours) else (ours, "only this model")
-        name, shape = longer[min(len(theirs), len(ours))]
-        raise CheckpointError(
-            f"checkpoint is of another model: {where} has parameter {name!r} of shape {shape} "
-            f"({len(theirs)} parameters in the checkpoint, {len(ours)} in this model)"
-        )
-    if align is None:
-        return
+        if ours[name] != shape:
+            raise CheckpointError(
+                f"checkpoint is of another model: parameter {name!r} has shape {shape} in the "
+                f"checkpoint but {ours[name]} in this model"
+            )
+    for name, shape in ours.items():
+        if name not in theirs:
+            raise CheckpointError(
+                f"checkpoint is of another model: only this model has parameter {name!r} of shape "
+                f"{shape} ({len(theirs)} parameters in the checkpoint, {len(ours)} in this model)"
+            )
     saved_align = manifest.extra.get("align")
-    if saved_align is not None and saved_align != align:
+    if saved_align != align:
         raise CheckpointError(
-            f"checkpoint is of another layout: it was saved with align {saved_align}, this run "
-            f"uses {align}; every parameter would land at another offset"
+            f"checkpoint is of another layout: it was saved with align {saved_align}, this run uses {align}"
         )
-    offset = 0
-    for _, shape in ours:
-        offset += -(-math.prod(shape) // align) * align
-    if offset > manifest.total or offset > total:
-        raise CheckpointError(
-            f"checkpoint is of another layout: the parameters need {offset} elements at align "
-            f"{align}, the checkpoint holds {manifest.total} and this layout {total}"
-        )
+
+
+def _shape_map(signature: Iterable[tuple[str, Sequence[int]]], whose: str) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in signature:
+        if name in shapes:
+            raise CheckpointError(f"{whose} lists parameter {name!r} twice")
+        shapes[str(name)] = tuple(int(d) for d in shape)
+    return shapes
 
 
 # --------------------------------------------------------------------------- payload files
@@ -648,6 +650,8 @@ class CheckpointReader:
         self.directory = Path(directory)
         self.manifest = manifest
         self._records = {f.name: f for f in manifest.files}
+        self._shards = sorted(manifest.shards, key=lambda s: s.start)
+        self._stops = [s.stop for s in self._shards]
         self._verified: dict[str, _Payload] = {}
         self._buffer = memoryview(bytearray(_CHUNK))
 
@@ -656,15 +660,19 @@ class CheckpointReader:
         views of the first ``stop - start`` elements of ``out``'s fp32 tensors (scratch
         reused across calls, so a long restore allocates nothing per partition).
 
-        Elements at or past ``manifest.total`` are trailing padding of a layout for another
-        worker count; they read as zeros (padding is never updated). Below it, every
-        element must be covered by a shard, else CheckpointError names the gap.
+        The range must lie inside the checkpoint's ``[0, total)`` and every element of it
+        be covered by a shard, else CheckpointError names the range or the gap.
         """
         manifest = self.manifest
-        if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop):
-            raise CheckpointError(f"flat range [{start}, {stop}) is not a valid range")
-        held_stop = min(stop, manifest.total)
-        gaps = _gaps(manifest.shards, start, held_stop) if start < held_stop else []
+        if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= manifest.total):
+            raise CheckpointError(
+                f"flat range [{start}, {stop}) is not a range inside checkpoint {self.directory}'s "
+                f"[0, {manifest.total})"
+            )
+        # shards are sorted and do not overlap: the first that may overlap ends past start
+        shards = self._shards[bisect.bisect_right(self._stops, start):]
+        shards = list(itertools.takewhile(lambda s: s.start < stop, shards))
+        gaps = _gaps(shards, start, stop)
         if gaps:
             lo, hi = gaps[0]
             raise CheckpointError(
@@ -672,16 +680,11 @@ class CheckpointReader:
                 f"[{lo}, {hi}) of the requested [{start}, {stop})"
             )
         if out is None:
-            out = {name: torch.zeros(stop - start, dtype=torch.float32) for name in ARRAYS}
+            out = {name: torch.empty(stop - start, dtype=torch.float32) for name in ARRAYS}
         else:
             out = {name: out[name][: stop - start] for name in ARRAYS}
-            if held_stop < stop:
-                for tensor in out.values():
-                    tensor[max(0, held_stop - start) :].zero_()
-        for shard in sorted(manifest.shards, key=lambda s: s.start):
-            lo, hi = max(shard.start, start), min(shard.stop, held_stop)
-            if lo >= hi:
-                continue
+        for shard in shards:
+            lo, hi = max(shard.start, start), min(shard.stop, stop)
             path = self.directory / shard.file
             fd, size = _open_sized(path, self._records[shard.file])
             try:

@@ -16,9 +16,10 @@ also copies the files, opened at ``begin`` so that they hold that step's version
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from cargohold.services.checkpoint import (
 )
 from cargohold.services.durable import fsync_directory
 from cargohold.services.errors import CheckpointError, TierError
+from cargohold.services.reshard import Run
 from cargohold.services.shard_state import ShardRegistry, ShardSpec, ShardState
 from cargohold.services.tiers.preserve import PendingWrite
 from cargohold.services.tiers.residency import PartitionKey
@@ -161,19 +163,34 @@ class ShardCheckpointer:
         else:
             self._result = finish()
 
-    def restore(self, directory: str, manifest: Manifest, specs: list[ShardSpec], update: int) -> None:
-        """Register ``specs`` with the state the checkpoint holds for their flat ranges,
-        read a partition at a time; elements past the checkpoint's buffer (more padding
-        in the new layout) are zero."""
+    def restore(self, directory: str, manifest: Manifest, shards: Sequence[tuple[ShardSpec, Sequence[Run]]],
+                update: int) -> None:
+        """Register each spec with the state the checkpoint holds for it: its ``runs``
+        (:func:`~cargohold.services.reshard.segment_runs`) say which saved flat elements
+        fill which of its elements; the rest (padding) is zero. Read a partition at a
+        time, so a restore stays within the tiers' memory."""
         reader = CheckpointReader(Path(directory), manifest)
         scratch: dict[str, torch.Tensor] = {}
-        for spec in specs:
-            def source(lo: int, hi: int, spec: ShardSpec = spec):
+        for spec, runs in shards:
+            ordered = sorted(runs)
+            for offset, _, length in ordered:
+                if offset < 0 or length <= 0 or offset + length > spec.numel:
+                    raise CheckpointError(f"restoring shard {spec.shard_id}: the run of {length} elements at "
+                                          f"{offset} leaves its {spec.numel} elements")
+            ends = [offset + length for offset, _, length in ordered]
+
+            def source(lo: int, hi: int, ordered: list[Run] = ordered, ends: list[int] = ends):
                 # the tiers copy each piece before asking for the next: one scratch serves all
                 if not scratch or scratch["master"].numel() < hi - lo:
                     scratch.update({k: torch.empty(hi - lo, dtype=torch.float32) for k in ARRAYS})
-                got = reader.read(spec.start + lo, spec.start + hi, out=scratch)
-                return got["master"], (got["exp_avg"], got["exp_avg_sq"])
+                piece = {k: v[: hi - lo].zero_() for k, v in scratch.items()}
+                for offset, flat, length in ordered[bisect.bisect_right(ends, lo):]:
+                    if offset >= hi:
+                        break
+                    first, stop = max(lo, offset), min(hi, offset + length)
+                    reader.read(flat + first - offset, flat + stop - offset,
+                                out={k: v[first - lo : stop - lo] for k, v in piece.items()})
+                return piece["master"], (piece["exp_avg"], piece["exp_avg_sq"])
 
             self._registry.restore(spec, source, update)
 

@@ -1,31 +1,37 @@
-"""Shard layout: where every parameter element lives in the flat buffer, which worker
-reduces it and which state server owns its Adam state.
+"""Shard layout: where every parameter element lives in the flat space, which worker holds
+it (FSDP2's dim-0 shards) and which state server owns its Adam state.
 
-Pure arithmetic on sizes, no tensors are touched except by :func:`parameter_views`.
+Pure arithmetic on sizes; no tensors are touched except by :func:`scatter_params` and
+:func:`gather_params`.
 
-The flat buffer places each parameter at an offset that is a multiple of ``align``
-elements and is cut into *buckets*: contiguous ranges, in parameter order, each a
-multiple of ``num_workers * align``. Backward fills a bucket's gradients together, so a
-bucket can be reduced and shipped while backward still computes the others. Each bucket
-splits into ``num_workers`` equal *pieces* (what ``reduce_scatter``/``all_gather`` need);
-worker w owns piece w of every bucket, and its *shard* is those pieces concatenated in
-bucket order. One bucket spanning the buffer gives the plain ZeRO layout.
-The same buffer is split, independently, into ``num_servers`` contiguous ranges that are
-also multiples of ``align``. A *segment* is the non-empty intersection of one worker
-piece and one server range: the unit a worker pushes and fetches, and the unit a server
-registers. Every element of the buffer belongs to exactly one segment.
+Workers shard each parameter the way FSDP2's ``fully_shard`` does: along dim 0, in
+``num_workers`` chunks of ``ceil(rows / num_workers)`` rows (the last chunks shorter or
+empty). Parameters come in *groups*, the units ``fully_shard`` wraps (a transformer block,
+or the root's remaining parameters), whose gradients are reduced together.
 
-Why align inside parameters: the fused AdamW kernel runs a vector loop with a scalar
-tail, and the two round differently in rare cases. Cutting a parameter only at
-multiples of ``align`` (a multiple of any SIMD width) keeps every element on the same
-code path as ``torch.optim.AdamW(fused=True)`` applied to the whole parameter, which is
-what makes the offloaded update bitwise equal to the reference.
+The flat space is *worker-major*: worker w's range ``[w * worker_size, (w+1) *
+worker_size)`` holds, group by group, the padded dim-0 chunk of each parameter that w
+holds (a *slot*), each slot at a multiple of ``align``. Every worker's range has the same
+size and the same slots, so a slot's position inside a range is one number per parameter.
+A worker's gradients and weights for one group are therefore one contiguous range.
+
+The flat space is cut, independently, into ``num_servers`` contiguous server ranges at
+multiples of ``align``. A *segment* is the non-empty intersection of one group's range of
+one worker with one server range: the unit a worker pushes and fetches and a server
+registers. Every element belongs to exactly one segment. Segments of a worker on a
+server whose range covers it are all that worker ever talks to, so with one server per
+node and ranks numbered node by node, a worker's traffic stays on its node.
+
+Why align: the fused AdamW kernel runs a vector loop with a scalar tail, which round
+differently in rare cases. Cutting a slot only at multiples of ``align`` from its start
+keeps every element on the code path ``torch.optim.AdamW(fused=True)`` takes over the
+worker's local shard (FSDP2's reference) — bitwise equality depends on it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,19 +41,60 @@ from cargohold.services.errors import LayoutError
 DEFAULT_ALIGN = 64
 """Elements; 256 bytes of fp32, a multiple of every SIMD width and of a cache line."""
 
+NamedShape = tuple[str, Sequence[int]]
+
 
 @dataclass(frozen=True, slots=True)
 class ParamSlot:
-    """One parameter's place in the flat buffer."""
+    """One parameter: its shape, its group and where its chunk sits in every worker's range."""
 
     name: str
     shape: tuple[int, ...]
+    group: int
     offset: int
-    """First element in the flat buffer (a multiple of the layout's alignment)."""
+    """First element of the slot inside each worker's range (a multiple of ``align``)."""
+    rows_per_worker: int
+    """Rows of dim 0 in each worker's chunk (FSDP2: ``ceil(rows / num_workers)``)."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        """Elements of one dim-0 row."""
+        return math.prod(self.shape[1:])
+
+    @property
+    def slot_numel(self) -> int:
+        """Padded chunk size: what each worker's range reserves for this parameter."""
+        return self.rows_per_worker * self.row_numel
+
+    def local_rows(self, worker: int) -> tuple[int, int]:
+        """The half-open dim-0 rows ``worker`` holds (empty past the last row)."""
+        lo = min(self.rows, worker * self.rows_per_worker)
+        return lo, min(self.rows, lo + self.rows_per_worker)
+
+    def local_numel(self, worker: int) -> int:
+        lo, hi = self.local_rows(worker)
+        return (hi - lo) * self.row_numel
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Parameters reduced together (one ``fully_shard`` unit), by index in ``params``."""
+
+    index: int
+    name: str
+    first_param: int
+    stop_param: int
+    start: int
+    """Range inside each worker's range: ``[start, stop)``."""
+    stop: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,43 +103,25 @@ class Fragment:
 
     param_index: int
     param_start: int
-    """Offset inside the flattened parameter."""
+    """Offset inside the flattened (whole) parameter."""
     segment_start: int
     """Offset inside the segment."""
     length: int
 
 
 @dataclass(frozen=True, slots=True)
-class Bucket:
-    """A range of the flat buffer reduced and gathered as one collective."""
-
-    index: int
-    start: int
-    stop: int
-    num_workers: int
-
-    @property
-    def piece_size(self) -> int:
-        return (self.stop - self.start) // self.num_workers
-
-    def piece(self, worker: int) -> tuple[int, int]:
-        """The half-open range of this bucket that ``worker`` reduces."""
-        start = self.start + worker * self.piece_size
-        return start, start + self.piece_size
-
-
-@dataclass(frozen=True, slots=True)
 class Segment:
-    """The elements ``[start, stop)`` that worker ``worker`` pushes to server ``server``."""
+    """The elements ``[start, stop)`` of group ``group`` that worker ``worker`` pushes to
+    server ``server``."""
 
     segment_id: int
-    bucket: int
+    group: int
     worker: int
     server: int
     start: int
     stop: int
-    shard_offset: int
-    """Where the segment begins inside its worker's shard (pieces in bucket order)."""
+    local_offset: int
+    """Where the segment begins inside its worker's range."""
     fragments: tuple[Fragment, ...]
 
     @property
@@ -105,31 +134,23 @@ class ShardLayout:
     """The complete placement of a model's parameters over workers and servers."""
 
     params: tuple[ParamSlot, ...]
+    groups: tuple[Group, ...]
     total: int
-    """Padded length of the flat buffer."""
+    """Length of the flat space: ``num_workers * worker_size``."""
+    worker_size: int
     num_workers: int
     num_servers: int
     align: int
     server_bounds: tuple[int, ...]
     """``num_servers + 1`` cut points; server ``s`` owns ``[bounds[s], bounds[s+1])``."""
-    buckets: tuple[Bucket, ...]
     segments: tuple[Segment, ...]
 
-    @property
-    def worker_shard_size(self) -> int:
-        return self.total // self.num_workers
-
-    def worker_pieces(self, worker: int) -> tuple[tuple[int, int], ...]:
-        """The half-open ranges of the flat buffer that ``worker`` reduces, one per bucket."""
+    def worker_range(self, worker: int) -> tuple[int, int]:
         self._check_index("worker", worker, self.num_workers)
-        return tuple(bucket.piece(worker) for bucket in self.buckets)
-
-    def piece_offset(self, bucket: int) -> int:
-        """Where a bucket's piece begins inside every worker's shard."""
-        return sum(b.piece_size for b in self.buckets[:bucket])
+        return worker * self.worker_size, (worker + 1) * self.worker_size
 
     def server_range(self, server: int) -> tuple[int, int]:
-        """The half-open range of the flat buffer whose Adam state ``server`` owns."""
+        """The half-open range of the flat space whose Adam state ``server`` owns."""
         self._check_index("server", server, self.num_servers)
         return self.server_bounds[server], self.server_bounds[server + 1]
 
@@ -141,9 +162,44 @@ class ShardLayout:
         self._check_index("server", server, self.num_servers)
         return tuple(s for s in self.segments if s.server == server)
 
+    def group_params(self, group: int) -> tuple[ParamSlot, ...]:
+        g = self.groups[group]
+        return self.params[g.first_param : g.stop_param]
+
     @property
     def num_real_elements(self) -> int:
         return sum(p.numel for p in self.params)
+
+    def param_runs(self, start: int, stop: int) -> list[tuple[int, int, int, int]]:
+        """Real parameter elements in flat ``[start, stop)``: ``(param_index,
+        param_start, flat_start, length)`` runs in flat order (padding skipped)."""
+        runs = []
+        first = max(0, start // self.worker_size)
+        for worker in range(first, self.num_workers):
+            base = worker * self.worker_size
+            if base >= stop:
+                break
+            for index, slot in enumerate(self.params):
+                lo = max(start, base + slot.offset)
+                hi = min(stop, base + slot.offset + slot.local_numel(worker))
+                if lo < hi:
+                    chunk_start = slot.local_rows(worker)[0] * slot.row_numel
+                    runs.append((index, chunk_start + lo - base - slot.offset, lo, hi - lo))
+        return runs
+
+    def flat_runs(self, param_index: int, start: int, length: int) -> list[tuple[int, int, int]]:
+        """Where elements ``[start, start + length)`` of flattened parameter
+        ``param_index`` lie: ``(flat_start, param_start, length)`` runs."""
+        slot = self.params[param_index]
+        runs = []
+        chunk = slot.slot_numel
+        stop = start + length
+        for worker in range(start // chunk if chunk else 0, self.num_workers):
+            lo, hi = max(start, worker * chunk), min(stop, (worker + 1) * chunk, slot.numel)
+            if lo >= hi:
+                break
+            runs.append((worker * self.worker_size + slot.offset + lo - worker * chunk, lo, hi - lo))
+        return runs
 
     @staticmethod
     def _check_index(kind: str, index: int, count: int) -> None:
@@ -152,39 +208,51 @@ class ShardLayout:
 
 
 def build_layout(
-    named_shapes: Iterable[tuple[str, Sequence[int]]],
+    named_shapes: Iterable[NamedShape],
     *,
     num_workers: int,
     num_servers: int,
     align: int = DEFAULT_ALIGN,
-    bucket_elements: int | None = None,
+    group_sizes: Sequence[int] | None = None,
+    group_names: Sequence[str] | None = None,
 ) -> ShardLayout:
-    """Place parameters (in the given order) and split the buffer over workers and servers.
-
-    ``bucket_elements`` is rounded up to a multiple of ``num_workers * align``; None makes
-    one bucket of the whole buffer.
-    """
+    """Place parameters (in the given order) in groups of ``group_sizes`` consecutive
+    parameters (None: one group of all) and split the space over workers and servers."""
     if num_workers < 1:
         raise LayoutError(f"num_workers must be >= 1, got {num_workers}")
     if num_servers < 1:
         raise LayoutError(f"num_servers must be >= 1, got {num_servers}")
     if align < 1:
         raise LayoutError(f"align must be >= 1, got {align}")
-    if bucket_elements is not None and bucket_elements < 1:
-        raise LayoutError(f"bucket_elements must be >= 1 or None, got {bucket_elements}")
+    shapes = [(name, tuple(int(d) for d in shape)) for name, shape in named_shapes]
+    for name, shape in shapes:
+        if any(d < 0 for d in shape):
+            raise LayoutError(f"parameter {name!r} has a negative dimension: {shape}")
+    sizes = list(group_sizes) if group_sizes is not None else [len(shapes)]
+    if any(size < 0 for size in sizes) or sum(sizes) != len(shapes):
+        raise LayoutError(f"group sizes {sizes} do not add up to the {len(shapes)} parameters")
+    names = list(group_names) if group_names is not None else [f"group{i}" for i in range(len(sizes))]
+    if len(names) != len(sizes):
+        raise LayoutError(f"{len(names)} group names for {len(sizes)} groups")
 
     params: list[ParamSlot] = []
+    groups: list[Group] = []
     offset = 0
-    for name, shape in named_shapes:
-        slot = ParamSlot(name=name, shape=tuple(int(d) for d in shape), offset=offset)
-        if any(d < 0 for d in slot.shape):
-            raise LayoutError(f"parameter {name!r} has a negative dimension: {slot.shape}")
-        params.append(slot)
-        offset += _round_up(slot.numel, align)
-    if not params or offset == 0:
+    for group_index, (group_name, size) in enumerate(zip(names, sizes)):
+        first, group_start = len(params), offset
+        for name, shape in shapes[first : first + size]:
+            rows = shape[0] if shape else 1
+            slot = ParamSlot(name=name, shape=shape, group=group_index, offset=offset,
+                             rows_per_worker=-(-rows // num_workers))
+            params.append(slot)
+            offset += _round_up(slot.slot_numel, align)
+        groups.append(Group(index=group_index, name=group_name, first_param=first, stop_param=len(params),
+                            start=group_start, stop=offset))
+    if not params or sum(p.numel for p in params) == 0:
         raise LayoutError("the model has no parameter elements to place")
 
-    total = _round_up(offset, align * num_workers)
+    worker_size = offset
+    total = worker_size * num_workers
     units = total // align
     if units < num_servers:
         raise LayoutError(
@@ -192,71 +260,51 @@ def build_layout(
             "use fewer state servers"
         )
     server_bounds = tuple(align * ((units * s) // num_servers) for s in range(num_servers + 1))
-    bucket_size = total if bucket_elements is None else _round_up(bucket_elements, align * num_workers)
-    buckets = tuple(
-        Bucket(index=i, start=start, stop=min(total, start + bucket_size), num_workers=num_workers)
-        for i, start in enumerate(range(0, total, bucket_size))
-    )
 
     segments: list[Segment] = []
-    shard_offsets = [0] * num_workers
-    for bucket in buckets:
-        for worker in range(num_workers):
-            w_start, w_stop = bucket.piece(worker)
+    for worker in range(num_workers):
+        base = worker * worker_size
+        for group in groups:
             for server in range(num_servers):
-                start = max(w_start, server_bounds[server])
-                stop = min(w_stop, server_bounds[server + 1])
+                start = max(base + group.start, server_bounds[server])
+                stop = min(base + group.stop, server_bounds[server + 1])
                 if start < stop:
-                    segments.append(
-                        Segment(
-                            segment_id=len(segments),
-                            bucket=bucket.index,
-                            worker=worker,
-                            server=server,
-                            start=start,
-                            stop=stop,
-                            shard_offset=shard_offsets[worker] + start - w_start,
-                            fragments=tuple(_fragments(params, start, stop)),
-                        )
-                    )
-            shard_offsets[worker] += bucket.piece_size
+                    segments.append(Segment(
+                        segment_id=len(segments), group=group.index, worker=worker, server=server,
+                        start=start, stop=stop, local_offset=start - base,
+                        fragments=tuple(_fragments(params[group.first_param : group.stop_param],
+                                                   group.first_param, worker, start - base, stop - base)),
+                    ))
     return ShardLayout(
-        params=tuple(params),
-        total=total,
-        num_workers=num_workers,
-        num_servers=num_servers,
-        align=align,
-        server_bounds=server_bounds,
-        buckets=buckets,
-        segments=tuple(segments),
+        params=tuple(params), groups=tuple(groups), total=total, worker_size=worker_size,
+        num_workers=num_workers, num_servers=num_servers, align=align,
+        server_bounds=server_bounds, segments=tuple(segments),
     )
 
 
-def layout_for_module(
-    module: torch.nn.Module,
-    *,
-    num_workers: int,
-    num_servers: int,
-    align: int = DEFAULT_ALIGN,
-    bucket_elements: int | None = None,
-) -> ShardLayout:
-    """Layout of ``module.named_parameters()``; works on a meta-device module."""
-    return build_layout(
-        ((name, tuple(p.shape)) for name, p in module.named_parameters()),
-        num_workers=num_workers,
-        num_servers=num_servers,
-        align=align,
-        bucket_elements=bucket_elements,
-    )
+def scatter_params(layout: ShardLayout, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The flat space holding ``tensors`` (by name, or in layout order); padding zero."""
+    values = _in_layout_order(layout, tensors)
+    flat = torch.zeros(layout.total, dtype=dtype)
+    for index, value in enumerate(values):
+        source = value.detach().reshape(-1)
+        for flat_start, param_start, length in layout.flat_runs(index, 0, layout.params[index].numel):
+            flat[flat_start : flat_start + length].copy_(source[param_start : param_start + length])
+    return flat
 
 
-def parameter_views(layout: ShardLayout, flat: torch.Tensor) -> list[torch.Tensor]:
-    """Views of ``flat`` shaped like each parameter, in layout order."""
+def gather_params(layout: ShardLayout, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each parameter, whole and shaped, copied out of the flat space ``flat``."""
     if flat.dim() != 1 or flat.numel() != layout.total:
-        raise LayoutError(
-            f"flat buffer must be 1-D with {layout.total} elements, got shape {tuple(flat.shape)}"
-        )
-    return [flat[p.offset : p.offset + p.numel].view(p.shape) for p in layout.params]
+        raise LayoutError(f"flat space must be 1-D with {layout.total} elements, got shape {tuple(flat.shape)}")
+    out = {}
+    for index, slot in enumerate(layout.params):
+        value = torch.empty(slot.numel, dtype=flat.dtype)
+        for flat_start, param_start, length in layout.flat_runs(index, 0, slot.numel):
+            value[param_start : param_start + length] = flat[flat_start : flat_start + length]
+        out[slot.name] = value.view(slot.shape)
+    return out
 
 
 def fragment_views(segment: Segment, buffer: torch.Tensor) -> list[torch.Tensor]:
@@ -269,17 +317,32 @@ def fragment_views(segment: Segment, buffer: torch.Tensor) -> list[torch.Tensor]
     return [buffer[f.segment_start : f.segment_start + f.length] for f in segment.fragments]
 
 
-def _fragments(params: Sequence[ParamSlot], start: int, stop: int) -> Iterable[Fragment]:
-    for index, slot in enumerate(params):
+def _in_layout_order(layout: ShardLayout, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> list:
+    if isinstance(tensors, Mapping):
+        missing = [p.name for p in layout.params if p.name not in tensors]
+        if missing:
+            raise LayoutError(f"no tensor for parameters {missing[:5]}")
+        values = [tensors[p.name] for p in layout.params]
+    else:
+        values = list(tensors)
+    if len(values) != len(layout.params):
+        raise LayoutError(f"{len(values)} tensors for {len(layout.params)} parameters")
+    for slot, value in zip(layout.params, values):
+        if tuple(value.shape) != slot.shape:
+            raise LayoutError(f"parameter {slot.name!r} has shape {slot.shape}, got {tuple(value.shape)}")
+    return values
+
+
+def _fragments(params: Sequence[ParamSlot], first_index: int, worker: int, start: int,
+               stop: int) -> Iterable[Fragment]:
+    """Fragments of the worker-range offsets ``[start, stop)``."""
+    for index, slot in enumerate(params, start=first_index):
         lo = max(start, slot.offset)
-        hi = min(stop, slot.offset + slot.numel)
+        hi = min(stop, slot.offset + slot.local_numel(worker))
         if lo < hi:
-            yield Fragment(
-                param_index=index,
-                param_start=lo - slot.offset,
-                segment_start=lo - start,
-                length=hi - lo,
-            )
+            chunk_start = slot.local_rows(worker)[0] * slot.row_numel
+            yield Fragment(param_index=index, param_start=chunk_start + lo - slot.offset,
+                           segment_start=lo - start, length=hi - lo)
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -93,8 +93,8 @@ for a histogram, and `_created` for a counter (its name without `_total`) or his
 TIERS: frozenset[str] = frozenset({"ram", "nvme"})
 TIER_OPS: frozenset[str] = frozenset({"read", "write"})
 PREFETCH_RESULTS: frozenset[str] = frozenset({"hit", "miss"})
-PHASES: frozenset[str] = frozenset({"compute", "reduce", "push", "fetch", "gather"})
-WORKER_MEMORY_KINDS: frozenset[str] = frozenset({"weights", "gradients", "grad_shard"})
+PHASES: frozenset[str] = frozenset({"compute", "reduce", "update"})
+WORKER_MEMORY_KINDS: frozenset[str] = frozenset({"weights", "exchange"})
 
 # One shard update on a state server runs from ~100 us (a small shard in RAM) to tens of
 # seconds (a large shard paged in from NVMe under contention); roughly 1-2.5-5 per decade.
@@ -353,7 +353,8 @@ class WorkerMetrics(MetricsEndpoint):
         self._phase_seconds.labels(rank=self._rank, phase=phase).inc(seconds)
 
     def set_resident_bytes(self, kind: str, nbytes: int) -> None:
-        """Set the bytes held for `kind` ("weights", "gradients" or "grad_shard")."""
+        """Set the bytes held for `kind`: "weights" (FSDP2's local shards) or "exchange" (the
+        gradient and weight buffers the state servers read and write)."""
         _check_label("kind", kind, WORKER_MEMORY_KINDS)
         self._resident.labels(rank=self._rank, kind=kind).set(nbytes)
 

@@ -77,10 +77,17 @@ def global_norm_from_squares(sum_of_squares: float) -> float:
     return math.sqrt(sum_of_squares)
 
 
+SQUARES_CHUNK = 1 << 22
+"""Elements cast to fp64 at a time: a unit's whole gradient in fp64 would be gigabytes."""
+
+
 def sum_of_squares(gradient: torch.Tensor) -> float:
     """Squared L2 norm of a gradient shard, accumulated in fp64 so shards add exactly."""
-    flat = gradient.reshape(-1).to(torch.float64)
-    return float(torch.dot(flat, flat))
+    total = 0.0
+    for piece in gradient.reshape(-1).split(SQUARES_CHUNK):
+        wide = piece.to(torch.float64)
+        total += float(torch.dot(wide, wide))
+    return total
 
 
 def adamw_step(

@@ -17,6 +17,7 @@ from cargohold.services.checkpoint import FileRecord, Manifest, ShardRecord
 from cargohold.services.checkpointing import ShardCheckpointer
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.node import node_ip
+from cargohold.services.reshard import Run
 from cargohold.services.shard_state import ShardRegistry, ShardSpec
 from cargohold.services.tiers.storage import TieredStorage
 from cargohold.services.transport.auth import TlsFiles
@@ -74,10 +75,12 @@ class StateServer:
         """The records of the files written, and how many of their bytes are hard links."""
         return self._checkpointer.wait(), self._checkpointer.linked_bytes
 
-    def restore(self, directory: str, manifest_json: str, specs: list[ShardSpec], update: int) -> None:
-        """Create ``specs`` from the checkpoint in ``directory`` (resharded as needed)."""
+    def restore(self, directory: str, manifest_json: str, shards: list[tuple[ShardSpec, tuple[Run, ...]]],
+                update: int) -> None:
+        """Create each spec from the checkpoint in ``directory``, reading the saved flat
+        elements its runs name (:func:`~cargohold.services.reshard.segment_runs`)."""
         manifest = Manifest.from_json(manifest_json, source=f"{directory}/manifest.json")
-        self._checkpointer.restore(directory, manifest, specs, update)
+        self._checkpointer.restore(directory, manifest, shards, update)
 
     def stop(self) -> None:
         """Stop serving, then stop the tier I/O and delete this server's partition files."""

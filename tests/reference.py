@@ -1,39 +1,61 @@
-"""Plain single-process training with torch.optim.AdamW: the correctness reference.
+"""The correctness references: plain torch.optim.AdamW(fused=True), on one process and
+under FSDP2 at the same world size.
 
-It sees exactly the data the workers see (rank r's batch of each step), averages the
-per-rank gradients in the order the workers reduce them, clips with
+:func:`reference_train` — one process. It sees exactly the data the workers see (rank r's
+batch of each step), averages the per-rank gradients, clips with
 torch.nn.utils.clip_grad_norm_ and steps torch.optim.AdamW(fused=True) on fp32 master
-weights. With a bf16 compute dtype the model it runs forward/backward on is the bf16
-copy of the masters, as the workers hold.
+weights. With a bf16 compute dtype it computes on the bf16 copy of the masters.
+
+:func:`fsdp_reference_train` — what a user would run instead of cargohold: the same model
+``fully_shard``-ed per block and at the root (fp32 parameters, MixedPrecisionPolicy with
+the compute and wire dtypes), torch.optim.AdamW(fused=True) on the sharded parameters, in
+W processes over gloo. Its state is returned in cargohold's flat space.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import socket
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from cargohold.cluster.config import TrainConfig, from_dict
-from cargohold.services.data import batch_for_step, load_tokens
-from cargohold.services.layout import ShardLayout, parameter_views
+from cargohold.services.data import batch_for_step, dropout_seed, load_tokens
+from cargohold.services.layout import ShardLayout, scatter_params
+from cargohold.services.models.blocks import transformer_blocks
+from cargohold.services.models.build import build_model
 from cargohold.services.shard_state import WIRE_DTYPES
-from cargohold.services.worker import build_model
+from cargohold.services.sharding import local_tensors, params_to_range, units_of
+from cargohold.services.worker import model_layout
+
+STATES = ("masters", "exp_avg", "exp_avg_sq")
 
 
 @dataclass
 class ReferenceResult:
-    masters: list[torch.Tensor]
-    exp_avg: list[torch.Tensor]
-    exp_avg_sq: list[torch.Tensor]
+    state: dict[str, dict[str, torch.Tensor]]
+    """masters / exp_avg / exp_avg_sq, each by parameter name."""
     losses: list[float]
 
     def flat(self, layout: ShardLayout, which: str = "masters") -> torch.Tensor:
-        """The tensors of ``which`` laid out in the flat buffer (zeros in padding)."""
-        flat = torch.zeros(layout.total, dtype=torch.float32)
-        for view, tensor in zip(parameter_views(layout, flat), getattr(self, which)):
-            view.copy_(tensor)
-        return flat
+        """The tensors of ``which`` laid out in the flat space (zeros in padding)."""
+        return scatter_params(layout, self.state[which])
+
+
+@dataclass
+class FlatReference:
+    flats: dict[str, torch.Tensor]
+    """masters / exp_avg / exp_avg_sq in the flat space."""
+    losses: list[float]
+
+    def flat(self, layout: ShardLayout, which: str = "masters") -> torch.Tensor:
+        return self.flats[which]
 
 
 def reference_train(config: TrainConfig, steps: int, *, threads: int = 1) -> ReferenceResult:
@@ -51,6 +73,7 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
     compute = WIRE_DTYPES[config.worker.compute_dtype]
     wire = WIRE_DTYPES[config.worker.grad_wire_dtype]
     master_model = build_model(config)
+    names = [name for name, _ in master_model.named_parameters()]
     masters = list(master_model.parameters())
     model = copy.deepcopy(master_model).to(compute)
     # Weights after each update (index 0: the initial ones). Step t computes on those of
@@ -76,6 +99,7 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
             x, y = batch_for_step(tokens, step=step, rank=rank, world_size=world,
                                   batch_size=config.data.batch_size, seq_len=config.model.block_size,
                                   seed=config.data.seed)
+            torch.manual_seed(dropout_seed(config.seed, step, rank))
             model.zero_grad(set_to_none=True)
             _, loss = model(x, y)
             loss.backward()
@@ -93,11 +117,80 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
         history.append([m.detach().clone() for m in masters])
     state = [optimizer.state[p] for p in masters]
     return ReferenceResult(
-        masters=[p.detach().clone() for p in masters],
-        exp_avg=[s["exp_avg"].clone() for s in state],
-        exp_avg_sq=[s["exp_avg_sq"].clone() for s in state],
+        state={
+            "masters": {n: p.detach().clone() for n, p in zip(names, masters)},
+            "exp_avg": {n: s["exp_avg"].clone() for n, s in zip(names, state)},
+            "exp_avg_sq": {n: s["exp_avg_sq"].clone() for n, s in zip(names, state)},
+        },
         losses=losses,
     )
+
+
+def fsdp_reference_train(config: TrainConfig, steps: int) -> FlatReference:
+    """FSDP2 + AdamW(fused=True) over ``config.worker.num_workers`` gloo processes."""
+    world = config.worker.num_workers
+    with tempfile.TemporaryDirectory(prefix="cargohold-fsdp-ref-") as folder:
+        mp.start_processes(_fsdp_rank, args=(world, _free_port(), config, steps, folder), nprocs=world,
+                           start_method="spawn", join=True)
+        ranks = [torch.load(Path(folder) / f"rank{r}.pt") for r in range(world)]
+    flats = {which: torch.cat([rank[which] for rank in ranks]) for which in STATES}
+    return FlatReference(flats=flats, losses=ranks[0]["losses"])
+
+
+def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int, folder: str) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(config.worker.torch_threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = build_model(config)
+        _, _, layout = model_layout(config)
+        units = units_of(model, transformer_blocks(model))
+        policy = MixedPrecisionPolicy(param_dtype=WIRE_DTYPES[config.worker.compute_dtype],
+                                      reduce_dtype=WIRE_DTYPES[config.worker.grad_wire_dtype])
+        for unit in units[1:]:
+            fully_shard(unit.module, mp_policy=policy)
+        fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+        o = config.optim
+        params = [dict(model.named_parameters())[slot.name] for slot in layout.params]
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                      weight_decay=o.weight_decay, fused=True)
+        tokens = load_tokens(config.data.corpus_path, config.data.corpus_bytes, config.data.seed,
+                             seq_len=config.model.block_size)
+        losses = []
+        for step in range(1, steps + 1):
+            x, y = batch_for_step(tokens, step=step, rank=rank, world_size=world,
+                                  batch_size=config.data.batch_size, seq_len=config.model.block_size,
+                                  seed=config.data.seed)
+            torch.manual_seed(dropout_seed(config.seed, step, rank))
+            _, loss = model(x, y)
+            loss.backward()
+            total = loss.detach().to(torch.float64)
+            dist.all_reduce(total)
+            losses.append(float(total) / world)
+            if o.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm)
+            for group in optimizer.param_groups:
+                group["lr"] = o.lr_at(step, config.steps)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        state = [optimizer.state[p] for p in params]
+        out: dict[str, object] = {"losses": losses}
+        with torch.no_grad():
+            for which, tensors in (("masters", local_tensors(model, layout)),
+                                   ("exp_avg", [s["exp_avg"].to_local().reshape(-1) for s in state]),
+                                   ("exp_avg_sq", [s["exp_avg_sq"].to_local().reshape(-1) for s in state])):
+                out[which] = params_to_range(layout, rank, tensors, torch.empty(layout.worker_size))
+        torch.save(out, Path(folder) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def tiny_config(**overrides) -> TrainConfig:

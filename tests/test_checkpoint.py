@@ -1,6 +1,6 @@
-"""The checkpoint format on real files: round trips under any cut, resharding, the
-manifest-last rule, crash consistency under SIGKILL, corruption, a full disk, and the
-model check.
+"""The checkpoint format on real files: round trips under any cut, restoring onto other
+worker and server counts, the manifest-last rule, crash consistency under SIGKILL,
+corruption, a full disk, and the model check.
 
 The crash tests kill writer processes. Starting Python with torch costs seconds, so one
 helper process (the "zygote") imports everything once and forks a writer per trial; the
@@ -43,8 +43,16 @@ from cargohold.services.checkpoint import (
     read_shard_file,
     write_shard_file,
 )
+from cargohold.cluster.config import TierConfig
+from cargohold.services.checkpointing import ShardCheckpointer
 from cargohold.services.errors import CargoholdError, CheckpointError, CorruptCheckpointError
-from cargohold.services.layout import build_layout
+from cargohold.services.layout import ShardLayout, build_layout, scatter_params
+from cargohold.services.optim import AdamWHyperParams
+from cargohold.services.reshard import layout_extra, saved_layout, segment_runs
+from cargohold.services.shard_state import ShardRegistry, ShardSpec
+from cargohold.services.tiers.fileformat import FileLayout
+from cargohold.services.tiers.partitions import elements_per_partition
+from cargohold.services.tiers.storage import TieredStorage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -236,6 +244,8 @@ def test_round_trip_latest_and_arbitrary_ranges(tmp_path: Path) -> None:
         got = read_flat_range(path, manifest, start, stop)
         for name in ARRAYS:
             assert torch.equal(got[name], data[name][start:stop]), (name, start, stop)
+    with pytest.raises(CheckpointError, match=r"\[9999, 10001\) is not a range inside .*\[0, 10000\)"):
+        read_flat_range(path, manifest, 9_999, 10_001)
     step, start, tensors = read_shard_file(path / "seg-00001.bin", manifest.files[1])
     assert (step, start) == (12, 1_000)
     assert all(torch.equal(tensors[n], data[n][1_000:6_400]) for n in ARRAYS)
@@ -292,8 +302,27 @@ def test_one_file_may_hold_several_shards(tmp_path: Path) -> None:
         read_flat_range(path, wrong, 0, 1_000)
 
 
-def _save_layout(store: CheckpointStore, step: int, layout, data: dict[str, torch.Tensor]) -> Path:
-    """Save the way state servers do: each server writes one file per segment it owns."""
+# A model with three FSDP2-like groups; no row count divides evenly by 2, 3 or 4 workers.
+SHAPES = [("wte", (301, 24)), ("wpe", (19, 24)), ("ln_f", (25,)),
+          ("blocks.0.w", (41, 24)), ("blocks.0.b", (41,)),
+          ("blocks.1.w", (29, 13)), ("blocks.1.scale", ()), ("blocks.1.b", (7,))]
+GROUPS = {"group_sizes": [3, 2, 3], "group_names": ["", "blocks.0", "blocks.1"]}
+RUN = "run-r"
+
+
+def _layout(workers: int, servers: int, shapes=SHAPES, groups=GROUPS) -> ShardLayout:
+    return build_layout(shapes, num_workers=workers, num_servers=servers, **groups)
+
+
+def _model_state(seed: int) -> dict[str, dict[str, torch.Tensor]]:
+    """master/exp_avg/exp_avg_sq of every parameter of ``SHAPES``, by name."""
+    generator = torch.Generator().manual_seed(seed)
+    return {key: {name: torch.randn(shape, generator=generator) for name, shape in SHAPES} for key in ARRAYS}
+
+
+def _save_layout(store: CheckpointStore, step: int, layout: ShardLayout, data: dict[str, torch.Tensor]) -> Path:
+    """Save the way state servers and the launcher do: one file per segment, the layout
+    recorded in the manifest."""
     directory = store.begin(step)
     files, shards = [], []
     for server in range(layout.num_servers):
@@ -304,42 +333,100 @@ def _save_layout(store: CheckpointStore, step: int, layout, data: dict[str, torc
             files.append(record)
             shards.append(ShardRecord(seg.segment_id, seg.start, seg.stop, step, record.name))
     manifest = Manifest(
-        format_version=FORMAT_VERSION, step=step, run_id="run-r", config_hash="cfg",
+        format_version=FORMAT_VERSION, step=step, run_id=RUN, config_hash="cfg",
         model_signature=tuple((p.name, p.shape) for p in layout.params), total=layout.total,
-        shards=tuple(shards), files=tuple(files),
-        extra={"align": layout.align, "num_workers": layout.num_workers, "num_servers": layout.num_servers},
+        shards=tuple(shards), files=tuple(files), extra={"updates": step, **layout_extra(layout)},
     )
     return store.commit(step, manifest)
 
 
-def test_reshard_two_servers_onto_one_and_three(tmp_path: Path) -> None:
-    shapes = [("emb", (100,)), ("w1", (33, 7)), ("w2", (500,)), ("b", (3,))]
-    saved = build_layout(shapes, num_workers=2, num_servers=2, bucket_elements=256)
-    data = random_data(saved.total, seed=5)
-    store = CheckpointStore(tmp_path)
-    path = _save_layout(store, 40, saved, data)
-    manifest = store.load(path)
-    assert len(manifest.files) == len(saved.segments) > 2
-    targets = [(1, 1), (3, 3), (6, 2)]
-    for workers, servers in targets:
-        target = build_layout(shapes, num_workers=workers, num_servers=servers)
-        check_compatible(manifest, model_signature=[(p.name, p.shape) for p in target.params],
-                         total=target.total, align=target.align)
-        for server in range(servers):
-            lo, hi = target.server_range(server)
-            got = read_flat_range(path, manifest, lo, hi)
-            for seg in target.segments_of_server(server):
-                part = read_flat_range(path, manifest, seg.start, seg.stop)
-                for name in ARRAYS:
-                    assert torch.equal(part[name], got[name][seg.start - lo : seg.stop - lo])
-            for name in ARRAYS:
-                held = min(hi, saved.total)
-                assert torch.equal(got[name][: max(0, held - lo)], data[name][lo:held])
-                # trailing padding of a layout for more workers: not in the checkpoint, zeros
-                assert not got[name][max(0, held - lo) :].any()
-    # both directions ran: a target with less trailing padding and one with more
-    totals = {build_layout(shapes, num_workers=w, num_servers=s).total for w, s in targets}
-    assert min(totals) < saved.total < max(totals)
+def _restore(path: Path, target: ShardLayout, server: int, registry: ShardRegistry) -> None:
+    """What the launcher and a state server do on resume, without Ray."""
+    manifest = CheckpointStore(path.parent).load(path)
+    saved = saved_layout(manifest, str(path / MANIFEST_NAME))
+    check_compatible(manifest, model_signature=[(p.name, p.shape) for p in target.params], align=target.align)
+    shards = [(ShardSpec(run_id=RUN, shard_id=seg.segment_id, start=seg.start, numel=seg.numel,
+                         fragments=tuple((f.segment_start, f.length) for f in seg.fragments),
+                         grad_dtype="float32", hyper=AdamWHyperParams()),
+               segment_runs(saved, target, seg))
+              for seg in target.segments_of_server(server)]
+    ShardCheckpointer(registry, server).restore(str(path), manifest, shards, manifest.extra["updates"])
+
+
+def _small_partitions(root: Path) -> TierConfig:
+    """An NVMe tier of 16 KiB partitions (1344 elements): runs cross partition bounds."""
+    buffer = FileLayout(elements_per_partition(16 << 10)).file_bytes
+    return TierConfig(nvme_paths=[str(root)], ram_budget_bytes=6 * buffer, partition_bytes=16 << 10,
+                      buffer_count=3, io_threads=2)
+
+
+@pytest.mark.parametrize(("saved_at", "restored_at"), [
+    ((2, 2), (1, 1)), ((1, 2), (3, 3)), ((2, 3), (4, 2)), ((4, 1), (2, 5)), ((3, 2), (3, 1)),
+])
+@pytest.mark.parametrize("tier", [False, True], ids=["ram", "nvme-tier"])
+def test_a_checkpoint_restores_bitwise_onto_any_workers_and_servers(
+        tmp_path: Path, saved_at: tuple[int, int], restored_at: tuple[int, int], tier: bool) -> None:
+    """Saved under W workers and S servers, restored onto W' and S' through the state
+    server's restore path: every parameter element of every array where the new layout
+    puts it, padding zero."""
+    state = _model_state(seed=5)
+    saved = _layout(*saved_at)
+    path = _save_layout(CheckpointStore(tmp_path / "ckpt"), 40, saved,
+                        {key: scatter_params(saved, state[key]) for key in ARRAYS})
+    target = _layout(*restored_at)
+    expected = {key: scatter_params(target, state[key]) for key in ARRAYS}
+    got = {key: torch.full((target.total,), float("nan")) for key in ARRAYS}
+    for server in range(target.num_servers):
+        registry = ShardRegistry(TieredStorage(_small_partitions(tmp_path / f"nvme{server}") if tier else None))
+        try:
+            _restore(path, target, server, registry)
+            for shard in registry.shards(RUN):
+                assert shard.step == 40
+                for key, values in shard.snapshot().items():
+                    got[key][shard.spec.start : shard.spec.start + shard.spec.numel] = values
+        finally:
+            registry.close()
+    for key in ARRAYS:
+        assert torch.equal(got[key], expected[key]), key
+
+
+def test_a_server_reads_only_the_files_its_segments_need(tmp_path: Path) -> None:
+    """The other files of the checkpoint may be gone: a server restoring its segments
+    never opens them."""
+    state = _model_state(seed=6)
+    saved, target = _layout(2, 4), _layout(4, 4)
+    path = _save_layout(CheckpointStore(tmp_path), 1, saved, {key: scatter_params(saved, state[key]) for key in ARRAYS})
+    manifest = CheckpointStore(tmp_path).load(path)
+
+    def needed_by(server: int) -> set[str]:
+        return {shard.file for seg in target.segments_of_server(server)
+                for _, flat, length in segment_runs(saved, target, seg)
+                for shard in manifest.shards if shard.start < flat + length and flat < shard.stop}
+
+    needed = needed_by(0)
+    assert 0 < len(needed) < len(manifest.files)
+    for record in manifest.files:
+        if record.name not in needed:
+            (path / record.name).unlink()
+    registry = ShardRegistry(TieredStorage(None))
+    _restore(path, target, 0, registry)
+    expected = scatter_params(target, state["exp_avg_sq"])
+    for shard in registry.shards(RUN):
+        spec = shard.spec
+        assert torch.equal(shard.snapshot()["exp_avg_sq"], expected[spec.start : spec.start + spec.numel])
+    other = next(server for server in range(1, target.num_servers) if needed_by(server) - needed)
+    with pytest.raises(CorruptCheckpointError, match="the file is missing"):
+        _restore(path, target, other, ShardRegistry(TieredStorage(None)))
+
+
+def test_a_checkpoint_of_the_parameter_ordered_layout_is_refused(tmp_path: Path) -> None:
+    layout = _layout(2, 1)
+    path = _save_layout(CheckpointStore(tmp_path), 3, layout, random_data(layout.total, 3))
+    body = json.loads((path / MANIFEST_NAME).read_text())
+    del body["extra"]["layout"], body["extra"]["group_sizes"], body["extra"]["group_names"]
+    (path / MANIFEST_NAME).write_text(json.dumps(body))
+    with pytest.raises(CheckpointError, match=rf"{path / MANIFEST_NAME}: .*former parameter-ordered flat layout"):
+        _restore(path, layout, 0, ShardRegistry(TieredStorage(None)))
 
 
 def test_a_gap_in_the_shards_is_named(tmp_path: Path) -> None:
@@ -647,24 +734,28 @@ def test_an_unwritable_place_names_the_file_and_reason(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------- compatibility
 
 
-def test_check_compatible_names_the_differing_parameter(tmp_path: Path) -> None:
+def test_check_compatible_matches_parameters_by_name(tmp_path: Path) -> None:
     shapes = [("emb", (100,)), ("w1", (33, 7)), ("w2", (500,))]
     layout = build_layout(shapes, num_workers=2, num_servers=2)
     path = _save_layout(CheckpointStore(tmp_path), 1, layout, random_data(layout.total, 0))
     manifest = CheckpointStore(tmp_path).load(path)
-    check_compatible(manifest, model_signature=shapes, total=layout.total, align=64)
-    check_compatible(manifest, model_signature=shapes, total=layout.total + 128)
+    check_compatible(manifest, model_signature=shapes, align=64)
+    check_compatible(manifest, model_signature=shapes[::-1], align=64)  # grouped otherwise: fine
     cases = [
-        ([("emb", (100,)), ("w1", (7, 33)), ("w2", (500,))], "parameter 1 is 'w1' of shape \\(33, 7\\)"),
-        ([("emb", (100,)), ("w1b", (33, 7)), ("w2", (500,))], "'w1b'"),
-        (shapes[:2], "only the checkpoint has parameter 'w2'"),
+        ([("emb", (100,)), ("w1", (7, 33)), ("w2", (500,))], r"parameter 'w1' has shape \(33, 7\) in the "
+                                                             r"checkpoint but \(7, 33\) in this model"),
+        ([("emb", (100,)), ("w1b", (33, 7)), ("w2", (500,))], "only the checkpoint has parameter 'w1' "),
+        (shapes[:2], r"only the checkpoint has parameter 'w2' of shape \(500,\) \(3 parameters in the "
+                     r"checkpoint, 2 in this model\)"),
         ([*shapes, ("head", (4,))], "only this model has parameter 'head'"),
     ]
     for signature, named in cases:
-        with pytest.raises(CheckpointError, match=f"checkpoint is of another model: .*{named}"):
-            check_compatible(manifest, model_signature=signature, total=layout.total)
-    with pytest.raises(CheckpointError, match="align 64, this run uses 128"):
-        check_compatible(manifest, model_signature=shapes, total=layout.total, align=128)
+        with pytest.raises(CheckpointError, match=f"checkpoint is of another model: {named}"):
+            check_compatible(manifest, model_signature=signature, align=64)
+    with pytest.raises(CheckpointError, match="this model lists parameter 'w1' twice"):
+        check_compatible(manifest, model_signature=[*shapes, ("w1", (33, 7))], align=64)
+    with pytest.raises(CheckpointError, match="saved with align 64, this run uses 128"):
+        check_compatible(manifest, model_signature=shapes, align=128)
 
 
 def test_errors_are_cargohold_errors() -> None:

@@ -28,9 +28,10 @@ from cargohold.cluster.export import (  # noqa: E402
 )
 from cargohold.cluster.launcher import TrainingSession  # noqa: E402
 from cargohold.services.errors import ConfigError, ExportError  # noqa: E402
-from cargohold.services.layout import parameter_views  # noqa: E402
+from cargohold.services.layout import gather_params, scatter_params  # noqa: E402
+from cargohold.services.models.build import build_model  # noqa: E402
 from cargohold.services.models.hf import HFCausalLM, hf_name  # noqa: E402
-from cargohold.services.worker import build_model, layout_for_config  # noqa: E402
+from cargohold.services.worker import model_layout  # noqa: E402
 from reference import reference_train, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,11 +66,12 @@ def gpt2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dic
     return path, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _flat(layout, model: torch.nn.Module) -> torch.Tensor:
-    flat = torch.zeros(layout.total, dtype=torch.float32)
-    for view, param in zip(parameter_views(layout, flat), model.parameters()):
-        view.copy_(param.detach())
-    return flat
+def _load(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """``model`` with every parameter set from ``weights`` (by name; tied ones once)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(weights[name])
+    return model
 
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,31 +118,20 @@ def test_dropout_stays_off_in_train_mode(gpt2_dir: Path) -> None:
     assert torch.equal(model(x, y)[1], model.eval()(x, y)[1])
 
 
-def test_tied_embedding_is_one_flat_slot_and_stays_tied(gpt2_dir: Path) -> None:
-    """What the worker does: point each parameter's data and grad at flat buffers."""
+def test_tied_embedding_is_one_slot_of_the_root_unit(gpt2_dir: Path) -> None:
+    """A tied parameter is placed once, in the root unit, and survives the flat space."""
     config = tiny_config(hf__config_path=str(gpt2_dir))
     model = build_model(config)
-    untouched = copy.deepcopy(model)
     assert model.hf.lm_head.weight is model.hf.transformer.wte.weight
-    names = [name for name, _ in model.named_parameters()]
-    assert "hf.transformer.wte.weight" in names and "hf.lm_head.weight" not in names
+    _, _, layout = model_layout(config)
+    names = [slot.name for slot in layout.params]
+    assert names.count("hf.transformer.wte.weight") == 1 and "hf.lm_head.weight" not in names
+    assert "hf.transformer.wte.weight" in [slot.name for slot in layout.group_params(0)]
 
-    layout = layout_for_config(config, model)
-    weights, grads = _flat(layout, model), torch.zeros(layout.total)
-    for param, weight, grad in zip(model.parameters(), parameter_views(layout, weights),
-                                   parameter_views(layout, grads)):
-        param.data, param.grad = weight, grad
-    assert model.hf.lm_head.weight is model.hf.transformer.wte.weight
-    assert model.hf.lm_head.weight.data_ptr() == parameter_views(layout, weights)[0].data_ptr()
-
-    x, y = _batch()
-    model(x, y)[1].backward()
-    untouched(x, y)[1].backward()
-    for grad, reference in zip(parameter_views(layout, grads), untouched.parameters()):
-        assert torch.equal(grad, reference.grad)  # the embedding's holds both uses
-    with torch.no_grad():  # an update through the flat buffer moves both uses
-        parameter_views(layout, weights)[0].add_(1.0)
-    assert torch.equal(model.hf.lm_head.weight, untouched.hf.lm_head.weight + 1.0)
+    weights = gather_params(layout, scatter_params(layout, dict(model.named_parameters())))
+    tied = _load(build_model(tiny_config(hf__config_path=str(gpt2_dir), seed=8)), weights)
+    assert tied.hf.lm_head.weight is tied.hf.transformer.wte.weight
+    assert all(torch.equal(a, b) for a, b in zip(tied.parameters(), model.parameters()))
 
 
 def test_buffers_stay_fp32_and_follow_the_input(llama_dir: Path) -> None:
@@ -227,26 +218,27 @@ def _garbage(path: Path) -> str:
 
 def test_builtin_gpt_export_round_trips(tmp_path: Path) -> None:
     config = tiny_config(steps=3)
-    layout = layout_for_config(config, build_model(config))
+    _, _, layout = model_layout(config)
+    assert [p.name for p in layout.params] != [n for n, _ in build_model(config).named_parameters()], \
+        "the layout orders parameters by unit, not as the model lists them"
     flat = reference_train(config, 3).flat(layout)
     assert export_weights(config, layout, flat, tmp_path / "out") == tmp_path / "out"
     assert {p.name for p in (tmp_path / "out").iterdir()} == {WEIGHTS_FILE, GPT_CONFIG_FILE}
 
     loaded = load_exported_gpt(tmp_path / "out")
     assert loaded.config == config.model and not loaded.training
-    for view, param in zip(parameter_views(layout, flat), loaded.parameters()):
-        assert torch.equal(view, param)
-    fresh = build_model(config).eval()
-    with torch.no_grad():
-        for view, param in zip(parameter_views(layout, flat), fresh.parameters()):
-            param.copy_(view)
+    weights = gather_params(layout, flat)
+    assert [n for n, _ in loaded.named_parameters()] == [n for n, _ in build_model(config).named_parameters()]
+    for name, param in loaded.named_parameters():
+        assert torch.equal(weights[name], param), name
+    fresh = _load(build_model(config).eval(), weights)
     x, _ = _batch()
     assert torch.equal(loaded(x)[0], fresh(x)[0])
 
 
 def test_export_refuses_other_weights_and_unreadable_exports(tmp_path: Path) -> None:
     config = tiny_config()
-    layout = layout_for_config(config, build_model(config))
+    _, _, layout = model_layout(config)
     with pytest.raises(ExportError, match="fp32"):
         export_weights(config, layout, torch.zeros(layout.total, dtype=torch.bfloat16), tmp_path)
     with pytest.raises(ExportError, match="layout"):
@@ -259,11 +251,11 @@ def test_export_refuses_other_weights_and_unreadable_exports(tmp_path: Path) -> 
 
 
 def _train(config, export_dir: Path | None = None):
-    layout = layout_for_config(config, build_model(config))
+    _, _, layout = model_layout(config)
     with TrainingSession(config) as session:
-        initial = session.worker_weights(0)
+        initial = session.all_worker_weights()
         losses = [session.step().loss for _ in range(config.steps)]
-        weights = session.worker_weights(0)
+        weights = session.all_worker_weights()
         masters = master_weights(layout, session.server_masters())
     if export_dir is not None:
         export_weights(config, layout, masters, export_dir)
@@ -280,15 +272,13 @@ def _assert_matches_reference(config, layout, losses, weights, masters) -> None:
 
 def _assert_export_loads(export_dir: Path, config, layout, masters: torch.Tensor) -> torch.nn.Module:
     loaded = transformers.AutoModelForCausalLM.from_pretrained(export_dir, local_files_only=True)
-    ours = dict(zip((hf_name(p.name) for p in layout.params), parameter_views(layout, masters)))
+    weights = gather_params(layout, masters)
+    ours = {hf_name(name): tensor for name, tensor in weights.items()}
     named = dict(loaded.named_parameters())
     assert named.keys() == ours.keys()
     for name, tensor in ours.items():
         assert torch.equal(named[name], tensor), name
-    fresh = build_model(config).eval()
-    with torch.no_grad():
-        for param, tensor in zip(fresh.parameters(), ours.values()):
-            param.copy_(tensor)
+    fresh = _load(build_model(config).eval(), weights)
     x, _ = _batch()
     assert torch.equal(loaded(input_ids=x).logits, fresh(x)[0])
     return loaded
@@ -309,8 +299,8 @@ def test_tied_checkpoint_trains_bitwise_in_bf16_and_exports_tied(ray_local, gpt2
     path, saved = gpt2_checkpoint
     config = tiny_config(hf__checkpoint_dir=str(path), steps=8, worker__compute_dtype="bfloat16")
     layout, initial, losses, weights, masters = _train(config, tmp_path / "export")
-    for view, slot in zip(parameter_views(layout, initial), layout.params):
-        assert torch.equal(view, saved[hf_name(slot.name)].to(view.dtype)), slot.name
+    for name, value in gather_params(layout, initial).items():
+        assert torch.equal(value, saved[hf_name(name)].to(value.dtype)), name
     _assert_matches_reference(config, layout, losses, weights, masters)
     assert losses[-1] < losses[0]
     loaded = _assert_export_loads(tmp_path / "export", config, layout, masters)
@@ -324,8 +314,7 @@ def test_train_writes_export_dir_from_the_masters(ray_local, tmp_path: Path) -> 
 
     config = tiny_config(steps=3, export_dir=str(tmp_path / "export"))
     train(config)
-    layout = layout_for_config(config, build_model(config))
-    expected = reference_train(config, config.steps).flat(layout)
+    expected = reference_train(config, config.steps).state["masters"]
     loaded = load_exported_gpt(tmp_path / "export")
-    for view, param in zip(parameter_views(layout, expected), loaded.parameters()):
-        assert torch.equal(view, param)
+    for name, param in loaded.named_parameters():
+        assert torch.equal(expected[name], param), name

@@ -1,10 +1,10 @@
-"""Property tests of the shard layout math: every element has exactly one home, and every
-cut the layout makes is aligned (which is what keeps the offloaded AdamW bitwise)."""
+"""Property tests of the shard layout math: every element has exactly one home, each
+worker's chunks are FSDP2's, and every cut is aligned to its slot (which is what keeps the
+offloaded AdamW bitwise)."""
 
 from __future__ import annotations
 
 import math
-from itertools import pairwise
 
 import pytest
 import torch
@@ -12,318 +12,146 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cargohold.services.errors import LayoutError
-from cargohold.services.layout import (
-    DEFAULT_ALIGN,
-    ShardLayout,
-    build_layout,
-    fragment_views,
-    layout_for_module,
-    parameter_views,
-)
+from cargohold.services.layout import ShardLayout, build_layout, fragment_views, gather_params, scatter_params
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
-PROPERTY_SETTINGS = settings(
-    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+PROPERTY_SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-# Shapes of 1 to 3 dims, at most a few thousand elements each, biased towards the awkward
-# sizes (1, odd, just past a power of two); a rare zero-size parameter is legal in torch.
-_DIM = st.one_of(
-    st.sampled_from([1, 2, 3, 5, 7, 63, 65, 101]),
-    st.integers(min_value=1, max_value=70),
-)
+# Shapes of 1 to 3 dims, biased towards the awkward sizes (1, odd, just past a power of
+# two, fewer rows than workers); a rare zero-size parameter is legal in torch.
+_DIM = st.one_of(st.sampled_from([1, 2, 3, 5, 7, 63, 65, 101]), st.integers(min_value=1, max_value=70))
 SHAPE = st.one_of(
-    st.tuples(st.integers(min_value=1, max_value=5000)),
+    st.tuples(st.integers(min_value=1, max_value=3000)),
     st.tuples(_DIM, _DIM),
     st.tuples(st.integers(1, 17), st.integers(1, 17), st.integers(1, 17)),
     st.just((1,)),
     st.just((0, 3)),
 )
-SHAPES = st.lists(SHAPE, min_size=1, max_size=30).filter(
-    lambda shapes: any(math.prod(s) > 0 for s in shapes)
-)
-WORKERS = st.integers(min_value=1, max_value=8)
+SHAPES = st.lists(SHAPE, min_size=1, max_size=20).filter(lambda shapes: any(math.prod(s) > 0 for s in shapes))
+WORKERS = st.integers(min_value=1, max_value=6)
 SERVERS = st.integers(min_value=1, max_value=5)
 ALIGN = st.sampled_from([64, 8, 1])
-# None: one bucket of the whole buffer; else a bucket size before rounding.
-BUCKET = st.one_of(st.none(), st.integers(min_value=1, max_value=3000))
 
 
 def _named(shapes: list[tuple[int, ...]]) -> list[tuple[str, tuple[int, ...]]]:
     return [(f"p{i}", shape) for i, shape in enumerate(shapes)]
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
+def _groups(data: st.DataObject, count: int) -> list[int]:
+    """Random consecutive group sizes adding up to ``count`` (empty groups allowed)."""
+    cuts = sorted(data.draw(st.lists(st.integers(0, count), max_size=4)))
+    bounds = [0, *cuts, count]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def _expected_total(shapes: list[tuple[int, ...]], align: int, num_workers: int) -> int:
-    packed = sum(_round_up(math.prod(s), align) for s in shapes)
-    return _round_up(packed, align * num_workers)
-
-
-def _layout_or_none(
-    shapes: list[tuple[int, ...]], num_workers: int, num_servers: int, align: int,
-    bucket: int | None = None,
-) -> ShardLayout | None:
-    """The layout, or None after checking that the request is one of too many servers."""
-    total = _expected_total(shapes, align, num_workers)
-    if total // align < num_servers:
-        with pytest.raises(LayoutError, match="fewer state servers"):
-            build_layout(
-                _named(shapes), num_workers=num_workers, num_servers=num_servers, align=align
-            )
+def _layout_or_none(data: st.DataObject, shapes, workers: int, servers: int, align: int) -> ShardLayout | None:
+    groups = _groups(data, len(shapes))
+    try:
+        return build_layout(_named(shapes), num_workers=workers, num_servers=servers, align=align,
+                            group_sizes=groups)
+    except LayoutError as error:
+        assert "fewer state servers" in str(error)
         return None
-    layout = build_layout(
-        _named(shapes), num_workers=num_workers, num_servers=num_servers, align=align,
-        bucket_elements=bucket,
-    )
-    assert layout.total == total
-    return layout
+
+
+def _fsdp2_chunk(shape: tuple[int, ...], workers: int, worker: int) -> tuple[int, int]:
+    """The rows torch.chunk (FSDP2's dim-0 sharding) gives ``worker``."""
+    rows = torch.arange(shape[0]).chunk(workers)
+    if worker >= len(rows):
+        return shape[0], shape[0]
+    return int(rows[worker][0]), int(rows[worker][-1]) + 1
 
 
 @PROPERTY_SETTINGS
-@given(shapes=SHAPES, num_workers=WORKERS, num_servers=SERVERS, align=ALIGN, bucket=BUCKET)
-def test_every_real_element_is_covered_by_exactly_one_fragment(
-    shapes: list[tuple[int, ...]], num_workers: int, num_servers: int, align: int,
-    bucket: int | None,
-) -> None:
-    layout = _layout_or_none(shapes, num_workers, num_servers, align, bucket)
+@given(data=st.data(), shapes=SHAPES, workers=WORKERS, servers=SERVERS, align=ALIGN)
+def test_every_element_has_one_home_and_the_chunks_are_fsdp2s(data, shapes, workers, servers, align) -> None:
+    layout = _layout_or_none(data, shapes, workers, servers, align)
     if layout is None:
         return
+    tensors = {f"p{i}": torch.arange(math.prod(s), dtype=torch.float64).reshape(s) + 1000 * i
+               for i, s in enumerate(shapes)}
+    flat = scatter_params(layout, tensors, dtype=torch.float64)
+    assert all(torch.equal(value, tensors[name]) for name, value in gather_params(layout, flat).items())
+
     coverage = torch.zeros(layout.total, dtype=torch.int32)
     for segment in layout.segments:
+        lo, hi = layout.worker_range(segment.worker)
+        assert lo <= segment.start < segment.stop <= hi
+        assert layout.server_range(segment.server)[0] <= segment.start
+        assert segment.stop <= layout.server_range(segment.server)[1]
+        group = layout.groups[segment.group]
+        assert lo + group.start <= segment.start and segment.stop <= lo + group.stop
         for fragment in segment.fragments:
             slot = layout.params[fragment.param_index]
-            flat_start = segment.start + fragment.segment_start
-            # The fragment's two coordinates agree: segment position == param position.
-            assert flat_start == slot.offset + fragment.param_start
-            assert fragment.length > 0
-            assert 0 <= fragment.param_start
-            assert fragment.param_start + fragment.length <= slot.numel
-            assert fragment.segment_start + fragment.length <= segment.numel
-            coverage[flat_start : flat_start + fragment.length] += 1
-
-    real = torch.zeros(layout.total, dtype=torch.bool)
-    for slot in layout.params:
-        real[slot.offset : slot.offset + slot.numel] = True
-    assert torch.all(coverage[real] == 1), "a real element is missing or covered twice"
-    assert torch.all(coverage[~real] == 0), "a padding element is inside a fragment"
-    assert int(real.sum()) == layout.num_real_elements == sum(math.prod(s) for s in shapes)
-
-
-@PROPERTY_SETTINGS
-@given(shapes=SHAPES, num_workers=WORKERS, num_servers=SERVERS, align=ALIGN, bucket=BUCKET)
-def test_segments_tile_the_buffer_inside_one_worker_and_one_server_range(
-    shapes: list[tuple[int, ...]], num_workers: int, num_servers: int, align: int,
-    bucket: int | None,
-) -> None:
-    layout = _layout_or_none(shapes, num_workers, num_servers, align, bucket)
-    if layout is None:
-        return
+            at = segment.start + fragment.segment_start
+            coverage[at : at + fragment.length] += 1
+            expected = tensors[slot.name].reshape(-1)[fragment.param_start : fragment.param_start + fragment.length]
+            assert torch.equal(flat[at : at + fragment.length], expected)
+            # inside this worker's FSDP2 chunk, cut at a multiple of align from the slot's start
+            first, last = _fsdp2_chunk(slot.shape or (1,), workers, segment.worker)
+            assert first * slot.row_numel <= fragment.param_start
+            assert fragment.param_start + fragment.length <= last * slot.row_numel
+            assert (fragment.param_start - first * slot.row_numel) % align == 0
+    assert int(coverage.sum()) == layout.num_real_elements and int(coverage.max()) <= 1
     assert [s.segment_id for s in layout.segments] == list(range(len(layout.segments)))
-    position = 0
-    for segment in sorted(layout.segments, key=lambda s: s.start):
-        assert segment.start == position, "gap or overlap between segments"
-        assert segment.stop > segment.start
-        position = segment.stop
-    assert position == layout.total
-
-    pieces = {(b.index, w): b.piece(w) for b in layout.buckets for w in range(num_workers)}
-    server_ranges = [layout.server_range(s) for s in range(num_servers)]
-    for segment in layout.segments:
-        in_pieces = [
-            key for key, (a, b) in pieces.items() if a <= segment.start and segment.stop <= b
-        ]
-        in_servers = [
-            s for s, (a, b) in enumerate(server_ranges) if a <= segment.start and segment.stop <= b
-        ]
-        assert in_pieces == [(segment.bucket, segment.worker)]
-        assert in_servers == [segment.server]
-        # A segment is the whole intersection, not a piece of it.
-        (wa, wb), (sa, sb) = pieces[segment.bucket, segment.worker], server_ranges[segment.server]
-        assert (segment.start, segment.stop) == (max(wa, sa), min(wb, sb))
-        # Its place in the worker's shard: the pieces of earlier buckets, then the offset.
-        assert segment.shard_offset == layout.piece_offset(segment.bucket) + segment.start - wa
-
-    for worker in range(num_workers):
-        mine = layout.segments_of_worker(worker)
-        assert sum(s.numel for s in mine) == layout.worker_shard_size
-        assert all(s.worker == worker for s in mine)
-        # The worker's segments tile its shard in order.
-        assert [s.shard_offset for s in mine] == [sum(m.numel for m in mine[:i]) for i in range(len(mine))]
-    for server in range(num_servers):
-        mine = layout.segments_of_server(server)
-        start, stop = layout.server_range(server)
-        assert sum(s.numel for s in mine) == stop - start
-        assert all(s.server == server for s in mine)
+    assert sum(s.numel for s in layout.segments) == layout.total
 
 
 @PROPERTY_SETTINGS
-@given(shapes=SHAPES, num_workers=WORKERS, num_servers=SERVERS, align=ALIGN, bucket=BUCKET)
-def test_every_cut_is_aligned(
-    shapes: list[tuple[int, ...]], num_workers: int, num_servers: int, align: int,
-    bucket: int | None,
-) -> None:
-    layout = _layout_or_none(shapes, num_workers, num_servers, align, bucket)
+@given(data=st.data(), shapes=SHAPES, workers=WORKERS, servers=SERVERS, align=ALIGN)
+def test_slots_servers_and_runs_are_consistent(data, shapes, workers, servers, align) -> None:
+    layout = _layout_or_none(data, shapes, workers, servers, align)
     if layout is None:
         return
-    assert (layout.num_workers, layout.num_servers, layout.align) == (
-        num_workers,
-        num_servers,
-        align,
-    )
-    # Equal worker shards, each a multiple of align (what reduce_scatter/all_gather need).
-    assert layout.total == layout.worker_shard_size * num_workers
-    assert layout.worker_shard_size % align == 0
-    assert {sum(b - a for a, b in layout.worker_pieces(w)) for w in range(num_workers)} == {
-        layout.worker_shard_size
-    }
-    # Buckets tile the buffer; each is a multiple of num_workers * align, so pieces are
-    # equal and aligned.
-    assert [b.start for b in layout.buckets] == [0] + [b.stop for b in layout.buckets[:-1]]
-    assert layout.buckets[-1].stop == layout.total
-    for b in layout.buckets:
-        assert (b.stop - b.start) % (align * num_workers) == 0 and b.stop > b.start
-    if bucket is None:
-        assert len(layout.buckets) == 1
-    # Padding is less than one alignment unit per parameter plus one per worker round-up.
-    packed = sum(_round_up(p.numel, align) for p in layout.params)
-    assert packed <= layout.total < packed + align * num_workers
-
-    # Parameters in the given order, aligned, not overlapping, inside the buffer.
-    end = 0
-    for slot, shape in zip(layout.params, shapes, strict=True):
-        assert slot.shape == tuple(shape)
-        assert slot.offset % align == 0
-        assert slot.offset >= end
-        end = slot.offset + slot.numel
-    assert end <= layout.total
-
+    assert layout.total == layout.worker_size * workers
     bounds = layout.server_bounds
-    assert len(bounds) == num_servers + 1
     assert bounds[0] == 0 and bounds[-1] == layout.total
-    assert all(b % align == 0 for b in bounds)
-    assert all(b - a >= align for a, b in pairwise(bounds)), "a server owns nothing"
-
-    for segment in layout.segments:
-        assert segment.start % align == 0 and segment.stop % align == 0
-        for fragment in segment.fragments:
-            # The property that keeps the fused kernel on the reference's code path.
-            assert fragment.param_start % align == 0
-            assert fragment.segment_start % align == 0
-
-
-@PROPERTY_SETTINGS
-@given(shapes=SHAPES, num_workers=WORKERS, num_servers=SERVERS, align=ALIGN, bucket=BUCKET)
-def test_parameter_and_fragment_views_address_the_right_elements(
-    shapes: list[tuple[int, ...]], num_workers: int, num_servers: int, align: int,
-    bucket: int | None,
-) -> None:
-    layout = _layout_or_none(shapes, num_workers, num_servers, align, bucket)
-    if layout is None:
-        return
-    # Round trip: values written through the parameter views come back unchanged and land
-    # at each parameter's offset; padding is untouched.
-    values = [
-        torch.arange(math.prod(s), dtype=torch.float64).reshape(s) + 1_000_000 * (i + 1)
-        for i, s in enumerate(shapes)
-    ]
-    flat = torch.full((layout.total,), -1.0, dtype=torch.float64)
-    views = parameter_views(layout, flat)
-    for view, value in zip(views, values, strict=True):
-        assert view.shape == value.shape
-        view.copy_(value)
-    for view, value, slot in zip(parameter_views(layout, flat), values, layout.params, strict=True):
-        assert torch.equal(view, value)
-        assert torch.equal(flat[slot.offset : slot.offset + slot.numel], value.reshape(-1))
-    assert int((flat == -1.0).sum()) == layout.total - layout.num_real_elements
-
-    # Fragment views of a segment buffer are the expected slice of the flat index space.
-    index = torch.arange(layout.total, dtype=torch.int64)
-    for segment in layout.segments:
-        buffer = index[segment.start : segment.stop]
-        views = fragment_views(segment, buffer)
-        assert len(views) == len(segment.fragments)
-        for view, fragment in zip(views, segment.fragments, strict=True):
-            first = layout.params[fragment.param_index].offset + fragment.param_start
-            assert torch.equal(view, torch.arange(first, first + fragment.length))
-            assert view.data_ptr() == buffer[fragment.segment_start :].data_ptr()  # a view
+    assert all(b % align == 0 for b in bounds) and list(bounds) == sorted(bounds)
+    for slot in layout.params:
+        assert slot.offset % align == 0
+        assert slot.rows_per_worker == -(-(slot.shape[0] if slot.shape else 1) // workers)
+    for group in layout.groups:
+        assert all(layout.params[i].group == group.index for i in range(group.first_param, group.stop_param))
+    start = data.draw(st.integers(0, layout.total))
+    stop = data.draw(st.integers(start, layout.total))
+    for index, param_start, flat_start, length in layout.param_runs(start, stop):
+        assert start <= flat_start and flat_start + length <= stop
+        assert layout.flat_runs(index, param_start, length) == [(flat_start, param_start, length)]
 
 
-def test_views_share_storage_with_the_flat_buffer() -> None:
-    layout = build_layout([("a", (3, 5)), ("b", (7,))], num_workers=2, num_servers=2, align=8)
-    flat = torch.zeros(layout.total)
-    parameter_views(layout, flat)[1].fill_(2.0)
-    assert torch.equal(
-        flat[layout.params[1].offset : layout.params[1].offset + 7], torch.full((7,), 2.0)
-    )
-    segment = layout.segments[0]
-    fragment_views(segment, flat[segment.start : segment.stop])[0].fill_(3.0)
-    assert flat[0] == 3.0
-
-
-def test_layout_for_module_matches_named_parameters_on_meta_device() -> None:
-    with torch.device("meta"):
-        module = torch.nn.Sequential(
-            torch.nn.Linear(37, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 1)
-        )
-    layout = layout_for_module(module, num_workers=3, num_servers=2)
-    expected = build_layout(
-        [(n, tuple(p.shape)) for n, p in module.named_parameters()],
-        num_workers=3,
-        num_servers=2,
-        align=DEFAULT_ALIGN,
-    )
-    assert layout == expected
-    assert [p.name for p in layout.params] == [
-        "0.weight",
-        "0.bias",
-        "1.weight",
-        "1.bias",
-        "2.weight",
-        "2.bias",
-    ]
-
-
-def test_one_worker_one_server_is_one_segment_of_whole_parameters() -> None:
-    layout = build_layout(
-        [("a", (101,)), ("b", (37, 5)), ("c", (1,))], num_workers=1, num_servers=1, align=64
-    )
-    assert layout.total == 128 + 192 + 64
-    (segment,) = layout.segments
-    assert (segment.start, segment.stop, segment.worker, segment.server) == (0, layout.total, 0, 0)
-    assert [
-        (f.param_index, f.param_start, f.segment_start, f.length) for f in segment.fragments
-    ] == [
-        (0, 0, 0, 101),
-        (1, 0, 128, 185),
-        (2, 0, 320, 1),
-    ]
+def test_two_workers_split_rows_like_fsdp2() -> None:
+    layout = build_layout([("a", (5, 3)), ("b", (7,))], num_workers=2, num_servers=1, align=8,
+                          group_sizes=[1, 1], group_names=["", "block"])
+    a, b = layout.params
+    assert (a.rows_per_worker, a.slot_numel, a.offset) == (3, 9, 0)
+    assert (b.rows_per_worker, b.slot_numel, b.offset) == (4, 4, 16)
+    assert layout.worker_size == 24 and layout.total == 48
+    assert [(s.worker, s.group, s.start, s.stop) for s in layout.segments] == [
+        (0, 0, 0, 16), (0, 1, 16, 24), (1, 0, 24, 40), (1, 1, 40, 48)]
+    # worker 1 holds rows 3..4 of a (6 elements from element 9) and 3 elements of b
+    assert [(f.param_start, f.length) for f in layout.segments[2].fragments] == [(9, 6)]
+    assert [(f.param_start, f.length) for f in layout.segments[3].fragments] == [(4, 3)]
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         (dict(num_workers=0, num_servers=1), r"num_workers must be >= 1, got 0"),
-        (dict(num_workers=-2, num_servers=1), r"num_workers must be >= 1, got -2"),
         (dict(num_workers=1, num_servers=0), r"num_servers must be >= 1, got 0"),
         (dict(num_workers=1, num_servers=1, align=0), r"align must be >= 1, got 0"),
-        # 100 elements at align 64 make 2 units: 3 servers cannot each own one.
-        (
-            dict(num_workers=1, num_servers=3),
-            r"3 servers cannot each own at least 64 of 128 elements; use fewer state servers",
-        ),
+        (dict(num_workers=1, num_servers=3), r"3 servers cannot each own at least 64 of 128 elements"),
+        (dict(num_workers=1, num_servers=1, group_sizes=[2]), r"group sizes \[2\] do not add up to the 1"),
+        (dict(num_workers=1, num_servers=1, group_names=["a", "b"]), r"2 group names for 1 groups"),
     ],
 )
-def test_bad_counts_raise_layout_error_naming_the_setting(kwargs: dict, message: str) -> None:
+def test_bad_requests_raise_layout_error_naming_the_setting(kwargs: dict, message: str) -> None:
     with pytest.raises(LayoutError, match=message):
         build_layout([("w", (100,))], **kwargs)
 
 
 @pytest.mark.parametrize("shapes", [[], [(0,)], [(0, 3), (4, 0)]])
-def test_empty_model_raises_layout_error(shapes: list[tuple[int, ...]]) -> None:
+def test_empty_model_raises_layout_error(shapes) -> None:
     with pytest.raises(LayoutError, match="no parameter elements"):
         build_layout(_named(shapes), num_workers=1, num_servers=1)
 
@@ -333,29 +161,23 @@ def test_negative_dimension_raises_layout_error_naming_the_parameter() -> None:
         build_layout([("ok", (3,)), ("bad", (3, -1))], num_workers=1, num_servers=1)
 
 
-def test_wrong_buffer_sizes_raise_layout_error_with_the_expected_size() -> None:
+def test_wrong_sizes_raise_layout_error_with_the_expected_size() -> None:
     layout = build_layout([("a", (101,)), ("b", (37, 5))], num_workers=2, num_servers=3, align=8)
-    for bad in (
-        torch.zeros(layout.total + 1),
-        torch.zeros(layout.total - 1),
-        torch.zeros(1, layout.total),
-    ):
-        with pytest.raises(
-            LayoutError, match=rf"flat buffer must be 1-D with {layout.total} elements, got shape"
-        ):
-            parameter_views(layout, bad)
+    with pytest.raises(LayoutError, match=rf"flat space must be 1-D with {layout.total} elements"):
+        gather_params(layout, torch.zeros(layout.total + 1))
+    with pytest.raises(LayoutError, match=r"parameter 'b' has shape \(37, 5\), got \(5, 37\)"):
+        scatter_params(layout, {"a": torch.zeros(101), "b": torch.zeros(5, 37)})
+    with pytest.raises(LayoutError, match=r"no tensor for parameters \['b'\]"):
+        scatter_params(layout, {"a": torch.zeros(101)})
     segment = layout.segments[1]
-    for bad in (torch.zeros(segment.numel + 1), torch.zeros(segment.numel, 1)):
-        with pytest.raises(
-            LayoutError, match=rf"segment 1 buffer must be 1-D with {segment.numel} elements"
-        ):
-            fragment_views(segment, bad)
+    with pytest.raises(LayoutError, match=rf"segment 1 buffer must be 1-D with {segment.numel} elements"):
+        fragment_views(segment, torch.zeros(segment.numel + 1))
 
 
 def test_out_of_range_worker_and_server_indices_raise_layout_error() -> None:
     layout = build_layout([("a", (1000,))], num_workers=2, num_servers=3, align=8)
     with pytest.raises(LayoutError, match=r"worker index 2 is outside 0..1"):
-        layout.worker_pieces(2)
+        layout.worker_range(2)
     with pytest.raises(LayoutError, match=r"server index -1 is outside 0..2"):
         layout.server_range(-1)
     with pytest.raises(LayoutError, match="worker index"):

@@ -169,9 +169,9 @@ def test_worker_values_round_trip(worker: WorkerMetrics) -> None:
     worker.observe_step(0.5, loss=2.25)
     worker.add_phase("compute", 0.75)
     worker.add_phase("compute", 0.5)
-    worker.add_phase("push", 0.25)
+    worker.add_phase("update", 0.25)
     worker.set_resident_bytes("weights", 4000)
-    worker.set_resident_bytes("grad_shard", 125)
+    worker.set_resident_bytes("exchange", 125)
     worker.record_sent("PushGradient", 800)
     worker.record_received("FetchWeights", 900)
 
@@ -182,9 +182,9 @@ def test_worker_values_round_trip(worker: WorkerMetrics) -> None:
     assert got[_key("cargohold_worker_steps_total", rank=rank)] == 2
     assert got[_key("cargohold_worker_loss", rank=rank)] == 2.25
     assert got[_key("cargohold_worker_phase_seconds_total", rank=rank, phase="compute")] == 1.25
-    assert got[_key("cargohold_worker_phase_seconds_total", rank=rank, phase="push")] == 0.25
+    assert got[_key("cargohold_worker_phase_seconds_total", rank=rank, phase="update")] == 0.25
     assert got[_key("cargohold_worker_resident_bytes", rank=rank, kind="weights")] == 4000
-    assert got[_key("cargohold_worker_resident_bytes", rank=rank, kind="grad_shard")] == 125
+    assert got[_key("cargohold_worker_resident_bytes", rank=rank, kind="exchange")] == 125
     assert got[_key("cargohold_transport_sent_bytes_total", rank=rank, rpc="PushGradient")] == 800
     assert got[_key("cargohold_transport_received_bytes_total", rank=rank, rpc="FetchWeights")] == 900
 
@@ -224,7 +224,7 @@ def test_two_endpoints_in_one_process_do_not_share_values() -> None:
     [
         (lambda: StateServerMetrics("s").set_resident_bytes("disk", 1), "disk", "nvme"),
         (lambda: WorkerMetrics(0).add_phase("backward", 1.0), "backward", "compute"),
-        (lambda: WorkerMetrics(0).set_resident_bytes("activations", 1), "activations", "grad_shard"),
+        (lambda: WorkerMetrics(0).set_resident_bytes("activations", 1), "activations", "exchange"),
     ],
 )
 def test_unknown_label_values_are_rejected(
@@ -285,8 +285,8 @@ def test_metric_names_lists_exactly_what_is_exported(
     server.set_resident_bytes("ram", 1)
     server.record_error("PushGradient", "INTERNAL")
     worker.observe_step(0.1, loss=1.0)
-    worker.add_phase("gather", 0.1)
-    worker.set_resident_bytes("gradients", 1)
+    worker.add_phase("reduce", 0.1)
+    worker.set_resident_bytes("exchange", 1)
     worker.record_sent("PushGradient", 1)
     worker.record_received("FetchWeights", 1)
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cargohold.services.errors import ConfigError
-from cargohold.services.layout import DEFAULT_ALIGN, build_layout, fragment_views
+from cargohold.services.layout import DEFAULT_ALIGN, build_layout, fragment_views, gather_params, scatter_params
 from cargohold.services.optim import (
     CLIP_EPSILON,
     AdamWHyperParams,
@@ -73,9 +73,13 @@ class Result:
     exp_avg_sq: list[torch.Tensor]
 
 
-def _reference(run: Run, lrs: Sequence[float], hyper: AdamWHyperParams = HYPER) -> Result:
-    """Plain torch: per-parameter tensors, clip_grad_norm_, AdamW(fused=True)."""
-    params = [torch.nn.Parameter(t.clone()) for t in run.init]
+def _reference(run: Run, lrs: Sequence[float], hyper: AdamWHyperParams = HYPER, *,
+               num_workers: int = 1) -> Result:
+    """Plain torch: per-parameter tensors, clip_grad_norm_, AdamW(fused=True). With
+    ``num_workers`` > 1 each parameter is stepped as the dim-0 chunks FSDP2 gives each
+    worker (separate tensors, as FSDP2 + AdamW does), clipped by the whole norm."""
+    chunks = [t.clone().chunk(num_workers) if t.dim() else (t.clone(),) for t in run.init]
+    params = [torch.nn.Parameter(c.clone()) for cs in chunks for c in cs]
     optimizer = torch.optim.AdamW(
         params,
         lr=lrs[0],
@@ -85,17 +89,27 @@ def _reference(run: Run, lrs: Sequence[float], hyper: AdamWHyperParams = HYPER) 
         fused=True,
     )
     for grads, lr in zip(run.grads, lrs, strict=True):
-        for p, g in zip(params, grads, strict=True):
+        pieces = [c for g, cs in zip(grads, chunks, strict=True) for c in g.chunk(len(cs))]
+        for p, g in zip(params, pieces, strict=True):
             p.grad = g.clone()
         if hyper.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, hyper.max_grad_norm)
+            total = torch.nn.utils.get_total_norm(grads)
+            torch.nn.utils.clip_grads_with_norm_(params, hyper.max_grad_norm, total)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
+
+    def whole(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        out, at = [], 0
+        for init, cs in zip(run.init, chunks, strict=True):
+            out.append(torch.cat(tensors[at : at + len(cs)]).view(init.shape))
+            at += len(cs)
+        return out
+
     return Result(
-        weights=[p.detach() for p in params],
-        exp_avg=[optimizer.state[p]["exp_avg"] for p in params],
-        exp_avg_sq=[optimizer.state[p]["exp_avg_sq"] for p in params],
+        weights=whole([p.detach() for p in params]),
+        exp_avg=whole([optimizer.state[p]["exp_avg"] for p in params]),
+        exp_avg_sq=whole([optimizer.state[p]["exp_avg_sq"] for p in params]),
     )
 
 
@@ -121,11 +135,9 @@ def _offloaded(
         num_servers=num_servers,
         align=align,
     )
-    master = torch.zeros(layout.total)
+    master = scatter_params(layout, run.init)
     exp_avg = torch.zeros(layout.total)
     exp_avg_sq = torch.zeros(layout.total)
-    for slot, value in zip(layout.params, run.init, strict=True):
-        master[slot.offset : slot.offset + slot.numel] = value.reshape(-1)
     states = [
         AdamWState(
             master=fragment_views(seg, master[seg.start : seg.stop]),
@@ -136,9 +148,7 @@ def _offloaded(
         for seg in layout.segments
     ]
     for grads, lr in zip(run.grads, lrs, strict=True):
-        flat_grad = torch.zeros(layout.total)
-        for slot, g in zip(layout.params, grads, strict=True):
-            flat_grad[slot.offset : slot.offset + slot.numel] = g.reshape(-1)
+        flat_grad = scatter_params(layout, grads)
         # Each segment gets its own copy, as it would off the wire.
         shards = [flat_grad[seg.start : seg.stop].clone() for seg in layout.segments]
         if norm == "off":
@@ -154,13 +164,13 @@ def _offloaded(
     assert all(int(s.step.item()) == STEPS for s in states)
     # Padding never takes part in the update.
     real = torch.zeros(layout.total, dtype=torch.bool)
-    for slot in layout.params:
-        real[slot.offset : slot.offset + slot.numel] = True
+    for _, _, flat_start, length in layout.param_runs(0, layout.total):
+        real[flat_start : flat_start + length] = True
     for buffer in (master, exp_avg, exp_avg_sq):
         assert torch.all(buffer[~real] == 0)
 
     def unflatten(flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[p.offset : p.offset + p.numel].view(p.shape) for p in layout.params]
+        return list(gather_params(layout, flat).values())
 
     return Result(unflatten(master), unflatten(exp_avg), unflatten(exp_avg_sq))
 
@@ -192,7 +202,7 @@ def test_sharded_update_is_bitwise_equal_to_torch_adamw(
 ) -> None:
     run = _make_run(SHAPE_SETS[shape_set], seed=num_workers * 10 + num_servers)
     lrs = _lr_schedule()
-    want = _reference(run, lrs)
+    want = _reference(run, lrs, num_workers=num_workers)
     got = _offloaded(run, lrs, num_workers=num_workers, num_servers=num_servers)
     _assert_bitwise(got, want)
     # The run moved the weights (a vacuous pass would not).
@@ -222,7 +232,7 @@ def test_sharded_update_is_bitwise_for_random_shapes(
     run = _make_run(shapes, seed=seed)
     lrs = _lr_schedule()
     got = _offloaded(run, lrs, num_workers=num_workers, num_servers=num_servers, align=align)
-    _assert_bitwise(got, _reference(run, lrs))
+    _assert_bitwise(got, _reference(run, lrs, num_workers=num_workers))
 
 
 def test_default_hyper_params_are_bitwise_too() -> None:
@@ -231,7 +241,7 @@ def test_default_hyper_params_are_bitwise_too() -> None:
     lrs = [1e-3] * STEPS
     _assert_bitwise(
         _offloaded(run, lrs, num_workers=2, num_servers=3, hyper=hyper),
-        _reference(run, lrs, hyper=hyper),
+        _reference(run, lrs, hyper=hyper, num_workers=2),
     )
 
 
@@ -324,7 +334,7 @@ def test_zero_lr_leaves_weights_bitwise_unchanged_but_updates_moments() -> None:
     for weight, initial in zip(got.weights, run.init, strict=True):
         assert torch.equal(weight, initial)
     assert all(bool(torch.any(m != 0)) for m in got.exp_avg)
-    _assert_bitwise(got, _reference(run, lrs))
+    _assert_bitwise(got, _reference(run, lrs, num_workers=2))
 
 
 def test_lr_is_applied_as_given_each_step() -> None:
@@ -403,7 +413,7 @@ def test_clipped_update_with_torchs_norm_is_bitwise(num_servers: int) -> None:
     norms = [float(torch.nn.utils.get_total_norm(g)) for g in run.grads]
     assert min(norms) < 1.0 < max(norms), "clipping must be on for some steps and off for others"
     got = _offloaded(run, lrs, num_workers=2, num_servers=num_servers, hyper=hyper, norm="torch")
-    _assert_bitwise(got, _reference(run, lrs, hyper=hyper))
+    _assert_bitwise(got, _reference(run, lrs, hyper=hyper, num_workers=2))
 
 
 # Max |weight diff| after 20 clipped steps with the norm summed from shards, measured with

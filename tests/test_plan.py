@@ -1,15 +1,18 @@
 """`cargohold plan`: the arithmetic on small configs, the cluster description and size
-parsing, the command's exit codes and JSON, and the plan checked against a real run.
+parsing, the command's exit codes and JSON, the shipped plan examples (13B on one 24 GiB
+GPU, 70B on eight), and the plan checked against a real run.
 
-Margins against a real run (test_plan_matches_a_real_run):
-* worker buffers (TrainingWorker.resident_bytes) and the bytes pushed and fetched per
-  step: equal, no margin;
+Margins against a real run (test_plan_matches_a_real_run, test_worker_buffers_match_a_real_run):
+* worker buffers (TrainingWorker.resident_bytes: FSDP2 weight shards and exchange
+  buffers) and the bytes pushed and fetched per step: equal, no margin;
 * a state server's state per tier (12 B/element): equal once every partition sits in its
   planned tier (partitions move after their next update; compared after 3 steps);
 * the memory its tiers hold (RAM tier + staging buffers, in the 4 KiB-aligned file
   layout) and the NVMe bytes written per step: equal;
 * NVMe bytes read per step: at most the planned bytes and at least the planned bytes less
   the staging buffers (partitions still staged from the previous step are not read).
+The device-side figures (units in flight, gradients in backward, temporaries,
+activations) are bounds and estimates; here only their arithmetic is tested.
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ from cargohold.services.layout import ShardLayout
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT
 from cargohold.services.tiers.storage import TieredStorage, tensor_source
-from cargohold.services.worker import build_model, layout_for_config
+from cargohold.services.worker import model_layout
 from tests.reference import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
 
 NVME_TIER = {"ram_budget_bytes": 320 << 10, "partition_bytes": 64 << 10, "buffer_count": 3, "io_threads": 2}
 """The bitwise NVMe contract test's tier: ~1.6 MiB of state, most of it on disk."""
@@ -50,7 +56,13 @@ def _tier(tmp_path: Path, **overrides) -> dict:
 
 
 def _layout(config) -> ShardLayout:
-    return layout_for_config(config, build_model(config))
+    return model_layout(config)[2]
+
+
+def _units(layout: ShardLayout) -> list[tuple[int, int]]:
+    """(parameter elements, padded chunk per worker) of each FSDP2 unit, root first."""
+    slots = [layout.group_params(g.index) for g in layout.groups]
+    return [(sum(s.numel for s in unit), sum(s.slot_numel for s in unit)) for unit in slots]
 
 
 # --- sizes ---------------------------------------------------------------------------------
@@ -76,25 +88,65 @@ def test_format_bytes() -> None:
 # --- the arithmetic ------------------------------------------------------------------------
 @pytest.mark.parametrize("num_workers", [1, 2, 4])
 def test_worker_buffers_follow_the_layout(num_workers: int) -> None:
-    config = tiny_config(worker__num_workers=num_workers, worker__bucket_bytes=64 << 10)
+    config = tiny_config(worker__num_workers=num_workers)
     plan, layout = plan_run(config), _layout(config)
-    total, shard = layout.total, layout.worker_shard_size
-    assert plan.flat_elements == total and shard * num_workers == total
-    assert plan.worker.buffers == {"weights": 4 * total, "gradients": 4 * total, "grad_shard": 8 * shard}
+    assert plan.flat_elements == layout.total == num_workers * layout.worker_size
+    # Rank 0's FSDP2 shards (it holds the most) and its exchange buffers, fp32 both ways.
+    shards = sum(slot.local_numel(0) for slot in layout.params)
+    assert shards >= max(sum(slot.local_numel(r) for slot in layout.params) for r in range(num_workers))
+    assert plan.worker.buffers == {"weights": 4 * shards, "exchange": 8 * layout.worker_size}
+    assert plan.worker.range_elements == layout.worker_size and plan.worker.blocks == 2
     traffic = plan.worker.traffic
-    assert traffic.push_bytes == traffic.fetch_bytes == 4 * shard
-    assert traffic.reduce_scatter_bytes == traffic.all_gather_bytes == (num_workers - 1) * total * 4 // num_workers
+    assert traffic.push_bytes == traffic.fetch_bytes == 4 * layout.worker_size
+    chunks = [chunk for _, chunk in _units(layout)]
+    assert traffic.reduce_scatter_bytes == (num_workers - 1) * sum(chunks) * 4
+    # Every unit gathered in forward, the two blocks again in backward (the root stays).
+    assert traffic.all_gather_bytes == (num_workers - 1) * (sum(chunks) + sum(chunks[1:])) * 4
     # Every element is pushed by exactly one worker to exactly one server.
-    assert sum(s.traffic.push_bytes for s in plan.servers) == num_workers * traffic.push_bytes == 4 * total
+    assert sum(s.traffic.push_bytes for s in plan.servers) == num_workers * traffic.push_bytes == 4 * layout.total
 
 
-def test_more_workers_shrink_only_the_shard() -> None:
-    plans = {w: plan_run(tiny_config(worker__num_workers=w)) for w in (1, 2, 4)}
-    weights = {w: p.worker.buffers["weights"] for w, p in plans.items()}
-    shards = {w: p.worker.buffers["grad_shard"] for w, p in plans.items()}
-    assert weights[1] == weights[2] == weights[4]  # the tiny model pads to a multiple of 4 x 64 anyway
-    assert shards[1] == 2 * shards[2] == 4 * shards[4]
-    assert plans[1].worker.traffic.reduce_scatter_bytes == 0  # nothing to reduce alone
+def test_the_device_holds_the_units_fsdp2_gathers() -> None:
+    """Root + the block computed + the one prefetched + the all-gather buffer; the root's
+    gradients plus a block's with FSDP2's reduce-scatter input and output."""
+    config = tiny_config(model__n_layer=4, worker__num_workers=2)
+    plan, layout = plan_run(config), _layout(config)
+    (root, root_chunk), *blocks = _units(layout)
+    block, chunk = blocks[0]
+    assert all(b == (block, chunk) for b in blocks) and root != block
+    w = plan.worker
+    assert w.gathered_bytes == 4 * (root + 2 * block + 2 * max(root_chunk, chunk))
+    assert w.gradient_bytes == 4 * root + max(4 * block + 3 * 4 * chunk, 3 * 4 * root_chunk)
+    assert w.transient_bytes == 8 * max(root_chunk, chunk)  # the fp64 copy for the norm; same dtypes
+    assert w.device_peak_bytes == (w.buffers["weights"] + w.gathered_bytes + w.gradient_bytes
+                                   + w.transient_bytes + w.activation_bytes)
+    alone = plan_run(tiny_config(model__n_layer=4, worker__num_workers=1)).worker
+    assert alone.gathered_bytes == 4 * (root + 2 * block)  # nothing to gather from others: no buffer
+    assert alone.traffic.reduce_scatter_bytes == alone.traffic.all_gather_bytes == 0
+
+
+def test_without_resharding_every_block_stays_gathered() -> None:
+    config = tiny_config(model__n_layer=4)
+    resharded, kept = plan_run(config), plan_run(tiny_config(model__n_layer=4, worker__reshard_after_forward=False))
+    block = _units(_layout(config))[1][0]
+    assert kept.worker.gathered_bytes - resharded.worker.gathered_bytes == 2 * block * 4  # 4 blocks, not 2
+    chunks = [chunk for _, chunk in _units(_layout(config))]
+    assert resharded.worker.traffic.all_gather_bytes - kept.worker.traffic.all_gather_bytes == sum(chunks[1:]) * 4
+    assert "root + 4 blocks gathered" in render(kept) and "root + 2 blocks gathered" in render(resharded)
+
+
+def test_more_workers_shrink_the_shards_not_the_units() -> None:
+    configs = {w: tiny_config(worker__num_workers=w, model__n_embd=128) for w in (1, 2, 4)}
+    plans = {w: plan_run(c).worker for w, c in configs.items()}
+    weights = {w: p.buffers["weights"] for w, p in plans.items()}
+    exchange = {w: p.buffers["exchange"] for w, p in plans.items()}
+    assert weights[1] > weights[2] > weights[4] and exchange[1] > exchange[2] > exchange[4]
+    # 1/W of every parameter, rank 0 rounding its rows up: at most one row per parameter more.
+    rows = sum(slot.row_numel for slot in _layout(configs[4]).params)
+    assert weights[1] <= 4 * weights[4] <= weights[1] + 4 * 4 * rows
+    buffer = {w: w * max(chunk for _, chunk in _units(_layout(c))) * 4 if w > 1 else 0 for w, c in configs.items()}
+    unsharded = {w: p.gathered_bytes - buffer[w] for w, p in plans.items()}
+    assert unsharded[1] == unsharded[2] == unsharded[4]  # whole units, whatever the number of workers
 
 
 def test_bf16_halves_fetch_bytes_and_weights() -> None:
@@ -104,32 +156,94 @@ def test_bf16_halves_fetch_bytes_and_weights() -> None:
     assert bf16.worker.traffic.fetch_bytes * 2 == fp32.worker.traffic.fetch_bytes
     assert bf16.worker.traffic.push_bytes == fp32.worker.traffic.push_bytes  # gradients still fp32 on the wire
     assert bf16.worker.buffers["weights"] * 2 == fp32.worker.buffers["weights"]
+    assert bf16.worker.gathered_bytes * 2 == fp32.worker.gathered_bytes
     assert [s.traffic.fetch_bytes * 2 for s in bf16.servers] == [s.traffic.fetch_bytes for s in fp32.servers]
     assert wire16.worker.traffic.push_bytes * 2 == fp32.worker.traffic.push_bytes
+    assert wire16.worker.traffic.reduce_scatter_bytes * 2 == fp32.worker.traffic.reduce_scatter_bytes
     assert wire16.worker.traffic.all_gather_bytes * 2 == fp32.worker.traffic.all_gather_bytes
+    assert wire16.worker.buffers["exchange"] * 2 == fp32.worker.buffers["exchange"]
     # The state servers keep fp32 state whatever the workers compute in.
     assert [s.ram_state_bytes for s in bf16.servers] == [s.ram_state_bytes for s in fp32.servers]
 
 
-def test_delayed_update_doubles_the_weights() -> None:
-    plain = plan_run(tiny_config())
-    delayed = plan_run(tiny_config(worker__delayed_update=True))
-    assert delayed.worker.buffers["weights"] == 2 * plain.worker.buffers["weights"]
-    assert delayed.worker.buffers["gradients"] == plain.worker.buffers["gradients"]
+def test_the_delayed_update_costs_a_worker_nothing() -> None:
+    plain = plan_run(tiny_config()).worker
+    delayed = plan_run(tiny_config(worker__delayed_update=True)).worker
+    assert delayed.buffers == plain.buffers and delayed.device_peak_bytes == plain.device_peak_bytes
 
 
-def test_a_gpu_worker_pins_its_gradient_shard() -> None:
+def test_a_gpu_worker_pins_its_exchange_buffers() -> None:
     config = tiny_config(worker__device="auto", worker__compute_dtype="bfloat16")
     plan = plan_run(config, ClusterDescription(device_memory_bytes=1 << 30))
-    w, shard = plan.worker, plan.worker.shard_elements
+    w, elements = plan.worker, plan.worker.range_elements
     assert w.device == "cuda" and plan.transport == "grpc" and w.shared_memory_bytes == 0
-    assert w.pinned_bytes == 4 * shard
-    assert w.buffers["grad_shard"] == shard * (4 + 2) + w.pinned_bytes  # as resident_bytes() counts it
-    assert w.device_bytes == sum(w.buffers.values()) - w.pinned_bytes  # the pinned copy is on the host
-    assert w.host_bytes == w.pinned_bytes + w.corpus_bytes
+    assert w.buffers["exchange"] == elements * (4 + 2) == w.pinned_bytes
+    assert w.device_bytes == w.buffers["weights"]
+    assert w.host_bytes == w.buffers["exchange"] + w.corpus_bytes
     on_cpu = plan_run(config)
     assert on_cpu.worker.device == "cpu" and on_cpu.worker.pinned_bytes == 0
-    assert on_cpu.transport == "shared_memory" and on_cpu.worker.shared_memory_bytes == shard * (4 + 2)
+    assert on_cpu.transport == "shared_memory" and on_cpu.worker.shared_memory_bytes == elements * (4 + 2)
+    assert on_cpu.worker.host_bytes == (on_cpu.worker.device_peak_bytes + on_cpu.worker.buffers["exchange"]
+                                        + on_cpu.worker.corpus_bytes)
+
+
+def test_offload_moves_the_weights_from_the_device_to_pinned_host_memory() -> None:
+    base = {"worker__device": "cuda", "worker__compute_dtype": "bfloat16", "model__n_layer": 4}
+    plain = plan_run(tiny_config(**base)).worker
+    offload = plan_run(tiny_config(**base, worker__offload_params=True)).worker
+    chunk = max(chunk for _, chunk in _units(_layout(tiny_config(**base))))
+    weights = plain.buffers["weights"]
+    assert offload.offload and not plain.offload and offload.buffers == plain.buffers
+    assert offload.device_bytes == 0 and plain.device_bytes == weights
+    # Off the device: the shards; onto it: the two units in flight's shards, copied in.
+    assert offload.transient_bytes == plain.transient_bytes + 2 * chunk * 2
+    assert offload.device_peak_bytes == plain.device_peak_bytes - weights + 2 * chunk * 2
+    # Onto the host, pinned: the shards; plus FSDP2's host copy of a unit's reduced gradient.
+    assert offload.pinned_bytes == plain.pinned_bytes + weights
+    assert offload.host_bytes == plain.host_bytes + weights + chunk * 2
+    assert offload.startup_host_bytes == plain.startup_host_bytes + weights
+    text = render(plan_run(tiny_config(**base, worker__offload_params=True)))
+    assert "weight shards (offloaded)" in text and "weight shards offloaded to host RAM" in text
+
+
+def test_offload_on_cpu_workers_is_noted_and_changes_nothing() -> None:
+    plain = plan_run(tiny_config(worker__device="cpu"))
+    offload = plan_run(tiny_config(worker__device="cpu", worker__offload_params=True))
+    assert not offload.worker.offload and offload.worker == plain.worker
+    assert any("offload_params does nothing for CPU workers" in note for note in offload.notes)
+    assert not any("offload_params" in note for note in plain.notes)
+
+
+def test_activation_checkpointing_keeps_only_each_blocks_input() -> None:
+    """Korthikanti et al.: 34·s·b·h bytes per layer at 2-byte activations (GPT: 4h MLP);
+    checkpointed, s·b·h per layer plus one layer recomputed. Both plus the logits."""
+    config = tiny_config(model__n_layer=4)
+    off, blocks = plan_run(config), plan_run(tiny_config(model__n_layer=4, worker__activation_checkpointing="blocks"))
+    tokens, width, vocab = 4 * 32, 64, 256
+    per_layer, logits = 34 * tokens * width * 4 // 2, tokens * vocab * (4 + 8)
+    assert off.worker.activation_bytes == 4 * per_layer + logits
+    assert blocks.worker.activation_bytes == 4 * tokens * width * 4 + per_layer + logits
+    assert blocks.worker.activation_bytes < off.worker.activation_bytes
+    assert blocks.worker.device_peak_bytes - off.worker.device_peak_bytes == (
+        blocks.worker.activation_bytes - off.worker.activation_bytes)
+    assert "activation checkpointing blocks" in render(blocks)
+
+
+def test_activations_follow_an_hf_models_mlp(tmp_path: Path) -> None:
+    """A gated MLP (Llama's SwiGLU) keeps 4 tensors of its width I, an ungated one 2."""
+    transformers = pytest.importorskip("transformers")
+    llama = tmp_path / "llama"
+    transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             ).save_pretrained(llama)
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=3, n_head=4, n_positions=64).save_pretrained(gpt2)
+    tokens = 4 * 32
+    for path, intermediate, up in ((llama, 176, 2), (gpt2, 4 * 64, 1)):
+        plan = plan_run(tiny_config(hf__config_path=str(path)))
+        assert plan.worker.blocks == 3
+        per_layer = tokens * (18 * 64 + 4 * up * intermediate) * 4 // 2
+        assert plan.worker.activation_bytes == 3 * per_layer + tokens * 300 * (4 + 8), path.name
 
 
 def test_all_state_in_ram_without_a_budget() -> None:
@@ -346,6 +460,73 @@ def test_cli_exits_2_on_a_bad_config(tiny_yaml: Path, capsys: pytest.CaptureFixt
     assert err.startswith("cargohold: bad configuration:") and message in err
 
 
+# --- the shipped examples (plans, no run) ----------------------------------------------------
+EXAMPLES = {
+    # config: (cluster flags, workers, parameters)
+    "examples/llama-13b-1gpu.yaml": (["--device-memory", "24GiB", "--host-memory", "256GiB", "--nvme", "2TiB"],
+                                     1, 13_015_864_320),
+    "examples/llama-2-70b-8gpu.yaml": (["--device-memory", "24GiB", "--host-memory", "768GiB", "--nvme", "1TiB"],
+                                       8, 68_976_648_192),
+}
+
+
+@pytest.fixture
+def at_the_repository_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The examples name their hf config folder relative to the repository root."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(REPO)
+
+
+@pytest.mark.parametrize("path", EXAMPLES)
+def test_an_example_plan_fits_24_gib_gpus(at_the_repository_root, path: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from cargohold.cluster.config import load_config
+
+    flags, workers, parameters = EXAMPLES[path]
+    assert cli.main(["plan", "--config", path, *flags]) == 0
+    out = capsys.readouterr().out
+    assert "\n=> fits\n" in out
+    config = load_config(path)
+    plan = plan_run(config, load_cluster(None, config=config, device_memory="24GiB", host_memory=flags[3],
+                                         nvme=flags[5]))
+    w = plan.worker
+    assert plan.fits and plan.parameters == parameters and plan.num_workers == workers
+    assert w.device == "cuda" and w.offload and w.activation_checkpointing == "blocks"
+    assert w.device_bytes == 0 and w.device_peak_bytes < 20 * GiB  # headroom for the CUDA context and allocator
+    assert w.pinned_bytes == w.buffers["weights"] + w.buffers["exchange"]
+    # The optimizer state: 12 B/param, in part on NVMe.
+    assert sum(s.ram_state_bytes + s.nvme_state_bytes for s in plan.servers) == 12 * parameters
+    assert all(s.nvme_state_bytes > 0 for s in plan.servers)
+    # Each example needs its offload: without it the GPU is too small.
+    assert cli.main(["plan", "--config", path, *flags, "--set", "worker.offload_params=false"]) == EXIT_DOES_NOT_FIT
+    assert "DOES NOT FIT  device memory per worker" in capsys.readouterr().out
+    # docs/operations.md shows this very output.
+    docs = (REPO / "docs" / "operations.md").read_text()
+    assert f"$ cargohold plan --config {path} {' '.join(flags)}\n{out.rstrip()}\n```" in docs, \
+        "docs/operations.md shows another plan; paste the command's output"
+
+
+def test_the_example_figures(at_the_repository_root) -> None:
+    """The figures the examples' comments and the docs quote."""
+    from cargohold.cluster.config import load_config
+
+    def plan(path: str):
+        flags = EXAMPLES[path][0]
+        config = load_config(path)
+        return plan_run(config, load_cluster(None, config=config, device_memory=flags[1], host_memory=flags[3],
+                                             nvme=flags[5]))
+
+    small, large = plan("examples/llama-13b-1gpu.yaml"), plan("examples/llama-2-70b-8gpu.yaml")
+    assert format_bytes(small.worker.buffers["weights"]) == "24.2 GiB"  # the bf16 weights: the whole GPU
+    assert format_bytes(small.worker.device_peak_bytes) == "11.4 GiB"
+    assert format_bytes(small.worker.activation_bytes) == "1.78 GiB"
+    assert format_bytes(large.worker.buffers["weights"]) == "16.1 GiB"  # 1/8 of the bf16 weights
+    assert format_bytes(large.worker.device_peak_bytes) == "15.1 GiB"
+    host = {c.resource: c for c in large.checks if c.resource.startswith("host RAM")}
+    assert [format_bytes(c.need) for c in host.values()] == ["722 GiB"]
+    assert format_bytes(sum(s.nvme_state_bytes for s in large.servers)) == "708 GiB"
+
+
 # --- against a real run ----------------------------------------------------------------------
 def _scrape(address: str) -> dict[tuple[str, frozenset], float]:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
@@ -423,3 +604,30 @@ def ray_get(ref):
     import ray
 
     return ray.get(ref, timeout=60)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_worker_buffers_match_a_real_run(ray_local) -> None:
+    """bf16 weights and wire, 3 workers (uneven dim-0 shards: rank 0 holds the most),
+    checkpointed blocks kept gathered: every worker's buffers are at most the plan's,
+    rank 0's equal, and the bytes pushed and fetched are the plan's."""
+    from cargohold.cluster.launcher import TrainingSession
+
+    config = tiny_config(steps=2, worker__num_workers=3, worker__compute_dtype="bfloat16",
+                         worker__grad_wire_dtype="bfloat16", worker__activation_checkpointing="blocks",
+                         worker__reshard_after_forward=False)
+    plan = plan_run(config)
+    with TrainingSession(config) as session:
+        resident = [ray_get(w.resident_bytes.remote()) for w in session.workers]
+        address = {(t.role, t.index): t.address for t in session.metrics_targets()}[("worker", 0)]
+        session.step()
+        session.step()
+        worker = _scrape(address)
+    assert resident[0] == plan.worker.buffers
+    assert all(r["exchange"] == plan.worker.buffers["exchange"] for r in resident)
+    assert all(r["weights"] <= plan.worker.buffers["weights"] for r in resident)
+    assert resident[-1]["weights"] < resident[0]["weights"]  # the last rank's chunks run short
+    sent, received = "cargohold_transport_sent_bytes_total", "cargohold_transport_received_bytes_total"
+    assert _total(worker, sent, rpc="PushGradient") == 2 * plan.worker.traffic.push_bytes
+    assert _total(worker, received, rpc="FetchWeights") == 2 * plan.worker.traffic.fetch_bytes

@@ -19,7 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from cargohold.cluster.launcher import TrainingSession, train
 from cargohold.services.checkpoint import CheckpointStore, read_flat_range
 from cargohold.services.errors import CheckpointError, TrainingError
+from cargohold.services.layout import gather_params, scatter_params
 from cargohold.services.metrics import LauncherMetrics
+from cargohold.services.reshard import saved_layout
 from reference import tiny_config
 from system import mounted_tmpfs
 
@@ -95,7 +97,7 @@ def test_an_nvme_tier_checkpoint_links_its_files_and_resumes_bitwise(uninterrupt
         saved = session.checkpoint_finish(store, pending)
         files = sorted(saved.path.glob("*.tier"))
         linked = [f for f in files if f.stat().st_nlink == 2]
-        assert len(files) == 26 and len(linked) >= 20, f"{len(linked)} of {len(files)} files linked"
+        assert len(files) == 28 and len(linked) >= 20, f"{len(linked)} of {len(files)} files linked"
         assert saved.linked_bytes == sum(f.stat().st_size for f in linked)
         assert saved.written_bytes == sum(f.stat().st_size for f in files) - saved.linked_bytes
         tier_files = {(f.stat().st_dev, f.stat().st_ino) for f in (tmp_path / "nvme").rglob("*.bin")}
@@ -204,30 +206,30 @@ def test_a_flipped_byte_is_named_on_resume(ray_local, tmp_path) -> None:
 
 
 def test_resume_onto_another_number_of_workers_restores_every_tensor(ray_local, tmp_path) -> None:
-    """Saved by 2 workers and 1 server, restored onto 1 worker and 3 servers: parameters
-    keep their flat offsets (only the trailing padding follows the worker count), so every
-    master weight, moment and the workers' weights come back bitwise."""
+    """Saved by 2 workers and 1 server, restored onto 1 worker and 3 servers: the flat
+    space is laid out otherwise, yet every parameter's master weights, both moments and
+    the workers' weights come back bitwise, and padding is zero."""
     train(tiny_config(steps=3, checkpoint__dir=str(tmp_path)))
     saved_dir = CheckpointStore(tmp_path).latest()
     manifest = CheckpointStore(tmp_path).load(saved_dir)
-    saved = read_flat_range(saved_dir, manifest, 0, manifest.total)
+    saved_space = saved_layout(manifest, str(saved_dir))
+    flat = read_flat_range(saved_dir, manifest, 0, manifest.total)
+    saved = {key: gather_params(saved_space, flat[key]) for key in flat}
     config = tiny_config(steps=6, worker__num_workers=1, state_server__num_servers=3)
     with TrainingSession(config, resume=saved_dir) as session:
         assert session.step_count == 3
         layout = session.layout
-        restored = {key: torch.zeros(layout.total) for key in saved}
+        assert layout.total != saved_space.total
+        restored = {key: torch.full((layout.total,), float("nan")) for key in saved}
         for snapshot in session.server_snapshots():
             for shard_id, tensors in snapshot.items():
                 segment = layout.segments[shard_id]
                 assert int(tensors["step"]) == 3
                 for key in saved:
                     restored[key][segment.start : segment.stop] = tensors[key]
-        weights = session.worker_weights(0)
-        for slot in layout.params:
-            span = slice(slot.offset, slot.offset + slot.numel)
-            for key in saved:
-                assert torch.equal(restored[key][span], saved[key][span]), (slot.name, key)
-            assert torch.equal(weights[span], saved["master"][span]), slot.name
+        for key in saved:
+            assert torch.equal(restored[key], scatter_params(layout, saved[key])), key
+        assert torch.equal(session.all_worker_weights(), scatter_params(layout, saved["master"]))
         assert session.step().step == 4
 
 

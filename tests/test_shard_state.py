@@ -17,7 +17,7 @@ from cargohold.services.errors import (
     StepMismatchError,
     UnknownShardError,
 )
-from cargohold.services.layout import build_layout, fragment_views
+from cargohold.services.layout import build_layout, fragment_views, scatter_params
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.shard_state import PushOutcome, ShardRegistry, ShardSpec, ShardState
 
@@ -294,20 +294,20 @@ def test_shard_pushes_over_a_layout_match_torch_adamw_bitwise() -> None:
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(10)]
     hyper = AdamWHyperParams(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
-    params = [torch.nn.Parameter(t.clone()) for t in init]
+    # The reference steps each worker's FSDP2 chunk (dim 0) as its own tensor.
+    chunks = [[torch.nn.Parameter(c.clone()) for c in t.chunk(2)] for t in init]
     optimizer = torch.optim.AdamW(
-        params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True
+        [c for cs in chunks for c in cs], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True
     )
     for step_grads in grads:
-        for p, g in zip(params, step_grads, strict=True):
-            p.grad = g.clone()
+        for cs, g in zip(chunks, step_grads, strict=True):
+            for c, piece in zip(cs, g.chunk(len(cs)), strict=True):
+                c.grad = piece.clone()
         optimizer.step()
+    params = [torch.cat([c.detach() for c in cs]) for cs in chunks]
 
     def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-        out = torch.zeros(layout.total)
-        for slot, t in zip(layout.params, tensors, strict=True):
-            out[slot.offset : slot.offset + slot.numel] = t.reshape(-1)
-        return out
+        return scatter_params(layout, tensors)
 
     registry = ShardRegistry()
     initial = flat(init)

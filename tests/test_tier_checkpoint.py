@@ -71,6 +71,11 @@ def _specs() -> list[ShardSpec]:
                       grad_dtype="float32", hyper=HYPER) for i in range(SHARDS)]
 
 
+def _whole() -> list[tuple[ShardSpec, tuple[tuple[int, int, int], ...]]]:
+    """Each spec with the run restoring all of it from where it was saved (same layout)."""
+    return [(spec, ((0, spec.start, spec.numel),)) for spec in _specs()]
+
+
 def _fresh(tier: TierConfig | None) -> ShardRegistry:
     registry = ShardRegistry(TieredStorage(tier))
     for spec in _specs():
@@ -180,7 +185,7 @@ def test_a_tier_checkpoint_restores_and_continues_bitwise(tmp_path: Path, target
             "all-in-ram": None}[target]
     restored = ShardRegistry(TieredStorage(tier))
     try:
-        ShardCheckpointer(restored, server_index=0).restore(str(path), store.load(path), _specs(), update=3)
+        ShardCheckpointer(restored, server_index=0).restore(str(path), store.load(path), _whole(), update=3)
         assert all(restored.get(RUN, s.shard_id).step == 3 for s in _specs())
         if tier is not None:
             assert _disk_rows(restored), "the restored state is back on disk"
@@ -355,7 +360,7 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         restoring = ShardRegistry(TieredStorage(tier(root + "/b")))
         manifest = store.load(path)
         base = reset_peak_rss()
-        ShardCheckpointer(restoring, 0).restore(str(path), manifest, [spec], 1)
+        ShardCheckpointer(restoring, 0).restore(str(path), manifest, [(spec, ((0, 0, N),))], 1)
         growth = proc_status("VmHWM") - base
         got = restoring.get("rss", 0).snapshot()
         same = all(torch.equal(got[k], expected[k]) for k in expected)
@@ -439,7 +444,7 @@ def crash_writer(root: str, tier_root: str) -> None:
     else:
         manifest = store.load(latest)
         registry, step = ShardRegistry(TieredStorage(_tier(Path(tier_root)))), manifest.step
-        ShardCheckpointer(registry, server_index=0).restore(str(latest), manifest, _specs(), manifest.extra["updates"])
+        ShardCheckpointer(registry, server_index=0).restore(str(latest), manifest, _whole(), manifest.extra["updates"])
     print("ready", flush=True)
     while True:
         step += 1

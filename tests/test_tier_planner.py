@@ -69,7 +69,7 @@ def test_split_clips_fragments_to_each_partition() -> None:
     units=st.integers(1, 6),
 )
 def test_partition_cuts_fall_on_aligned_parameter_offsets(shapes, workers, servers, units) -> None:
-    """Every cut inside a parameter is at a parameter-relative multiple of 64 elements,
+    """Every cut inside a worker's chunk of a parameter is at a chunk-relative multiple of 64,
     and partitions cover each segment's fragments exactly."""
     try:
         layout = build_layout([(f"p{i}", (n,)) for i, n in enumerate(shapes)], num_workers=workers,
@@ -95,7 +95,9 @@ def test_partition_cuts_fall_on_aligned_parameter_offsets(shapes, workers, serve
             for fragment in segment.fragments:
                 lo = max(fragment.segment_start, span.start)
                 if lo < min(fragment.segment_start + fragment.length, span.stop) and lo > fragment.segment_start:
-                    assert (fragment.param_start + lo - fragment.segment_start) % DEFAULT_ALIGN == 0
+                    slot = layout.params[fragment.param_index]
+                    chunk_start = slot.local_rows(segment.worker)[0] * slot.row_numel  # FSDP2's local shard
+                    assert (fragment.param_start - chunk_start + lo - fragment.segment_start) % DEFAULT_ALIGN == 0
 
 
 def test_clip_fragments() -> None:

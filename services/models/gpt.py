@@ -7,6 +7,13 @@ flat buffer by ``named_parameters()`` and needs every parameter to be its own te
 
 The model owns no buffers (the causal mask comes from ``is_causal=True``), so building it
 under ``with torch.device("meta"):`` yields every shape without allocating memory.
+
+Construction does not draw the model's initialisation: ``GPT(config)`` holds torch's
+default values. GPT-2's rule lives in :meth:`GPT.init_module`, one module at a time, and
+:mod:`cargohold.services.models.init` applies it with a seed per module, so a worker can
+compute the initial values of just its shard of the model
+(:func:`~cargohold.services.models.init.initial_values`) and get exactly what
+:func:`~cargohold.services.models.init.initialize` gives the whole model.
 """
 
 from __future__ import annotations
@@ -120,22 +127,26 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         # Untied on purpose: see the module docstring.
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self._init_weights()
 
-    def _init_weights(self) -> None:
-        """GPT-2's initialisation, drawn in module order so a seed fixes every weight."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """GPT-2's initialisation of the parameters ``module`` owns directly; ``name`` is
+        its qualified name in this model. Draws from torch's global RNG, which
+        :func:`cargohold.services.models.init.initialize` seeds per module."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = 0.02
+            if name.endswith((".attn.c_proj", ".mlp.c_proj")):
+                # Each block adds two projections (attention, MLP) to the residual stream,
+                # so its variance grows with 2 * n_layer; GPT-2 (Radford et al. 2019,
+                # section 2.3) scales them by 1/sqrt(2 * n_layer) to keep the stream's
+                # scale independent of depth.
+                std /= math.sqrt(2 * self.config.n_layer)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        # Each block adds two projections (attention, MLP) to the residual stream, so its
-        # variance grows with 2 * n_layer; GPT-2 (Radford et al. 2019, section 2.3) scales
-        # these weights by 1/sqrt(2 * n_layer) to keep the stream's scale depth-independent.
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for block in self.blocks:
-            nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None

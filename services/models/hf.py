@@ -137,6 +137,16 @@ class HFCausalLM(nn.Module):
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return logits, loss
 
+    def set_buffers(self, values: dict[str, torch.Tensor]) -> None:
+        """Give a model built on the meta device its buffers as built (fp32, by qualified
+        name under this wrapper, e.g. ``hf.model.rotary_emb.inv_freq``)."""
+        modules = dict(self.named_modules())
+        for index, (module, name, _) in enumerate(self._buffers_as_built):
+            qualified = next(f"{m}.{name}" if m else name for m, candidate in modules.items() if candidate is module)
+            value = values[qualified]
+            module._buffers[name] = value
+            self._buffers_as_built[index] = (module, name, value)
+
     def _place_buffers(self, device: torch.device) -> None:
         for module, name, built in self._buffers_as_built:
             current = module._buffers[name]

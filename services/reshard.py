@@ -1,0 +1,100 @@
+"""Restoring a checkpoint onto another layout: rebuild the layout that saved it from its
+manifest, and map each segment of the new layout onto the saved flat space.
+
+The flat space is worker-major (:mod:`cargohold.services.layout`): where a parameter
+element sits depends on the worker count, the grouping and the alignment, so a
+checkpoint saved by W workers cannot be read at the same flat offsets by W' workers. The
+manifest therefore records everything that placed the parameters (:func:`layout_extra`),
+the launcher rebuilds the saving layout (:func:`saved_layout`) and gives each new segment
+the runs of the saved flat space that hold its elements (:func:`segment_runs`); a state
+server reads only those. Runs follow parameters by name, so the new layout may also
+order or group the parameters otherwise. Padding is in no run: it restores as zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cargohold.services.checkpoint import Manifest
+from cargohold.services.errors import CheckpointError, LayoutError
+from cargohold.services.layout import Segment, ShardLayout, build_layout
+
+LAYOUT_KIND = "worker-major-v1"
+"""``extra["layout"]`` of a checkpoint whose flat space is worker-major."""
+
+Run = tuple[int, int, int]
+"""``(segment_offset, saved_flat_start, length)``: elements ``[segment_offset,
+segment_offset + length)`` of a new segment are the saved flat elements ``[saved_flat_start,
+saved_flat_start + length)``."""
+
+
+def layout_extra(layout: ShardLayout) -> dict[str, Any]:
+    """The manifest ``extra`` entries that rebuild ``layout`` with the manifest's model
+    signature (its parameters, in layout order)."""
+    return {
+        "layout": LAYOUT_KIND,
+        "align": layout.align,
+        "num_workers": layout.num_workers,
+        "num_servers": layout.num_servers,
+        "group_sizes": [g.stop_param - g.first_param for g in layout.groups],
+        "group_names": [g.name for g in layout.groups],
+    }
+
+
+def saved_layout(manifest: Manifest, source: str) -> ShardLayout:
+    """The layout that wrote the checkpoint of ``manifest`` (read from ``source``, named
+    in errors). Refuses a checkpoint of the former parameter-ordered flat space."""
+    extra = manifest.extra
+    kind = extra.get("layout")
+    if kind is None:
+        raise CheckpointError(
+            f"{source}: the checkpoint has no extra.layout; it was written with the former "
+            "parameter-ordered flat layout, which this build cannot resume (start the run afresh, "
+            "or finish it with the cargohold version that wrote it)"
+        )
+    if kind != LAYOUT_KIND:
+        raise CheckpointError(f"{source}: extra.layout is {kind!r}; this build reads {LAYOUT_KIND!r}")
+    counts = {key: extra.get(key) for key in ("align", "num_workers", "num_servers")}
+    for key, value in counts.items():
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise CheckpointError(f"{source}: extra.{key} must be an integer >= 1, got {value!r}")
+    sizes, names = extra.get("group_sizes"), extra.get("group_names")
+    if not (isinstance(sizes, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in sizes)):
+        raise CheckpointError(f"{source}: extra.group_sizes must be a list of integers, got {sizes!r}")
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise CheckpointError(f"{source}: extra.group_names must be a list of strings, got {names!r}")
+    try:
+        layout = build_layout(manifest.model_signature, group_sizes=sizes, group_names=names, **counts)
+    except LayoutError as error:
+        raise CheckpointError(f"{source}: the recorded layout cannot be rebuilt: {error}") from error
+    if layout.total != manifest.total:
+        raise CheckpointError(
+            f"{source}: the recorded layout spans {layout.total} elements, the manifest's total is "
+            f"{manifest.total}; the manifest is inconsistent"
+        )
+    return layout
+
+
+def segment_runs(saved: ShardLayout, new: ShardLayout, segment: Segment) -> tuple[Run, ...]:
+    """Where the real elements of ``segment`` (of layout ``new``) lie in the flat space of
+    ``saved``, in segment order; adjacent runs are merged so that each is one read.
+
+    A parameter ``saved`` lacks, or holds in another shape, raises CheckpointError
+    (:func:`~cargohold.services.checkpoint.check_compatible` names every difference first).
+    """
+    index = {slot.name: i for i, slot in enumerate(saved.params)}
+    runs: list[Run] = []
+    for fragment in segment.fragments:
+        slot = new.params[fragment.param_index]
+        if slot.name not in index or saved.params[index[slot.name]].shape != slot.shape:
+            raise CheckpointError(f"the checkpoint holds no parameter {slot.name!r} of shape {slot.shape}")
+        shift = fragment.segment_start - fragment.param_start
+        for flat_start, param_start, length in saved.flat_runs(index[slot.name], fragment.param_start,
+                                                               fragment.length):
+            offset = param_start + shift
+            if runs and runs[-1][0] + runs[-1][2] == offset and runs[-1][1] + runs[-1][2] == flat_start:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)
+            else:
+                runs.append((offset, flat_start, length))
+    return tuple(runs)
+

@@ -1,0 +1,123 @@
+"""FSDP2 on a worker: which parameters form each ``fully_shard`` unit, the layout that
+follows from them, sharding a meta-device model, and moving values between FSDP2's local
+shards and a worker's range of the flat space.
+
+The units are the model's transformer blocks plus the root (every parameter outside a
+block). Group order in the layout: the root first, then the blocks in forward order; a
+group's parameters in ``named_parameters()`` order, which is the order FSDP2 gives the
+unit's parameters and so the order of its reduce-scatter output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from cargohold.services.errors import TrainingError
+from cargohold.services.layout import DEFAULT_ALIGN, ShardLayout, build_layout
+
+ROOT = ""
+"""The root unit's name: the parameters outside every block."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One ``fully_shard`` unit: its qualified name and its parameters' names."""
+
+    name: str
+    module: nn.Module
+    param_names: tuple[str, ...]
+
+
+def units_of(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> list[Unit]:
+    """The root unit then one unit per block. Tied parameters belong to the first unit
+    that holds them (``named_parameters`` yields a shared parameter once)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    in_block: dict[str, str] = {}
+    units = []
+    for block_name, block in blocks:
+        own = tuple(names[id(p)] for p in block.parameters() if names.get(id(p), "").startswith(block_name + "."))
+        if not own:
+            raise TrainingError(f"block {block_name!r} holds no parameters of its own; FSDP2 cannot shard it")
+        in_block.update(dict.fromkeys(own, block_name))
+        units.append(Unit(block_name, block, own))
+    root = tuple(name for name, _ in model.named_parameters() if name not in in_block)
+    return [Unit(ROOT, model, root), *units]
+
+
+def layout_for_units(model: nn.Module, units: Sequence[Unit], *, num_workers: int, num_servers: int,
+                     align: int = DEFAULT_ALIGN) -> ShardLayout:
+    """The layout of ``units`` (works on a meta-device model)."""
+    params = dict(model.named_parameters())
+    return build_layout(
+        ((name, tuple(params[name].shape)) for unit in units for name in unit.param_names),
+        num_workers=num_workers, num_servers=num_servers, align=align,
+        group_sizes=[len(unit.param_names) for unit in units], group_names=[unit.name for unit in units],
+    )
+
+
+def shard_units(units: Sequence[Unit], *, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                reshard_after_forward: bool, offload: bool, pin_memory: bool) -> None:
+    """``fully_shard`` each block, then the root (``units[0]``), in place.
+
+    Weights are held and gathered in ``compute_dtype``; gradients are reduced in
+    ``reduce_dtype``. With ``offload`` the sharded weights and gradients live in host
+    memory (pinned if ``pin_memory``) and FSDP2 copies each unit to the device for its
+    forward and backward."""
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+    offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()
+    for unit in units[1:]:
+        fully_shard(unit.module, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                    offload_policy=offload_policy)
+    # The root's parameters (embeddings, head) are needed first in backward: keep them.
+    fully_shard(units[0].module, mp_policy=policy, reshard_after_forward=False, offload_policy=offload_policy)
+
+
+def local_tensors(model: nn.Module, layout: ShardLayout) -> list[torch.Tensor]:
+    """Each parameter's local shard (FSDP2's storage, in layout order), flattened: writing
+    into them changes what the next all-gather sends."""
+    params = dict(model.named_parameters())
+    return [_local(params[slot.name]).view(-1) for slot in layout.params]
+
+
+def copy_range_into_params(layout: ShardLayout, worker: int, source: torch.Tensor,
+                           targets: Sequence[torch.Tensor], group: int | None = None) -> None:
+    """Copy the worker-range tensor ``source`` (``worker_size`` elements) into the local
+    shards ``targets`` (layout order); only ``group``'s parameters when given."""
+    slots = layout.params if group is None else layout.group_params(group)
+    first = 0 if group is None else layout.groups[group].first_param
+    for index, slot in enumerate(slots, start=first):
+        numel = slot.local_numel(worker)
+        if numel:
+            targets[index].copy_(source[slot.offset : slot.offset + numel], non_blocking=True)
+
+
+def params_to_range(layout: ShardLayout, worker: int, sources: Sequence[torch.Tensor],
+                    out: torch.Tensor) -> torch.Tensor:
+    """The local shards ``sources`` laid into a worker-range tensor ``out`` (padding zero)."""
+    out.zero_()
+    for slot, source in zip(layout.params, sources):
+        numel = slot.local_numel(worker)
+        if numel:
+            out[slot.offset : slot.offset + numel].copy_(source)
+    return out
+
+
+def check_unit_order(model: nn.Module, units: Sequence[Unit]) -> None:
+    """Refuse to train if FSDP2 ordered a unit's parameters otherwise than the layout
+    (its reduce-scatter output would then be read at the wrong offsets)."""
+    params = dict(model.named_parameters())
+    for unit in units:
+        group = getattr(unit.module._get_fsdp_state(), "_fsdp_param_group", None)
+        got = [id(p.sharded_param) for p in group.fsdp_params] if group is not None else []
+        if got != [id(params[name]) for name in unit.param_names]:
+            raise TrainingError(f"FSDP2 holds the parameters of unit {unit.name or '<root>'!r} in another order "
+                                "than the layout; cannot map its reduced gradients")
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param.data

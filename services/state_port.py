@@ -1,0 +1,165 @@
+"""The worker's port to the state servers: register, push, commit and fetch one segment.
+
+The step (:mod:`cargohold.services.step`) talks only to a :class:`StatePort`. Two
+implementations: :class:`RemotePort`, the gRPC clients (with shared memory for servers on
+the same node), and :class:`LocalPort`, a state registry in this process, so a step runs
+in a test without Ray or a network. Gradients and weights travel through the worker's
+:class:`ExchangeBuffers`: one range of the flat space each, in host memory (shared memory
+when a server on this node reads and writes it directly).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from cargohold.cluster.config import TrainConfig
+from cargohold.services.layout import Segment
+from cargohold.services.metrics import WorkerMetrics
+from cargohold.services.shard_state import ShardRegistry, ShardSpec
+from cargohold.services.staging import GradientStaging
+from cargohold.services.transport.grpc_client import StateServerClient
+from cargohold.services.transport.shm import SharedRegion
+
+
+def segment_spec(config: TrainConfig, run_id: str, segment: Segment) -> ShardSpec:
+    """What a state server is told about one segment it owns."""
+    return ShardSpec(
+        run_id=run_id,
+        shard_id=segment.segment_id,
+        start=segment.start,
+        numel=segment.numel,
+        fragments=tuple((f.segment_start, f.length) for f in segment.fragments),
+        grad_dtype=config.worker.grad_wire_dtype,
+        hyper=config.optim.hyper_params(),
+    )
+
+
+@dataclass
+class ExchangeBuffers:
+    """A worker's gradients (wire dtype) and weights (compute dtype) of its range of the
+    flat space, as the servers read and write them; ``region`` when in shared memory."""
+
+    grads: torch.Tensor
+    weights: torch.Tensor
+    region: SharedRegion | None = None
+
+    @classmethod
+    def allocate(cls, numel: int, grad_dtype: torch.dtype, weight_dtype: torch.dtype, *,
+                 shared_name: str | None = None, pin: bool = False) -> ExchangeBuffers:
+        """In shared memory named after ``shared_name``, else in (pinned with ``pin``)
+        host memory."""
+        if shared_name is None:
+            return cls(torch.empty(numel, dtype=grad_dtype, pin_memory=pin),
+                       torch.empty(numel, dtype=weight_dtype, pin_memory=pin))
+        grad_bytes = numel * grad_dtype.itemsize
+        region = SharedRegion.create(f"{shared_name}-{uuid.uuid4().hex[:8]}",
+                                     grad_bytes + numel * weight_dtype.itemsize)
+        return cls(region.tensor(grad_dtype, 0, numel), region.tensor(weight_dtype, grad_bytes, numel), region)
+
+    def shared_ref(self, view: torch.Tensor) -> tuple[str, int]:
+        """(path, byte offset) of a view of either buffer, for a co-located server."""
+        assert self.region is not None
+        return str(self.region.path), view.data_ptr() - self.region.bytes.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.grads, self.weights))
+
+    def close(self) -> None:
+        if self.region is not None:
+            self.region.close()
+
+
+class StatePort(Protocol):
+    def register(self, segment: Segment, initial: torch.Tensor) -> int:
+        """Register a segment with its fp32 initial values; returns its update count."""
+
+    def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
+        """Send the gradient of ``update``; with ``defer`` the server only stages it.
+        Returns whether an update was applied (False for a repeat or when staged)."""
+
+    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float) -> bool:
+        """Apply the gradient staged for ``update``."""
+
+    def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
+        """Write the weights after ``update`` into ``out`` (a view of the weight buffer)."""
+
+
+class RemotePort:
+    """State servers over gRPC; those on this node (``shared``) through shared memory."""
+
+    def __init__(self, config: TrainConfig, run_id: str, clients: list[StateServerClient],
+                 buffers: ExchangeBuffers, shared: set[int], metrics: WorkerMetrics) -> None:
+        self.config = config
+        self.run_id = run_id
+        self.clients = clients
+        self.buffers = buffers
+        self.shared = shared if buffers.region is not None else set()
+        self.metrics = metrics
+
+    def register(self, segment: Segment, initial: torch.Tensor) -> int:
+        self.clients[segment.server].wait_ready()
+        step, _ = self.clients[segment.server].register(segment_spec(self.config, self.run_id, segment), initial)
+        return step
+
+    def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
+        shm = self.buffers.shared_ref(gradient) if segment.server in self.shared else None
+        outcome = self.clients[segment.server].push(self.run_id, segment.segment_id, update, gradient, lr=lr,
+                                                    defer_update=defer, shm=shm)
+        self.metrics.record_sent("PushGradient.shm" if shm else "PushGradient",
+                                 gradient.numel() * gradient.element_size())
+        return outcome.applied and not defer
+
+    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float) -> bool:
+        return self.clients[segment.server].commit(self.run_id, segment.segment_id, update,
+                                                   global_norm=global_norm, lr=lr).applied
+
+    def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
+        shm = self.buffers.shared_ref(out) if segment.server in self.shared else None
+        dtype = self.config.worker.compute_dtype
+        weights = self.clients[segment.server].fetch(self.run_id, segment.segment_id, update, dtype, segment.numel,
+                                                     shm=shm, out=out if shm is None else None)
+        self.metrics.record_received("FetchWeights.shm" if shm else "FetchWeights",
+                                     segment.numel * out.element_size())
+        if weights is not None and weights.data_ptr() != out.data_ptr():
+            out.copy_(weights)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
+class LocalPort:
+    """State in this process: the same registry and staging a state server runs."""
+
+    def __init__(self, config: TrainConfig, run_id: str, registry: ShardRegistry | None = None) -> None:
+        self.config = config
+        self.run_id = run_id
+        self.registry = registry if registry is not None else ShardRegistry()
+        self._staging = GradientStaging()
+
+    def register(self, segment: Segment, initial: torch.Tensor) -> int:
+        return self.registry.register(segment_spec(self.config, self.run_id, segment), initial.clone()).step
+
+    def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
+        state = self.registry.get(self.run_id, segment.segment_id)
+        if defer:
+            self._staging.stage(state, update, gradient, borrowed=True)
+            return False
+        return state.push(update, gradient, global_norm=0.0, lr=lr).applied
+
+    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float) -> bool:
+        state = self.registry.get(self.run_id, segment.segment_id)
+        return self._staging.commit(state, update, global_norm=global_norm, lr=lr).applied
+
+    def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
+        dtype = self.config.worker.compute_dtype
+        self.registry.get(self.run_id, segment.segment_id).weights(update, dtype, out=out)
+
+    def close(self) -> None:
+        pass
+

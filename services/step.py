@@ -1,0 +1,294 @@
+"""One worker's training step over an FSDP2-sharded model, independent of Ray and of the
+transport (the state servers are reached through a :class:`StatePort`).
+
+The shape of a step:
+
+1. forward and backward. FSDP2 gathers each unit before its forward and backward and
+   frees it after, then reduce-scatters the unit's gradients. Its all-reduce hook hands
+   us the unit's reduced gradient (this worker's chunk of each parameter, in the wire
+   dtype): it is copied into the exchange buffer and its segments are pushed at once,
+   while backward goes on. FSDP2's own sharded gradients are dropped as they appear: the
+   state servers hold the optimizer, so nothing on the worker needs them.
+2. one all-reduce of (sum of squares, loss): the global gradient norm.
+3. the update, by one of three strategies:
+   - *immediate*: no clipping and no non-finite check, so each segment was applied on
+     arrival and its weights fetched right after, still during backward;
+   - *staged*: the servers held the pushes until the norm is known; commit, then fetch;
+   - *delayed* (ZeRO-Offload's DPU): adopt the weights of the previous update, fetched
+     during this step's compute, and leave this update's weights to arrive during the
+     next step.
+   Fetched weights land in the exchange buffer and are copied into FSDP2's local shards
+   after backward (before, backward still gathers the old ones).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cargohold.services.errors import TrainingError
+from cargohold.services.layout import Segment, ShardLayout
+from cargohold.services.optim import global_norm_from_squares, sum_of_squares
+from cargohold.services.sharding import Unit, copy_range_into_params, local_tensors, params_to_range
+from cargohold.services.state_port import ExchangeBuffers, StatePort
+
+logger = logging.getLogger(__name__)
+
+ParameterValues = Callable[[Iterable[str]], Iterator[tuple[str, torch.Tensor]]]
+"""Full fp32 initial values of the named parameters, one at a time."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepPolicy:
+    """How updates are applied (from the ``optim`` and ``worker`` config)."""
+
+    staged: bool
+    """Clipping is on or non-finite norms are checked: servers stage until the norm is known."""
+    nonfinite: str = "ignore"
+    """ignore, skip or fail, for a step whose global gradient norm is not finite."""
+    delayed_after: int | None = None
+    """Data steps past this one use the delayed update; None never does."""
+
+    def delayed(self, step: int) -> bool:
+        return self.delayed_after is not None and step > self.delayed_after
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What one worker did in one step; the launcher aggregates these."""
+
+    rank: int
+    step: int
+    loss: float
+    """Mean loss over all workers' batches (identical on every rank)."""
+    global_grad_norm: float
+    seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
+    applied: int = 0
+    """Segments whose update was applied (not ignored as a repeat)."""
+    skipped: bool = False
+    """The gradient norm was not finite and the update was skipped (optim.nonfinite)."""
+
+
+class ShardedStep:
+    """Trains one worker's shard of ``model`` (already ``fully_shard``-ed by ``units``)."""
+
+    def __init__(self, model: nn.Module, units: list[Unit], layout: ShardLayout, rank: int, port: StatePort,
+                 buffers: ExchangeBuffers, policy: StepPolicy, *, device: torch.device) -> None:
+        self.model = model
+        self.units = units
+        self.layout = layout
+        self.rank = rank
+        self.port = port
+        self.buffers = buffers
+        self.policy = policy
+        self.device = device
+        self.world_size = layout.num_workers
+        self.updates = 0
+        """Updates the servers applied; set by :meth:`register`."""
+        self.segments = layout.segments_of_worker(rank)
+        self._by_group: dict[int, list[Segment]] = {}
+        for segment in self.segments:
+            self._by_group.setdefault(segment.group, []).append(segment)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(16, len(self.segments))), thread_name_prefix="state")
+        self._pending: list[Future] = []
+        """Fetches of a delayed update, still arriving."""
+        self._transfers: list[Future] = []
+        self._sum_squares = 0.0
+        self._context: tuple[int, float, bool, bool] = (0, 0.0, False, False)
+        """(update, lr, defer, fetch) of the step in progress, for the hooks."""
+        buffers.grads.zero_()  # padding between slots is never written again
+        for group, unit in enumerate(units):
+            unit.module.set_all_reduce_hook(self._on_reduced(group))
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(_drop_grad)
+
+    # --- start --------------------------------------------------------------------
+    def register(self, values: ParameterValues) -> int:
+        """Fill the local shards from ``values``, a unit at a time, and register each
+        unit's segments with its fp32 values; returns the servers' update count (non-zero
+        after a restore: then :meth:`load_weights` brings their weights)."""
+        targets = local_tensors(self.model, self.layout)
+        updates = set()
+        for group in self.layout.groups:
+            initial = torch.zeros(group.stop - group.start, dtype=torch.float32)
+            first = group.first_param
+            slots = {slot.name: (index, slot) for index, slot in enumerate(self.layout.group_params(group.index), first)}
+            with torch.no_grad():
+                for name, value in values(slots):
+                    index, slot = slots[name]
+                    lo, hi = slot.local_rows(self.rank)
+                    chunk = value.reshape(slot.rows, -1)[lo:hi].reshape(-1)
+                    at = slot.offset - group.start
+                    initial[at : at + chunk.numel()] = chunk
+                    targets[index].copy_(chunk)
+            for segment in self._by_group.get(group.index, []):
+                at = segment.local_offset - group.start
+                updates.add(self.port.register(segment, initial[at : at + segment.numel]))
+        if len(updates) > 1:
+            raise TrainingError(f"rank {self.rank}: registered segments are at different updates {sorted(updates)}")
+        self.updates = updates.pop() if updates else 0
+        return self.updates
+
+    def load_weights(self) -> None:
+        """Fetch the servers' current weights (after a restore) into the local shards."""
+        self._wait(self._pool.submit(self._fetch, s, self.updates) for s in self.segments)
+        self._adopt_buffer()
+
+    # --- the step -----------------------------------------------------------------
+    def run(self, step: int, inputs: torch.Tensor, targets: torch.Tensor, lr: float) -> StepReport:
+        """One step on this worker's batch of data step ``step``."""
+        phases: dict[str, float] = {}
+        started = mark = time.perf_counter()
+
+        def lap(phase: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            phases[phase] = now - mark
+            mark = now
+
+        policy = self.policy
+        update, delayed = self.updates + 1, policy.delayed(step)
+        self._context = (update, lr, policy.staged, not policy.staged and not delayed)
+        self._sum_squares, self._transfers = 0.0, []
+        _, loss = self.model(inputs.to(self.device), targets.to(self.device))
+        loss.backward()
+        lap("compute")
+
+        applied = sum(self._wait(self._transfers))
+        totals = torch.tensor([self._sum_squares, float(loss.detach())], dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        global_norm = global_norm_from_squares(float(totals[0]))
+        mean_loss = float(totals[1]) / self.world_size
+        lap("reduce")
+
+        skipped = not math.isfinite(global_norm) and policy.nonfinite != "ignore"
+        if skipped:
+            if policy.nonfinite == "fail":
+                raise TrainingError(f"the gradient norm of step {step} is {global_norm}; set optim.nonfinite=skip "
+                                    "to skip such steps, or lower optim.lr")
+            logger.warning("step %d: gradient norm %s, update skipped", step, global_norm)
+            applied = self._adopt_pending()  # the staged gradients are replaced by the next push
+        elif delayed:
+            applied = self._adopt_pending()
+            if policy.staged:
+                self._wait(self._pool.submit(self.port.commit, s, update, global_norm=global_norm, lr=lr)
+                           for s in self.segments)
+            self._pending = [self._pool.submit(self._fetch, s, update) for s in self.segments]
+            self.updates = update
+        else:
+            if policy.staged:
+                applied = sum(self._wait(self._pool.submit(self._commit_and_fetch, s, update, global_norm, lr)
+                                         for s in self.segments))
+            self._adopt_buffer()
+            self.updates = update
+        lap("update")
+        return StepReport(rank=self.rank, step=step, loss=mean_loss, global_grad_norm=global_norm,
+                          seconds=time.perf_counter() - started, phases=phases, applied=applied, skipped=skipped)
+
+    def _on_reduced(self, group: int) -> Callable[[torch.Tensor], None]:
+        """FSDP2's hook after unit ``group``'s reduce-scatter: ``reduced`` holds this
+        worker's padded chunk of each of the unit's parameters, back to back."""
+        slots = self.layout.group_params(group)
+        expected = sum(slot.slot_numel for slot in slots)
+
+        def hook(reduced: torch.Tensor) -> None:
+            if reduced.numel() != expected:
+                raise TrainingError(f"unit {self.units[group].name or '<root>'!r}: FSDP2 reduced {reduced.numel()} "
+                                    f"gradient elements, the layout expects {expected}")
+            at = 0
+            for slot in slots:
+                self.buffers.grads[slot.offset : slot.offset + slot.slot_numel].copy_(
+                    reduced[at : at + slot.slot_numel], non_blocking=True)
+                at += slot.slot_numel
+            self._sum_squares += sum_of_squares(reduced)
+            ready = _ready_event(self.device)
+            update, lr, defer, fetch = self._context
+            self._transfers += [self._pool.submit(self._push, segment, update, lr, defer, fetch, ready)
+                                for segment in self._by_group.get(group, [])]
+
+        return hook
+
+    # --- transfers (on the pool) --------------------------------------------------
+    def _push(self, segment: Segment, update: int, lr: float, defer: bool, fetch: bool,
+              ready: torch.cuda.Event | None) -> int:
+        if ready is not None:
+            ready.synchronize()
+        gradient = self.buffers.grads[self._local(segment)]
+        applied = self.port.push(segment, update, gradient, lr=lr, defer=defer)
+        if fetch:
+            self._fetch(segment, update)
+        return int(applied)
+
+    def _commit_and_fetch(self, segment: Segment, update: int, global_norm: float, lr: float) -> int:
+        applied = self.port.commit(segment, update, global_norm=global_norm, lr=lr)
+        self._fetch(segment, update)
+        return int(applied)
+
+    def _fetch(self, segment: Segment, update: int) -> int:
+        self.port.fetch(segment, update, self.buffers.weights[self._local(segment)])
+        return 0
+
+    @staticmethod
+    def _local(segment: Segment) -> slice:
+        return slice(segment.local_offset, segment.local_offset + segment.numel)
+
+    @staticmethod
+    def _wait(futures: Iterable[Future]) -> list[int]:
+        return [future.result() for future in list(futures)]
+
+    # --- weights ------------------------------------------------------------------
+    def _adopt_buffer(self) -> None:
+        """Copy the fetched weights into FSDP2's local shards."""
+        with torch.no_grad():
+            copy_range_into_params(self.layout, self.rank, self.buffers.weights,
+                                   local_tensors(self.model, self.layout))
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+    def _adopt_pending(self) -> int:
+        """Wait for a delayed update's weights, if one is in flight, and adopt them."""
+        if not self._pending:
+            return 0
+        pending, self._pending = self._pending, []
+        self._wait(pending)
+        self._adopt_buffer()
+        return len(pending)
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait for a delayed update still in flight, keeping the weights the next step
+        computes on (before a checkpoint, or shutdown)."""
+        for future in self._pending:
+            future.exception(timeout=timeout)
+
+    def newest_weights(self) -> torch.Tensor:
+        """This worker's range of the newest weights (a delayed update adopted first)."""
+        self._adopt_pending()
+        out = torch.empty(self.layout.worker_size, dtype=self.buffers.weights.dtype)
+        with torch.no_grad():
+            sources = [t.to("cpu") for t in local_tensors(self.model, self.layout)]
+        return params_to_range(self.layout, self.rank, sources, out)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _drop_grad(param: torch.Tensor) -> None:
+    param.grad = None
+
+
+def _ready_event(device: torch.device) -> torch.cuda.Event | None:
+    """On CUDA, an event the pushes wait on before reading the copied gradients."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event

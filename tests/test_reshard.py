@@ -1,0 +1,154 @@
+"""Restoring onto another layout, pure: the saving layout rebuilt from a manifest, and
+each new segment mapped onto the saved flat space — checked element by element against
+an independent placement (the saved layout's ``param_runs``, the new segment's
+fragments) for random models, groupings, worker and server counts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from cargohold.services.checkpoint import FORMAT_VERSION, Manifest
+from cargohold.services.errors import CheckpointError, LayoutError
+from cargohold.services.layout import ShardLayout, build_layout, scatter_params
+from cargohold.services.reshard import LAYOUT_KIND, layout_extra, saved_layout, segment_runs
+
+SHAPES = [("wte", (37, 8)), ("ln_f", (8,)), ("blocks.0.w", (13, 8)), ("blocks.0.b", (13,)), ("blocks.1.s", ())]
+
+
+def _manifest(layout: ShardLayout) -> Manifest:
+    return Manifest(format_version=FORMAT_VERSION, step=1, run_id="r", config_hash="c",
+                    model_signature=tuple((p.name, p.shape) for p in layout.params), total=layout.total,
+                    shards=(), files=(), extra={"updates": 1, **layout_extra(layout)})
+
+
+def _ids(layout: ShardLayout) -> dict[str, torch.Tensor]:
+    """Each parameter's elements numbered 1.. over the whole model, by name (0: padding)."""
+    ids, base = {}, 1
+    for slot in sorted(layout.params, key=lambda p: p.name):
+        ids[slot.name] = torch.arange(base, base + slot.numel, dtype=torch.int64).view(slot.shape)
+        base += slot.numel
+    return ids
+
+
+def _check_runs(saved: ShardLayout, new: ShardLayout) -> None:
+    ids = _ids(new)
+    saved_flat = torch.zeros(saved.total, dtype=torch.int64)
+    for index, param_start, flat_start, length in saved.param_runs(0, saved.total):
+        values = ids[saved.params[index].name].view(-1)
+        saved_flat[flat_start : flat_start + length] = values[param_start : param_start + length]
+    new_flat = scatter_params(new, ids, dtype=torch.int64)
+    for segment in new.segments:
+        expected = torch.zeros(segment.numel, dtype=torch.int64)
+        for f in segment.fragments:
+            values = ids[new.params[f.param_index].name].view(-1)
+            expected[f.segment_start : f.segment_start + f.length] = values[f.param_start : f.param_start + f.length]
+        assert torch.equal(expected, new_flat[segment.start : segment.stop])
+
+        runs = segment_runs(saved, new, segment)
+        got = torch.zeros(segment.numel, dtype=torch.int64)
+        end = 0
+        for offset, flat_start, length in runs:
+            assert end <= offset and length > 0 and offset + length <= segment.numel, runs
+            assert 0 <= flat_start and flat_start + length <= saved.total, runs
+            got[offset : offset + length] = saved_flat[flat_start : flat_start + length]
+            end = offset + length
+        assert torch.equal(got, expected), f"segment {segment.segment_id}"
+        assert sum(length for *_, length in runs) == sum(f.length for f in segment.fragments)
+        for (o1, s1, n1), (o2, s2, _) in zip(runs, runs[1:]):
+            assert not (o1 + n1 == o2 and s1 + n1 == s2), "adjacent runs are merged"
+
+
+@st.composite
+def _models(draw: st.DrawFn) -> list[tuple[str, tuple[int, ...]]]:
+    count = draw(st.integers(1, 6))
+    shapes = []
+    for index in range(count):
+        rank = draw(st.integers(0, 3))
+        dims = [draw(st.integers(0, 40))] + [draw(st.integers(0, 5)) for _ in range(rank - 1)]
+        shapes.append((f"p{index}", tuple(dims[:rank])))
+    assume(sum(math.prod(shape) for _, shape in shapes) > 0)
+    return shapes
+
+
+@st.composite
+def _layouts(draw: st.DrawFn, shapes: list[tuple[str, tuple[int, ...]]]) -> ShardLayout:
+    """``shapes`` in a random order and grouping, on random worker and server counts."""
+    order = draw(st.permutations(shapes))
+    cuts = sorted(draw(st.lists(st.integers(0, len(order)), max_size=3)))
+    bounds = [0, *cuts, len(order)]
+    try:
+        return build_layout(order, num_workers=draw(st.integers(1, 5)), num_servers=draw(st.integers(1, 4)),
+                            align=draw(st.sampled_from([1, 4, 64])),
+                            group_sizes=[b - a for a, b in zip(bounds, bounds[1:])])
+    except LayoutError:  # more servers than aligned units
+        assume(False)
+        raise
+
+
+@settings(max_examples=150, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(data=st.data())
+def test_every_element_of_every_new_segment_comes_from_its_saved_position(data: st.DataObject) -> None:
+    shapes = data.draw(_models())
+    saved, new = data.draw(_layouts(shapes)), data.draw(_layouts(shapes))
+    _check_runs(saved, new)
+
+
+@pytest.mark.parametrize(("saved_at", "new_at"), [((2, 2), (1, 1)), ((1, 1), (3, 2)), ((2, 3), (4, 1)), ((3, 1), (3, 4))])
+def test_worker_and_server_changes_under_transformer_like_groups(saved_at, new_at) -> None:
+    groups = {"group_sizes": [2, 2, 1], "group_names": ["", "blocks.0", "blocks.1"]}
+    saved = build_layout(SHAPES, num_workers=saved_at[0], num_servers=saved_at[1], **groups)
+    new = build_layout(SHAPES, num_workers=new_at[0], num_servers=new_at[1], **groups)
+    _check_runs(saved, new)
+
+
+def test_the_same_layout_maps_each_segment_onto_itself() -> None:
+    layout = build_layout(SHAPES, num_workers=2, num_servers=3, group_sizes=[2, 3])
+    for segment in layout.segments:
+        runs = segment_runs(layout, layout, segment)
+        assert [(start - segment.start, start, length) for _, start, length in runs] == list(runs)
+
+
+@pytest.mark.parametrize("saved_shapes", [SHAPES[:-1], [*SHAPES[:-1], ("blocks.1.s", (1,))]],
+                         ids=["missing", "reshaped"])
+def test_a_parameter_the_checkpoint_lacks_is_named(saved_shapes) -> None:
+    saved = build_layout(saved_shapes, num_workers=1, num_servers=1)
+    new = build_layout(SHAPES, num_workers=1, num_servers=1)
+    with pytest.raises(CheckpointError, match=r"no parameter 'blocks.1.s' of shape \(\)"):
+        for segment in new.segments:
+            segment_runs(saved, new, segment)
+
+
+@settings(max_examples=40, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(data=st.data())
+def test_the_saving_layout_is_rebuilt_from_its_manifest(data: st.DataObject) -> None:
+    layout = data.draw(_layouts(data.draw(_models())))
+    manifest = Manifest.from_json(_manifest(layout).to_json(), source="m.json")
+    assert manifest.extra["layout"] == LAYOUT_KIND
+    assert saved_layout(manifest, "m.json") == layout
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"layout": None}, r"m\.json: the checkpoint has no extra\.layout; it was written with the former "
+                       "parameter-ordered flat layout, which this build cannot resume"),
+    ({"layout": "worker-major-v9"}, r"extra\.layout is 'worker-major-v9'; this build reads 'worker-major-v1'"),
+    ({"num_workers": 0}, r"extra\.num_workers must be an integer >= 1, got 0"),
+    ({"align": True}, r"extra\.align must be an integer >= 1, got True"),
+    ({"group_sizes": [1, 1]}, r"the recorded layout cannot be rebuilt: group sizes \[1, 1\] do not add up"),
+    ({"group_sizes": "5"}, r"extra\.group_sizes must be a list of integers"),
+    ({"group_names": ["a", "b"]}, r"cannot be rebuilt: 2 group names for 1 groups"),
+    ({"num_workers": 2}, r"the recorded layout spans \d+ elements, the manifest's total is \d+; the manifest is "
+                         "inconsistent"),
+])
+def test_a_manifest_without_a_usable_layout_is_refused(change: dict, message: str) -> None:
+    manifest = _manifest(build_layout(SHAPES, num_workers=3, num_servers=1, align=1))
+    extra = {k: v for k, v in {**manifest.extra, **change}.items() if v is not None}
+    changed = Manifest(**{**{f: getattr(manifest, f) for f in Manifest.__dataclass_fields__}, "extra": extra})
+    with pytest.raises(CheckpointError, match=message):
+        saved_layout(changed, "m.json")

@@ -1,0 +1,88 @@
+"""The worker step without Ray or a network: FSDP2 over gloo, the state servers' registry
+and staging in the worker's own process (LocalPort). World size 1 in this process, 2
+under torch.multiprocessing; each bitwise against plain AdamW on one process."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cargohold.services.data import batch_for_step, dropout_seed, load_tokens
+from cargohold.services.models.build import build_model, parameter_values
+from cargohold.services.state_port import ExchangeBuffers, LocalPort
+from cargohold.services.step import ShardedStep
+from cargohold.services.worker import model_layout, sharded_model, step_policy
+from reference import _free_port, reference_train, tiny_config
+
+STRATEGIES = {
+    "staged": dict(),
+    "immediate": dict(optim__max_grad_norm=0.0, optim__nonfinite="ignore"),
+    "delayed": dict(worker__delayed_update=True, worker__delayed_update_after_steps=2),
+}
+
+
+def _train_all(rank: int, world: int, port: int, folder: str) -> None:
+    """One rank of each strategy in turn, in one process group (one spawn per world size)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for name, overrides in STRATEGIES.items():
+            _train(rank, tiny_config(steps=6, worker__num_workers=world, **overrides), Path(folder) / name)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int, config, folder: Path) -> None:
+    """Shard, register with an in-process registry, train, save this rank's state."""
+    world = config.worker.num_workers
+    device = torch.device("cpu")
+    model, units, layout = sharded_model(config, device)
+    buffers = ExchangeBuffers.allocate(layout.worker_size, torch.float32, torch.float32)
+    port_ = LocalPort(config, "run")
+    step = ShardedStep(model, units, layout, rank, port_, buffers, step_policy(config), device=device)
+    with torch.device("meta"):
+        shapes = build_model(config)
+    assert step.register(lambda names: parameter_values(config, shapes, names)) == 0
+    tokens = load_tokens(None, config.data.corpus_bytes, config.data.seed, seq_len=config.model.block_size)
+    losses = []
+    for number in range(1, config.steps + 1):
+        x, y = batch_for_step(tokens, step=number, rank=rank, world_size=world,
+                              batch_size=config.data.batch_size, seq_len=config.model.block_size,
+                              seed=config.data.seed)
+        torch.manual_seed(dropout_seed(config.seed, number, rank))
+        losses.append(step.run(number, x, y, config.optim.lr_at(number, config.steps)).loss)
+    weights = step.newest_weights()
+    step.close()
+    masters = torch.zeros(layout.worker_size)
+    for state in port_.registry.shards("run"):
+        segment = layout.segments[state.spec.shard_id]
+        at = segment.local_offset
+        masters[at : at + segment.numel] = state.snapshot()["master"]
+    folder.mkdir(exist_ok=True)
+    torch.save({"losses": losses, "weights": weights, "masters": masters}, folder / f"{rank}.pt")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_step_without_ray_matches_adamw_bitwise(world: int) -> None:
+    """Each strategy (staged, immediate, delayed) equals the single-process reference."""
+    with tempfile.TemporaryDirectory(prefix="cargohold-step-") as folder:
+        mp.start_processes(_train_all, args=(world, _free_port(), folder), nprocs=world,
+                           start_method="spawn", join=True)
+        results = {name: [torch.load(Path(folder) / name / f"{r}.pt") for r in range(world)]
+                   for name in STRATEGIES}
+    for name, ranks in results.items():
+        config = tiny_config(steps=6, worker__num_workers=world, **STRATEGIES[name])
+        layout = model_layout(config)[2]
+        reference = reference_train(config, config.steps)
+        assert ranks[0]["losses"] == reference.losses, name
+        masters = torch.cat([rank["masters"] for rank in ranks])
+        expected = reference.flat(layout)
+        assert torch.equal(masters, expected), f"{name}: max abs diff {(masters - expected).abs().max():.3e}"
+        assert torch.equal(torch.cat([rank["weights"] for rank in ranks]), expected), name
