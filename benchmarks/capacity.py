@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from cargohold.services.layout import Segment
 from cargohold.services.models.gpt import GPT, GPTConfig, num_parameters
 
 BLOCK = 128
@@ -315,6 +316,88 @@ def cargohold_probe(n_layer: int, width: int, workers: int, dtype: str, wire: st
     return result
 
 
+# --- one worker's step without Ray (--trace-step) -----------------------------------------------
+class NullPort:
+    """A StatePort with no state server: pushes are dropped, fetches leave the buffer."""
+
+    def register(self, segment: Segment, initial: torch.Tensor) -> int:
+        return 0
+
+    def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
+        return True
+
+    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float) -> bool:
+        return True
+
+    def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
+        pass
+
+
+def trace_rank(rank: int, world: int, port: int, n_layer: int, width: int, wire: str, steps: int) -> None:
+    """One rank of ``--trace-step`` (a spawned process): the worker's own code path, FSDP2
+    over gloo and ``ShardedStep``, with a :class:`NullPort`; VmHWM and VmRSS after each
+    phase, the peak reset in between (``/proc/self/clear_refs``)."""
+    import torch.distributed as dist
+
+    from cargohold.cluster.config import load_config
+    from cargohold.services.data import batch_for_step, load_tokens
+    from cargohold.services.models.build import build_model, parameter_values
+    from cargohold.services.shard_state import WIRE_DTYPES
+    from cargohold.services.state_port import ExchangeBuffers
+    from cargohold.services.step import ShardedStep
+    from cargohold.services.worker import sharded_model, step_policy
+
+    torch.set_num_threads(1)
+    lines = []
+
+    def mark(phase: str) -> None:
+        status = _read("/proc/self/status")
+        peak, rss = peak_rss(status) / 2**30, peak_rss(status, "VmRSS") / 2**30
+        lines.append(f"  {phase:28} peak {peak:5.2f} GiB, RSS {rss:5.2f}")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    mark("start")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    config = load_config(None, cargohold_overrides(n_layer, width, world, "bfloat16", wire))
+    cpu = torch.device("cpu")
+    model, units, layout = sharded_model(config, cpu)
+    mark("sharded_model")
+    buffers = ExchangeBuffers.allocate(layout.worker_size, WIRE_DTYPES[wire], torch.bfloat16)
+    step = ShardedStep(model, units, layout, rank, NullPort(), buffers, step_policy(config), device=cpu)
+    mark("exchange buffers, ShardedStep")
+    with torch.device("meta"):
+        shapes = build_model(config)
+    step.register(lambda names: parameter_values(config, shapes, names))
+    mark("register")
+    tokens = load_tokens(None, config.data.corpus_bytes, 0, seq_len=BLOCK)
+    for number in range(1, steps + 1):
+        x, y = batch_for_step(tokens, step=number, rank=rank, world_size=world, batch_size=1, seq_len=BLOCK, seed=0)
+        step.run(number, x, y, 1e-4)
+        mark(f"step {number}")
+    step.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        weights = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        print(f"rank 0 of {world}, {params_of(n_layer, width) / 1e6:.1f}M parameters, wire {wire}: FSDP2 shards "
+              f"{weights / 2**30:.2f} GiB, exchange buffers {buffers.nbytes / 2**30:.2f} GiB (the weights half never "
+              f"touched: the null port fetches nothing); {os.environ.get('MALLOC_MMAP_THRESHOLD_', 'default')} mmap "
+              "threshold", flush=True)
+        print("\n".join(lines), flush=True)
+
+
+def trace_step(n_layer: int, width: int, workers: int, wire: str, steps: int) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.start_processes(trace_rank, args=(workers, port, n_layer, width, wire, steps), nprocs=workers,
+                       start_method="spawn", join=True)
+
+
 # --- the search -------------------------------------------------------------------------
 @dataclass
 class Search:
@@ -496,8 +579,14 @@ def main() -> None:
                              "candidate the prior predicts) runs it with an NVMe tier")
     parser.add_argument("--tier-path", default="/tmp/cargohold-capacity", help="folder for that NVMe tier")
     parser.add_argument("--tier-budget-gib", type=float, default=2.0, help="RAM budget of that tier")
+    parser.add_argument("--trace-step", type=int, metavar="WIDTH",
+                        help="instead of searching: one worker's memory after each phase of start-up and 4 steps, "
+                             "without Ray or a server (first worker count and wire dtype)")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.trace_step:
+        trace_step(args.n_layer, args.trace_step, int(args.workers.split(",")[0]), args.wire.split(",")[0], 4)
+        return
     if args.probe:
         spec = json.loads(args.probe)
         if spec.pop("approach") == "plain":
