@@ -1,8 +1,11 @@
 """The largest GPT a worker trains within a per-worker memory limit, found by running.
 
-    python benchmarks/capacity.py                                   # 2 GiB; plain fp32, cargohold bf16 W=2 and W=4
-    python benchmarks/capacity.py --workers 2 --wire bfloat16 --probes 5
-    python benchmarks/capacity.py --approaches cargohold --workers 4 --log /tmp/capacity-w4.log
+    python benchmarks/capacity.py                      # 2 GiB: plain fp32; cargohold bf16 W=2, 4 x wire fp32, bf16
+    python benchmarks/capacity.py --approaches cargohold --workers 2 --env MALLOC_MMAP_THRESHOLD_=131072
+    python benchmarks/capacity.py --approaches cargohold --workers 2 --wire bfloat16 --widths 1408,1152 \
+        --set worker.reshard_after_forward=false       # exactly these widths, ZeRO-2-like
+    python benchmarks/capacity.py --trace-step 1280    # one worker's step without Ray, phase by phase
+    python benchmarks/capacity.py > /tmp/capacity.log 2>&1 &   # ~17 min: run it in the background
 
 Candidates are GPTs of ``--n-layer`` blocks (byte vocabulary, block 128) whose width grows
 in steps of 64 (``n_head = width / 64``). A candidate fits when the peak resident set of
@@ -19,23 +22,28 @@ buffers the worker touched) stays within the limit.
   peak is attributed to the call that raised it (``init_process_group``: building the
   sharded model and the exchange buffers; ``register_shards``: the initial values and the
   fp32 registration; ``train_step``). The state server's memory is host RAM outside the
-  worker: reported, not counted against the limit.
+  worker: reported, not counted against the limit. A configuration whose server would
+  need more than ``--server-ram-gib`` (at ~20 B/param) keeps the server's state on an
+  NVMe tier under ``--tier-path``, so that the probes fit a shared machine; the workers do
+  not change. ``--env`` sets variables in the probes' environment, which Ray's processes
+  inherit (glibc's ``MALLOC_MMAP_THRESHOLD_`` changes the workers' peak a lot: see
+  docs/benchmarks.md).
 
 The search per configuration: a first probe of the tiny model (width 64) gives the
 process's *runtime* (interpreter, torch, Ray, gRPC: everything that is not the model);
 then each probe picks the widest candidate that the straight line through the probes so
 far (peak against parameters) predicts to fit, kept strictly inside the bracket of the
 widest fitting and the narrowest failing probe. Peak memory is close to linear in the
-parameters, so 3-4 probes land on adjacent widths. "B/param" = (peak - runtime) /
-parameters, the cost of a parameter with everything in flight (gathered blocks,
-gradients, registration) included; "buffers" = ``TrainingWorker.resident_bytes()``
-(weights + exchange) / parameters, what the worker holds between steps.
+parameters (when the allocator gives memory back), so 3 probes land on adjacent widths.
+"B/param" = (peak - runtime) / parameters, the cost of a parameter with everything in
+flight (gathered blocks, gradients, registration) included; "buffers" =
+``TrainingWorker.resident_bytes()`` (weights + exchange) / parameters, what the worker
+holds between steps.
 
 One sequence of 128 tokens per worker per step, 1 torch thread per process. Nothing is
 asserted; the limit is compared, not enforced (RLIMIT_AS would count the address space
-torch and Ray reserve, not what they touch). On a shared machine the figures move a little
-between runs (the page cache and other tests do not change VmHWM, but allocator timing
-does).
+torch and Ray reserve, not what they touch). Other processes on a shared machine do not
+change VmHWM, only how long the probes take.
 """
 
 from __future__ import annotations
@@ -64,14 +72,15 @@ WIDTHS = range(128, 8193, 64)
 PLAIN_BYTES_PER_PARAM = 16
 """fp32 weights, gradients, exp_avg, exp_avg_sq."""
 ESTIMATE_BYTES_PER_PARAM = {"plain": 16.5, ("bfloat16", "float32"): 5.0, ("bfloat16", "bfloat16"): 4.0,
-                            ("float32", "float32"): 9.0, ("float32", "bfloat16"): 7.0}
+                            ("float32", "float32"): 7.0, ("float32", "bfloat16"): 6.0}
 """Rough peak bytes per parameter at W=2 with 24 blocks, only to place the first probe.
 A cargohold worker holds its 1/W chunk of the weights in the compute dtype, and an
 exchange buffer of its range in the wire dtype (gradients) and in the compute dtype
-(fetched weights): bf16 weights at W=2 are 1 + (2 + 1) with fp32 gradients on the wire,
-1 + (1 + 1) with bf16. The extra 0.2 is what is in flight (a gathered block and its
-gradients, the fp32 initial values of one unit at registration). Divided by W/2 for
-other W; plain AdamW does not depend on W."""
+(fetched weights): bf16 weights at W=2 are 1 + (2 + 1) = 4 B/param with fp32 gradients
+on the wire, 1 + (1 + 1) = 3 with bf16 (fp32 weights: 2 + (2 + 2), 2 + (1 + 2)). The
+extra 1 is what glibc's allocator keeps after the step by default (0 with a fixed
+``MALLOC_MMAP_THRESHOLD_``: the line fit takes over after the first probe). Divided by
+W/2 for other W; plain AdamW does not depend on W."""
 BASE_BYTES = {"plain": 350 << 20, "cargohold": 650 << 20}
 """Rough runtime resident memory, only to place the first probe."""
 SAMPLE_S = 0.05
@@ -256,7 +265,7 @@ def plain_probe(n_layer: int, width: int) -> dict:
 
 # --- cargohold: W workers + 1 state server ----------------------------------------------------
 def cargohold_overrides(n_layer: int, width: int, workers: int, dtype: str, wire: str,
-                        tier: str | None = None, budget: int = 0) -> list[str]:
+                        tier: str | None = None, budget: int = 0, extra: tuple[str, ...] = ()) -> list[str]:
     overrides = [
         "steps=1", "progress=false", "metrics.enabled=false",
         f"model.n_layer={n_layer}", f"model.n_embd={width}", f"model.n_head={width // 64}",
@@ -267,7 +276,7 @@ def cargohold_overrides(n_layer: int, width: int, workers: int, dtype: str, wire
     ]
     if tier:
         overrides += [f"state_server.tier.nvme_paths=[{tier}]", f"state_server.tier.ram_budget_bytes={budget}"]
-    return overrides
+    return [*overrides, *extra]
 
 
 def run_session(overrides: list[str], workers: int) -> dict:
@@ -308,8 +317,9 @@ def run_session(overrides: list[str], workers: int) -> dict:
 
 
 def cargohold_probe(n_layer: int, width: int, workers: int, dtype: str, wire: str, tier: str | None = None,
-                    budget: int = 0) -> dict:
-    result = run_session(cargohold_overrides(n_layer, width, workers, dtype, wire, tier, budget), workers)
+                    budget: int = 0, extra: tuple[str, ...] = ()) -> dict:
+    result = run_session(cargohold_overrides(n_layer, width, workers, dtype, wire, tier, budget, tuple(extra)),
+                         workers)
     if len(result["workers"]) != workers:
         raise RuntimeError(f"watched {len(result['workers'])} worker processes, expected {workers}")
     result["worker"] = max(w["hwm"] for w in result["workers"])
@@ -413,6 +423,8 @@ class Search:
     tier: str | None = None
     """The state server's NVMe-tier folder (None: all its state in RAM)."""
     budget: int = 0
+    extra: tuple[str, ...] = ()
+    """Further config overrides (``--set``)."""
     runtime: dict | None = None
     probes: list[tuple[int, int, dict]] = field(default_factory=list)
     """(width, params, result) of every probe but the runtime one."""
@@ -421,7 +433,7 @@ class Search:
     def label(self) -> str:
         if self.approach == "plain":
             return "plain AdamW fp32"
-        extra = "".join(f", {k}={v}" for k, v in self.env.items())
+        extra = "".join(f", {k}={v}" for k, v in self.env.items()) + "".join(f", {o}" for o in self.extra)
         return f"cargohold {_short(self.dtype)} W={self.workers}, wire {_short(self.wire)}{extra}"
 
     def fitting(self, limit: int) -> list[tuple[int, int, dict]]:
@@ -431,7 +443,8 @@ class Search:
         """One probe in a fresh child process (its own Ray, nothing left from earlier probes)."""
         spec = {"approach": self.approach, "n_layer": n_layer, "width": width}
         if self.approach != "plain":
-            spec.update(workers=self.workers, dtype=self.dtype, wire=self.wire, tier=self.tier, budget=self.budget)
+            spec.update(workers=self.workers, dtype=self.dtype, wire=self.wire, tier=self.tier, budget=self.budget,
+                        extra=self.extra)
         out = subprocess.run([sys.executable, __file__, "--probe", json.dumps(spec)], capture_output=True, text=True,
                              timeout=1800, env={**os.environ, **self.env})
         if out.returncode != 0:
@@ -482,7 +495,7 @@ def run_search(search: Search, limit: int, n_layer: int, probes: int, runtimes: 
     """``runtimes`` caches the width-64 probe per (approach, W, environment): the wire dtype
     changes nothing at 1.3M parameters. ``widths``: probe exactly these instead of searching."""
     gib = 2**30
-    key = (search.approach, search.workers, tuple(sorted(search.env.items())))
+    key = (search.approach, search.workers, tuple(sorted(search.env.items())), search.extra)
     if key not in runtimes:
         started = time.perf_counter()
         runtimes[key] = search.measure(n_layer, TINY_WIDTH)
@@ -551,7 +564,8 @@ def report(searches: list[Search], limit: int) -> None:
             print(f"RATIO {label} / plain AdamW, largest model = {params / plain:.2f}")
     for label, (search, params) in best.items():
         twin = next((p for s, p in best.values() if s.approach == search.approach and s.workers == 2
-                     and (s.dtype, s.wire, s.env) == (search.dtype, search.wire, search.env)), None)
+                     and (s.dtype, s.wire, s.env, s.extra) == (search.dtype, search.wire, search.env, search.extra)),
+                    None)
         if search.workers > 2 and twin:
             print(f"RATIO {label} / the same at W=2, largest model = {params / twin:.2f} "
                   f"(W ratio {search.workers / 2:.0f})")
@@ -574,6 +588,8 @@ def main() -> None:
     parser.add_argument("--widths", help="probe exactly these widths (comma-separated) instead of searching")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="environment of cargohold's processes (e.g. MALLOC_MMAP_THRESHOLD_=131072)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra config override for cargohold's sessions (repeatable)")
     parser.add_argument("--server-ram-gib", type=float, default=12.0,
                         help="a configuration whose state server would need more (20 B/param at the largest "
                              "candidate the prior predicts) runs it with an NVMe tier")
@@ -603,7 +619,7 @@ def main() -> None:
     if "cargohold" in args.approaches.split(","):
         for workers in (int(w) for w in args.workers.split(",")):
             for wire in args.wire.split(","):
-                search = Search("cargohold", workers, args.dtype, wire, env)
+                search = Search("cargohold", workers, args.dtype, wire, env, extra=tuple(args.overrides))
                 slope, base = search.prior()
                 largest = (limit - base) / slope
                 if 20 * largest > args.server_ram_gib * 2**30:
