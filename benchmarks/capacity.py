@@ -1,7 +1,7 @@
 """The largest GPT a worker trains within a per-worker memory limit, found by running.
 
     python benchmarks/capacity.py                      # 2 GiB: plain fp32; cargohold bf16 W=2, 4 x wire fp32, bf16
-    python benchmarks/capacity.py --approaches cargohold --workers 2 --env MALLOC_MMAP_THRESHOLD_=131072
+    python benchmarks/capacity.py --approaches cargohold --workers 2 --wire bfloat16
     python benchmarks/capacity.py --approaches cargohold --workers 2 --wire bfloat16 --widths 1408,1152 \
         --set worker.reshard_after_forward=false       # exactly these widths, ZeRO-2-like
     python benchmarks/capacity.py --trace-step 1280    # one worker's step without Ray, phase by phase
@@ -26,8 +26,8 @@ buffers the worker touched) stays within the limit.
   need more than ``--server-ram-gib`` (at ~20 B/param) keeps the server's state on an
   NVMe tier under ``--tier-path``, so that the probes fit a shared machine; the workers do
   not change. ``--env`` sets variables in the probes' environment, which Ray's processes
-  inherit (glibc's ``MALLOC_MMAP_THRESHOLD_`` changes the workers' peak a lot: see
-  docs/benchmarks.md).
+  inherit and which win over the launcher's ``WORKER_ENV`` (glibc's
+  ``MALLOC_MMAP_THRESHOLD_`` changes the workers' peak a lot: see docs/benchmarks.md).
 
 The search per configuration: a first probe of the tiny model (width 64) gives the
 process's *runtime* (interpreter, torch, Ray, gRPC: everything that is not the model);
@@ -71,16 +71,13 @@ TINY_WIDTH = 64
 WIDTHS = range(128, 8193, 64)
 PLAIN_BYTES_PER_PARAM = 16
 """fp32 weights, gradients, exp_avg, exp_avg_sq."""
-ESTIMATE_BYTES_PER_PARAM = {"plain": 16.5, ("bfloat16", "float32"): 5.0, ("bfloat16", "bfloat16"): 4.0,
-                            ("float32", "float32"): 7.0, ("float32", "bfloat16"): 6.0}
+ESTIMATE_BYTES_PER_PARAM = {"plain": 16.5, ("bfloat16", "float32"): 1.5, ("bfloat16", "bfloat16"): 1.4,
+                            ("float32", "float32"): 2.5, ("float32", "bfloat16"): 2.4}
 """Rough peak bytes per parameter at W=2 with 24 blocks, only to place the first probe.
-A cargohold worker holds its 1/W chunk of the weights in the compute dtype, and an
-exchange buffer of its range in the wire dtype (gradients) and in the compute dtype
-(fetched weights): bf16 weights at W=2 are 1 + (2 + 1) = 4 B/param with fp32 gradients
-on the wire, 1 + (1 + 1) = 3 with bf16 (fp32 weights: 2 + (2 + 2), 2 + (1 + 2)). The
-extra 1 is what glibc's allocator keeps after the step by default (0 with a fixed
-``MALLOC_MMAP_THRESHOLD_``: the line fit takes over after the first probe). Divided by
-W/2 for other W; plain AdamW does not depend on W."""
+A cargohold worker holds its 1/W chunk of the weights in the compute dtype (bf16 at W=2:
+1 B/param; fp32: 2), a few unit-sized exchange slots and the units in flight. Divided
+by W/2 for other W; plain AdamW does not depend on W. The line fit takes over after the
+first probe."""
 BASE_BYTES = {"plain": 350 << 20, "cargohold": 650 << 20}
 """Rough runtime resident memory, only to place the first probe."""
 SAMPLE_S = 0.05
@@ -352,10 +349,8 @@ def trace_rank(rank: int, world: int, port: int, n_layer: int, width: int, wire:
     from cargohold.cluster.config import load_config
     from cargohold.services.data import batch_for_step, load_tokens
     from cargohold.services.models.build import build_model, parameter_values
-    from cargohold.services.shard_state import WIRE_DTYPES
-    from cargohold.services.state_port import ExchangeBuffers
     from cargohold.services.step import ShardedStep
-    from cargohold.services.worker import sharded_model, step_policy
+    from cargohold.services.worker import exchange_buffers, sharded_model, step_policy
 
     torch.set_num_threads(1)
     lines = []
@@ -373,7 +368,7 @@ def trace_rank(rank: int, world: int, port: int, n_layer: int, width: int, wire:
     cpu = torch.device("cpu")
     model, units, layout = sharded_model(config, cpu)
     mark("sharded_model")
-    buffers = ExchangeBuffers.allocate(layout.worker_size, WIRE_DTYPES[wire], torch.bfloat16)
+    buffers = exchange_buffers(config, layout)
     step = ShardedStep(model, units, layout, rank, NullPort(), buffers, step_policy(config), device=cpu)
     mark("exchange buffers, ShardedStep")
     with torch.device("meta"):
@@ -390,7 +385,7 @@ def trace_rank(rank: int, world: int, port: int, n_layer: int, width: int, wire:
     if rank == 0:
         weights = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
         print(f"rank 0 of {world}, {params_of(n_layer, width) / 1e6:.1f}M parameters, wire {wire}: FSDP2 shards "
-              f"{weights / 2**30:.2f} GiB, exchange buffers {buffers.nbytes / 2**30:.2f} GiB (the weights half never "
+              f"{weights / 2**30:.2f} GiB, exchange buffers {buffers.nbytes / 2**30:.2f} GiB (the weights halves never "
               f"touched: the null port fetches nothing); {os.environ.get('MALLOC_MMAP_THRESHOLD_', 'default')} mmap "
               "threshold", flush=True)
         print("\n".join(lines), flush=True)

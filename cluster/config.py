@@ -134,6 +134,11 @@ class WorkerConfig:
     delayed_update_after_steps: int = 0
     """With delayed_update, train this many data steps normally first (ZeRO-Offload's
     warm-up): stale gradients hurt most early, while the loss falls fast."""
+    exchange_slots: int = 3
+    """Host buffers of one unit's part of the worker's range (its gradient out, its
+    updated weights back) that transfers to the state servers go through. More slots let
+    more units' transfers overlap backward; each costs the largest unit's local elements
+    x (wire + compute dtype) bytes. Backward waits when all are in use."""
     shared_memory: Literal["auto", "off"] = "auto"
     """auto: exchange gradients and weights with state servers on the same node through
     /dev/shm instead of gRPC streams (CPU workers); off: always stream over gRPC."""
@@ -149,6 +154,7 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         _positive("worker.num_workers", self.num_workers)
         _positive("worker.torch_threads", self.torch_threads)
+        _positive("worker.exchange_slots", self.exchange_slots)
         _non_negative("worker.delayed_update_after_steps", self.delayed_update_after_steps)
         _non_negative("worker.cpus", self.cpus)
         _non_negative("worker.gpus", self.gpus)

@@ -15,7 +15,8 @@ does), and each state server's partitions are placed by the tier planner itself
 (``plan_tiers`` over the same ``PartitionDemand`` list ``TieredStorage`` builds). So:
 
 * a worker's **buffers** (``weights``: its FSDP2 shards, the most any rank holds;
-  ``exchange``: the gradient and weight buffers of its range of the flat space) are
+  ``exchange``: ``worker.exchange_slots`` gradient and weight slots of the largest unit,
+  and the weights of its whole range with the delayed update) are
   exactly the sizes ``TrainingWorker.resident_bytes()`` reports;
 * a state server's **state in RAM / on NVMe** (12 bytes per element) is exactly what it
   reports as ``cargohold_state_resident_bytes{tier}`` once every partition sits in its
@@ -65,6 +66,7 @@ from cargohold.services.checkpoint import shard_file_bytes
 from cargohold.services.errors import ConfigError, LayoutError
 from cargohold.services.layout import ShardLayout
 from cargohold.services.shard_state import WIRE_DTYPES
+from cargohold.services.state_port import exchange_nbytes
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT, elements_per_partition, split_segment
 from cargohold.services.tiers.planner import PartitionDemand, TierPlan, plan_tiers
@@ -205,8 +207,9 @@ class WorkerPlan:
     """Its weight shards live in host memory (``worker.offload_params`` on a GPU)."""
     buffers: dict[str, int]
     """What it holds between steps, keyed as ``TrainingWorker.resident_bytes()``: its FSDP2
-    weight shards (compute dtype) and its exchange buffers (gradients in the wire dtype,
-    weights in the compute dtype, ``range_elements`` each)."""
+    weight shards (compute dtype) and its exchange buffers (slots of the largest unit's
+    gradients in the wire dtype and weights in the compute dtype; with the delayed update
+    also ``range_elements`` weights)."""
     range_elements: int
     """Elements of its range of the flat space (``layout.worker_size``)."""
     blocks: int
@@ -462,7 +465,8 @@ def _plan_worker(config: TrainConfig, layout: ShardLayout, model: torch.nn.Modul
     # FSDP2's local shards, in the compute dtype; rank 0 holds the most (the last ranks'
     # dim-0 chunks run short or empty).
     weights = sum(slot.local_numel(0) for slot in layout.params) * compute
-    exchange = layout.worker_size * (wire + compute)  # ExchangeBuffers: one range each
+    exchange = exchange_nbytes(layout.largest_group, wire, compute, slots=settings.exchange_slots,
+                               held_numel=layout.worker_size if settings.delayed_update else 0)
     units = _unit_sizes(layout)
     root, blocks = units[0], units[1:]
     if settings.reshard_after_forward:  # the block computed and the one prefetched

@@ -167,6 +167,11 @@ class ShardLayout:
         return self.params[g.first_param : g.stop_param]
 
     @property
+    def largest_group(self) -> int:
+        """Elements of the largest group inside a worker's range (an exchange slot's size)."""
+        return max((g.stop - g.start for g in self.groups), default=0)
+
+    @property
     def num_real_elements(self) -> int:
         return sum(p.numel for p in self.params)
 

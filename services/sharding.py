@@ -85,15 +85,16 @@ def local_tensors(model: nn.Module, layout: ShardLayout) -> list[torch.Tensor]:
 
 
 def copy_range_into_params(layout: ShardLayout, worker: int, source: torch.Tensor,
-                           targets: Sequence[torch.Tensor], group: int | None = None) -> None:
-    """Copy the worker-range tensor ``source`` (``worker_size`` elements) into the local
-    shards ``targets`` (layout order); only ``group``'s parameters when given."""
+                           targets: Sequence[torch.Tensor], group: int | None = None, source_start: int = 0) -> None:
+    """Copy ``source``, the part of the worker's range from ``source_start`` on, into the
+    local shards ``targets`` (layout order); only ``group``'s parameters when given."""
     slots = layout.params if group is None else layout.group_params(group)
     first = 0 if group is None else layout.groups[group].first_param
     for index, slot in enumerate(slots, start=first):
         numel = slot.local_numel(worker)
         if numel:
-            targets[index].copy_(source[slot.offset : slot.offset + numel], non_blocking=True)
+            at = slot.offset - source_start
+            targets[index].copy_(source[at : at + numel], non_blocking=True)
 
 
 def params_to_range(layout: ShardLayout, worker: int, sources: Sequence[torch.Tensor],

@@ -4,12 +4,13 @@ The step (:mod:`cargohold.services.step`) talks only to a :class:`StatePort`. Tw
 implementations: :class:`RemotePort`, the gRPC clients (with shared memory for servers on
 the same node), and :class:`LocalPort`, a state registry in this process, so a step runs
 in a test without Ray or a network. Gradients and weights travel through the worker's
-:class:`ExchangeBuffers`: one range of the flat space each, in host memory (shared memory
-when a server on this node reads and writes it directly).
+:class:`ExchangeBuffers`: a few unit-sized slots in host memory (shared memory when a
+server on this node reads and writes it directly).
 """
 
 from __future__ import annotations
 
+import queue
 import uuid
 from dataclasses import dataclass
 from typing import Protocol
@@ -38,36 +39,87 @@ def segment_spec(config: TrainConfig, run_id: str, segment: Segment) -> ShardSpe
     )
 
 
-@dataclass
-class ExchangeBuffers:
-    """A worker's gradients (wire dtype) and weights (compute dtype) of its range of the
-    flat space, as the servers read and write them; ``region`` when in shared memory."""
+SLOT_ALIGN = 64
+"""Elements a slot's length is rounded up to."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeSlot:
+    """Room for one unit's part of a worker's range: its reduced gradient on the way to
+    the servers (wire dtype), its updated weights on the way back (compute dtype)."""
 
     grads: torch.Tensor
     weights: torch.Tensor
-    region: SharedRegion | None = None
+
+
+def exchange_nbytes(slot_numel: int, grad_size: int, weight_size: int, *, slots: int, held_numel: int) -> int:
+    """Bytes of :meth:`ExchangeBuffers.allocate`'s buffers (for the plan), given the
+    dtypes' sizes."""
+    return slots * _slot_numel(slot_numel) * (grad_size + weight_size) + held_numel * weight_size
+
+
+def _slot_numel(numel: int) -> int:
+    return -(-numel // SLOT_ALIGN) * SLOT_ALIGN  # every view stays aligned
+
+
+class ExchangeBuffers:
+    """The host memory a worker's gradients and weights pass through, as the servers read
+    and write it (shared memory, ``region``, when a server shares the node).
+
+    ``slots`` unit-sized slots are taken by a unit's transfers and given back when its
+    weights are in FSDP2's shards, so the buffers do not grow with the model. With the
+    delayed update, ``held`` is the whole range's weights too: they arrive during the
+    next step's compute and are adopted only after its backward."""
+
+    def __init__(self, slots: list[ExchangeSlot], held: torch.Tensor | None = None,
+                 region: SharedRegion | None = None) -> None:
+        self.slots = slots
+        self.held = held
+        self.region = region
+        self._free: queue.SimpleQueue[ExchangeSlot] = queue.SimpleQueue()
+        for slot in slots:
+            self._free.put(slot)
 
     @classmethod
-    def allocate(cls, numel: int, grad_dtype: torch.dtype, weight_dtype: torch.dtype, *,
-                 shared_name: str | None = None, pin: bool = False) -> ExchangeBuffers:
-        """In shared memory named after ``shared_name``, else in (pinned with ``pin``)
-        host memory."""
+    def allocate(cls, slot_numel: int, grad_dtype: torch.dtype, weight_dtype: torch.dtype, *, slots: int,
+                 held_numel: int = 0, shared_name: str | None = None, pin: bool = False) -> ExchangeBuffers:
+        """``slots`` slots of ``slot_numel`` elements and ``held_numel`` held weights, in
+        shared memory named after ``shared_name``, else in (pinned with ``pin``) host memory."""
+        slot_numel = _slot_numel(slot_numel)
+        slot_bytes = slot_numel * (grad_dtype.itemsize + weight_dtype.itemsize)
+        total = exchange_nbytes(slot_numel, grad_dtype.itemsize, weight_dtype.itemsize, slots=slots,
+                                held_numel=held_numel)
         if shared_name is None:
-            return cls(torch.empty(numel, dtype=grad_dtype, pin_memory=pin),
-                       torch.empty(numel, dtype=weight_dtype, pin_memory=pin))
-        grad_bytes = numel * grad_dtype.itemsize
-        region = SharedRegion.create(f"{shared_name}-{uuid.uuid4().hex[:8]}",
-                                     grad_bytes + numel * weight_dtype.itemsize)
-        return cls(region.tensor(grad_dtype, 0, numel), region.tensor(weight_dtype, grad_bytes, numel), region)
+            memory, region = torch.empty(total, dtype=torch.uint8, pin_memory=pin), None
+        else:
+            region = SharedRegion.create(f"{shared_name}-{uuid.uuid4().hex[:8]}", total)
+            memory = region.bytes
+
+        def view(dtype: torch.dtype, at: int, numel: int) -> torch.Tensor:
+            return memory[at : at + numel * dtype.itemsize].view(dtype)
+
+        grad_bytes = slot_numel * grad_dtype.itemsize
+        made = [ExchangeSlot(view(grad_dtype, i * slot_bytes, slot_numel),
+                             view(weight_dtype, i * slot_bytes + grad_bytes, slot_numel)) for i in range(slots)]
+        held = view(weight_dtype, slots * slot_bytes, held_numel) if held_numel else None
+        return cls(made, held, region)
+
+    def acquire(self) -> ExchangeSlot:
+        """A free slot; waits while every slot is in use."""
+        return self._free.get()
+
+    def release(self, slot: ExchangeSlot) -> None:
+        self._free.put(slot)
 
     def shared_ref(self, view: torch.Tensor) -> tuple[str, int]:
-        """(path, byte offset) of a view of either buffer, for a co-located server."""
+        """(path, byte offset) of a view of these buffers, for a co-located server."""
         assert self.region is not None
         return str(self.region.path), view.data_ptr() - self.region.bytes.data_ptr()
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.grads, self.weights))
+        tensors = [t for slot in self.slots for t in (slot.grads, slot.weights)]
+        return sum(t.numel() * t.element_size() for t in tensors + ([self.held] if self.held is not None else []))
 
     def close(self) -> None:
         if self.region is not None:
@@ -86,7 +138,7 @@ class StatePort(Protocol):
         """Apply the gradient staged for ``update``."""
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
-        """Write the weights after ``update`` into ``out`` (a view of the weight buffer)."""
+        """Write the weights after ``update`` into ``out`` (a view of the exchange buffers)."""
 
 
 class RemotePort:

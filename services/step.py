@@ -9,6 +9,9 @@ The shape of a step:
    dtype): it is copied into the exchange buffer and its segments are pushed at once,
    while backward goes on. FSDP2's own sharded gradients are dropped as they appear: the
    state servers hold the optimizer, so nothing on the worker needs them.
+   The exchange buffer is one of a few unit-sized slots (:class:`ExchangeBuffers`): a
+   unit's transfers hold it until its weights are back in FSDP2's shards, so what the
+   worker holds besides its shards does not grow with the model.
 2. one all-reduce of (sum of squares, loss): the global gradient norm.
 3. the update, by one of three strategies:
    - *immediate*: no clipping and no non-finite check, so each segment was applied on
@@ -17,8 +20,10 @@ The shape of a step:
    - *delayed* (ZeRO-Offload's DPU): adopt the weights of the previous update, fetched
      during this step's compute, and leave this update's weights to arrive during the
      next step.
-   Fetched weights land in the exchange buffer and are copied into FSDP2's local shards
-   after backward (before, backward still gathers the old ones).
+   Fetched weights land in the unit's slot and are copied into FSDP2's local shards at
+   once: a unit's shards are not read again in a step after its gradients are reduced.
+   Only the delayed update's weights wait for the next backward to end, in the buffers'
+   ``held`` range.
 """
 
 from __future__ import annotations
@@ -35,10 +40,10 @@ import torch.distributed as dist
 from torch import nn
 
 from cargohold.services.errors import TrainingError
-from cargohold.services.layout import Segment, ShardLayout
+from cargohold.services.layout import ParamSlot, Segment, ShardLayout
 from cargohold.services.optim import global_norm_from_squares, sum_of_squares
 from cargohold.services.sharding import Unit, copy_range_into_params, local_tensors, params_to_range
-from cargohold.services.state_port import ExchangeBuffers, StatePort
+from cargohold.services.state_port import ExchangeBuffers, ExchangeSlot, StatePort
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +88,8 @@ class ShardedStep:
 
     def __init__(self, model: nn.Module, units: list[Unit], layout: ShardLayout, rank: int, port: StatePort,
                  buffers: ExchangeBuffers, policy: StepPolicy, *, device: torch.device) -> None:
+        if policy.delayed_after is not None and buffers.held is None:
+            raise TrainingError("the delayed update needs exchange buffers with the held weights of the whole range")
         self.model = model
         self.units = units
         self.layout = layout
@@ -99,13 +106,14 @@ class ShardedStep:
         for segment in self.segments:
             self._by_group.setdefault(segment.group, []).append(segment)
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(16, len(self.segments))), thread_name_prefix="state")
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        """Where fetched weights go host-to-device, beside the compute."""
         self._pending: list[Future] = []
         """Fetches of a delayed update, still arriving."""
         self._transfers: list[Future] = []
         self._sum_squares = 0.0
         self._context: tuple[int, float, bool, bool] = (0, 0.0, False, False)
         """(update, lr, defer, fetch) of the step in progress, for the hooks."""
-        buffers.grads.zero_()  # padding between slots is never written again
         for group, unit in enumerate(units):
             unit.module.set_all_reduce_hook(self._on_reduced(group))
         for param in model.parameters():
@@ -140,8 +148,7 @@ class ShardedStep:
 
     def load_weights(self) -> None:
         """Fetch the servers' current weights (after a restore) into the local shards."""
-        self._wait(self._pool.submit(self._fetch, s, self.updates) for s in self.segments)
-        self._adopt_buffer()
+        self._wait(self._pool.submit(self._settle_unit, group, self.updates) for group in self._by_group)
 
     # --- the step -----------------------------------------------------------------
     def run(self, step: int, inputs: torch.Tensor, targets: torch.Tensor, lr: float) -> StepReport:
@@ -182,13 +189,12 @@ class ShardedStep:
             if policy.staged:
                 self._wait(self._pool.submit(self.port.commit, s, update, global_norm=global_norm, lr=lr)
                            for s in self.segments)
-            self._pending = [self._pool.submit(self._fetch, s, update) for s in self.segments]
+            self._pending = [self._pool.submit(self._fetch_held, s, update) for s in self.segments]
             self.updates = update
         else:
             if policy.staged:
-                applied = sum(self._wait(self._pool.submit(self._commit_and_fetch, s, update, global_norm, lr)
-                                         for s in self.segments))
-            self._adopt_buffer()
+                applied = sum(self._wait(self._pool.submit(self._settle_unit, group, update, (global_norm, lr))
+                                         for group in self._by_group))
             self.updates = update
         lap("update")
         return StepReport(rank=self.rank, step=step, loss=mean_loss, global_grad_norm=global_norm,
@@ -199,60 +205,89 @@ class ShardedStep:
         worker's padded chunk of each of the unit's parameters, back to back."""
         slots = self.layout.group_params(group)
         expected = sum(slot.slot_numel for slot in slots)
+        base = self.layout.groups[group].start
+        gaps = _gaps(slots, base, self.layout.groups[group].stop)
 
         def hook(reduced: torch.Tensor) -> None:
             if reduced.numel() != expected:
                 raise TrainingError(f"unit {self.units[group].name or '<root>'!r}: FSDP2 reduced {reduced.numel()} "
                                     f"gradient elements, the layout expects {expected}")
-            at = 0
-            for slot in slots:
-                self.buffers.grads[slot.offset : slot.offset + slot.slot_numel].copy_(
-                    reduced[at : at + slot.slot_numel], non_blocking=True)
-                at += slot.slot_numel
-            self._sum_squares += sum_of_squares(reduced)
-            ready = _ready_event(self.device)
-            update, lr, defer, fetch = self._context
-            self._transfers += [self._pool.submit(self._push, segment, update, lr, defer, fetch, ready)
-                                for segment in self._by_group.get(group, [])]
+            slot = self.buffers.acquire()
+            try:
+                at = 0
+                for param in slots:
+                    slot.grads[param.offset - base : param.offset - base + param.slot_numel].copy_(
+                        reduced[at : at + param.slot_numel], non_blocking=True)
+                    at += param.slot_numel
+                for lo, hi in gaps:
+                    slot.grads[lo:hi].zero_()
+                self._sum_squares += sum_of_squares(reduced)
+                ready = _ready_event(self.device)
+                update, lr, defer, fetch = self._context
+                self._transfers.append(self._pool.submit(self._exchange, group, slot, update, lr, defer, fetch, ready))
+            except BaseException:
+                self.buffers.release(slot)
+                raise
 
         return hook
 
     # --- transfers (on the pool) --------------------------------------------------
-    def _push(self, segment: Segment, update: int, lr: float, defer: bool, fetch: bool,
-              ready: torch.cuda.Event | None) -> int:
-        if ready is not None:
-            ready.synchronize()
-        gradient = self.buffers.grads[self._local(segment)]
-        applied = self.port.push(segment, update, gradient, lr=lr, defer=defer)
-        if fetch:
-            self._fetch(segment, update)
-        return int(applied)
+    def _exchange(self, group: int, slot: ExchangeSlot, update: int, lr: float, defer: bool, fetch: bool,
+                  ready: torch.cuda.Event | None) -> int:
+        """Push unit ``group``'s gradient from ``slot``; with ``fetch``, bring its
+        updated weights back into the local shards. Gives the slot back."""
+        try:
+            if ready is not None:
+                ready.synchronize()
+            applied = 0
+            for segment in self._by_group.get(group, []):
+                at = self._in_slot(segment)
+                applied += self.port.push(segment, update, slot.grads[at], lr=lr, defer=defer)
+                if fetch:
+                    self.port.fetch(segment, update, slot.weights[at])
+            if fetch:
+                self._adopt(slot.weights, group)
+            return applied
+        finally:
+            self.buffers.release(slot)
 
-    def _commit_and_fetch(self, segment: Segment, update: int, global_norm: float, lr: float) -> int:
-        applied = self.port.commit(segment, update, global_norm=global_norm, lr=lr)
-        self._fetch(segment, update)
-        return int(applied)
+    def _settle_unit(self, group: int, update: int, commit: tuple[float, float] | None = None) -> int:
+        """Fetch unit ``group``'s weights after ``update`` into its local shards; with
+        ``commit`` (global norm, lr), first apply the gradients the servers staged."""
+        slot = self.buffers.acquire()
+        try:
+            applied = 0
+            for segment in self._by_group[group]:
+                if commit is not None:
+                    applied += self.port.commit(segment, update, global_norm=commit[0], lr=commit[1])
+                self.port.fetch(segment, update, slot.weights[self._in_slot(segment)])
+            self._adopt(slot.weights, group)
+            return applied
+        finally:
+            self.buffers.release(slot)
 
-    def _fetch(self, segment: Segment, update: int) -> int:
-        self.port.fetch(segment, update, self.buffers.weights[self._local(segment)])
-        return 0
+    def _fetch_held(self, segment: Segment, update: int) -> None:
+        assert self.buffers.held is not None
+        self.port.fetch(segment, update, self.buffers.held[segment.local_offset : segment.local_offset + segment.numel])
+
+    def _in_slot(self, segment: Segment) -> slice:
+        at = segment.local_offset - self.layout.groups[segment.group].start
+        return slice(at, at + segment.numel)
 
     @staticmethod
-    def _local(segment: Segment) -> slice:
-        return slice(segment.local_offset, segment.local_offset + segment.numel)
-
-    @staticmethod
-    def _wait(futures: Iterable[Future]) -> list[int]:
+    def _wait(futures: Iterable[Future]) -> list:
         return [future.result() for future in list(futures)]
 
     # --- weights ------------------------------------------------------------------
-    def _adopt_buffer(self) -> None:
-        """Copy the fetched weights into FSDP2's local shards."""
-        with torch.no_grad():
-            copy_range_into_params(self.layout, self.rank, self.buffers.weights,
-                                   local_tensors(self.model, self.layout))
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+    def _adopt(self, source: torch.Tensor, group: int | None = None) -> None:
+        """Copy fetched weights into FSDP2's local shards: unit ``group``'s from a slot,
+        or the whole range from the held buffer."""
+        start = 0 if group is None else self.layout.groups[group].start
+        with torch.no_grad(), torch.cuda.stream(self._copy_stream):
+            copy_range_into_params(self.layout, self.rank, source, local_tensors(self.model, self.layout),
+                                   group=group, source_start=start)
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
 
     def _adopt_pending(self) -> int:
         """Wait for a delayed update's weights, if one is in flight, and adopt them."""
@@ -260,7 +295,8 @@ class ShardedStep:
             return 0
         pending, self._pending = self._pending, []
         self._wait(pending)
-        self._adopt_buffer()
+        assert self.buffers.held is not None
+        self._adopt(self.buffers.held)
         return len(pending)
 
     def settle(self, timeout: float | None = None) -> None:
@@ -272,13 +308,26 @@ class ShardedStep:
     def newest_weights(self) -> torch.Tensor:
         """This worker's range of the newest weights (a delayed update adopted first)."""
         self._adopt_pending()
-        out = torch.empty(self.layout.worker_size, dtype=self.buffers.weights.dtype)
+        out = torch.empty(self.layout.worker_size, dtype=self.buffers.slots[0].weights.dtype)
         with torch.no_grad():
             sources = [t.to("cpu") for t in local_tensors(self.model, self.layout)]
         return params_to_range(self.layout, self.rank, sources, out)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _gaps(slots: Iterable[ParamSlot], start: int, stop: int) -> list[tuple[int, int]]:
+    """Parts of a unit's range ``[start, stop)`` that no parameter's chunk covers (the
+    alignment padding), relative to ``start``: zeroed in a reused slot."""
+    gaps, at = [], start
+    for slot in slots:
+        if slot.offset > at:
+            gaps.append((at - start, slot.offset - start))
+        at = slot.offset + slot.slot_numel
+    if stop > at:
+        gaps.append((at - start, stop - start))
+    return gaps
 
 
 def _drop_grad(param: torch.Tensor) -> None:

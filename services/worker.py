@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 60.0
 """How long shutdown waits for a delayed update still in flight."""
 
-__all__ = ["StepReport", "TrainingWorker", "model_layout", "resolve_device", "sharded_model", "step_policy"]
+__all__ = ["StepReport", "TrainingWorker", "exchange_buffers", "model_layout", "resolve_device", "sharded_model", "step_policy"]
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -103,6 +103,17 @@ def _set_buffers(config: TrainConfig, model: nn.Module) -> None:
             model.get_buffer(name).copy_(value)
 
 
+def exchange_buffers(config: TrainConfig, layout: ShardLayout, *, shared_name: str | None = None,
+                     pin: bool = False) -> ExchangeBuffers:
+    """``worker.exchange_slots`` slots of the largest unit, and the whole range's weights
+    with the delayed update."""
+    worker = config.worker
+    return ExchangeBuffers.allocate(
+        layout.largest_group, WIRE_DTYPES[worker.grad_wire_dtype], WIRE_DTYPES[worker.compute_dtype],
+        slots=worker.exchange_slots, held_numel=layout.worker_size if worker.delayed_update else 0,
+        shared_name=shared_name, pin=pin)
+
+
 def step_policy(config: TrainConfig) -> StepPolicy:
     optim, worker = config.optim, config.worker
     return StepPolicy(staged=optim.max_grad_norm > 0 or optim.nonfinite != "ignore", nonfinite=optim.nonfinite,
@@ -147,9 +158,8 @@ class TrainingWorker:
         model, units, layout = sharded_model(self.config, self.device)
         config = self.config
         shared = self._colocated_servers(self._server_node_ids)
-        buffers = ExchangeBuffers.allocate(
-            layout.worker_size, WIRE_DTYPES[config.worker.grad_wire_dtype], WIRE_DTYPES[config.worker.compute_dtype],
-            shared_name=f"{self.run_id}-rank{self.rank}" if shared else None, pin=self.device.type == "cuda")
+        buffers = exchange_buffers(config, layout, shared_name=f"{self.run_id}-rank{self.rank}" if shared else None,
+                                   pin=self.device.type == "cuda")
         clients = [StateServerClient(address, chunk_bytes=config.state_server.chunk_bytes,
                                      timeout_s=config.state_server.rpc_timeout_s, auth_token=self._auth_token,
                                      tls=config.security.tls())

@@ -76,6 +76,7 @@ CONFIG_SURFACE = [
     "worker.activation_checkpointing",
     "worker.delayed_update",
     "worker.delayed_update_after_steps",
+    "worker.exchange_slots",
     "worker.shared_memory",
     "worker.cpus",
     "worker.gpus",

@@ -18,6 +18,7 @@ activations) are bounds and estimates; here only their arithmetic is tested.
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 from pathlib import Path
 
@@ -65,6 +66,12 @@ def _units(layout: ShardLayout) -> list[tuple[int, int]]:
     return [(sum(s.numel for s in unit), sum(s.slot_numel for s in unit)) for unit in slots]
 
 
+def _exchange(layout: ShardLayout, bytes_per_element: int, slots: int = 3) -> int:
+    """Bytes of ``slots`` exchange slots of the largest unit (rounded up to 64 elements)."""
+    largest = max(group.stop - group.start for group in layout.groups)
+    return slots * (-(-largest // 64) * 64) * bytes_per_element
+
+
 # --- sizes ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("text, expected", [
     ("24GiB", 24 << 30), ("512MiB", 512 << 20), ("1.5TB", 1_500_000_000_000), ("100Gi", 100 << 30),
@@ -94,7 +101,7 @@ def test_worker_buffers_follow_the_layout(num_workers: int) -> None:
     # Rank 0's FSDP2 shards (it holds the most) and its exchange buffers, fp32 both ways.
     shards = sum(slot.local_numel(0) for slot in layout.params)
     assert shards >= max(sum(slot.local_numel(r) for slot in layout.params) for r in range(num_workers))
-    assert plan.worker.buffers == {"weights": 4 * shards, "exchange": 8 * layout.worker_size}
+    assert plan.worker.buffers == {"weights": 4 * shards, "exchange": _exchange(layout, 8)}
     assert plan.worker.range_elements == layout.worker_size and plan.worker.blocks == 2
     traffic = plan.worker.traffic
     assert traffic.push_bytes == traffic.fetch_bytes == 4 * layout.worker_size
@@ -166,23 +173,34 @@ def test_bf16_halves_fetch_bytes_and_weights() -> None:
     assert [s.ram_state_bytes for s in bf16.servers] == [s.ram_state_bytes for s in fp32.servers]
 
 
-def test_the_delayed_update_costs_a_worker_nothing() -> None:
+def test_the_delayed_update_holds_the_weights_of_the_whole_range() -> None:
+    """Its weights arrive during the next step and wait for its backward to end."""
     plain = plan_run(tiny_config()).worker
     delayed = plan_run(tiny_config(worker__delayed_update=True)).worker
-    assert delayed.buffers == plain.buffers and delayed.device_peak_bytes == plain.device_peak_bytes
+    assert delayed.buffers["exchange"] - plain.buffers["exchange"] == 4 * plain.range_elements
+    assert delayed.buffers["weights"] == plain.buffers["weights"]
+    assert delayed.device_peak_bytes == plain.device_peak_bytes
+
+
+def test_exchange_slots_are_the_size_of_the_largest_unit() -> None:
+    config = tiny_config(model__n_layer=4, worker__exchange_slots=5)
+    layout = _layout(config)
+    largest = max(group.stop - group.start for group in layout.groups)
+    assert largest < layout.worker_size / 2  # a slot is far smaller than the worker's range
+    assert plan_run(config).worker.buffers["exchange"] == 5 * (-(-largest // 64) * 64) * 8
 
 
 def test_a_gpu_worker_pins_its_exchange_buffers() -> None:
     config = tiny_config(worker__device="auto", worker__compute_dtype="bfloat16")
     plan = plan_run(config, ClusterDescription(device_memory_bytes=1 << 30))
-    w, elements = plan.worker, plan.worker.range_elements
+    w = plan.worker
     assert w.device == "cuda" and plan.transport == "grpc" and w.shared_memory_bytes == 0
-    assert w.buffers["exchange"] == elements * (4 + 2) == w.pinned_bytes
+    assert w.buffers["exchange"] == _exchange(_layout(config), 4 + 2) == w.pinned_bytes
     assert w.device_bytes == w.buffers["weights"]
     assert w.host_bytes == w.buffers["exchange"] + w.corpus_bytes
     on_cpu = plan_run(config)
     assert on_cpu.worker.device == "cpu" and on_cpu.worker.pinned_bytes == 0
-    assert on_cpu.transport == "shared_memory" and on_cpu.worker.shared_memory_bytes == elements * (4 + 2)
+    assert on_cpu.transport == "shared_memory" and on_cpu.worker.shared_memory_bytes == _exchange(_layout(config), 6)
     assert on_cpu.worker.host_bytes == (on_cpu.worker.device_peak_bytes + on_cpu.worker.buffers["exchange"]
                                         + on_cpu.worker.corpus_bytes)
 
@@ -523,7 +541,8 @@ def test_the_example_figures(at_the_repository_root) -> None:
     assert format_bytes(large.worker.buffers["weights"]) == "16.1 GiB"  # 1/8 of the bf16 weights
     assert format_bytes(large.worker.device_peak_bytes) == "15.1 GiB"
     host = {c.resource: c for c in large.checks if c.resource.startswith("host RAM")}
-    assert [format_bytes(c.need) for c in host.values()] == ["722 GiB"]
+    assert [format_bytes(c.need) for c in host.values()] == ["475 GiB"]
+    assert format_bytes(small.worker.host_peak_bytes) == "31.6 GiB"  # shards + three unit-sized slots
     assert format_bytes(sum(s.nvme_state_bytes for s in large.servers)) == "708 GiB"
 
 
@@ -612,7 +631,7 @@ def test_worker_buffers_match_a_real_run(ray_local) -> None:
     """bf16 weights and wire, 3 workers (uneven dim-0 shards: rank 0 holds the most),
     checkpointed blocks kept gathered: every worker's buffers are at most the plan's,
     rank 0's equal, and the bytes pushed and fetched are the plan's."""
-    from cargohold.cluster.launcher import TrainingSession
+    from cargohold.cluster.launcher import TrainingSession, worker_env
 
     config = tiny_config(steps=2, worker__num_workers=3, worker__compute_dtype="bfloat16",
                          worker__grad_wire_dtype="bfloat16", worker__activation_checkpointing="blocks",
@@ -620,11 +639,14 @@ def test_worker_buffers_match_a_real_run(ray_local) -> None:
     plan = plan_run(config)
     with TrainingSession(config) as session:
         resident = [ray_get(w.resident_bytes.remote()) for w in session.workers]
+        malloc = [ray_get(w.__ray_call__.remote(lambda self: os.environ.get("MALLOC_MMAP_THRESHOLD_")))
+                  for w in session.workers]
         address = {(t.role, t.index): t.address for t in session.metrics_targets()}[("worker", 0)]
         session.step()
         session.step()
         worker = _scrape(address)
     assert resident[0] == plan.worker.buffers
+    assert malloc == [worker_env()["MALLOC_MMAP_THRESHOLD_"]] * 3  # FSDP2's unit buffers go back to the system
     assert all(r["exchange"] == plan.worker.buffers["exchange"] for r in resident)
     assert all(r["weights"] <= plan.worker.buffers["weights"] for r in resident)
     assert resident[-1]["weights"] < resident[0]["weights"]  # the last rank's chunks run short

@@ -17,12 +17,12 @@ from cargohold.services.data import batch_for_step, dropout_seed, load_tokens
 from cargohold.services.models.build import build_model, parameter_values
 from cargohold.services.state_port import ExchangeBuffers, LocalPort
 from cargohold.services.step import ShardedStep
-from cargohold.services.worker import model_layout, sharded_model, step_policy
+from cargohold.services.worker import exchange_buffers, model_layout, sharded_model, step_policy
 from reference import _free_port, reference_train, tiny_config
 
 STRATEGIES = {
     "staged": dict(),
-    "immediate": dict(optim__max_grad_norm=0.0, optim__nonfinite="ignore"),
+    "immediate": dict(optim__max_grad_norm=0.0, optim__nonfinite="ignore", worker__exchange_slots=1),
     "delayed": dict(worker__delayed_update=True, worker__delayed_update_after_steps=2),
 }
 
@@ -44,7 +44,7 @@ def _train(rank: int, config, folder: Path) -> None:
     world = config.worker.num_workers
     device = torch.device("cpu")
     model, units, layout = sharded_model(config, device)
-    buffers = ExchangeBuffers.allocate(layout.worker_size, torch.float32, torch.float32)
+    buffers = exchange_buffers(config, layout)
     port_ = LocalPort(config, "run")
     step = ShardedStep(model, units, layout, rank, port_, buffers, step_policy(config), device=device)
     with torch.device("meta"):
@@ -86,3 +86,26 @@ def test_step_without_ray_matches_adamw_bitwise(world: int) -> None:
         expected = reference.flat(layout)
         assert torch.equal(masters, expected), f"{name}: max abs diff {(masters - expected).abs().max():.3e}"
         assert torch.equal(torch.cat([rank["weights"] for rank in ranks]), expected), name
+
+
+def test_exchange_buffers_lay_slots_and_held_weights_apart_in_one_shared_region() -> None:
+    """Every view is aligned, none overlaps another, and a co-located server finds each
+    by (path, offset) in the one region; slots go round as they are given back."""
+    buffers = ExchangeBuffers.allocate(1000, torch.bfloat16, torch.float32, slots=2, held_numel=3000,
+                                       shared_name="test-exchange")
+    try:
+        views = [t for slot in buffers.slots for t in (slot.grads, slot.weights)] + [buffers.held]
+        assert [v.numel() for v in views] == [1024, 1024, 1024, 1024, 3000]  # slots rounded up to 64
+        spans = sorted((buffers.shared_ref(v)[1], buffers.shared_ref(v)[1] + v.numel() * v.element_size())
+                       for v in views)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        assert all(start % 64 == 0 for start, _ in spans)
+        assert buffers.nbytes == spans[-1][1] == buffers.region.path.stat().st_size
+        first = buffers.acquire()
+        second = buffers.acquire()
+        assert first is not second
+        buffers.release(first)
+        assert buffers.acquire() is first
+    finally:
+        buffers.close()
+    assert not buffers.region.path.exists()
