@@ -62,8 +62,9 @@ from pathlib import Path
 
 import torch
 
+from cargohold.cluster.config import GPTConfig
 from cargohold.services.layout import Segment
-from cargohold.services.models.gpt import GPT, GPTConfig, num_parameters
+from cargohold.services.models.gpt import GPT, num_parameters
 
 BLOCK = 128
 TINY_WIDTH = 64
@@ -348,9 +349,9 @@ def trace_rank(rank: int, world: int, port: int, n_layer: int, width: int, wire:
 
     from cargohold.cluster.config import load_config
     from cargohold.services.data import batch_for_step, load_tokens
+    from cargohold.services.model_setup import exchange_buffers, sharded_model, step_policy
     from cargohold.services.models.build import build_model, parameter_values
     from cargohold.services.step import ShardedStep
-    from cargohold.services.worker import exchange_buffers, sharded_model, step_policy
 
     torch.set_num_threads(1)
     lines = []

@@ -35,12 +35,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from timing import timed
 
+from cargohold.cluster.config import GPTConfig
 from cargohold.services.layout import build_layout
-from cargohold.services.models.gpt import GPT, GPTConfig, num_parameters
+from cargohold.services.models.gpt import GPT, num_parameters
 from cargohold.services.optim import AdamWHyperParams, AdamWState, adamw_step, fused_adamw_
 from cargohold.services.shard_state import ShardSpec, ShardState
-from timing import timed
 
 ADAM_BYTES_PER_PARAM = 28
 """Read param, grad, exp_avg, exp_avg_sq (4 x 4 B); write param, exp_avg, exp_avg_sq (3 x 4 B)."""

@@ -19,10 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from cargohold.services.errors import ConfigError
-from cargohold.services.models.gpt import GPTConfig
-from cargohold.services.models.hf import HFModelConfig
 from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.transport.auth import TlsFiles
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import elements_per_partition
 
@@ -39,6 +36,76 @@ _YamlLoader.add_implicit_resolver(
     re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"),
 )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GPTConfig:
+    """Shape of the model; the defaults give ~10.9M parameters."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 for byte-level text."""
+    block_size: int = 128
+    """Longest sequence the position embedding covers."""
+    n_layer: int = 6
+    """Number of transformer blocks."""
+    n_head: int = 6
+    """Attention heads per block; must divide ``n_embd``."""
+    n_embd: int = 384
+    """Width of the residual stream."""
+    dropout: float = 0.0
+    """Dropout probability on embeddings, attention and residual branches, in [0, 1)."""
+    bias: bool = True
+    """Whether Linear and LayerNorm layers carry a bias (the output head never does)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.bias, bool):
+            raise ConfigError(f"model.bias must be a bool, got {self.bias!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class HFModelConfig:
+    """Train a Hugging Face transformers causal LM instead of the built-in GPT (needs the
+    `hf` extra). Set one of the two paths; `model.block_size` stays the training sequence
+    length and the other `model.*` keys are ignored. Paths are local; nothing is downloaded."""
+
+    config_path: str | None = None
+    """A local folder holding a causal-LM `config.json` (or the file itself); the model is built from it with fresh weights drawn from `seed`."""
+    checkpoint_dir: str | None = None
+    """A local folder of pretrained weights (`save_pretrained` output) to start training from; excludes `hf.config_path`."""
+
+    def __post_init__(self) -> None:
+        if self.config_path is not None and self.checkpoint_dir is not None:
+            raise ConfigError("hf.config_path and hf.checkpoint_dir are both set; set only one of them")
+        if self.config_path is not None and not Path(self.config_path).exists():
+            raise ConfigError(f"hf.config_path {self.config_path!r} does not exist (a local folder or "
+                              "config.json; nothing is downloaded)")
+        if self.checkpoint_dir is not None and not Path(self.checkpoint_dir).is_dir():
+            raise ConfigError(f"hf.checkpoint_dir {self.checkpoint_dir!r} is not a folder (a local "
+                              "save_pretrained output; nothing is downloaded)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a transformers model replaces the built-in GPT."""
+        return self.config_path is not None or self.checkpoint_dir is not None
+
+    @property
+    def key(self) -> str:
+        """The dotted key that names the model, for messages."""
+        return "hf.checkpoint_dir" if self.checkpoint_dir is not None else "hf.config_path"
+
+    @property
+    def path(self) -> str:
+        return self.checkpoint_dir if self.checkpoint_dir is not None else self.config_path
 
 
 @dataclass(kw_only=True, slots=True)
@@ -304,11 +371,6 @@ class SecurityConfig:
             missing = sorted({"tls_cert_file", "tls_key_file", "tls_ca_file"} - set(given))
             raise ConfigError(f"security.{', security.'.join(missing)} must be set too, for mutual TLS")
 
-    def tls(self) -> TlsFiles | None:
-        if not self.tls_cert_file:
-            return None
-        return TlsFiles(cert_file=self.tls_cert_file, key_file=self.tls_key_file, ca_file=self.tls_ca_file)
-
 
 @dataclass(kw_only=True, slots=True)
 class MetricsConfig:
@@ -363,8 +425,6 @@ class TrainConfig:
         _positive("steps", self.steps)
         if self.export_dir == "":
             raise ConfigError("export_dir must be a folder path or null, got an empty string")
-        if self.hf.enabled:
-            self.hf.check(self.model.block_size)
         last_port = self.metrics.port + self.state_server.num_servers + self.worker.num_workers
         if self.metrics.port and last_port > 65535:
             raise ConfigError(f"metrics.port {self.metrics.port} leaves no room for every actor (up to {last_port})")

@@ -29,11 +29,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.config import GPTConfig, TrainConfig
 from cargohold.services.errors import ConfigError, ExportError
 from cargohold.services.layout import ShardLayout, gather_params
 from cargohold.services.models.build import build_model
-from cargohold.services.models.gpt import GPT, GPTConfig
+from cargohold.services.models.gpt import GPT
 from cargohold.services.models.hf import hf_name
 
 WEIGHTS_FILE = "model.safetensors"

@@ -26,13 +26,16 @@ from cargohold.cluster.config import TrainConfig, config_hash
 from cargohold.cluster.export import export_weights, master_weights
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.services.checkpoint import FORMAT_VERSION, MANIFEST_NAME, CheckpointStore, Manifest, check_compatible
-from cargohold.services.errors import CheckpointError, TrainingError
+from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
 from cargohold.services.metrics import LauncherMetrics
+from cargohold.services.model_setup import model_layout
 from cargohold.services.node import node_ip
 from cargohold.services.reshard import layout_extra, saved_layout, segment_runs
 from cargohold.services.state_port import segment_spec
 from cargohold.services.state_server import StateServer
-from cargohold.services.worker import StepReport, TrainingWorker, model_layout
+from cargohold.services.step import StepReport
+from cargohold.services.transport.auth import tls_files
+from cargohold.services.worker import TrainingWorker
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +153,7 @@ class TrainingSession:
                 scheduling_strategy=on_bundle(i), name=f"{self.run_id}-state-server-{i}",
             ).remote(cfg.state_server, server_index=i, metrics_enabled=cfg.metrics.enabled,
                      metrics_port=cfg.metrics.port_for("state_server", i, cfg),
-                     auth_token=self._auth_token, tls=cfg.security.tls())
+                     auth_token=self._auth_token, tls=tls_files(cfg.security))
             for i in range(cfg.state_server.num_servers)
         ]
         self.server_addresses = _get([s.address.remote() for s in self.servers], timeout, "starting state servers")
@@ -467,4 +470,7 @@ def _get(refs, timeout: float | None, what: str):
     except ray.exceptions.RayActorError as error:
         raise TrainingError(f"an actor died while {what}: {error}") from error
     except ray.exceptions.RayTaskError as error:
-        raise TrainingError(f"{what} failed: {error.cause if error.cause else error}") from error
+        cause = error.cause if error.cause else error
+        if isinstance(cause, ConfigError):  # found where the config meets the node: still exit status 2
+            raise ConfigError(f"{what}: {cause}") from error
+        raise TrainingError(f"{what} failed: {cause}") from error

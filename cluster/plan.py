@@ -416,7 +416,7 @@ def plan_run(config: TrainConfig, cluster: ClusterDescription | None = None) -> 
 def _layout(config: TrainConfig) -> tuple[torch.nn.Module, list[Unit], ShardLayout]:
     """The meta-device model, its FSDP2 units and the layout every worker computes
     (shapes only; nothing allocated, nothing read)."""
-    from cargohold.services.worker import model_layout
+    from cargohold.services.model_setup import model_layout
 
     try:
         return model_layout(config)

@@ -16,108 +16,24 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.data import batch_for_step, dropout_seed, load_tokens
-from cargohold.services.errors import ConfigError, TrainingError
+from cargohold.services.errors import TrainingError
 from cargohold.services.layout import ShardLayout
 from cargohold.services.metrics import WorkerMetrics
-from cargohold.services.models.blocks import apply_activation_checkpointing, transformer_blocks
-from cargohold.services.models.build import buffer_values, build_model, parameter_values
-from cargohold.services.models.hf import HFCausalLM
+from cargohold.services.model_setup import exchange_buffers, resolve_device, sharded_model, step_policy
+from cargohold.services.models.build import build_model, parameter_values
 from cargohold.services.node import node_ip
-from cargohold.services.shard_state import WIRE_DTYPES
-from cargohold.services.sharding import Unit, check_unit_order, layout_for_units, shard_units, units_of
-from cargohold.services.state_port import ExchangeBuffers, RemotePort
-from cargohold.services.step import ShardedStep, StepPolicy, StepReport
+from cargohold.services.state_port import RemotePort
+from cargohold.services.step import ShardedStep, StepReport
+from cargohold.services.transport.auth import tls_files
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.shm import SHM_ROOT
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 60.0
 """How long shutdown waits for a delayed update still in flight."""
-
-__all__ = ["StepReport", "TrainingWorker", "exchange_buffers", "model_layout", "resolve_device", "sharded_model", "step_policy"]
-
-
-def resolve_device(requested: str) -> torch.device:
-    """``auto`` picks CUDA when this process sees a GPU, else the CPU."""
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise TrainingError("worker.device is 'cuda' but this worker sees no GPU; set worker.device=cpu")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def model_layout(config: TrainConfig) -> tuple[nn.Module, list[Unit], ShardLayout]:
-    """The meta-device model, its FSDP2 units and the layout every process derives from
-    the config (workers, launcher, plan, tests)."""
-    with torch.device("meta"):
-        model = build_model(config)
-    units = units_of(model, transformer_blocks(model))
-    layout = layout_for_units(model, units, num_workers=config.worker.num_workers,
-                              num_servers=config.state_server.num_servers)
-    return model, units, layout
-
-
-def sharded_model(config: TrainConfig, device: torch.device) -> tuple[nn.Module, list[Unit], ShardLayout]:
-    """The model sharded with FSDP2 (the process group must exist), local shards
-    allocated on ``device`` (host memory when offloaded) but not yet filled."""
-    model, units, layout = model_layout(config)
-    worker = config.worker
-    if worker.offload_params and device.type == "cuda":
-        _check_pinned_memory()
-    model.to(WIRE_DTYPES[worker.compute_dtype])  # FSDP2 keeps the shards in the dtype it finds
-    if worker.activation_checkpointing == "blocks":
-        apply_activation_checkpointing([unit.module for unit in units[1:]])
-    shard_units(units, compute_dtype=WIRE_DTYPES[worker.compute_dtype],
-                reduce_dtype=WIRE_DTYPES[worker.grad_wire_dtype], reshard_after_forward=worker.reshard_after_forward,
-                offload=worker.offload_params, pin_memory=device.type == "cuda")
-    model.to_empty(device="cpu" if worker.offload_params else device)
-    _set_buffers(config, model)
-    check_unit_order(model, units)
-    return model.train(), units, layout
-
-
-def _check_pinned_memory() -> None:
-    """Offloaded shards live in page-locked memory; refuse clearly where there is none."""
-    try:
-        torch.empty(1, pin_memory=True)
-    except RuntimeError as error:
-        raise ConfigError(f"worker.offload_params needs pinned host memory, which this worker cannot "
-                          f"allocate ({error}); raise the memlock limit or set worker.offload_params=false") from error
-
-
-def _set_buffers(config: TrainConfig, model: nn.Module) -> None:
-    """Buffers made at construction (Llama's rotary frequencies) are garbage after
-    ``to_empty``: recompute them as ``build_model`` would."""
-    with torch.device("meta"):
-        shapes = build_model(config)
-    values = dict(buffer_values(config, shapes))
-    if isinstance(model, HFCausalLM):
-        model.set_buffers(values)
-        return
-    with torch.no_grad():
-        for name, value in values.items():
-            model.get_buffer(name).copy_(value)
-
-
-def exchange_buffers(config: TrainConfig, layout: ShardLayout, *, shared_name: str | None = None,
-                     pin: bool = False) -> ExchangeBuffers:
-    """``worker.exchange_slots`` slots of the largest unit, and the whole range's weights
-    with the delayed update."""
-    worker = config.worker
-    return ExchangeBuffers.allocate(
-        layout.largest_group, WIRE_DTYPES[worker.grad_wire_dtype], WIRE_DTYPES[worker.compute_dtype],
-        slots=worker.exchange_slots, held_numel=layout.worker_size if worker.delayed_update else 0,
-        shared_name=shared_name, pin=pin)
-
-
-def step_policy(config: TrainConfig) -> StepPolicy:
-    optim, worker = config.optim, config.worker
-    return StepPolicy(staged=optim.max_grad_norm > 0 or optim.nonfinite != "ignore", nonfinite=optim.nonfinite,
-                      delayed_after=worker.delayed_update_after_steps if worker.delayed_update else None)
 
 
 class TrainingWorker:
@@ -162,7 +78,7 @@ class TrainingWorker:
                                    pin=self.device.type == "cuda")
         clients = [StateServerClient(address, chunk_bytes=config.state_server.chunk_bytes,
                                      timeout_s=config.state_server.rpc_timeout_s, auth_token=self._auth_token,
-                                     tls=config.security.tls())
+                                     tls=tls_files(config.security))
                    for address in self._server_addresses]
         port = RemotePort(config, self.run_id, clients, buffers, shared, self.metrics)
         self.step = ShardedStep(model, units, layout, self.rank, port, buffers, step_policy(config), device=self.device)

@@ -32,7 +32,7 @@ from cargohold.services.models.blocks import transformer_blocks
 from cargohold.services.models.build import build_model
 from cargohold.services.shard_state import WIRE_DTYPES
 from cargohold.services.sharding import local_tensors, params_to_range, units_of
-from cargohold.services.worker import model_layout
+from cargohold.services.model_setup import model_layout
 
 STATES = ("masters", "exp_avg", "exp_avg_sq")
 

@@ -11,14 +11,15 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_transport import G1, GLOBAL_NORM, LR, NUMEL, RUN, W0, _assert_bitwise_equal, _spec
 
 from cargohold.services.errors import ConfigError, TransportError
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.shard_state import ShardRegistry
 from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
+from cargohold.services.transport.codec import SERVICE_NAME
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
-from cargohold.services.transport.grpc_server import SERVICE_NAME, GrpcStateServer
-from test_transport import G1, GLOBAL_NORM, LR, NUMEL, RUN, W0, _assert_bitwise_equal, _spec
+from cargohold.services.transport.grpc_server import GrpcStateServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 TOKEN = "s3cret-token"

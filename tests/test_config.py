@@ -16,6 +16,7 @@ from cargohold.cluster import cli, config_docs
 from cargohold.cluster.config import (
     ClusterConfig,
     DataConfig,
+    GPTConfig,
     MetricsConfig,
     OptimConfig,
     StateServerConfig,
@@ -28,7 +29,6 @@ from cargohold.cluster.config import (
 )
 from cargohold.cluster.config_docs import REGENERATE, render_reference, type_name
 from cargohold.services.errors import ConfigError
-from cargohold.services.models.gpt import GPTConfig
 
 pytestmark = pytest.mark.timeout(30)
 

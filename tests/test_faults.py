@@ -11,8 +11,8 @@ import time
 import pytest
 import ray
 
-from cargohold.cluster.launcher import TrainingSession
-from cargohold.services.errors import TrainingError
+from cargohold.cluster.launcher import TrainingSession, _get
+from cargohold.services.errors import ConfigError, TrainingError
 from reference import tiny_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -52,3 +52,23 @@ def test_closing_during_a_delayed_update_stops_every_worker_cleanly(ray_local, c
         with pytest.raises(ray.exceptions.RayActorError) as gone:
             ray.get(worker.__ray_call__.remote(lambda self: None), timeout=30)
         assert "SYSTEM_ERROR" not in str(gone.value), str(gone.value)
+
+
+@ray.remote
+class _NodeCheck:
+    def refuse(self) -> None:
+        raise ConfigError("worker.offload_params needs pinned host memory, which this worker cannot allocate")
+
+    def fail(self) -> None:
+        raise RuntimeError("boom")
+
+
+def test_a_config_refused_inside_an_actor_stays_a_config_error(ray_local) -> None:
+    """A key only a worker can check (pinned memory on its node) still exits with the bad
+    config status and names the key; other failures of a call are training errors."""
+    actor = _NodeCheck.remote()
+    with pytest.raises(ConfigError, match="worker.offload_params") as error:
+        _get(actor.refuse.remote(), 60, "forming the worker process group")
+    assert str(error.value).startswith("forming the worker process group: ")
+    with pytest.raises(TrainingError, match="boom"):
+        _get(actor.fail.remote(), 60, "forming the worker process group")

@@ -4,9 +4,10 @@ import math
 import pytest
 import torch
 
+from cargohold.cluster.config import GPTConfig
 from cargohold.services.data import batch_for_step, load_tokens
 from cargohold.services.errors import ConfigError
-from cargohold.services.models.gpt import GPT, GPTConfig, num_parameters
+from cargohold.services.models.gpt import GPT, num_parameters
 from cargohold.services.models.init import initialize
 
 TINY = GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=64)

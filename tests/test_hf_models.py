@@ -31,7 +31,7 @@ from cargohold.services.errors import ConfigError, ExportError  # noqa: E402
 from cargohold.services.layout import gather_params, scatter_params  # noqa: E402
 from cargohold.services.models.build import build_model  # noqa: E402
 from cargohold.services.models.hf import HFCausalLM, hf_name  # noqa: E402
-from cargohold.services.worker import model_layout  # noqa: E402
+from cargohold.services.model_setup import model_layout  # noqa: E402
 from reference import reference_train, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -197,8 +197,8 @@ def test_bad_inputs_are_refused_naming_the_key(tmp_path: Path, llama_dir: Path, 
         "not-json": lambda: [f"hf.config_path={_garbage(tmp_path)}"],
         "empty-export-dir": lambda: ["export_dir=''"],
     }[case]()
-    with pytest.raises(ConfigError) as error:
-        load_config(None, overrides)
+    with pytest.raises(ConfigError) as error, torch.device("meta"):  # what every process does first
+        build_model(load_config(None, overrides))
     for key in keys:
         assert re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", str(error.value)), f"{key} not in {error.value}"
 

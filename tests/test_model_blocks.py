@@ -14,9 +14,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from cargohold.cluster.config import GPTConfig
 from cargohold.services.errors import ConfigError
 from cargohold.services.models.blocks import apply_activation_checkpointing, transformer_blocks
-from cargohold.services.models.gpt import GPT, GPTConfig
+from cargohold.services.models.gpt import GPT
 from cargohold.services.models.init import initialize
 
 pytestmark = pytest.mark.timeout(120)

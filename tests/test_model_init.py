@@ -10,8 +10,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cargohold.cluster.config import GPTConfig
 from cargohold.services.errors import ConfigError
-from cargohold.services.models.gpt import GPT, GPTConfig
+from cargohold.services.models.gpt import GPT
 from cargohold.services.models.init import init_order, initial_values, initialize, module_seed
 
 TINY = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64)

@@ -42,7 +42,7 @@ from cargohold.services.layout import ShardLayout
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT
 from cargohold.services.tiers.storage import TieredStorage, tensor_source
-from cargohold.services.worker import model_layout
+from cargohold.services.model_setup import model_layout
 from tests.reference import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]

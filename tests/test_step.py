@@ -17,7 +17,7 @@ from cargohold.services.data import batch_for_step, dropout_seed, load_tokens
 from cargohold.services.models.build import build_model, parameter_values
 from cargohold.services.state_port import ExchangeBuffers, LocalPort
 from cargohold.services.step import ShardedStep
-from cargohold.services.worker import exchange_buffers, model_layout, sharded_model, step_policy
+from cargohold.services.model_setup import exchange_buffers, model_layout, sharded_model, step_policy
 from reference import _free_port, reference_train, tiny_config
 
 STRATEGIES = {

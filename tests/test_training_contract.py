@@ -13,7 +13,7 @@ import torch
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.services.layout import ShardLayout
 from cargohold.services.tiers.partitions import elements_per_partition
-from cargohold.services.worker import model_layout
+from cargohold.services.model_setup import model_layout
 from reference import fsdp_reference_train, reference_train, tiny_config
 
 pytestmark = pytest.mark.integration

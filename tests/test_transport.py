@@ -31,9 +31,9 @@ from cargohold.services.errors import CargoholdError, TransportError
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.shard_state import ShardRegistry, ShardSpec, ShardState
-from cargohold.services.transport.codec import spec_to_proto, tensor_chunks
+from cargohold.services.transport.codec import SERVICE_NAME, spec_to_proto, tensor_chunks
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
-from cargohold.services.transport.grpc_server import SERVICE_NAME, GrpcStateServer
+from cargohold.services.transport.grpc_server import GrpcStateServer
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
 

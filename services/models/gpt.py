@@ -19,47 +19,13 @@ compute the initial values of just its shard of the model
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cargohold.cluster.config import GPTConfig
 from cargohold.services.errors import ConfigError
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GPTConfig:
-    """Shape of the model; the defaults give ~10.9M parameters."""
-
-    vocab_size: int = 256
-    """Number of token ids; 256 for byte-level text."""
-    block_size: int = 128
-    """Longest sequence the position embedding covers."""
-    n_layer: int = 6
-    """Number of transformer blocks."""
-    n_head: int = 6
-    """Attention heads per block; must divide ``n_embd``."""
-    n_embd: int = 384
-    """Width of the residual stream."""
-    dropout: float = 0.0
-    """Dropout probability on embeddings, attention and residual branches, in [0, 1)."""
-    bias: bool = True
-    """Whether Linear and LayerNorm layers carry a bias (the output head never does)."""
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
-        if self.n_embd % self.n_head:
-            raise ConfigError(
-                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
-        if not isinstance(self.bias, bool):
-            raise ConfigError(f"model.bias must be a bool, got {self.bias!r}")
 
 
 class CausalSelfAttention(nn.Module):

@@ -37,7 +37,6 @@ at the flat buffer keeps the tie. Parameter names carry the prefix ``hf.``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cargohold.cluster.config import HFModelConfig
 from cargohold.services.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -57,52 +57,17 @@ BYTE_VOCAB = 256
 """cargohold's data is byte-level: token ids 0..255."""
 
 
-@dataclass(kw_only=True, slots=True)
-class HFModelConfig:
-    """Train a Hugging Face transformers causal LM instead of the built-in GPT (needs the
-    `hf` extra). Set one of the two paths; `model.block_size` stays the training sequence
-    length and the other `model.*` keys are ignored. Paths are local; nothing is downloaded."""
-
-    config_path: str | None = None
-    """A local folder holding a causal-LM `config.json` (or the file itself); the model is built from it with fresh weights drawn from `seed`."""
-    checkpoint_dir: str | None = None
-    """A local folder of pretrained weights (`save_pretrained` output) to start training from; excludes `hf.config_path`."""
-
-    def __post_init__(self) -> None:
-        if self.config_path is not None and self.checkpoint_dir is not None:
-            raise ConfigError("hf.config_path and hf.checkpoint_dir are both set; set only one of them")
-        if self.config_path is not None and not Path(self.config_path).exists():
-            raise ConfigError(f"hf.config_path {self.config_path!r} does not exist (a local folder or "
-                              "config.json; nothing is downloaded)")
-        if self.checkpoint_dir is not None and not Path(self.checkpoint_dir).is_dir():
-            raise ConfigError(f"hf.checkpoint_dir {self.checkpoint_dir!r} is not a folder (a local "
-                              "save_pretrained output; nothing is downloaded)")
-
-    @property
-    def enabled(self) -> bool:
-        """Whether a transformers model replaces the built-in GPT."""
-        return self.config_path is not None or self.checkpoint_dir is not None
-
-    @property
-    def key(self) -> str:
-        """The dotted key that names the model, for messages."""
-        return "hf.checkpoint_dir" if self.checkpoint_dir is not None else "hf.config_path"
-
-    @property
-    def path(self) -> str:
-        return self.checkpoint_dir if self.checkpoint_dir is not None else self.config_path
-
-    def check(self, block_size: int) -> None:
-        """Refuse a model the byte-level data of ``block_size`` tokens cannot train."""
-        config = pretrained_config(self)
-        vocab = getattr(config, "vocab_size", None)
-        if not isinstance(vocab, int) or vocab < BYTE_VOCAB:
-            raise ConfigError(f"the model at {self.key}={self.path!r} has vocab_size {vocab}; cargohold's "
-                              f"data is byte-level and needs vocab_size >= {BYTE_VOCAB}")
-        positions = getattr(config, "max_position_embeddings", None)
-        if isinstance(positions, int) and block_size > positions:
-            raise ConfigError(f"model.block_size ({block_size}) exceeds max_position_embeddings "
-                              f"({positions}) of the model at {self.key}={self.path!r}; lower model.block_size")
+def check_hf_model(config: HFModelConfig, block_size: int) -> None:
+    """Refuse a model the byte-level data of ``block_size`` tokens cannot train."""
+    loaded = pretrained_config(config)
+    vocab = getattr(loaded, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < BYTE_VOCAB:
+        raise ConfigError(f"the model at {config.key}={config.path!r} has vocab_size {vocab}; cargohold's "
+                          f"data is byte-level and needs vocab_size >= {BYTE_VOCAB}")
+    positions = getattr(loaded, "max_position_embeddings", None)
+    if isinstance(positions, int) and block_size > positions:
+        raise ConfigError(f"model.block_size ({block_size}) exceeds max_position_embeddings "
+                          f"({positions}) of the model at {config.key}={config.path!r}; lower model.block_size")
 
 
 class HFCausalLM(nn.Module):

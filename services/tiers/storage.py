@@ -33,9 +33,10 @@ from cargohold.services.tiers.io_pool import BufferPool, IoPool
 from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path
 from cargohold.services.tiers.partitions import elements_per_partition, split_segment
 from cargohold.services.tiers.pipeline import StreamReport, stream_update
-from cargohold.services.tiers.planner import Bandwidth, PartitionDemand, TierPlan, plan_tiers, stream_order
+from cargohold.services.tiers.planner import PartitionDemand, TierPlan, plan_tiers, stream_order
 from cargohold.services.tiers.preserve import PendingCopy, PendingWrite, link_or_pin
 from cargohold.services.tiers.ram import RamTier
+from cargohold.services.tiers.report import PartitionRow, TierSummary
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.store import (
     NullObserver,
@@ -48,21 +49,6 @@ from cargohold.services.tiers.store import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class PartitionRow:
-    """One partition as the stats report it."""
-
-    key: PartitionKey
-    offset: int
-    numel: int
-    planned: Residency
-    actual: Residency
-    order: int
-    """Position in its shard's stream at the next step."""
-    step: int
-    path: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,25 +72,6 @@ class PreservedPartition:
     def how(self) -> str:
         """"linked", "copied" or "written"."""
         return {type(None): "linked", PendingCopy: "copied", PendingWrite: "written"}[type(self.pending)]
-
-
-@dataclass(frozen=True, slots=True)
-class TierSummary:
-    """The plan's totals and the disk facts it was made from."""
-
-    enabled: bool
-    ram_budget_bytes: int
-    """0 when there is no budget."""
-    staging_bytes: int
-    buffer_count: int
-    ram_used_bytes: int
-    """Memory held now: resident partitions plus the staging buffers allocated so far."""
-    planned_ram_bytes: int
-    planned_nvme_bytes: int
-    predicted_io_seconds: float
-    paths: tuple[str, ...]
-    direct_io: tuple[bool, ...]
-    bandwidth: tuple[Bandwidth, ...]
 
 
 class TieredStorage:

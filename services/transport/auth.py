@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 
+from cargohold.cluster.config import SecurityConfig
 from cargohold.services.errors import ConfigError
 
 AUTH_METADATA_KEY = "authorization"
@@ -39,6 +40,14 @@ class TlsFiles:
     def channel_credentials(self) -> grpc.ChannelCredentials:
         cert, key, ca = self.read()
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def tls_files(security: SecurityConfig) -> TlsFiles | None:
+    """The mutual-TLS files ``security`` names; None when TLS is off."""
+    if not security.tls_cert_file:
+        return None
+    return TlsFiles(cert_file=security.tls_cert_file, key_file=security.tls_key_file or "",
+                    ca_file=security.tls_ca_file or "")
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:

@@ -21,10 +21,12 @@ from cargohold.services.errors import InvalidTensorError
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.shard_state import WIRE_DTYPES, ShardSpec
 from cargohold.services.tiers.planner import Bandwidth
+from cargohold.services.tiers.report import PartitionRow, TierSummary
 from cargohold.services.tiers.residency import PartitionKey, Residency
-from cargohold.services.tiers.storage import PartitionRow, TierSummary
 from cargohold.v1 import state_server_pb2 as pb
 
+SERVICE_NAME = "cargohold.v1.StateServer"
+"""The gRPC service, as health checks name it."""
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 32 << 20
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 16)

@@ -11,9 +11,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cargohold.services.errors import TransportError
 from cargohold.services.shard_state import PushOutcome, ShardSpec
+from cargohold.services.tiers.report import PartitionRow, TierSummary
+from cargohold.services.transport.auth import TlsFiles, bearer
 from cargohold.services.transport.codec import (
     DEFAULT_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
+    SERVICE_NAME,
     TensorAssembler,
     byte_chunks,
     dtype_from_proto,
@@ -24,9 +27,6 @@ from cargohold.services.transport.codec import (
     spec_to_proto,
     tier_summary_from_proto,
 )
-from cargohold.services.tiers.storage import PartitionRow, TierSummary
-from cargohold.services.transport.auth import TlsFiles, bearer
-from cargohold.services.transport.grpc_server import SERVICE_NAME
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
 

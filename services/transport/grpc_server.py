@@ -28,11 +28,11 @@ from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.shard_state import WIRE_DTYPES, PushOutcome, ShardRegistry, ShardState
 from cargohold.services.staging import GradientStaging
 from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
-from cargohold.services.transport.shm import RegionCache
 from cargohold.services.transport.codec import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
+    SERVICE_NAME,
     ChecksumError,
     TensorAssembler,
     byte_chunks,
@@ -43,12 +43,12 @@ from cargohold.services.transport.codec import (
     spec_to_proto,
     tier_summary_to_proto,
 )
+from cargohold.services.transport.shm import RegionCache
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = "cargohold.v1.StateServer"
 
 _STATUS_OF_ERROR: tuple[tuple[type[CargoholdError], grpc.StatusCode], ...] = (
     (ChecksumError, grpc.StatusCode.DATA_LOSS),

@@ -1,0 +1,130 @@
+"""Which module may import which: the core (layout, partitions, planner, optim, file
+format, errors) imports neither Ray nor gRPC, the config schema imports only the core,
+the gRPC client shares types with the server instead of importing it, and no module-level
+import cycle exists. Checked on the source (every module's top-level imports) and in a
+fresh interpreter (what importing a module really loads)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"cargohold.services": ROOT / "services", "cargohold.cluster": ROOT / "cluster"}
+CORE = frozenset({
+    "cargohold.services.errors", "cargohold.services.layout", "cargohold.services.optim",
+    "cargohold.services.tiers.fileformat", "cargohold.services.tiers.partitions",
+    "cargohold.services.tiers.planner", "cargohold.services.tiers.residency",
+})
+"""The pure logic: testable without a cluster, importable anywhere."""
+RUNTIMES = ("ray", "grpc", "grpc_health", "transformers", "prometheus_client")
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the two source folders, by import name."""
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def _top_level_imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The cargohold modules ``path`` imports at module level (TYPE_CHECKING blocks and
+    imports inside functions excluded)."""
+    imported = set()
+    for node in ast.parse(path.read_text()).body:
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                imported.add(name)
+    return imported
+
+
+PACKAGE_INITS = frozenset(name for name, path in _modules().items() if path.name == "__init__.py")
+GRAPH = {name: _top_level_imports(path, _modules()) - {name} for name, path in _modules().items()}
+
+
+def _loaded_by(module: str) -> set[str]:
+    """Every module a fresh interpreter has loaded after ``import module``."""
+    code = f"import json, sys; import {module}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    return set(json.loads(out.stdout))
+
+
+def test_there_is_no_import_cycle() -> None:
+    """Tarjan's strongly connected components of the module graph are all single modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in GRAPH[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in GRAPH:
+        if node not in index:
+            visit(node)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_core_imports_only_the_core() -> None:
+    assert CORE <= GRAPH.keys(), sorted(CORE - GRAPH.keys())
+    outside = {module: sorted(GRAPH[module] - CORE) for module in CORE if GRAPH[module] - CORE}
+    assert not outside, f"core modules importing beyond the core: {outside}"
+
+
+def test_the_config_schema_imports_only_the_core() -> None:
+    assert GRAPH["cargohold.cluster.config"] <= CORE, sorted(GRAPH["cargohold.cluster.config"] - CORE)
+
+
+def test_services_import_nothing_from_cluster_but_the_config_schema() -> None:
+    wrong = {module: sorted(t for t in targets if t.startswith("cargohold.cluster.") and t != "cargohold.cluster.config")
+             for module, targets in GRAPH.items() if module.startswith("cargohold.services.")}
+    assert not {m: t for m, t in wrong.items() if t}
+
+
+def test_the_client_does_not_import_the_server_or_its_storage() -> None:
+    client = GRAPH["cargohold.services.transport.grpc_client"]
+    assert not client & {"cargohold.services.transport.grpc_server", "cargohold.services.tiers.storage"}
+
+
+def test_only_the_launcher_imports_the_worker_actor() -> None:
+    importers = {m for m, targets in GRAPH.items() if "cargohold.services.worker" in targets}
+    assert importers == {"cargohold.cluster.launcher"}
+
+
+def test_importing_the_core_and_the_config_loads_no_runtime() -> None:
+    """Checked where it counts: in a fresh interpreter, imports inside functions aside."""
+    for module in ("cargohold.cluster.config", *sorted(CORE)):
+        loaded = _loaded_by(module)
+        runtimes = sorted(m for m in loaded if m.split(".")[0] in RUNTIMES)
+        ours = {m for m in loaded if m in GRAPH} - CORE - PACKAGE_INITS - {module}
+        assert not runtimes, f"importing {module} loads {runtimes[:5]}"
+        assert not ours, f"importing {module} loads {sorted(ours)}"
