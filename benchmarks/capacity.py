@@ -129,6 +129,9 @@ class ProcessTrace:
     hwm_after: dict[str, int] = field(default_factory=dict)
     """VmHWM when each call was last seen running: the peak reached up to and during it."""
     last_call: str = "start"
+    hwm_at: dict[str, int] = field(default_factory=dict)
+    """VmHWM at each moment :meth:`RayProcessWatch.mark` named (e.g. "started": the
+    session started, no step run yet)."""
 
 
 class RayProcessWatch:
@@ -160,6 +163,13 @@ class RayProcessWatch:
         """Sample now and keep each process's RSS as it is (after the step, before teardown)."""
         self.sample()
         self._frozen = True
+
+    def mark(self, moment: str) -> None:
+        """Sample now and note every process's VmHWM as of ``moment``."""
+        with self._lock:
+            self._sample()
+            for trace in self.traces.values():
+                trace.hwm_at[moment] = trace.hwm
 
     def by_role(self, role: str) -> list[ProcessTrace]:
         return sorted((t for t in self.traces.values() if t.role == role), key=lambda t: t.pid)
@@ -294,6 +304,7 @@ def run_session(overrides: list[str], workers: int) -> dict:
             started = time.perf_counter()
             with TrainingSession(config) as session:
                 timings["start_s"] = time.perf_counter() - started
+                watch.mark("started")
                 started = time.perf_counter()
                 report = session.step()
                 timings["step_s"] = time.perf_counter() - started
@@ -305,7 +316,7 @@ def run_session(overrides: list[str], workers: int) -> dict:
         for path in config.state_server.tier.nvme_paths:
             shutil.rmtree(Path(path) / run_id, ignore_errors=True)
     trace = lambda t: {"hwm": t.hwm, "rss": t.rss, "shared": t.shared, "peak_during": t.peak_during,  # noqa: E731
-                       "hwm_after": t.hwm_after}
+                       "hwm_after": t.hwm_after, "hwm_at": t.hwm_at}
     return {
         "workers": [trace(t) for t in watch.by_role("worker")],
         "servers": [trace(t) for t in watch.by_role("server")],
