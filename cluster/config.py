@@ -286,7 +286,11 @@ class StateServerConfig:
     torch_threads: int = 1
     """Threads the CPU Adam update runs on."""
     bind_host: str | None = None
-    """Address the gRPC and metrics servers bind; None binds the node's own IP."""
+    """Address the gRPC and metrics servers bind; None binds the node's own IP. A wildcard
+    (0.0.0.0, ::) needs `allow_wildcard_bind`."""
+    allow_wildcard_bind: bool = False
+    """Let `bind_host` be a wildcard address, serving on every interface of the node (a
+    warning is logged): only behind a network that admits nobody else."""
     rpc_threads: int = 8
     """gRPC handler threads per state server."""
     chunk_bytes: int = 1 << 20
@@ -307,6 +311,9 @@ class StateServerConfig:
                 f"state_server.chunk_bytes must be between 4096 and {32 << 20}, got {self.chunk_bytes}"
             )
         _positive("state_server.rpc_timeout_s", self.rpc_timeout_s)
+        if self.bind_host in WILDCARD_HOSTS and not self.allow_wildcard_bind:
+            raise ConfigError(f"state_server.bind_host {self.bind_host!r} serves every interface of the node; "
+                              "bind the node's own address (null) or set state_server.allow_wildcard_bind=true")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -351,6 +358,8 @@ class CheckpointConfig:
         if (self.every_steps or self.max_failures or self.resume == "latest") and not self.dir:
             raise ConfigError("checkpoint.dir must be set for checkpoint.every_steps, checkpoint.max_failures "
                               "or checkpoint.resume=latest")
+        if self.dir:
+            _check_output_folder("checkpoint.dir", self.dir)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -386,8 +395,8 @@ class MetricsConfig:
     (labels: job, run, role, index), replaced atomically when the run starts."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"metrics.port must be in 0..65535, got {self.port}")
+        if not (self.port == 0 or 1024 <= self.port <= 65535):
+            raise ConfigError(f"metrics.port must be 0 (any free port) or in 1024..65535, got {self.port}")
 
     def port_for(self, role: str, index: int, config: TrainConfig) -> int:
         """The port an actor's endpoint binds (0 = any free port)."""
@@ -425,6 +434,9 @@ class TrainConfig:
         _positive("steps", self.steps)
         if self.export_dir == "":
             raise ConfigError("export_dir must be a folder path or null, got an empty string")
+        if self.export_dir is not None:
+            _check_output_folder("export_dir", self.export_dir)
+        _check_run_id(self.run_id)
         last_port = self.metrics.port + self.state_server.num_servers + self.worker.num_workers
         if self.metrics.port and last_port > 65535:
             raise ConfigError(f"metrics.port {self.metrics.port} leaves no room for every actor (up to {last_port})")
@@ -559,10 +571,30 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
 
 
 def _positive(key: str, value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"{key} must be > 0, got {value}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{key} must be a finite number > 0, got {value}")
 
 
 def _non_negative(key: str, value: float) -> None:
-    if not value >= 0:
-        raise ConfigError(f"{key} must be >= 0, got {value}")
+    if not (value >= 0 and math.isfinite(value)):
+        raise ConfigError(f"{key} must be a finite number >= 0, got {value}")
+
+
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+"""A run id names folders (NVMe tier, shared memory) and Ray actors: one path component."""
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
+
+
+def _check_run_id(run_id: str | None) -> None:
+    if run_id is not None and not RUN_ID.fullmatch(run_id):
+        raise ConfigError(f"run_id {run_id!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter "
+                          "or digit (it names folders and actors)")
+
+
+def _check_output_folder(key: str, path: str) -> None:
+    """Refuse a folder that can never be created: it, or a folder above it, is a file."""
+    for candidate in (Path(path).expanduser().absolute(), *Path(path).expanduser().absolute().parents):
+        if candidate.exists():
+            if not candidate.is_dir():
+                raise ConfigError(f"{key} {path!r} cannot be a folder: {candidate} is a file")
+            return

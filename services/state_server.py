@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from cargohold.cluster.config import StateServerConfig
+from cargohold.cluster.config import WILDCARD_HOSTS, StateServerConfig
 from cargohold.services.checkpoint import FileRecord, Manifest, ShardRecord
 from cargohold.services.checkpointing import ShardCheckpointer
 from cargohold.services.metrics import StateServerMetrics
@@ -32,6 +32,9 @@ class StateServer:
                  auth_token: str | None = None, tls: TlsFiles | None = None) -> None:
         torch.set_num_threads(config.torch_threads)
         host = config.bind_host or node_ip()
+        if host in WILDCARD_HOSTS:
+            logger.warning("state server %d serves gRPC and metrics on every interface (%s): anyone who can "
+                           "reach this node can try its token", server_index, host)
         self.server_index = server_index
         self.metrics = StateServerMetrics(f"state-server-{server_index}")
         self.registry = ShardRegistry(TieredStorage(config.tier, server_index=server_index, observer=self.metrics))

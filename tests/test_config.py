@@ -86,6 +86,7 @@ CONFIG_SURFACE = [
     "state_server.cpus",
     "state_server.torch_threads",
     "state_server.bind_host",
+    "state_server.allow_wildcard_bind",
     "state_server.rpc_threads",
     "state_server.chunk_bytes",
     "state_server.rpc_timeout_s",
@@ -289,6 +290,15 @@ def test_wrong_types_are_refused_naming_the_key(tmp_path: Path, text: str, key: 
         ("state_server:\n  tier:\n    partition_bytes: 100\n", "state_server.tier.partition_bytes"),
         ("state_server:\n  tier:\n    nvme_paths: [/a, /a]\n", "state_server.tier.nvme_paths"),
         ("state_server:\n  tier:\n    io_threads: 0\n", "state_server.tier.io_threads"),
+        ("state_server:\n  rpc_timeout_s: .inf\n", "state_server.rpc_timeout_s"),
+        ("worker:\n  cpus: .inf\n", "worker.cpus"),
+        ("metrics:\n  port: 1\n", "metrics.port"),
+        ("state_server:\n  bind_host: 0.0.0.0\n", "state_server.allow_wildcard_bind"),
+        ("state_server:\n  bind_host: '::'\n", "state_server.bind_host"),
+        ("run_id: a/b\n", "run_id"),
+        ("run_id: ../x\n", "run_id"),
+        (f"run_id: {'r' * 65}\n", "run_id"),
+        ("run_id: .hidden\n", "run_id"),
     ],
 )
 def test_bad_values_are_refused_naming_the_key(tmp_path: Path, text: str, key: str) -> None:
@@ -458,3 +468,21 @@ def test_cli_without_a_command_prints_help(capsys: pytest.CaptureFixture[str], n
     assert cli.main([]) == 2
     out = capsys.readouterr().out
     assert "usage: cargohold" in out and "train" in out
+
+
+@pytest.mark.parametrize("key", ["export_dir", "checkpoint.dir"])
+def test_an_output_folder_under_a_file_is_refused_before_anything_runs(tmp_path: Path, key: str) -> None:
+    """Found when the config loads, not after every step has trained."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [f"{key}={blocker / 'out'}"])
+    _assert_names(error, key)
+    assert str(blocker) in str(error.value)
+    load_config(None, [f"{key}={tmp_path / 'new' / 'out'}"])  # folders still to create are fine
+
+
+def test_a_wildcard_bind_needs_its_opt_in() -> None:
+    config = load_config(None, ["state_server.bind_host=0.0.0.0", "state_server.allow_wildcard_bind=true"])
+    assert config.state_server.bind_host == "0.0.0.0"
+    assert load_config(None, ["run_id=run-2026.12_03"]).run_id == "run-2026.12_03"

@@ -242,8 +242,8 @@ def test_prometheus_scrape_config() -> None:
     assert config["global"]["scrape_interval"] == "5s"
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert len(jobs) == len(config["scrape_configs"]), "job names must be unique"
-    assert any(job.get("static_configs") for job in jobs.values())
-    assert any(job.get("file_sd_configs") for job in jobs.values())
+    assert not any(job.get("static_configs") for job in jobs.values()), "static targets are examples, commented out"
+    assert jobs["cargohold"]["file_sd_configs"], "the launcher's file_sd list is the live source"
     for job in jobs.values():
         for group in job.get("static_configs", []):
             assert all(re.fullmatch(r"[\w.-]+:\d+", t) for t in group["targets"]), group
@@ -358,3 +358,30 @@ def test_the_metric_check_rejects_unknown_names(expr: str, bad: list[str]) -> No
 def test_the_metric_check_rejects_bad_promql() -> None:
     with pytest.raises(Exception):
         unknown_metrics("sum(rate(cargohold_worker_steps_total[1m])")
+
+
+IP_LITERAL = re.compile(r"(?<![\w.])(\d{1,3}(?:\.\d{1,3}){3})(?![\w.])")
+
+
+def _uncommented(path: Path) -> str:
+    """The file's text without comments (YAML '#'); JSON files have none."""
+    if path.suffix == ".json":
+        return path.read_text()
+    return "\n".join(re.sub(r"(^|\s)#.*", "", line) for line in path.read_text().splitlines())
+
+
+def test_no_shipped_deploy_file_names_a_live_address_but_loopback() -> None:
+    """A shipped config run as it is must not reach into whatever network it sits in:
+    literal IPv4 addresses outside comments are loopback (or the wildcard in a bind)."""
+    files = [p for p in DEPLOY.rglob("*") if p.is_file() and p.suffix in (".yml", ".yaml", ".json")]
+    assert any(p.name == "prometheus.yml" for p in files)
+    found = {str(p.relative_to(REPO)): hits for p in files
+             if (hits := [ip for ip in IP_LITERAL.findall(_uncommented(p))
+                          if not ip.startswith("127.") and ip != "0.0.0.0"])}
+    assert not found, f"non-loopback addresses outside comments: {found}"
+
+
+def test_the_address_check_sees_live_addresses_and_skips_comments(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.yml"
+    sample.write_text('- targets: ["10.0.0.11:41811"]  # 10.9.9.9 in a comment\n# - targets: ["10.0.0.12:1"]\n')
+    assert IP_LITERAL.findall(_uncommented(sample)) == ["10.0.0.11"]
