@@ -49,7 +49,6 @@ change VmHWM, only how long the probes take.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shutil
@@ -100,12 +99,12 @@ def _read(path: str) -> str | None:
 
 
 def exchange_rss(pid: int) -> int:
-    """Resident bytes of the process's mappings of files in /dev/shm (``smaps``)."""
+    """Resident bytes of the process's mappings of cargohold's shared memory (memfds, ``smaps``)."""
     total, in_shm = 0, False
     for line in (_read(f"/proc/{pid}/smaps") or "").splitlines():
         fields = line.split()
         if fields and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header
-            in_shm = len(fields) >= 6 and fields[5].startswith("/dev/shm/")
+            in_shm = len(fields) >= 6 and fields[5].startswith("/memfd:cargohold-")
         elif in_shm and fields[:1] == ["Rss:"]:
             total += int(fields[1]) * 1024
     return total
@@ -122,7 +121,7 @@ class ProcessTrace:
     rss: int = 0
     """VmRSS after the step (:meth:`RayProcessWatch.freeze_rss`)."""
     shared: int = 0
-    """The part of ``rss`` that maps files in /dev/shm: the workers' exchange buffers,
+    """The part of ``rss`` that maps shared memory: the workers' exchange buffers,
     counted in the RSS of the worker and of the co-located server alike."""
     peak_during: str = ""
     """The call (method of the actor) running when VmHWM last rose."""
@@ -236,15 +235,6 @@ def start_local_ray(num_cpus: int) -> None:
              log_to_driver=False)
 
 
-def remove_shared_memory(run_id: str) -> None:
-    """Exchange buffers a failed session left in /dev/shm."""
-    for path in glob.glob(f"/dev/shm/*{run_id}*"):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
 # --- the models -------------------------------------------------------------------------
 def gpt_config(n_layer: int, width: int) -> GPTConfig:
     return GPTConfig(vocab_size=256, block_size=BLOCK, n_layer=n_layer, n_head=width // 64, n_embd=width)
@@ -312,7 +302,6 @@ def run_session(overrides: list[str], workers: int) -> dict:
                 watch.freeze_rss()
     finally:
         ray.shutdown()
-        remove_shared_memory(run_id)
         for path in config.state_server.tier.nvme_paths:
             shutil.rmtree(Path(path) / run_id, ignore_errors=True)
     trace = lambda t: {"hwm": t.hwm, "rss": t.rss, "shared": t.shared, "peak_during": t.peak_during,  # noqa: E731
@@ -533,9 +522,9 @@ def describe(result: dict, limit: int) -> str:
         server = max(result["servers"], key=lambda s: s["hwm"])
         peaks = ", ".join(f"{w['hwm'] / gib:.2f}" for w in result["workers"])
         text += (f"; peak during {top['peak_during']} (VmHWM after each call: {calls}); RSS after the step "
-                 f"{top['rss'] / gib:.2f}, {top['shared'] / gib:.2f} of it in /dev/shm (every worker's peak: "
+                 f"{top['rss'] / gib:.2f}, {top['shared'] / gib:.2f} of it shared memory (every worker's peak: "
                  f"{peaks}); server peak {server['hwm'] / gib:.2f} GiB, RSS after the step {server['rss'] / gib:.2f}, "
-                 f"{server['shared'] / gib:.2f} of it the workers' exchange buffers in /dev/shm; "
+                 f"{server['shared'] / gib:.2f} of it the workers' exchange buffers in shared memory; "
                  f"start {result['start_s']:.0f}s, step {result['step_s']:.0f}s")
     return text
 
@@ -558,7 +547,7 @@ def report(searches: list[Search], limit: int) -> None:
         server = f"{'-':>12}"
         if "servers" in result:
             top = max(result["servers"], key=lambda s: s["hwm"])
-            server = f"{top['hwm'] / gib:8.2f} GiB ({(top['hwm'] - top['shared']) / gib:.2f} without /dev/shm)"
+            server = f"{top['hwm'] / gib:8.2f} GiB ({(top['hwm'] - top['shared']) / gib:.2f} without shared memory)"
         if search.tier:
             server += f" (NVMe tier, {search.budget / gib:.0f} GiB RAM budget)"
         measured = [(p, r["worker"]) for _, p, r in search.probes if r["worker"] is not None]

@@ -128,7 +128,7 @@ def measure_grpc(address: str, gradient: torch.Tensor, chunk_sizes: list[int], r
 
 
 def measure_shared_memory(address: str, gradient: torch.Tensor, reps: int) -> dict[str, float]:
-    """The co-located path: the gradient already sits in the worker's /dev/shm shard (the
+    """The co-located path: the gradient already sits in the worker's shared memory (the
     reduce-scatter writes it there); push names it and the server updates straight from
     the mapping (push time = wall time minus the server's update seconds, as for gRPC; a
     staged push adds one copy into a buffer reused from step to step); fetch has the
@@ -138,10 +138,10 @@ def measure_shared_memory(address: str, gradient: torch.Tensor, reps: int) -> di
     numel = gradient.numel()
     spec = ShardSpec(run_id=RUN, shard_id=1, start=0, numel=numel, fragments=((0, numel),),
                      grad_dtype="float32", hyper=AdamWHyperParams())
-    region = SharedRegion.create(f"bench-{os.getpid()}", 2 * numel * 4)
+    region = SharedRegion.create(f"{RUN}-{os.getpid()}", 2 * numel * 4)
     try:
         region.tensor(torch.float32, 0, numel).copy_(gradient)
-        path = str(region.path)
+        path = region.path
         with StateServerClient(address) as client:
             client.wait_ready()
             step, _ = client.register(spec, gradient)

@@ -92,8 +92,6 @@ class NodeGroup:
     servers: int = 0
     host_memory_bytes: int | None = None
     """RAM of each node; None leaves host memory unchecked."""
-    shm_bytes: int | None = None
-    """Size of each node's /dev/shm; None leaves it unchecked."""
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -110,7 +108,6 @@ class ClusterDescription:
         device_memory: 80GiB      # each worker's accelerator; absent: workers run on CPUs
         nvme: 100GiB              # free NVMe of each state server, all its tier paths together
         host_memory: 64GiB        # default RAM of a node (for groups that do not say)
-        shm_memory: 32GiB         # default /dev/shm of a node
         nodes:                    # absent: one node runs every worker and state server
           - {count: 1, workers: 8, servers: 0, host_memory: 480GiB}
           - {count: 2, workers: 0, servers: 1}
@@ -125,13 +122,13 @@ class ClusterDescription:
         return self.nodes or (NodeGroup(workers=config.worker.num_workers, servers=config.state_server.num_servers),)
 
 
-_CLUSTER_KEYS = {"device_memory", "nvme", "host_memory", "shm_memory", "nodes"}
-_GROUP_KEYS = {"count", "workers", "servers", "host_memory", "shm_memory"}
+_CLUSTER_KEYS = {"device_memory", "nvme", "host_memory", "nodes"}
+_GROUP_KEYS = {"count", "workers", "servers", "host_memory"}
 
 
 def load_cluster(path: str | Path | None = None, *, config: TrainConfig,
-                 device_memory: str | None = None, host_memory: str | None = None, nvme: str | None = None,
-                 shm_memory: str | None = None) -> ClusterDescription:
+                 device_memory: str | None = None, host_memory: str | None = None,
+                 nvme: str | None = None) -> ClusterDescription:
     """The cluster from a YAML file and/or flags (a flag replaces the file's top-level key
     of the same name); ConfigError names what is wrong."""
     data: dict[str, Any] = {}
@@ -140,7 +137,7 @@ def load_cluster(path: str | Path | None = None, *, config: TrainConfig,
         unknown = sorted(set(data) - _CLUSTER_KEYS, key=str)
         if unknown:
             raise ConfigError(f"unknown cluster key {unknown[0]!r}; known keys: {', '.join(sorted(_CLUSTER_KEYS))}")
-    flags = {"device_memory": device_memory, "host_memory": host_memory, "nvme": nvme, "shm_memory": shm_memory}
+    flags = {"device_memory": device_memory, "host_memory": host_memory, "nvme": nvme}
     data.update({k: v for k, v in flags.items() if v is not None})
 
     def size(mapping: Mapping[str, Any], key: str, what: str) -> int | None:
@@ -148,7 +145,6 @@ def load_cluster(path: str | Path | None = None, *, config: TrainConfig,
         return None if value is None else parse_size(value, what)
 
     host = size(data, "host_memory", "host_memory (--host-memory)")
-    shm = size(data, "shm_memory", "shm_memory (--shm-memory)")
     groups = []
     if not isinstance(data.get("nodes") or [], list):
         raise ConfigError(f"cluster nodes must be a list of node groups, got {data['nodes']!r}")
@@ -168,11 +164,10 @@ def load_cluster(path: str | Path | None = None, *, config: TrainConfig,
         groups.append(NodeGroup(
             **counts,
             host_memory_bytes=size(raw, "host_memory", f"{where}.host_memory") if "host_memory" in raw else host,
-            shm_bytes=size(raw, "shm_memory", f"{where}.shm_memory") if "shm_memory" in raw else shm,
         ))
     if not groups:
         groups = [NodeGroup(workers=config.worker.num_workers, servers=config.state_server.num_servers,
-                            host_memory_bytes=host, shm_bytes=shm)]
+                            host_memory_bytes=host)]
     return ClusterDescription(
         device_memory_bytes=size(data, "device_memory", "device_memory (--device-memory)"),
         nvme_bytes=size(data, "nvme", "nvme (--nvme)"),
@@ -237,7 +232,8 @@ class WorkerPlan:
     pinned_bytes: int
     """Pinned host memory (GPU only): the exchange buffers and the offloaded weight shards."""
     shared_memory_bytes: int
-    """/dev/shm a CPU worker's exchange buffers use when a state server shares its node."""
+    """Host memory a CPU worker shares with a state server on its node (its exchange
+    buffers, a sealed memfd: host RAM, not /dev/shm)."""
     host_transient_bytes: int
     """Host memory a step needs beyond the buffers: with offload, FSDP2's host copy of
     one unit's reduced gradient (dropped at once)."""
@@ -648,9 +644,6 @@ def _checks(config: TrainConfig, cluster: ClusterDescription, groups: Sequence[N
         need = group.workers * worker.host_peak_bytes + group.servers * server_peak
         checks.append(_check(f"host RAM per node, {name}", need, group.host_memory_bytes, "--host-memory",
                              "set or lower state_server.tier.ram_budget_bytes, or spread the actors over more nodes"))
-        if group.shm_bytes is not None and group.workers and group.servers and worker.shared_memory_bytes:
-            checks.append(_check(f"/dev/shm per node, {name}", group.workers * worker.shared_memory_bytes,
-                                 group.shm_bytes, "--shm-memory", "enlarge /dev/shm or set worker.shared_memory=off"))
     if config.state_server.tier.ram_budget_bytes is not None:
         for server in servers:
             checks.append(_check(f"NVMe of state server {server.index}", server.nvme_need_bytes, cluster.nvme_bytes,
@@ -701,7 +694,7 @@ def render(plan: RunPlan) -> str:
         ("activations (estimate)", w.activation_bytes, on),
         ("= compute device total", w.device_peak_bytes, on),
         *([("weight shards (offloaded)", w.buffers["weights"], host)] if w.offload else []),
-        ("exchange buffers", w.buffers["exchange"], "host RAM, /dev/shm" if w.shared_memory_bytes else host),
+        ("exchange buffers", w.buffers["exchange"], "host RAM, shared" if w.shared_memory_bytes else host),
         *([("offload: gradient copies", w.host_transient_bytes, "host RAM")] if w.offload else []),
         ("corpus", w.corpus_bytes, "host RAM"),
         ("while training", w.host_bytes, "host RAM"),
@@ -768,14 +761,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "absent, workers with worker.device=auto are planned on CPUs")
     parser.add_argument("--host-memory", metavar="SIZE", help="RAM of each node, e.g. 256GiB")
     parser.add_argument("--nvme", metavar="SIZE", help="free NVMe of each state server, e.g. 2TiB")
-    parser.add_argument("--shm-memory", metavar="SIZE", help="size of each node's /dev/shm, e.g. 32GiB")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def plan_command(config: TrainConfig, args: argparse.Namespace) -> int:
     """Print the plan; EXIT_FITS or EXIT_DOES_NOT_FIT. Raises ConfigError for a bad cluster."""
     cluster = load_cluster(args.cluster, config=config, device_memory=args.device_memory,
-                           host_memory=args.host_memory, nvme=args.nvme, shm_memory=args.shm_memory)
+                           host_memory=args.host_memory, nvme=args.nvme)
     plan = plan_run(config, cluster)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan), file=sys.stdout, flush=True)
     return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT

@@ -114,7 +114,7 @@ class ExchangeBuffers:
     def shared_ref(self, view: torch.Tensor) -> tuple[str, int]:
         """(path, byte offset) of a view of these buffers, for a co-located server."""
         assert self.region is not None
-        return str(self.region.path), view.data_ptr() - self.region.bytes.data_ptr()
+        return self.region.path, view.data_ptr() - self.region.bytes.data_ptr()
 
     @property
     def nbytes(self) -> int:

@@ -29,7 +29,7 @@ from cargohold.services.state_port import RemotePort
 from cargohold.services.step import ShardedStep, StepReport
 from cargohold.services.transport.auth import tls_files
 from cargohold.services.transport.grpc_client import StateServerClient
-from cargohold.services.transport.shm import SHM_ROOT
+from cargohold.services.transport import shm
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 60.0
@@ -157,7 +157,7 @@ class TrainingWorker:
 
     def _colocated_servers(self, server_node_ids: list[str] | None) -> set[int]:
         if (self.config.worker.shared_memory == "off" or not server_node_ids
-                or self.device.type != "cpu" or not SHM_ROOT.is_dir()):
+                or self.device.type != "cpu" or not shm.available()):
             return set()
         import ray
 

@@ -1,11 +1,18 @@
-"""The co-located fast path: gradients and weights through /dev/shm, with gRPC carrying
-only the call. Same results as streaming; refuses any file it should not touch."""
+"""The co-located fast path: gradients and weights through a worker's sealed memfd, with
+gRPC carrying only the call. Same results as streaming; refuses any memory it should not
+touch, cannot be crashed by its client, and leaves nothing behind."""
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
+import tempfile
+import threading
+import time
 import urllib.request
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -13,17 +20,19 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from cargohold.cluster.launcher import TrainingSession
+from cargohold.services.transport import shm
 from cargohold.services.transport.grpc_client import RemoteError
-from cargohold.services.transport.shm import SHM_ROOT, SharedRegion
+from cargohold.services.transport.shm import SharedRegion
+from cargohold.v1 import state_server_pb2 as pb
 from reference import tiny_config
-from test_transport import G1, G2, GLOBAL_NORM, LR, NUMEL, RUN, W0, _assert_bitwise_equal, _spec, serving
+from test_transport import G1, G2, GLOBAL_NORM, LR, NUMEL, RUN, W0, _assert_bitwise_equal, _scrape, _spec, _total, serving
 
-pytestmark = pytest.mark.skipif(not SHM_ROOT.is_dir(), reason="no /dev/shm on this host")
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no sealed memfds on this host")
 
 
 @pytest.fixture
 def region():
-    shared = SharedRegion.create(f"test-{uuid.uuid4().hex}", NUMEL * 8)
+    shared = SharedRegion.create(f"{RUN}-test-{uuid.uuid4().hex}", NUMEL * 8)
     yield shared
     shared.close()
 
@@ -37,44 +46,119 @@ def test_push_and_fetch_through_shared_memory_equal_streaming(region: SharedRegi
         weights = region.tensor(torch.float32, NUMEL * 4, NUMEL)
         for step, gradient in ((1, G1), (2, G2)):
             gradients.copy_(gradient)
-            s.client.push(RUN, 0, step, gradient, global_norm=GLOBAL_NORM, lr=LR, shm=(str(region.path), 0))
+            s.client.push(RUN, 0, step, gradient, global_norm=GLOBAL_NORM, lr=LR, shm=(region.path, 0))
             s.client.push(RUN, 1, step, gradient, global_norm=GLOBAL_NORM, lr=LR)
-            assert s.client.fetch(RUN, 0, step, "float32", NUMEL, shm=(str(region.path), NUMEL * 4)) is None
+            assert s.client.fetch(RUN, 0, step, "float32", NUMEL, shm=(region.path, NUMEL * 4)) is None
             _assert_bitwise_equal(weights, s.client.fetch(RUN, 1, step, "float32", NUMEL))
 
 
-@pytest.mark.parametrize("path, offset, message", [
-    ("/tmp/cargohold-x", 0, "is not allowed"),
-    (str(SHM_ROOT / "other-name"), 0, "is not allowed"),
-    (str(SHM_ROOT / "cargohold-does-not-exist"), 0, "cannot open shared memory"),
-    (str(SHM_ROOT / "cargohold-../etc"), 0, "is not allowed"),
-    ("REGION", NUMEL * 8 - 4, "does not fit"),
-    ("REGION", 2, "does not fit"),
+def _memfd(name: str, size: int, *, sealed: bool) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if sealed:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, shm.SEALS)
+    return fd
+
+
+@pytest.mark.parametrize("case, message", [
+    ("a file in /dev/shm", "is not allowed"),
+    ("a relative path", "is not allowed"),
+    ("a NUL byte", "is not allowed"),
+    ("no such descriptor", "cannot open shared memory"),
+    ("a regular file", "not a memfd sealed"),
+    ("an unsealed memfd", "not a memfd sealed"),
+    ("another run's memfd", "does not belong to run"),
+    ("past the end", "does not fit"),
+    ("misaligned", "does not fit"),
 ])
-def test_bad_shared_memory_references_are_refused_and_change_nothing(region, path, offset, message) -> None:
-    path = str(region.path) if path == "REGION" else path
+def test_bad_shared_memory_references_are_refused_and_change_nothing(region, case, message) -> None:
+    """Each refused with INVALID_ARGUMENT naming why; the shard keeps its state."""
+    with tempfile.TemporaryFile() as regular:
+        regular.truncate(NUMEL * 8)
+        unsealed = _memfd(f"cargohold-{RUN}-unsealed", NUMEL * 8, sealed=False)
+        foreign = _memfd("cargohold-another-run-rank0", NUMEL * 8, sealed=True)
+        try:
+            path, offset = {
+                "a file in /dev/shm": ("/dev/shm/cargohold-x", 0),
+                "a relative path": (f"proc/{os.getpid()}/fd/{unsealed}", 0),
+                "a NUL byte": (f"{region.path}\0", 0),
+                "no such descriptor": (f"/proc/{os.getpid()}/fd/999999", 0),
+                "a regular file": (f"/proc/{os.getpid()}/fd/{regular.fileno()}", 0),
+                "an unsealed memfd": (f"/proc/{os.getpid()}/fd/{unsealed}", 0),
+                "another run's memfd": (f"/proc/{os.getpid()}/fd/{foreign}", 0),
+                "past the end": (region.path, NUMEL * 8 - 4),
+                "misaligned": (region.path, 2),
+            }[case]
+            with serving() as s:
+                s.client.register(_spec(), W0)
+                for call in (lambda: s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR, shm=(path, offset)),
+                             lambda: s.client.fetch(RUN, 0, 0, "float32", NUMEL, shm=(path, offset))):
+                    with pytest.raises(RemoteError) as error:
+                        call()
+                    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                    assert message in error.value.details
+                assert s.client.describe(RUN, 0)[1] == 0
+                _assert_bitwise_equal(s.client.fetch(RUN, 0, 0, "float32", NUMEL), W0)
+        finally:
+            os.close(unsealed)
+            os.close(foreign)
+
+
+def test_a_client_cannot_shrink_the_memory_under_the_server(region: SharedRegion) -> None:
+    """A mapped file cut short makes its reader die of SIGBUS; a sealed memfd cannot be cut."""
     with serving() as s:
         s.client.register(_spec(), W0)
-        for call in (lambda: s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR, shm=(path, offset)),
-                     lambda: s.client.fetch(RUN, 0, 0, "float32", NUMEL, shm=(path, offset))):
-            with pytest.raises(RemoteError) as error:
-                call()
-            assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
-            assert message in error.value.details
-        assert s.client.describe(RUN, 0)[1] == 0
-        _assert_bitwise_equal(s.client.fetch(RUN, 0, 0, "float32", NUMEL), W0)
+        region.tensor(torch.float32, 0, NUMEL).copy_(G1)
+        s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR, shm=(region.path, 0))  # now mapped
+        with open(region.path, "r+b") as other_handle:  # what any process with the path can do
+            with pytest.raises(PermissionError):
+                os.ftruncate(other_handle.fileno(), 0)
+        assert s.client.fetch(RUN, 0, 1, "float32", NUMEL, shm=(region.path, NUMEL * 4)) is None
+        _assert_bitwise_equal(region.tensor(torch.float32, NUMEL * 4, NUMEL), s.client.fetch(RUN, 0, 1, "float32", NUMEL))
 
 
-def test_a_symlink_is_not_followed(region: SharedRegion) -> None:
-    link = SHM_ROOT / f"cargohold-link-{uuid.uuid4().hex}"
-    os.symlink(region.path, link)
-    try:
-        with serving() as s:
-            s.client.register(_spec(), W0)
-            with pytest.raises(RemoteError, match="cannot open shared memory"):
-                s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR, shm=(str(link), 0))
-    finally:
-        link.unlink()
+def test_a_region_is_checked_again_when_its_path_names_another_file(region: SharedRegion) -> None:
+    """The cache is keyed by inode: the same /proc path reused for another run's memfd is
+    refused, not served from the mapping of the first."""
+    with serving() as s:
+        s.client.register(_spec(), W0)
+        first = _memfd(f"cargohold-{RUN}-first", NUMEL * 8, sealed=True)
+        path = f"/proc/{os.getpid()}/fd/{first}"
+        s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR, shm=(path, 0))
+        foreign = _memfd("cargohold-another-run-x", NUMEL * 8, sealed=True)
+        os.dup2(foreign, first)  # the same path now names another run's memory
+        os.close(foreign)
+        try:
+            with pytest.raises(RemoteError, match="does not belong to run"):
+                s.client.fetch(RUN, 0, 1, "float32", NUMEL, shm=(path, 0))
+        finally:
+            os.close(first)
+
+
+def test_a_cancelled_call_is_counted_as_cancelled_not_as_a_server_error(caplog) -> None:
+    """A client that goes away mid-stream is not the server's failure: CANCELLED in the
+    metrics, no ERROR traceback in the log."""
+    release = threading.Event()
+
+    def requests():
+        yield pb.PushGradientRequest(header=pb.PushHeader(key=pb.ShardKey(run_id=RUN, shard_id=0), step=1,
+                                                          numel=NUMEL, dtype=pb.DTYPE_FLOAT32))
+        release.wait(30)
+
+    with caplog.at_level(logging.INFO, logger="cargohold.services.transport.grpc_server"), serving() as s:
+        s.client.register(_spec(), W0)
+        call = s.stub.PushGradient.future(requests(), timeout=30)
+        time.sleep(0.5)
+        call.cancel()
+        release.set()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not _total(_scrape(s.metrics.address), "cargohold_rpc_errors_total",
+                                                           rpc="PushGradient", code="CANCELLED"):
+            time.sleep(0.1)
+        samples = _scrape(s.metrics.address)
+    assert _total(samples, "cargohold_rpc_errors_total", rpc="PushGradient", code="CANCELLED") == 1
+    assert _total(samples, "cargohold_rpc_errors_total", rpc="PushGradient", code="INTERNAL") == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def _received_by_rpc(address: str) -> dict[str, float]:
@@ -87,14 +171,13 @@ def _received_by_rpc(address: str) -> dict[str, float]:
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", ["auto", "off"])
 def test_a_colocated_run_uses_shared_memory_unless_off(ray_local, mode: str) -> None:
+    before = set(Path("/dev/shm").glob("*")) if Path("/dev/shm").is_dir() else set()
     config = tiny_config(steps=2, worker__shared_memory=mode)
     with TrainingSession(config) as session:
         session.step()
         session.step()
-        server_metrics = session.metrics_addresses()[0]
-        received = _received_by_rpc(server_metrics)
-        leftovers = [p for p in SHM_ROOT.glob(f"cargohold-{session.run_id}-*")]
-        assert len(leftovers) == (2 if mode == "auto" else 0)
-    assert not list(SHM_ROOT.glob(f"cargohold-{session.run_id}-*")), "workers must remove their regions"
+        received = _received_by_rpc(session.metrics_addresses()[0])
     streamed, shared = received.get("PushGradient", 0), received.get("PushGradient.shm", 0)
     assert (shared > 0 and streamed == 0) if mode == "auto" else (streamed > 0 and shared == 0)
+    after = set(Path("/dev/shm").glob("*")) if Path("/dev/shm").is_dir() else set()
+    assert not {p for p in after - before if session.run_id in p.name}, "no file is ever made for the buffers"

@@ -120,7 +120,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             if header.HasField("shm"):
                 if next(request_iterator, None) is not None:
                     raise InvalidTensorError("PushGradient: no chunks may follow a shared-memory header")
-                region = self._regions.open(header.shm.path)
+                region = self._regions.open(header.shm.path, header.key.run_id)
                 gradient = region.tensor(WIRE_DTYPES[dtype], header.shm.byte_offset, header.numel)
                 self._metrics.record_received("PushGradient.shm", gradient.numel() * gradient.element_size())
                 owned = False  # a view of the worker's buffer, which it reuses next step
@@ -174,7 +174,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             if chunk_bytes > MAX_CHUNK_BYTES:
                 raise InvalidTensorError(f"chunk_bytes must be <= {MAX_CHUNK_BYTES}, got {chunk_bytes}")
             if request.HasField("shm"):  # written straight into the worker's weight shard
-                region = self._regions.open(request.shm.path)
+                region = self._regions.open(request.shm.path, request.key.run_id)
                 target = region.tensor(WIRE_DTYPES[dtype], request.shm.byte_offset, state.spec.numel)
                 weights = state.weights(request.step, dtype, out=target)
                 self._metrics.record_sent("FetchWeights.shm", weights.numel() * weights.element_size())
@@ -252,7 +252,12 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             code = next(c for kind, c in _STATUS_OF_ERROR if isinstance(error, kind))
             self._metrics.record_error(rpc, code.name)
             context.abort(code, str(error))
-        except Exception as error:  # a bug: report it, keep serving
+        except Exception as error:
+            if not context.is_active():  # the client cancelled, or its deadline passed: not our failure
+                logger.info("%s: the call ended on the client's side (%s)", rpc, type(error).__name__)
+                self._metrics.record_error(rpc, grpc.StatusCode.CANCELLED.name)
+                context.abort(grpc.StatusCode.CANCELLED, f"{rpc}: cancelled")
+            # a bug: report it, keep serving
             logger.exception("%s failed", rpc)
             self._metrics.record_error(rpc, grpc.StatusCode.INTERNAL.name)
             context.abort(grpc.StatusCode.INTERNAL, f"{rpc}: {type(error).__name__}: {error}")
