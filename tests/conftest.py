@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import ray
@@ -13,6 +14,17 @@ import ray
 os.environ["CARGOHOLD_NODE_IP"] = "127.0.0.1"
 os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def leaves_no_shared_memory():
+    """Every test module leaves /dev/shm as it found it: nothing of cargohold's, even from
+    killed actors (exchange buffers are memfds; nothing else of ours belongs there)."""
+    before = set(SHM.glob("cargohold-*")) if SHM.is_dir() else set()
+    yield
+    left = sorted(str(p) for p in (set(SHM.glob("cargohold-*")) if SHM.is_dir() else set()) - before)
+    assert not left, f"left in /dev/shm: {left}"
 
 
 @pytest.fixture(scope="module")
