@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import secrets
+import shutil
 import signal
 import threading
 import time
@@ -277,6 +278,21 @@ class TrainingSession:
     def worker_resident_bytes(self) -> dict[str, int]:
         return ray.get(self.workers[0].resident_bytes.remote())
 
+    def _sweep_tier_folders(self, servers: int) -> None:
+        """What a killed state server could not delete: its NVMe tier folder of this run,
+        removed on its own node (each server's placement bundle) after the actors stop."""
+        roots = list(self.config.state_server.tier.nvme_paths)
+        if not roots:
+            return
+        sweep = ray.remote(num_cpus=0)(remove_tier_folders)
+        refs = [sweep.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._placement, placement_group_bundle_index=index)).remote(
+                    roots, self.run_id, index) for index in range(servers)]
+        try:
+            ray.get(refs, timeout=60)
+        except Exception as error:  # teardown must go on
+            logger.warning("could not remove the state servers' tier folders of run %s: %s", self.run_id, error)
+
     def close(self) -> None:
         """Stop actors and release the placement group; shut Ray down if we started it."""
         for actor, method in [(w, "shutdown") for w in self.workers] + [(s, "stop") for s in self.servers]:
@@ -285,13 +301,25 @@ class TrainingSession:
             except Exception as error:  # teardown must go on; the cause was already raised
                 logger.warning("teardown of an actor failed: %s", error)
             ray.kill(actor)
-        self.workers, self.servers = [], []
+        servers, self.workers, self.servers = len(self.servers), [], []
         if self._placement is not None:
+            self._sweep_tier_folders(servers)
             remove_placement_group(self._placement)
             self._placement = None
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
+
+
+def remove_tier_folders(roots: list[str], run_id: str, server_index: int) -> None:
+    """A state server's partition folders of ``run_id`` (``<root>/<run_id>/server-<i>``),
+    and the run's folder when no other server's files are left in it."""
+    for root in roots:
+        shutil.rmtree(os.path.join(root, run_id, f"server-{server_index}"), ignore_errors=True)
+        try:
+            os.rmdir(os.path.join(root, run_id))
+        except OSError:
+            pass  # another server's files are still there, or it was never made
 
 
 def train(config: TrainConfig, on_step: Callable[[StepReport], None] | None = None, *,

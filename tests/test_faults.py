@@ -37,6 +37,23 @@ def test_a_killed_actor_fails_the_next_step_quickly(ray_local, victim: str) -> N
     assert "step 2" in str(error.value)
 
 
+def test_a_killed_state_servers_tier_folder_is_removed_at_teardown(ray_local, tmp_path) -> None:
+    """A SIGKILLed server cannot delete its partition files; the launcher removes them on
+    the server's node when the session closes, so restarts do not fill the drive."""
+    nvme = tmp_path / "nvme"
+    tier = {"nvme_paths": [str(nvme)], "ram_budget_bytes": 320 << 10, "partition_bytes": 64 << 10,
+            "buffer_count": 3}
+    with TrainingSession(tiny_config(steps=5, state_server__num_servers=2, state_server__tier=tier)) as session:
+        session.step()
+        folders = sorted(p.relative_to(nvme) for p in nvme.glob("*/server-*"))
+        assert [str(f) for f in folders] == [f"{session.run_id}/server-0", f"{session.run_id}/server-1"]
+        assert any((nvme / session.run_id / "server-0").iterdir())
+        _kill(session.servers[0])
+        with pytest.raises(TrainingError):
+            session.step()
+    assert not (nvme / session.run_id).exists(), sorted(nvme.rglob("*"))
+
+
 def test_closing_during_a_delayed_update_stops_every_worker_cleanly(ray_local, caplog) -> None:
     """With the delayed update the last step's gather is still running collectives when
     the session closes; workers must let it finish before tearing down the process group
