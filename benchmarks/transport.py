@@ -53,7 +53,7 @@ def serve(conn) -> None:
     from cargohold.services.shard_state import ShardRegistry
     from cargohold.services.transport.grpc_server import GrpcStateServer
 
-    server = GrpcStateServer(ShardRegistry(), StateServerMetrics("bench"), host="127.0.0.1")
+    server = GrpcStateServer(ShardRegistry(), StateServerMetrics("bench"), run_id=RUN, host="127.0.0.1")
     server.start()
     bare = _bare_server()
     conn.send((server.address, f"127.0.0.1:{bare.port}"))

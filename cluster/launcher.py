@@ -152,7 +152,7 @@ class TrainingSession:
             server_cls.options(
                 num_cpus=cfg.state_server.cpus, resources=dict(cfg.state_server.resources),
                 scheduling_strategy=on_bundle(i), name=f"{self.run_id}-state-server-{i}",
-            ).remote(cfg.state_server, server_index=i, metrics_enabled=cfg.metrics.enabled,
+            ).remote(cfg.state_server, run_id=self.run_id, server_index=i, metrics_enabled=cfg.metrics.enabled,
                      metrics_port=cfg.metrics.port_for("state_server", i, cfg),
                      auth_token=self._auth_token, tls=tls_files(cfg.security))
             for i in range(cfg.state_server.num_servers)

@@ -39,6 +39,10 @@ class InvalidTensorError(ShardError, ValueError):
     """A tensor payload has the wrong size, dtype or checksum."""
 
 
+class ForeignRunError(CargoholdError):
+    """A call names a run other than the one its state server serves."""
+
+
 class TransportError(CargoholdError):
     """A remote call failed; the message carries the server's status and detail."""
 

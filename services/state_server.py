@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 class StateServer:
-    def __init__(self, config: StateServerConfig, *, server_index: int, metrics_enabled: bool = True,
+    def __init__(self, config: StateServerConfig, *, run_id: str, server_index: int, metrics_enabled: bool = True,
                  metrics_port: int = 0,
                  auth_token: str | None = None, tls: TlsFiles | None = None) -> None:
         torch.set_num_threads(config.torch_threads)
@@ -41,7 +41,7 @@ class StateServer:
         if metrics_enabled:
             self.metrics.start(host=host, port=metrics_port)
         self._grpc = GrpcStateServer(
-            self.registry, self.metrics, host=host, max_workers=config.rpc_threads,
+            self.registry, self.metrics, run_id=run_id, host=host, max_workers=config.rpc_threads,
             auth_token=auth_token, tls=tls,
         )
         self._grpc.start()

@@ -28,7 +28,7 @@ TOKEN = "s3cret-token"
 @contextmanager
 def server(**kwargs):
     metrics = StateServerMetrics("auth")
-    grpc_server = GrpcStateServer(ShardRegistry(), metrics, host="127.0.0.1", **kwargs)
+    grpc_server = GrpcStateServer(ShardRegistry(), metrics, run_id=RUN, host="127.0.0.1", **kwargs)
     grpc_server.start()
     try:
         yield grpc_server

@@ -296,7 +296,22 @@ def test_an_unusable_path_fails_the_state_server_at_start_up(tmp_path: Path) -> 
     config = StateServerConfig(bind_host="127.0.0.1", tier=TierConfig(
         nvme_paths=[str(blocker / "nvme")], ram_budget_bytes=1 << 30))
     with pytest.raises(TierError, match=f"cannot create {blocker / 'nvme'}"):
-        StateServer(config, server_index=0, metrics_enabled=False)
+        StateServer(config, run_id="run-t", server_index=0, metrics_enabled=False)
+
+
+def test_two_live_servers_cannot_share_a_tier_folder(tmp_path: Path) -> None:
+    """Two runs given one run id (or two servers one index) would overwrite each other's
+    partition files and delete them at the end: the second is refused, the first keeps
+    its files, and once it is gone the folder can be used again."""
+    with _storage(_config(tmp_path)) as first:
+        ShardRegistry(first).register(_spec(), _randn(0))
+        files = sorted(tmp_path.rglob("*.bin"))
+        with _storage(_config(tmp_path)) as second, pytest.raises(TierError, match="in use by another state server"):
+            ShardRegistry(second).register(_spec(), _randn(1))
+        assert sorted(tmp_path.rglob("*.bin")) == files  # the refused one touched nothing
+    with _storage(_config(tmp_path)) as again:
+        ShardRegistry(again).register(_spec(), _randn(2))
+    assert not list(tmp_path.rglob("*.bin")) and not list(tmp_path.rglob(".lock"))
 
 
 def test_run_ids_that_cannot_name_a_directory_are_refused(tmp_path: Path) -> None:
@@ -312,7 +327,7 @@ def test_grpc_reports_the_plan_and_maps_corruption_to_data_loss(tmp_path: Path) 
     with ExitStack() as stack:
         metrics = StateServerMetrics("tier")
         storage = stack.enter_context(_storage(_config(tmp_path), metrics))
-        server = GrpcStateServer(ShardRegistry(storage), metrics, host="127.0.0.1")
+        server = GrpcStateServer(ShardRegistry(storage), metrics, run_id="run-t", host="127.0.0.1")
         server.start()
         stack.callback(server.stop, 0.5)
         client = stack.enter_context(StateServerClient(server.address, chunk_bytes=1 << 16, timeout_s=10))

@@ -19,6 +19,7 @@ second copy of the state in memory behind the budget's back.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import re
@@ -124,6 +125,23 @@ def probe_path(root: str, direct_io: str, probe_bytes: int = PROBE_BYTES) -> Tie
                     bandwidth=Bandwidth(probe_bytes / max(read, 1e-9), probe_bytes / max(written, 1e-9)))
 
 
+LOCK_NAME = ".lock"
+"""In each of a server's tier folders: held (flock) while the server uses the folder."""
+
+
+def _lock_folder(directory: str) -> int:
+    """Take the folder for this process: another live state server using it (two runs
+    with one run id, or two servers with one index) is refused, a dead one's lock is gone."""
+    fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        os.close(fd)
+        raise TierError(f"{directory} is in use by another state server (two runs with the same run id, or "
+                        "two servers with the same index?); give each run its own run_id") from error
+    return fd
+
+
 class NvmeTier:
     """Partition files on one or several paths, moved through a shared buffer pool."""
 
@@ -136,7 +154,8 @@ class NvmeTier:
         self._io = io
         self._buffers = buffers
         self._observer = observer
-        self._runs: set[str] = set()
+        self._runs: dict[str, list[int]] = {}
+        """Runs this tier holds files of, with the descriptors of their folders' locks."""
         self._lock = threading.Lock()
 
     # --- files ------------------------------------------------------------------------
@@ -157,12 +176,19 @@ class NvmeTier:
         with self._lock:
             if run_id in self._runs:
                 return
-            for index in range(len(self.paths)):
-                try:
-                    os.makedirs(self.directory(run_id, index), exist_ok=True)
-                except OSError as error:
-                    raise TierError(f"cannot create {self.directory(run_id, index)}: {error.strerror}") from error
-            self._runs.add(run_id)
+            locks: list[int] = []
+            try:
+                for index in range(len(self.paths)):
+                    try:
+                        os.makedirs(self.directory(run_id, index), exist_ok=True)
+                    except OSError as error:
+                        raise TierError(f"cannot create {self.directory(run_id, index)}: {error.strerror}") from error
+                    locks.append(_lock_folder(self.directory(run_id, index)))
+            except BaseException:
+                for fd in locks:
+                    os.close(fd)
+                raise
+            self._runs[run_id] = locks
 
     def check_space(self, files: Iterable[tuple[int, int]], what: str) -> None:
         """Refuse, before anything is written, when the (path index, bytes) of new files
@@ -183,14 +209,16 @@ class NvmeTier:
     def remove_runs(self) -> None:
         """Delete this server's partition files of every run it held."""
         with self._lock:
-            runs, self._runs = set(self._runs), set()
-        for run_id in runs:
+            runs, self._runs = dict(self._runs), {}
+        for run_id, locks in runs.items():
             for index, path in enumerate(self.paths):
                 shutil.rmtree(self.directory(run_id, index), ignore_errors=True)
                 try:
                     os.rmdir(os.path.join(path.root, run_id))
                 except OSError:
                     pass  # another server's files are still there
+            for fd in locks:  # only once the folders it guarded are gone
+                os.close(fd)
 
     # --- TierStore ----------------------------------------------------------------------
     def stage(self, partition: Partition, *, block: bool) -> Staged | None:

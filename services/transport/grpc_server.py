@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cargohold.services.errors import (
     CargoholdError,
     CorruptPartitionError,
+    ForeignRunError,
     IncompleteStepError,
     InvalidTensorError,
     ShardConflictError,
@@ -60,6 +61,7 @@ _STATUS_OF_ERROR: tuple[tuple[type[CargoholdError], grpc.StatusCode], ...] = (
     (ShardConflictError, grpc.StatusCode.ALREADY_EXISTS),
     (StepMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (InvalidTensorError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ForeignRunError, grpc.StatusCode.PERMISSION_DENIED),
     (CargoholdError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 
@@ -67,7 +69,9 @@ T = TypeVar("T")
 
 
 class StateServerServicer(pb_grpc.StateServerServicer):
-    def __init__(self, registry: ShardRegistry, metrics: StateServerMetrics) -> None:
+    def __init__(self, registry: ShardRegistry, metrics: StateServerMetrics, run_id: str) -> None:
+        self.run_id = run_id
+        """The one run this server serves: calls naming another are refused."""
         self._registry = registry
         self._metrics = metrics
         self._staging = GradientStaging()
@@ -85,6 +89,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             if first is None or first.WhichOneof("part") != "spec":
                 raise InvalidTensorError("RegisterShard: the first message must carry the spec")
             spec = spec_from_proto(first.spec)
+            self._admit(spec.run_id)
             weights = self._receive(request_iterator, spec.numel, "float32", "initial_weights",
                                     f"shard {spec.shard_id} initial weights", "RegisterShard")
             try:
@@ -99,6 +104,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
 
     def DescribeShard(self, request: pb.DescribeShardRequest, context: grpc.ServicerContext) -> pb.DescribeShardResponse:
         def handle() -> pb.DescribeShardResponse:
+            self._admit(request.key.run_id)
             state = self._registry.get(request.key.run_id, request.key.shard_id)
             return pb.DescribeShardResponse(spec=spec_to_proto(state.spec), step=state.step)
 
@@ -110,6 +116,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             if first is None or first.WhichOneof("part") != "header":
                 raise InvalidTensorError("PushGradient: the first message must carry the header")
             header = first.header
+            self._admit(header.key.run_id)
             state = self._registry.get(header.key.run_id, header.key.shard_id)
             dtype = dtype_from_proto(header.dtype)
             if header.numel != state.spec.numel or dtype != state.spec.grad_dtype:
@@ -143,6 +150,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
 
     def CommitStep(self, request: pb.CommitStepRequest, context: grpc.ServicerContext) -> pb.PushGradientResponse:
         def handle() -> pb.PushGradientResponse:
+            self._admit(request.key.run_id)
             state = self._registry.get(request.key.run_id, request.key.shard_id)
             outcome = self._staging.commit(state, request.step, global_norm=request.global_grad_norm, lr=request.lr)
             self._count(outcome)
@@ -168,6 +176,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
     def FetchWeights(self, request: pb.FetchWeightsRequest, context: grpc.ServicerContext) -> Iterator[pb.WeightsChunk]:
         def handle() -> Iterator[tuple[pb.WeightsChunk, int]]:
             # Everything that can refuse the call runs here, before the first message.
+            self._admit(request.key.run_id)
             state = self._registry.get(request.key.run_id, request.key.shard_id)
             dtype = dtype_from_proto(request.dtype)
             chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES
@@ -204,7 +213,9 @@ class StateServerServicer(pb_grpc.StateServerServicer):
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
         def handle() -> pb.GetStatsResponse:
-            shards = self._registry.shards(request.run_id or None)
+            if request.run_id:
+                self._admit(request.run_id)
+            shards = self._registry.shards(self.run_id)
             return pb.GetStatsResponse(
                 shards=[
                     pb.ShardStats(
@@ -245,6 +256,10 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             self._metrics.record_received(rpc, size)
         return assembler.finish()
 
+    def _admit(self, run_id: str) -> None:
+        if run_id != self.run_id:
+            raise ForeignRunError(f"this state server serves run {self.run_id!r}, not {run_id!r}")
+
     def _guard(self, rpc: str, context: grpc.ServicerContext, handle: Callable[[], T]) -> T:
         try:
             return handle()
@@ -267,12 +282,12 @@ class StateServerServicer(pb_grpc.StateServerServicer):
 class GrpcStateServer:
     """A gRPC server on ``host:port`` serving the StateServer and health services."""
 
-    def __init__(self, registry: ShardRegistry, metrics: StateServerMetrics, *, host: str,
+    def __init__(self, registry: ShardRegistry, metrics: StateServerMetrics, *, run_id: str, host: str,
                  port: int = 0, max_workers: int = 8, auth_token: str | None = None,
                  tls: TlsFiles | None = None) -> None:
-        """``auth_token``: calls must carry it (health checks excepted); ``tls``: serve
-        mutual TLS only."""
-        self.servicer = StateServerServicer(registry, metrics)
+        """``run_id``: the one run it serves (its token is that run's); ``auth_token``:
+        calls must carry it (health checks excepted); ``tls``: serve mutual TLS only."""
+        self.servicer = StateServerServicer(registry, metrics, run_id)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="state-server-rpc"),
             interceptors=[TokenAuthInterceptor(auth_token)] if auth_token is not None else [],
