@@ -63,7 +63,7 @@ from typing import Any
 import google_crc32c
 import torch
 
-from cargohold.services.durable import fsync_directory
+from cargohold.services.durable import TEMP_SUFFIX, fsync_directory, replace_durably
 from cargohold.services.errors import CheckpointError, CorruptCheckpointError, CorruptPartitionError
 from cargohold.services.tiers import fileformat as tier_format
 
@@ -92,7 +92,6 @@ _STEP_DIR = re.compile(r"step-(\d{10,})")
 _PARTIAL_DIR = re.compile(r"step-(\d{10,})\.partial")
 _TRASH_SUFFIXES = (".deleting", ".replaced")
 """Suffixes of directories on their way out; never read, removed by the next commit."""
-_TEMP_SUFFIX = ".tmp"
 
 _HEADER = struct.Struct("<8sIIQQQII")
 _ARRAY = struct.Struct("<16sI")
@@ -250,10 +249,10 @@ def _is_int(value: object) -> bool:
 def _check_name(name: object, what: str) -> None:
     """A payload file name: one plain path component, not one the store itself uses."""
     if (not isinstance(name, str) or not name or name in (".", "..", MANIFEST_NAME)
-            or "/" in name or "\\" in name or "\0" in name or name.endswith(_TEMP_SUFFIX)):
+            or "/" in name or "\\" in name or "\0" in name or name.endswith(TEMP_SUFFIX)):
         raise CheckpointError(
             f"{what} {name!r} is not a valid payload file name (one path component, not "
-            f"{MANIFEST_NAME!r}, not ending in {_TEMP_SUFFIX!r})"
+            f"{MANIFEST_NAME!r}, not ending in {TEMP_SUFFIX!r})"
         )
 
 
@@ -398,30 +397,20 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
 
 
 def _write_durably(target: Path, chunks: Iterable[bytes]) -> int:
-    """Write ``chunks`` to ``target`` via a temporary name: write, fsync, rename, fsync the
-    directory. Returns the CRC-32C of the content. On failure nothing is left behind."""
-    temporary = target.with_name(target.name + _TEMP_SUFFIX)
-    renamed = False
+    """Write ``chunks`` to ``target`` with :func:`replace_durably`; returns the CRC-32C of
+    the content. An OSError becomes a CheckpointError naming ``target``."""
     try:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            crc = 0
-            for chunk in chunks:
-                crc = google_crc32c.extend(crc, chunk)
-                _write_all(fd, chunk)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temporary, target)
-        renamed = True
-        fsync_directory(target.parent)
+        with replace_durably(target) as temporary:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                crc = 0
+                for chunk in chunks:
+                    crc = google_crc32c.extend(crc, chunk)
+                    _write_all(fd, chunk)
+            finally:
+                os.close(fd)
         return crc
     except OSError as error:
-        for leftover in (temporary, target) if renamed else (temporary,):
-            try:
-                leftover.unlink()
-            except OSError:
-                pass
         raise _os_error("writing checkpoint file", target, error) from error
 
 
@@ -777,7 +766,6 @@ class CheckpointStore:
                 )
             _check_files(partial, manifest)
             _write_durably(partial / MANIFEST_NAME, [manifest.to_json().encode()])
-            fsync_directory(partial)
             if final.exists():
                 replaced = final.with_name(final.name + ".replaced")
                 _remove_tree(replaced)

@@ -28,6 +28,7 @@ import os
 import threading
 from dataclasses import dataclass
 
+from cargohold.services.durable import replace_durably
 from cargohold.services.tiers.fileformat import (
     HEADER_BYTES,
     FileLayout,
@@ -58,20 +59,17 @@ class PendingCopy:
     nbytes: int
 
     def run(self) -> None:
-        """Copy to ``<target>.tmp``, fsync, rename to ``target`` (the caller fsyncs the
-        directory once for all files). Closes the source; raises the OSError naming
-        ``target``, leaving no temporary file."""
-        temporary = self.target + ".tmp"
+        """Copy to ``target`` durably (the caller fsyncs the directory once for all
+        files). Closes the source; raises the OSError naming ``target``, leaving no
+        temporary file."""
         try:
-            out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            try:
-                _copy_range(self.source_fd, out, self.nbytes)
-                os.fsync(out)
-            finally:
-                os.close(out)
-            os.replace(temporary, self.target)
+            with replace_durably(self.target, sync_directory=False) as temporary:
+                out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                try:
+                    _copy_range(self.source_fd, out, self.nbytes)
+                finally:
+                    os.close(out)
         except OSError as error:
-            unlink_if_present(temporary)
             raise OSError(error.errno, error.strerror, self.target) from error
         finally:
             self.cancel()
