@@ -40,8 +40,9 @@ from pathlib import Path
 import torch
 
 from cargohold.cluster.config import TierConfig
-from cargohold.services.checkpoint import CheckpointReader, FileRecord, Manifest, ShardRecord, write_shard_file
-from cargohold.services.checkpointing import ShardCheckpointer
+from cargohold.services.checkpoint import CheckpointReader, FileRecord, Manifest, ShardRecord
+from cargohold.services.checkpoint.payload import write_shard_file
+from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.shard_state import ShardRegistry, ShardSpec
 from cargohold.services.tiers.residency import Residency

@@ -62,7 +62,7 @@ import torch
 
 from cargohold.cluster.config import TrainConfig, read_yaml_mapping
 from cargohold.cluster.sizes import format_bytes, parse_size
-from cargohold.services.checkpoint import shard_file_bytes
+from cargohold.services.checkpoint.payload import shard_file_bytes
 from cargohold.services.errors import ConfigError, LayoutError
 from cargohold.services.layout import ShardLayout
 from cargohold.services.shard_state import WIRE_DTYPES

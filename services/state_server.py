@@ -14,7 +14,7 @@ import torch
 
 from cargohold.cluster.config import StateServerConfig
 from cargohold.services.checkpoint import FileRecord, Manifest, ShardRecord
-from cargohold.services.checkpointing import ShardCheckpointer
+from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.node import node_ip
 from cargohold.services.reshard import Run

@@ -30,8 +30,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cargohold.cluster.config import TierConfig
 from cargohold.services.checkpoint import (
-    ARRAYS,
     FORMAT_VERSION,
     MANIFEST_NAME,
     CheckpointStore,
@@ -40,17 +40,15 @@ from cargohold.services.checkpoint import (
     ShardRecord,
     check_compatible,
     read_flat_range,
-    read_shard_file,
-    write_shard_file,
 )
-from cargohold.cluster.config import TierConfig
-from cargohold.services.checkpointing import ShardCheckpointer
+from cargohold.services.checkpoint.payload import read_shard_file, write_shard_file
+from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.errors import CargoholdError, CheckpointError, CorruptCheckpointError
 from cargohold.services.layout import ShardLayout, build_layout, scatter_params
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.reshard import layout_extra, saved_layout, segment_runs
 from cargohold.services.shard_state import ShardRegistry, ShardSpec
-from cargohold.services.tiers.fileformat import FileLayout
+from cargohold.services.tiers.fileformat import ARRAYS, FileLayout
 from cargohold.services.tiers.partitions import elements_per_partition
 from cargohold.services.tiers.storage import TieredStorage
 

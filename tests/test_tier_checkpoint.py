@@ -27,14 +27,9 @@ import pytest
 import torch
 
 from cargohold.cluster.config import TierConfig
-from cargohold.services.checkpoint import (
-    FORMAT_VERSION,
-    TIER_PARTITION_FILE,
-    CheckpointStore,
-    Manifest,
-    read_flat_range,
-)
-from cargohold.services.checkpointing import ShardCheckpointer
+from cargohold.services.checkpoint import FORMAT_VERSION, CheckpointStore, Manifest, read_flat_range
+from cargohold.services.checkpoint.manifest import TIER_PARTITION_FILE
+from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.errors import CheckpointError, CorruptCheckpointError
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.shard_state import ShardRegistry, ShardSpec
@@ -331,7 +326,7 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         from pathlib import Path
         from cargohold.cluster.config import TierConfig
         from cargohold.services.checkpoint import FORMAT_VERSION, CheckpointStore, Manifest
-        from cargohold.services.checkpointing import ShardCheckpointer
+        from cargohold.services.checkpoint.writer import ShardCheckpointer
         from cargohold.services.optim import AdamWHyperParams
         from cargohold.services.shard_state import ShardRegistry, ShardSpec
         from cargohold.services.tiers.storage import TieredStorage

@@ -24,26 +24,21 @@ from pathlib import Path
 
 import torch
 
-from cargohold.services.checkpoint import (
-    TIER_PARTITION_FILE,
-    CheckpointReader,
-    FileRecord,
-    Manifest,
-    ShardRecord,
-    free_space_hint,
-    write_shard_file,
-)
+from cargohold.services.checkpoint.errors import free_space_hint
+from cargohold.services.checkpoint.manifest import TIER_PARTITION_FILE, FileRecord, Manifest, ShardRecord
+from cargohold.services.checkpoint.payload import write_shard_file
+from cargohold.services.checkpoint.reader import CheckpointReader
 from cargohold.services.durable import fsync_directory
 from cargohold.services.errors import CheckpointError, TierError
 from cargohold.services.reshard import Run
 from cargohold.services.shard_state import ShardRegistry, ShardSpec, ShardState
+from cargohold.services.tiers.fileformat import ARRAYS
 from cargohold.services.tiers.preserve import PendingWrite
 from cargohold.services.tiers.residency import PartitionKey
 from cargohold.services.tiers.storage import PreservedPartition
 
 logger = logging.getLogger(__name__)
 
-ARRAYS = ("master", "exp_avg", "exp_avg_sq")
 Records = list[tuple[ShardRecord, FileRecord]]
 
 

@@ -1,0 +1,45 @@
+"""Checkpoints of the state servers' optimizer state: payload files per segment, a
+manifest written last.
+
+A checkpoint is one directory under a root, named after its step::
+
+    <root>/step-0000001200/
+        manifest.json        written last (:mod:`.manifest`)
+        server0-shard000003.bin ...                   payload files (:mod:`.payload`):
+        server0-shard000003-part00001.tier ...        shard files, or NVMe-tier partition
+                                                      files hard-linked from the tier
+
+Modules, one job each: :mod:`.manifest` (schema, JSON, validation), :mod:`.compat`
+(does a checkpoint fit this model), :mod:`.payload` (the payload files and their
+verification), :mod:`.reader` (any flat range, whatever cut the files), :mod:`.store`
+(build, commit, prune, find checkpoints under a root) and :mod:`.writer` (a state
+server's side: save its shards, restore them). Files are written with
+:func:`cargohold.services.durable.replace_durably`.
+
+A file covers a flat range ``[start, stop)``, and :class:`CheckpointReader` assembles any
+other range from whichever files cover it: how the saving servers cut the space does not
+matter. Where a parameter element sits in the flat space depends on the worker count
+and the grouping, though, so restoring onto another layout reads each new segment's
+elements from their saved positions (:mod:`cargohold.services.reshard`, from the layout
+the manifest's ``extra`` records).
+
+The writer is imported from :mod:`.writer` (it needs the tiers and the shard registry,
+which the launcher and the plan do not).
+"""
+
+from cargohold.services.checkpoint.compat import check_compatible
+from cargohold.services.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileRecord, Manifest, ShardRecord
+from cargohold.services.checkpoint.reader import CheckpointReader, read_flat_range
+from cargohold.services.checkpoint.store import CheckpointStore
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "CheckpointReader",
+    "CheckpointStore",
+    "FileRecord",
+    "Manifest",
+    "ShardRecord",
+    "check_compatible",
+    "read_flat_range",
+]

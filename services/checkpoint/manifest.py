@@ -1,0 +1,255 @@
+"""The manifest of a checkpoint: its schema, JSON form and validation.
+
+The manifest is written last into a checkpoint's directory (:mod:`.store`) and says
+everything needed to find, verify and place the payload: format version, step, run id,
+config hash, model signature, padded length, the shard records (which flat range each
+payload file holds) and the format, size and CRC-32C of every payload file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cargohold.services.durable import TEMP_SUFFIX
+from cargohold.services.errors import CheckpointError
+
+FORMAT_VERSION = 2
+"""Of the manifest. Version 2 added ``files[].format``; version 1 manifests (every file a
+shard file) are still read."""
+READABLE_VERSIONS = (1, 2)
+SHARD_FILE = "shard"
+"""A payload file in the format of :mod:`.payload`, whole-file CRC-32C in the manifest."""
+TIER_PARTITION_FILE = "tier-partition"
+"""An NVMe-tier partition file (:mod:`cargohold.services.tiers.fileformat`), hard-linked
+or copied from the tier or written from RAM; the manifest records its header's CRC-32C,
+which covers the checksums of its arrays."""
+FILE_FORMATS = (SHARD_FILE, TIER_PARTITION_FILE)
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """A payload file as the manifest knows it: its name in the checkpoint directory, its
+    size and the CRC-32C of its whole content."""
+
+    name: str
+    nbytes: int
+    crc32c: int
+    """Of the whole file for a shard file, of the header for a tier partition file."""
+    format: str = SHARD_FILE
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRecord:
+    """The flat range ``[start, stop)`` of the model buffer that ``file`` holds."""
+
+    segment_id: int
+    start: int
+    stop: int
+    step: int
+    file: str
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """Everything needed to find, verify and place a checkpoint's payload.
+
+    Construction validates the fields (types, ranges, no overlapping shards, every shard's
+    file listed, every shard at ``step``) and raises :class:`CheckpointError`.
+    """
+
+    format_version: int
+    step: int
+    run_id: str
+    config_hash: str
+    model_signature: tuple[tuple[str, tuple[int, ...]], ...]
+    """Parameter names and shapes, in layout order."""
+    total: int
+    """Padded length of the flat buffer the checkpoint was saved from."""
+    shards: tuple[ShardRecord, ...]
+    files: tuple[FileRecord, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+    """JSON-able extras: the update count, and the saving layout
+    (:func:`cargohold.services.reshard.layout_extra`: its kind, ``align``, worker and server
+    counts, groups)."""
+
+    def __post_init__(self) -> None:
+        _validate_manifest(self)
+
+    def to_json(self) -> str:
+        body = {
+            "format_version": self.format_version,
+            "step": self.step,
+            "run_id": self.run_id,
+            "config_hash": self.config_hash,
+            "model_signature": [[name, list(shape)] for name, shape in self.model_signature],
+            "total": self.total,
+            "shards": [
+                {"segment_id": s.segment_id, "start": s.start, "stop": s.stop, "step": s.step, "file": s.file}
+                for s in self.shards
+            ],
+            "files": [{"name": f.name, "nbytes": f.nbytes, "crc32c": f.crc32c}
+                      | ({"format": f.format} if self.format_version >= 2 else {}) for f in self.files],
+            "extra": self.extra,
+        }
+        try:
+            return json.dumps(body, indent=1, allow_nan=False) + "\n"
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"manifest extra is not JSON-able: {error}") from error
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str) -> Manifest:
+        """Parse and validate; every error names ``source`` (the manifest's path)."""
+        try:
+            body = json.loads(text)
+        except ValueError as error:
+            raise CheckpointError(f"{source}: not a valid manifest (JSON: {error})") from error
+        try:
+            return cls._from_body(body)
+        except CheckpointError as error:
+            raise CheckpointError(f"{source}: {error}") from error
+
+    @classmethod
+    def _from_body(cls, body: object) -> Manifest:
+        if not isinstance(body, dict):
+            raise CheckpointError(f"the manifest is a JSON {type(body).__name__}, not an object")
+        version = body.get("format_version")
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
+            raise CheckpointError(
+                f"format version {version!r}; this build reads versions {list(READABLE_VERSIONS)}"
+            )
+        keys = {"format_version", "step", "run_id", "config_hash", "model_signature", "total",
+                "shards", "files", "extra"}
+        if set(body) != keys:
+            missing, unknown = sorted(keys - set(body)), sorted(set(body) - keys)
+            raise CheckpointError(f"manifest fields missing {missing}, unknown {unknown}")
+        signature = _list(body["model_signature"], "model_signature")
+        shards = _list(body["shards"], "shards")
+        files = _list(body["files"], "files")
+        extra = body["extra"]
+        if not isinstance(extra, dict):
+            raise CheckpointError("extra must be an object")
+        return cls(
+            format_version=version,
+            step=body["step"],
+            run_id=body["run_id"],
+            config_hash=body["config_hash"],
+            model_signature=tuple(_signature_entry(entry, i) for i, entry in enumerate(signature)),
+            total=body["total"],
+            shards=tuple(ShardRecord(**_record(entry, ShardRecord, f"shards[{i}]"))
+                         for i, entry in enumerate(shards)),
+            files=tuple(FileRecord(**_record(entry, FileRecord, f"files[{i}]",
+                                             without=("format",) if version == 1 else ()))
+                        for i, entry in enumerate(files)),
+            extra=extra,
+        )
+
+
+def _list(value: object, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise CheckpointError(f"{what} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _signature_entry(entry: object, index: int) -> tuple[str, tuple[int, ...]]:
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)):
+        raise CheckpointError(f"model_signature[{index}] must be [name, [dims]], got {entry!r}")
+    return entry[0], tuple(entry[1])
+
+
+def _record(entry: object, kind: type, what: str, without: Sequence[str] = ()) -> dict[str, Any]:
+    names = set(kind.__dataclass_fields__) - set(without)  # type: ignore[attr-defined]
+    if not isinstance(entry, dict) or set(entry) != names:
+        raise CheckpointError(f"{what} must be an object with fields {sorted(names)}, got {entry!r}")
+    return entry
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_name(name: object, what: str) -> None:
+    """A payload file name: one plain path component, not one the store itself uses."""
+    if (not isinstance(name, str) or not name or name in (".", "..", MANIFEST_NAME)
+            or "/" in name or "\\" in name or "\0" in name or name.endswith(TEMP_SUFFIX)):
+        raise CheckpointError(
+            f"{what} {name!r} is not a valid payload file name (one path component, not "
+            f"{MANIFEST_NAME!r}, not ending in {TEMP_SUFFIX!r})"
+        )
+
+
+def _validate_manifest(m: Manifest) -> None:
+    if m.format_version not in READABLE_VERSIONS or not is_int(m.format_version):
+        raise CheckpointError(
+            f"format version {m.format_version!r}; this build knows versions {list(READABLE_VERSIONS)}"
+        )
+    for name in ("step", "total"):
+        value = getattr(m, name)
+        if not is_int(value) or value < 0:
+            raise CheckpointError(f"{name} must be an integer >= 0, got {value!r}")
+    if m.total < 1:
+        raise CheckpointError(f"total must be >= 1, got {m.total}")
+    for name in ("run_id", "config_hash"):
+        if not isinstance(getattr(m, name), str):
+            raise CheckpointError(f"{name} must be a string, got {getattr(m, name)!r}")
+    if not isinstance(m.model_signature, tuple):
+        raise CheckpointError("model_signature must be a tuple of (name, shape)")
+    for index, entry in enumerate(m.model_signature):
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
+                and isinstance(entry[1], tuple) and all(is_int(d) and d >= 0 for d in entry[1])):
+            raise CheckpointError(f"model_signature[{index}] must be (name, shape), got {entry!r}")
+    if not isinstance(m.extra, dict) or not all(isinstance(k, str) for k in m.extra):
+        raise CheckpointError("extra must be a dict with string keys")
+
+    if not isinstance(m.files, tuple) or not all(isinstance(f, FileRecord) for f in m.files):
+        raise CheckpointError("files must be a tuple of FileRecord")
+    names: set[str] = set()
+    for record in m.files:
+        check_name(record.name, "file")
+        if record.name in names:
+            raise CheckpointError(f"file {record.name!r} is listed twice")
+        names.add(record.name)
+        if not is_int(record.nbytes) or record.nbytes < 0:
+            raise CheckpointError(f"file {record.name!r}: nbytes must be an integer >= 0, got {record.nbytes!r}")
+        if not is_int(record.crc32c) or not 0 <= record.crc32c < 1 << 32:
+            raise CheckpointError(f"file {record.name!r}: crc32c must be a 32-bit unsigned integer")
+        allowed = FILE_FORMATS if m.format_version >= 2 else (SHARD_FILE,)
+        if record.format not in allowed:
+            raise CheckpointError(f"file {record.name!r}: format {record.format!r} is not one of {list(allowed)}")
+
+    if not isinstance(m.shards, tuple) or not all(isinstance(s, ShardRecord) for s in m.shards):
+        raise CheckpointError("shards must be a tuple of ShardRecord")
+    for shard in m.shards:
+        where = f"shard {shard.segment_id!r}"
+        if not all(is_int(v) for v in (shard.segment_id, shard.start, shard.stop, shard.step)):
+            raise CheckpointError(f"{where}: segment_id, start, stop and step must be integers")
+        if not 0 <= shard.start < shard.stop <= m.total:
+            raise CheckpointError(f"{where}: range [{shard.start}, {shard.stop}) is empty or outside [0, {m.total})")
+        if shard.step != m.step:
+            raise CheckpointError(f"{where} is at step {shard.step}, the checkpoint at step {m.step}")
+        if not isinstance(shard.file, str) or shard.file not in names:
+            raise CheckpointError(f"{where}: its file {shard.file!r} is not listed in files")
+    ordered = sorted(m.shards, key=lambda s: s.start)
+    for left, right in zip(ordered, ordered[1:]):
+        if right.start < left.stop:
+            raise CheckpointError(
+                f"shards {left.segment_id} [{left.start}, {left.stop}) and {right.segment_id} "
+                f"[{right.start}, {right.stop}) overlap"
+            )
+
+
+def gaps(shards: Iterable[ShardRecord], start: int, stop: int) -> list[tuple[int, int]]:
+    """The parts of ``[start, stop)`` no shard covers (shards do not overlap)."""
+    gaps, cursor = [], start
+    for shard in sorted(shards, key=lambda s: s.start):
+        if shard.stop <= cursor or shard.start >= stop:
+            continue
+        if shard.start > cursor:
+            gaps.append((cursor, shard.start))
+        cursor = shard.stop
+    if cursor < stop:
+        gaps.append((cursor, stop))
+    return gaps
