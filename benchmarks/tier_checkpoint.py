@@ -43,7 +43,9 @@ from cargohold.cluster.config import TierConfig
 from cargohold.services.checkpoint import CheckpointReader, FileRecord, Manifest, ShardRecord
 from cargohold.services.checkpoint.payload import write_shard_file
 from cargohold.services.checkpoint.writer import ShardCheckpointer
+from cargohold.services.layout import build_layout
 from cargohold.services.optim import AdamWHyperParams
+from cargohold.services.reshard import layout_record
 from cargohold.services.shard_state import ShardRegistry, ShardSpec
 from cargohold.services.tiers.residency import Residency
 from cargohold.services.tiers.storage import TieredStorage
@@ -111,7 +113,7 @@ def main() -> None:
         os.makedirs(checkpoints)
         checkpointer = ShardCheckpointer(registry, server_index=0)
         started = time.perf_counter()
-        checkpointer.begin("bench", checkpoints, 3)
+        updates = checkpointer.begin("bench", checkpoints, 3)
         begin = time.perf_counter() - started
         next_step = timed(lambda: state.push(4, gradient, global_norm=1.0, lr=1e-3))
         records: list[tuple[ShardRecord, FileRecord]] = checkpointer.wait()
@@ -119,9 +121,10 @@ def main() -> None:
         how = checkpointer.preserved
         stall = begin + max(0.0, next_step - plain_step)
 
-        manifest = Manifest(format_version=2, step=3, run_id="bench", config_hash="", total=numel,
-                            model_signature=(("flat", (numel,)),), shards=tuple(r for r, _ in records),
-                            files=tuple(f for _, f in records), extra={})
+        flat = (("flat", (numel,)),)
+        manifest = Manifest(step=3, updates=updates, run_id="bench", config_hash="", model_signature=flat,
+                            layout=layout_record(build_layout(flat, num_workers=1, num_servers=1)), total=numel,
+                            shards=tuple(r for r, _ in records), files=tuple(f for _, f in records))
         reader = CheckpointReader(checkpoints, manifest)
         for start in range(0, numel, 16 << 20):
             got = reader.read(start, min(numel, start + (16 << 20)))

@@ -36,6 +36,7 @@ from cargohold.services.checkpoint import (
     MANIFEST_NAME,
     CheckpointStore,
     FileRecord,
+    LayoutRecord,
     Manifest,
     ShardRecord,
     check_compatible,
@@ -46,7 +47,7 @@ from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.errors import CargoholdError, CheckpointError, CorruptCheckpointError
 from cargohold.services.layout import ShardLayout, build_layout, scatter_params
 from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.reshard import layout_extra, saved_layout, segment_runs
+from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.shard_state import ShardRegistry, ShardSpec
 from cargohold.services.tiers.fileformat import ARRAYS, FileLayout
 from cargohold.services.tiers.partitions import elements_per_partition
@@ -72,8 +73,12 @@ def writer_cuts(step: int, total: int = WRITER_TOTAL) -> list[int]:
     return sorted(64 * u for u in random.Random(step).sample(range(1, total // 64), 2))
 
 
-def save(store: CheckpointStore, step: int, data: dict[str, torch.Tensor], cuts: list[int], *,
-         signature: tuple | None = None, extra: dict | None = None) -> Path:
+def flat_layout(total: int) -> LayoutRecord:
+    """The layout record of a model of one flat parameter of ``total`` elements."""
+    return layout_record(build_layout([("flat", (total,))], num_workers=1, num_servers=1, align=1))
+
+
+def save(store: CheckpointStore, step: int, data: dict[str, torch.Tensor], cuts: list[int]) -> Path:
     """A complete save: begin, one payload file per piece between ``cuts``, commit."""
     total = data["master"].numel()
     bounds = [0, *cuts, total]
@@ -85,10 +90,8 @@ def save(store: CheckpointStore, step: int, data: dict[str, torch.Tensor], cuts:
         files.append(record)
         shards.append(ShardRecord(segment_id=index, start=start, stop=stop, step=step, file=record.name))
     manifest = Manifest(
-        format_version=FORMAT_VERSION, step=step, run_id="run-test", config_hash="cfg-0",
-        model_signature=signature if signature is not None else (("flat", (total,)),),
-        total=total, shards=tuple(shards), files=tuple(files),
-        extra=extra if extra is not None else {"data_position": 7 * step},
+        step=step, updates=step - 1, run_id="run-test", config_hash="cfg-0", model_signature=(("flat", (total,)),),
+        layout=flat_layout(total), total=total, shards=tuple(shards), files=tuple(files),
     )
     return store.commit(step, manifest)
 
@@ -138,7 +141,7 @@ def verify_writer_checkpoint(path: Path) -> int:
     its step; returns the step."""
     manifest = CheckpointStore(path.parent).load(path)
     assert path.name == f"step-{manifest.step:010d}"
-    assert manifest.extra == {"data_position": 7 * manifest.step}
+    assert manifest.updates == manifest.step - 1
     assert [s.start for s in manifest.shards][1:] == writer_cuts(manifest.step)
     got = read_flat_range(path, manifest, 0, WRITER_TOTAL)
     expected = random_data(WRITER_TOTAL, manifest.step)
@@ -236,7 +239,7 @@ def test_round_trip_latest_and_arbitrary_ranges(tmp_path: Path) -> None:
     assert store.latest() == path
     assert store.resolve("latest") == path == store.resolve(str(path)) == store.resolve(str(tmp_path / "ckpt"))
     manifest = store.load(path)
-    assert manifest.step == 12 and manifest.extra == {"data_position": 84}
+    assert manifest.step == 12 and manifest.updates == 11
     assert Manifest.from_json(manifest.to_json(), source="x") == manifest
     for start, stop in [(0, 10_000), (999, 1_001), (6_400, 6_400), (3, 9_999), (6_399, 6_401)]:
         got = read_flat_range(path, manifest, start, stop)
@@ -287,8 +290,8 @@ def test_one_file_may_hold_several_shards(tmp_path: Path) -> None:
     high = write_shard_file(directory, "high.bin", step=6, start=600, tensors={k: v[600:] for k, v in data.items()})
     shards = (ShardRecord(0, 0, 256, 6, "low.bin"), ShardRecord(1, 256, 600, 6, "low.bin"),
               ShardRecord(2, 600, 1_000, 6, "high.bin"))
-    path = store.commit(6, Manifest(format_version=FORMAT_VERSION, step=6, run_id="r", config_hash="c",
-                                    model_signature=(), total=1_000, shards=shards, files=(low, high), extra={}))
+    path = store.commit(6, Manifest(step=6, updates=6, run_id="r", config_hash="c", model_signature=(),
+                                    layout=flat_layout(1_000), total=1_000, shards=shards, files=(low, high)))
     manifest = store.load(path)
     for start, stop in [(0, 1_000), (300, 700), (255, 257)]:
         got = read_flat_range(path, manifest, start, stop)
@@ -331,9 +334,9 @@ def _save_layout(store: CheckpointStore, step: int, layout: ShardLayout, data: d
             files.append(record)
             shards.append(ShardRecord(seg.segment_id, seg.start, seg.stop, step, record.name))
     manifest = Manifest(
-        format_version=FORMAT_VERSION, step=step, run_id=RUN, config_hash="cfg",
-        model_signature=tuple((p.name, p.shape) for p in layout.params), total=layout.total,
-        shards=tuple(shards), files=tuple(files), extra={"updates": step, **layout_extra(layout)},
+        step=step, updates=step, run_id=RUN, config_hash="cfg",
+        model_signature=tuple((p.name, p.shape) for p in layout.params), layout=layout_record(layout),
+        total=layout.total, shards=tuple(shards), files=tuple(files),
     )
     return store.commit(step, manifest)
 
@@ -348,7 +351,7 @@ def _restore(path: Path, target: ShardLayout, server: int, registry: ShardRegist
                          grad_dtype="float32", hyper=AdamWHyperParams()),
                segment_runs(saved, target, seg))
               for seg in target.segments_of_server(server)]
-    ShardCheckpointer(registry, server).restore(str(path), manifest, shards, manifest.extra["updates"])
+    ShardCheckpointer(registry, server).restore(str(path), manifest, shards)
 
 
 def _small_partitions(root: Path) -> TierConfig:
@@ -417,14 +420,26 @@ def test_a_server_reads_only_the_files_its_segments_need(tmp_path: Path) -> None
         _restore(path, target, other, ShardRegistry(TieredStorage(None)))
 
 
-def test_a_checkpoint_of_the_parameter_ordered_layout_is_refused(tmp_path: Path) -> None:
+def test_a_checkpoint_of_an_earlier_format_is_refused(tmp_path: Path) -> None:
+    """Manifests before version 3 kept the update count and the layout in ``extra``
+    (version 1 and 2 with the worker-major layout, earlier ones with none: the former
+    parameter-ordered flat space). They are refused naming the manifest, never deleted."""
+    store = CheckpointStore(tmp_path)
     layout = _layout(2, 1)
-    path = _save_layout(CheckpointStore(tmp_path), 3, layout, random_data(layout.total, 3))
+    path = _save_layout(store, 3, layout, random_data(layout.total, 3))
     body = json.loads((path / MANIFEST_NAME).read_text())
-    del body["extra"]["layout"], body["extra"]["group_sizes"], body["extra"]["group_names"]
-    (path / MANIFEST_NAME).write_text(json.dumps(body))
-    with pytest.raises(CheckpointError, match=rf"{path / MANIFEST_NAME}: .*former parameter-ordered flat layout"):
-        _restore(path, layout, 0, ShardRegistry(TieredStorage(None)))
+    layout_body = body.pop("layout")
+    body["extra"] = {"updates": body.pop("updates"), "layout": layout_body.pop("kind"), **layout_body}
+    for version in (2, 1):
+        body["format_version"] = version
+        (path / MANIFEST_NAME).write_text(json.dumps(body))
+        with pytest.raises(CheckpointError, match=rf"{path / MANIFEST_NAME}: format version {version} is no longer "
+                                                  "readable: this build reads version 3 only"):
+            _restore(path, layout, 0, ShardRegistry(TieredStorage(None)))
+        assert store.latest() is None
+        with pytest.raises(CheckpointError, match="no longer readable"):
+            store.resolve(str(path))
+    assert len(list(path.iterdir())) == 1 + len(body["files"]), "the refused checkpoint's files are all there"
 
 
 def test_a_gap_in_the_shards_is_named(tmp_path: Path) -> None:
@@ -611,18 +626,49 @@ def test_a_truncated_file_is_caught_and_skipped_by_latest(tmp_path: Path) -> Non
         assert store.latest() == older
 
 
-@pytest.mark.parametrize("damage", ["garbage", "version", "missing field", "bad type", "overlap"])
+BAD_FIELDS = {
+    "updates above step": ("updates", 3, r"updates must be an integer from 0 to step \(2\).*got 3"),
+    "negative updates": ("updates", -1, r"updates must be an integer from 0 to step \(2\).*got -1"),
+    "updates not an integer": ("updates", "2", r"updates must be an integer .*got '2'"),
+    "align not an integer": ("layout.align", 1.5, r"layout\.align must be an integer >= 1, got 1\.5"),
+    "align zero": ("layout.align", 0, r"layout\.align must be an integer >= 1, got 0"),
+    "layout kind": ("layout.kind", "worker-major-v9", r"layout\.kind is 'worker-major-v9'; this build reads "
+                                                      r"'worker-major-v1'"),
+    "layout workers": ("layout.num_workers", True, r"layout\.num_workers must be an integer >= 1, got True"),
+    "layout groups": ("layout.group_sizes", "1", r"layout\.group_sizes must be a list, got str"),
+    "layout names": ("layout.group_names", [1], r"layout\.group_names must be a list of strings, got \[1\]"),
+    "layout missing": ("layout", None, r"missing \['layout'\]"),
+    "layout not an object": ("layout", [], r"layout must be an object with fields \['align', 'group_names', "),
+    "layout field missing": ("layout.align", None, r"layout must be an object with fields \['align', "),
+}
+
+
+@pytest.mark.parametrize("damage", ["garbage", "version", "missing field", "bad type", "overlap", *BAD_FIELDS])
 def test_a_bad_manifest_is_refused_naming_it(tmp_path: Path, damage: str) -> None:
+    """Refused naming the manifest and the field, and nothing already saved is lost: the
+    previous checkpoint is the latest, and the refused one's files stay as they were."""
     store = CheckpointStore(tmp_path)
     older = save(store, 1, random_data(1_000, 1), [500])
     newer = save(store, 2, random_data(1_000, 2), [500])
     source = newer / MANIFEST_NAME
     body = json.loads(source.read_text())
+    saved = {p.name: p.read_bytes() for p in newer.iterdir() if p.name != MANIFEST_NAME}
     if damage == "garbage":
         text, reason = '{"format_version": 1, "step": 2,', "not a valid manifest"
+    elif damage in BAD_FIELDS:
+        field, value, reason = BAD_FIELDS[damage]
+        *parents, name = field.split(".")
+        where = body
+        for parent in parents:
+            where = where[parent]
+        if value is None:
+            del where[name]
+        else:
+            where[name] = value
+        text = json.dumps(body)
     else:
         if damage == "version":
-            body["format_version"], reason = FORMAT_VERSION + 1, r"format version 3; this build reads versions \[1, 2\]"
+            body["format_version"], reason = FORMAT_VERSION + 1, "format version 4; this build reads version 3"
         elif damage == "missing field":
             del body["config_hash"]
             reason = r"missing \['config_hash'\]"
@@ -638,6 +684,8 @@ def test_a_bad_manifest_is_refused_naming_it(tmp_path: Path, damage: str) -> Non
     assert store.latest() == older
     with pytest.raises(CheckpointError, match=MANIFEST_NAME):
         store.resolve(str(newer))
+    assert {p.name: p.read_bytes() for p in newer.iterdir() if p.name != MANIFEST_NAME} == saved
+    assert torch.equal(read_flat_range(older, store.load(older), 0, 1_000)["master"], random_data(1_000, 1)["master"])
 
 
 # ----------------------------------------------------------------------------- disk full
@@ -684,9 +732,9 @@ def test_disk_full_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path: Pa
         directory = store.begin(3)
         record = write_shard_file(directory, "seg-00000.bin", step=3, start=0, tensors=random_data(1_024, 3))
         filler = _fill(mountpoint)
-        manifest = Manifest(format_version=FORMAT_VERSION, step=3, run_id="r", config_hash="c",
-                            model_signature=(("flat", (1_024,)),), total=1_024,
-                            shards=(ShardRecord(0, 0, 1_024, 3, record.name),), files=(record,), extra={})
+        manifest = Manifest(step=3, updates=3, run_id="r", config_hash="c", model_signature=(("flat", (1_024,)),),
+                            layout=flat_layout(1_024), total=1_024,
+                            shards=(ShardRecord(0, 0, 1_024, 3, record.name),), files=(record,))
         with pytest.raises(CheckpointError, match=rf"{MANIFEST_NAME} failed: {full}"):
             store.commit(3, manifest)
         assert not directory.exists()
@@ -760,6 +808,5 @@ def test_errors_are_cargohold_errors() -> None:
     assert issubclass(CorruptCheckpointError, CheckpointError)
     assert issubclass(CheckpointError, CargoholdError)
     with pytest.raises(CheckpointError, match="covers no shard|not listed"):
-        Manifest(format_version=FORMAT_VERSION, step=1, run_id="r", config_hash="c",
-                 model_signature=(), total=10, shards=(ShardRecord(0, 0, 10, 1, "a.bin"),),
-                 files=(FileRecord("b.bin", 0, 0),), extra={})
+        Manifest(step=1, updates=1, run_id="r", config_hash="c", model_signature=(), layout=flat_layout(10),
+                 total=10, shards=(ShardRecord(0, 0, 10, 1, "a.bin"),), files=(FileRecord("b.bin", 0, 0),))

@@ -27,13 +27,15 @@ import pytest
 import torch
 
 from cargohold.cluster.config import TierConfig
-from cargohold.services.checkpoint import FORMAT_VERSION, CheckpointStore, Manifest, read_flat_range
+from cargohold.services.checkpoint import CheckpointStore, Manifest, read_flat_range
 from cargohold.services.checkpoint.manifest import TIER_PARTITION_FILE
 from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.errors import CheckpointError, CorruptCheckpointError
+from cargohold.services.layout import build_layout
 from cargohold.services.optim import AdamWHyperParams
+from cargohold.services.reshard import layout_record
 from cargohold.services.shard_state import ShardRegistry, ShardSpec
-from cargohold.services.tiers.fileformat import HEADER_BYTES, FileLayout
+from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.storage import TieredStorage
 from system import mounted_tmpfs, run_measured
@@ -50,7 +52,8 @@ TOTAL = SHARDS * NUMEL
 BUFFER_BYTES = FileLayout(PER_PARTITION).file_bytes
 LR = 1e-2
 NORM = 2.0  # > max_grad_norm: clipping is active
-ARRAYS = ("master", "exp_avg", "exp_avg_sq")
+FLAT = (("flat", (TOTAL,)),)
+"""The model signature of the checkpoints: one flat parameter."""
 
 
 def _tier(root: Path, **changes: object) -> TierConfig:
@@ -104,10 +107,10 @@ def _checkpoint(store: CheckpointStore, registry: ShardRegistry, step: int) -> t
     except CheckpointError:
         store.abort(step)
         raise
-    manifest = Manifest(format_version=FORMAT_VERSION, step=step, run_id=RUN, config_hash="cfg",
-                        model_signature=(("flat", (TOTAL,)),), total=TOTAL,
+    manifest = Manifest(step=step, updates=update, run_id=RUN, config_hash="cfg", model_signature=FLAT,
+                        layout=layout_record(build_layout(FLAT, num_workers=1, num_servers=1, align=1)), total=TOTAL,
                         shards=tuple(sorted((r for r, _ in records), key=lambda r: r.start)),
-                        files=tuple(f for _, f in records), extra={"updates": update})
+                        files=tuple(f for _, f in records))
     return store.commit(step, manifest), checkpointer.preserved
 
 
@@ -180,7 +183,7 @@ def test_a_tier_checkpoint_restores_and_continues_bitwise(tmp_path: Path, target
             "all-in-ram": None}[target]
     restored = ShardRegistry(TieredStorage(tier))
     try:
-        ShardCheckpointer(restored, server_index=0).restore(str(path), store.load(path), _whole(), update=3)
+        ShardCheckpointer(restored, server_index=0).restore(str(path), store.load(path), _whole())
         assert all(restored.get(RUN, s.shard_id).step == 3 for s in _specs())
         if tier is not None:
             assert _disk_rows(restored), "the restored state is back on disk"
@@ -325,9 +328,11 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         torch.set_num_threads(1)
         from pathlib import Path
         from cargohold.cluster.config import TierConfig
-        from cargohold.services.checkpoint import FORMAT_VERSION, CheckpointStore, Manifest
+        from cargohold.services.checkpoint import CheckpointStore, Manifest
         from cargohold.services.checkpoint.writer import ShardCheckpointer
+        from cargohold.services.layout import build_layout
         from cargohold.services.optim import AdamWHyperParams
+        from cargohold.services.reshard import layout_record
         from cargohold.services.shard_state import ShardRegistry, ShardSpec
         from cargohold.services.tiers.storage import TieredStorage
         from system import proc_status, reset_peak_rss
@@ -347,15 +352,17 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         checkpointer = ShardCheckpointer(saving, 0)
         checkpointer.begin("rss", str(store.begin(1)), 1)
         records = checkpointer.wait()
-        path = store.commit(1, Manifest(format_version=FORMAT_VERSION, step=1, run_id="rss", config_hash="",
-                                        model_signature=(("flat", (N,)),), total=N,
-                                        shards=tuple(r for r, _ in records), files=tuple(f for _, f in records)))
+        flat = (("flat", (N,)),)
+        path = store.commit(1, Manifest(step=1, updates=1, run_id="rss", config_hash="", model_signature=flat,
+                                        layout=layout_record(build_layout(flat, num_workers=1, num_servers=1)),
+                                        total=N, shards=tuple(r for r, _ in records),
+                                        files=tuple(f for _, f in records)))
         saving.close()
         del state, saving
         restoring = ShardRegistry(TieredStorage(tier(root + "/b")))
         manifest = store.load(path)
         base = reset_peak_rss()
-        ShardCheckpointer(restoring, 0).restore(str(path), manifest, [(spec, ((0, 0, N),))], 1)
+        ShardCheckpointer(restoring, 0).restore(str(path), manifest, [(spec, ((0, 0, N),))])
         growth = proc_status("VmHWM") - base
         got = restoring.get("rss", 0).snapshot()
         same = all(torch.equal(got[k], expected[k]) for k in expected)
@@ -439,7 +446,7 @@ def crash_writer(root: str, tier_root: str) -> None:
     else:
         manifest = store.load(latest)
         registry, step = ShardRegistry(TieredStorage(_tier(Path(tier_root)))), manifest.step
-        ShardCheckpointer(registry, server_index=0).restore(str(latest), manifest, _whole(), manifest.extra["updates"])
+        ShardCheckpointer(registry, server_index=0).restore(str(latest), manifest, _whole())
     print("ready", flush=True)
     while True:
         step += 1

@@ -21,14 +21,21 @@ other range from whichever files cover it: how the saving servers cut the space 
 matter. Where a parameter element sits in the flat space depends on the worker count
 and the grouping, though, so restoring onto another layout reads each new segment's
 elements from their saved positions (:mod:`cargohold.services.reshard`, from the layout
-the manifest's ``extra`` records).
+the manifest's ``layout`` records).
 
 The writer is imported from :mod:`.writer` (it needs the tiers and the shard registry,
 which the launcher and the plan do not).
 """
 
 from cargohold.services.checkpoint.compat import check_compatible
-from cargohold.services.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileRecord, Manifest, ShardRecord
+from cargohold.services.checkpoint.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    FileRecord,
+    LayoutRecord,
+    Manifest,
+    ShardRecord,
+)
 from cargohold.services.checkpoint.reader import CheckpointReader, read_flat_range
 from cargohold.services.checkpoint.store import CheckpointStore
 
@@ -38,6 +45,7 @@ __all__ = [
     "CheckpointReader",
     "CheckpointStore",
     "FileRecord",
+    "LayoutRecord",
     "Manifest",
     "ShardRecord",
     "check_compatible",

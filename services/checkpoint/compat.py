@@ -19,7 +19,7 @@ def check_compatible(
 
     Parameters are matched by name: the checkpoint may list them in another order (its
     layout grouped them otherwise), and any worker or server count restores. The
-    alignment recorded in ``manifest.extra["align"]`` must be ``align``.
+    alignment the manifest's layout records must be ``align``.
     """
     theirs = _shape_map(manifest.model_signature, "the checkpoint")
     ours = _shape_map(model_signature, "this model")
@@ -40,7 +40,7 @@ def check_compatible(
                 f"checkpoint is of another model: only this model has parameter {name!r} of shape "
                 f"{shape} ({len(theirs)} parameters in the checkpoint, {len(ours)} in this model)"
             )
-    saved_align = manifest.extra.get("align")
+    saved_align = manifest.layout.align
     if saved_align != align:
         raise CheckpointError(
             f"checkpoint is of another layout: it was saved with align {saved_align}, this run uses {align}"

@@ -1,25 +1,27 @@
 """The manifest of a checkpoint: its schema, JSON form and validation.
 
-The manifest is written last into a checkpoint's directory (:mod:`.store`) and says
-everything needed to find, verify and place the payload: format version, step, run id,
-config hash, model signature, padded length, the shard records (which flat range each
-payload file holds) and the format, size and CRC-32C of every payload file.
+The manifest is written last into a checkpoint's directory (:mod:`.store`) and holds
+everything needed to find, verify and place the payload, and to resume from it: the data
+step and the update count, the run id, the config hash, the model signature, the layout
+that saved the flat space, its padded length, the shard records (which flat range each
+payload file holds) and the format, size and CRC-32C of every payload file. Every field
+is typed and validated on construction, so a manifest read from disk is refused, naming
+the field and the file, before anything of it is used.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from cargohold.services.durable import TEMP_SUFFIX
 from cargohold.services.errors import CheckpointError
 
-FORMAT_VERSION = 2
-"""Of the manifest. Version 2 added ``files[].format``; version 1 manifests (every file a
-shard file) are still read."""
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+"""Of the manifest. Version 3 replaced the untyped ``extra`` object by the typed fields
+``updates`` and ``layout``; manifests of earlier versions are refused."""
 SHARD_FILE = "shard"
 """A payload file in the format of :mod:`.payload`, whole-file CRC-32C in the manifest."""
 TIER_PARTITION_FILE = "tier-partition"
@@ -28,6 +30,9 @@ or copied from the tier or written from RAM; the manifest records its header's C
 which covers the checksums of its arrays."""
 FILE_FORMATS = (SHARD_FILE, TIER_PARTITION_FILE)
 MANIFEST_NAME = "manifest.json"
+LAYOUT_KIND = "worker-major-v1"
+"""``layout.kind`` of a checkpoint whose flat space is worker-major
+(:mod:`cargohold.services.layout`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,55 +55,97 @@ class ShardRecord:
     start: int
     stop: int
     step: int
+    """The checkpoint's data step (the manifest's ``step``)."""
     file: str
 
 
 @dataclass(frozen=True, slots=True)
+class LayoutRecord:
+    """What placed the parameters in the saved flat space, besides the model signature:
+    :func:`cargohold.services.reshard.saved_layout` rebuilds the layout from it.
+    Construction checks the types; whether the numbers rebuild a layout of the manifest's
+    ``total`` is checked when they are used."""
+
+    kind: str
+    """:data:`LAYOUT_KIND`."""
+    align: int
+    """Elements every slot starts at a multiple of (a checkpoint restores only onto the
+    same alignment, :func:`.compat.check_compatible`)."""
+    num_workers: int
+    num_servers: int
+    group_sizes: tuple[int, ...]
+    """Parameters per FSDP2 unit, in layout order."""
+    group_names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.kind != LAYOUT_KIND:
+            raise CheckpointError(f"layout.kind is {self.kind!r}; this build reads {LAYOUT_KIND!r}")
+        for name in ("align", "num_workers", "num_servers"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise CheckpointError(f"layout.{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.group_sizes, tuple) and all(is_int(n) and n >= 0 for n in self.group_sizes)):
+            raise CheckpointError(f"layout.group_sizes must be a list of integers >= 0, got {_shown(self.group_sizes)}")
+        if not (isinstance(self.group_names, tuple) and all(isinstance(n, str) for n in self.group_names)):
+            raise CheckpointError(f"layout.group_names must be a list of strings, got {_shown(self.group_names)}")
+
+    def to_body(self) -> dict[str, Any]:
+        return {"kind": self.kind, "align": self.align, "num_workers": self.num_workers,
+                "num_servers": self.num_servers, "group_sizes": list(self.group_sizes),
+                "group_names": list(self.group_names)}
+
+    @classmethod
+    def from_body(cls, body: object) -> LayoutRecord:
+        entry = _record(body, cls, "layout")
+        return cls(**{**entry, "group_sizes": tuple(_list(entry["group_sizes"], "layout.group_sizes")),
+                      "group_names": tuple(_list(entry["group_names"], "layout.group_names"))})
+
+
+@dataclass(frozen=True, slots=True)
 class Manifest:
-    """Everything needed to find, verify and place a checkpoint's payload.
+    """Everything needed to find, verify and place a checkpoint's payload and to resume.
 
     Construction validates the fields (types, ranges, no overlapping shards, every shard's
-    file listed, every shard at ``step``) and raises :class:`CheckpointError`.
+    file listed, every shard at ``step``) and raises :class:`CheckpointError` naming the
+    field.
     """
 
-    format_version: int
     step: int
+    """The data step: batches consumed; training resumes with step ``step + 1``."""
+    updates: int
+    """Optimizer updates applied: ``step`` less the steps skipped for non-finite
+    gradients. Every payload file holds the state after this many updates."""
     run_id: str
     config_hash: str
     model_signature: tuple[tuple[str, tuple[int, ...]], ...]
     """Parameter names and shapes, in layout order."""
+    layout: LayoutRecord
     total: int
     """Padded length of the flat buffer the checkpoint was saved from."""
     shards: tuple[ShardRecord, ...]
     files: tuple[FileRecord, ...]
-    extra: dict[str, Any] = field(default_factory=dict)
-    """JSON-able extras: the update count, and the saving layout
-    (:func:`cargohold.services.reshard.layout_extra`: its kind, ``align``, worker and server
-    counts, groups)."""
 
     def __post_init__(self) -> None:
         _validate_manifest(self)
 
     def to_json(self) -> str:
         body = {
-            "format_version": self.format_version,
+            "format_version": FORMAT_VERSION,
             "step": self.step,
+            "updates": self.updates,
             "run_id": self.run_id,
             "config_hash": self.config_hash,
             "model_signature": [[name, list(shape)] for name, shape in self.model_signature],
+            "layout": self.layout.to_body(),
             "total": self.total,
             "shards": [
                 {"segment_id": s.segment_id, "start": s.start, "stop": s.stop, "step": s.step, "file": s.file}
                 for s in self.shards
             ],
-            "files": [{"name": f.name, "nbytes": f.nbytes, "crc32c": f.crc32c}
-                      | ({"format": f.format} if self.format_version >= 2 else {}) for f in self.files],
-            "extra": self.extra,
+            "files": [{"name": f.name, "nbytes": f.nbytes, "crc32c": f.crc32c, "format": f.format}
+                      for f in self.files],
         }
-        try:
-            return json.dumps(body, indent=1, allow_nan=False) + "\n"
-        except (TypeError, ValueError) as error:
-            raise CheckpointError(f"manifest extra is not JSON-able: {error}") from error
+        return json.dumps(body, indent=1, allow_nan=False) + "\n"
 
     @classmethod
     def from_json(cls, text: str, *, source: str) -> Manifest:
@@ -117,35 +164,37 @@ class Manifest:
         if not isinstance(body, dict):
             raise CheckpointError(f"the manifest is a JSON {type(body).__name__}, not an object")
         version = body.get("format_version")
-        if version not in READABLE_VERSIONS or isinstance(version, bool):
+        if is_int(version) and 1 <= version < FORMAT_VERSION:
             raise CheckpointError(
-                f"format version {version!r}; this build reads versions {list(READABLE_VERSIONS)}"
+                f"format version {version} is no longer readable: this build reads version {FORMAT_VERSION} "
+                "only (start the run afresh, or finish it with the cargohold version that wrote it)"
             )
-        keys = {"format_version", "step", "run_id", "config_hash", "model_signature", "total",
-                "shards", "files", "extra"}
+        if version != FORMAT_VERSION or not is_int(version):
+            raise CheckpointError(f"format version {version!r}; this build reads version {FORMAT_VERSION}")
+        keys = {"format_version", *(f for f in cls.__dataclass_fields__)}  # type: ignore[attr-defined]
         if set(body) != keys:
             missing, unknown = sorted(keys - set(body)), sorted(set(body) - keys)
             raise CheckpointError(f"manifest fields missing {missing}, unknown {unknown}")
         signature = _list(body["model_signature"], "model_signature")
         shards = _list(body["shards"], "shards")
         files = _list(body["files"], "files")
-        extra = body["extra"]
-        if not isinstance(extra, dict):
-            raise CheckpointError("extra must be an object")
         return cls(
-            format_version=version,
             step=body["step"],
+            updates=body["updates"],
             run_id=body["run_id"],
             config_hash=body["config_hash"],
             model_signature=tuple(_signature_entry(entry, i) for i, entry in enumerate(signature)),
+            layout=LayoutRecord.from_body(body["layout"]),
             total=body["total"],
             shards=tuple(ShardRecord(**_record(entry, ShardRecord, f"shards[{i}]"))
                          for i, entry in enumerate(shards)),
-            files=tuple(FileRecord(**_record(entry, FileRecord, f"files[{i}]",
-                                             without=("format",) if version == 1 else ()))
-                        for i, entry in enumerate(files)),
-            extra=extra,
+            files=tuple(FileRecord(**_record(entry, FileRecord, f"files[{i}]")) for i, entry in enumerate(files)),
         )
+
+
+def _shown(value: object) -> str:
+    """``value`` as the JSON it came from would show it (tuples are lists there)."""
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)
 
 
 def _list(value: object, what: str) -> list[Any]:
@@ -160,8 +209,8 @@ def _signature_entry(entry: object, index: int) -> tuple[str, tuple[int, ...]]:
     return entry[0], tuple(entry[1])
 
 
-def _record(entry: object, kind: type, what: str, without: Sequence[str] = ()) -> dict[str, Any]:
-    names = set(kind.__dataclass_fields__) - set(without)  # type: ignore[attr-defined]
+def _record(entry: object, kind: type, what: str) -> dict[str, Any]:
+    names = set(kind.__dataclass_fields__)  # type: ignore[attr-defined]
     if not isinstance(entry, dict) or set(entry) != names:
         raise CheckpointError(f"{what} must be an object with fields {sorted(names)}, got {entry!r}")
     return entry
@@ -182,16 +231,17 @@ def check_name(name: object, what: str) -> None:
 
 
 def _validate_manifest(m: Manifest) -> None:
-    if m.format_version not in READABLE_VERSIONS or not is_int(m.format_version):
-        raise CheckpointError(
-            f"format version {m.format_version!r}; this build knows versions {list(READABLE_VERSIONS)}"
-        )
     for name in ("step", "total"):
         value = getattr(m, name)
         if not is_int(value) or value < 0:
             raise CheckpointError(f"{name} must be an integer >= 0, got {value!r}")
     if m.total < 1:
         raise CheckpointError(f"total must be >= 1, got {m.total}")
+    if not is_int(m.updates) or not 0 <= m.updates <= m.step:
+        raise CheckpointError(
+            f"updates must be an integer from 0 to step ({m.step}), the optimizer updates of those data steps; "
+            f"got {m.updates!r}"
+        )
     for name in ("run_id", "config_hash"):
         if not isinstance(getattr(m, name), str):
             raise CheckpointError(f"{name} must be a string, got {getattr(m, name)!r}")
@@ -201,8 +251,8 @@ def _validate_manifest(m: Manifest) -> None:
         if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
                 and isinstance(entry[1], tuple) and all(is_int(d) and d >= 0 for d in entry[1])):
             raise CheckpointError(f"model_signature[{index}] must be (name, shape), got {entry!r}")
-    if not isinstance(m.extra, dict) or not all(isinstance(k, str) for k in m.extra):
-        raise CheckpointError("extra must be a dict with string keys")
+    if not isinstance(m.layout, LayoutRecord):
+        raise CheckpointError(f"layout must be a LayoutRecord, got {type(m.layout).__name__}")
 
     if not isinstance(m.files, tuple) or not all(isinstance(f, FileRecord) for f in m.files):
         raise CheckpointError("files must be a tuple of FileRecord")
@@ -216,9 +266,8 @@ def _validate_manifest(m: Manifest) -> None:
             raise CheckpointError(f"file {record.name!r}: nbytes must be an integer >= 0, got {record.nbytes!r}")
         if not is_int(record.crc32c) or not 0 <= record.crc32c < 1 << 32:
             raise CheckpointError(f"file {record.name!r}: crc32c must be a 32-bit unsigned integer")
-        allowed = FILE_FORMATS if m.format_version >= 2 else (SHARD_FILE,)
-        if record.format not in allowed:
-            raise CheckpointError(f"file {record.name!r}: format {record.format!r} is not one of {list(allowed)}")
+        if record.format not in FILE_FORMATS:
+            raise CheckpointError(f"file {record.name!r}: format {record.format!r} is not one of {list(FILE_FORMATS)}")
 
     if not isinstance(m.shards, tuple) or not all(isinstance(s, ShardRecord) for s in m.shards):
         raise CheckpointError("shards must be a tuple of ShardRecord")

@@ -158,9 +158,9 @@ class ShardCheckpointer:
         else:
             self._result = finish()
 
-    def restore(self, directory: str, manifest: Manifest, shards: Sequence[tuple[ShardSpec, Sequence[Run]]],
-                update: int) -> None:
-        """Register each spec with the state the checkpoint holds for it: its ``runs``
+    def restore(self, directory: str, manifest: Manifest, shards: Sequence[tuple[ShardSpec, Sequence[Run]]]) -> None:
+        """Register each spec with the state the checkpoint holds for it, at its update
+        count (``manifest.updates``): its ``runs``
         (:func:`~cargohold.services.reshard.segment_runs`) say which saved flat elements
         fill which of its elements; the rest (padding) is zero. Read a partition at a
         time, so a restore stays within the tiers' memory."""
@@ -187,7 +187,7 @@ class ShardCheckpointer:
                                 out={k: v[first - lo : stop - lo] for k, v in piece.items()})
                 return piece["master"], (piece["exp_avg"], piece["exp_avg_sq"])
 
-            self._registry.restore(spec, source, update)
+            self._registry.restore(spec, source, manifest.updates)
 
 
 def _cancel(parts: Iterable[PreservedPartition]) -> None:
