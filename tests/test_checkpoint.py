@@ -1,6 +1,8 @@
 """The checkpoint format on real files: round trips under any cut, restoring onto other
 worker and server counts, the manifest-last rule, crash consistency under SIGKILL,
-corruption, a full disk, and the model check.
+corruption, a full disk, and the model check. The checkpoints are written as state
+servers write them (:class:`ShardCheckpointer`, here all in RAM) and committed as the
+launcher commits them.
 
 The crash tests kill writer processes. Starting Python with torch costs seconds, so one
 helper process (the "zygote") imports everything once and forks a writer per trial; the
@@ -18,6 +20,7 @@ import resource
 import shutil
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -42,16 +45,15 @@ from cargohold.services.checkpoint import (
     check_compatible,
     read_flat_range,
 )
-from cargohold.services.checkpoint.payload import read_shard_file, write_shard_file
-from cargohold.services.checkpoint.writer import ShardCheckpointer
+from cargohold.services.checkpoint.writer import Records, ShardCheckpointer
 from cargohold.services.errors import CargoholdError, CheckpointError, CorruptCheckpointError
 from cargohold.services.layout import ShardLayout, build_layout, scatter_params
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.shard_state import ShardRegistry, ShardSpec
-from cargohold.services.tiers.fileformat import ARRAYS, FileLayout
+from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout
 from cargohold.services.tiers.partitions import elements_per_partition
-from cargohold.services.tiers.storage import TieredStorage
+from cargohold.services.tiers.storage import TieredStorage, tensor_source
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,22 +80,41 @@ def flat_layout(total: int) -> LayoutRecord:
     return layout_record(build_layout([("flat", (total,))], num_workers=1, num_servers=1, align=1))
 
 
+def write_segments(directory: Path, step: int, updates: int, data: dict[str, torch.Tensor],
+                   segments: list[tuple[int, int, int]], *, run: str = "run-test", server: int = 0) -> Records:
+    """What a state server holding ``segments`` ((id, start, stop) of the flat buffer
+    ``data``) at update ``updates`` writes into ``directory`` for a checkpoint of ``step``."""
+    registry = ShardRegistry(TieredStorage(None))
+    try:
+        for segment_id, start, stop in segments:
+            spec = ShardSpec(run_id=run, shard_id=segment_id, start=start, numel=stop - start,
+                             fragments=((0, stop - start),), grad_dtype="float32", hyper=AdamWHyperParams())
+            moments = (data["exp_avg"][start:stop], data["exp_avg_sq"][start:stop])
+            registry.restore(spec, tensor_source(data["master"][start:stop], moments), updates)
+        checkpointer = ShardCheckpointer(registry, server)
+        checkpointer.begin(run, str(directory), step)
+        return checkpointer.wait()
+    finally:
+        registry.close()
+
+
+def flat_manifest(step: int, updates: int, total: int, records: Records) -> Manifest:
+    """The manifest of a model of one flat parameter of ``total`` elements."""
+    return Manifest(
+        step=step, updates=updates, run_id="run-test", config_hash="cfg-0", model_signature=(("flat", (total,)),),
+        layout=flat_layout(total), total=total, shards=tuple(sorted((r for r, _ in records), key=lambda r: r.start)),
+        files=tuple(f for _, f in records),
+    )
+
+
 def save(store: CheckpointStore, step: int, data: dict[str, torch.Tensor], cuts: list[int]) -> Path:
-    """A complete save: begin, one payload file per piece between ``cuts``, commit."""
+    """A complete save: begin, one payload file per piece between ``cuts`` (a segment at
+    update ``step - 1``: one step was skipped), commit."""
     total = data["master"].numel()
     bounds = [0, *cuts, total]
-    directory = store.begin(step)
-    files, shards = [], []
-    for index, (start, stop) in enumerate(zip(bounds, bounds[1:])):
-        record = write_shard_file(directory, f"seg-{index:05d}.bin", step=step, start=start,
-                                  tensors={k: v[start:stop] for k, v in data.items()})
-        files.append(record)
-        shards.append(ShardRecord(segment_id=index, start=start, stop=stop, step=step, file=record.name))
-    manifest = Manifest(
-        step=step, updates=step - 1, run_id="run-test", config_hash="cfg-0", model_signature=(("flat", (total,)),),
-        layout=flat_layout(total), total=total, shards=tuple(shards), files=tuple(files),
-    )
-    return store.commit(step, manifest)
+    segments = [(index, start, stop) for index, (start, stop) in enumerate(zip(bounds, bounds[1:]))]
+    records = write_segments(store.begin(step), step, step - 1, data, segments)
+    return store.commit(step, flat_manifest(step, step - 1, total, records))
 
 
 def save_writer_step(store: CheckpointStore, step: int) -> Path:
@@ -247,9 +268,13 @@ def test_round_trip_latest_and_arbitrary_ranges(tmp_path: Path) -> None:
             assert torch.equal(got[name], data[name][start:stop]), (name, start, stop)
     with pytest.raises(CheckpointError, match=r"\[9999, 10001\) is not a range inside .*\[0, 10000\)"):
         read_flat_range(path, manifest, 9_999, 10_001)
-    step, start, tensors = read_shard_file(path / "seg-00001.bin", manifest.files[1])
-    assert (step, start) == (12, 1_000)
-    assert all(torch.equal(tensors[n], data[n][1_000:6_400]) for n in ARRAYS)
+    assert [(s.start, s.stop) for s in manifest.shards] == [(0, 1_000), (1_000, 6_400), (6_400, 10_000)]
+    middle = manifest.shards[1].file
+    for record in manifest.files:  # the middle file alone holds its range
+        if record.name != middle:
+            (path / record.name).unlink()
+    got = read_flat_range(path, manifest, 1_000, 6_400)
+    assert all(torch.equal(got[n], data[n][1_000:6_400]) for n in ARRAYS)
 
 
 @st.composite
@@ -281,26 +306,25 @@ def test_any_write_cut_reads_back_under_any_read_cut(case: tuple[int, list[int],
             assert torch.equal(torch.cat([p[name] for p in pieces]), data[name])
 
 
-def test_one_file_may_hold_several_shards(tmp_path: Path) -> None:
-    """A server may write adjacent segments as one file; each shard names its sub-range."""
+def test_a_file_holds_exactly_one_shard(tmp_path: Path) -> None:
+    """A partition file holds one shard's range: a manifest that names a file from two
+    shards, or lists one no shard names, is refused; a shard put in another shard's file
+    is corruption, named."""
     store = CheckpointStore(tmp_path)
     data = random_data(1_000, seed=9)
-    directory = store.begin(6)
-    low = write_shard_file(directory, "low.bin", step=6, start=0, tensors={k: v[:600] for k, v in data.items()})
-    high = write_shard_file(directory, "high.bin", step=6, start=600, tensors={k: v[600:] for k, v in data.items()})
-    shards = (ShardRecord(0, 0, 256, 6, "low.bin"), ShardRecord(1, 256, 600, 6, "low.bin"),
-              ShardRecord(2, 600, 1_000, 6, "high.bin"))
-    path = store.commit(6, Manifest(step=6, updates=6, run_id="r", config_hash="c", model_signature=(),
-                                    layout=flat_layout(1_000), total=1_000, shards=shards, files=(low, high)))
+    path = save(store, 6, data, [600])
     manifest = store.load(path)
-    for start, stop in [(0, 1_000), (300, 700), (255, 257)]:
-        got = read_flat_range(path, manifest, start, stop)
-        assert all(torch.equal(got[n], data[n][start:stop]) for n in ARRAYS), (start, stop)
-    # a shard the file does not hold is corruption
-    wrong = Manifest(**{**{f: getattr(manifest, f) for f in Manifest.__dataclass_fields__},
-                        "shards": (ShardRecord(0, 0, 600, 6, "high.bin"), ShardRecord(2, 600, 1_000, 6, "low.bin"))})
-    with pytest.raises(CorruptCheckpointError, match=r"high\.bin is corrupt: it holds \[600, 1000\)"):
-        read_flat_range(path, wrong, 0, 1_000)
+    low, high = manifest.shards
+    fields = {f: getattr(manifest, f) for f in Manifest.__dataclass_fields__}
+    with pytest.raises(CheckpointError, match=rf"file {high.file!r} is named by 2 shards; a partition file holds one"):
+        Manifest(**{**fields, "shards": (ShardRecord(0, 0, 256, 6, high.file), ShardRecord(1, 256, 600, 6, low.file),
+                                         ShardRecord(2, 600, 1_000, 6, high.file))})
+    with pytest.raises(CheckpointError, match=rf"file {high.file!r} is named by 0 shards"):
+        Manifest(**{**fields, "shards": (low,), "total": 600})
+    swapped = (ShardRecord(0, 0, 600, 6, high.file), ShardRecord(1, 600, 1_000, 6, low.file))
+    with pytest.raises(CorruptCheckpointError, match=rf"{high.file} is corrupt: it holds partition 0 of shard 1 .*"
+                                                     r"the manifest puts shard 0 \[0, 600\) of run 'run-test' in it"):
+        read_flat_range(path, Manifest(**{**fields, "shards": swapped}), 0, 1_000)
 
 
 # A model with three FSDP2-like groups; no row count divides evenly by 2, 3 or 4 workers.
@@ -322,21 +346,17 @@ def _model_state(seed: int) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _save_layout(store: CheckpointStore, step: int, layout: ShardLayout, data: dict[str, torch.Tensor]) -> Path:
-    """Save the way state servers and the launcher do: one file per segment, the layout
-    recorded in the manifest."""
+    """Save the way state servers and the launcher do: each server its segments, the
+    layout recorded in the manifest."""
     directory = store.begin(step)
-    files, shards = [], []
+    records = []
     for server in range(layout.num_servers):
-        for seg in layout.segments_of_server(server):
-            record = write_shard_file(directory, f"s{server}-seg{seg.segment_id:05d}.bin", step=step,
-                                      start=seg.start,
-                                      tensors={k: v[seg.start : seg.stop] for k, v in data.items()})
-            files.append(record)
-            shards.append(ShardRecord(seg.segment_id, seg.start, seg.stop, step, record.name))
+        segments = [(s.segment_id, s.start, s.stop) for s in layout.segments_of_server(server)]
+        records += write_segments(directory, step, step, data, segments, run=RUN, server=server)
     manifest = Manifest(
         step=step, updates=step, run_id=RUN, config_hash="cfg",
         model_signature=tuple((p.name, p.shape) for p in layout.params), layout=layout_record(layout),
-        total=layout.total, shards=tuple(shards), files=tuple(files),
+        total=layout.total, shards=tuple(r for r, _ in records), files=tuple(f for _, f in records),
     )
     return store.commit(step, manifest)
 
@@ -447,8 +467,10 @@ def test_a_gap_in_the_shards_is_named(tmp_path: Path) -> None:
     data = random_data(1_000, seed=2)
     path = save(store, 1, data, [300, 700])
     manifest = store.load(path)
+    dropped = next(s for s in manifest.shards if s.start == 300)
     holey = Manifest(**{**{f: getattr(manifest, f) for f in Manifest.__dataclass_fields__},
-                        "shards": tuple(s for s in manifest.shards if s.start != 300)})
+                        "shards": tuple(s for s in manifest.shards if s is not dropped),
+                        "files": tuple(f for f in manifest.files if f.name != dropped.file)})
     with pytest.raises(CheckpointError, match=r"no file for flat elements \[300, 700\)"):
         read_flat_range(path, holey, 250, 800)
     assert torch.equal(read_flat_range(path, holey, 700, 1_000)["exp_avg"], data["exp_avg"][700:])
@@ -474,7 +496,7 @@ def test_partial_and_incomplete_directories_are_never_latest(tmp_path: Path) -> 
     good = save(store, 1, random_data(2_000, 1), [1_000])
 
     partial = store.begin(2)  # files written, never committed
-    write_shard_file(partial, "seg-00000.bin", step=2, start=0, tensors=random_data(2_000, 2))
+    write_segments(partial, 2, 2, random_data(2_000, 2), [(0, 0, 2_000)])
     assert store.latest() == good
     with pytest.raises(CheckpointError, match="unfinished"):
         store.resolve(str(partial))
@@ -488,13 +510,14 @@ def test_partial_and_incomplete_directories_are_never_latest(tmp_path: Path) -> 
         manifest["shards"] = [{**s, "step": 3} for s in manifest["shards"]]
         (fake / MANIFEST_NAME).write_text(json.dumps(manifest))
         assert store.latest() == fake  # complete as it stands
+        victim = manifest["files"][1]["name"]
         if damage == "missing":
-            (fake / "seg-00001.bin").unlink()
+            (fake / victim).unlink()
         else:
-            with open(fake / "seg-00001.bin", "r+b") as handle:
+            with open(fake / victim, "r+b") as handle:
                 handle.truncate(100)
         assert store.latest() == good, damage
-        with pytest.raises(CheckpointError, match="seg-00001.bin"):
+        with pytest.raises(CheckpointError, match=victim):
             store.resolve(str(fake))
         shutil.rmtree(fake)
 
@@ -589,21 +612,23 @@ def test_sigkill_during_saves_many_trials(zygote: Zygote, tmp_path: Path) -> Non
 # ---------------------------------------------------------------------------- corruption
 
 
-@pytest.mark.parametrize("where", ["magic", "header step", "header checksum", "data start", "data end"])
+@pytest.mark.parametrize("where", ["magic", "header run id", "header checksum", "data start", "data end", "padding"])
 def test_a_flipped_byte_is_caught_naming_the_file(tmp_path: Path, where: str) -> None:
     store = CheckpointStore(tmp_path)
     path = save(store, 4, random_data(4_000, 4), [1_000])
     manifest = store.load(path)
-    victim = path / "seg-00001.bin"
-    size = victim.stat().st_size
-    offset = {"magic": 0, "header step": 17, "header checksum": 110, "data start": 112,
-              "data end": size - 1}[where]
+    shard = manifest.shards[1]
+    victim = path / shard.file
     raw = bytearray(victim.read_bytes())
+    layout = FileLayout(shard.stop - shard.start)
+    offset = {"magic": 0, "header run id": raw.index(b"run-test"),
+              "header checksum": raw.index(struct.pack("<I", manifest.files[1].crc32c), 0, HEADER_BYTES),
+              "data start": HEADER_BYTES, "data end": layout.offset(2) + layout.array_bytes - 1,
+              "padding": layout.file_bytes - 1}[where]
+    assert manifest.files[1].name == shard.file
+    assert layout.file_bytes == len(raw) > layout.offset(2) + layout.array_bytes  # the last region has padding
     raw[offset] ^= 0x10
     victim.write_bytes(raw)
-    for record in (None, manifest.files[1]):
-        with pytest.raises(CorruptCheckpointError, match=str(victim)):
-            read_shard_file(victim, record)
     with pytest.raises(CorruptCheckpointError, match=str(victim)):
         read_flat_range(path, manifest, 0, 4_000)
     read_flat_range(path, manifest, 0, 1_000)  # the other file is fine
@@ -614,13 +639,10 @@ def test_a_truncated_file_is_caught_and_skipped_by_latest(tmp_path: Path) -> Non
     older = save(store, 1, random_data(3_000, 1), [1_500])
     newer = save(store, 2, random_data(3_000, 2), [1_500])
     manifest = store.load(newer)
-    victim = newer / "seg-00000.bin"
+    victim = newer / manifest.shards[0].file
     for size in (victim.stat().st_size - 1, 50):
         with open(victim, "r+b") as handle:
             handle.truncate(size)
-        for record in (None, manifest.files[0]):
-            with pytest.raises(CorruptCheckpointError, match=str(victim)):
-                read_shard_file(victim, record)
         with pytest.raises(CorruptCheckpointError, match=str(victim)):
             read_flat_range(newer, manifest, 0, 3_000)
         assert store.latest() == older
@@ -723,18 +745,16 @@ def test_disk_full_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path: Pa
         full = os.strerror(errno.ENOSPC)
 
         # a payload that does not fit: the failing file is named and removed
-        with pytest.raises(CheckpointError, match=rf"seg-00001\.bin failed: {full}"):
+        with pytest.raises(CheckpointError, match=rf"failed: {full} \(\S+/server0-shard000001-part00000\.tier\)"):
             save(store, 2, random_data(196_608, 2), [98_304])  # 2 x 1.1 MiB
-        assert sorted(p.name for p in store.partial_dir(2).iterdir()) == ["seg-00000.bin"]
+        assert sorted(p.name for p in store.partial_dir(2).iterdir()) == ["server0-shard000000-part00000.tier"]
         store.abort(2)
 
         # payload written, then the manifest does not fit: the commit fails, nothing is left
         directory = store.begin(3)
-        record = write_shard_file(directory, "seg-00000.bin", step=3, start=0, tensors=random_data(1_024, 3))
+        records = write_segments(directory, 3, 3, random_data(1_024, 3), [(0, 0, 1_024)])
         filler = _fill(mountpoint)
-        manifest = Manifest(step=3, updates=3, run_id="r", config_hash="c", model_signature=(("flat", (1_024,)),),
-                            layout=flat_layout(1_024), total=1_024,
-                            shards=(ShardRecord(0, 0, 1_024, 3, record.name),), files=(record,))
+        manifest = flat_manifest(3, 3, 1_024, records)
         with pytest.raises(CheckpointError, match=rf"{MANIFEST_NAME} failed: {full}"):
             store.commit(3, manifest)
         assert not directory.exists()
@@ -758,7 +778,7 @@ def test_a_file_size_limit_fails_the_save(zygote: Zygote, tmp_path: Path) -> Non
     pid = zygote.spawn("save_under_size_limit", str(root), str(1 << 20), str(result))
     assert zygote.wait(pid) == 0, zygote.log.read_text()
     message = result.read_text()
-    named = re.search(r"checkpoint file (\S+) failed: " + os.strerror(errno.EFBIG), message)
+    named = re.search(rf"failed: {os.strerror(errno.EFBIG)} \((\S+)\)", message)
     assert named, message
     assert Path(named.group(1)).parent == store.partial_dir(2)
     assert not Path(named.group(1)).exists()
@@ -769,8 +789,9 @@ def test_a_file_size_limit_fails_the_save(zygote: Zygote, tmp_path: Path) -> Non
 
 def test_an_unwritable_place_names_the_file_and_reason(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-dir"
-    with pytest.raises(CheckpointError, match=rf"{missing}/x\.bin failed: {os.strerror(errno.ENOENT)}"):
-        write_shard_file(missing, "x.bin", step=1, start=0, tensors=random_data(64, 0))
+    with pytest.raises(CheckpointError, match=rf"into {missing} failed: {os.strerror(errno.ENOENT)} "
+                                              rf"\({missing}/server0-shard000000-part00000\.tier\)"):
+        write_segments(missing, 1, 1, random_data(64, 0), [(0, 0, 64)])
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(CheckpointError, match="file/step-0000000001.partial"):

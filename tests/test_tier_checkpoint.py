@@ -28,14 +28,13 @@ import torch
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.checkpoint import CheckpointStore, Manifest, read_flat_range
-from cargohold.services.checkpoint.manifest import TIER_PARTITION_FILE
 from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.errors import CheckpointError, CorruptCheckpointError
 from cargohold.services.layout import build_layout
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.reshard import layout_record
 from cargohold.services.shard_state import ShardRegistry, ShardSpec
-from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout
+from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout, parse_header
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.storage import TieredStorage
 from system import mounted_tmpfs, run_measured
@@ -194,6 +193,50 @@ def test_a_tier_checkpoint_restores_and_continues_bitwise(tmp_path: Path, target
         restored.close()
 
 
+@pytest.mark.parametrize("saved_by", ["all-in-ram", "nvme-tier"])
+def test_one_payload_format_whatever_the_tier(tmp_path: Path, saved_by: str) -> None:
+    """All in RAM or with an NVMe tier, a checkpoint's payload is partition files in the
+    tier's format: each is the partition its name and its shard record say, at the
+    manifest's update count, with the size and header checksum the manifest records; the
+    checkpoint restores bitwise into either kind of storage and training continues."""
+    store = CheckpointStore(tmp_path / "ckpt")
+    original = _fresh(_tier(tmp_path / "a") if saved_by == "nvme-tier" else None)
+    try:
+        _push(original, range(1, 4))
+        saved = _state(original)
+        partitions = len(original.storage.rows(RUN))
+        path, how = _checkpoint(store, original, 3)
+        _push(original, range(4, 6))
+        expected = _state(original)
+    finally:
+        original.close()
+    manifest = store.load(path)
+    if saved_by == "all-in-ram":  # one partition per segment, copied and written
+        assert partitions == SHARDS and how == {"linked": 0, "copied": 0, "written": SHARDS}
+    else:
+        assert partitions > SHARDS and how["linked"] > 0 and sum(how.values()) == partitions
+    assert len(manifest.shards) == len(manifest.files) == partitions == len(list(path.glob("*.tier")))
+    records = {f.name: f for f in manifest.files}
+    for shard in manifest.shards:
+        raw = (path / shard.file).read_bytes()
+        header = parse_header(raw[:HEADER_BYTES], path=shard.file)
+        assert _checkpoint_file(path, header.key).name == shard.file
+        assert header.key.run_id == RUN and header.key.shard_id == shard.segment_id
+        assert header.numel == shard.stop - shard.start
+        assert header.step == manifest.updates == 3
+        assert len(raw) == FileLayout(header.numel).file_bytes == records[shard.file].nbytes
+        assert header.checksum() == records[shard.file].crc32c
+    for target in (None, _tier(tmp_path / "b")):
+        restored = ShardRegistry(TieredStorage(target))
+        try:
+            ShardCheckpointer(restored, server_index=0).restore(str(path), manifest, _whole())
+            _assert_equal(_state(restored), saved)
+            _push(restored, range(4, 6))
+            _assert_equal(_state(restored), expected)
+        finally:
+            restored.close()
+
+
 def test_on_another_filesystem_the_pinned_version_is_copied(tmp_path: Path, other_filesystem: Path) -> None:
     """Links across filesystems fail (EXDEV): the files are opened when the checkpoint
     begins and copied afterwards, and the copies hold the saved version even though the
@@ -300,7 +343,6 @@ def test_a_partition_file_named_for_another_shard_is_refused(tmp_path: Path) -> 
     finally:
         registry.close()
     manifest = CheckpointStore(tmp_path / "ckpt").load(path)
-    assert {f.format for f in manifest.files} == {TIER_PARTITION_FILE}
     first, second = manifest.shards[0], manifest.shards[len(manifest.shards) // 2]
     swapped = [s if s not in (first, second) else
                type(s)(s.segment_id, s.start, s.stop, s.step, second.file if s is first else first.file)
@@ -320,8 +362,8 @@ allocations pile up to 5-20 MiB, varying run to run."""
 @pytest.mark.parametrize("saved_by", ["tier", "ram"])
 def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larger(
         tmp_path: Path, saved_by: str) -> None:
-    """A checkpoint of 48 MiB of state — tier partition files, or one 48 MiB shard file
-    written from RAM — restored into a tier with an 8 MiB budget: the peak RSS of the
+    """A checkpoint of 48 MiB of state — tier partition files, or one 48 MiB partition
+    file written from RAM — restored into a tier with an 8 MiB budget: the peak RSS of the
     restoring process grows by the budget plus a stated overhead, not by the state."""
     script = textwrap.dedent("""
         import json, sys, torch
@@ -373,7 +415,7 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
     budget = 8 << 20
     result = run_measured(script, tmp_path, budget, saved_by, timeout=100)
     assert result["same"], "the restored state differs from the saved one"
-    assert set(result["files"]) == {".json", ".tier" if saved_by == "tier" else ".bin"}
+    assert set(result["files"]) == {".json", ".tier"}
     assert result["state"] >= 6 * budget and result["nvme"] > result["state"] * 0.8
     assert result["growth"] <= budget + RSS_OVERHEAD, (
         f"RSS grew {result['growth'] / 2**20:.1f} MiB restoring into a {budget / 2**20:.0f} MiB budget"

@@ -4,7 +4,7 @@ The manifest is written last into a checkpoint's directory (:mod:`.store`) and h
 everything needed to find, verify and place the payload, and to resume from it: the data
 step and the update count, the run id, the config hash, the model signature, the layout
 that saved the flat space, its padded length, the shard records (which flat range each
-payload file holds) and the format, size and CRC-32C of every payload file. Every field
+payload file holds) and the size and header CRC-32C of every payload file. Every field
 is typed and validated on construction, so a manifest read from disk is refused, naming
 the field and the file, before anything of it is used.
 """
@@ -12,6 +12,7 @@ the field and the file, before anything of it is used.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -21,14 +22,8 @@ from cargohold.services.errors import CheckpointError
 
 FORMAT_VERSION = 3
 """Of the manifest. Version 3 replaced the untyped ``extra`` object by the typed fields
-``updates`` and ``layout``; manifests of earlier versions are refused."""
-SHARD_FILE = "shard"
-"""A payload file in the format of :mod:`.payload`, whole-file CRC-32C in the manifest."""
-TIER_PARTITION_FILE = "tier-partition"
-"""An NVMe-tier partition file (:mod:`cargohold.services.tiers.fileformat`), hard-linked
-or copied from the tier or written from RAM; the manifest records its header's CRC-32C,
-which covers the checksums of its arrays."""
-FILE_FORMATS = (SHARD_FILE, TIER_PARTITION_FILE)
+``updates`` and ``layout``, and made every payload file a partition file (versions 1 and 2
+also had shard files, ``files[].format``); manifests of earlier versions are refused."""
 MANIFEST_NAME = "manifest.json"
 LAYOUT_KIND = "worker-major-v1"
 """``layout.kind`` of a checkpoint whose flat space is worker-major
@@ -37,14 +32,14 @@ LAYOUT_KIND = "worker-major-v1"
 
 @dataclass(frozen=True, slots=True)
 class FileRecord:
-    """A payload file as the manifest knows it: its name in the checkpoint directory, its
-    size and the CRC-32C of its whole content."""
+    """A payload file (a partition file, :mod:`.payload`) as the manifest knows it: its
+    name in the checkpoint directory, its size and its header's CRC-32C."""
 
     name: str
     nbytes: int
     crc32c: int
-    """Of the whole file for a shard file, of the header for a tier partition file."""
-    format: str = SHARD_FILE
+    """The CRC-32C the file's header stores for itself; it covers the file's identity,
+    update count and the checksums of its arrays."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +100,9 @@ class LayoutRecord:
 class Manifest:
     """Everything needed to find, verify and place a checkpoint's payload and to resume.
 
-    Construction validates the fields (types, ranges, no overlapping shards, every shard's
-    file listed, every shard at ``step``) and raises :class:`CheckpointError` naming the
-    field.
+    Construction validates the fields (types, ranges, no overlapping shards, every shard
+    at ``step``, every file listed once and holding exactly one shard) and raises
+    :class:`CheckpointError` naming the field.
     """
 
     step: int
@@ -142,8 +137,7 @@ class Manifest:
                 {"segment_id": s.segment_id, "start": s.start, "stop": s.stop, "step": s.step, "file": s.file}
                 for s in self.shards
             ],
-            "files": [{"name": f.name, "nbytes": f.nbytes, "crc32c": f.crc32c, "format": f.format}
-                      for f in self.files],
+            "files": [{"name": f.name, "nbytes": f.nbytes, "crc32c": f.crc32c} for f in self.files],
         }
         return json.dumps(body, indent=1, allow_nan=False) + "\n"
 
@@ -266,8 +260,6 @@ def _validate_manifest(m: Manifest) -> None:
             raise CheckpointError(f"file {record.name!r}: nbytes must be an integer >= 0, got {record.nbytes!r}")
         if not is_int(record.crc32c) or not 0 <= record.crc32c < 1 << 32:
             raise CheckpointError(f"file {record.name!r}: crc32c must be a 32-bit unsigned integer")
-        if record.format not in FILE_FORMATS:
-            raise CheckpointError(f"file {record.name!r}: format {record.format!r} is not one of {list(FILE_FORMATS)}")
 
     if not isinstance(m.shards, tuple) or not all(isinstance(s, ShardRecord) for s in m.shards):
         raise CheckpointError("shards must be a tuple of ShardRecord")
@@ -281,6 +273,12 @@ def _validate_manifest(m: Manifest) -> None:
             raise CheckpointError(f"{where} is at step {shard.step}, the checkpoint at step {m.step}")
         if not isinstance(shard.file, str) or shard.file not in names:
             raise CheckpointError(f"{where}: its file {shard.file!r} is not listed in files")
+    holders = Counter(shard.file for shard in m.shards)
+    for record in m.files:
+        if holders[record.name] != 1:
+            raise CheckpointError(
+                f"file {record.name!r} is named by {holders[record.name]} shards; a partition file holds one"
+            )
     ordered = sorted(m.shards, key=lambda s: s.start)
     for left, right in zip(ordered, ordered[1:]):
         if right.start < left.stop:

@@ -1,5 +1,6 @@
 """Reading flat ranges of a checkpoint's state, however the saving servers cut the flat
-space into payload files."""
+space into payload files: a file covers a flat range ``[start, stop)``, and
+:class:`CheckpointReader` assembles any other range from whichever files cover it."""
 
 from __future__ import annotations
 
@@ -11,16 +12,8 @@ from pathlib import Path
 
 import torch
 
-from cargohold.services.checkpoint.errors import corrupt
-from cargohold.services.checkpoint.manifest import TIER_PARTITION_FILE, Manifest, ShardRecord, gaps, is_int
-from cargohold.services.checkpoint.payload import (
-    CHUNK,
-    Payload,
-    open_sized,
-    read_into,
-    verify_shard_file,
-    verify_tier_file,
-)
+from cargohold.services.checkpoint.manifest import Manifest, ShardRecord, gaps, is_int
+from cargohold.services.checkpoint.payload import CHUNK, Payload, open_sized, read_into, verify
 from cargohold.services.errors import CheckpointError
 from cargohold.services.tiers.fileformat import ARRAYS
 
@@ -84,22 +77,7 @@ class CheckpointReader:
         return out
 
     def _verify(self, fd: int, path: Path, size: int, shard: ShardRecord) -> Payload:
-        record = self._records[shard.file]
-        if record.format == TIER_PARTITION_FILE:
-            holders = [s for s in self.manifest.shards if s.file == shard.file]
-            if len(holders) != 1:
-                raise CheckpointError(
-                    f"{path}: a partition file holds one shard, the manifest puts {len(holders)} in it"
-                )
-            payload = verify_tier_file(fd, path, size, record, shard, self.manifest.run_id, self._buffer)
-        else:
-            payload = verify_shard_file(fd, path, size, record, self._buffer)
-            if payload.step != self.manifest.step:
-                raise corrupt(path, f"it holds step {payload.step}, the manifest step {self.manifest.step}")
-        for held in (s for s in self.manifest.shards if s.file == shard.file):
-            if held.start < payload.start or held.stop > payload.start + payload.numel:
-                raise corrupt(path, f"it holds [{payload.start}, {payload.start + payload.numel}), the manifest "
-                                     f"puts shard {held.segment_id} [{held.start}, {held.stop}) in it")
+        payload = verify(fd, path, size, self._records[shard.file], shard, self.manifest, self._buffer)
         self._verified[shard.file] = payload
         return payload
 

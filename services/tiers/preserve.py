@@ -18,7 +18,9 @@ step), so a checkpoint never records a file that is not the state it claims to b
 A partition resident in RAM changes in place at its next update, so it must be written
 out first; :class:`PendingWrite` does that in the background too, and the update of that
 partition waits on its ``done`` event (set however the write ends). Training stalls only
-if it reaches a partition before its write did.
+if it reaches a partition before its write did. Without a RAM budget (no NVMe tier) the
+partition is copied at once instead and the copy written in the background: training
+never waits for the disk, at the price of the copy's memory.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ class PendingCopy:
 
 @dataclass(slots=True)
 class PendingWrite:
-    """A RAM-resident partition to write as a partition file before its next update."""
+    """A RAM-resident partition to write as a partition file: in place before its next
+    update, or from a copy (:meth:`.storage.TieredStorage.preserve` says which)."""
 
     buffer: AlignedBuffer
     key: PartitionKey
@@ -91,7 +94,8 @@ class PendingWrite:
     step: int
     target: str
     done: threading.Event
-    """Set once the write has ended, well or not: the partition's next update waits on it."""
+    """Set once the write has ended, well or not: the next update of a partition written
+    in place waits on it."""
 
     def run(self) -> PartitionHeader:
         """Write (buffered, crash-consistently) and return the header written; raises
