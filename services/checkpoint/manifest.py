@@ -165,7 +165,7 @@ class Manifest:
             )
         if version != FORMAT_VERSION or not is_int(version):
             raise CheckpointError(f"format version {version!r}; this build reads version {FORMAT_VERSION}")
-        keys = {"format_version", *(f for f in cls.__dataclass_fields__)}  # type: ignore[attr-defined]
+        keys = {"format_version", *cls.__dataclass_fields__}  # type: ignore[attr-defined]
         if set(body) != keys:
             missing, unknown = sorted(keys - set(body)), sorted(set(body) - keys)
             raise CheckpointError(f"manifest fields missing {missing}, unknown {unknown}")
@@ -214,12 +214,12 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_name(name: object, what: str) -> None:
+def _check_name(name: object) -> None:
     """A payload file name: one plain path component, not one the store itself uses."""
     if (not isinstance(name, str) or not name or name in (".", "..", MANIFEST_NAME)
             or "/" in name or "\\" in name or "\0" in name or name.endswith(TEMP_SUFFIX)):
         raise CheckpointError(
-            f"{what} {name!r} is not a valid payload file name (one path component, not "
+            f"file {name!r} is not a valid payload file name (one path component, not "
             f"{MANIFEST_NAME!r}, not ending in {TEMP_SUFFIX!r})"
         )
 
@@ -252,7 +252,7 @@ def _validate_manifest(m: Manifest) -> None:
         raise CheckpointError("files must be a tuple of FileRecord")
     names: set[str] = set()
     for record in m.files:
-        check_name(record.name, "file")
+        _check_name(record.name)
         if record.name in names:
             raise CheckpointError(f"file {record.name!r} is listed twice")
         names.add(record.name)
@@ -290,13 +290,13 @@ def _validate_manifest(m: Manifest) -> None:
 
 def gaps(shards: Iterable[ShardRecord], start: int, stop: int) -> list[tuple[int, int]]:
     """The parts of ``[start, stop)`` no shard covers (shards do not overlap)."""
-    gaps, cursor = [], start
+    missing, cursor = [], start
     for shard in sorted(shards, key=lambda s: s.start):
         if shard.stop <= cursor or shard.start >= stop:
             continue
         if shard.start > cursor:
-            gaps.append((cursor, shard.start))
+            missing.append((cursor, shard.start))
         cursor = shard.stop
     if cursor < stop:
-        gaps.append((cursor, stop))
-    return gaps
+        missing.append((cursor, stop))
+    return missing
