@@ -2,7 +2,8 @@
 worker and server counts, the manifest-last rule, crash consistency under SIGKILL,
 corruption, a full disk, and the model check. The checkpoints are written as state
 servers write them (:class:`ShardCheckpointer`, here all in RAM) and committed as the
-launcher commits them.
+launcher commits them (``checkpoints.py``); the manifest's own checks are in
+``test_checkpoint_manifest.py``.
 
 The crash tests kill writer processes. Starting Python with torch costs seconds, so one
 helper process (the "zygote") imports everything once and forks a writer per trial; the
@@ -27,33 +28,31 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cargohold.cluster.config import TierConfig
-from cargohold.services.checkpoint import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    CheckpointStore,
-    FileRecord,
-    LayoutRecord,
-    Manifest,
-    ShardRecord,
-    check_compatible,
-    read_flat_range,
-)
-from cargohold.services.checkpoint.writer import Records, ShardCheckpointer
-from cargohold.services.errors import CargoholdError, CheckpointError, CorruptCheckpointError
-from cargohold.services.layout import ShardLayout, build_layout, scatter_params
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.reshard import layout_record, saved_layout, segment_runs
-from cargohold.services.shard_state import ShardRegistry, ShardSpec
+from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointStore, Manifest, read_flat_range
+from cargohold.services.errors import CheckpointError, CorruptCheckpointError
+from cargohold.services.layout import scatter_params
+from cargohold.services.reshard import segment_runs
+from cargohold.services.shard_state import ShardRegistry
 from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout
 from cargohold.services.tiers.partitions import elements_per_partition
-from cargohold.services.tiers.storage import TieredStorage, tensor_source
+from cargohold.services.tiers.storage import TieredStorage
+from checkpoints import (
+    RUN,
+    SHAPES,
+    flat_manifest,
+    group_layout,
+    random_data,
+    restore,
+    save,
+    save_layout,
+    write_segments,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,56 +64,9 @@ WRITER_TOTAL = 3 * 2**18
 WRITER_KEEP = 2
 
 
-def random_data(total: int, seed: int) -> dict[str, torch.Tensor]:
-    block = np.random.default_rng(seed).standard_normal((len(ARRAYS), total), dtype=np.float32)
-    return {name: torch.from_numpy(block[i]) for i, name in enumerate(ARRAYS)}
-
-
 def writer_cuts(step: int, total: int = WRITER_TOTAL) -> list[int]:
     """Where the writer cuts its buffer into 3 files at ``step`` (varies with the step)."""
     return sorted(64 * u for u in random.Random(step).sample(range(1, total // 64), 2))
-
-
-def flat_layout(total: int) -> LayoutRecord:
-    """The layout record of a model of one flat parameter of ``total`` elements."""
-    return layout_record(build_layout([("flat", (total,))], num_workers=1, num_servers=1, align=1))
-
-
-def write_segments(directory: Path, step: int, updates: int, data: dict[str, torch.Tensor],
-                   segments: list[tuple[int, int, int]], *, run: str = "run-test", server: int = 0) -> Records:
-    """What a state server holding ``segments`` ((id, start, stop) of the flat buffer
-    ``data``) at update ``updates`` writes into ``directory`` for a checkpoint of ``step``."""
-    registry = ShardRegistry(TieredStorage(None))
-    try:
-        for segment_id, start, stop in segments:
-            spec = ShardSpec(run_id=run, shard_id=segment_id, start=start, numel=stop - start,
-                             fragments=((0, stop - start),), grad_dtype="float32", hyper=AdamWHyperParams())
-            moments = (data["exp_avg"][start:stop], data["exp_avg_sq"][start:stop])
-            registry.restore(spec, tensor_source(data["master"][start:stop], moments), updates)
-        checkpointer = ShardCheckpointer(registry, server)
-        checkpointer.begin(run, str(directory), step)
-        return checkpointer.wait()
-    finally:
-        registry.close()
-
-
-def flat_manifest(step: int, updates: int, total: int, records: Records) -> Manifest:
-    """The manifest of a model of one flat parameter of ``total`` elements."""
-    return Manifest(
-        step=step, updates=updates, run_id="run-test", config_hash="cfg-0", model_signature=(("flat", (total,)),),
-        layout=flat_layout(total), total=total, shards=tuple(sorted((r for r, _ in records), key=lambda r: r.start)),
-        files=tuple(f for _, f in records),
-    )
-
-
-def save(store: CheckpointStore, step: int, data: dict[str, torch.Tensor], cuts: list[int]) -> Path:
-    """A complete save: begin, one payload file per piece between ``cuts`` (a segment at
-    update ``step - 1``: one step was skipped), commit."""
-    total = data["master"].numel()
-    bounds = [0, *cuts, total]
-    segments = [(index, start, stop) for index, (start, stop) in enumerate(zip(bounds, bounds[1:]))]
-    records = write_segments(store.begin(step), step, step - 1, data, segments)
-    return store.commit(step, flat_manifest(step, step - 1, total, records))
 
 
 def save_writer_step(store: CheckpointStore, step: int) -> Path:
@@ -177,6 +129,7 @@ ZYGOTE = r"""
 import importlib.util, os, sys, traceback
 import torch
 torch.set_num_threads(1)  # no thread pools before fork
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))  # its helpers, beside it
 spec = importlib.util.spec_from_file_location("checkpoint_test_helpers", sys.argv[1])
 helpers = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(helpers)
@@ -306,72 +259,13 @@ def test_any_write_cut_reads_back_under_any_read_cut(case: tuple[int, list[int],
             assert torch.equal(torch.cat([p[name] for p in pieces]), data[name])
 
 
-def test_a_file_holds_exactly_one_shard(tmp_path: Path) -> None:
-    """A partition file holds one shard's range: a manifest that names a file from two
-    shards, or lists one no shard names, is refused; a shard put in another shard's file
-    is corruption, named."""
-    store = CheckpointStore(tmp_path)
-    data = random_data(1_000, seed=9)
-    path = save(store, 6, data, [600])
-    manifest = store.load(path)
-    low, high = manifest.shards
-    fields = {f: getattr(manifest, f) for f in Manifest.__dataclass_fields__}
-    with pytest.raises(CheckpointError, match=rf"file {high.file!r} is named by 2 shards; a partition file holds one"):
-        Manifest(**{**fields, "shards": (ShardRecord(0, 0, 256, 6, high.file), ShardRecord(1, 256, 600, 6, low.file),
-                                         ShardRecord(2, 600, 1_000, 6, high.file))})
-    with pytest.raises(CheckpointError, match=rf"file {high.file!r} is named by 0 shards"):
-        Manifest(**{**fields, "shards": (low,), "total": 600})
-    swapped = (ShardRecord(0, 0, 600, 6, high.file), ShardRecord(1, 600, 1_000, 6, low.file))
-    with pytest.raises(CorruptCheckpointError, match=rf"{high.file} is corrupt: it holds partition 0 of shard 1 .*"
-                                                     r"the manifest puts shard 0 \[0, 600\) of run 'run-test' in it"):
-        read_flat_range(path, Manifest(**{**fields, "shards": swapped}), 0, 1_000)
-
-
-# A model with three FSDP2-like groups; no row count divides evenly by 2, 3 or 4 workers.
-SHAPES = [("wte", (301, 24)), ("wpe", (19, 24)), ("ln_f", (25,)),
-          ("blocks.0.w", (41, 24)), ("blocks.0.b", (41,)),
-          ("blocks.1.w", (29, 13)), ("blocks.1.scale", ()), ("blocks.1.b", (7,))]
-GROUPS = {"group_sizes": [3, 2, 3], "group_names": ["", "blocks.0", "blocks.1"]}
-RUN = "run-r"
-
-
-def _layout(workers: int, servers: int, shapes=SHAPES, groups=GROUPS) -> ShardLayout:
-    return build_layout(shapes, num_workers=workers, num_servers=servers, **groups)
+# --------------------------------------------------------------- restore onto other layouts
 
 
 def _model_state(seed: int) -> dict[str, dict[str, torch.Tensor]]:
     """master/exp_avg/exp_avg_sq of every parameter of ``SHAPES``, by name."""
     generator = torch.Generator().manual_seed(seed)
     return {key: {name: torch.randn(shape, generator=generator) for name, shape in SHAPES} for key in ARRAYS}
-
-
-def _save_layout(store: CheckpointStore, step: int, layout: ShardLayout, data: dict[str, torch.Tensor]) -> Path:
-    """Save the way state servers and the launcher do: each server its segments, the
-    layout recorded in the manifest."""
-    directory = store.begin(step)
-    records = []
-    for server in range(layout.num_servers):
-        segments = [(s.segment_id, s.start, s.stop) for s in layout.segments_of_server(server)]
-        records += write_segments(directory, step, step, data, segments, run=RUN, server=server)
-    manifest = Manifest(
-        step=step, updates=step, run_id=RUN, config_hash="cfg",
-        model_signature=tuple((p.name, p.shape) for p in layout.params), layout=layout_record(layout),
-        total=layout.total, shards=tuple(r for r, _ in records), files=tuple(f for _, f in records),
-    )
-    return store.commit(step, manifest)
-
-
-def _restore(path: Path, target: ShardLayout, server: int, registry: ShardRegistry) -> None:
-    """What the launcher and a state server do on resume, without Ray."""
-    manifest = CheckpointStore(path.parent).load(path)
-    saved = saved_layout(manifest, str(path / MANIFEST_NAME))
-    check_compatible(manifest, model_signature=[(p.name, p.shape) for p in target.params], align=target.align)
-    shards = [(ShardSpec(run_id=RUN, shard_id=seg.segment_id, start=seg.start, numel=seg.numel,
-                         fragments=tuple((f.segment_start, f.length) for f in seg.fragments),
-                         grad_dtype="float32", hyper=AdamWHyperParams()),
-               segment_runs(saved, target, seg))
-              for seg in target.segments_of_server(server)]
-    ShardCheckpointer(registry, server).restore(str(path), manifest, shards)
 
 
 def _small_partitions(root: Path) -> TierConfig:
@@ -391,16 +285,16 @@ def test_a_checkpoint_restores_bitwise_onto_any_workers_and_servers(
     server's restore path: every parameter element of every array where the new layout
     puts it, padding zero."""
     state = _model_state(seed=5)
-    saved = _layout(*saved_at)
-    path = _save_layout(CheckpointStore(tmp_path / "ckpt"), 40, saved,
+    saved = group_layout(*saved_at)
+    path = save_layout(CheckpointStore(tmp_path / "ckpt"), 40, saved,
                         {key: scatter_params(saved, state[key]) for key in ARRAYS})
-    target = _layout(*restored_at)
+    target = group_layout(*restored_at)
     expected = {key: scatter_params(target, state[key]) for key in ARRAYS}
     got = {key: torch.full((target.total,), float("nan")) for key in ARRAYS}
     for server in range(target.num_servers):
         registry = ShardRegistry(TieredStorage(_small_partitions(tmp_path / f"nvme{server}") if tier else None))
         try:
-            _restore(path, target, server, registry)
+            restore(path, target, server, registry)
             for shard in registry.shards(RUN):
                 assert shard.step == 40
                 for key, values in shard.snapshot().items():
@@ -415,8 +309,8 @@ def test_a_server_reads_only_the_files_its_segments_need(tmp_path: Path) -> None
     """The other files of the checkpoint may be gone: a server restoring its segments
     never opens them."""
     state = _model_state(seed=6)
-    saved, target = _layout(2, 4), _layout(4, 4)
-    path = _save_layout(CheckpointStore(tmp_path), 1, saved, {key: scatter_params(saved, state[key]) for key in ARRAYS})
+    saved, target = group_layout(2, 4), group_layout(4, 4)
+    path = save_layout(CheckpointStore(tmp_path), 1, saved, {key: scatter_params(saved, state[key]) for key in ARRAYS})
     manifest = CheckpointStore(tmp_path).load(path)
 
     def needed_by(server: int) -> set[str]:
@@ -430,59 +324,14 @@ def test_a_server_reads_only_the_files_its_segments_need(tmp_path: Path) -> None
         if record.name not in needed:
             (path / record.name).unlink()
     registry = ShardRegistry(TieredStorage(None))
-    _restore(path, target, 0, registry)
+    restore(path, target, 0, registry)
     expected = scatter_params(target, state["exp_avg_sq"])
     for shard in registry.shards(RUN):
         spec = shard.spec
         assert torch.equal(shard.snapshot()["exp_avg_sq"], expected[spec.start : spec.start + spec.numel])
     other = next(server for server in range(1, target.num_servers) if needed_by(server) - needed)
     with pytest.raises(CorruptCheckpointError, match="the file is missing"):
-        _restore(path, target, other, ShardRegistry(TieredStorage(None)))
-
-
-def test_a_checkpoint_of_an_earlier_format_is_refused(tmp_path: Path) -> None:
-    """Manifests before version 3 kept the update count and the layout in ``extra``
-    (version 1 and 2 with the worker-major layout, earlier ones with none: the former
-    parameter-ordered flat space). They are refused naming the manifest, never deleted."""
-    store = CheckpointStore(tmp_path)
-    layout = _layout(2, 1)
-    path = _save_layout(store, 3, layout, random_data(layout.total, 3))
-    body = json.loads((path / MANIFEST_NAME).read_text())
-    layout_body = body.pop("layout")
-    body["extra"] = {"updates": body.pop("updates"), "layout": layout_body.pop("kind"), **layout_body}
-    for version in (2, 1):
-        body["format_version"] = version
-        (path / MANIFEST_NAME).write_text(json.dumps(body))
-        with pytest.raises(CheckpointError, match=rf"{path / MANIFEST_NAME}: format version {version} is no longer "
-                                                  "readable: this build reads version 3 only"):
-            _restore(path, layout, 0, ShardRegistry(TieredStorage(None)))
-        assert store.latest() is None
-        with pytest.raises(CheckpointError, match="no longer readable"):
-            store.resolve(str(path))
-    assert len(list(path.iterdir())) == 1 + len(body["files"]), "the refused checkpoint's files are all there"
-
-
-def test_a_gap_in_the_shards_is_named(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path)
-    data = random_data(1_000, seed=2)
-    path = save(store, 1, data, [300, 700])
-    manifest = store.load(path)
-    dropped = next(s for s in manifest.shards if s.start == 300)
-    holey = Manifest(**{**{f: getattr(manifest, f) for f in Manifest.__dataclass_fields__},
-                        "shards": tuple(s for s in manifest.shards if s is not dropped),
-                        "files": tuple(f for f in manifest.files if f.name != dropped.file)})
-    with pytest.raises(CheckpointError, match=r"no file for flat elements \[300, 700\)"):
-        read_flat_range(path, holey, 250, 800)
-    assert torch.equal(read_flat_range(path, holey, 700, 1_000)["exp_avg"], data["exp_avg"][700:])
-    directory = store.begin(2)
-    for record in manifest.files:
-        shutil.copy(path / record.name, directory / record.name)
-    with pytest.raises(CheckpointError, match=r"\(300, 700\)"):
-        store.commit(2, Manifest(**{**{f: getattr(holey, f) for f in Manifest.__dataclass_fields__},
-                                    "step": 2, "shards": tuple(
-                                        ShardRecord(s.segment_id, s.start, s.stop, 2, s.file)
-                                        for s in holey.shards)}))
-    assert not directory.exists() and store.latest() == path
+        restore(path, target, other, ShardRegistry(TieredStorage(None)))
 
 
 # ---------------------------------------------------------------------- manifest last
@@ -648,68 +497,6 @@ def test_a_truncated_file_is_caught_and_skipped_by_latest(tmp_path: Path) -> Non
         assert store.latest() == older
 
 
-BAD_FIELDS = {
-    "updates above step": ("updates", 3, r"updates must be an integer from 0 to step \(2\).*got 3"),
-    "negative updates": ("updates", -1, r"updates must be an integer from 0 to step \(2\).*got -1"),
-    "updates not an integer": ("updates", "2", r"updates must be an integer .*got '2'"),
-    "align not an integer": ("layout.align", 1.5, r"layout\.align must be an integer >= 1, got 1\.5"),
-    "align zero": ("layout.align", 0, r"layout\.align must be an integer >= 1, got 0"),
-    "layout kind": ("layout.kind", "worker-major-v9", r"layout\.kind is 'worker-major-v9'; this build reads "
-                                                      r"'worker-major-v1'"),
-    "layout workers": ("layout.num_workers", True, r"layout\.num_workers must be an integer >= 1, got True"),
-    "layout groups": ("layout.group_sizes", "1", r"layout\.group_sizes must be a list, got str"),
-    "layout names": ("layout.group_names", [1], r"layout\.group_names must be a list of strings, got \[1\]"),
-    "layout missing": ("layout", None, r"missing \['layout'\]"),
-    "layout not an object": ("layout", [], r"layout must be an object with fields \['align', 'group_names', "),
-    "layout field missing": ("layout.align", None, r"layout must be an object with fields \['align', "),
-}
-
-
-@pytest.mark.parametrize("damage", ["garbage", "version", "missing field", "bad type", "overlap", *BAD_FIELDS])
-def test_a_bad_manifest_is_refused_naming_it(tmp_path: Path, damage: str) -> None:
-    """Refused naming the manifest and the field, and nothing already saved is lost: the
-    previous checkpoint is the latest, and the refused one's files stay as they were."""
-    store = CheckpointStore(tmp_path)
-    older = save(store, 1, random_data(1_000, 1), [500])
-    newer = save(store, 2, random_data(1_000, 2), [500])
-    source = newer / MANIFEST_NAME
-    body = json.loads(source.read_text())
-    saved = {p.name: p.read_bytes() for p in newer.iterdir() if p.name != MANIFEST_NAME}
-    if damage == "garbage":
-        text, reason = '{"format_version": 1, "step": 2,', "not a valid manifest"
-    elif damage in BAD_FIELDS:
-        field, value, reason = BAD_FIELDS[damage]
-        *parents, name = field.split(".")
-        where = body
-        for parent in parents:
-            where = where[parent]
-        if value is None:
-            del where[name]
-        else:
-            where[name] = value
-        text = json.dumps(body)
-    else:
-        if damage == "version":
-            body["format_version"], reason = FORMAT_VERSION + 1, "format version 4; this build reads version 3"
-        elif damage == "missing field":
-            del body["config_hash"]
-            reason = r"missing \['config_hash'\]"
-        elif damage == "bad type":
-            body["shards"][0]["stop"], reason = "500", "must be integers"
-        else:
-            body["shards"][1]["start"], reason = 400, "overlap"
-        text = json.dumps(body)
-    source.write_text(text)
-    with pytest.raises(CheckpointError, match=str(source)) as info:
-        store.load(newer)
-    assert re.search(reason, str(info.value)), str(info.value)
-    assert store.latest() == older
-    with pytest.raises(CheckpointError, match=MANIFEST_NAME):
-        store.resolve(str(newer))
-    assert {p.name: p.read_bytes() for p in newer.iterdir() if p.name != MANIFEST_NAME} == saved
-    assert torch.equal(read_flat_range(older, store.load(older), 0, 1_000)["master"], random_data(1_000, 1)["master"])
-
-
 # ----------------------------------------------------------------------------- disk full
 
 
@@ -798,36 +585,3 @@ def test_an_unwritable_place_names_the_file_and_reason(tmp_path: Path) -> None:
         CheckpointStore(blocker).begin(1)
 
 
-# ------------------------------------------------------------------------- compatibility
-
-
-def test_check_compatible_matches_parameters_by_name(tmp_path: Path) -> None:
-    shapes = [("emb", (100,)), ("w1", (33, 7)), ("w2", (500,))]
-    layout = build_layout(shapes, num_workers=2, num_servers=2)
-    path = _save_layout(CheckpointStore(tmp_path), 1, layout, random_data(layout.total, 0))
-    manifest = CheckpointStore(tmp_path).load(path)
-    check_compatible(manifest, model_signature=shapes, align=64)
-    check_compatible(manifest, model_signature=shapes[::-1], align=64)  # grouped otherwise: fine
-    cases = [
-        ([("emb", (100,)), ("w1", (7, 33)), ("w2", (500,))], r"parameter 'w1' has shape \(33, 7\) in the "
-                                                             r"checkpoint but \(7, 33\) in this model"),
-        ([("emb", (100,)), ("w1b", (33, 7)), ("w2", (500,))], "only the checkpoint has parameter 'w1' "),
-        (shapes[:2], r"only the checkpoint has parameter 'w2' of shape \(500,\) \(3 parameters in the "
-                     r"checkpoint, 2 in this model\)"),
-        ([*shapes, ("head", (4,))], "only this model has parameter 'head'"),
-    ]
-    for signature, named in cases:
-        with pytest.raises(CheckpointError, match=f"checkpoint is of another model: {named}"):
-            check_compatible(manifest, model_signature=signature, align=64)
-    with pytest.raises(CheckpointError, match="this model lists parameter 'w1' twice"):
-        check_compatible(manifest, model_signature=[*shapes, ("w1", (33, 7))], align=64)
-    with pytest.raises(CheckpointError, match="saved with align 64, this run uses 128"):
-        check_compatible(manifest, model_signature=shapes, align=128)
-
-
-def test_errors_are_cargohold_errors() -> None:
-    assert issubclass(CorruptCheckpointError, CheckpointError)
-    assert issubclass(CheckpointError, CargoholdError)
-    with pytest.raises(CheckpointError, match="covers no shard|not listed"):
-        Manifest(step=1, updates=1, run_id="r", config_hash="c", model_signature=(), layout=flat_layout(10),
-                 total=10, shards=(ShardRecord(0, 0, 10, 1, "a.bin"),), files=(FileRecord("b.bin", 0, 0),))
