@@ -16,7 +16,8 @@ In one run, on the disk under ``--path``:
 3. **Baseline: a full copy.** The same partition files copied with ``shutil.copyfile``
    and fsynced, as a checkpoint that copies every byte would at least cost.
 4. **Baseline: through RAM.** What cargohold did before linking: the whole shard read
-   back into memory (``snapshot``) and written as a shard file, training waiting.
+   back into memory (``snapshot``) and written as one file (a partition file since the
+   checkpoint format has one payload format), training waiting.
 
 With ``--other-path`` (another filesystem) the checkpoint goes there: links are refused
 and the pinned files are copied in the background; ``stall`` stays short and ``total``
@@ -35,16 +36,20 @@ import platform
 import shutil
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from cargohold.cluster.config import TierConfig
-from cargohold.services.checkpoint import CheckpointReader, FileRecord, Manifest, ShardRecord, write_shard_file
-from cargohold.services.checkpointing import ShardCheckpointer
+from cargohold.services.checkpoint import CheckpointReader, FileRecord, Manifest, ShardRecord
+from cargohold.services.checkpoint.writer import ShardCheckpointer
+from cargohold.services.layout import build_layout
 from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.shard_state import ShardRegistry, ShardSpec
-from cargohold.services.tiers.residency import Residency
+from cargohold.services.reshard import layout_record
+from cargohold.services.shard_state import ShardRegistry, ShardSpec, ShardState
+from cargohold.services.tiers.fileformat import ARRAYS, FileLayout
+from cargohold.services.tiers.io_pool import AlignedBuffer
+from cargohold.services.tiers.nvme import write_partition_file
+from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.storage import TieredStorage
 from timing import timed
 
@@ -60,6 +65,16 @@ def copy_files(sources: list[str], directory: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def write_through_ram(state: ShardState, path: str) -> None:
+    """The whole shard read back into memory and written as one partition file."""
+    snapshot = state.snapshot()
+    numel = state.spec.numel
+    buffer = AlignedBuffer(FileLayout(numel).file_bytes)
+    for array, name in zip(buffer.arrays(numel), ARRAYS):
+        array.copy_(snapshot[name])
+    write_partition_file(path, buffer, PartitionKey("bench", 0, 0), numel, state.step, direct=False)
 
 
 def main() -> None:
@@ -103,14 +118,13 @@ def main() -> None:
         shutil.rmtree(baseline)
         os.makedirs(baseline)
         saved = state.snapshot()
-        through_ram = timed(lambda: write_shard_file(Path(baseline), "shard.bin", step=3, start=0,
-                                                     tensors=state.snapshot()))
+        through_ram = timed(lambda: write_through_ram(state, os.path.join(baseline, "shard.tier")))
         shutil.rmtree(baseline)
 
         os.makedirs(checkpoints)
         checkpointer = ShardCheckpointer(registry, server_index=0)
         started = time.perf_counter()
-        checkpointer.begin("bench", checkpoints, 3)
+        updates = checkpointer.begin("bench", checkpoints, 3)
         begin = time.perf_counter() - started
         next_step = timed(lambda: state.push(4, gradient, global_norm=1.0, lr=1e-3))
         records: list[tuple[ShardRecord, FileRecord]] = checkpointer.wait()
@@ -118,9 +132,10 @@ def main() -> None:
         how = checkpointer.preserved
         stall = begin + max(0.0, next_step - plain_step)
 
-        manifest = Manifest(format_version=2, step=3, run_id="bench", config_hash="", total=numel,
-                            model_signature=(("flat", (numel,)),), shards=tuple(r for r, _ in records),
-                            files=tuple(f for _, f in records), extra={})
+        flat = (("flat", (numel,)),)
+        manifest = Manifest(step=3, updates=updates, run_id="bench", config_hash="", model_signature=flat,
+                            layout=layout_record(build_layout(flat, num_workers=1, num_servers=1)), total=numel,
+                            shards=tuple(r for r, _ in records), files=tuple(f for _, f in records))
         reader = CheckpointReader(checkpoints, manifest)
         for start in range(0, numel, 16 << 20):
             got = reader.read(start, min(numel, start + (16 << 20)))
@@ -135,7 +150,7 @@ def main() -> None:
 
     print(f"checkpoint: {how['linked']} files linked, {how['copied']} copied, {how['written']} written from RAM")
     print(f"full copy of the {len(disk)} disk files: {copy_seconds:.3f} s ({on_disk / copy_seconds / 1e9:.2f} GB/s)")
-    print(f"through RAM (snapshot + shard file, the previous way): {through_ram:.3f} s")
+    print(f"through RAM (snapshot + one file, the previous way): {through_ram:.3f} s")
     print(f"ours: begin {begin:.3f} s, next step {next_step:.3f} s (plain step {plain_step:.3f} s), "
           f"stall {stall:.3f} s, total {total:.3f} s")
     print(f"ratio stall / full copy: {stall / copy_seconds:.3f}   ratio total / full copy: {total / copy_seconds:.3f}   "

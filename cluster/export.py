@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from cargohold.cluster.config import GPTConfig, TrainConfig
+from cargohold.services.durable import replace_durably
 from cargohold.services.errors import ConfigError, ExportError
 from cargohold.services.layout import ShardLayout, gather_params
 from cargohold.services.models.build import build_model
@@ -108,9 +108,7 @@ def load_exported_gpt(directory: str | Path) -> GPT:
 def _save_gpt(config: GPTConfig, weights: dict[str, torch.Tensor], out: Path) -> None:
     spec = {"format": GPT_FORMAT, "version": GPT_FORMAT_VERSION, "model": dataclasses.asdict(config)}
     # Each file is written beside its final name and renamed over it: never half a file.
-    partial = out / f".{WEIGHTS_FILE}.partial"
-    save_file(weights, partial, metadata={"format": "pt"})
-    os.replace(partial, out / WEIGHTS_FILE)
-    partial = out / f".{GPT_CONFIG_FILE}.partial"
-    partial.write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
-    os.replace(partial, out / GPT_CONFIG_FILE)
+    with replace_durably(out / WEIGHTS_FILE) as temporary:
+        save_file(weights, temporary, metadata={"format": "pt"})
+    with replace_durably(out / GPT_CONFIG_FILE) as temporary:
+        Path(temporary).write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")

@@ -26,12 +26,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cargohold.cluster.config import TrainConfig, config_hash
 from cargohold.cluster.export import export_weights, master_weights
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
-from cargohold.services.checkpoint import FORMAT_VERSION, MANIFEST_NAME, CheckpointStore, Manifest, check_compatible
+from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointStore, Manifest, check_compatible
 from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
 from cargohold.services.metrics import LauncherMetrics
 from cargohold.services.model_setup import model_layout
 from cargohold.services.node import node_ip
-from cargohold.services.reshard import layout_extra, saved_layout, segment_runs
+from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.state_port import segment_spec
 from cargohold.services.state_server import StateServer
 from cargohold.services.step import StepReport
@@ -197,16 +197,15 @@ class TrainingSession:
         saved = saved_layout(manifest, str(directory / MANIFEST_NAME))
         check_compatible(manifest, model_signature=[(p.name, p.shape) for p in self.layout.params],
                          align=self.layout.align)
-        update = int(manifest.extra.get("updates", manifest.step))
         _get([
             server.restore.remote(str(directory), manifest.to_json(),
                                   [(segment_spec(self.config, self.run_id, seg), segment_runs(saved, self.layout, seg))
-                                   for seg in self.layout.segments_of_server(i)],
-                                  update)
+                                   for seg in self.layout.segments_of_server(i)])
             for i, server in enumerate(self.servers)
         ], timeout, f"restoring {directory}")
-        logger.info("run %s: restored %s (step %d, %d updates)", self.run_id, directory, manifest.step, update)
-        return update, manifest.step
+        logger.info("run %s: restored %s (step %d, %d updates)", self.run_id, directory, manifest.step,
+                    manifest.updates)
+        return manifest.updates, manifest.step
 
     def checkpoint_begin(self, store: CheckpointStore) -> PendingCheckpoint:
         """Snapshot every server's state as of the current step; the files are written
@@ -228,13 +227,11 @@ class TrainingSession:
         waited = _get([s.checkpoint_wait.remote() for s in self.servers], None, f"writing checkpoint {pending.step}")
         records = [r for rs, _ in waited for r in rs]
         manifest = Manifest(
-            format_version=FORMAT_VERSION, step=pending.step, run_id=self.run_id,
-            config_hash=config_hash(self.config),
+            step=pending.step, updates=pending.updates, run_id=self.run_id, config_hash=config_hash(self.config),
             model_signature=tuple((p.name, p.shape) for p in self.layout.params),
-            total=self.layout.total,
+            layout=layout_record(self.layout), total=self.layout.total,
             shards=tuple(sorted((shard for shard, _ in records), key=lambda r: r.start)),
             files=tuple(file for _, file in records),
-            extra={"updates": pending.updates, **layout_extra(self.layout)},
         )
         path = store.commit(pending.step, manifest)
         linked = sum(n for _, n in waited)

@@ -62,7 +62,6 @@ import torch
 
 from cargohold.cluster.config import TrainConfig, read_yaml_mapping
 from cargohold.cluster.sizes import format_bytes, parse_size
-from cargohold.services.checkpoint import shard_file_bytes
 from cargohold.services.errors import ConfigError, LayoutError
 from cargohold.services.layout import ShardLayout
 from cargohold.services.shard_state import WIRE_DTYPES
@@ -319,7 +318,8 @@ class ServerPlan:
     """Of those, bytes written per checkpoint (the rest are the NVMe tier's files,
     hard-linked; copied instead when ``checkpoint.dir`` is on another filesystem)."""
     checkpoint_snapshot_bytes: int = 0
-    """RAM a checkpoint copies the state into until written (all-RAM state only)."""
+    """RAM a checkpoint copies the state into until written (all-RAM state only): the
+    partitions' file layouts, as the RAM tier holds them."""
 
     @property
     def ram_bytes(self) -> int:
@@ -574,13 +574,10 @@ def _plan_server(config: TrainConfig, layout: ShardLayout, index: int, transport
     on_disk = [k for k in numel if plan.of(k) is Residency.NVME]
     if config.checkpoint.dir is None:
         checkpoint_bytes = checkpoint_written = snapshot = 0
-    elif budget is None:  # one shard file per segment, written from a snapshot in RAM
-        checkpoint_bytes = checkpoint_written = sum(shard_file_bytes(s.numel) for s in segments)
-        snapshot = sum(s.numel for s in segments) * STATE_BYTES_PER_ELEMENT
-    else:  # one partition file each: disk ones hard-linked, RAM ones written in place
+    else:  # one partition file each: disk ones hard-linked, RAM ones written (from a copy without a budget)
         checkpoint_bytes = sum(FileLayout(n).file_bytes for n in numel.values())
         checkpoint_written = checkpoint_bytes - sum(FileLayout(numel[k]).file_bytes for k in on_disk)
-        snapshot = 0
+        snapshot = checkpoint_bytes if budget is None else 0
     by_path: dict[str, int] = {}
     for key in on_disk:
         path = tier.nvme_paths[plan.path_index[key]]

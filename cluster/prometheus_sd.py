@@ -8,10 +8,10 @@ whenever it changes. The file is replaced atomically so a reader never sees half
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from cargohold.services.durable import replace_durably
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,20 +22,12 @@ class Target:
 
 
 def write_file_sd(path: str | Path, run_id: str, targets: list[Target]) -> None:
-    """Write ``targets`` as a file_sd JSON list (temp file, fsync, rename)."""
+    """Write ``targets`` as a file_sd JSON list, replacing the file durably."""
     path = Path(path)
     groups = [
         {"targets": [t.address], "labels": {"job": "cargohold", "run": run_id, "role": t.role, "index": str(t.index)}}
         for t in targets
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump(groups, out, indent=2)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    with replace_durably(path) as temporary:
+        Path(temporary).write_text(json.dumps(groups, indent=2), encoding="utf-8")

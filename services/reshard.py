@@ -4,23 +4,19 @@ manifest, and map each segment of the new layout onto the saved flat space.
 The flat space is worker-major (:mod:`cargohold.services.layout`): where a parameter
 element sits depends on the worker count, the grouping and the alignment, so a
 checkpoint saved by W workers cannot be read at the same flat offsets by W' workers. The
-manifest therefore records everything that placed the parameters (:func:`layout_extra`),
-the launcher rebuilds the saving layout (:func:`saved_layout`) and gives each new segment
-the runs of the saved flat space that hold its elements (:func:`segment_runs`); a state
-server reads only those. Runs follow parameters by name, so the new layout may also
-order or group the parameters otherwise. Padding is in no run: it restores as zeros.
+manifest therefore records everything that placed the parameters (its ``layout``,
+:func:`layout_record`), the launcher rebuilds the saving layout (:func:`saved_layout`)
+and gives each new segment the runs of the saved flat space that hold its elements
+(:func:`segment_runs`); a state server reads only those. Runs follow parameters by name,
+so the new layout may also order or group the parameters otherwise. Padding is in no
+run: it restores as zeros.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from cargohold.services.checkpoint import Manifest
+from cargohold.services.checkpoint.manifest import LAYOUT_KIND, LayoutRecord, Manifest
 from cargohold.services.errors import CheckpointError, LayoutError
 from cargohold.services.layout import Segment, ShardLayout, build_layout
-
-LAYOUT_KIND = "worker-major-v1"
-"""``extra["layout"]`` of a checkpoint whose flat space is worker-major."""
 
 Run = tuple[int, int, int]
 """``(segment_offset, saved_flat_start, length)``: elements ``[segment_offset,
@@ -28,43 +24,27 @@ segment_offset + length)`` of a new segment are the saved flat elements ``[saved
 saved_flat_start + length)``."""
 
 
-def layout_extra(layout: ShardLayout) -> dict[str, Any]:
-    """The manifest ``extra`` entries that rebuild ``layout`` with the manifest's model
+def layout_record(layout: ShardLayout) -> LayoutRecord:
+    """The manifest's ``layout``: what rebuilds ``layout`` with the manifest's model
     signature (its parameters, in layout order)."""
-    return {
-        "layout": LAYOUT_KIND,
-        "align": layout.align,
-        "num_workers": layout.num_workers,
-        "num_servers": layout.num_servers,
-        "group_sizes": [g.stop_param - g.first_param for g in layout.groups],
-        "group_names": [g.name for g in layout.groups],
-    }
+    return LayoutRecord(
+        kind=LAYOUT_KIND,
+        align=layout.align,
+        num_workers=layout.num_workers,
+        num_servers=layout.num_servers,
+        group_sizes=tuple(g.stop_param - g.first_param for g in layout.groups),
+        group_names=tuple(g.name for g in layout.groups),
+    )
 
 
 def saved_layout(manifest: Manifest, source: str) -> ShardLayout:
     """The layout that wrote the checkpoint of ``manifest`` (read from ``source``, named
-    in errors). Refuses a checkpoint of the former parameter-ordered flat space."""
-    extra = manifest.extra
-    kind = extra.get("layout")
-    if kind is None:
-        raise CheckpointError(
-            f"{source}: the checkpoint has no extra.layout; it was written with the former "
-            "parameter-ordered flat layout, which this build cannot resume (start the run afresh, "
-            "or finish it with the cargohold version that wrote it)"
-        )
-    if kind != LAYOUT_KIND:
-        raise CheckpointError(f"{source}: extra.layout is {kind!r}; this build reads {LAYOUT_KIND!r}")
-    counts = {key: extra.get(key) for key in ("align", "num_workers", "num_servers")}
-    for key, value in counts.items():
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            raise CheckpointError(f"{source}: extra.{key} must be an integer >= 1, got {value!r}")
-    sizes, names = extra.get("group_sizes"), extra.get("group_names")
-    if not (isinstance(sizes, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in sizes)):
-        raise CheckpointError(f"{source}: extra.group_sizes must be a list of integers, got {sizes!r}")
-    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-        raise CheckpointError(f"{source}: extra.group_names must be a list of strings, got {names!r}")
+    in errors); refuses a recorded layout that does not rebuild one of ``total`` elements."""
+    record = manifest.layout
     try:
-        layout = build_layout(manifest.model_signature, group_sizes=sizes, group_names=names, **counts)
+        layout = build_layout(manifest.model_signature, align=record.align, num_workers=record.num_workers,
+                              num_servers=record.num_servers, group_sizes=record.group_sizes,
+                              group_names=record.group_names)
     except LayoutError as error:
         raise CheckpointError(f"{source}: the recorded layout cannot be rebuilt: {error}") from error
     if layout.total != manifest.total:
@@ -80,7 +60,7 @@ def segment_runs(saved: ShardLayout, new: ShardLayout, segment: Segment) -> tupl
     ``saved``, in segment order; adjacent runs are merged so that each is one read.
 
     A parameter ``saved`` lacks, or holds in another shape, raises CheckpointError
-    (:func:`~cargohold.services.checkpoint.check_compatible` names every difference first).
+    (:func:`~cargohold.services.checkpoint.compat.check_compatible` names every difference first).
     """
     index = {slot.name: i for i, slot in enumerate(saved.params)}
     runs: list[Run] = []

@@ -13,8 +13,8 @@ import logging
 import torch
 
 from cargohold.cluster.config import WILDCARD_HOSTS, StateServerConfig
-from cargohold.services.checkpoint import FileRecord, Manifest, ShardRecord
-from cargohold.services.checkpointing import ShardCheckpointer
+from cargohold.services.checkpoint import MANIFEST_NAME, FileRecord, Manifest, ShardRecord
+from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.node import node_ip
 from cargohold.services.reshard import Run
@@ -78,12 +78,11 @@ class StateServer:
         """The records of the files written, and how many of their bytes are hard links."""
         return self._checkpointer.wait(), self._checkpointer.linked_bytes
 
-    def restore(self, directory: str, manifest_json: str, shards: list[tuple[ShardSpec, tuple[Run, ...]]],
-                update: int) -> None:
+    def restore(self, directory: str, manifest_json: str, shards: list[tuple[ShardSpec, tuple[Run, ...]]]) -> None:
         """Create each spec from the checkpoint in ``directory``, reading the saved flat
         elements its runs name (:func:`~cargohold.services.reshard.segment_runs`)."""
-        manifest = Manifest.from_json(manifest_json, source=f"{directory}/manifest.json")
-        self._checkpointer.restore(directory, manifest, shards, update)
+        manifest = Manifest.from_json(manifest_json, source=f"{directory}/{MANIFEST_NAME}")
+        self._checkpointer.restore(directory, manifest, shards)
 
     def stop(self) -> None:
         """Stop serving, then stop the tier I/O and delete this server's partition files."""

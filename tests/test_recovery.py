@@ -197,7 +197,7 @@ def test_a_checkpoint_of_another_model_is_refused(ray_local, tmp_path) -> None:
 def test_a_flipped_byte_is_named_on_resume(ray_local, tmp_path) -> None:
     train(tiny_config(steps=2, checkpoint__dir=str(tmp_path)))
     latest = CheckpointStore(tmp_path).latest()
-    victim = sorted(latest.glob("*.bin"))[0]
+    victim = sorted(latest.glob("*.tier"))[0]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x40
     victim.write_bytes(bytes(data))

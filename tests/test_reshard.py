@@ -5,6 +5,8 @@ fragments) for random models, groupings, worker and server counts."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import pytest
@@ -12,18 +14,19 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from cargohold.services.checkpoint import FORMAT_VERSION, Manifest
+from cargohold.services.checkpoint import Manifest
+from cargohold.services.checkpoint.manifest import LAYOUT_KIND
 from cargohold.services.errors import CheckpointError, LayoutError
 from cargohold.services.layout import ShardLayout, build_layout, scatter_params
-from cargohold.services.reshard import LAYOUT_KIND, layout_extra, saved_layout, segment_runs
+from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 
 SHAPES = [("wte", (37, 8)), ("ln_f", (8,)), ("blocks.0.w", (13, 8)), ("blocks.0.b", (13,)), ("blocks.1.s", ())]
 
 
 def _manifest(layout: ShardLayout) -> Manifest:
-    return Manifest(format_version=FORMAT_VERSION, step=1, run_id="r", config_hash="c",
-                    model_signature=tuple((p.name, p.shape) for p in layout.params), total=layout.total,
-                    shards=(), files=(), extra={"updates": 1, **layout_extra(layout)})
+    return Manifest(step=1, updates=1, run_id="r", config_hash="c",
+                    model_signature=tuple((p.name, p.shape) for p in layout.params), layout=layout_record(layout),
+                    total=layout.total, shards=(), files=())
 
 
 def _ids(layout: ShardLayout) -> dict[str, torch.Tensor]:
@@ -130,25 +133,32 @@ def test_a_parameter_the_checkpoint_lacks_is_named(saved_shapes) -> None:
 def test_the_saving_layout_is_rebuilt_from_its_manifest(data: st.DataObject) -> None:
     layout = data.draw(_layouts(data.draw(_models())))
     manifest = Manifest.from_json(_manifest(layout).to_json(), source="m.json")
-    assert manifest.extra["layout"] == LAYOUT_KIND
+    assert manifest.layout.kind == LAYOUT_KIND
     assert saved_layout(manifest, "m.json") == layout
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"layout": None}, r"m\.json: the checkpoint has no extra\.layout; it was written with the former "
-                       "parameter-ordered flat layout, which this build cannot resume"),
-    ({"layout": "worker-major-v9"}, r"extra\.layout is 'worker-major-v9'; this build reads 'worker-major-v1'"),
-    ({"num_workers": 0}, r"extra\.num_workers must be an integer >= 1, got 0"),
-    ({"align": True}, r"extra\.align must be an integer >= 1, got True"),
-    ({"group_sizes": [1, 1]}, r"the recorded layout cannot be rebuilt: group sizes \[1, 1\] do not add up"),
-    ({"group_sizes": "5"}, r"extra\.group_sizes must be a list of integers"),
-    ({"group_names": ["a", "b"]}, r"cannot be rebuilt: 2 group names for 1 groups"),
+    ({"kind": "worker-major-v9"}, r"m\.json: layout\.kind is 'worker-major-v9'; this build reads 'worker-major-v1'"),
+    ({"num_workers": 0}, r"m\.json: layout\.num_workers must be an integer >= 1, got 0"),
+    ({"align": True}, r"m\.json: layout\.align must be an integer >= 1, got True"),
+    ({"group_sizes": "5"}, r"m\.json: layout\.group_sizes must be a list, got str"),
+    ({"group_sizes": [1, "a"]}, r"m\.json: layout\.group_sizes must be a list of integers >= 0, got \[1, 'a'\]"),
+])
+def test_a_manifest_with_a_badly_typed_layout_is_refused_on_load(change: dict, message: str) -> None:
+    body = json.loads(_manifest(build_layout(SHAPES, num_workers=3, num_servers=1, align=1)).to_json())
+    body["layout"].update(change)
+    with pytest.raises(CheckpointError, match=message):
+        Manifest.from_json(json.dumps(body), source="m.json")
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"group_sizes": (1, 1)}, r"the recorded layout cannot be rebuilt: group sizes \[1, 1\] do not add up"),
+    ({"group_names": ("a", "b")}, r"the recorded layout cannot be rebuilt: 2 group names for 1 groups"),
     ({"num_workers": 2}, r"the recorded layout spans \d+ elements, the manifest's total is \d+; the manifest is "
                          "inconsistent"),
 ])
 def test_a_manifest_without_a_usable_layout_is_refused(change: dict, message: str) -> None:
     manifest = _manifest(build_layout(SHAPES, num_workers=3, num_servers=1, align=1))
-    extra = {k: v for k, v in {**manifest.extra, **change}.items() if v is not None}
-    changed = Manifest(**{**{f: getattr(manifest, f) for f in Manifest.__dataclass_fields__}, "extra": extra})
-    with pytest.raises(CheckpointError, match=message):
+    changed = dataclasses.replace(manifest, layout=dataclasses.replace(manifest.layout, **change))
+    with pytest.raises(CheckpointError, match=rf"m\.json: {message}"):
         saved_layout(changed, "m.json")

@@ -27,18 +27,14 @@ import pytest
 import torch
 
 from cargohold.cluster.config import TierConfig
-from cargohold.services.checkpoint import (
-    FORMAT_VERSION,
-    TIER_PARTITION_FILE,
-    CheckpointStore,
-    Manifest,
-    read_flat_range,
-)
-from cargohold.services.checkpointing import ShardCheckpointer
+from cargohold.services.checkpoint import CheckpointStore, Manifest, read_flat_range
+from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.errors import CheckpointError, CorruptCheckpointError
+from cargohold.services.layout import build_layout
 from cargohold.services.optim import AdamWHyperParams
+from cargohold.services.reshard import layout_record
 from cargohold.services.shard_state import ShardRegistry, ShardSpec
-from cargohold.services.tiers.fileformat import HEADER_BYTES, FileLayout
+from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout, parse_header
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.storage import TieredStorage
 from system import mounted_tmpfs, run_measured
@@ -55,7 +51,8 @@ TOTAL = SHARDS * NUMEL
 BUFFER_BYTES = FileLayout(PER_PARTITION).file_bytes
 LR = 1e-2
 NORM = 2.0  # > max_grad_norm: clipping is active
-ARRAYS = ("master", "exp_avg", "exp_avg_sq")
+FLAT = (("flat", (TOTAL,)),)
+"""The model signature of the checkpoints: one flat parameter."""
 
 
 def _tier(root: Path, **changes: object) -> TierConfig:
@@ -109,10 +106,10 @@ def _checkpoint(store: CheckpointStore, registry: ShardRegistry, step: int) -> t
     except CheckpointError:
         store.abort(step)
         raise
-    manifest = Manifest(format_version=FORMAT_VERSION, step=step, run_id=RUN, config_hash="cfg",
-                        model_signature=(("flat", (TOTAL,)),), total=TOTAL,
+    manifest = Manifest(step=step, updates=update, run_id=RUN, config_hash="cfg", model_signature=FLAT,
+                        layout=layout_record(build_layout(FLAT, num_workers=1, num_servers=1, align=1)), total=TOTAL,
                         shards=tuple(sorted((r for r, _ in records), key=lambda r: r.start)),
-                        files=tuple(f for _, f in records), extra={"updates": update})
+                        files=tuple(f for _, f in records))
     return store.commit(step, manifest), checkpointer.preserved
 
 
@@ -185,7 +182,7 @@ def test_a_tier_checkpoint_restores_and_continues_bitwise(tmp_path: Path, target
             "all-in-ram": None}[target]
     restored = ShardRegistry(TieredStorage(tier))
     try:
-        ShardCheckpointer(restored, server_index=0).restore(str(path), store.load(path), _whole(), update=3)
+        ShardCheckpointer(restored, server_index=0).restore(str(path), store.load(path), _whole())
         assert all(restored.get(RUN, s.shard_id).step == 3 for s in _specs())
         if tier is not None:
             assert _disk_rows(restored), "the restored state is back on disk"
@@ -194,6 +191,50 @@ def test_a_tier_checkpoint_restores_and_continues_bitwise(tmp_path: Path, target
         _assert_equal(_state(restored), expected)
     finally:
         restored.close()
+
+
+@pytest.mark.parametrize("saved_by", ["all-in-ram", "nvme-tier"])
+def test_one_payload_format_whatever_the_tier(tmp_path: Path, saved_by: str) -> None:
+    """All in RAM or with an NVMe tier, a checkpoint's payload is partition files in the
+    tier's format: each is the partition its name and its shard record say, at the
+    manifest's update count, with the size and header checksum the manifest records; the
+    checkpoint restores bitwise into either kind of storage and training continues."""
+    store = CheckpointStore(tmp_path / "ckpt")
+    original = _fresh(_tier(tmp_path / "a") if saved_by == "nvme-tier" else None)
+    try:
+        _push(original, range(1, 4))
+        saved = _state(original)
+        partitions = len(original.storage.rows(RUN))
+        path, how = _checkpoint(store, original, 3)
+        _push(original, range(4, 6))
+        expected = _state(original)
+    finally:
+        original.close()
+    manifest = store.load(path)
+    if saved_by == "all-in-ram":  # one partition per segment, copied and written
+        assert partitions == SHARDS and how == {"linked": 0, "copied": 0, "written": SHARDS}
+    else:
+        assert partitions > SHARDS and how["linked"] > 0 and sum(how.values()) == partitions
+    assert len(manifest.shards) == len(manifest.files) == partitions == len(list(path.glob("*.tier")))
+    records = {f.name: f for f in manifest.files}
+    for shard in manifest.shards:
+        raw = (path / shard.file).read_bytes()
+        header = parse_header(raw[:HEADER_BYTES], path=shard.file)
+        assert _checkpoint_file(path, header.key).name == shard.file
+        assert header.key.run_id == RUN and header.key.shard_id == shard.segment_id
+        assert header.numel == shard.stop - shard.start
+        assert header.step == manifest.updates == 3
+        assert len(raw) == FileLayout(header.numel).file_bytes == records[shard.file].nbytes
+        assert header.checksum() == records[shard.file].crc32c
+    for target in (None, _tier(tmp_path / "b")):
+        restored = ShardRegistry(TieredStorage(target))
+        try:
+            ShardCheckpointer(restored, server_index=0).restore(str(path), manifest, _whole())
+            _assert_equal(_state(restored), saved)
+            _push(restored, range(4, 6))
+            _assert_equal(_state(restored), expected)
+        finally:
+            restored.close()
 
 
 def test_on_another_filesystem_the_pinned_version_is_copied(tmp_path: Path, other_filesystem: Path) -> None:
@@ -302,7 +343,6 @@ def test_a_partition_file_named_for_another_shard_is_refused(tmp_path: Path) -> 
     finally:
         registry.close()
     manifest = CheckpointStore(tmp_path / "ckpt").load(path)
-    assert {f.format for f in manifest.files} == {TIER_PARTITION_FILE}
     first, second = manifest.shards[0], manifest.shards[len(manifest.shards) // 2]
     swapped = [s if s not in (first, second) else
                type(s)(s.segment_id, s.start, s.stop, s.step, second.file if s is first else first.file)
@@ -322,17 +362,19 @@ allocations pile up to 5-20 MiB, varying run to run."""
 @pytest.mark.parametrize("saved_by", ["tier", "ram"])
 def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larger(
         tmp_path: Path, saved_by: str) -> None:
-    """A checkpoint of 48 MiB of state — tier partition files, or one 48 MiB shard file
-    written from RAM — restored into a tier with an 8 MiB budget: the peak RSS of the
+    """A checkpoint of 48 MiB of state — tier partition files, or one 48 MiB partition
+    file written from RAM — restored into a tier with an 8 MiB budget: the peak RSS of the
     restoring process grows by the budget plus a stated overhead, not by the state."""
     script = textwrap.dedent("""
         import json, sys, torch
         torch.set_num_threads(1)
         from pathlib import Path
         from cargohold.cluster.config import TierConfig
-        from cargohold.services.checkpoint import FORMAT_VERSION, CheckpointStore, Manifest
-        from cargohold.services.checkpointing import ShardCheckpointer
+        from cargohold.services.checkpoint import CheckpointStore, Manifest
+        from cargohold.services.checkpoint.writer import ShardCheckpointer
+        from cargohold.services.layout import build_layout
         from cargohold.services.optim import AdamWHyperParams
+        from cargohold.services.reshard import layout_record
         from cargohold.services.shard_state import ShardRegistry, ShardSpec
         from cargohold.services.tiers.storage import TieredStorage
         from system import proc_status, reset_peak_rss
@@ -352,15 +394,17 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         checkpointer = ShardCheckpointer(saving, 0)
         checkpointer.begin("rss", str(store.begin(1)), 1)
         records = checkpointer.wait()
-        path = store.commit(1, Manifest(format_version=FORMAT_VERSION, step=1, run_id="rss", config_hash="",
-                                        model_signature=(("flat", (N,)),), total=N,
-                                        shards=tuple(r for r, _ in records), files=tuple(f for _, f in records)))
+        flat = (("flat", (N,)),)
+        path = store.commit(1, Manifest(step=1, updates=1, run_id="rss", config_hash="", model_signature=flat,
+                                        layout=layout_record(build_layout(flat, num_workers=1, num_servers=1)),
+                                        total=N, shards=tuple(r for r, _ in records),
+                                        files=tuple(f for _, f in records)))
         saving.close()
         del state, saving
         restoring = ShardRegistry(TieredStorage(tier(root + "/b")))
         manifest = store.load(path)
         base = reset_peak_rss()
-        ShardCheckpointer(restoring, 0).restore(str(path), manifest, [(spec, ((0, 0, N),))], 1)
+        ShardCheckpointer(restoring, 0).restore(str(path), manifest, [(spec, ((0, 0, N),))])
         growth = proc_status("VmHWM") - base
         got = restoring.get("rss", 0).snapshot()
         same = all(torch.equal(got[k], expected[k]) for k in expected)
@@ -371,7 +415,7 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
     budget = 8 << 20
     result = run_measured(script, tmp_path, budget, saved_by, timeout=100)
     assert result["same"], "the restored state differs from the saved one"
-    assert set(result["files"]) == {".json", ".tier" if saved_by == "tier" else ".bin"}
+    assert set(result["files"]) == {".json", ".tier"}
     assert result["state"] >= 6 * budget and result["nvme"] > result["state"] * 0.8
     assert result["growth"] <= budget + RSS_OVERHEAD, (
         f"RSS grew {result['growth'] / 2**20:.1f} MiB restoring into a {budget / 2**20:.0f} MiB budget"
@@ -444,7 +488,7 @@ def crash_writer(root: str, tier_root: str) -> None:
     else:
         manifest = store.load(latest)
         registry, step = ShardRegistry(TieredStorage(_tier(Path(tier_root)))), manifest.step
-        ShardCheckpointer(registry, server_index=0).restore(str(latest), manifest, _whole(), manifest.extra["updates"])
+        ShardCheckpointer(registry, server_index=0).restore(str(latest), manifest, _whole())
     print("ready", flush=True)
     while True:
         step += 1

@@ -50,6 +50,12 @@ class AlignedBuffer:
         ]
         return PartitionArrays(*views)
 
+    def clone(self) -> AlignedBuffer:
+        """A new buffer holding a copy of these bytes."""
+        copy = AlignedBuffer(self.nbytes)
+        copy.tensor.copy_(self.tensor)
+        return copy
+
     def close(self) -> None:
         """Unmap; only when no tensor view of it is alive any more."""
         del self.tensor

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cargohold.services.durable import fsync_directory
+from cargohold.services.durable import fsync_file, replace_durably
 from cargohold.services.errors import TierError, TierSpaceError
 from cargohold.services.tiers.fileformat import (
     ARRAYS,
@@ -99,6 +99,7 @@ def probe_path(root: str, direct_io: str, probe_bytes: int = PROBE_BYTES) -> Tie
             try:
                 started = time.perf_counter()
                 _write_file(probe, buffer.view, direct)
+                fsync_file(probe, drop_cache=not direct)
                 written = time.perf_counter() - started
                 started = time.perf_counter()
                 got = _read_into(probe, buffer.view, direct)
@@ -370,28 +371,23 @@ def check_free_space(root: str, need: int, free: int, what: str) -> None:
 def write_partition_file(target: str, buffer: AlignedBuffer, key: PartitionKey, numel: int, step: int, *,
                          direct: bool) -> PartitionHeader:
     """Write a partition held in ``buffer`` (its file layout; the header block is filled
-    here) as the file of ``step`` at ``target``: to ``<target>.tmp``, fsynced, renamed over
-    ``target``, directory fsynced. Every version is a new file renamed into place and none
-    is ever changed in place, which is what lets a checkpoint hard-link one. Raises the
-    OSError, leaving no temporary file and ``target`` as it was."""
+    here) as the file of ``step`` at ``target`` with
+    :func:`~cargohold.services.durable.replace_durably`. Every version is a new file renamed
+    into place and none is ever changed in place, which is what lets a checkpoint hard-link
+    one. Raises the OSError, leaving no temporary file and ``target`` as it was."""
     layout = FileLayout(numel)
     checksums = tuple(
         crc32c(buffer.view[layout.offset(i) : layout.offset(i) + layout.region_bytes]) for i in range(len(ARRAYS))
     )
     header = PartitionHeader(key=key, numel=numel, step=step, checksums=checksums)
     buffer.view[:HEADER_BYTES] = header.pack()
-    temporary = target + ".tmp"
-    try:
+    with replace_durably(target, drop_cache=not direct) as temporary:
         _write_file(temporary, buffer.view[: layout.file_bytes], direct)
-        os.replace(temporary, target)
-        fsync_directory(os.path.dirname(target))
-    except OSError:
-        unlink_if_present(temporary)
-        raise
     return header
 
 
 def _write_file(path: str, view: memoryview, direct: bool) -> None:
+    """Write ``view`` as the whole of a new file (the caller makes it durable)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     fd = os.open(path, flags, 0o600)
     try:
@@ -401,9 +397,6 @@ def _write_file(path: str, view: memoryview, direct: bool) -> None:
             if written <= 0:
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
             offset += written
-        os.fsync(fd)
-        if not direct:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 

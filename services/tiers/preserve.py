@@ -18,7 +18,9 @@ step), so a checkpoint never records a file that is not the state it claims to b
 A partition resident in RAM changes in place at its next update, so it must be written
 out first; :class:`PendingWrite` does that in the background too, and the update of that
 partition waits on its ``done`` event (set however the write ends). Training stalls only
-if it reaches a partition before its write did.
+if it reaches a partition before its write did. Without a RAM budget (no NVMe tier) the
+partition is copied at once instead and the copy written in the background: training
+never waits for the disk, at the price of the copy's memory.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import threading
 from dataclasses import dataclass
 
+from cargohold.services.durable import replace_durably
 from cargohold.services.tiers.fileformat import (
     HEADER_BYTES,
     FileLayout,
@@ -58,20 +61,17 @@ class PendingCopy:
     nbytes: int
 
     def run(self) -> None:
-        """Copy to ``<target>.tmp``, fsync, rename to ``target`` (the caller fsyncs the
-        directory once for all files). Closes the source; raises the OSError naming
-        ``target``, leaving no temporary file."""
-        temporary = self.target + ".tmp"
+        """Copy to ``target`` durably (the caller fsyncs the directory once for all
+        files). Closes the source; raises the OSError naming ``target``, leaving no
+        temporary file."""
         try:
-            out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            try:
-                _copy_range(self.source_fd, out, self.nbytes)
-                os.fsync(out)
-            finally:
-                os.close(out)
-            os.replace(temporary, self.target)
+            with replace_durably(self.target, sync_directory=False) as temporary:
+                out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                try:
+                    _copy_range(self.source_fd, out, self.nbytes)
+                finally:
+                    os.close(out)
         except OSError as error:
-            unlink_if_present(temporary)
             raise OSError(error.errno, error.strerror, self.target) from error
         finally:
             self.cancel()
@@ -85,7 +85,8 @@ class PendingCopy:
 
 @dataclass(slots=True)
 class PendingWrite:
-    """A RAM-resident partition to write as a partition file before its next update."""
+    """A RAM-resident partition to write as a partition file: in place before its next
+    update, or from a copy (:meth:`.storage.TieredStorage.preserve` says which)."""
 
     buffer: AlignedBuffer
     key: PartitionKey
@@ -93,7 +94,8 @@ class PendingWrite:
     step: int
     target: str
     done: threading.Event
-    """Set once the write has ended, well or not: the partition's next update waits on it."""
+    """Set once the write has ended, well or not: the next update of a partition written
+    in place waits on it."""
 
     def run(self) -> PartitionHeader:
         """Write (buffered, crash-consistently) and return the header written; raises

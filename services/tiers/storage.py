@@ -28,7 +28,7 @@ import torch
 from cargohold.cluster.config import TierConfig
 from cargohold.services.errors import IncompleteStepError
 from cargohold.services.optim import AdamWHyperParams, AdamWState, clip_, clipped, fused_adamw_
-from cargohold.services.tiers.fileformat import FileLayout
+from cargohold.services.tiers.fileformat import ARRAYS, FileLayout
 from cargohold.services.tiers.io_pool import BufferPool, IoPool
 from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path
 from cargohold.services.tiers.partitions import elements_per_partition, split_segment
@@ -300,7 +300,7 @@ class TieredStorage:
         """fp32 copies of master, exp_avg and exp_avg_sq of the whole shard."""
         parts = self._consistent(run_id, shard_id, step)
         numel = parts[-1].span.stop
-        out = {name: torch.empty(numel, dtype=torch.float32) for name in ("master", "exp_avg", "exp_avg_sq")}
+        out = {name: torch.empty(numel, dtype=torch.float32) for name in ARRAYS}
         for part in parts:
             store = self._store_of(part)
             staged = store.stage(part, block=True)
@@ -321,10 +321,12 @@ class TieredStorage:
         file named ``name_of(key)``, for a checkpoint. Files on the NVMe tier are
         hard-linked now (their version is immutable), or, on another filesystem, held
         open with a :class:`PendingCopy` to run later. Partitions in RAM get a
-        :class:`PendingWrite` to run later, and their next update waits until it has
-        run (or was cancelled): every pending job must be run or cancelled. The caller
-        holds the shard still (its lock) until this returns and fsyncs ``directory``
-        once the jobs are done.
+        :class:`PendingWrite` to run later: with a RAM budget, of the partition itself,
+        and its next update waits until the write has run (or was cancelled), since a
+        copy would break the budget; without one, of a copy taken now, so training never
+        waits for the disk. Every pending job must be run or cancelled. The caller holds
+        the shard still (its lock) until this returns and fsyncs ``directory`` once the
+        jobs are done.
 
         Raises OSError or a TierError, having cancelled its jobs; what it already put
         there stays for the caller to remove with the directory."""
@@ -337,9 +339,12 @@ class TieredStorage:
                 numel = part.span.numel
                 checksum: int | None = None
                 pending: PendingCopy | PendingWrite | None = None
-                if part.residency is Residency.RAM:
+                if part.residency is Residency.RAM and self.enabled:
                     part.saving = threading.Event()
                     pending = PendingWrite(self._ram.buffer(part), part.key, numel, part.step, target, part.saving)
+                elif part.residency is Residency.RAM:
+                    pending = PendingWrite(self._ram.buffer(part).clone(), part.key, numel, part.step, target,
+                                           threading.Event())
                 else:
                     try:
                         header, pending = link_or_pin(part.path, target, key=part.key, numel=numel, step=part.step)
@@ -446,7 +451,7 @@ def tensor_source(initial: torch.Tensor, moments: tuple[torch.Tensor, torch.Tens
 def _source_piece(source: StateSource, part: Partition,
                   shard_id: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     master, moments = source(part.span.start, part.span.stop)
-    for name, array in zip(("master", "exp_avg", "exp_avg_sq"), (master, *(moments or ()))):
+    for name, array in zip(ARRAYS, (master, *(moments or ()))):
         if array.dtype != torch.float32 or array.shape != (part.span.numel,):
             raise ValueError(f"shard {shard_id}: the {name} source gave {array.dtype} of shape "
                              f"{tuple(array.shape)} for {part.key}, expected float32 ({part.span.numel},)")

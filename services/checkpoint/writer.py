@@ -1,17 +1,22 @@
 """A state server's side of checkpoints: put its shards' state into a checkpoint's
-partial directory, and restore shards from a complete checkpoint — cut the way the new
-layout needs, whatever layout wrote it.
+partial directory as partition files (the one payload format,
+:mod:`cargohold.services.tiers.fileformat`), and restore shards from a complete
+checkpoint — cut the way the new layout needs, whatever layout wrote it.
 
-All in RAM (no tier), ``begin`` only takes copies (the stall) and a background thread
-writes them as shard files while training goes on.
+``begin`` holds each shard still for a moment while its tiers preserve every partition
+(:meth:`~cargohold.services.tiers.storage.TieredStorage.preserve`), then returns; a
+background thread does the rest while training goes on:
 
-With an NVMe tier, copying everything would break the RAM budget, and most of the state
-is already in immutable files: ``begin`` hard-links each partition file on the tier into
-the checkpoint (no bytes move) and returns. A background thread then writes the
-partitions resident in RAM, in place, while the next step computes; the update of such a
-partition waits until it has been written (the only stall: when training reaches it
-first). Where the checkpoint is on another filesystem and a link is refused, the thread
-also copies the files, opened at ``begin`` so that they hold that step's version.
+* a partition file on the NVMe tier is hard-linked into the checkpoint (no bytes move;
+  where the checkpoint is on another filesystem and a link is refused, the thread copies
+  it from a descriptor opened at ``begin``, so it holds that step's version);
+* a partition in RAM is written by the thread: all in RAM (no budget), from a copy taken
+  at ``begin`` (the stall); under a RAM budget, where a copy would break it, in place,
+  and the partition's next update waits until it has been written (the only stall: when
+  training reaches it first).
+
+Payload files are named ``server<i>-shard<segment>-part<index>.tier``; all in RAM a
+segment is one partition (index 0).
 """
 
 from __future__ import annotations
@@ -24,30 +29,26 @@ from pathlib import Path
 
 import torch
 
-from cargohold.services.checkpoint import (
-    TIER_PARTITION_FILE,
-    CheckpointReader,
-    FileRecord,
-    Manifest,
-    ShardRecord,
-    free_space_hint,
-    write_shard_file,
-)
+from cargohold.services.checkpoint.errors import free_space_hint
+from cargohold.services.checkpoint.manifest import FileRecord, Manifest, ShardRecord
+from cargohold.services.checkpoint.reader import CheckpointReader
 from cargohold.services.durable import fsync_directory
 from cargohold.services.errors import CheckpointError, TierError
 from cargohold.services.reshard import Run
 from cargohold.services.shard_state import ShardRegistry, ShardSpec, ShardState
+from cargohold.services.tiers.fileformat import ARRAYS
 from cargohold.services.tiers.preserve import PendingWrite
 from cargohold.services.tiers.residency import PartitionKey
 from cargohold.services.tiers.storage import PreservedPartition
 
 logger = logging.getLogger(__name__)
 
-ARRAYS = ("master", "exp_avg", "exp_avg_sq")
 Records = list[tuple[ShardRecord, FileRecord]]
 
 
 class ShardCheckpointer:
+    """Saves and restores the shards of one state server's registry."""
+
     def __init__(self, registry: ShardRegistry, server_index: int) -> None:
         self._registry = registry
         self._server_index = server_index
@@ -60,9 +61,9 @@ class ShardCheckpointer:
         """Bytes of the last checkpoint's files that are hard links (nothing written)."""
 
     def begin(self, run_id: str, directory: str, step: int) -> int:
-        """Start writing every shard of ``run_id`` as of data step ``step``; returns the
-        update count they are at (lower than ``step`` when steps were skipped). A failed
-        write is raised by :meth:`wait`, like one in the background."""
+        """Start putting every shard of ``run_id`` into ``directory`` as of data step
+        ``step``; returns the update count they are at (lower than ``step`` when steps
+        were skipped). A failure, here or in the background, is raised by :meth:`wait`."""
         if self._thread is not None:
             raise CheckpointError("a checkpoint is still being written; wait for it first")
         shards = self._registry.shards(run_id)
@@ -72,11 +73,7 @@ class ShardCheckpointer:
         update = updates.pop() if updates else 0
         self._result = None
         self.preserved, self.linked_bytes = {}, 0
-        if self._registry.storage.enabled:
-            self._preserve(directory, step, update, shards)
-        else:
-            copies = [(s.spec, s.snapshot()) for s in shards]
-            self._background(lambda: self._write(directory, step, copies))
+        self._preserve(directory, step, update, shards)
         return update
 
     def wait(self) -> Records:
@@ -101,28 +98,17 @@ class ShardCheckpointer:
         self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
-    def _write(self, directory: str, step: int, shards: list[tuple[ShardSpec, dict[str, torch.Tensor]]]) -> Records:
-        records = []
-        for spec, tensors in shards:
-            name = f"server{self._server_index}-shard{spec.shard_id:06d}.bin"
-            file = write_shard_file(Path(directory), name, step=step, start=spec.start,
-                                    tensors={k: tensors[k] for k in ARRAYS})
-            records.append((ShardRecord(segment_id=spec.shard_id, start=spec.start,
-                                        stop=spec.start + spec.numel, step=step, file=name), file))
-        return records
+    def _name_of(self, key: PartitionKey) -> str:
+        return f"server{self._server_index}-shard{key.shard_id:06d}-part{key.index:05d}.tier"
 
     def _preserve(self, directory: str, step: int, update: int, shards: list[ShardState]) -> None:
         """Link every disk partition file of the shards at ``update`` now; write the RAM
-        partitions (first: their next update waits for them) and copy what could not be
-        linked in the background."""
+        partitions (first: an update may wait for them) and copy what could not be linked
+        in the background."""
         preserved: list[tuple[ShardState, PreservedPartition]] = []
-
-        def name_of(key: PartitionKey) -> str:
-            return f"server{self._server_index}-shard{key.shard_id:06d}-part{key.index:05d}.tier"
-
         try:
             for shard in shards:
-                held, parts = shard.preserve(directory, name_of)
+                held, parts = shard.preserve(directory, self._name_of)
                 preserved += [(shard, part) for part in parts]
                 if held != update:
                     raise TierError(f"shard {shard.spec.shard_id} moved to update {held} while checkpointing "
@@ -153,8 +139,7 @@ class ShardCheckpointer:
             return [
                 (ShardRecord(segment_id=shard.spec.shard_id, start=shard.spec.start + part.start,
                              stop=shard.spec.start + part.stop, step=step, file=part.name),
-                 FileRecord(name=part.name, nbytes=part.nbytes, crc32c=checksums.get(part.name, part.checksum),
-                            format=TIER_PARTITION_FILE))
+                 FileRecord(name=part.name, nbytes=part.nbytes, crc32c=checksums.get(part.name, part.checksum)))
                 for shard, part in preserved
             ]
 
@@ -163,9 +148,9 @@ class ShardCheckpointer:
         else:
             self._result = finish()
 
-    def restore(self, directory: str, manifest: Manifest, shards: Sequence[tuple[ShardSpec, Sequence[Run]]],
-                update: int) -> None:
-        """Register each spec with the state the checkpoint holds for it: its ``runs``
+    def restore(self, directory: str, manifest: Manifest, shards: Sequence[tuple[ShardSpec, Sequence[Run]]]) -> None:
+        """Register each spec with the state the checkpoint holds for it, at its update
+        count (``manifest.updates``): its ``runs``
         (:func:`~cargohold.services.reshard.segment_runs`) say which saved flat elements
         fill which of its elements; the rest (padding) is zero. Read a partition at a
         time, so a restore stays within the tiers' memory."""
@@ -192,7 +177,7 @@ class ShardCheckpointer:
                                 out={k: v[first - lo : stop - lo] for k, v in piece.items()})
                 return piece["master"], (piece["exp_avg"], piece["exp_avg_sq"])
 
-            self._registry.restore(spec, source, update)
+            self._registry.restore(spec, source, manifest.updates)
 
 
 def _cancel(parts: Iterable[PreservedPartition]) -> None:
@@ -207,4 +192,4 @@ def _save_error(directory: str, error: BaseException) -> CheckpointError:
         reason = f"{error.strerror or error}{where}{free_space_hint(error)}"
     else:
         reason = str(error)
-    return CheckpointError(f"saving the NVMe tier's partitions into {directory} failed: {reason}")
+    return CheckpointError(f"saving the partitions into {directory} failed: {reason}")

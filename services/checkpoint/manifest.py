@@ -1,0 +1,302 @@
+"""The manifest of a checkpoint: its schema, JSON form and validation.
+
+The manifest is written last into a checkpoint's directory (:mod:`.store`) and holds
+everything needed to find, verify and place the payload, and to resume from it: the data
+step and the update count, the run id, the config hash, the model signature, the layout
+that saved the flat space, its padded length, the shard records (which flat range each
+payload file holds) and the size and header CRC-32C of every payload file. Every field
+is typed and validated on construction, so a manifest read from disk is refused, naming
+the field and the file, before anything of it is used.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from cargohold.services.durable import TEMP_SUFFIX
+from cargohold.services.errors import CheckpointError
+
+FORMAT_VERSION = 3
+"""Of the manifest. Version 3 replaced the untyped ``extra`` object by the typed fields
+``updates`` and ``layout``, and made every payload file a partition file (versions 1 and 2
+also had shard files, ``files[].format``); manifests of earlier versions are refused."""
+MANIFEST_NAME = "manifest.json"
+LAYOUT_KIND = "worker-major-v1"
+"""``layout.kind`` of a checkpoint whose flat space is worker-major
+(:mod:`cargohold.services.layout`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """A payload file (a partition file, :mod:`.payload`) as the manifest knows it: its
+    name in the checkpoint directory, its size and its header's CRC-32C."""
+
+    name: str
+    nbytes: int
+    crc32c: int
+    """The CRC-32C the file's header stores for itself; it covers the file's identity,
+    update count and the checksums of its arrays."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRecord:
+    """The flat range ``[start, stop)`` of the model buffer that ``file`` holds."""
+
+    segment_id: int
+    start: int
+    stop: int
+    step: int
+    """The checkpoint's data step (the manifest's ``step``)."""
+    file: str
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutRecord:
+    """What placed the parameters in the saved flat space, besides the model signature:
+    :func:`cargohold.services.reshard.saved_layout` rebuilds the layout from it.
+    Construction checks the types; whether the numbers rebuild a layout of the manifest's
+    ``total`` is checked when they are used."""
+
+    kind: str
+    """:data:`LAYOUT_KIND`."""
+    align: int
+    """Elements every slot starts at a multiple of (a checkpoint restores only onto the
+    same alignment, :func:`.compat.check_compatible`)."""
+    num_workers: int
+    num_servers: int
+    group_sizes: tuple[int, ...]
+    """Parameters per FSDP2 unit, in layout order."""
+    group_names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.kind != LAYOUT_KIND:
+            raise CheckpointError(f"layout.kind is {self.kind!r}; this build reads {LAYOUT_KIND!r}")
+        for name in ("align", "num_workers", "num_servers"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise CheckpointError(f"layout.{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.group_sizes, tuple) and all(is_int(n) and n >= 0 for n in self.group_sizes)):
+            raise CheckpointError(f"layout.group_sizes must be a list of integers >= 0, got {_shown(self.group_sizes)}")
+        if not (isinstance(self.group_names, tuple) and all(isinstance(n, str) for n in self.group_names)):
+            raise CheckpointError(f"layout.group_names must be a list of strings, got {_shown(self.group_names)}")
+
+    def to_body(self) -> dict[str, Any]:
+        return {"kind": self.kind, "align": self.align, "num_workers": self.num_workers,
+                "num_servers": self.num_servers, "group_sizes": list(self.group_sizes),
+                "group_names": list(self.group_names)}
+
+    @classmethod
+    def from_body(cls, body: object) -> LayoutRecord:
+        entry = _record(body, cls, "layout")
+        return cls(**{**entry, "group_sizes": tuple(_list(entry["group_sizes"], "layout.group_sizes")),
+                      "group_names": tuple(_list(entry["group_names"], "layout.group_names"))})
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """Everything needed to find, verify and place a checkpoint's payload and to resume.
+
+    Construction validates the fields (types, ranges, no overlapping shards, every shard
+    at ``step``, every file listed once and holding exactly one shard) and raises
+    :class:`CheckpointError` naming the field.
+    """
+
+    step: int
+    """The data step: batches consumed; training resumes with step ``step + 1``."""
+    updates: int
+    """Optimizer updates applied: ``step`` less the steps skipped for non-finite
+    gradients. Every payload file holds the state after this many updates."""
+    run_id: str
+    config_hash: str
+    model_signature: tuple[tuple[str, tuple[int, ...]], ...]
+    """Parameter names and shapes, in layout order."""
+    layout: LayoutRecord
+    total: int
+    """Padded length of the flat buffer the checkpoint was saved from."""
+    shards: tuple[ShardRecord, ...]
+    files: tuple[FileRecord, ...]
+
+    def __post_init__(self) -> None:
+        _validate_manifest(self)
+
+    def to_json(self) -> str:
+        body = {
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "updates": self.updates,
+            "run_id": self.run_id,
+            "config_hash": self.config_hash,
+            "model_signature": [[name, list(shape)] for name, shape in self.model_signature],
+            "layout": self.layout.to_body(),
+            "total": self.total,
+            "shards": [
+                {"segment_id": s.segment_id, "start": s.start, "stop": s.stop, "step": s.step, "file": s.file}
+                for s in self.shards
+            ],
+            "files": [{"name": f.name, "nbytes": f.nbytes, "crc32c": f.crc32c} for f in self.files],
+        }
+        return json.dumps(body, indent=1, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str) -> Manifest:
+        """Parse and validate; every error names ``source`` (the manifest's path)."""
+        try:
+            body = json.loads(text)
+        except ValueError as error:
+            raise CheckpointError(f"{source}: not a valid manifest (JSON: {error})") from error
+        try:
+            return cls._from_body(body)
+        except CheckpointError as error:
+            raise CheckpointError(f"{source}: {error}") from error
+
+    @classmethod
+    def _from_body(cls, body: object) -> Manifest:
+        if not isinstance(body, dict):
+            raise CheckpointError(f"the manifest is a JSON {type(body).__name__}, not an object")
+        version = body.get("format_version")
+        if is_int(version) and 1 <= version < FORMAT_VERSION:
+            raise CheckpointError(
+                f"format version {version} is no longer readable: this build reads version {FORMAT_VERSION} "
+                "only (start the run afresh, or finish it with the cargohold version that wrote it)"
+            )
+        if version != FORMAT_VERSION or not is_int(version):
+            raise CheckpointError(f"format version {version!r}; this build reads version {FORMAT_VERSION}")
+        keys = {"format_version", *cls.__dataclass_fields__}  # type: ignore[attr-defined]
+        if set(body) != keys:
+            missing, unknown = sorted(keys - set(body)), sorted(set(body) - keys)
+            raise CheckpointError(f"manifest fields missing {missing}, unknown {unknown}")
+        signature = _list(body["model_signature"], "model_signature")
+        shards = _list(body["shards"], "shards")
+        files = _list(body["files"], "files")
+        return cls(
+            step=body["step"],
+            updates=body["updates"],
+            run_id=body["run_id"],
+            config_hash=body["config_hash"],
+            model_signature=tuple(_signature_entry(entry, i) for i, entry in enumerate(signature)),
+            layout=LayoutRecord.from_body(body["layout"]),
+            total=body["total"],
+            shards=tuple(ShardRecord(**_record(entry, ShardRecord, f"shards[{i}]"))
+                         for i, entry in enumerate(shards)),
+            files=tuple(FileRecord(**_record(entry, FileRecord, f"files[{i}]")) for i, entry in enumerate(files)),
+        )
+
+
+def _shown(value: object) -> str:
+    """``value`` as the JSON it came from would show it (tuples are lists there)."""
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)
+
+
+def _list(value: object, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise CheckpointError(f"{what} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _signature_entry(entry: object, index: int) -> tuple[str, tuple[int, ...]]:
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)):
+        raise CheckpointError(f"model_signature[{index}] must be [name, [dims]], got {entry!r}")
+    return entry[0], tuple(entry[1])
+
+
+def _record(entry: object, kind: type, what: str) -> dict[str, Any]:
+    names = set(kind.__dataclass_fields__)  # type: ignore[attr-defined]
+    if not isinstance(entry, dict) or set(entry) != names:
+        raise CheckpointError(f"{what} must be an object with fields {sorted(names)}, got {entry!r}")
+    return entry
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_name(name: object) -> None:
+    """A payload file name: one plain path component, not one the store itself uses."""
+    if (not isinstance(name, str) or not name or name in (".", "..", MANIFEST_NAME)
+            or "/" in name or "\\" in name or "\0" in name or name.endswith(TEMP_SUFFIX)):
+        raise CheckpointError(
+            f"file {name!r} is not a valid payload file name (one path component, not "
+            f"{MANIFEST_NAME!r}, not ending in {TEMP_SUFFIX!r})"
+        )
+
+
+def _validate_manifest(m: Manifest) -> None:
+    for name in ("step", "total"):
+        value = getattr(m, name)
+        if not is_int(value) or value < 0:
+            raise CheckpointError(f"{name} must be an integer >= 0, got {value!r}")
+    if m.total < 1:
+        raise CheckpointError(f"total must be >= 1, got {m.total}")
+    if not is_int(m.updates) or not 0 <= m.updates <= m.step:
+        raise CheckpointError(
+            f"updates must be an integer from 0 to step ({m.step}), the optimizer updates of those data steps; "
+            f"got {m.updates!r}"
+        )
+    for name in ("run_id", "config_hash"):
+        if not isinstance(getattr(m, name), str):
+            raise CheckpointError(f"{name} must be a string, got {getattr(m, name)!r}")
+    if not isinstance(m.model_signature, tuple):
+        raise CheckpointError("model_signature must be a tuple of (name, shape)")
+    for index, entry in enumerate(m.model_signature):
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
+                and isinstance(entry[1], tuple) and all(is_int(d) and d >= 0 for d in entry[1])):
+            raise CheckpointError(f"model_signature[{index}] must be (name, shape), got {entry!r}")
+    if not isinstance(m.layout, LayoutRecord):
+        raise CheckpointError(f"layout must be a LayoutRecord, got {type(m.layout).__name__}")
+
+    if not isinstance(m.files, tuple) or not all(isinstance(f, FileRecord) for f in m.files):
+        raise CheckpointError("files must be a tuple of FileRecord")
+    names: set[str] = set()
+    for record in m.files:
+        _check_name(record.name)
+        if record.name in names:
+            raise CheckpointError(f"file {record.name!r} is listed twice")
+        names.add(record.name)
+        if not is_int(record.nbytes) or record.nbytes < 0:
+            raise CheckpointError(f"file {record.name!r}: nbytes must be an integer >= 0, got {record.nbytes!r}")
+        if not is_int(record.crc32c) or not 0 <= record.crc32c < 1 << 32:
+            raise CheckpointError(f"file {record.name!r}: crc32c must be a 32-bit unsigned integer")
+
+    if not isinstance(m.shards, tuple) or not all(isinstance(s, ShardRecord) for s in m.shards):
+        raise CheckpointError("shards must be a tuple of ShardRecord")
+    for shard in m.shards:
+        where = f"shard {shard.segment_id!r}"
+        if not all(is_int(v) for v in (shard.segment_id, shard.start, shard.stop, shard.step)):
+            raise CheckpointError(f"{where}: segment_id, start, stop and step must be integers")
+        if not 0 <= shard.start < shard.stop <= m.total:
+            raise CheckpointError(f"{where}: range [{shard.start}, {shard.stop}) is empty or outside [0, {m.total})")
+        if shard.step != m.step:
+            raise CheckpointError(f"{where} is at step {shard.step}, the checkpoint at step {m.step}")
+        if not isinstance(shard.file, str) or shard.file not in names:
+            raise CheckpointError(f"{where}: its file {shard.file!r} is not listed in files")
+    holders = Counter(shard.file for shard in m.shards)
+    for record in m.files:
+        if holders[record.name] != 1:
+            raise CheckpointError(
+                f"file {record.name!r} is named by {holders[record.name]} shards; a partition file holds one"
+            )
+    ordered = sorted(m.shards, key=lambda s: s.start)
+    for left, right in zip(ordered, ordered[1:]):
+        if right.start < left.stop:
+            raise CheckpointError(
+                f"shards {left.segment_id} [{left.start}, {left.stop}) and {right.segment_id} "
+                f"[{right.start}, {right.stop}) overlap"
+            )
+
+
+def gaps(shards: Iterable[ShardRecord], start: int, stop: int) -> list[tuple[int, int]]:
+    """The parts of ``[start, stop)`` no shard covers (shards do not overlap)."""
+    missing, cursor = [], start
+    for shard in sorted(shards, key=lambda s: s.start):
+        if shard.stop <= cursor or shard.start >= stop:
+            continue
+        if shard.start > cursor:
+            missing.append((cursor, shard.start))
+        cursor = shard.stop
+    if cursor < stop:
+        missing.append((cursor, stop))
+    return missing

@@ -1,0 +1,87 @@
+"""Reading flat ranges of a checkpoint's state, however the saving servers cut the flat
+space into payload files: a file covers a flat range ``[start, stop)``, and
+:class:`CheckpointReader` assembles any other range from whichever files cover it."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from cargohold.services.checkpoint.manifest import Manifest, ShardRecord, gaps, is_int
+from cargohold.services.checkpoint.payload import CHUNK, Payload, open_sized, read_into, verify
+from cargohold.services.errors import CheckpointError
+from cargohold.services.tiers.fileformat import ARRAYS
+
+
+class CheckpointReader:
+    """Flat ranges of one checkpoint's state — however the saving layout cut them: the
+    resharding read.
+
+    Memory stays bounded by the range asked for: each file is verified once, in a
+    streamed pass of 1 MiB pieces, before its first use, and a range then reads only its
+    own bytes. A restore into an NVMe tier asks for one partition at a time, so a state
+    larger than RAM comes back through a buffer of one partition.
+    """
+
+    def __init__(self, directory: Path, manifest: Manifest) -> None:
+        self.directory = Path(directory)
+        self.manifest = manifest
+        self._records = {f.name: f for f in manifest.files}
+        self._shards = sorted(manifest.shards, key=lambda s: s.start)
+        self._stops = [s.stop for s in self._shards]
+        self._verified: dict[str, Payload] = {}
+        self._buffer = memoryview(bytearray(CHUNK))
+
+    def read(self, start: int, stop: int, out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """master/exp_avg/exp_avg_sq of flat elements ``[start, stop)``: new tensors, or
+        views of the first ``stop - start`` elements of ``out``'s fp32 tensors (scratch
+        reused across calls, so a long restore allocates nothing per partition).
+
+        The range must lie inside the checkpoint's ``[0, total)`` and every element of it
+        be covered by a shard, else CheckpointError names the range or the gap.
+        """
+        manifest = self.manifest
+        if not (is_int(start) and is_int(stop) and 0 <= start <= stop <= manifest.total):
+            raise CheckpointError(
+                f"flat range [{start}, {stop}) is not a range inside checkpoint {self.directory}'s "
+                f"[0, {manifest.total})"
+            )
+        # shards are sorted and do not overlap: the first that may overlap ends past start
+        shards = self._shards[bisect.bisect_right(self._stops, start):]
+        shards = list(itertools.takewhile(lambda s: s.start < stop, shards))
+        missing = gaps(shards, start, stop)
+        if missing:
+            lo, hi = missing[0]
+            raise CheckpointError(
+                f"checkpoint {self.directory} (step {manifest.step}) holds no file for flat elements "
+                f"[{lo}, {hi}) of the requested [{start}, {stop})"
+            )
+        if out is None:
+            out = {name: torch.empty(stop - start, dtype=torch.float32) for name in ARRAYS}
+        else:
+            out = {name: out[name][: stop - start] for name in ARRAYS}
+        for shard in shards:
+            lo, hi = max(shard.start, start), min(shard.stop, stop)
+            path = self.directory / shard.file
+            fd, size = open_sized(path, self._records[shard.file])
+            try:
+                payload = self._verified.get(shard.file) or self._verify(fd, path, size, shard)
+                read_into(fd, payload, lo, hi, out, lo - start)
+            finally:
+                os.close(fd)
+        return out
+
+    def _verify(self, fd: int, path: Path, size: int, shard: ShardRecord) -> Payload:
+        payload = verify(fd, path, size, self._records[shard.file], shard, self.manifest, self._buffer)
+        self._verified[shard.file] = payload
+        return payload
+
+
+def read_flat_range(directory: Path, manifest: Manifest, start: int, stop: int) -> dict[str, torch.Tensor]:
+    """:meth:`CheckpointReader.read` of one range (each file is verified once)."""
+    return CheckpointReader(directory, manifest).read(start, stop)
