@@ -1,11 +1,12 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   create .venv, install cargohold, train the embedded demo
-#   make test   create .venv, install cargohold with test extras, run the test suite
+#   make test   create .venv, install cargohold with test extras, lint, run the test suite
+# make lint: ruff (lint + format check) and mypy, zero findings (rules in pyproject.toml).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install install-test
+.PHONY: demo test lint install install-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,5 +23,18 @@ install-test: $(BIN)/python
 demo: install
 	$(BIN)/cargohold train --config examples/demo.yaml
 
-test: install-test
+# mypy resolves cargohold.* through links shaped like the installed package (package-dir).
+TYPECHECK := .typecheck/cargohold
+
+lint: install-test
+	mkdir -p $(TYPECHECK)
+	ln -sfn ../../proto/cargohold/__init__.py $(TYPECHECK)/__init__.py
+	ln -sfn ../../proto/cargohold/v1 $(TYPECHECK)/v1
+	ln -sfn ../../services $(TYPECHECK)/services
+	ln -sfn ../../cluster $(TYPECHECK)/cluster
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q

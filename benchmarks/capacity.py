@@ -71,8 +71,13 @@ TINY_WIDTH = 64
 WIDTHS = range(128, 8193, 64)
 PLAIN_BYTES_PER_PARAM = 16
 """fp32 weights, gradients, exp_avg, exp_avg_sq."""
-ESTIMATE_BYTES_PER_PARAM = {"plain": 16.5, ("bfloat16", "float32"): 1.5, ("bfloat16", "bfloat16"): 1.4,
-                            ("float32", "float32"): 2.5, ("float32", "bfloat16"): 2.4}
+ESTIMATE_BYTES_PER_PARAM = {
+    "plain": 16.5,
+    ("bfloat16", "float32"): 1.5,
+    ("bfloat16", "bfloat16"): 1.4,
+    ("float32", "float32"): 2.5,
+    ("float32", "bfloat16"): 2.4,
+}
 """Rough peak bytes per parameter at W=2 with 24 blocks, only to place the first probe.
 A cargohold worker holds its 1/W chunk of the weights in the compute dtype (bf16 at W=2:
 1 B/param; fp32: 2), a few unit-sized exchange slots and the units in flight. Divided
@@ -231,8 +236,9 @@ def start_local_ray(num_cpus: int) -> None:
     import ray
 
     # address="local": never join a cluster someone else started on this machine.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False
+    )
 
 
 # --- the models -------------------------------------------------------------------------
@@ -262,15 +268,33 @@ def plain_probe(n_layer: int, width: int) -> dict:
 
 
 # --- cargohold: W workers + 1 state server ----------------------------------------------------
-def cargohold_overrides(n_layer: int, width: int, workers: int, dtype: str, wire: str,
-                        tier: str | None = None, budget: int = 0, extra: tuple[str, ...] = ()) -> list[str]:
+def cargohold_overrides(
+    n_layer: int,
+    width: int,
+    workers: int,
+    dtype: str,
+    wire: str,
+    tier: str | None = None,
+    budget: int = 0,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
     overrides = [
-        "steps=1", "progress=false", "metrics.enabled=false",
-        f"model.n_layer={n_layer}", f"model.n_embd={width}", f"model.n_head={width // 64}",
-        f"model.block_size={BLOCK}", "data.batch_size=1", "data.corpus_bytes=200000",
-        f"worker.compute_dtype={dtype}", f"worker.grad_wire_dtype={wire}",
-        f"worker.num_workers={workers}", "worker.torch_threads=1", "state_server.num_servers=1",
-        "cluster.startup_timeout_s=1200", "state_server.rpc_timeout_s=1200",
+        "steps=1",
+        "progress=false",
+        "metrics.enabled=false",
+        f"model.n_layer={n_layer}",
+        f"model.n_embd={width}",
+        f"model.n_head={width // 64}",
+        f"model.block_size={BLOCK}",
+        "data.batch_size=1",
+        "data.corpus_bytes=200000",
+        f"worker.compute_dtype={dtype}",
+        f"worker.grad_wire_dtype={wire}",
+        f"worker.num_workers={workers}",
+        "worker.torch_threads=1",
+        "state_server.num_servers=1",
+        "cluster.startup_timeout_s=1200",
+        "state_server.rpc_timeout_s=1200",
     ]
     if tier:
         overrides += [f"state_server.tier.nvme_paths=[{tier}]", f"state_server.tier.ram_budget_bytes={budget}"]
@@ -304,20 +328,39 @@ def run_session(overrides: list[str], workers: int) -> dict:
         ray.shutdown()
         for path in config.state_server.tier.nvme_paths:
             shutil.rmtree(Path(path) / run_id, ignore_errors=True)
-    trace = lambda t: {"hwm": t.hwm, "rss": t.rss, "shared": t.shared, "peak_during": t.peak_during,  # noqa: E731
-                       "hwm_after": t.hwm_after, "hwm_at": t.hwm_at}
+
+    def trace(t: ProcessTrace) -> dict:
+        return {
+            "hwm": t.hwm,
+            "rss": t.rss,
+            "shared": t.shared,
+            "peak_during": t.peak_during,
+            "hwm_after": t.hwm_after,
+            "hwm_at": t.hwm_at,
+        }
+
     return {
         "workers": [trace(t) for t in watch.by_role("worker")],
         "servers": [trace(t) for t in watch.by_role("server")],
         "driver": peak_rss(_read("/proc/self/status")),
-        "buffers": buffers, "phases": report.phases, "loss": report.loss, **timings,
+        "buffers": buffers,
+        "phases": report.phases,
+        "loss": report.loss,
+        **timings,
     }
 
 
-def cargohold_probe(n_layer: int, width: int, workers: int, dtype: str, wire: str, tier: str | None = None,
-                    budget: int = 0, extra: tuple[str, ...] = ()) -> dict:
-    result = run_session(cargohold_overrides(n_layer, width, workers, dtype, wire, tier, budget, tuple(extra)),
-                         workers)
+def cargohold_probe(
+    n_layer: int,
+    width: int,
+    workers: int,
+    dtype: str,
+    wire: str,
+    tier: str | None = None,
+    budget: int = 0,
+    extra: tuple[str, ...] = (),
+) -> dict:
+    result = run_session(cargohold_overrides(n_layer, width, workers, dtype, wire, tier, budget, tuple(extra)), workers)
     if len(result["workers"]) != workers:
         raise RuntimeError(f"watched {len(result['workers'])} worker processes, expected {workers}")
     result["worker"] = max(w["hwm"] for w in result["workers"])
@@ -385,10 +428,13 @@ def trace_rank(rank: int, world: int, port: int, n_layer: int, width: int, wire:
     dist.destroy_process_group()
     if rank == 0:
         weights = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-        print(f"rank 0 of {world}, {params_of(n_layer, width) / 1e6:.1f}M parameters, wire {wire}: FSDP2 shards "
-              f"{weights / 2**30:.2f} GiB, exchange buffers {buffers.nbytes / 2**30:.2f} GiB (the weights halves never "
-              f"touched: the null port fetches nothing); {os.environ.get('MALLOC_MMAP_THRESHOLD_', 'default')} mmap "
-              "threshold", flush=True)
+        print(
+            f"rank 0 of {world}, {params_of(n_layer, width) / 1e6:.1f}M parameters, wire {wire}: FSDP2 shards "
+            f"{weights / 2**30:.2f} GiB, exchange buffers {buffers.nbytes / 2**30:.2f} GiB (the weights halves never "
+            f"touched: the null port fetches nothing); {os.environ.get('MALLOC_MMAP_THRESHOLD_', 'default')} mmap "
+            "threshold",
+            flush=True,
+        )
         print("\n".join(lines), flush=True)
 
 
@@ -400,8 +446,9 @@ def trace_step(n_layer: int, width: int, workers: int, wire: str, steps: int) ->
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    mp.start_processes(trace_rank, args=(workers, port, n_layer, width, wire, steps), nprocs=workers,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        trace_rank, args=(workers, port, n_layer, width, wire, steps), nprocs=workers, start_method="spawn", join=True
+    )
 
 
 # --- the search -------------------------------------------------------------------------
@@ -439,10 +486,21 @@ class Search:
         """One probe in a fresh child process (its own Ray, nothing left from earlier probes)."""
         spec = {"approach": self.approach, "n_layer": n_layer, "width": width}
         if self.approach != "plain":
-            spec.update(workers=self.workers, dtype=self.dtype, wire=self.wire, tier=self.tier, budget=self.budget,
-                        extra=self.extra)
-        out = subprocess.run([sys.executable, __file__, "--probe", json.dumps(spec)], capture_output=True, text=True,
-                             timeout=1800, env={**os.environ, **self.env})
+            spec.update(
+                workers=self.workers,
+                dtype=self.dtype,
+                wire=self.wire,
+                tier=self.tier,
+                budget=self.budget,
+                extra=self.extra,
+            )
+        out = subprocess.run(
+            [sys.executable, __file__, "--probe", json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            env={**os.environ, **self.env},
+        )
         if out.returncode != 0:
             return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:] or ["?"], "worker": None}
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -486,8 +544,9 @@ def fit_line(points: list[tuple[int, int]]) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
-def run_search(search: Search, limit: int, n_layer: int, probes: int, runtimes: dict,
-               widths: list[int] | None = None) -> None:
+def run_search(
+    search: Search, limit: int, n_layer: int, probes: int, runtimes: dict, widths: list[int] | None = None
+) -> None:
     """``runtimes`` caches the width-64 probe per (approach, W, environment): the wire dtype
     changes nothing at 1.3M parameters. ``widths``: probe exactly these instead of searching."""
     gib = 2**30
@@ -495,8 +554,11 @@ def run_search(search: Search, limit: int, n_layer: int, probes: int, runtimes: 
     if key not in runtimes:
         started = time.perf_counter()
         runtimes[key] = search.measure(n_layer, TINY_WIDTH)
-        print(f"  {search.label}: runtime (width {TINY_WIDTH}) worker peak "
-              f"{runtimes[key]['worker'] / gib:.2f} GiB ({time.perf_counter() - started:.0f}s)", flush=True)
+        print(
+            f"  {search.label}: runtime (width {TINY_WIDTH}) worker peak "
+            f"{runtimes[key]['worker'] / gib:.2f} GiB ({time.perf_counter() - started:.0f}s)",
+            flush=True,
+        )
     search.runtime = runtimes[key]
     for index in range(len(widths) if widths else probes):
         width = widths[index] if widths else next_width(search, limit, n_layer)
@@ -509,8 +571,11 @@ def run_search(search: Search, limit: int, n_layer: int, probes: int, runtimes: 
         if result["worker"] is None:
             print(f"  {search.label}: width {width} {params / 1e6:.1f}M failed: {result['error']}", flush=True)
             continue
-        print(f"  {search.label}: width {width:5} {params / 1e6:7.1f}M  {describe(result, limit)} "
-              f"({time.perf_counter() - started:.0f}s)", flush=True)
+        print(
+            f"  {search.label}: width {width:5} {params / 1e6:7.1f}M  {describe(result, limit)} "
+            f"({time.perf_counter() - started:.0f}s)",
+            flush=True,
+        )
 
 
 def describe(result: dict, limit: int) -> str:
@@ -521,19 +586,23 @@ def describe(result: dict, limit: int) -> str:
         calls = ", ".join(f"{call} {hwm / gib:.2f}" for call, hwm in top["hwm_after"].items())
         server = max(result["servers"], key=lambda s: s["hwm"])
         peaks = ", ".join(f"{w['hwm'] / gib:.2f}" for w in result["workers"])
-        text += (f"; peak during {top['peak_during']} (VmHWM after each call: {calls}); RSS after the step "
-                 f"{top['rss'] / gib:.2f}, {top['shared'] / gib:.2f} of it shared memory (every worker's peak: "
-                 f"{peaks}); server peak {server['hwm'] / gib:.2f} GiB, RSS after the step {server['rss'] / gib:.2f}, "
-                 f"{server['shared'] / gib:.2f} of it the workers' exchange buffers in shared memory; "
-                 f"start {result['start_s']:.0f}s, step {result['step_s']:.0f}s")
+        text += (
+            f"; peak during {top['peak_during']} (VmHWM after each call: {calls}); RSS after the step "
+            f"{top['rss'] / gib:.2f}, {top['shared'] / gib:.2f} of it shared memory (every worker's peak: "
+            f"{peaks}); server peak {server['hwm'] / gib:.2f} GiB, RSS after the step {server['rss'] / gib:.2f}, "
+            f"{server['shared'] / gib:.2f} of it the workers' exchange buffers in shared memory; "
+            f"start {result['start_s']:.0f}s, step {result['step_s']:.0f}s"
+        )
     return text
 
 
 def report(searches: list[Search], limit: int) -> None:
     gib = 2**30
     width = max([len(s.label) for s in searches] + [13])
-    print(f"\n{'configuration':{width}} {'largest fitting':>17} {'worker peak':>11} {'runtime':>8} {'B/param':>8} "
-          f"{'buffers':>8} {'slope':>6} {'server peak':>12}")
+    print(
+        f"\n{'configuration':{width}} {'largest fitting':>17} {'worker peak':>11} {'runtime':>8} {'B/param':>8} "
+        f"{'buffers':>8} {'slope':>6} {'server peak':>12}"
+    )
     best = {}
     for search in searches:
         fitting = search.fitting(limit)
@@ -552,48 +621,84 @@ def report(searches: list[Search], limit: int) -> None:
             server += f" (NVMe tier, {search.budget / gib:.0f} GiB RAM budget)"
         measured = [(p, r["worker"]) for _, p, r in search.probes if r["worker"] is not None]
         slope = fit_line(measured)[0] if len({p for p, _ in measured}) >= 2 else float("nan")
-        print(f"{search.label:{width}} {params / 1e6:10.1f}M w{model_width:<5} {result['worker'] / gib:7.2f} GiB "
-              f"{runtime / gib:4.2f} GiB {(result['worker'] - runtime) / params:8.2f} {buffers} {slope:6.2f} {server}")
+        print(
+            f"{search.label:{width}} {params / 1e6:10.1f}M w{model_width:<5} {result['worker'] / gib:7.2f} GiB "
+            f"{runtime / gib:4.2f} GiB {(result['worker'] - runtime) / params:8.2f} {buffers} {slope:6.2f} {server}"
+        )
     plain = next((params for s, params in best.values() if s.approach == "plain"), None)
     for label, (search, params) in best.items():
         if plain and search.approach != "plain":
             print(f"RATIO {label} / plain AdamW, largest model = {params / plain:.2f}")
     for label, (search, params) in best.items():
-        twin = next((p for s, p in best.values() if s.approach == search.approach and s.workers == 2
-                     and (s.dtype, s.wire, s.env, s.extra) == (search.dtype, search.wire, search.env, search.extra)),
-                    None)
+        twin = next(
+            (
+                p
+                for s, p in best.values()
+                if s.approach == search.approach
+                and s.workers == 2
+                and (s.dtype, s.wire, s.env, s.extra) == (search.dtype, search.wire, search.env, search.extra)
+            ),
+            None,
+        )
         if search.workers > 2 and twin:
-            print(f"RATIO {label} / the same at W=2, largest model = {params / twin:.2f} "
-                  f"(W ratio {search.workers / 2:.0f})")
-    print(f"B/param = (worker peak - runtime) / params, with everything in flight; plain AdamW holds "
-          f"{PLAIN_BYTES_PER_PARAM} B/param of tensors. buffers = resident_bytes() (weights + exchange) / params. "
-          f"slope = least-squares bytes per extra parameter over the probes. runtime = the worker peak at width "
-          f"{TINY_WIDTH}. The search resolves widths only to the probes it made.")
+            print(
+                f"RATIO {label} / the same at W=2, largest model = {params / twin:.2f} "
+                f"(W ratio {search.workers / 2:.0f})"
+            )
+    print(
+        f"B/param = (worker peak - runtime) / params, with everything in flight; plain AdamW holds "
+        f"{PLAIN_BYTES_PER_PARAM} B/param of tensors. buffers = resident_bytes() (weights + exchange) / params. "
+        f"slope = least-squares bytes per extra parameter over the probes. runtime = the worker peak at width "
+        f"{TINY_WIDTH}. The search resolves widths only to the probes it made."
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit-gib", type=float, default=2.0, help="per-worker memory limit")
     parser.add_argument("--approaches", default="plain,cargohold")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                        help="cargohold's compute dtype (plain AdamW is always fp32)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16"],
+        help="cargohold's compute dtype (plain AdamW is always fp32)",
+    )
     parser.add_argument("--wire", default="float32,bfloat16", help="gradient wire dtypes to try (comma-separated)")
     parser.add_argument("--workers", default="2,4", help="cargohold worker counts to try (comma-separated)")
     parser.add_argument("--n-layer", type=int, default=24)
     parser.add_argument("--probes", type=int, default=3, help="probes per configuration after the runtime one")
     parser.add_argument("--widths", help="probe exactly these widths (comma-separated) instead of searching")
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="environment of cargohold's processes (e.g. MALLOC_MMAP_THRESHOLD_=131072)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra config override for cargohold's sessions (repeatable)")
-    parser.add_argument("--server-ram-gib", type=float, default=12.0,
-                        help="a configuration whose state server would need more (20 B/param at the largest "
-                             "candidate the prior predicts) runs it with an NVMe tier")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment of cargohold's processes (e.g. MALLOC_MMAP_THRESHOLD_=131072)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for cargohold's sessions (repeatable)",
+    )
+    parser.add_argument(
+        "--server-ram-gib",
+        type=float,
+        default=12.0,
+        help="a configuration whose state server would need more (20 B/param at the largest "
+        "candidate the prior predicts) runs it with an NVMe tier",
+    )
     parser.add_argument("--tier-path", default="/tmp/cargohold-capacity", help="folder for that NVMe tier")
     parser.add_argument("--tier-budget-gib", type=float, default=2.0, help="RAM budget of that tier")
-    parser.add_argument("--trace-step", type=int, metavar="WIDTH",
-                        help="instead of searching: one worker's memory after each phase of start-up and 4 steps, "
-                             "without Ray or a server (first worker count and wire dtype)")
+    parser.add_argument(
+        "--trace-step",
+        type=int,
+        metavar="WIDTH",
+        help="instead of searching: one worker's memory after each phase of start-up and 4 steps, "
+        "without Ray or a server (first worker count and wire dtype)",
+    )
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trace_step:
@@ -621,13 +726,22 @@ def main() -> None:
                 if 20 * largest > args.server_ram_gib * 2**30:
                     search.tier, search.budget = args.tier_path, int(args.tier_budget_gib * 2**30)
                 searches.append(search)
-    print(f"limit {args.limit_gib} GiB per worker; GPT n_layer={args.n_layer}, vocab 256, block {BLOCK}; "
-          f"load average {Path('/proc/loadavg').read_text().split()[0]}", flush=True)
+    print(
+        f"limit {args.limit_gib} GiB per worker; GPT n_layer={args.n_layer}, vocab 256, block {BLOCK}; "
+        f"load average {Path('/proc/loadavg').read_text().split()[0]}",
+        flush=True,
+    )
     runtimes: dict = {}
     try:
         for search in searches:
-            run_search(search, limit, args.n_layer, args.probes, runtimes,
-                       [int(w) for w in args.widths.split(",")] if args.widths else None)
+            run_search(
+                search,
+                limit,
+                args.n_layer,
+                args.probes,
+                runtimes,
+                [int(w) for w in args.widths.split(",")] if args.widths else None,
+            )
     finally:
         shutil.rmtree(args.tier_path, ignore_errors=True)
     report(searches, limit)

@@ -22,8 +22,16 @@ DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 
 
 def run(steps: int, delayed: bool, after: int, extra: list[str]) -> tuple[list[float], list[float]]:
-    config = load_config(DEMO, [f"steps={steps}", "progress=false", f"worker.delayed_update={str(delayed).lower()}",
-                                f"worker.delayed_update_after_steps={after}", *extra])
+    config = load_config(
+        DEMO,
+        [
+            f"steps={steps}",
+            "progress=false",
+            f"worker.delayed_update={str(delayed).lower()}",
+            f"worker.delayed_update_after_steps={after}",
+            *extra,
+        ],
+    )
     with TrainingSession(config) as session:
         reports = [session.step() for _ in range(steps)]
     return [r.loss for r in reports], [r.seconds for r in reports]
@@ -32,8 +40,14 @@ def run(steps: int, delayed: bool, after: int, extra: list[str]) -> tuple[list[f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--after", type=int, action="append", default=[], metavar="N",
-                        help="also run DPU after N normal steps (repeatable)")
+    parser.add_argument(
+        "--after",
+        type=int,
+        action="append",
+        default=[],
+        metavar="N",
+        help="also run DPU after N normal steps (repeatable)",
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     runs = {"baseline": run(args.steps, False, 0, args.overrides), "DPU": run(args.steps, True, 0, args.overrides)}
@@ -47,8 +61,10 @@ def main() -> None:
     base_tail, base_step = statistics.mean(base_loss[-tail:]), statistics.mean(base_time[2:] or base_time)
     for name, (loss, seconds) in runs.items():
         mean_loss, mean_step = statistics.mean(loss[-tail:]), statistics.mean(seconds[2:] or seconds)
-        print(f"{name:>9}: mean loss of the last {tail} steps {mean_loss:.4f} (ratio to baseline "
-              f"{mean_loss / base_tail:.3f}), mean step seconds {mean_step:.3f} (ratio {mean_step / base_step:.3f})")
+        print(
+            f"{name:>9}: mean loss of the last {tail} steps {mean_loss:.4f} (ratio to baseline "
+            f"{mean_loss / base_tail:.3f}), mean step seconds {mean_step:.3f} (ratio {mean_step / base_step:.3f})"
+        )
 
 
 if __name__ == "__main__":

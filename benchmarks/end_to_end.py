@@ -41,12 +41,12 @@ from pathlib import Path
 
 import ray
 import torch
+from capacity import RayProcessWatch
 
 from cargohold.cluster.config import TrainConfig, load_config
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.services.data import batch_for_step, load_tokens
 from cargohold.services.models.build import build_model
-from capacity import RayProcessWatch
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 PHASES = ("compute", "reduce", "update")
@@ -66,8 +66,7 @@ def run_cargohold(config: TrainConfig, warmup: int) -> dict[str, float]:
         for _ in range(config.steps):
             reports.append(session.step())
     kept = reports[warmup:]
-    result = {"step": statistics.mean(r.seconds for r in kept),
-              "peak": max(t.hwm for t in watch.by_role("worker"))}
+    result = {"step": statistics.mean(r.seconds for r in kept), "peak": max(t.hwm for t in watch.by_role("worker"))}
     for phase in PHASES:
         result[phase] = statistics.mean(r.phases.get(phase, 0.0) for r in kept)
     return result
@@ -80,16 +79,28 @@ def run_in_memory(config: TrainConfig, warmup: int, threads: int) -> float:
     try:
         model = build_model(config).train()
         o = config.optim
-        optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                      weight_decay=o.weight_decay, fused=True)
-        tokens = load_tokens(config.data.corpus_path, config.data.corpus_bytes, config.data.seed,
-                             seq_len=config.model.block_size)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
+        )
+        tokens = load_tokens(
+            config.data.corpus_path, config.data.corpus_bytes, config.data.seed, seq_len=config.model.block_size
+        )
         world = config.worker.num_workers
         times = []
         for step in range(1, config.steps + 1):
             started = time.perf_counter()
-            batches = [batch_for_step(tokens, step=step, rank=r, world_size=world, batch_size=config.data.batch_size,
-                                      seq_len=config.model.block_size, seed=config.data.seed) for r in range(world)]
+            batches = [
+                batch_for_step(
+                    tokens,
+                    step=step,
+                    rank=r,
+                    world_size=world,
+                    batch_size=config.data.batch_size,
+                    seq_len=config.model.block_size,
+                    seed=config.data.seed,
+                )
+                for r in range(world)
+            ]
             x = torch.cat([b[0] for b in batches])
             y = torch.cat([b[1] for b in batches])
             optimizer.zero_grad(set_to_none=True)
@@ -112,8 +123,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the means")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra config override for every run (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for every run (repeatable)",
+    )
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
@@ -131,8 +148,13 @@ def main() -> None:
     needed = config.worker.num_workers * config.worker.cpus + config.state_server.num_servers * config.state_server.cpus
     owns_ray = not ray.is_initialized()
     if owns_ray:
-        ray.init(address="local", num_cpus=max(1, math.ceil(needed)), include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=max(1, math.ceil(needed)),
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+        )
     try:
         results = {name: run_cargohold(cfg, args.warmup) for name, cfg in variants.items()}
     finally:
@@ -141,16 +163,21 @@ def main() -> None:
     in_memory = {threads: run_in_memory(config, args.warmup, threads) for threads in sorted({1, cores})}
 
     m, w = config.model, config.worker
-    print(f"\nmodel: GPT n_layer={m.n_layer} n_embd={m.n_embd} block={m.block_size}; "
-          f"{w.num_workers} workers x batch {config.data.batch_size} ({w.torch_threads} thread each, compute "
-          f"{w.compute_dtype}, wire {w.grad_wire_dtype}), {config.state_server.num_servers} state server(s) "
-          f"({config.state_server.torch_threads} thread); {cores} cores shared by all of them; load average "
-          f"{Path('/proc/loadavg').read_text().split()[0]} at the end")
+    print(
+        f"\nmodel: GPT n_layer={m.n_layer} n_embd={m.n_embd} block={m.block_size}; "
+        f"{w.num_workers} workers x batch {config.data.batch_size} ({w.torch_threads} thread each, compute "
+        f"{w.compute_dtype}, wire {w.grad_wire_dtype}), {config.state_server.num_servers} state server(s) "
+        f"({config.state_server.torch_threads} thread); {cores} cores shared by all of them; load average "
+        f"{Path('/proc/loadavg').read_text().split()[0]} at the end"
+    )
     print(f"mean of steps {args.warmup + 1}..{args.steps}, seconds (rank 0's phases)")
     print(f"{'run':28} {'step':>7} " + " ".join(f"{p:>7}" for p in PHASES) + f" {'update%':>7} {'peak':>9}")
     for name, r in results.items():
-        print(f"{'cargohold ' + name:28} {r['step']:7.3f} " + " ".join(f"{r[p]:7.3f}" for p in PHASES)
-              + f" {100 * r['update'] / r['step']:6.1f}% {r['peak'] / 2**30:5.2f} GiB")
+        print(
+            f"{'cargohold ' + name:28} {r['step']:7.3f} "
+            + " ".join(f"{r[p]:7.3f}" for p in PHASES)
+            + f" {100 * r['update'] / r['step']:6.1f}% {r['peak'] / 2**30:5.2f} GiB"
+        )
     for threads, seconds in in_memory.items():
         print(f"{f'in-memory AdamW, {threads} thread(s)':28} {seconds:7.3f}")
     best = min(in_memory.values())
@@ -159,9 +186,12 @@ def main() -> None:
     for name, r in results.items():
         if name != "zero3" and "zero3" in results:
             print(f"RATIO cargohold {name} / cargohold zero3 = {r['step'] / results['zero3']['step']:.2f}")
-    print("update% = update phase / step: time rank 0 waited for the servers' updates and fetches after its "
-          "own backward. peak = the largest worker's VmHWM. With every process on the same few cores these "
-          "ratios reflect CPU contention, not the offload alone.")
+    print(
+        "update% = update phase / step: time rank 0 waited for the servers' updates and fetches after its "
+        "own backward. peak = the largest worker's VmHWM. With every process on the same few cores these "
+        "ratios reflect CPU contention, not the offload alone."
+    )
+
 
 if __name__ == "__main__":
     main()

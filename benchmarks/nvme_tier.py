@@ -110,8 +110,15 @@ class Counter:
 
 
 def run_steps(tier: TierConfig, numel: int, steps: int, observer: Counter | None):
-    spec = ShardSpec(run_id="bench", shard_id=0, start=0, numel=numel, fragments=((0, numel),),
-                     grad_dtype="float32", hyper=AdamWHyperParams(weight_decay=0.01))
+    spec = ShardSpec(
+        run_id="bench",
+        shard_id=0,
+        start=0,
+        numel=numel,
+        fragments=((0, numel),),
+        grad_dtype="float32",
+        hyper=AdamWHyperParams(weight_decay=0.01),
+    )
     initial = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     gradient = torch.randn(numel, generator=torch.Generator().manual_seed(1)).mul_(1e-2)
     registry = ShardRegistry(TieredStorage(tier, observer=observer))
@@ -151,17 +158,26 @@ def main() -> None:
     os.makedirs(base, exist_ok=True)
     numel = args.state_mib * MIB // 12 // 64 * 64
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"machine: {platform.machine()} {cpu}, {os.cpu_count()} cores, torch threads {args.threads}, "
-          f"kernel {platform.release()}")
+    print(
+        f"machine: {platform.machine()} {cpu}, {os.cpu_count()} cores, torch threads {args.threads}, "
+        f"kernel {platform.release()}"
+    )
     print(f"disk: {base} ({shutil.disk_usage(base).free / 2**30:.0f} GiB free)")
     try:
         write, read, direct = raw_bandwidth(base, args.raw_mib * MIB, args.block_mib * MIB, args.io_threads)
-        print(f"raw disk ({'O_DIRECT' if direct else 'buffered'}, {args.block_mib} MiB blocks, "
-              f"{args.io_threads} in flight, {args.raw_mib} MiB): write {write / 1e9:.2f} GB/s, read {read / 1e9:.2f} GB/s")
+        print(
+            f"raw disk ({'O_DIRECT' if direct else 'buffered'}, {args.block_mib} MiB blocks, "
+            f"{args.io_threads} in flight, {args.raw_mib} MiB): write {write / 1e9:.2f} GB/s, "
+            f"read {read / 1e9:.2f} GB/s"
+        )
 
-        tier = TierConfig(nvme_paths=[os.path.join(base, "tier")], ram_budget_bytes=args.budget_mib * MIB,
-                          partition_bytes=args.partition_mib * MIB, buffer_count=args.buffers,
-                          io_threads=args.io_threads)
+        tier = TierConfig(
+            nvme_paths=[os.path.join(base, "tier")],
+            ram_budget_bytes=args.budget_mib * MIB,
+            partition_bytes=args.partition_mib * MIB,
+            buffer_count=args.buffers,
+            io_threads=args.io_threads,
+        )
         counter = Counter()
         nvme_times, moved, nvme_weights, by_tier = run_steps(tier, numel, args.steps, counter)
         ram_times, _, ram_weights, _ = run_steps(TierConfig(), numel, args.steps, None)
@@ -175,17 +191,25 @@ def main() -> None:
     read_b = statistics.mean(m[0] for m in moved[tail])
     write_b = statistics.mean(m[1] for m in moved[tail])
     ideal_io = read_b / read + write_b / write
-    print(f"state: {12 * numel / MIB:.0f} MiB in {args.partition_mib} MiB partitions; budget "
-          f"{args.budget_mib} MiB; resident {by_tier['ram'] / MIB:.0f} MiB, on disk {by_tier['nvme'] / MIB:.0f} MiB")
-    print(f"tier per step: swapped in {read_b / MIB:.0f} MiB, out {write_b / MIB:.0f} MiB; "
-          f"prefetch hits {counter.hits}, misses {counter.misses}; update waited {counter.wait_s:.2f} s in all")
-    print(f"tier throughput: in {read_b / step_nvme / 1e9:.2f} GB/s, out {write_b / step_nvme / 1e9:.2f} GB/s, "
-          f"total {(read_b + write_b) / step_nvme / 1e9:.2f} GB/s")
+    print(
+        f"state: {12 * numel / MIB:.0f} MiB in {args.partition_mib} MiB partitions; budget "
+        f"{args.budget_mib} MiB; resident {by_tier['ram'] / MIB:.0f} MiB, on disk {by_tier['nvme'] / MIB:.0f} MiB"
+    )
+    print(
+        f"tier per step: swapped in {read_b / MIB:.0f} MiB, out {write_b / MIB:.0f} MiB; "
+        f"prefetch hits {counter.hits}, misses {counter.misses}; update waited {counter.wait_s:.2f} s in all"
+    )
+    print(
+        f"tier throughput: in {read_b / step_nvme / 1e9:.2f} GB/s, out {write_b / step_nvme / 1e9:.2f} GB/s, "
+        f"total {(read_b + write_b) / step_nvme / 1e9:.2f} GB/s"
+    )
     print(f"step: NVMe {step_nvme:.3f} s, RAM {step_ram:.3f} s; disk time at raw bandwidth {ideal_io:.3f} s")
     print(f"ratio tier / raw disk bandwidth: {ideal_io / step_nvme:.3f}   (goal >= 0.85)")
     print(f"ratio step(NVMe) / step(RAM): {step_nvme / step_ram:.3f}")
-    print(f"overlap: step(NVMe) / max(step(RAM), raw disk time) = {step_nvme / max(step_ram, ideal_io):.3f}   "
-          "(1.0 = I/O fully hidden or fully disk-bound)")
+    print(
+        f"overlap: step(NVMe) / max(step(RAM), raw disk time) = {step_nvme / max(step_ram, ideal_io):.3f}   "
+        "(1.0 = I/O fully hidden or fully disk-bound)"
+    )
     print("weights: NVMe run bitwise equal to RAM run")
 
 

@@ -90,7 +90,7 @@ def stream_bandwidth(threads: int, elements: int = 1 << 27, reps: int = 3) -> di
     three times this box's 480 MiB L3.
     """
     torch.set_num_threads(threads)
-    a, b, c = (torch.full((elements,), 1.0 + i) for i in range(3))
+    a, b, c = [torch.full((elements,), 1.0 + i) for i in range(3)]
     kernels = {
         "copy": (lambda: a.copy_(b), 8),
         "triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 12),
@@ -102,7 +102,6 @@ def stream_bandwidth(threads: int, elements: int = 1 << 27, reps: int = 3) -> di
         best = min(timed(kernel) for _ in range(reps))
         result[name] = elements * bytes_per_elem / best
     result["bound"] = max(result.values())
-    del a, b, c
     return result
 
 
@@ -126,8 +125,9 @@ def run_kernel(numel, fragments, weights, grad, steps, threads, chunk=None) -> t
     torch.set_num_threads(threads)
     master, exp_avg, exp_avg_sq = weights.clone(), torch.zeros(numel), torch.zeros(numel)
     views = lambda t: [t[o : o + n] for o, n in fragments]  # noqa: E731
-    state = AdamWState(master=views(master), exp_avg=views(exp_avg), exp_avg_sq=views(exp_avg_sq),
-                       step=torch.tensor(0.0))
+    state = AdamWState(
+        master=views(master), exp_avg=views(exp_avg), exp_avg_sq=views(exp_avg_sq), step=torch.tensor(0.0)
+    )
     grads = views(grad)
     if chunk is None:
         step = lambda: adamw_step(state, grads, lr=LR, hyper=HYPER, global_norm=0.0)  # noqa: E731
@@ -141,20 +141,24 @@ def run_kernel(numel, fragments, weights, grad, steps, threads, chunk=None) -> t
             state.step += 1
             for part, g in parts:
                 fused_adamw_(part, g, lr=LR, hyper=HYPER)
+
     return [timed(step) for _ in range(steps)], (master, exp_avg_sq)
 
 
 def run_shard_state(numel, fragments, weights, grad, steps, threads, fetch: bool) -> tuple[list[float], tuple]:
     torch.set_num_threads(threads)
-    spec = ShardSpec(run_id="bench", shard_id=0, start=0, numel=numel, fragments=fragments,
-                     grad_dtype="float32", hyper=HYPER)
+    spec = ShardSpec(
+        run_id="bench", shard_id=0, start=0, numel=numel, fragments=fragments, grad_dtype="float32", hyper=HYPER
+    )
     shard = ShardState(spec, weights)
     times = []
     for k in range(1, steps + 1):
-        def step() -> None:
+
+        def step(k: int = k) -> None:
             shard.push(k, grad, global_norm=0.0, lr=LR)
             if fetch:  # as the server does once a fetch has sent its last chunk
                 shard.recycle(shard.weights(k, "bfloat16"))
+
         times.append(timed(step))
     snap = shard.snapshot()
     return times, (snap["master"], snap["exp_avg_sq"])
@@ -166,8 +170,15 @@ def run_torch(numel, fragments, weights, grad, steps, threads, *, fused: bool) -
     params = [torch.nn.Parameter(weights[o : o + n].clone()) for o, n in fragments]
     for p, (o, n) in zip(params, fragments):
         p.grad = grad[o : o + n].clone()
-    optimizer = torch.optim.AdamW(params, lr=LR, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
-                                  weight_decay=HYPER.weight_decay, fused=fused, foreach=not fused)
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=LR,
+        betas=(HYPER.beta1, HYPER.beta2),
+        eps=HYPER.eps,
+        weight_decay=HYPER.weight_decay,
+        fused=fused,
+        foreach=not fused,
+    )
     times = [timed(optimizer.step) for _ in range(steps)]
     master, exp_avg_sq = weights.clone(), torch.zeros(numel)  # padding as the views leave it
     for p, (o, n) in zip(params, fragments):
@@ -185,15 +196,45 @@ def measure_size(target: float, reps: int, chunk: int, all_threads: int) -> tupl
     grad = torch.randn(numel, generator=generator) * 1e-3
     steps = reps + 1
     variants: list[tuple[str, int, int, Callable]] = [
-        ("torch AdamW fused (reference)", all_threads, 28, lambda t: run_torch(numel, fragments, weights, grad, steps, t, fused=True)),
-        ("torch AdamW foreach", all_threads, 28, lambda t: run_torch(numel, fragments, weights, grad, steps, t, fused=False)),
+        (
+            "torch AdamW fused (reference)",
+            all_threads,
+            28,
+            lambda t: run_torch(numel, fragments, weights, grad, steps, t, fused=True),
+        ),
+        (
+            "torch AdamW foreach",
+            all_threads,
+            28,
+            lambda t: run_torch(numel, fragments, weights, grad, steps, t, fused=False),
+        ),
         ("optim.adamw_step", all_threads, 28, lambda t: run_kernel(numel, fragments, weights, grad, steps, t)),
         ("optim.adamw_step", 1, 28, lambda t: run_kernel(numel, fragments, weights, grad, steps, t)),
-        (f"adamw_step chunked {chunk >> 20}M", all_threads, 28, lambda t: run_kernel(numel, fragments, weights, grad, steps, t, chunk)),
-        (f"adamw_step chunked {chunk >> 20}M", 1, 28, lambda t: run_kernel(numel, fragments, weights, grad, steps, t, chunk)),
-        ("ShardState.push", all_threads, 28, lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, False)),
+        (
+            f"adamw_step chunked {chunk >> 20}M",
+            all_threads,
+            28,
+            lambda t: run_kernel(numel, fragments, weights, grad, steps, t, chunk),
+        ),
+        (
+            f"adamw_step chunked {chunk >> 20}M",
+            1,
+            28,
+            lambda t: run_kernel(numel, fragments, weights, grad, steps, t, chunk),
+        ),
+        (
+            "ShardState.push",
+            all_threads,
+            28,
+            lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, False),
+        ),
         ("ShardState.push", 1, 28, lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, False)),
-        ("push + weights(bf16)", all_threads, 30, lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, True)),
+        (
+            "push + weights(bf16)",
+            all_threads,
+            30,
+            lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, True),
+        ),
         ("push + weights(bf16)", 1, 30, lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, True)),
     ]
     results, reference = [], None
@@ -208,28 +249,36 @@ def measure_size(target: float, reps: int, chunk: int, all_threads: int) -> tupl
         gc.collect()
     torch.set_num_threads(all_threads)
     copy = min(timed(lambda: grad.to(torch.float32, copy=True)) for _ in range(reps))
-    model = (f"\nmodel: GPT n_layer={config.n_layer} n_embd={config.n_embd} vocab={config.vocab_size}: "
-             f"{real / 1e6:.1f}M params in {len(fragments)} fragments (segment of {numel} elements)\n"
-             f"ShardState.push uses an fp32 gradient in place; the copy it used to make first "
-             f"(gradient.to(float32, copy=True), a fresh allocation each push) would take {copy * 1e3:.0f} ms "
-             f"alone, {numel * 8 / copy / 1e9:.1f} GB/s with its page faults")
+    model = (
+        f"\nmodel: GPT n_layer={config.n_layer} n_embd={config.n_embd} vocab={config.vocab_size}: "
+        f"{real / 1e6:.1f}M params in {len(fragments)} fragments (segment of {numel} elements)\n"
+        f"ShardState.push uses an fp32 gradient in place; the copy it used to make first "
+        f"(gradient.to(float32, copy=True), a fresh allocation each push) would take {copy * 1e3:.0f} ms "
+        f"alone, {numel * 8 / copy / 1e9:.1f} GB/s with its page faults"
+    )
     print(f"measured {real / 1e6:.1f}M params", flush=True)
     return model, real, results
 
 
 # --- output -------------------------------------------------------------------------
 def print_table(params: int, results: list[Result], bandwidth: dict[int, dict[str, float]]) -> None:
-    print(f"{'variant':32} {'thr':>3} {'ms/step':>9} {'Mparam/s':>9} {'GB/s':>6} "
-          f"{'bound Mp/s':>10} {'ratio':>6}  bitwise==fused")
+    print(
+        f"{'variant':32} {'thr':>3} {'ms/step':>9} {'Mparam/s':>9} {'GB/s':>6} "
+        f"{'bound Mp/s':>10} {'ratio':>6}  bitwise==fused"
+    )
     for r in results:
         rate = params / r.seconds
         bound = bandwidth[r.threads]["bound"] / r.bytes_per_param
         equal = "reference" if r.bitwise is None else ("yes" if r.bitwise else "NO")
-        print(f"{r.name:32} {r.threads:>3} {r.seconds * 1e3:9.1f} {rate / 1e6:9.1f} "
-              f"{rate * r.bytes_per_param / 1e9:6.2f} {bound / 1e6:10.1f} {rate / bound:6.2f}  {equal}")
+        print(
+            f"{r.name:32} {r.threads:>3} {r.seconds * 1e3:9.1f} {rate / 1e6:9.1f} "
+            f"{rate * r.bytes_per_param / 1e9:6.2f} {bound / 1e6:10.1f} {rate / bound:6.2f}  {equal}"
+        )
     fastest = min(results, key=lambda r: r.seconds)
-    print(f"fastest: {fastest.name} on {fastest.threads} thread(s); bitwise equal to the reference: "
-          f"{'reference itself' if fastest.bitwise is None else fastest.bitwise}")
+    print(
+        f"fastest: {fastest.name} on {fastest.threads} thread(s); bitwise equal to the reference: "
+        f"{'reference itself' if fastest.bitwise is None else fastest.bitwise}"
+    )
     ref = results[0].seconds
     for r in results[1:]:
         print(f"  RATIO {r.name} ({r.threads} thr) / torch fused: speed x{ref / r.seconds:.2f}")
@@ -239,7 +288,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="50e6,200e6", help="comma-separated parameter counts")
     parser.add_argument("--reps", type=int, default=2, help="timed steps per variant (after one warm-up)")
-    parser.add_argument("--chunk-elements", type=int, default=1 << 20, help="chunk of the chunked variant (multiple of 64)")
+    parser.add_argument(
+        "--chunk-elements", type=int, default=1 << 20, help="chunk of the chunked variant (multiple of 64)"
+    )
     args = parser.parse_args()
     all_threads = os.cpu_count() or 1
     thread_counts = sorted({1, all_threads})
@@ -253,14 +304,18 @@ def main() -> None:
     print("\nSTREAM-style bandwidth (fp32, 3 x 512 MiB arrays, best of 3, before | after the runs):")
     for t in thread_counts:
         b, a = before[t], after[t]
-        print(f"  {t} thread(s): copy {b['copy'] / 1e9:.1f} | {a['copy'] / 1e9:.1f}, triad {b['triad'] / 1e9:.1f} | "
-              f"{a['triad'] / 1e9:.1f}, a+=s*c {b['update'] / 1e9:.1f} | {a['update'] / 1e9:.1f} GB/s "
-              f"-> Adam bound (best / 28 B) {bandwidth[t]['bound'] / ADAM_BYTES_PER_PARAM / 1e6:.0f} Mparam/s")
+        print(
+            f"  {t} thread(s): copy {b['copy'] / 1e9:.1f} | {a['copy'] / 1e9:.1f}, triad {b['triad'] / 1e9:.1f} | "
+            f"{a['triad'] / 1e9:.1f}, a+=s*c {b['update'] / 1e9:.1f} | {a['update'] / 1e9:.1f} GB/s "
+            f"-> Adam bound (best / 28 B) {bandwidth[t]['bound'] / ADAM_BYTES_PER_PARAM / 1e6:.0f} Mparam/s"
+        )
     for model, params, results in measured:
         print(model)
         print_table(params, results, bandwidth)
-    print("\nratio = achieved / (best STREAM bandwidth at that thread count / bytes per param); goal >= 0.8.\n"
-          "GB/s = params/s x bytes per param (28, or 30 with the bf16 weights written).")
+    print(
+        "\nratio = achieved / (best STREAM bandwidth at that thread count / bytes per param); goal >= 0.8.\n"
+        "GB/s = params/s x bytes per param (28, or 30 with the bf16 weights written)."
+    )
     print(f"load average after: {_loadavg()} (other processes share these {all_threads} cores)")
     torch.set_num_threads(all_threads)
 

@@ -53,9 +53,14 @@ def llama_config(spec: dict):
     import transformers
 
     return transformers.LlamaConfig(
-        vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
-        num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"], num_key_value_heads=spec["heads"],
-        max_position_embeddings=512, tie_word_embeddings=False,
+        vocab_size=spec["vocab"],
+        hidden_size=spec["hidden"],
+        intermediate_size=spec["intermediate"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["heads"],
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
     )
 
 
@@ -71,11 +76,20 @@ def save_checkpoint(spec: dict, folder: str) -> None:
 
 def overrides(folder: str, workers: int, dtype: str, wire: str) -> list[str]:
     return [
-        "steps=1", "progress=false", "metrics.enabled=false", f"hf.checkpoint_dir={folder}",
-        "model.block_size=128", "data.batch_size=1", "data.corpus_bytes=200000",
-        f"worker.compute_dtype={dtype}", f"worker.grad_wire_dtype={wire}", f"worker.num_workers={workers}",
-        "worker.torch_threads=1", "state_server.num_servers=1",
-        "cluster.startup_timeout_s=1200", "state_server.rpc_timeout_s=1200",
+        "steps=1",
+        "progress=false",
+        "metrics.enabled=false",
+        f"hf.checkpoint_dir={folder}",
+        "model.block_size=128",
+        "data.batch_size=1",
+        "data.corpus_bytes=200000",
+        f"worker.compute_dtype={dtype}",
+        f"worker.grad_wire_dtype={wire}",
+        f"worker.num_workers={workers}",
+        "worker.torch_threads=1",
+        "state_server.num_servers=1",
+        "cluster.startup_timeout_s=1200",
+        "state_server.rpc_timeout_s=1200",
     ]
 
 
@@ -85,8 +99,13 @@ def probe(folder: str, workers: int, dtype: str, wire: str) -> dict:
 
 
 def run_child(*args: str, env: dict[str, str] | None = None) -> dict | None:
-    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=3600,
-                         env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, __file__, *args],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        env={**os.environ, **(env or {})},
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(args[:1])} failed: {(out.stderr or out.stdout).strip()[-2000:]}")
     lines = out.stdout.strip().splitlines()
@@ -103,17 +122,25 @@ def sizes(folder: str, workers: int, dtype: str, wire: str) -> dict:
     units = [sum(slot.numel for slot in layout.group_params(g.index)) for g in layout.groups]
     largest = max(range(len(units)), key=units.__getitem__)
     servers = [12 * (stop - start) for start, stop in (layout.server_range(s) for s in range(layout.num_servers))]
-    return {"params": layout.num_real_elements, "unit": 4 * units[largest],
-            "unit_name": layout.groups[largest].name or "<root>", "servers": servers}
+    return {
+        "params": layout.num_real_elements,
+        "unit": 4 * units[largest],
+        "unit_name": layout.groups[largest].name or "<root>",
+        "servers": servers,
+    }
 
 
 def rows(result: dict, size: dict) -> list[tuple[str, int, int, int, dict | None]]:
     """(process, VmHWM once started, VmHWM after the first step, shard bytes, its trace)
     for every process (the driver's peak is taken at the end only)."""
-    out = [(f"worker {rank}", w["hwm_at"]["started"], w["hwm"], sum(result["buffers"][rank].values()), w)
-           for rank, w in enumerate(result["workers"])]
-    out += [(f"server {i}", s["hwm_at"]["started"], s["hwm"], size["servers"][i], None)
-            for i, s in enumerate(result["servers"])]
+    out = [
+        (f"worker {rank}", w["hwm_at"]["started"], w["hwm"], sum(result["buffers"][rank].values()), w)
+        for rank, w in enumerate(result["workers"])
+    ]
+    out += [
+        (f"server {i}", s["hwm_at"]["started"], s["hwm"], size["servers"][i], None)
+        for i, s in enumerate(result["servers"])
+    ]
     out.append(("driver", result["driver"], result["driver"], 0, None))
     return out
 
@@ -128,8 +155,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="worker.compute_dtype")
     parser.add_argument("--wire", default="float32", choices=["float32", "bfloat16"], help="worker.grad_wire_dtype")
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="environment of the session's processes (e.g. MALLOC_MMAP_THRESHOLD_=131072)")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment of the session's processes (e.g. MALLOC_MMAP_THRESHOLD_=131072)",
+    )
     parser.add_argument("--keep", help="save the checkpoint here and keep it (default: a temporary folder)")
     parser.add_argument("--save", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--probe", help=argparse.SUPPRESS)
@@ -141,8 +173,13 @@ def main() -> None:
         print(json.dumps(probe(**json.loads(args.probe))))
         return
 
-    big = {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate, "heads": args.heads,
-           "vocab": args.vocab}
+    big = {
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "intermediate": args.intermediate,
+        "heads": args.heads,
+        "vocab": args.vocab,
+    }
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="cargohold-startup-", dir="/tmp"))
     folders = {"tiny": root / "tiny", "big": root / "big"}
     session = {"workers": args.workers, "dtype": args.dtype, "wire": args.wire}
@@ -159,10 +196,13 @@ def main() -> None:
             started = time.perf_counter()
             results[name] = run_child("--probe", json.dumps({"folder": str(folders[name]), **session}), env=env)
             size[name] = sizes(str(folders[name]), **session)
-            print(f"{name}: Llama {spec['layers']} x {spec['hidden']} (intermediate {spec['intermediate']}, vocab "
-                  f"{spec['vocab']}): {size[name]['params'] / 1e6:.1f}M parameters, {on_disk / GIB:.2f} GiB on disk "
-                  f"(saved in {saved:.0f}s); session start {results[name]['start_s']:.0f}s, first step "
-                  f"{results[name]['step_s']:.0f}s (run {time.perf_counter() - started:.0f}s)", flush=True)
+            print(
+                f"{name}: Llama {spec['layers']} x {spec['hidden']} (intermediate {spec['intermediate']}, vocab "
+                f"{spec['vocab']}): {size[name]['params'] / 1e6:.1f}M parameters, {on_disk / GIB:.2f} GiB on disk "
+                f"(saved in {saved:.0f}s); session start {results[name]['start_s']:.0f}s, first step "
+                f"{results[name]['step_s']:.0f}s (run {time.perf_counter() - started:.0f}s)",
+                flush=True,
+            )
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -170,11 +210,15 @@ def main() -> None:
     runtime = {process: hwm for process, _, hwm, _, _ in rows(results["tiny"], size["tiny"])}
     unit = size["big"]["unit"]
     settings = "".join(f", {k}={v}" for k, v in env.items())
-    print(f"\nW={args.workers}, compute {args.dtype}, wire {args.wire}{settings}; largest unit "
-          f"{size['big']['unit_name']!r} {unit / GIB:.3f} GiB in fp32; runtime = the same process's peak with the "
-          "tiny checkpoint; started = once the session has started (no step yet), step = after the first step")
-    print(f"{'process':10} {'started':>9} {'step':>9} {'runtime':>9} {'shard':>9} {'goal':>9} {'ratio':>6} "
-          f"{'step':>6}  peak during (VmHWM after each call, GiB)")
+    print(
+        f"\nW={args.workers}, compute {args.dtype}, wire {args.wire}{settings}; largest unit "
+        f"{size['big']['unit_name']!r} {unit / GIB:.3f} GiB in fp32; runtime = the same process's peak with the "
+        "tiny checkpoint; started = once the session has started (no step yet), step = after the first step"
+    )
+    print(
+        f"{'process':10} {'started':>9} {'step':>9} {'runtime':>9} {'shard':>9} {'goal':>9} {'ratio':>6} "
+        f"{'step':>6}  peak during (VmHWM after each call, GiB)"
+    )
     ratios = []
     for process, started, hwm, shard, trace in rows(results["big"], size["big"]):
         goal = GOAL * (shard + unit) + runtime[process]
@@ -185,15 +229,22 @@ def main() -> None:
             calls = f"{trace['peak_during']} ({calls})"
         elif process.startswith("server"):
             shared = results["big"]["servers"][int(process.split()[1])]["shared"]
-            calls = (f"{shared / GIB:.2f} GiB of its RSS after the step are the workers' shared exchange buffers: "
-                     f"without them the step ratio is {(hwm - shared - runtime[process]) / (shard + unit):.2f}")
+            calls = (
+                f"{shared / GIB:.2f} GiB of its RSS after the step are the workers' shared exchange buffers: "
+                f"without them the step ratio is {(hwm - shared - runtime[process]) / (shard + unit):.2f}"
+            )
         else:
             calls = ""
-        print(f"{process:10} {started / GIB:5.2f} GiB {hwm / GIB:5.2f} GiB {runtime[process] / GIB:5.2f} GiB "
-              f"{shard / GIB:5.2f} GiB {goal / GIB:5.2f} GiB {ratio:6.2f} {after_step:6.2f}  {calls}")
+        print(
+            f"{process:10} {started / GIB:5.2f} GiB {hwm / GIB:5.2f} GiB {runtime[process] / GIB:5.2f} GiB "
+            f"{shard / GIB:5.2f} GiB {goal / GIB:5.2f} GiB {ratio:6.2f} {after_step:6.2f}  {calls}"
+        )
     for process, ratio, after_step in ratios:
-        print(f"RATIO {process} start-up (VmHWM - runtime) / (shard + largest unit) = {ratio:.2f} (goal <= {GOAL}); "
-              f"after the first step {after_step:.2f}")
+        print(
+            f"RATIO {process} start-up (VmHWM - runtime) / (shard + largest unit) = {ratio:.2f} (goal <= {GOAL}); "
+            f"after the first step {after_step:.2f}"
+        )
+
 
 if __name__ == "__main__":
     main()

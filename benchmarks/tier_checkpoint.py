@@ -38,6 +38,7 @@ import tempfile
 import time
 
 import torch
+from timing import timed
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.checkpoint import CheckpointReader, FileRecord, Manifest, ShardRecord
@@ -51,7 +52,6 @@ from cargohold.services.tiers.io_pool import AlignedBuffer
 from cargohold.services.tiers.nvme import write_partition_file
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.storage import TieredStorage
-from timing import timed
 
 MIB = 1 << 20
 
@@ -93,13 +93,27 @@ def main() -> None:
     baseline = os.path.join(base, "full-copy")
     numel = args.state_mib * MIB // 12 // 64 * 64
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}")
-    print(f"tier on {base}; checkpoint on {args.other_path or base} "
-          f"({'another' if args.other_path else 'the same'} filesystem)")
+    print(
+        f"tier on {base}; checkpoint on {args.other_path or base} "
+        f"({'another' if args.other_path else 'the same'} filesystem)"
+    )
 
-    spec = ShardSpec(run_id="bench", shard_id=0, start=0, numel=numel, fragments=((0, numel),),
-                     grad_dtype="float32", hyper=AdamWHyperParams(weight_decay=0.01))
-    tier = TierConfig(nvme_paths=[os.path.join(base, "tier")], ram_budget_bytes=args.budget_mib * MIB,
-                      partition_bytes=args.partition_mib * MIB, buffer_count=3, io_threads=4)
+    spec = ShardSpec(
+        run_id="bench",
+        shard_id=0,
+        start=0,
+        numel=numel,
+        fragments=((0, numel),),
+        grad_dtype="float32",
+        hyper=AdamWHyperParams(weight_decay=0.01),
+    )
+    tier = TierConfig(
+        nvme_paths=[os.path.join(base, "tier")],
+        ram_budget_bytes=args.budget_mib * MIB,
+        partition_bytes=args.partition_mib * MIB,
+        buffer_count=3,
+        io_threads=4,
+    )
     registry = ShardRegistry(TieredStorage(tier))
     try:
         state = registry.register(spec, torch.randn(numel, generator=torch.Generator().manual_seed(0)))
@@ -110,8 +124,10 @@ def main() -> None:
         rows = registry.storage.rows("bench")
         disk = [r.path for r in rows if r.actual is Residency.NVME]
         on_disk = sum(12 * r.numel for r in rows if r.actual is Residency.NVME)
-        print(f"state: {12 * numel / MIB:.0f} MiB in {len(rows)} partitions, {on_disk / MIB:.0f} MiB on disk "
-              f"({len(disk)} files), {(12 * numel - on_disk) / MIB:.0f} MiB in RAM")
+        print(
+            f"state: {12 * numel / MIB:.0f} MiB in {len(rows)} partitions, {on_disk / MIB:.0f} MiB on disk "
+            f"({len(disk)} files), {(12 * numel - on_disk) / MIB:.0f} MiB in RAM"
+        )
 
         os.makedirs(baseline)
         copy_seconds = timed(lambda: copy_files(disk, baseline))
@@ -133,9 +149,17 @@ def main() -> None:
         stall = begin + max(0.0, next_step - plain_step)
 
         flat = (("flat", (numel,)),)
-        manifest = Manifest(step=3, updates=updates, run_id="bench", config_hash="", model_signature=flat,
-                            layout=layout_record(build_layout(flat, num_workers=1, num_servers=1)), total=numel,
-                            shards=tuple(r for r, _ in records), files=tuple(f for _, f in records))
+        manifest = Manifest(
+            step=3,
+            updates=updates,
+            run_id="bench",
+            config_hash="",
+            model_signature=flat,
+            layout=layout_record(build_layout(flat, num_workers=1, num_servers=1)),
+            total=numel,
+            shards=tuple(r for r, _ in records),
+            files=tuple(f for _, f in records),
+        )
         reader = CheckpointReader(checkpoints, manifest)
         for start in range(0, numel, 16 << 20):
             got = reader.read(start, min(numel, start + (16 << 20)))
@@ -151,10 +175,14 @@ def main() -> None:
     print(f"checkpoint: {how['linked']} files linked, {how['copied']} copied, {how['written']} written from RAM")
     print(f"full copy of the {len(disk)} disk files: {copy_seconds:.3f} s ({on_disk / copy_seconds / 1e9:.2f} GB/s)")
     print(f"through RAM (snapshot + one file, the previous way): {through_ram:.3f} s")
-    print(f"ours: begin {begin:.3f} s, next step {next_step:.3f} s (plain step {plain_step:.3f} s), "
-          f"stall {stall:.3f} s, total {total:.3f} s")
-    print(f"ratio stall / full copy: {stall / copy_seconds:.3f}   ratio total / full copy: {total / copy_seconds:.3f}   "
-          f"ratio stall / through RAM: {stall / through_ram:.3f}")
+    print(
+        f"ours: begin {begin:.3f} s, next step {next_step:.3f} s (plain step {plain_step:.3f} s), "
+        f"stall {stall:.3f} s, total {total:.3f} s"
+    )
+    print(
+        f"ratio stall / full copy: {stall / copy_seconds:.3f}   ratio total / full copy: {total / copy_seconds:.3f}   "
+        f"ratio stall / through RAM: {stall / through_ram:.3f}"
+    )
     print("checkpoint read back bitwise equal to the state")
 
 

@@ -33,13 +33,13 @@ import time
 import google_crc32c
 import numpy as np
 import torch
+from timing import timed
 
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.shard_state import ShardSpec
 from cargohold.services.transport.codec import TensorAssembler, fill_chunk
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.v1 import state_server_pb2 as pb
-from timing import timed
 
 RUN = "transport-bench"
 MiB = 1 << 20
@@ -65,19 +65,25 @@ def serve(conn) -> None:
 def _bare_server():
     """The floor of gRPC Python streaming: a client stream of raw bytes into a handler that
     only counts them (no protobuf, no checksum, no tensor)."""
-    import grpc
     from concurrent import futures
+
+    import grpc
 
     from cargohold.services.transport.codec import MAX_MESSAGE_BYTES
 
     def sink(requests, context) -> bytes:
         return str(sum(len(r) for r in requests)).encode()
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(sink)})])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8),
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(sink)})]
+    )
     server.port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server
@@ -95,16 +101,26 @@ def measure_bare_grpc(address: str, payload: torch.Tensor, chunk_sizes: list[int
         with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]) as channel:
             push = channel.stream_unary("/bench.Sink/Push")
             chunks = [raw[o : o + chunk].tobytes() for o in range(0, raw.size, chunk)]  # made before timing
-            results[chunk] = min(timed(lambda: push(iter(chunks), timeout=120)) for _ in range(reps))
-            del chunks
+            results[chunk] = min(
+                timed(lambda push=push, chunks=chunks: push(iter(chunks), timeout=120)) for _ in range(reps)
+            )
     return results
 
 
-def measure_grpc(address: str, gradient: torch.Tensor, chunk_sizes: list[int], reps: int) -> dict[int, dict[str, float]]:
+def measure_grpc(
+    address: str, gradient: torch.Tensor, chunk_sizes: list[int], reps: int
+) -> dict[int, dict[str, float]]:
     """Per chunk size: best push seconds (transfer only and with update) and fetch seconds."""
     numel = gradient.numel()
-    spec = ShardSpec(run_id=RUN, shard_id=0, start=0, numel=numel, fragments=((0, numel),),
-                     grad_dtype="float32", hyper=AdamWHyperParams())
+    spec = ShardSpec(
+        run_id=RUN,
+        shard_id=0,
+        start=0,
+        numel=numel,
+        fragments=((0, numel),),
+        grad_dtype="float32",
+        hyper=AdamWHyperParams(),
+    )
     with StateServerClient(address, chunk_bytes=4 * MiB) as client:
         client.wait_ready()
         step, _ = client.register(spec, gradient)
@@ -120,10 +136,14 @@ def measure_grpc(address: str, gradient: torch.Tensor, chunk_sizes: list[int], r
                 wall = time.perf_counter() - started
                 push_total.append(wall)
                 push.append(wall - outcome.seconds)
-                fetch.append(timed(lambda: client.fetch(RUN, 0, step, "float32", numel)))
-                into.append(timed(lambda: client.fetch(RUN, 0, step, "float32", numel, out=out)))
-        results[chunk] = {"push": min(push), "push+update": min(push_total), "fetch": min(fetch),
-                          "fetch into out": min(into)}
+                fetch.append(timed(lambda step=step: client.fetch(RUN, 0, step, "float32", numel)))
+                into.append(timed(lambda step=step, out=out: client.fetch(RUN, 0, step, "float32", numel, out=out)))
+        results[chunk] = {
+            "push": min(push),
+            "push+update": min(push_total),
+            "fetch": min(fetch),
+            "fetch into out": min(into),
+        }
     return results
 
 
@@ -136,8 +156,15 @@ def measure_shared_memory(address: str, gradient: torch.Tensor, reps: int) -> di
     from cargohold.services.transport.shm import SharedRegion
 
     numel = gradient.numel()
-    spec = ShardSpec(run_id=RUN, shard_id=1, start=0, numel=numel, fragments=((0, numel),),
-                     grad_dtype="float32", hyper=AdamWHyperParams())
+    spec = ShardSpec(
+        run_id=RUN,
+        shard_id=1,
+        start=0,
+        numel=numel,
+        fragments=((0, numel),),
+        grad_dtype="float32",
+        hyper=AdamWHyperParams(),
+    )
     region = SharedRegion.create(f"{RUN}-{os.getpid()}", 2 * numel * 4)
     try:
         region.tensor(torch.float32, 0, numel).copy_(gradient)
@@ -151,8 +178,9 @@ def measure_shared_memory(address: str, gradient: torch.Tensor, reps: int) -> di
                 started = time.perf_counter()
                 outcome = client.push(RUN, 1, step, gradient, lr=1e-3, shm=(path, 0))
                 pushes.append(time.perf_counter() - started - outcome.seconds)
-            fetch = min(timed(lambda: client.fetch(RUN, 1, step, "float32", numel, shm=(path, numel * 4)))
-                        for _ in range(reps))
+            fetch = min(
+                timed(lambda: client.fetch(RUN, 1, step, "float32", numel, shm=(path, numel * 4))) for _ in range(reps)
+            )
         assert torch.isfinite(region.tensor(torch.float32, numel * 4, numel)).all()
     finally:
         region.close()
@@ -166,6 +194,7 @@ def measure_tcp(payload: torch.Tensor, reps: int) -> float:
     sink = memoryview(np.ones(len(data), dtype=np.uint8))  # preallocated and touched
     done = threading.Semaphore(0)
     with socket.create_server(("127.0.0.1", 0)) as listener:
+
         def receive() -> None:
             conn, _ = listener.accept()
             with conn:
@@ -211,7 +240,11 @@ def stage_costs(gradient: torch.Tensor, chunk: int) -> list[tuple[str, str, floa
     stages = [
         ("client: tensor slice .tobytes()", "1", lambda: raw.tobytes()),
         ("client: crc32c (over the bytes, in place)", "0 (read)", lambda: google_crc32c.value(data)),
-        ("client: request.chunk filled in place", "1", lambda: pb.PushGradientRequest().chunk.__setattr__("data", data)),
+        (
+            "client: request.chunk filled in place",
+            "1",
+            lambda: pb.PushGradientRequest().chunk.__setattr__("data", data),
+        ),
         ("client: fill_chunk (the two rows above)", "(counted)", build),
         ("client: grpc serializer SerializeToString", "1", lambda: request.SerializeToString()),
         ("kernel: loopback TCP send+recv", "2", None),
@@ -227,13 +260,15 @@ def _add(assembler: TensorAssembler, chunk: pb.TensorChunk) -> None:
 
 
 # --- output ---------------------------------------------------------------------------
-def report(nbytes, grpc_results, bare, tcp, memcpy1, memcpy_all, threads, stages, stage_chunk,
-           shared: dict[str, float]) -> None:
+def report(
+    nbytes, grpc_results, bare, tcp, memcpy1, memcpy_all, threads, stages, stage_chunk, shared: dict[str, float]
+) -> None:
     gbps = lambda seconds: nbytes / seconds / 1e9  # noqa: E731
     print(f"\n{nbytes / MiB:.0f} MiB of fp32 gradient, 127.0.0.1, best of the repetitions")
     print(f"{'path':34} {'seconds':>8} {'GB/s':>7} {'vs TCP':>7}")
     print(f"{'memcpy (torch copy_, 1 thread)':34} {memcpy1:8.3f} {gbps(memcpy1):7.2f} {tcp / memcpy1:7.2f}")
-    print(f"{f'memcpy (torch copy_, {threads} threads)':34} {memcpy_all:8.3f} {gbps(memcpy_all):7.2f} {tcp / memcpy_all:7.2f}")
+    label = f"memcpy (torch copy_, {threads} threads)"
+    print(f"{label:34} {memcpy_all:8.3f} {gbps(memcpy_all):7.2f} {tcp / memcpy_all:7.2f}")
     print(f"{'raw TCP (sendall / recv_into)':34} {tcp:8.3f} {gbps(tcp):7.2f} {1.0:7.2f}")
     for chunk, seconds in bare.items():
         label = f"bare gRPC stream ({chunk // 1024} KiB msgs)"
@@ -243,16 +278,24 @@ def report(nbytes, grpc_results, bare, tcp, memcpy1, memcpy_all, threads, stages
             label = f"gRPC {kind} ({chunk // 1024} KiB)"
             print(f"{label:34} {r[kind]:8.3f} {gbps(r[kind]):7.2f} {tcp / r[kind]:7.2f}")
     best = max(grpc_results.items(), key=lambda kv: -kv[1]["push"])
-    print(f"RATIO gRPC push / TCP = {tcp / best[1]['push']:.2f} (best chunk {best[0] // 1024} KiB), "
-          f"gRPC fetch / TCP = {tcp / min(r['fetch'] for r in grpc_results.values()):.2f} "
-          f"(into out: {tcp / min(r['fetch into out'] for r in grpc_results.values()):.2f}); goal >= 0.7")
-    print(f"RATIO gRPC push / bare gRPC stream = {min(bare.values()) / best[1]['push']:.2f} "
-          "(what cargohold's own encoding costs on top of gRPC Python)")
+    print(
+        f"RATIO gRPC push / TCP = {tcp / best[1]['push']:.2f} (best chunk {best[0] // 1024} KiB), "
+        f"gRPC fetch / TCP = {tcp / min(r['fetch'] for r in grpc_results.values()):.2f} "
+        f"(into out: {tcp / min(r['fetch into out'] for r in grpc_results.values()):.2f}); goal >= 0.7"
+    )
+    print(
+        f"RATIO gRPC push / bare gRPC stream = {min(bare.values()) / best[1]['push']:.2f} "
+        "(what cargohold's own encoding costs on top of gRPC Python)"
+    )
     print(f"RATIO TCP / memcpy(1 thread) = {memcpy1 / tcp:.2f}")
     for kind, seconds in shared.items():
-        print(f"{'co-located ' + kind + ' (shared memory)':34} {seconds:8.3f} {gbps(seconds):7.2f} {tcp / seconds:7.2f}")
-    print(f"RATIO co-located push / memcpy(1 thread) = {memcpy1 / shared['push']:.2f}, "
-          f"co-located fetch / memcpy(1 thread) = {memcpy1 / shared['fetch']:.2f}; goal >= 0.9")
+        print(
+            f"{'co-located ' + kind + ' (shared memory)':34} {seconds:8.3f} {gbps(seconds):7.2f} {tcp / seconds:7.2f}"
+        )
+    print(
+        f"RATIO co-located push / memcpy(1 thread) = {memcpy1 / shared['push']:.2f}, "
+        f"co-located fetch / memcpy(1 thread) = {memcpy1 / shared['fetch']:.2f}; goal >= 0.9"
+    )
 
     per_mib = stage_chunk / MiB
     print(f"\nWhere a push's CPU goes, per {stage_chunk // 1024} KiB chunk (timed alone in this process):")
@@ -269,14 +312,18 @@ def report(nbytes, grpc_results, bare, tcp, memcpy1, memcpy_all, threads, stages
         elif name.startswith("server"):
             server += us
     push_us = best[1]["push"] / (nbytes / MiB) * 1e6
-    print(f"CPU per MiB moved: client {client:.0f} us, server {server:.0f} us (ShardState.push adds none: "
-          f"an fp32 gradient is used in place); measured: push {push_us:.0f} us/MiB, bare gRPC stream "
-          f"{min(bare.values()) / (nbytes / MiB) * 1e6:.0f} us/MiB, raw TCP {tcp / (nbytes / MiB) * 1e6:.0f} us/MiB")
-    print("Copies of the payload per push: client 3 (tobytes, into the request built in place, serialize), "
-          "kernel 2, server 3 (parse, the one read of chunk.data, into the assembled tensor) = 8. "
-          "Per fetch: server 4 (the cast into a recycled weights buffer, tobytes, into the message, serialize), "
-          "kernel 2, client 3 (parse, one read, into the tensor, or straight into the caller's out=) = 9; "
-          "an ideal path needs 3 (into a send buffer, the kernel's 2) or 1 with shared memory.")
+    print(
+        f"CPU per MiB moved: client {client:.0f} us, server {server:.0f} us (ShardState.push adds none: "
+        f"an fp32 gradient is used in place); measured: push {push_us:.0f} us/MiB, bare gRPC stream "
+        f"{min(bare.values()) / (nbytes / MiB) * 1e6:.0f} us/MiB, raw TCP {tcp / (nbytes / MiB) * 1e6:.0f} us/MiB"
+    )
+    print(
+        "Copies of the payload per push: client 3 (tobytes, into the request built in place, serialize), "
+        "kernel 2, server 3 (parse, the one read of chunk.data, into the assembled tensor) = 8. "
+        "Per fetch: server 4 (the cast into a recycled weights buffer, tobytes, into the message, serialize), "
+        "kernel 2, client 3 (parse, one read, into the tensor, or straight into the caller's out=) = 9; "
+        "an ideal path needs 3 (into a send buffer, the kernel's 2) or 1 with shared memory."
+    )
 
 
 def main() -> None:

@@ -71,14 +71,17 @@ def _train(config: TrainConfig) -> int:
         bar.close()
     first, last = result.losses[0], result.losses[-1]
     mean_step = sum(result.step_seconds) / len(result.step_seconds)
-    print(f"run {result.run_id}: {len(result.losses)} steps, loss {first:.4f} -> {last:.4f}, "
-          f"mean step {mean_step:.2f}s", flush=True)
+    print(
+        f"run {result.run_id}: {len(result.losses)} steps, loss {first:.4f} -> {last:.4f}, mean step {mean_step:.2f}s",
+        flush=True,
+    )
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cargohold", description="Train models with Adam state offloaded to host state servers.",
+        prog="cargohold",
+        description="Train models with Adam state offloaded to host state servers.",
         epilog="Docs: docs/architecture.md, docs/configuration.md",
     )
     parser.add_argument("--version", action="version", version=f"cargohold {__version__}")
@@ -86,15 +89,31 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
     train = commands.add_parser("train", help="run a training job (the embedded demo by default)")
     train.add_argument("--config", metavar="FILE", help="YAML config; defaults apply to every key it omits")
-    train.add_argument("--resume", metavar="PATH|latest",
-                       help="continue from a checkpoint folder, or the latest in checkpoint.dir")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override one key, e.g. --set steps=10 --set optim.lr=3e-4 (repeatable)")
-    plan = commands.add_parser("plan", help="print the memory and traffic a run needs and whether it fits; "
-                               "starts nothing (exit 0 fits, 3 does not, 2 bad config)")
+    train.add_argument(
+        "--resume", metavar="PATH|latest", help="continue from a checkpoint folder, or the latest in checkpoint.dir"
+    )
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key, e.g. --set steps=10 --set optim.lr=3e-4 (repeatable)",
+    )
+    plan = commands.add_parser(
+        "plan",
+        help="print the memory and traffic a run needs and whether it fits; "
+        "starts nothing (exit 0 fits, 3 does not, 2 bad config)",
+    )
     plan.add_argument("--config", metavar="FILE", help="YAML config; defaults apply to every key it omits")
-    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                      help="override one key (repeatable)")
+    plan.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key (repeatable)",
+    )
     from cargohold.cluster.plan import add_arguments
 
     add_arguments(plan)

@@ -63,9 +63,7 @@ class GPTConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
-            raise ConfigError(
-                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
-            )
+            raise ConfigError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
         if not isinstance(self.bias, bool):
@@ -79,19 +77,25 @@ class HFModelConfig:
     length and the other `model.*` keys are ignored. Paths are local; nothing is downloaded."""
 
     config_path: str | None = None
-    """A local folder holding a causal-LM `config.json` (or the file itself); the model is built from it with fresh weights drawn from `seed`."""
+    """A local folder holding a causal-LM `config.json` (or the file itself); the model is
+    built from it with fresh weights drawn from `seed`."""
     checkpoint_dir: str | None = None
-    """A local folder of pretrained weights (`save_pretrained` output) to start training from; excludes `hf.config_path`."""
+    """A local folder of pretrained weights (`save_pretrained` output) to start training from;
+    excludes `hf.config_path`."""
 
     def __post_init__(self) -> None:
         if self.config_path is not None and self.checkpoint_dir is not None:
             raise ConfigError("hf.config_path and hf.checkpoint_dir are both set; set only one of them")
         if self.config_path is not None and not Path(self.config_path).exists():
-            raise ConfigError(f"hf.config_path {self.config_path!r} does not exist (a local folder or "
-                              "config.json; nothing is downloaded)")
+            raise ConfigError(
+                f"hf.config_path {self.config_path!r} does not exist (a local folder or "
+                "config.json; nothing is downloaded)"
+            )
         if self.checkpoint_dir is not None and not Path(self.checkpoint_dir).is_dir():
-            raise ConfigError(f"hf.checkpoint_dir {self.checkpoint_dir!r} is not a folder (a local "
-                              "save_pretrained output; nothing is downloaded)")
+            raise ConfigError(
+                f"hf.checkpoint_dir {self.checkpoint_dir!r} is not a folder (a local "
+                "save_pretrained output; nothing is downloaded)"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -105,7 +109,10 @@ class HFModelConfig:
 
     @property
     def path(self) -> str:
-        return self.checkpoint_dir if self.checkpoint_dir is not None else self.config_path
+        path = self.checkpoint_dir if self.checkpoint_dir is not None else self.config_path
+        if path is None:
+            raise ConfigError("hf.config_path or hf.checkpoint_dir must be set")
+        return path
 
 
 @dataclass(kw_only=True, slots=True)
@@ -156,8 +163,11 @@ class OptimConfig:
 
     def hyper_params(self) -> AdamWHyperParams:
         return AdamWHyperParams(
-            beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-            weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            max_grad_norm=self.max_grad_norm,
         )
 
     def lr_at(self, step: int, total_steps: int) -> float:
@@ -234,13 +244,17 @@ class TierConfig:
     RAM budget is set."""
 
     nvme_paths: list[str] = field(default_factory=list)
-    """Directories for partition files, one per drive (no RAID needed); partitions are spread round-robin over them, under `<path>/<run_id>/server-<i>/`."""
+    """Directories for partition files, one per drive (no RAID needed); partitions are spread
+    round-robin over them, under `<path>/<run_id>/server-<i>/`."""
     ram_budget_bytes: int | None = None
-    """Hard limit on the memory a state server's optimizer state may use, staging buffers included; null keeps all state in RAM."""
+    """Hard limit on the memory a state server's optimizer state may use, staging buffers
+    included; null keeps all state in RAM."""
     partition_bytes: int = 64 << 20
-    """Optimizer state (12 bytes per parameter) per partition, the unit that moves between RAM and disk; 16-256 MiB suits NVMe."""
+    """Optimizer state (12 bytes per parameter) per partition, the unit that moves between RAM
+    and disk; 16-256 MiB suits NVMe."""
     buffer_count: int = 3
-    """Staging buffers of one partition each that disk partitions stream through: 2 double-buffers, 3 overlaps a read, an update and a write."""
+    """Staging buffers of one partition each that disk partitions stream through: 2
+    double-buffers, 3 overlaps a read, an update and a write."""
     io_threads: int = 4
     """Threads issuing the NVMe tier's reads and writes."""
     direct_io: Literal["auto", "on", "off"] = "auto"
@@ -308,13 +322,13 @@ class StateServerConfig:
         _positive("state_server.rpc_threads", self.rpc_threads)
         _non_negative("state_server.cpus", self.cpus)
         if not 4096 <= self.chunk_bytes <= 32 << 20:
-            raise ConfigError(
-                f"state_server.chunk_bytes must be between 4096 and {32 << 20}, got {self.chunk_bytes}"
-            )
+            raise ConfigError(f"state_server.chunk_bytes must be between 4096 and {32 << 20}, got {self.chunk_bytes}")
         _positive("state_server.rpc_timeout_s", self.rpc_timeout_s)
         if self.bind_host in WILDCARD_HOSTS and not self.allow_wildcard_bind:
-            raise ConfigError(f"state_server.bind_host {self.bind_host!r} serves every interface of the node; "
-                              "bind the node's own address (null) or set state_server.allow_wildcard_bind=true")
+            raise ConfigError(
+                f"state_server.bind_host {self.bind_host!r} serves every interface of the node; "
+                "bind the node's own address (null) or set state_server.allow_wildcard_bind=true"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -357,8 +371,10 @@ class CheckpointConfig:
         _positive("checkpoint.keep_last", self.keep_last)
         _non_negative("checkpoint.max_failures", self.max_failures)
         if (self.every_steps or self.max_failures or self.resume == "latest") and not self.dir:
-            raise ConfigError("checkpoint.dir must be set for checkpoint.every_steps, checkpoint.max_failures "
-                              "or checkpoint.resume=latest")
+            raise ConfigError(
+                "checkpoint.dir must be set for checkpoint.every_steps, checkpoint.max_failures "
+                "or checkpoint.resume=latest"
+            )
         if self.dir:
             _check_output_folder("checkpoint.dir", self.dir)
 
@@ -419,7 +435,10 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar with loss and step time."""
     export_dir: str | None = None
-    """Write the trained fp32 weights here as safetensors at the end of the run: for an `hf` model a folder `transformers.AutoModelForCausalLM.from_pretrained` loads, for the built-in GPT `model.safetensors` and `cargohold_gpt.json` (`cargohold.cluster.export.load_exported_gpt` loads them). None exports nothing."""
+    """Write the trained fp32 weights here as safetensors at the end of the run: for an `hf`
+    model a folder `transformers.AutoModelForCausalLM.from_pretrained` loads, for the built-in
+    GPT `model.safetensors` and `cargohold_gpt.json`
+    (`cargohold.cluster.export.load_exported_gpt` loads them). None exports nothing."""
     model: GPTConfig = field(default_factory=GPTConfig)
     hf: HFModelConfig = field(default_factory=HFModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -530,7 +549,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")
         return {_coerce(key_type, k, f"{key}.{k}"): _coerce(value_type, v, f"{key}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return from_dict(hint, value if value is not None else {}, key + ".")
     if hint is bool:
         if not isinstance(value, bool):
@@ -588,8 +607,10 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
 
 def _check_run_id(run_id: str | None) -> None:
     if run_id is not None and not RUN_ID.fullmatch(run_id):
-        raise ConfigError(f"run_id {run_id!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter "
-                          "or digit (it names folders and actors)")
+        raise ConfigError(
+            f"run_id {run_id!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter "
+            "or digit (it names folders and actors)"
+        )
 
 
 def _check_output_folder(key: str, path: str) -> None:

@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m cargohold.cluster.config_docs",
         description="Print the configuration reference (Markdown) generated from the schema.",
     )
-    parser.add_argument("--check", metavar="PATH",
-                        help="compare PATH with the generated reference; exit 1 if it differs")
+    parser.add_argument(
+        "--check", metavar="PATH", help="compare PATH with the generated reference; exit 1 if it differs"
+    )
     args = parser.parse_args(argv)
     text = render_reference()
     if args.check is None:
@@ -85,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path}: cannot read ({error.strerror}); regenerate it with `{REGENERATE}`", file=sys.stderr)
         return 1
     if current != text:
-        print(f"{path} is out of date with the config schema; regenerate it with `{REGENERATE}`",
-              file=sys.stderr)
+        print(f"{path} is out of date with the config schema; regenerate it with `{REGENERATE}`", file=sys.stderr)
         return 1
     return 0
 

@@ -34,7 +34,7 @@ from cargohold.services.errors import ConfigError, ExportError
 from cargohold.services.layout import ShardLayout, gather_params
 from cargohold.services.models.build import build_model
 from cargohold.services.models.gpt import GPT
-from cargohold.services.models.hf import hf_name
+from cargohold.services.models.hf import HFCausalLM, hf_name
 
 WEIGHTS_FILE = "model.safetensors"
 GPT_CONFIG_FILE = "cargohold_gpt.json"
@@ -62,20 +62,23 @@ def export_weights(config: TrainConfig, layout: ShardLayout, flat: torch.Tensor,
     """Write the fp32 weights ``flat`` (laid out by ``layout``) of the model ``config``
     describes into ``out_dir`` (created if needed); returns the folder."""
     if flat.dtype != torch.float32 or flat.dim() != 1 or flat.numel() != layout.total:
-        raise ExportError(f"export needs the flat fp32 master weights ({layout.total} elements), got "
-                          f"{flat.dtype} of shape {tuple(flat.shape)}")
+        raise ExportError(
+            f"export needs the flat fp32 master weights ({layout.total} elements), got "
+            f"{flat.dtype} of shape {tuple(flat.shape)}"
+        )
     with torch.device("meta"):  # names and shapes only
         model = build_model(config)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if expected != {p.name: p.shape for p in layout.params}:
-        raise ExportError("the layout does not match the model the config describes; export with the "
-                          "config the run trained")
+        raise ExportError(
+            "the layout does not match the model the config describes; export with the config the run trained"
+        )
     out = Path(out_dir)
     gathered = gather_params(layout, flat.cpu())
     weights = {name: gathered[name] for name in expected}  # the model's order, not the layout's groups
     try:
         out.mkdir(parents=True, exist_ok=True)
-        if config.hf.enabled:
+        if isinstance(model, HFCausalLM):
             model.hf.save_pretrained(out, state_dict={hf_name(n): w for n, w in weights.items()})
         else:
             _save_gpt(config.model, weights, out)

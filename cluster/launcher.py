@@ -144,17 +144,27 @@ class TrainingSession:
                 "add nodes"
             )
 
+        placement = self._placement
+
         def on_bundle(index: int) -> PlacementGroupSchedulingStrategy:
-            return PlacementGroupSchedulingStrategy(placement_group=self._placement, placement_group_bundle_index=index)
+            return PlacementGroupSchedulingStrategy(placement_group=placement, placement_group_bundle_index=index)
 
         server_cls = ray.remote(StateServer)
         self.servers = [
             server_cls.options(
-                num_cpus=cfg.state_server.cpus, resources=dict(cfg.state_server.resources),
-                scheduling_strategy=on_bundle(i), name=f"{self.run_id}-state-server-{i}",
-            ).remote(cfg.state_server, run_id=self.run_id, server_index=i, metrics_enabled=cfg.metrics.enabled,
-                     metrics_port=cfg.metrics.port_for("state_server", i, cfg),
-                     auth_token=self._auth_token, tls=tls_files(cfg.security))
+                num_cpus=cfg.state_server.cpus,
+                resources=dict(cfg.state_server.resources),
+                scheduling_strategy=on_bundle(i),
+                name=f"{self.run_id}-state-server-{i}",
+            ).remote(
+                cfg.state_server,
+                run_id=self.run_id,
+                server_index=i,
+                metrics_enabled=cfg.metrics.enabled,
+                metrics_port=cfg.metrics.port_for("state_server", i, cfg),
+                auth_token=self._auth_token,
+                tls=tls_files(cfg.security),
+            )
             for i in range(cfg.state_server.num_servers)
         ]
         self.server_addresses = _get([s.address.remote() for s in self.servers], timeout, "starting state servers")
@@ -168,23 +178,38 @@ class TrainingSession:
         first_worker_bundle = cfg.state_server.num_servers
         self.workers = [
             worker_cls.options(
-                num_cpus=cfg.worker.cpus, num_gpus=cfg.worker.gpus, resources=dict(cfg.worker.resources),
-                scheduling_strategy=on_bundle(first_worker_bundle + rank), name=f"{self.run_id}-worker-{rank}",
+                num_cpus=cfg.worker.cpus,
+                num_gpus=cfg.worker.gpus,
+                resources=dict(cfg.worker.resources),
+                scheduling_strategy=on_bundle(first_worker_bundle + rank),
+                name=f"{self.run_id}-worker-{rank}",
                 runtime_env={"env_vars": worker_env()},
-            ).remote(cfg, rank=rank, run_id=self.run_id, server_addresses=self.server_addresses,
-                     server_node_ids=server_nodes, auth_token=self._auth_token)
+            ).remote(
+                cfg,
+                rank=rank,
+                run_id=self.run_id,
+                server_addresses=self.server_addresses,
+                server_node_ids=server_nodes,
+                auth_token=self._auth_token,
+            )
             for rank in range(cfg.worker.num_workers)
         ]
         host, port = _get(self.workers[0].rendezvous_address.remote(), timeout, "starting workers")
-        _get([w.init_process_group.remote(host, port) for w in self.workers], timeout,
-             "forming the worker process group")
+        _get(
+            [w.init_process_group.remote(host, port) for w in self.workers], timeout, "forming the worker process group"
+        )
         steps = set(_get([w.register_shards.remote() for w in self.workers], timeout, "registering shards"))
         if steps != {update}:
             raise TrainingError(f"workers' shards are at updates {sorted(steps)}, expected {update}")
         if self.resume is not None:
             _get([w.load_weights.remote() for w in self.workers], timeout, "loading restored weights")
-        logger.info("run %s: %d workers, %d state servers at %s", self.run_id, len(self.workers),
-                    len(self.servers), ", ".join(self.server_addresses))
+        logger.info(
+            "run %s: %d workers, %d state servers at %s",
+            self.run_id,
+            len(self.workers),
+            len(self.servers),
+            ", ".join(self.server_addresses),
+        )
         targets = self.metrics_targets()
         logger.info("metrics endpoints: %s", ", ".join(f"{t.role}-{t.index} {t.address}" for t in targets))
         if cfg.metrics.file_sd_path:
@@ -195,16 +220,27 @@ class TrainingSession:
         returns (updates, data step)."""
         manifest = CheckpointStore(directory.parent).load(directory)
         saved = saved_layout(manifest, str(directory / MANIFEST_NAME))
-        check_compatible(manifest, model_signature=[(p.name, p.shape) for p in self.layout.params],
-                         align=self.layout.align)
-        _get([
-            server.restore.remote(str(directory), manifest.to_json(),
-                                  [(segment_spec(self.config, self.run_id, seg), segment_runs(saved, self.layout, seg))
-                                   for seg in self.layout.segments_of_server(i)])
-            for i, server in enumerate(self.servers)
-        ], timeout, f"restoring {directory}")
-        logger.info("run %s: restored %s (step %d, %d updates)", self.run_id, directory, manifest.step,
-                    manifest.updates)
+        check_compatible(
+            manifest, model_signature=[(p.name, p.shape) for p in self.layout.params], align=self.layout.align
+        )
+        _get(
+            [
+                server.restore.remote(
+                    str(directory),
+                    manifest.to_json(),
+                    [
+                        (segment_spec(self.config, self.run_id, seg), segment_runs(saved, self.layout, seg))
+                        for seg in self.layout.segments_of_server(i)
+                    ],
+                )
+                for i, server in enumerate(self.servers)
+            ],
+            timeout,
+            f"restoring {directory}",
+        )
+        logger.info(
+            "run %s: restored %s (step %d, %d updates)", self.run_id, directory, manifest.step, manifest.updates
+        )
         return manifest.updates, manifest.step
 
     def checkpoint_begin(self, store: CheckpointStore) -> PendingCheckpoint:
@@ -214,30 +250,45 @@ class TrainingSession:
         step = self.step_count
         directory = store.begin(step)
         _get([w.settle.remote() for w in self.workers], None, "settling before a checkpoint")
-        updates = set(_get([s.checkpoint_begin.remote(self.run_id, str(directory), step) for s in self.servers],
-                           None, f"checkpointing step {step}"))
+        updates = set(
+            _get(
+                [s.checkpoint_begin.remote(self.run_id, str(directory), step) for s in self.servers],
+                None,
+                f"checkpointing step {step}",
+            )
+        )
         if len(updates) != 1:
             store.abort(step)
             raise TrainingError(f"servers are at different updates {sorted(updates)} at step {step}")
-        return PendingCheckpoint(step=step, updates=updates.pop(), started=started,
-                                 stall_seconds=time.perf_counter() - started)
+        return PendingCheckpoint(
+            step=step, updates=updates.pop(), started=started, stall_seconds=time.perf_counter() - started
+        )
 
     def checkpoint_finish(self, store: CheckpointStore, pending: PendingCheckpoint) -> SavedCheckpoint:
         """Wait for the servers' files, then write the manifest: the checkpoint is complete."""
         waited = _get([s.checkpoint_wait.remote() for s in self.servers], None, f"writing checkpoint {pending.step}")
         records = [r for rs, _ in waited for r in rs]
         manifest = Manifest(
-            step=pending.step, updates=pending.updates, run_id=self.run_id, config_hash=config_hash(self.config),
+            step=pending.step,
+            updates=pending.updates,
+            run_id=self.run_id,
+            config_hash=config_hash(self.config),
             model_signature=tuple((p.name, p.shape) for p in self.layout.params),
-            layout=layout_record(self.layout), total=self.layout.total,
+            layout=layout_record(self.layout),
+            total=self.layout.total,
             shards=tuple(sorted((shard for shard, _ in records), key=lambda r: r.start)),
             files=tuple(file for _, file in records),
         )
         path = store.commit(pending.step, manifest)
         linked = sum(n for _, n in waited)
         total = sum(f.nbytes for f in manifest.files)
-        logger.info("checkpoint of step %d written to %s (%d bytes, %d of them hard-linked from the NVMe tier)",
-                    pending.step, path, total, linked)
+        logger.info(
+            "checkpoint of step %d written to %s (%d bytes, %d of them hard-linked from the NVMe tier)",
+            pending.step,
+            path,
+            total,
+            linked,
+        )
         return SavedCheckpoint(path=path, written_bytes=total - linked, linked_bytes=linked)
 
     def step(self) -> StepReport:
@@ -265,7 +316,9 @@ class TrainingSession:
 
     def metrics_targets(self) -> list[Target]:
         """Every actor's metrics endpoint, state servers first."""
-        roles = [("state_server", i) for i in range(len(self.servers))] + [("worker", r) for r in range(len(self.workers))]
+        roles = [("state_server", i) for i in range(len(self.servers))] + [
+            ("worker", r) for r in range(len(self.workers))
+        ]
         addresses = ray.get([a.metrics_address.remote() for a in self.servers + self.workers])
         return [Target(address=a, role=role, index=i) for a, (role, i) in zip(addresses, roles) if a]
 
@@ -275,16 +328,21 @@ class TrainingSession:
     def worker_resident_bytes(self) -> dict[str, int]:
         return ray.get(self.workers[0].resident_bytes.remote())
 
-    def _sweep_tier_folders(self, servers: int) -> None:
+    def _sweep_tier_folders(self, placement: PlacementGroup, servers: int) -> None:
         """What a killed state server could not delete: its NVMe tier folder of this run,
         removed on its own node (each server's placement bundle) after the actors stop."""
         roots = list(self.config.state_server.tier.nvme_paths)
         if not roots:
             return
         sweep = ray.remote(num_cpus=0)(remove_tier_folders)
-        refs = [sweep.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._placement, placement_group_bundle_index=index)).remote(
-                    roots, self.run_id, index) for index in range(servers)]
+        refs = [
+            sweep.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=placement, placement_group_bundle_index=index
+                )
+            ).remote(roots, self.run_id, index)
+            for index in range(servers)
+        ]
         try:
             ray.get(refs, timeout=60)
         except Exception as error:  # teardown must go on
@@ -300,7 +358,7 @@ class TrainingSession:
             ray.kill(actor)
         servers, self.workers, self.servers = len(self.servers), [], []
         if self._placement is not None:
-            self._sweep_tier_folders(servers)
+            self._sweep_tier_folders(self._placement, servers)
             remove_placement_group(self._placement)
             self._placement = None
         if self._owns_ray and ray.is_initialized():
@@ -319,8 +377,9 @@ def remove_tier_folders(roots: list[str], run_id: str, server_index: int) -> Non
             pass  # another server's files are still there, or it was never made
 
 
-def train(config: TrainConfig, on_step: Callable[[StepReport], None] | None = None, *,
-          metrics: LauncherMetrics | None = None) -> TrainResult:
+def train(
+    config: TrainConfig, on_step: Callable[[StepReport], None] | None = None, *, metrics: LauncherMetrics | None = None
+) -> TrainResult:
     """Run ``config.steps`` steps, taking checkpoints as configured; on an actor failure
     restart everything from the latest checkpoint, up to ``checkpoint.max_failures``.
 
@@ -332,8 +391,7 @@ def train(config: TrainConfig, on_step: Callable[[StepReport], None] | None = No
     if metrics is None:
         metrics = LauncherMetrics()
         if config.metrics.enabled:
-            metrics.start(host=node_ip(), port=config.metrics.port_for(
-                "launcher", config.worker.num_workers, config))
+            metrics.start(host=node_ip(), port=config.metrics.port_for("launcher", config.worker.num_workers, config))
             logger.info("launcher metrics on %s", metrics.address)
     try:
         return _train(config, on_step, metrics)
@@ -342,8 +400,7 @@ def train(config: TrainConfig, on_step: Callable[[StepReport], None] | None = No
             metrics.stop()
 
 
-def _train(config: TrainConfig, on_step: Callable[[StepReport], None] | None,
-           metrics: LauncherMetrics) -> TrainResult:
+def _train(config: TrainConfig, on_step: Callable[[StepReport], None] | None, metrics: LauncherMetrics) -> TrainResult:
     ckpt = config.checkpoint
     store = CheckpointStore(Path(ckpt.dir), keep_last=ckpt.keep_last) if ckpt.dir else None
     resume = _resolve_resume(ckpt.resume, store)
@@ -358,18 +415,25 @@ def _train(config: TrainConfig, on_step: Callable[[StepReport], None] | None,
             if result.restarts >= ckpt.max_failures or latest is None:
                 raise
             result.restarts += 1
-            logger.warning("run failed (%s); restart %d of %d from %s", error, result.restarts,
-                           ckpt.max_failures, latest)
+            logger.warning(
+                "run failed (%s); restart %d of %d from %s", error, result.restarts, ckpt.max_failures, latest
+            )
             resume = latest
 
 
-def _train_session(config: TrainConfig, store: CheckpointStore | None, resume: Path | None,
-                   result: TrainResult, on_step: Callable[[StepReport], None] | None,
-                   metrics: LauncherMetrics) -> None:
+def _train_session(
+    config: TrainConfig,
+    store: CheckpointStore | None,
+    resume: Path | None,
+    result: TrainResult,
+    on_step: Callable[[StepReport], None] | None,
+    metrics: LauncherMetrics,
+) -> None:
     every = config.checkpoint.every_steps
     recovering = time.perf_counter()
 
     def finish(pending: PendingCheckpoint) -> None:
+        assert store is not None, "checkpoints are only taken with checkpoint.dir set"
         try:
             saved = session.checkpoint_finish(store, pending)
         except (CheckpointError, TrainingError) as error:
@@ -380,8 +444,9 @@ def _train_session(config: TrainConfig, store: CheckpointStore | None, resume: P
                 raise
             logger.warning("checkpoint of step %d not written, training goes on: %s", pending.step, error)
             return
-        metrics.observe_checkpoint(pending.stall_seconds, time.perf_counter() - pending.started,
-                                   saved.written_bytes, saved.linked_bytes)
+        metrics.observe_checkpoint(
+            pending.stall_seconds, time.perf_counter() - pending.started, saved.written_bytes, saved.linked_bytes
+        )
         result.checkpoints.append(saved.path)
 
     with TrainingSession(config, resume=resume) as session:
@@ -406,15 +471,17 @@ def _train_session(config: TrainConfig, store: CheckpointStore | None, resume: P
             if pending is not None:  # its files were written while this step ran
                 finish(pending)
                 pending = None
-            if store is not None and (session.step_count == config.steps or _take_request()
-                                      or (every and session.step_count % every == 0)):
+            if store is not None and (
+                session.step_count == config.steps or _take_request() or (every and session.step_count % every == 0)
+            ):
                 pending = session.checkpoint_begin(store)
                 result.checkpoint_stall_seconds.append(pending.stall_seconds)
         if pending is not None:
             finish(pending)
         if config.export_dir is not None:
-            export_weights(config, session.layout, master_weights(session.layout, session.server_masters()),
-                           config.export_dir)
+            export_weights(
+                config, session.layout, master_weights(session.layout, session.server_masters()), config.export_dir
+            )
 
 
 _checkpoint_requested = threading.Event()
@@ -432,7 +499,7 @@ def _take_request() -> bool:
     return False
 
 
-def _is_save_error(error: BaseException) -> bool:
+def _is_save_error(error: BaseException | None) -> bool:
     """A checkpoint write failed (here or, reported through Ray, on a state server)."""
     while error is not None:
         if isinstance(error, CheckpointError):
@@ -467,8 +534,7 @@ def connect_ray(config: TrainConfig) -> bool:
     if config.cluster.address is not None:
         ray.init(address=config.cluster.address, log_to_driver=True)
         return True
-    needed = (config.worker.num_workers * config.worker.cpus
-              + config.state_server.num_servers * config.state_server.cpus)
+    needed = config.worker.num_workers * config.worker.cpus + config.state_server.num_servers * config.state_server.cpus
     ray.init(
         address="local",  # a new cluster even when another runs on this machine
         num_cpus=config.cluster.num_cpus or max(1, math.ceil(needed)),

@@ -125,9 +125,14 @@ _CLUSTER_KEYS = {"device_memory", "nvme", "host_memory", "nodes"}
 _GROUP_KEYS = {"count", "workers", "servers", "host_memory"}
 
 
-def load_cluster(path: str | Path | None = None, *, config: TrainConfig,
-                 device_memory: str | None = None, host_memory: str | None = None,
-                 nvme: str | None = None) -> ClusterDescription:
+def load_cluster(
+    path: str | Path | None = None,
+    *,
+    config: TrainConfig,
+    device_memory: str | None = None,
+    host_memory: str | None = None,
+    nvme: str | None = None,
+) -> ClusterDescription:
     """The cluster from a YAML file and/or flags (a flag replaces the file's top-level key
     of the same name); ConfigError names what is wrong."""
     data: dict[str, Any] = {}
@@ -160,13 +165,18 @@ def load_cluster(path: str | Path | None = None, *, config: TrainConfig,
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"cluster {where}.{key} must be an integer, got {value!r}")
             counts[key] = value
-        groups.append(NodeGroup(
-            **counts,
-            host_memory_bytes=size(raw, "host_memory", f"{where}.host_memory") if "host_memory" in raw else host,
-        ))
+        groups.append(
+            NodeGroup(
+                **counts,
+                host_memory_bytes=size(raw, "host_memory", f"{where}.host_memory") if "host_memory" in raw else host,
+            )
+        )
     if not groups:
-        groups = [NodeGroup(workers=config.worker.num_workers, servers=config.state_server.num_servers,
-                            host_memory_bytes=host)]
+        groups = [
+            NodeGroup(
+                workers=config.worker.num_workers, servers=config.state_server.num_servers, host_memory_bytes=host
+            )
+        ]
     return ClusterDescription(
         device_memory_bytes=size(data, "device_memory", "device_memory (--device-memory)"),
         nvme_bytes=size(data, "nvme", "nvme (--nvme)"),
@@ -251,8 +261,9 @@ class WorkerPlan:
 
     @property
     def device_peak_bytes(self) -> int:
-        return (self.device_bytes + self.gathered_bytes + self.gradient_bytes + self.transient_bytes
-                + self.activation_bytes)
+        return (
+            self.device_bytes + self.gathered_bytes + self.gradient_bytes + self.transient_bytes + self.activation_bytes
+        )
 
     @property
     def host_bytes(self) -> int:
@@ -328,8 +339,13 @@ class ServerPlan:
 
     @property
     def ram_peak_bytes(self) -> int:
-        return (self.ram_bytes + self.gradient_bytes + self.update_temp_bytes + self.weights_bytes
-                + self.checkpoint_snapshot_bytes)
+        return (
+            self.ram_bytes
+            + self.gradient_bytes
+            + self.update_temp_bytes
+            + self.weights_bytes
+            + self.checkpoint_snapshot_bytes
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -374,8 +390,12 @@ class RunPlan:
         """Plain data for ``--json``, derived totals included."""
         data = dataclasses.asdict(self)
         data["fits"] = self.fits
-        data["worker"].update(device_bytes=self.worker.device_bytes, device_peak_bytes=self.worker.device_peak_bytes,
-                              host_bytes=self.worker.host_bytes, host_peak_bytes=self.worker.host_peak_bytes)
+        data["worker"].update(
+            device_bytes=self.worker.device_bytes,
+            device_peak_bytes=self.worker.device_peak_bytes,
+            host_bytes=self.worker.host_bytes,
+            host_peak_bytes=self.worker.host_peak_bytes,
+        )
         for out, server in zip(data["servers"], self.servers):
             out.update(ram_bytes=server.ram_bytes, ram_peak_bytes=server.ram_peak_bytes)
         return data
@@ -398,13 +418,22 @@ def plan_run(config: TrainConfig, cluster: ClusterDescription | None = None) -> 
         "caching allocator and NCCL buffers, Ray's object store",
     ]
     if config.worker.offload_params and device == "cpu":
-        notes.append("worker.offload_params does nothing for CPU workers (their weights are in host memory "
-                     "anyway); planned without it")
+        notes.append(
+            "worker.offload_params does nothing for CPU workers (their weights are in host memory "
+            "anyway); planned without it"
+        )
     return RunPlan(
-        parameters=layout.num_real_elements, flat_elements=layout.total, num_workers=layout.num_workers,
-        num_servers=layout.num_servers, compute_dtype=config.worker.compute_dtype,
-        grad_wire_dtype=config.worker.grad_wire_dtype, transport=transport, worker=worker, servers=servers,
-        checks=checks, notes=tuple(notes),
+        parameters=layout.num_real_elements,
+        flat_elements=layout.total,
+        num_workers=layout.num_workers,
+        num_servers=layout.num_servers,
+        compute_dtype=config.worker.compute_dtype,
+        grad_wire_dtype=config.worker.grad_wire_dtype,
+        transport=transport,
+        worker=worker,
+        servers=servers,
+        checks=checks,
+        notes=tuple(notes),
         checkpoint_keep_last=config.checkpoint.keep_last if config.checkpoint.dir is not None else 0,
     )
 
@@ -447,12 +476,18 @@ class _UnitSize:
 
 
 def _unit_sizes(layout: ShardLayout) -> list[_UnitSize]:
-    return [_UnitSize(numel=sum(s.numel for s in layout.group_params(g.index)),
-                      chunk=sum(s.slot_numel for s in layout.group_params(g.index))) for g in layout.groups]
+    return [
+        _UnitSize(
+            numel=sum(s.numel for s in layout.group_params(g.index)),
+            chunk=sum(s.slot_numel for s in layout.group_params(g.index)),
+        )
+        for g in layout.groups
+    ]
 
 
-def _plan_worker(config: TrainConfig, layout: ShardLayout, model: torch.nn.Module, device: str, transport: str,
-                 activations: int) -> WorkerPlan:
+def _plan_worker(
+    config: TrainConfig, layout: ShardLayout, model: torch.nn.Module, device: str, transport: str, activations: int
+) -> WorkerPlan:
     settings = config.worker
     compute = _DTYPE_BYTES[settings.compute_dtype]
     wire = _DTYPE_BYTES[settings.grad_wire_dtype]
@@ -461,8 +496,13 @@ def _plan_worker(config: TrainConfig, layout: ShardLayout, model: torch.nn.Modul
     # FSDP2's local shards, in the compute dtype; rank 0 holds the most (the last ranks'
     # dim-0 chunks run short or empty).
     weights = sum(slot.local_numel(0) for slot in layout.params) * compute
-    exchange = exchange_nbytes(layout.largest_group, wire, compute, slots=settings.exchange_slots,
-                               held_numel=layout.worker_size if settings.delayed_update else 0)
+    exchange = exchange_nbytes(
+        layout.largest_group,
+        wire,
+        compute,
+        slots=settings.exchange_slots,
+        held_numel=layout.worker_size if settings.delayed_update else 0,
+    )
     units = _unit_sizes(layout)
     root, blocks = units[0], units[1:]
     if settings.reshard_after_forward:  # the block computed and the one prefetched
@@ -476,14 +516,20 @@ def _plan_worker(config: TrainConfig, layout: ShardLayout, model: torch.nn.Modul
         return (world + 1) * unit.chunk * wire
 
     gradients = root.numel * compute + max(
-        max(u.numel * compute + reduce_scatter(u) for u in blocks), reduce_scatter(root))
+        max(u.numel * compute + reduce_scatter(u) for u in blocks), reduce_scatter(root)
+    )
     chunk = max(u.chunk for u in units)
     transient = chunk * 8 + (chunk * compute if wire != compute else 0) + (2 * chunk * compute if offload else 0)
 
     on_host = weights if offload or device == "cpu" else 0
     one_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    startup = (exchange + on_host + config.data.corpus_bytes
-               + one_module * _FP32 + max(g.stop - g.start for g in layout.groups) * _FP32)
+    startup = (
+        exchange
+        + on_host
+        + config.data.corpus_bytes
+        + one_module * _FP32
+        + max(g.stop - g.start for g in layout.groups) * _FP32
+    )
     gathers = sum(u.chunk for u in units) + (sum(u.chunk for u in blocks) if settings.reshard_after_forward else 0)
     return WorkerPlan(
         device=device,
@@ -530,9 +576,14 @@ def activation_bytes_estimate(config: TrainConfig, model: torch.nn.Module | None
         layers = getattr(inner, "num_hidden_layers", layers)
         width = getattr(inner, "hidden_size", width)
         vocab = getattr(inner, "vocab_size", vocab)
-        intermediate = next((v for v in (getattr(inner, key, None) for key in ("intermediate_size", "n_inner",
-                                                                               "ffn_dim"))
-                             if isinstance(v, int) and v > 0), intermediate)
+        intermediate = next(
+            (
+                v
+                for v in (getattr(inner, key, None) for key in ("intermediate_size", "n_inner", "ffn_dim"))
+                if isinstance(v, int) and v > 0
+            ),
+            intermediate,
+        )
     if model is not None and intermediate != width:
         up_projections = max(1, _matrices_of_width(model, width, intermediate) - 1)  # less the down-projection
     compute = _DTYPE_BYTES[config.worker.compute_dtype]
@@ -562,14 +613,18 @@ def _plan_server(config: TrainConfig, layout: ShardLayout, index: int, transport
     max_elements = elements_per_partition(tier.partition_bytes) if budget is not None else None
     run_id = config.run_id or "plan"
     segments = layout.segments_of_server(index)
-    spans = {s.segment_id: split_segment(s.numel, [(f.segment_start, f.length) for f in s.fragments], max_elements)
-             for s in segments}
+    spans = {
+        s.segment_id: split_segment(s.numel, [(f.segment_start, f.length) for f in s.fragments], max_elements)
+        for s in segments
+    }
     # The demands TieredStorage._replan gives the planner: every partition in its file layout.
     numel = {PartitionKey(run_id, sid, span.index): span.numel for sid, parts in spans.items() for span in parts}
     staging = tier.staging_bytes() if budget is not None else 0
     plan: TierPlan = plan_tiers(
         [PartitionDemand(key, FileLayout(n).file_bytes) for key, n in numel.items()],
-        ram_budget_bytes=budget, staging_bytes=staging, num_paths=max(1, len(tier.nvme_paths)),
+        ram_budget_bytes=budget,
+        staging_bytes=staging,
+        num_paths=max(1, len(tier.nvme_paths)),
     )
     on_disk = [k for k in numel if plan.of(k) is Residency.NVME]
     if config.checkpoint.dir is None:
@@ -607,8 +662,10 @@ def _plan_server(config: TrainConfig, layout: ShardLayout, index: int, transport
         nvme_need_bytes=plan.nvme_bytes + staging if on_disk else 0,
         nvme_bytes_by_path=by_path,
         traffic=ServerTraffic(
-            push_bytes=elements * wire, fetch_bytes=elements * compute,
-            nvme_write_bytes=plan.nvme_bytes, nvme_read_bytes=plan.nvme_bytes,
+            push_bytes=elements * wire,
+            fetch_bytes=elements * compute,
+            nvme_write_bytes=plan.nvme_bytes,
+            nvme_read_bytes=plan.nvme_bytes,
         ),
         checkpoint_bytes=checkpoint_bytes,
         checkpoint_written_bytes=checkpoint_written,
@@ -616,47 +673,102 @@ def _plan_server(config: TrainConfig, layout: ShardLayout, index: int, transport
     )
 
 
-def _checks(config: TrainConfig, cluster: ClusterDescription, groups: Sequence[NodeGroup],
-            worker: WorkerPlan, servers: Sequence[ServerPlan]) -> tuple[Check, ...]:
+def _checks(
+    config: TrainConfig,
+    cluster: ClusterDescription,
+    groups: Sequence[NodeGroup],
+    worker: WorkerPlan,
+    servers: Sequence[ServerPlan],
+) -> tuple[Check, ...]:
     checks = []
     for role, want, have in (
         ("worker slots", config.worker.num_workers, sum(g.count * g.workers for g in groups)),
         ("state-server slots", config.state_server.num_servers, sum(g.count * g.servers for g in groups)),
     ):
-        checks.append(Check(resource=role, need=want, available=have, fits=have >= want, unit="count", reason=(
-            f"the cluster has room for {have}" if have >= want else
-            f"the config asks for {want} but the node groups hold {have}; add nodes or lower the count")))
+        checks.append(
+            Check(
+                resource=role,
+                need=want,
+                available=have,
+                fits=have >= want,
+                unit="count",
+                reason=(
+                    f"the cluster has room for {have}"
+                    if have >= want
+                    else f"the config asks for {want} but the node groups hold {have}; add nodes or lower the count"
+                ),
+            )
+        )
 
     if worker.device == "cuda":
         settings = config.worker
-        remedies = [*(["set worker.offload_params=true"] if not settings.offload_params else []),
-                    *(["worker.activation_checkpointing=blocks"] if settings.activation_checkpointing == "off" else []),
-                    *(["worker.compute_dtype=bfloat16"] if settings.compute_dtype == "float32" else []),
-                    "add workers", "lower data.batch_size or model.block_size"]
-        checks.append(_check("device memory per worker", worker.device_peak_bytes, cluster.device_memory_bytes,
-                             "--device-memory", ", ".join(remedies[:-1]) + " or " + remedies[-1]))
+        remedies = [
+            *(["set worker.offload_params=true"] if not settings.offload_params else []),
+            *(["worker.activation_checkpointing=blocks"] if settings.activation_checkpointing == "off" else []),
+            *(["worker.compute_dtype=bfloat16"] if settings.compute_dtype == "float32" else []),
+            "add workers",
+            "lower data.batch_size or model.block_size",
+        ]
+        checks.append(
+            _check(
+                "device memory per worker",
+                worker.device_peak_bytes,
+                cluster.device_memory_bytes,
+                "--device-memory",
+                ", ".join(remedies[:-1]) + " or " + remedies[-1],
+            )
+        )
     server_peak = max(s.ram_peak_bytes for s in servers)
     for number, group in enumerate(groups, 1):
         name = f"node group {number} ({group.count} x {group.workers} workers + {group.servers} servers)"
         need = group.workers * worker.host_peak_bytes + group.servers * server_peak
-        checks.append(_check(f"host RAM per node, {name}", need, group.host_memory_bytes, "--host-memory",
-                             "set or lower state_server.tier.ram_budget_bytes, or spread the actors over more nodes"))
+        checks.append(
+            _check(
+                f"host RAM per node, {name}",
+                need,
+                group.host_memory_bytes,
+                "--host-memory",
+                "set or lower state_server.tier.ram_budget_bytes, or spread the actors over more nodes",
+            )
+        )
     if config.state_server.tier.ram_budget_bytes is not None:
         for server in servers:
-            checks.append(_check(f"NVMe of state server {server.index}", server.nvme_need_bytes, cluster.nvme_bytes,
-                                 "--nvme", "free space, add state_server.tier.nvme_paths, or raise the RAM budget"))
+            checks.append(
+                _check(
+                    f"NVMe of state server {server.index}",
+                    server.nvme_need_bytes,
+                    cluster.nvme_bytes,
+                    "--nvme",
+                    "free space, add state_server.tier.nvme_paths, or raise the RAM budget",
+                )
+            )
     return tuple(checks)
 
 
 def _check(resource: str, need: int, available: int | None, flag: str, remedy: str) -> Check:
     if available is None:
-        return Check(resource=resource, need=need, available=None, fits=None,
-                     reason=f"not checked; give {flag} (or the cluster file) to check it")
+        return Check(
+            resource=resource,
+            need=need,
+            available=None,
+            fits=None,
+            reason=f"not checked; give {flag} (or the cluster file) to check it",
+        )
     if need <= available:
-        return Check(resource=resource, need=need, available=available, fits=True,
-                     reason=f"{format_bytes(available - need)} to spare")
-    return Check(resource=resource, need=need, available=available, fits=False,
-                 reason=f"{format_bytes(need - available)} short; {remedy}")
+        return Check(
+            resource=resource,
+            need=need,
+            available=available,
+            fits=True,
+            reason=f"{format_bytes(available - need)} to spare",
+        )
+    return Check(
+        resource=resource,
+        need=need,
+        available=available,
+        fits=False,
+        reason=f"{format_bytes(need - available)} short; {remedy}",
+    )
 
 
 # --- output -------------------------------------------------------------------------------
@@ -715,28 +827,44 @@ def render(plan: RunPlan) -> str:
         ("NVMe files", lambda s: s.nvme_file_bytes),
         ("NVMe + writes in flight", lambda s: s.nvme_need_bytes),
     ]
-    lines += [f"  {name:<{_LABEL}}" + "".join(f"{b(get(s)):>12}" for s in plan.servers)
-              for name, get in server_rows]
-    lines.append(f"  {'partitions (on NVMe)':<{_LABEL}}"
-                 + "".join(f"{f'{s.partitions} ({s.partitions_on_nvme})':>12}" for s in plan.servers))
+    lines += [f"  {name:<{_LABEL}}" + "".join(f"{b(get(s)):>12}" for s in plan.servers) for name, get in server_rows]
+    lines.append(
+        f"  {'partitions (on NVMe)':<{_LABEL}}"
+        + "".join(f"{f'{s.partitions} ({s.partitions_on_nvme})':>12}" for s in plan.servers)
+    )
 
     t = w.traffic
-    lines += ["", "Per step",
-              f"  each worker: reduce-scatter {b(t.reduce_scatter_bytes)}, all-gather {b(t.all_gather_bytes)} "
-              f"(ring), push {b(t.push_bytes)}, fetch {b(t.fetch_bytes)}"]
-    lines += [f"  server {s.index}: receives {b(s.traffic.push_bytes)}, sends {b(s.traffic.fetch_bytes)}"
-              + (f", NVMe writes {b(s.traffic.nvme_write_bytes)} and reads <= {b(s.traffic.nvme_read_bytes)}"
-                 if s.traffic.nvme_write_bytes else "") for s in plan.servers]
+    lines += [
+        "",
+        "Per step",
+        f"  each worker: reduce-scatter {b(t.reduce_scatter_bytes)}, all-gather {b(t.all_gather_bytes)} "
+        f"(ring), push {b(t.push_bytes)}, fetch {b(t.fetch_bytes)}",
+    ]
+    lines += [
+        f"  server {s.index}: receives {b(s.traffic.push_bytes)}, sends {b(s.traffic.fetch_bytes)}"
+        + (
+            f", NVMe writes {b(s.traffic.nvme_write_bytes)} and reads <= {b(s.traffic.nvme_read_bytes)}"
+            if s.traffic.nvme_write_bytes
+            else ""
+        )
+        for s in plan.servers
+    ]
 
     if any(s.checkpoint_bytes for s in plan.servers):
         total = sum(s.checkpoint_bytes for s in plan.servers)
         written = sum(s.checkpoint_written_bytes for s in plan.servers)
         kept = plan.checkpoint_keep_last
-        lines += ["", "Per checkpoint",
-                  f"  files {b(total)}: written {b(written)}, hard-linked from the NVMe tier {b(total - written)}",
-                  f"  checkpoint.dir holds up to {kept + 1} while one is saved: {b((kept + 1) * total)}"
-                  + ("; on the tier's filesystem the linked files stop being shared once the tier "
-                     "writes newer versions" if written < total else "")]
+        lines += [
+            "",
+            "Per checkpoint",
+            f"  files {b(total)}: written {b(written)}, hard-linked from the NVMe tier {b(total - written)}",
+            f"  checkpoint.dir holds up to {kept + 1} while one is saved: {b((kept + 1) * total)}"
+            + (
+                "; on the tier's filesystem the linked files stop being shared once the tier writes newer versions"
+                if written < total
+                else ""
+            ),
+        ]
 
     lines += ["", "Fits"]
     for c in plan.checks:
@@ -754,8 +882,12 @@ def render(plan: RunPlan) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The cluster flags of ``cargohold plan``."""
     parser.add_argument("--cluster", metavar="FILE", help="YAML cluster description (see docs/operations.md)")
-    parser.add_argument("--device-memory", metavar="SIZE", help="memory of each worker's accelerator, e.g. 80GiB; "
-                        "absent, workers with worker.device=auto are planned on CPUs")
+    parser.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="memory of each worker's accelerator, e.g. 80GiB; "
+        "absent, workers with worker.device=auto are planned on CPUs",
+    )
     parser.add_argument("--host-memory", metavar="SIZE", help="RAM of each node, e.g. 256GiB")
     parser.add_argument("--nvme", metavar="SIZE", help="free NVMe of each state server, e.g. 2TiB")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -763,8 +895,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_command(config: TrainConfig, args: argparse.Namespace) -> int:
     """Print the plan; EXIT_FITS or EXIT_DOES_NOT_FIT. Raises ConfigError for a bad cluster."""
-    cluster = load_cluster(args.cluster, config=config, device_memory=args.device_memory,
-                           host_memory=args.host_memory, nvme=args.nvme)
+    cluster = load_cluster(
+        args.cluster, config=config, device_memory=args.device_memory, host_memory=args.host_memory, nvme=args.nvme
+    )
     plan = plan_run(config, cluster)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan), file=sys.stdout, flush=True)
     return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT

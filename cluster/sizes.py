@@ -12,10 +12,32 @@ import re
 
 from cargohold.services.errors import ConfigError
 
-_DECIMAL = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-            "t": 10**12, "tb": 10**12, "p": 10**15, "pb": 10**15}
-_BINARY = {"ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20, "gi": 1 << 30, "gib": 1 << 30,
-           "ti": 1 << 40, "tib": 1 << 40, "pi": 1 << 50, "pib": 1 << 50}
+_DECIMAL = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "p": 10**15,
+    "pb": 10**15,
+}
+_BINARY = {
+    "ki": 1 << 10,
+    "kib": 1 << 10,
+    "mi": 1 << 20,
+    "mib": 1 << 20,
+    "gi": 1 << 30,
+    "gib": 1 << 30,
+    "ti": 1 << 40,
+    "tib": 1 << 40,
+    "pi": 1 << 50,
+    "pib": 1 << 50,
+}
 _UNITS = {**_DECIMAL, **_BINARY}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s*([a-zA-Z]*)\s*$")
 _PRINT_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -34,14 +56,14 @@ def parse_size(text: str | int | float, what: str = "size") -> int:
         value, unit = text, 1
     else:
         match = _SIZE.match(str(text))
-        unit = _UNITS.get(match.group(3).lower()) if match else None
-        if match is None or unit is None:
+        found = _UNITS.get(match.group(3).lower()) if match else None
+        if match is None or found is None:
             raise ConfigError(
                 f"{what}: cannot read {text!r} as a size; write e.g. 24GiB, 512MiB, 1.5TB, 100Gi "
                 "or a number of bytes (units: B, kB/MB/GB/TB/PB = powers of 1000, "
                 "KiB/MiB/GiB/TiB/PiB = powers of 1024)"
             )
-        value = float(f"{match.group(1)}e{match.group(2) or 0}")  # 1e400 is inf, refused below
+        value, unit = float(f"{match.group(1)}e{match.group(2) or 0}"), found  # 1e400 is inf, refused below
     nbytes = value * unit
     if not nbytes >= 0 or nbytes == float("inf"):
         raise ConfigError(f"{what} must be a finite size >= 0, got {text!r}")

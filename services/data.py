@@ -26,10 +26,7 @@ _NOUNS = (
     "cat dog farmer teacher child bird baker river king sailor "
     "horse garden letter window basket lamp friend doctor fox boat"
 ).split()
-_ADJECTIVES = (
-    "old small quiet bright green heavy happy tired clever cold "
-    "red young strange gentle brave dark"
-).split()
+_ADJECTIVES = ("old small quiet bright green heavy happy tired clever cold red young strange gentle brave dark").split()
 _VERBS = "sees finds carries paints follows opens watches likes keeps builds helps calls".split()
 _INTRANSITIVE = "sleeps sings waits runs laughs walks rests works".split()
 _ADVERBS = "slowly quietly again happily early late together alone".split()
@@ -114,10 +111,7 @@ def load_tokens(path: str | None, num_bytes: int, seed: int, *, seq_len: int = 1
             raise ConfigError(f"data.corpus_path {path!r} is empty")
         source = f"data.corpus_path {path!r}"
     if len(data) < seq_len + 1:
-        raise ConfigError(
-            f"{source} holds {len(data)} bytes, fewer than one sequence of "
-            f"seq_len + 1 = {seq_len + 1}"
-        )
+        raise ConfigError(f"{source} holds {len(data)} bytes, fewer than one sequence of seq_len + 1 = {seq_len + 1}")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
@@ -170,13 +164,9 @@ def batch_for_step(
     if seq_len <= 0:
         raise ConfigError(f"seq_len must be > 0, got {seq_len}")
     if tokens.numel() < seq_len + 1:
-        raise ConfigError(
-            f"tokens hold {tokens.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}"
-        )
+        raise ConfigError(f"tokens hold {tokens.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}")
     generator = torch.Generator().manual_seed(stable_seed(seed, step))
-    starts = torch.randint(
-        0, tokens.numel() - seq_len, (world_size * batch_size,), generator=generator
-    )
+    starts = torch.randint(0, tokens.numel() - seq_len, (world_size * batch_size,), generator=generator)
     mine = starts[rank * batch_size : (rank + 1) * batch_size].to(tokens.device)
     windows = tokens[mine[:, None] + torch.arange(seq_len + 1, device=tokens.device)].long()
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

@@ -19,8 +19,9 @@ TEMP_SUFFIX = ".tmp"
 
 
 @contextmanager
-def replace_durably(target: str | os.PathLike[str], *, sync_directory: bool = True,
-                    drop_cache: bool = False) -> Iterator[str]:
+def replace_durably(
+    target: str | os.PathLike[str], *, sync_directory: bool = True, drop_cache: bool = False
+) -> Iterator[str]:
     """Yield the temporary path to write ``target``'s new content to (any way: a
     descriptor, a library's ``save(path)``); once the block ends, fsync it, rename it
     over ``target`` and fsync the directory.

@@ -247,12 +247,21 @@ def build_layout(
         first, group_start = len(params), offset
         for name, shape in shapes[first : first + size]:
             rows = shape[0] if shape else 1
-            slot = ParamSlot(name=name, shape=shape, group=group_index, offset=offset,
-                             rows_per_worker=-(-rows // num_workers))
+            slot = ParamSlot(
+                name=name, shape=shape, group=group_index, offset=offset, rows_per_worker=-(-rows // num_workers)
+            )
             params.append(slot)
             offset += _round_up(slot.slot_numel, align)
-        groups.append(Group(index=group_index, name=group_name, first_param=first, stop_param=len(params),
-                            start=group_start, stop=offset))
+        groups.append(
+            Group(
+                index=group_index,
+                name=group_name,
+                first_param=first,
+                stop_param=len(params),
+                start=group_start,
+                stop=offset,
+            )
+        )
     if not params or sum(p.numel for p in params) == 0:
         raise LayoutError("the model has no parameter elements to place")
 
@@ -261,8 +270,7 @@ def build_layout(
     units = total // align
     if units < num_servers:
         raise LayoutError(
-            f"{num_servers} servers cannot each own at least {align} of {total} elements; "
-            "use fewer state servers"
+            f"{num_servers} servers cannot each own at least {align} of {total} elements; use fewer state servers"
         )
     server_bounds = tuple(align * ((units * s) // num_servers) for s in range(num_servers + 1))
 
@@ -274,21 +282,44 @@ def build_layout(
                 start = max(base + group.start, server_bounds[server])
                 stop = min(base + group.stop, server_bounds[server + 1])
                 if start < stop:
-                    segments.append(Segment(
-                        segment_id=len(segments), group=group.index, worker=worker, server=server,
-                        start=start, stop=stop, local_offset=start - base,
-                        fragments=tuple(_fragments(params[group.first_param : group.stop_param],
-                                                   group.first_param, worker, start - base, stop - base)),
-                    ))
+                    segments.append(
+                        Segment(
+                            segment_id=len(segments),
+                            group=group.index,
+                            worker=worker,
+                            server=server,
+                            start=start,
+                            stop=stop,
+                            local_offset=start - base,
+                            fragments=tuple(
+                                _fragments(
+                                    params[group.first_param : group.stop_param],
+                                    group.first_param,
+                                    worker,
+                                    start - base,
+                                    stop - base,
+                                )
+                            ),
+                        )
+                    )
     return ShardLayout(
-        params=tuple(params), groups=tuple(groups), total=total, worker_size=worker_size,
-        num_workers=num_workers, num_servers=num_servers, align=align,
-        server_bounds=server_bounds, segments=tuple(segments),
+        params=tuple(params),
+        groups=tuple(groups),
+        total=total,
+        worker_size=worker_size,
+        num_workers=num_workers,
+        num_servers=num_servers,
+        align=align,
+        server_bounds=server_bounds,
+        segments=tuple(segments),
     )
 
 
-def scatter_params(layout: ShardLayout, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def scatter_params(
+    layout: ShardLayout,
+    tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """The flat space holding ``tensors`` (by name, or in layout order); padding zero."""
     values = _in_layout_order(layout, tensors)
     flat = torch.zeros(layout.total, dtype=dtype)
@@ -338,16 +369,16 @@ def _in_layout_order(layout: ShardLayout, tensors: Mapping[str, torch.Tensor] | 
     return values
 
 
-def _fragments(params: Sequence[ParamSlot], first_index: int, worker: int, start: int,
-               stop: int) -> Iterable[Fragment]:
+def _fragments(params: Sequence[ParamSlot], first_index: int, worker: int, start: int, stop: int) -> Iterable[Fragment]:
     """Fragments of the worker-range offsets ``[start, stop)``."""
     for index, slot in enumerate(params, start=first_index):
         lo = max(start, slot.offset)
         hi = min(stop, slot.offset + slot.local_numel(worker))
         if lo < hi:
             chunk_start = slot.local_rows(worker)[0] * slot.row_numel
-            yield Fragment(param_index=index, param_start=chunk_start + lo - slot.offset,
-                           segment_start=lo - start, length=hi - lo)
+            yield Fragment(
+                param_index=index, param_start=chunk_start + lo - slot.offset, segment_start=lo - start, length=hi - lo
+            )
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -113,9 +113,7 @@ _STOP_JOIN_TIMEOUT_S = 5.0
 def _check_label(label: str, value: str, allowed: Iterable[str]) -> None:
     """Refuse a label value outside its fixed set: a typo would silently start a new series."""
     if value not in allowed:
-        raise ConfigError(
-            f"unknown metric label {label}={value!r}; allowed values: {sorted(allowed)}"
-        )
+        raise ConfigError(f"unknown metric label {label}={value!r}; allowed values: {sorted(allowed)}")
 
 
 class MetricsEndpoint:
@@ -143,7 +141,8 @@ class MetricsEndpoint:
         if self._server is None:
             raise CargoholdError("metrics endpoint is not serving; call start() first")
         host, port = self._server.server_address[:2]
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+        host = host.decode() if isinstance(host, bytes) else str(host)
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def stop(self) -> None:
         """Stop serving and release the port; a no-op when not serving."""
@@ -228,26 +227,49 @@ class StateServerMetrics(MetricsEndpoint):
         sees zeros, not gaps, on a server that never touched disk."""
         labels = ["server"]
         self._tier_bytes = {
-            "read": Counter(TIER_READ_BYTES, "Bytes the NVMe tier read from partition files.", labels,
-                            registry=self.registry).labels(server=server_id),
-            "write": Counter(TIER_WRITE_BYTES, "Bytes the NVMe tier wrote to partition files.", labels,
-                             registry=self.registry).labels(server=server_id),
+            "read": Counter(
+                TIER_READ_BYTES, "Bytes the NVMe tier read from partition files.", labels, registry=self.registry
+            ).labels(server=server_id),
+            "write": Counter(
+                TIER_WRITE_BYTES, "Bytes the NVMe tier wrote to partition files.", labels, registry=self.registry
+            ).labels(server=server_id),
         }
-        io_seconds = Counter(TIER_IO_SECONDS, "Seconds spent in NVMe tier transfers, by operation.",
-                             ["server", "op"], registry=self.registry)
+        io_seconds = Counter(
+            TIER_IO_SECONDS,
+            "Seconds spent in NVMe tier transfers, by operation.",
+            ["server", "op"],
+            registry=self.registry,
+        )
         self._tier_seconds = {op: io_seconds.labels(server=server_id, op=op) for op in TIER_OPS}
-        self._tier_queue = Gauge(TIER_QUEUE_DEPTH, "NVMe tier transfers queued or running.", labels,
-                                 registry=self.registry).labels(server=server_id)
-        prefetch = Counter(TIER_PREFETCH, "Disk partitions an update found already staged (hit) or had "
-                           "to wait to start reading (miss).", ["server", "result"], registry=self.registry)
+        self._tier_queue = Gauge(
+            TIER_QUEUE_DEPTH, "NVMe tier transfers queued or running.", labels, registry=self.registry
+        ).labels(server=server_id)
+        prefetch = Counter(
+            TIER_PREFETCH,
+            "Disk partitions an update found already staged (hit) or had to wait to start reading (miss).",
+            ["server", "result"],
+            registry=self.registry,
+        )
         self._prefetch = {r: prefetch.labels(server=server_id, result=r) for r in PREFETCH_RESULTS}
-        self._io_wait = Counter(TIER_IO_WAIT_SECONDS, "Seconds shard updates stood still waiting for "
-                                "tier I/O.", labels, registry=self.registry).labels(server=server_id)
-        planned = Gauge(TIER_PLAN_PARTITIONS, "Partitions the tier planner places in each tier.",
-                        ["server", "tier"], registry=self.registry)
+        self._io_wait = Counter(
+            TIER_IO_WAIT_SECONDS,
+            "Seconds shard updates stood still waiting for tier I/O.",
+            labels,
+            registry=self.registry,
+        ).labels(server=server_id)
+        planned = Gauge(
+            TIER_PLAN_PARTITIONS,
+            "Partitions the tier planner places in each tier.",
+            ["server", "tier"],
+            registry=self.registry,
+        )
         self._planned = {t: planned.labels(server=server_id, tier=t) for t in TIERS}
-        self._predicted = Gauge(TIER_PREDICTED_IO_SECONDS, "Disk seconds per step the planner predicts "
-                                "from measured bandwidth.", labels, registry=self.registry).labels(server=server_id)
+        self._predicted = Gauge(
+            TIER_PREDICTED_IO_SECONDS,
+            "Disk seconds per step the planner predicts from measured bandwidth.",
+            labels,
+            registry=self.registry,
+        ).labels(server=server_id)
 
     def record_received(self, rpc: str, nbytes: int) -> None:
         """Count `nbytes` of payload received by `rpc`."""
@@ -379,22 +401,39 @@ class LauncherMetrics(MetricsEndpoint):
 
     def __init__(self) -> None:
         super().__init__()
-        self._stall = Histogram(CHECKPOINT_STALL_SECONDS, "Seconds a checkpoint held training up (the snapshot).",
-                                buckets=_LAUNCHER_BUCKETS, registry=self.registry)
-        self._write = Histogram(CHECKPOINT_WRITE_SECONDS, "Seconds from a checkpoint's start to its manifest landing.",
-                                buckets=_LAUNCHER_BUCKETS, registry=self.registry)
-        self._bytes = Counter(CHECKPOINT_BYTES, "Bytes of checkpoint files written (or copied).", registry=self.registry)
-        self._linked = Counter(CHECKPOINT_LINKED_BYTES,
-                               "Bytes of NVMe-tier partition files checkpoints hard-linked instead of writing.",
-                               registry=self.registry)
+        self._stall = Histogram(
+            CHECKPOINT_STALL_SECONDS,
+            "Seconds a checkpoint held training up (the snapshot).",
+            buckets=_LAUNCHER_BUCKETS,
+            registry=self.registry,
+        )
+        self._write = Histogram(
+            CHECKPOINT_WRITE_SECONDS,
+            "Seconds from a checkpoint's start to its manifest landing.",
+            buckets=_LAUNCHER_BUCKETS,
+            registry=self.registry,
+        )
+        self._bytes = Counter(
+            CHECKPOINT_BYTES, "Bytes of checkpoint files written (or copied).", registry=self.registry
+        )
+        self._linked = Counter(
+            CHECKPOINT_LINKED_BYTES,
+            "Bytes of NVMe-tier partition files checkpoints hard-linked instead of writing.",
+            registry=self.registry,
+        )
         self._checkpoints = Counter(CHECKPOINTS, "Checkpoints completed.", registry=self.registry)
         self._failures = Counter(FAILURES, "Run failures (an actor died or a step failed).", registry=self.registry)
         self._restarts = Counter(RESTARTS, "Restarts from a checkpoint after a failure.", registry=self.registry)
-        self._recovery = Histogram(RECOVERY_SECONDS, "Seconds from a failure to training again.",
-                                   buckets=_LAUNCHER_BUCKETS, registry=self.registry)
+        self._recovery = Histogram(
+            RECOVERY_SECONDS,
+            "Seconds from a failure to training again.",
+            buckets=_LAUNCHER_BUCKETS,
+            registry=self.registry,
+        )
 
-    def observe_checkpoint(self, stall_seconds: float, write_seconds: float, nbytes: int,
-                           linked_bytes: int = 0) -> None:
+    def observe_checkpoint(
+        self, stall_seconds: float, write_seconds: float, nbytes: int, linked_bytes: int = 0
+    ) -> None:
         """``nbytes`` written or copied, ``linked_bytes`` hard-linked (not moved)."""
         self._stall.observe(stall_seconds)
         self._write.observe(write_seconds)

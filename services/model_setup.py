@@ -36,8 +36,9 @@ def model_layout(config: TrainConfig) -> tuple[nn.Module, list[Unit], ShardLayou
     with torch.device("meta"):
         model = build_model(config)
     units = units_of(model, transformer_blocks(model))
-    layout = layout_for_units(model, units, num_workers=config.worker.num_workers,
-                              num_servers=config.state_server.num_servers)
+    layout = layout_for_units(
+        model, units, num_workers=config.worker.num_workers, num_servers=config.state_server.num_servers
+    )
     return model, units, layout
 
 
@@ -51,9 +52,14 @@ def sharded_model(config: TrainConfig, device: torch.device) -> tuple[nn.Module,
     model.to(WIRE_DTYPES[worker.compute_dtype])  # FSDP2 keeps the shards in the dtype it finds
     if worker.activation_checkpointing == "blocks":
         apply_activation_checkpointing([unit.module for unit in units[1:]])
-    shard_units(units, compute_dtype=WIRE_DTYPES[worker.compute_dtype],
-                reduce_dtype=WIRE_DTYPES[worker.grad_wire_dtype], reshard_after_forward=worker.reshard_after_forward,
-                offload=worker.offload_params, pin_memory=device.type == "cuda")
+    shard_units(
+        units,
+        compute_dtype=WIRE_DTYPES[worker.compute_dtype],
+        reduce_dtype=WIRE_DTYPES[worker.grad_wire_dtype],
+        reshard_after_forward=worker.reshard_after_forward,
+        offload=worker.offload_params,
+        pin_memory=device.type == "cuda",
+    )
     model.to_empty(device="cpu" if worker.offload_params else device)
     _set_buffers(config, model)
     check_unit_order(model, units)
@@ -65,8 +71,10 @@ def _check_pinned_memory() -> None:
     try:
         torch.empty(1, pin_memory=True)
     except RuntimeError as error:
-        raise ConfigError(f"worker.offload_params needs pinned host memory, which this worker cannot "
-                          f"allocate ({error}); raise the memlock limit or set worker.offload_params=false") from error
+        raise ConfigError(
+            f"worker.offload_params needs pinned host memory, which this worker cannot "
+            f"allocate ({error}); raise the memlock limit or set worker.offload_params=false"
+        ) from error
 
 
 def _set_buffers(config: TrainConfig, model: nn.Module) -> None:
@@ -83,18 +91,27 @@ def _set_buffers(config: TrainConfig, model: nn.Module) -> None:
             model.get_buffer(name).copy_(value)
 
 
-def exchange_buffers(config: TrainConfig, layout: ShardLayout, *, shared_name: str | None = None,
-                     pin: bool = False) -> ExchangeBuffers:
+def exchange_buffers(
+    config: TrainConfig, layout: ShardLayout, *, shared_name: str | None = None, pin: bool = False
+) -> ExchangeBuffers:
     """``worker.exchange_slots`` slots of the largest unit, and the whole range's weights
     with the delayed update."""
     worker = config.worker
     return ExchangeBuffers.allocate(
-        layout.largest_group, WIRE_DTYPES[worker.grad_wire_dtype], WIRE_DTYPES[worker.compute_dtype],
-        slots=worker.exchange_slots, held_numel=layout.worker_size if worker.delayed_update else 0,
-        shared_name=shared_name, pin=pin)
+        layout.largest_group,
+        WIRE_DTYPES[worker.grad_wire_dtype],
+        WIRE_DTYPES[worker.compute_dtype],
+        slots=worker.exchange_slots,
+        held_numel=layout.worker_size if worker.delayed_update else 0,
+        shared_name=shared_name,
+        pin=pin,
+    )
 
 
 def step_policy(config: TrainConfig) -> StepPolicy:
     optim, worker = config.optim, config.worker
-    return StepPolicy(staged=optim.max_grad_norm > 0 or optim.nonfinite != "ignore", nonfinite=optim.nonfinite,
-                      delayed_after=worker.delayed_update_after_steps if worker.delayed_update else None)
+    return StepPolicy(
+        staged=optim.max_grad_norm > 0 or optim.nonfinite != "ignore",
+        nonfinite=optim.nonfinite,
+        delayed_after=worker.delayed_update_after_steps if worker.delayed_update else None,
+    )

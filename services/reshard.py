@@ -42,9 +42,14 @@ def saved_layout(manifest: Manifest, source: str) -> ShardLayout:
     in errors); refuses a recorded layout that does not rebuild one of ``total`` elements."""
     record = manifest.layout
     try:
-        layout = build_layout(manifest.model_signature, align=record.align, num_workers=record.num_workers,
-                              num_servers=record.num_servers, group_sizes=record.group_sizes,
-                              group_names=record.group_names)
+        layout = build_layout(
+            manifest.model_signature,
+            align=record.align,
+            num_workers=record.num_workers,
+            num_servers=record.num_servers,
+            group_sizes=record.group_sizes,
+            group_names=record.group_names,
+        )
     except LayoutError as error:
         raise CheckpointError(f"{source}: the recorded layout cannot be rebuilt: {error}") from error
     if layout.total != manifest.total:
@@ -69,12 +74,10 @@ def segment_runs(saved: ShardLayout, new: ShardLayout, segment: Segment) -> tupl
         if slot.name not in index or saved.params[index[slot.name]].shape != slot.shape:
             raise CheckpointError(f"the checkpoint holds no parameter {slot.name!r} of shape {slot.shape}")
         shift = fragment.segment_start - fragment.param_start
-        for flat_start, param_start, length in saved.flat_runs(index[slot.name], fragment.param_start,
-                                                               fragment.length):
+        for flat_start, param_start, length in saved.flat_runs(index[slot.name], fragment.param_start, fragment.length):
             offset = param_start + shift
             if runs and runs[-1][0] + runs[-1][2] == offset and runs[-1][1] + runs[-1][2] == flat_start:
                 runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)
             else:
                 runs.append((offset, flat_start, length))
     return tuple(runs)
-

@@ -50,8 +50,7 @@ class ShardSpec:
             raise InvalidTensorError(f"shard {self.shard_id}: numel must be > 0, got {self.numel}")
         if self.grad_dtype not in WIRE_DTYPES:
             raise InvalidTensorError(
-                f"shard {self.shard_id}: grad dtype {self.grad_dtype!r} is not one of "
-                f"{sorted(WIRE_DTYPES)}"
+                f"shard {self.shard_id}: grad dtype {self.grad_dtype!r} is not one of {sorted(WIRE_DTYPES)}"
             )
         end = 0
         for offset, length in self.fragments:
@@ -80,10 +79,16 @@ class ShardState:
     step count are per shard: computed once per push, whatever the partitions.
     """
 
-    def __init__(self, spec: ShardSpec, initial_weights: torch.Tensor | None = None, *,
-                 storage: TieredStorage | None = None,
-                 moments: tuple[torch.Tensor, torch.Tensor] | None = None, step: int = 0,
-                 source: StateSource | None = None) -> None:
+    def __init__(
+        self,
+        spec: ShardSpec,
+        initial_weights: torch.Tensor | None = None,
+        *,
+        storage: TieredStorage | None = None,
+        moments: tuple[torch.Tensor, torch.Tensor] | None = None,
+        step: int = 0,
+        source: StateSource | None = None,
+    ) -> None:
         """Starts from ``initial_weights``, or from ``source`` (a checkpoint read a
         partition at a time, so a restore fits the tiers' memory). ``moments``
         (exp_avg, exp_avg_sq) or a source, with ``step``, restore a checkpointed shard;
@@ -91,11 +96,14 @@ class ShardState:
         if (initial_weights is None) == (source is None):
             raise InvalidTensorError(f"shard {spec.shard_id}: give initial weights or a source, not both or neither")
         if source is None:
+            assert initial_weights is not None  # one of the two is given (checked above)
             _check_tensor(spec, initial_weights, torch.float32, "initial weights")
             for name, moment in zip(("exp_avg", "exp_avg_sq"), moments or ()):
                 _check_tensor(spec, moment, torch.float32, name)
-            source = tensor_source(initial_weights.detach().contiguous(),
-                                   None if moments is None else tuple(m.detach().contiguous() for m in moments))
+            source = tensor_source(
+                initial_weights.detach().contiguous(),
+                None if moments is None else (moments[0].detach().contiguous(), moments[1].detach().contiguous()),
+            )
         if step < 0:
             raise InvalidTensorError(f"shard {spec.shard_id}: step must be >= 0, got {step}")
         self.spec = spec
@@ -124,8 +132,9 @@ class ShardState:
     def bytes_by_tier(self) -> dict[Residency, int]:
         return self._storage.state_bytes(self.spec.run_id, self.spec.shard_id)
 
-    def push(self, step: int, gradient: torch.Tensor, *, global_norm: float, lr: float,
-             owned: bool = False) -> PushOutcome:
+    def push(
+        self, step: int, gradient: torch.Tensor, *, global_norm: float, lr: float, owned: bool = False
+    ) -> PushOutcome:
         """Apply the gradient of ``step`` once; a repeat of the last step is ignored.
 
         An fp32 gradient is used in place, not copied. ``owned``: the caller hands the
@@ -141,8 +150,7 @@ class ShardState:
             raise InvalidTensorError(f"shard {self.spec.shard_id}: lr must be finite and >= 0, got {lr}")
         if not (math.isfinite(global_norm) and global_norm >= 0.0):
             raise InvalidTensorError(
-                f"shard {self.spec.shard_id}: global gradient norm must be finite and >= 0, "
-                f"got {global_norm}"
+                f"shard {self.spec.shard_id}: global gradient norm must be finite and >= 0, got {global_norm}"
             )
         with self.lock:
             current = self.step
@@ -154,9 +162,14 @@ class ShardState:
             spare = self._take_spare(dtype)
             try:
                 weights, _ = self._storage.update(
-                    self.spec.run_id, self.spec.shard_id, step, gradient,
+                    self.spec.run_id,
+                    self.spec.shard_id,
+                    step,
+                    gradient,
                     coefficient=clip_coefficient(global_norm, self.spec.hyper.max_grad_norm),
-                    lr=lr, hyper=self.spec.hyper, gradient_owned=owned,
+                    lr=lr,
+                    hyper=self.spec.hyper,
+                    gradient_owned=owned,
                     weights_dtype=WIRE_DTYPES[dtype] if dtype is not None else None,
                     weights_out=spare,
                 )
@@ -196,12 +209,14 @@ class ShardState:
                 return out
             if out is not None:
                 _check_tensor(self.spec, out, WIRE_DTYPES[dtype], "weights destination")
-                return self._storage.read_weights(self.spec.run_id, self.spec.shard_id, step,
-                                                  WIRE_DTYPES[dtype], out=out)
+                return self._storage.read_weights(
+                    self.spec.run_id, self.spec.shard_id, step, WIRE_DTYPES[dtype], out=out
+                )
             spare = self._take_spare(dtype)
             try:
-                return self._storage.read_weights(self.spec.run_id, self.spec.shard_id, step,
-                                                  WIRE_DTYPES[dtype], out=spare)
+                return self._storage.read_weights(
+                    self.spec.run_id, self.spec.shard_id, step, WIRE_DTYPES[dtype], out=spare
+                )
             except BaseException:
                 if spare is not None:
                     self._spare = spare
@@ -214,8 +229,13 @@ class ShardState:
         as the cast itself. Each buffer has one holder at a time, so concurrent fetches
         never share one; a buffer never handed back is simply freed."""
         with self.lock:
-            if (self._spare is None and weights.dim() == 1 and weights.numel() == self.spec.numel
-                    and weights.dtype in WIRE_DTYPES.values() and weights.is_contiguous()):
+            if (
+                self._spare is None
+                and weights.dim() == 1
+                and weights.numel() == self.spec.numel
+                and weights.dtype in WIRE_DTYPES.values()
+                and weights.is_contiguous()
+            ):
                 self._spare = weights
 
     def _take_spare(self, dtype: str | None) -> torch.Tensor | None:
@@ -330,11 +350,8 @@ def repeats_last_step(spec: ShardSpec, current: int, step: int, *, verb: str) ->
 
 def _check_tensor(spec: ShardSpec, tensor: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     if tensor.dtype != dtype:
-        raise InvalidTensorError(
-            f"shard {spec.shard_id}: {what} must be {dtype}, got {tensor.dtype}"
-        )
+        raise InvalidTensorError(f"shard {spec.shard_id}: {what} must be {dtype}, got {tensor.dtype}")
     if tensor.dim() != 1 or tensor.numel() != spec.numel:
         raise InvalidTensorError(
-            f"shard {spec.shard_id}: {what} must have {spec.numel} elements, "
-            f"got shape {tuple(tensor.shape)}"
+            f"shard {spec.shard_id}: {what} must have {spec.numel} elements, got shape {tuple(tensor.shape)}"
         )

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from cargohold.services.errors import TrainingError
 from cargohold.services.layout import DEFAULT_ALIGN, ShardLayout, build_layout
@@ -49,19 +50,30 @@ def units_of(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> list[
     return [Unit(ROOT, model, root), *units]
 
 
-def layout_for_units(model: nn.Module, units: Sequence[Unit], *, num_workers: int, num_servers: int,
-                     align: int = DEFAULT_ALIGN) -> ShardLayout:
+def layout_for_units(
+    model: nn.Module, units: Sequence[Unit], *, num_workers: int, num_servers: int, align: int = DEFAULT_ALIGN
+) -> ShardLayout:
     """The layout of ``units`` (works on a meta-device model)."""
     params = dict(model.named_parameters())
     return build_layout(
         ((name, tuple(params[name].shape)) for unit in units for name in unit.param_names),
-        num_workers=num_workers, num_servers=num_servers, align=align,
-        group_sizes=[len(unit.param_names) for unit in units], group_names=[unit.name for unit in units],
+        num_workers=num_workers,
+        num_servers=num_servers,
+        align=align,
+        group_sizes=[len(unit.param_names) for unit in units],
+        group_names=[unit.name for unit in units],
     )
 
 
-def shard_units(units: Sequence[Unit], *, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                reshard_after_forward: bool, offload: bool, pin_memory: bool) -> None:
+def shard_units(
+    units: Sequence[Unit],
+    *,
+    compute_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool,
+    offload: bool,
+    pin_memory: bool,
+) -> None:
     """``fully_shard`` each block, then the root (``units[0]``), in place.
 
     Weights are held and gathered in ``compute_dtype``; gradients are reduced in
@@ -71,8 +83,9 @@ def shard_units(units: Sequence[Unit], *, compute_dtype: torch.dtype, reduce_dty
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()
     for unit in units[1:]:
-        fully_shard(unit.module, mp_policy=policy, reshard_after_forward=reshard_after_forward,
-                    offload_policy=offload_policy)
+        fully_shard(
+            unit.module, mp_policy=policy, reshard_after_forward=reshard_after_forward, offload_policy=offload_policy
+        )
     # The root's parameters (embeddings, head) are needed first in backward: keep them.
     fully_shard(units[0].module, mp_policy=policy, reshard_after_forward=False, offload_policy=offload_policy)
 
@@ -84,8 +97,14 @@ def local_tensors(model: nn.Module, layout: ShardLayout) -> list[torch.Tensor]:
     return [_local(params[slot.name]).view(-1) for slot in layout.params]
 
 
-def copy_range_into_params(layout: ShardLayout, worker: int, source: torch.Tensor,
-                           targets: Sequence[torch.Tensor], group: int | None = None, source_start: int = 0) -> None:
+def copy_range_into_params(
+    layout: ShardLayout,
+    worker: int,
+    source: torch.Tensor,
+    targets: Sequence[torch.Tensor],
+    group: int | None = None,
+    source_start: int = 0,
+) -> None:
     """Copy ``source``, the part of the worker's range from ``source_start`` on, into the
     local shards ``targets`` (layout order); only ``group``'s parameters when given."""
     slots = layout.params if group is None else layout.group_params(group)
@@ -97,8 +116,9 @@ def copy_range_into_params(layout: ShardLayout, worker: int, source: torch.Tenso
             targets[index].copy_(source[at : at + numel], non_blocking=True)
 
 
-def params_to_range(layout: ShardLayout, worker: int, sources: Sequence[torch.Tensor],
-                    out: torch.Tensor) -> torch.Tensor:
+def params_to_range(
+    layout: ShardLayout, worker: int, sources: Sequence[torch.Tensor], out: torch.Tensor
+) -> torch.Tensor:
     """The local shards ``sources`` laid into a worker-range tensor ``out`` (padding zero)."""
     out.zero_()
     for slot, source in zip(layout.params, sources):
@@ -113,11 +133,13 @@ def check_unit_order(model: nn.Module, units: Sequence[Unit]) -> None:
     (its reduce-scatter output would then be read at the wrong offsets)."""
     params = dict(model.named_parameters())
     for unit in units:
-        group = getattr(unit.module._get_fsdp_state(), "_fsdp_param_group", None)
+        group = getattr(cast(FSDPModule, unit.module)._get_fsdp_state(), "_fsdp_param_group", None)
         got = [id(p.sharded_param) for p in group.fsdp_params] if group is not None else []
         if got != [id(params[name]) for name in unit.param_names]:
-            raise TrainingError(f"FSDP2 holds the parameters of unit {unit.name or '<root>'!r} in another order "
-                                "than the layout; cannot map its reduced gradients")
+            raise TrainingError(
+                f"FSDP2 holds the parameters of unit {unit.name or '<root>'!r} in another order "
+                "than the layout; cannot map its reduced gradients"
+            )
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

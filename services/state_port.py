@@ -71,8 +71,9 @@ class ExchangeBuffers:
     delayed update, ``held`` is the whole range's weights too: they arrive during the
     next step's compute and are adopted only after its backward."""
 
-    def __init__(self, slots: list[ExchangeSlot], held: torch.Tensor | None = None,
-                 region: SharedRegion | None = None) -> None:
+    def __init__(
+        self, slots: list[ExchangeSlot], held: torch.Tensor | None = None, region: SharedRegion | None = None
+    ) -> None:
         self.slots = slots
         self.held = held
         self.region = region
@@ -81,14 +82,24 @@ class ExchangeBuffers:
             self._free.put(slot)
 
     @classmethod
-    def allocate(cls, slot_numel: int, grad_dtype: torch.dtype, weight_dtype: torch.dtype, *, slots: int,
-                 held_numel: int = 0, shared_name: str | None = None, pin: bool = False) -> ExchangeBuffers:
+    def allocate(
+        cls,
+        slot_numel: int,
+        grad_dtype: torch.dtype,
+        weight_dtype: torch.dtype,
+        *,
+        slots: int,
+        held_numel: int = 0,
+        shared_name: str | None = None,
+        pin: bool = False,
+    ) -> ExchangeBuffers:
         """``slots`` slots of ``slot_numel`` elements and ``held_numel`` held weights, in
         shared memory named after ``shared_name``, else in (pinned with ``pin``) host memory."""
         slot_numel = _slot_numel(slot_numel)
         slot_bytes = slot_numel * (grad_dtype.itemsize + weight_dtype.itemsize)
-        total = exchange_nbytes(slot_numel, grad_dtype.itemsize, weight_dtype.itemsize, slots=slots,
-                                held_numel=held_numel)
+        total = exchange_nbytes(
+            slot_numel, grad_dtype.itemsize, weight_dtype.itemsize, slots=slots, held_numel=held_numel
+        )
         if shared_name is None:
             memory, region = torch.empty(total, dtype=torch.uint8, pin_memory=pin), None
         else:
@@ -99,8 +110,13 @@ class ExchangeBuffers:
             return memory[at : at + numel * dtype.itemsize].view(dtype)
 
         grad_bytes = slot_numel * grad_dtype.itemsize
-        made = [ExchangeSlot(view(grad_dtype, i * slot_bytes, slot_numel),
-                             view(weight_dtype, i * slot_bytes + grad_bytes, slot_numel)) for i in range(slots)]
+        made = [
+            ExchangeSlot(
+                view(grad_dtype, i * slot_bytes, slot_numel),
+                view(weight_dtype, i * slot_bytes + grad_bytes, slot_numel),
+            )
+            for i in range(slots)
+        ]
         held = view(weight_dtype, slots * slot_bytes, held_numel) if held_numel else None
         return cls(made, held, region)
 
@@ -140,12 +156,22 @@ class StatePort(Protocol):
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
         """Write the weights after ``update`` into ``out`` (a view of the exchange buffers)."""
 
+    def close(self) -> None:
+        """Release the connections."""
+
 
 class RemotePort:
     """State servers over gRPC; those on this node (``shared``) through shared memory."""
 
-    def __init__(self, config: TrainConfig, run_id: str, clients: list[StateServerClient],
-                 buffers: ExchangeBuffers, shared: set[int], metrics: WorkerMetrics) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        run_id: str,
+        clients: list[StateServerClient],
+        buffers: ExchangeBuffers,
+        shared: set[int],
+        metrics: WorkerMetrics,
+    ) -> None:
         self.config = config
         self.run_id = run_id
         self.clients = clients
@@ -160,23 +186,28 @@ class RemotePort:
 
     def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
         shm = self.buffers.shared_ref(gradient) if segment.server in self.shared else None
-        outcome = self.clients[segment.server].push(self.run_id, segment.segment_id, update, gradient, lr=lr,
-                                                    defer_update=defer, shm=shm)
-        self.metrics.record_sent("PushGradient.shm" if shm else "PushGradient",
-                                 gradient.numel() * gradient.element_size())
+        outcome = self.clients[segment.server].push(
+            self.run_id, segment.segment_id, update, gradient, lr=lr, defer_update=defer, shm=shm
+        )
+        self.metrics.record_sent(
+            "PushGradient.shm" if shm else "PushGradient", gradient.numel() * gradient.element_size()
+        )
         return outcome.applied and not defer
 
     def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float) -> bool:
-        return self.clients[segment.server].commit(self.run_id, segment.segment_id, update,
-                                                   global_norm=global_norm, lr=lr).applied
+        return (
+            self.clients[segment.server]
+            .commit(self.run_id, segment.segment_id, update, global_norm=global_norm, lr=lr)
+            .applied
+        )
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
         shm = self.buffers.shared_ref(out) if segment.server in self.shared else None
         dtype = self.config.worker.compute_dtype
-        weights = self.clients[segment.server].fetch(self.run_id, segment.segment_id, update, dtype, segment.numel,
-                                                     shm=shm, out=out if shm is None else None)
-        self.metrics.record_received("FetchWeights.shm" if shm else "FetchWeights",
-                                     segment.numel * out.element_size())
+        weights = self.clients[segment.server].fetch(
+            self.run_id, segment.segment_id, update, dtype, segment.numel, shm=shm, out=out if shm is None else None
+        )
+        self.metrics.record_received("FetchWeights.shm" if shm else "FetchWeights", segment.numel * out.element_size())
         if weights is not None and weights.data_ptr() != out.data_ptr():
             out.copy_(weights)
 
@@ -214,4 +245,3 @@ class LocalPort:
 
     def close(self) -> None:
         pass
-

@@ -27,22 +27,39 @@ logger = logging.getLogger(__name__)
 
 
 class StateServer:
-    def __init__(self, config: StateServerConfig, *, run_id: str, server_index: int, metrics_enabled: bool = True,
-                 metrics_port: int = 0,
-                 auth_token: str | None = None, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self,
+        config: StateServerConfig,
+        *,
+        run_id: str,
+        server_index: int,
+        metrics_enabled: bool = True,
+        metrics_port: int = 0,
+        auth_token: str | None = None,
+        tls: TlsFiles | None = None,
+    ) -> None:
         torch.set_num_threads(config.torch_threads)
         host = config.bind_host or node_ip()
         if host in WILDCARD_HOSTS:
-            logger.warning("state server %d serves gRPC and metrics on every interface (%s): anyone who can "
-                           "reach this node can try its token", server_index, host)
+            logger.warning(
+                "state server %d serves gRPC and metrics on every interface (%s): anyone who can "
+                "reach this node can try its token",
+                server_index,
+                host,
+            )
         self.server_index = server_index
         self.metrics = StateServerMetrics(f"state-server-{server_index}")
         self.registry = ShardRegistry(TieredStorage(config.tier, server_index=server_index, observer=self.metrics))
         if metrics_enabled:
             self.metrics.start(host=host, port=metrics_port)
         self._grpc = GrpcStateServer(
-            self.registry, self.metrics, run_id=run_id, host=host, max_workers=config.rpc_threads,
-            auth_token=auth_token, tls=tls,
+            self.registry,
+            self.metrics,
+            run_id=run_id,
+            host=host,
+            max_workers=config.rpc_threads,
+            auth_token=auth_token,
+            tls=tls,
         )
         self._grpc.start()
         self._checkpointer = ShardCheckpointer(self.registry, server_index)
@@ -89,4 +106,3 @@ class StateServer:
         self._grpc.stop()
         self.metrics.stop()
         self.registry.close()
-

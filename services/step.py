@@ -34,10 +34,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from cargohold.services.errors import TrainingError
 from cargohold.services.layout import ParamSlot, Segment, ShardLayout
@@ -86,8 +88,18 @@ class StepReport:
 class ShardedStep:
     """Trains one worker's shard of ``model`` (already ``fully_shard``-ed by ``units``)."""
 
-    def __init__(self, model: nn.Module, units: list[Unit], layout: ShardLayout, rank: int, port: StatePort,
-                 buffers: ExchangeBuffers, policy: StepPolicy, *, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        units: list[Unit],
+        layout: ShardLayout,
+        rank: int,
+        port: StatePort,
+        buffers: ExchangeBuffers,
+        policy: StepPolicy,
+        *,
+        device: torch.device,
+    ) -> None:
         if policy.delayed_after is not None and buffers.held is None:
             raise TrainingError("the delayed update needs exchange buffers with the held weights of the whole range")
         self.model = model
@@ -115,7 +127,7 @@ class ShardedStep:
         self._context: tuple[int, float, bool, bool] = (0, 0.0, False, False)
         """(update, lr, defer, fetch) of the step in progress, for the hooks."""
         for group, unit in enumerate(units):
-            unit.module.set_all_reduce_hook(self._on_reduced(group))
+            cast(FSDPModule, unit.module).set_all_reduce_hook(self._on_reduced(group))
         for param in model.parameters():
             param.register_post_accumulate_grad_hook(_drop_grad)
 
@@ -129,7 +141,9 @@ class ShardedStep:
         for group in self.layout.groups:
             initial = torch.zeros(group.stop - group.start, dtype=torch.float32)
             first = group.first_param
-            slots = {slot.name: (index, slot) for index, slot in enumerate(self.layout.group_params(group.index), first)}
+            slots = {
+                slot.name: (index, slot) for index, slot in enumerate(self.layout.group_params(group.index), first)
+            }
             with torch.no_grad():
                 for name, value in values(slots):
                     index, slot = slots[name]
@@ -180,25 +194,41 @@ class ShardedStep:
         skipped = not math.isfinite(global_norm) and policy.nonfinite != "ignore"
         if skipped:
             if policy.nonfinite == "fail":
-                raise TrainingError(f"the gradient norm of step {step} is {global_norm}; set optim.nonfinite=skip "
-                                    "to skip such steps, or lower optim.lr")
+                raise TrainingError(
+                    f"the gradient norm of step {step} is {global_norm}; set optim.nonfinite=skip "
+                    "to skip such steps, or lower optim.lr"
+                )
             logger.warning("step %d: gradient norm %s, update skipped", step, global_norm)
             applied = self._adopt_pending()  # the staged gradients are replaced by the next push
         elif delayed:
             applied = self._adopt_pending()
             if policy.staged:
-                self._wait(self._pool.submit(self.port.commit, s, update, global_norm=global_norm, lr=lr)
-                           for s in self.segments)
+                self._wait(
+                    self._pool.submit(self.port.commit, s, update, global_norm=global_norm, lr=lr)
+                    for s in self.segments
+                )
             self._pending = [self._pool.submit(self._fetch_held, s, update) for s in self.segments]
             self.updates = update
         else:
             if policy.staged:
-                applied = sum(self._wait(self._pool.submit(self._settle_unit, group, update, (global_norm, lr))
-                                         for group in self._by_group))
+                applied = sum(
+                    self._wait(
+                        self._pool.submit(self._settle_unit, group, update, (global_norm, lr))
+                        for group in self._by_group
+                    )
+                )
             self.updates = update
         lap("update")
-        return StepReport(rank=self.rank, step=step, loss=mean_loss, global_grad_norm=global_norm,
-                          seconds=time.perf_counter() - started, phases=phases, applied=applied, skipped=skipped)
+        return StepReport(
+            rank=self.rank,
+            step=step,
+            loss=mean_loss,
+            global_grad_norm=global_norm,
+            seconds=time.perf_counter() - started,
+            phases=phases,
+            applied=applied,
+            skipped=skipped,
+        )
 
     def _on_reduced(self, group: int) -> Callable[[torch.Tensor], None]:
         """FSDP2's hook after unit ``group``'s reduce-scatter: ``reduced`` holds this
@@ -210,14 +240,17 @@ class ShardedStep:
 
         def hook(reduced: torch.Tensor) -> None:
             if reduced.numel() != expected:
-                raise TrainingError(f"unit {self.units[group].name or '<root>'!r}: FSDP2 reduced {reduced.numel()} "
-                                    f"gradient elements, the layout expects {expected}")
+                raise TrainingError(
+                    f"unit {self.units[group].name or '<root>'!r}: FSDP2 reduced {reduced.numel()} "
+                    f"gradient elements, the layout expects {expected}"
+                )
             slot = self.buffers.acquire()
             try:
                 at = 0
                 for param in slots:
                     slot.grads[param.offset - base : param.offset - base + param.slot_numel].copy_(
-                        reduced[at : at + param.slot_numel], non_blocking=True)
+                        reduced[at : at + param.slot_numel], non_blocking=True
+                    )
                     at += param.slot_numel
                 for lo, hi in gaps:
                     slot.grads[lo:hi].zero_()
@@ -232,8 +265,16 @@ class ShardedStep:
         return hook
 
     # --- transfers (on the pool) --------------------------------------------------
-    def _exchange(self, group: int, slot: ExchangeSlot, update: int, lr: float, defer: bool, fetch: bool,
-                  ready: torch.cuda.Event | None) -> int:
+    def _exchange(
+        self,
+        group: int,
+        slot: ExchangeSlot,
+        update: int,
+        lr: float,
+        defer: bool,
+        fetch: bool,
+        ready: torch.cuda.Event | None,
+    ) -> int:
         """Push unit ``group``'s gradient from ``slot``; with ``fetch``, bring its
         updated weights back into the local shards. Gives the slot back."""
         try:
@@ -284,8 +325,9 @@ class ShardedStep:
         or the whole range from the held buffer."""
         start = 0 if group is None else self.layout.groups[group].start
         with torch.no_grad(), torch.cuda.stream(self._copy_stream):
-            copy_range_into_params(self.layout, self.rank, source, local_tensors(self.model, self.layout),
-                                   group=group, source_start=start)
+            copy_range_into_params(
+                self.layout, self.rank, source, local_tensors(self.model, self.layout), group=group, source_start=start
+            )
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
 

@@ -25,11 +25,12 @@ from cargohold.services.metrics import WorkerMetrics
 from cargohold.services.model_setup import exchange_buffers, resolve_device, sharded_model, step_policy
 from cargohold.services.models.build import build_model, parameter_values
 from cargohold.services.node import node_ip
+from cargohold.services.sharding import local_tensors
 from cargohold.services.state_port import RemotePort
 from cargohold.services.step import ShardedStep, StepReport
+from cargohold.services.transport import shm
 from cargohold.services.transport.auth import tls_files
 from cargohold.services.transport.grpc_client import StateServerClient
-from cargohold.services.transport import shm
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 60.0
@@ -37,12 +38,22 @@ SHUTDOWN_WAIT_S = 60.0
 
 
 class TrainingWorker:
-    def __init__(self, config: TrainConfig, *, rank: int, run_id: str, server_addresses: list[str],
-                 server_node_ids: list[str] | None = None, auth_token: str | None = None) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        rank: int,
+        run_id: str,
+        server_addresses: list[str],
+        server_node_ids: list[str] | None = None,
+        auth_token: str | None = None,
+    ) -> None:
         torch.set_num_threads(config.worker.torch_threads)
         if len(server_addresses) != config.state_server.num_servers:
-            raise TrainingError(f"{len(server_addresses)} server addresses for state_server.num_servers="
-                                f"{config.state_server.num_servers}")
+            raise TrainingError(
+                f"{len(server_addresses)} server addresses for state_server.num_servers="
+                f"{config.state_server.num_servers}"
+            )
         self.config = config
         self.rank = rank
         self.run_id = run_id
@@ -51,8 +62,9 @@ class TrainingWorker:
         self._server_addresses = server_addresses
         self._server_node_ids = server_node_ids
         self._auth_token = auth_token
-        self.tokens = load_tokens(config.data.corpus_path, config.data.corpus_bytes, config.data.seed,
-                                  seq_len=config.model.block_size)
+        self.tokens = load_tokens(
+            config.data.corpus_path, config.data.corpus_bytes, config.data.seed, seq_len=config.model.block_size
+        )
         self.metrics = WorkerMetrics(rank)
         if config.metrics.enabled:
             self.metrics.start(host=node_ip(), port=config.metrics.port_for("worker", rank, config))
@@ -69,19 +81,36 @@ class TrainingWorker:
     def init_process_group(self, host: str, port: int, timeout_s: float = 300.0) -> None:
         """Join the workers' process group, then shard the model (FSDP2 needs the group)."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         model, units, layout = sharded_model(self.config, self.device)
         config = self.config
         shared = self._colocated_servers(self._server_node_ids)
-        buffers = exchange_buffers(config, layout, shared_name=f"{self.run_id}-rank{self.rank}" if shared else None,
-                                   pin=self.device.type == "cuda")
-        clients = [StateServerClient(address, chunk_bytes=config.state_server.chunk_bytes,
-                                     timeout_s=config.state_server.rpc_timeout_s, auth_token=self._auth_token,
-                                     tls=tls_files(config.security))
-                   for address in self._server_addresses]
-        port = RemotePort(config, self.run_id, clients, buffers, shared, self.metrics)
-        self.step = ShardedStep(model, units, layout, self.rank, port, buffers, step_policy(config), device=self.device)
+        buffers = exchange_buffers(
+            config,
+            layout,
+            shared_name=f"{self.run_id}-rank{self.rank}" if shared else None,
+            pin=self.device.type == "cuda",
+        )
+        clients = [
+            StateServerClient(
+                address,
+                chunk_bytes=config.state_server.chunk_bytes,
+                timeout_s=config.state_server.rpc_timeout_s,
+                auth_token=self._auth_token,
+                tls=tls_files(config.security),
+            )
+            for address in self._server_addresses
+        ]
+        state_port = RemotePort(config, self.run_id, clients, buffers, shared, self.metrics)
+        self.step = ShardedStep(
+            model, units, layout, self.rank, state_port, buffers, step_policy(config), device=self.device
+        )
         self._report_resident_bytes()
 
     @property
@@ -129,9 +158,15 @@ class TrainingWorker:
     def train_step(self, step: int) -> StepReport:
         """One step on the batch of data step ``step``."""
         config = self.config
-        x, y = batch_for_step(self.tokens, step=step, rank=self.rank, world_size=self.world_size,
-                              batch_size=config.data.batch_size, seq_len=config.model.block_size,
-                              seed=config.data.seed)
+        x, y = batch_for_step(
+            self.tokens,
+            step=step,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=config.data.batch_size,
+            seq_len=config.model.block_size,
+            seed=config.data.seed,
+        )
         torch.manual_seed(dropout_seed(config.seed, step, self.rank))  # CPU and every GPU
         started = time.perf_counter()
         report = self._step().run(step, x, y, config.optim.lr_at(step, config.steps))
@@ -143,7 +178,7 @@ class TrainingWorker:
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of the buffers this worker holds for training between steps, by kind."""
         step = self._step()
-        weights = sum(p.to_local().numel() * p.element_size() for p in step.model.parameters())
+        weights = sum(t.numel() * t.element_size() for t in local_tensors(step.model, step.layout))
         return {"weights": weights, "exchange": step.buffers.nbytes}
 
     def _report_resident_bytes(self) -> None:
@@ -156,8 +191,12 @@ class TrainingWorker:
         return self.step
 
     def _colocated_servers(self, server_node_ids: list[str] | None) -> set[int]:
-        if (self.config.worker.shared_memory == "off" or not server_node_ids
-                or self.device.type != "cpu" or not shm.available()):
+        if (
+            self.config.worker.shared_memory == "off"
+            or not server_node_ids
+            or self.device.type != "cpu"
+            or not shm.available()
+        ):
             return set()
         import ray
 

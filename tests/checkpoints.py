@@ -30,15 +30,30 @@ def flat_layout(total: int) -> LayoutRecord:
     return layout_record(build_layout([("flat", (total,))], num_workers=1, num_servers=1, align=1))
 
 
-def write_segments(directory: Path, step: int, updates: int, data: dict[str, torch.Tensor],
-                   segments: list[tuple[int, int, int]], *, run: str = "run-test", server: int = 0) -> Records:
+def write_segments(
+    directory: Path,
+    step: int,
+    updates: int,
+    data: dict[str, torch.Tensor],
+    segments: list[tuple[int, int, int]],
+    *,
+    run: str = "run-test",
+    server: int = 0,
+) -> Records:
     """What a state server holding ``segments`` ((id, start, stop) of the flat buffer
     ``data``) at update ``updates`` writes into ``directory`` for a checkpoint of ``step``."""
     registry = ShardRegistry(TieredStorage(None))
     try:
         for segment_id, start, stop in segments:
-            spec = ShardSpec(run_id=run, shard_id=segment_id, start=start, numel=stop - start,
-                             fragments=((0, stop - start),), grad_dtype="float32", hyper=AdamWHyperParams())
+            spec = ShardSpec(
+                run_id=run,
+                shard_id=segment_id,
+                start=start,
+                numel=stop - start,
+                fragments=((0, stop - start),),
+                grad_dtype="float32",
+                hyper=AdamWHyperParams(),
+            )
             moments = (data["exp_avg"][start:stop], data["exp_avg_sq"][start:stop])
             registry.restore(spec, tensor_source(data["master"][start:stop], moments), updates)
         checkpointer = ShardCheckpointer(registry, server)
@@ -51,8 +66,14 @@ def write_segments(directory: Path, step: int, updates: int, data: dict[str, tor
 def flat_manifest(step: int, updates: int, total: int, records: Records) -> Manifest:
     """The manifest of a model of one flat parameter of ``total`` elements."""
     return Manifest(
-        step=step, updates=updates, run_id="run-test", config_hash="cfg-0", model_signature=(("flat", (total,)),),
-        layout=flat_layout(total), total=total, shards=tuple(sorted((r for r, _ in records), key=lambda r: r.start)),
+        step=step,
+        updates=updates,
+        run_id="run-test",
+        config_hash="cfg-0",
+        model_signature=(("flat", (total,)),),
+        layout=flat_layout(total),
+        total=total,
+        shards=tuple(sorted((r for r, _ in records), key=lambda r: r.start)),
         files=tuple(f for _, f in records),
     )
 
@@ -68,9 +89,16 @@ def save(store: CheckpointStore, step: int, data: dict[str, torch.Tensor], cuts:
 
 
 # A model with three FSDP2-like groups; no row count divides evenly by 2, 3 or 4 workers.
-SHAPES = [("wte", (301, 24)), ("wpe", (19, 24)), ("ln_f", (25,)),
-          ("blocks.0.w", (41, 24)), ("blocks.0.b", (41,)),
-          ("blocks.1.w", (29, 13)), ("blocks.1.scale", ()), ("blocks.1.b", (7,))]
+SHAPES = [
+    ("wte", (301, 24)),
+    ("wpe", (19, 24)),
+    ("ln_f", (25,)),
+    ("blocks.0.w", (41, 24)),
+    ("blocks.0.b", (41,)),
+    ("blocks.1.w", (29, 13)),
+    ("blocks.1.scale", ()),
+    ("blocks.1.b", (7,)),
+]
 GROUPS = {"group_sizes": [3, 2, 3], "group_names": ["", "blocks.0", "blocks.1"]}
 RUN = "run-r"
 
@@ -89,9 +117,15 @@ def save_layout(store: CheckpointStore, step: int, layout: ShardLayout, data: di
         segments = [(s.segment_id, s.start, s.stop) for s in layout.segments_of_server(server)]
         records += write_segments(directory, step, step, data, segments, run=RUN, server=server)
     manifest = Manifest(
-        step=step, updates=step, run_id=RUN, config_hash="cfg",
-        model_signature=tuple((p.name, p.shape) for p in layout.params), layout=layout_record(layout),
-        total=layout.total, shards=tuple(r for r, _ in records), files=tuple(f for _, f in records),
+        step=step,
+        updates=step,
+        run_id=RUN,
+        config_hash="cfg",
+        model_signature=tuple((p.name, p.shape) for p in layout.params),
+        layout=layout_record(layout),
+        total=layout.total,
+        shards=tuple(r for r, _ in records),
+        files=tuple(f for _, f in records),
     )
     return store.commit(step, manifest)
 
@@ -101,9 +135,19 @@ def restore(path: Path, target: ShardLayout, server: int, registry: ShardRegistr
     manifest = CheckpointStore(path.parent).load(path)
     saved = saved_layout(manifest, str(path / MANIFEST_NAME))
     check_compatible(manifest, model_signature=[(p.name, p.shape) for p in target.params], align=target.align)
-    shards = [(ShardSpec(run_id=RUN, shard_id=seg.segment_id, start=seg.start, numel=seg.numel,
-                         fragments=tuple((f.segment_start, f.length) for f in seg.fragments),
-                         grad_dtype="float32", hyper=AdamWHyperParams()),
-               segment_runs(saved, target, seg))
-              for seg in target.segments_of_server(server)]
+    shards = [
+        (
+            ShardSpec(
+                run_id=RUN,
+                shard_id=seg.segment_id,
+                start=seg.start,
+                numel=seg.numel,
+                fragments=tuple((f.segment_start, f.length) for f in seg.fragments),
+                grad_dtype="float32",
+                hyper=AdamWHyperParams(),
+            ),
+            segment_runs(saved, target, seg),
+        )
+        for seg in target.segments_of_server(server)
+    ]
     ShardCheckpointer(registry, server).restore(str(path), manifest, shards)

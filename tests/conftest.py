@@ -30,7 +30,8 @@ def leaves_no_shared_memory():
 @pytest.fixture(scope="module")
 def ray_local():
     """A single-node Ray on loopback with enough logical CPUs for several actors."""
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False, configure_logging=False)
+    ray.init(
+        num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False
+    )
     yield
     ray.shutdown()

@@ -28,11 +28,11 @@ import torch.multiprocessing as mp
 from cargohold.cluster.config import TrainConfig, from_dict
 from cargohold.services.data import batch_for_step, dropout_seed, load_tokens
 from cargohold.services.layout import ShardLayout, scatter_params
+from cargohold.services.model_setup import model_layout
 from cargohold.services.models.blocks import transformer_blocks
 from cargohold.services.models.build import build_model
 from cargohold.services.shard_state import WIRE_DTYPES
 from cargohold.services.sharding import local_tensors, params_to_range, units_of
-from cargohold.services.model_setup import model_layout
 
 STATES = ("masters", "exp_avg", "exp_avg_sq")
 
@@ -85,8 +85,9 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
     optimizer = torch.optim.AdamW(
         masters, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
     )
-    tokens = load_tokens(config.data.corpus_path, config.data.corpus_bytes, config.data.seed,
-                         seq_len=config.model.block_size)
+    tokens = load_tokens(
+        config.data.corpus_path, config.data.corpus_bytes, config.data.seed, seq_len=config.model.block_size
+    )
     losses = []
     for step in range(1, steps + 1):
         with torch.no_grad():
@@ -96,9 +97,15 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
         summed: list[torch.Tensor] | None = None
         step_loss = 0.0
         for rank in range(world):
-            x, y = batch_for_step(tokens, step=step, rank=rank, world_size=world,
-                                  batch_size=config.data.batch_size, seq_len=config.model.block_size,
-                                  seed=config.data.seed)
+            x, y = batch_for_step(
+                tokens,
+                step=step,
+                rank=rank,
+                world_size=world,
+                batch_size=config.data.batch_size,
+                seq_len=config.model.block_size,
+                seed=config.data.seed,
+            )
             torch.manual_seed(dropout_seed(config.seed, step, rank))
             model.zero_grad(set_to_none=True)
             _, loss = model(x, y)
@@ -130,8 +137,9 @@ def fsdp_reference_train(config: TrainConfig, steps: int) -> FlatReference:
     """FSDP2 + AdamW(fused=True) over ``config.worker.num_workers`` gloo processes."""
     world = config.worker.num_workers
     with tempfile.TemporaryDirectory(prefix="cargohold-fsdp-ref-") as folder:
-        mp.start_processes(_fsdp_rank, args=(world, _free_port(), config, steps, folder), nprocs=world,
-                           start_method="spawn", join=True)
+        mp.start_processes(
+            _fsdp_rank, args=(world, _free_port(), config, steps, folder), nprocs=world, start_method="spawn", join=True
+        )
         ranks = [torch.load(Path(folder) / f"rank{r}.pt") for r in range(world)]
     flats = {which: torch.cat([rank[which] for rank in ranks]) for which in STATES}
     return FlatReference(flats=flats, losses=ranks[0]["losses"])
@@ -147,22 +155,32 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
         model = build_model(config)
         _, _, layout = model_layout(config)
         units = units_of(model, transformer_blocks(model))
-        policy = MixedPrecisionPolicy(param_dtype=WIRE_DTYPES[config.worker.compute_dtype],
-                                      reduce_dtype=WIRE_DTYPES[config.worker.grad_wire_dtype])
+        policy = MixedPrecisionPolicy(
+            param_dtype=WIRE_DTYPES[config.worker.compute_dtype],
+            reduce_dtype=WIRE_DTYPES[config.worker.grad_wire_dtype],
+        )
         for unit in units[1:]:
             fully_shard(unit.module, mp_policy=policy)
         fully_shard(model, mp_policy=policy, reshard_after_forward=False)
         o = config.optim
         params = [dict(model.named_parameters())[slot.name] for slot in layout.params]
-        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                      weight_decay=o.weight_decay, fused=True)
-        tokens = load_tokens(config.data.corpus_path, config.data.corpus_bytes, config.data.seed,
-                             seq_len=config.model.block_size)
+        optimizer = torch.optim.AdamW(
+            params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
+        )
+        tokens = load_tokens(
+            config.data.corpus_path, config.data.corpus_bytes, config.data.seed, seq_len=config.model.block_size
+        )
         losses = []
         for step in range(1, steps + 1):
-            x, y = batch_for_step(tokens, step=step, rank=rank, world_size=world,
-                                  batch_size=config.data.batch_size, seq_len=config.model.block_size,
-                                  seed=config.data.seed)
+            x, y = batch_for_step(
+                tokens,
+                step=step,
+                rank=rank,
+                world_size=world,
+                batch_size=config.data.batch_size,
+                seq_len=config.model.block_size,
+                seed=config.data.seed,
+            )
             torch.manual_seed(dropout_seed(config.seed, step, rank))
             _, loss = model(x, y)
             loss.backward()
@@ -178,9 +196,11 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
         state = [optimizer.state[p] for p in params]
         out: dict[str, object] = {"losses": losses}
         with torch.no_grad():
-            for which, tensors in (("masters", local_tensors(model, layout)),
-                                   ("exp_avg", [s["exp_avg"].to_local().reshape(-1) for s in state]),
-                                   ("exp_avg_sq", [s["exp_avg_sq"].to_local().reshape(-1) for s in state])):
+            for which, tensors in (
+                ("masters", local_tensors(model, layout)),
+                ("exp_avg", [s["exp_avg"].to_local().reshape(-1) for s in state]),
+                ("exp_avg_sq", [s["exp_avg_sq"].to_local().reshape(-1) for s in state]),
+            ):
                 out[which] = params_to_range(layout, rank, tensors, torch.empty(layout.worker_size))
         torch.save(out, Path(folder) / f"rank{rank}.pt")
     finally:
@@ -201,8 +221,7 @@ def tiny_config(**overrides) -> TrainConfig:
         "progress": False,
         "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32},
         "data": {"batch_size": 4, "corpus_bytes": 100_000},
-        "optim": {"lr": 0.01, "weight_decay": 0.1, "max_grad_norm": 1.0e6, "warmup_steps": 3,
-                  "schedule": "cosine"},
+        "optim": {"lr": 0.01, "weight_decay": 0.1, "max_grad_norm": 1.0e6, "warmup_steps": 3, "schedule": "cosine"},
         "worker": {"num_workers": 2, "cpus": 1, "torch_threads": 1},
         "state_server": {"num_servers": 1, "cpus": 1},
     }

@@ -21,8 +21,9 @@ def mounted_tmpfs(mount: Path, size: str) -> Iterator[Path]:
     """A real tmpfs of ``size`` (mount's syntax, e.g. "1024k") at ``mount``, created here
     and unmounted after; skips the test where mounting is not allowed."""
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True, text=True, timeout=30
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
@@ -50,7 +51,8 @@ def run_measured(script: str, *args: object, timeout: float) -> dict:
     """Run ``script`` in a fresh Python (it may ``from system import ...``) and return the
     JSON object its last output line holds."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

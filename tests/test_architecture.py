@@ -14,11 +14,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"cargohold.services": ROOT / "services", "cargohold.cluster": ROOT / "cluster"}
-CORE = frozenset({
-    "cargohold.services.errors", "cargohold.services.layout", "cargohold.services.optim",
-    "cargohold.services.tiers.fileformat", "cargohold.services.tiers.partitions",
-    "cargohold.services.tiers.planner", "cargohold.services.tiers.residency",
-})
+CORE = frozenset(
+    {
+        "cargohold.services.errors",
+        "cargohold.services.layout",
+        "cargohold.services.optim",
+        "cargohold.services.tiers.fileformat",
+        "cargohold.services.tiers.partitions",
+        "cargohold.services.tiers.planner",
+        "cargohold.services.tiers.residency",
+    }
+)
 """The pure logic: testable without a cluster, importable anywhere."""
 RUNTIMES = ("ray", "grpc", "grpc_health", "transformers", "prometheus_client")
 
@@ -105,8 +111,11 @@ def test_the_config_schema_imports_only_the_core() -> None:
 
 
 def test_services_import_nothing_from_cluster_but_the_config_schema() -> None:
-    wrong = {module: sorted(t for t in targets if t.startswith("cargohold.cluster.") and t != "cargohold.cluster.config")
-             for module, targets in GRAPH.items() if module.startswith("cargohold.services.")}
+    wrong = {
+        module: sorted(t for t in targets if t.startswith("cargohold.cluster.") and t != "cargohold.cluster.config")
+        for module, targets in GRAPH.items()
+        if module.startswith("cargohold.services.")
+    }
     assert not {m: t for m, t in wrong.items() if t}
 
 

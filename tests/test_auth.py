@@ -37,20 +37,24 @@ def server(**kwargs):
 
 
 def test_calls_without_or_with_a_wrong_token_are_refused_and_change_nothing() -> None:
-    with server(auth_token=TOKEN) as s, \
-            StateServerClient(s.address, timeout_s=10, auth_token=TOKEN) as good, \
-            StateServerClient(s.address, timeout_s=10) as anonymous, \
-            StateServerClient(s.address, timeout_s=10, auth_token="guess") as wrong:
+    with (
+        server(auth_token=TOKEN) as s,
+        StateServerClient(s.address, timeout_s=10, auth_token=TOKEN) as good,
+        StateServerClient(s.address, timeout_s=10) as anonymous,
+        StateServerClient(s.address, timeout_s=10, auth_token="guess") as wrong,
+    ):
         good.wait_ready(10)
         anonymous.wait_ready(10)  # health checks need no token
         for client, reason in ((anonymous, "no auth token"), (wrong, "wrong auth token")):
-            for call in (lambda: client.register(_spec(), W0),
-                         lambda: client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR),
-                         lambda: client.fetch(RUN, 0, 0, "float32", NUMEL),
-                         lambda: client.describe(RUN, 0),
-                         lambda: client.stats()):
+            for call in (
+                lambda c: c.register(_spec(), W0),
+                lambda c: c.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR),
+                lambda c: c.fetch(RUN, 0, 0, "float32", NUMEL),
+                lambda c: c.describe(RUN, 0),
+                lambda c: c.stats(),
+            ):
                 with pytest.raises(RemoteError) as error:
-                    call()
+                    call(client)
                 assert error.value.code == grpc.StatusCode.UNAUTHENTICATED
                 assert reason in error.value.details
                 assert TOKEN not in str(error.value)
@@ -65,7 +69,8 @@ def test_calls_without_or_with_a_wrong_token_are_refused_and_change_nothing() ->
 def test_health_is_open_without_a_token() -> None:
     with server(auth_token=TOKEN) as s, grpc.insecure_channel(s.address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10)
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10
+        )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -83,16 +88,56 @@ def pki(tmp_path_factory) -> dict[str, TlsFiles]:
     """A CA, a certificate it signed for 127.0.0.1, and one from a stranger CA."""
     d = tmp_path_factory.mktemp("pki")
     for ca in ("ca", "rogue"):
-        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={ca}",
-                 "-keyout", f"{ca}.key", "-out", f"{ca}.pem", cwd=d)
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
-                 "-keyout", f"{ca}-node.key", "-out", f"{ca}-node.csr", cwd=d)
+        _openssl(
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            f"/CN={ca}",
+            "-keyout",
+            f"{ca}.key",
+            "-out",
+            f"{ca}.pem",
+            cwd=d,
+        )
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            f"{ca}-node.key",
+            "-out",
+            f"{ca}-node.csr",
+            cwd=d,
+        )
         (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-        _openssl("x509", "-req", "-in", f"{ca}-node.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-                 "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", f"{ca}-node.pem", cwd=d)
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{ca}-node.csr",
+            "-CA",
+            f"{ca}.pem",
+            "-CAkey",
+            f"{ca}.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            "-out",
+            f"{ca}-node.pem",
+            cwd=d,
+        )
     return {
-        ca: TlsFiles(cert_file=str(d / f"{ca}-node.pem"), key_file=str(d / f"{ca}-node.key"),
-                     ca_file=str(d / "ca.pem"))
+        ca: TlsFiles(cert_file=str(d / f"{ca}-node.pem"), key_file=str(d / f"{ca}-node.key"), ca_file=str(d / "ca.pem"))
         for ca in ("ca", "rogue")
     }
 

@@ -30,6 +30,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import (
+    RUN,
+    SHAPES,
+    flat_manifest,
+    group_layout,
+    random_data,
+    restore,
+    save,
+    save_layout,
+    write_segments,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -42,17 +53,6 @@ from cargohold.services.shard_state import ShardRegistry
 from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout
 from cargohold.services.tiers.partitions import elements_per_partition
 from cargohold.services.tiers.storage import TieredStorage
-from checkpoints import (
-    RUN,
-    SHAPES,
-    flat_manifest,
-    group_layout,
-    random_data,
-    restore,
-    save,
-    save_layout,
-    write_segments,
-)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -161,8 +161,11 @@ class Zygote:
         self.log = log
         self._log_file = open(log, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", ZYGOTE, __file__], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self._log_file, text=True,
+            [sys.executable, "-c", ZYGOTE, __file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log_file,
+            text=True,
         )
         self._reply("ready")
 
@@ -239,8 +242,7 @@ def _cuts_and_ranges(draw: st.DrawFn) -> tuple[int, list[int], list[int]]:
     return total, write_cuts, read_cuts
 
 
-@settings(max_examples=30, deadline=None, database=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, database=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(case=_cuts_and_ranges(), seed=st.integers(0, 2**32 - 1))
 def test_any_write_cut_reads_back_under_any_read_cut(case: tuple[int, list[int], list[int]], seed: int) -> None:
     total, write_cuts, read_cuts = case
@@ -271,23 +273,33 @@ def _model_state(seed: int) -> dict[str, dict[str, torch.Tensor]]:
 def _small_partitions(root: Path) -> TierConfig:
     """An NVMe tier of 16 KiB partitions (1344 elements): runs cross partition bounds."""
     buffer = FileLayout(elements_per_partition(16 << 10)).file_bytes
-    return TierConfig(nvme_paths=[str(root)], ram_budget_bytes=6 * buffer, partition_bytes=16 << 10,
-                      buffer_count=3, io_threads=2)
+    return TierConfig(
+        nvme_paths=[str(root)], ram_budget_bytes=6 * buffer, partition_bytes=16 << 10, buffer_count=3, io_threads=2
+    )
 
 
-@pytest.mark.parametrize(("saved_at", "restored_at"), [
-    ((2, 2), (1, 1)), ((1, 2), (3, 3)), ((2, 3), (4, 2)), ((4, 1), (2, 5)), ((3, 2), (3, 1)),
-])
+@pytest.mark.parametrize(
+    ("saved_at", "restored_at"),
+    [
+        ((2, 2), (1, 1)),
+        ((1, 2), (3, 3)),
+        ((2, 3), (4, 2)),
+        ((4, 1), (2, 5)),
+        ((3, 2), (3, 1)),
+    ],
+)
 @pytest.mark.parametrize("tier", [False, True], ids=["ram", "nvme-tier"])
 def test_a_checkpoint_restores_bitwise_onto_any_workers_and_servers(
-        tmp_path: Path, saved_at: tuple[int, int], restored_at: tuple[int, int], tier: bool) -> None:
+    tmp_path: Path, saved_at: tuple[int, int], restored_at: tuple[int, int], tier: bool
+) -> None:
     """Saved under W workers and S servers, restored onto W' and S' through the state
     server's restore path: every parameter element of every array where the new layout
     puts it, padding zero."""
     state = _model_state(seed=5)
     saved = group_layout(*saved_at)
-    path = save_layout(CheckpointStore(tmp_path / "ckpt"), 40, saved,
-                        {key: scatter_params(saved, state[key]) for key in ARRAYS})
+    path = save_layout(
+        CheckpointStore(tmp_path / "ckpt"), 40, saved, {key: scatter_params(saved, state[key]) for key in ARRAYS}
+    )
     target = group_layout(*restored_at)
     expected = {key: scatter_params(target, state[key]) for key in ARRAYS}
     got = {key: torch.full((target.total,), float("nan")) for key in ARRAYS}
@@ -314,9 +326,13 @@ def test_a_server_reads_only_the_files_its_segments_need(tmp_path: Path) -> None
     manifest = CheckpointStore(tmp_path).load(path)
 
     def needed_by(server: int) -> set[str]:
-        return {shard.file for seg in target.segments_of_server(server)
-                for _, flat, length in segment_runs(saved, target, seg)
-                for shard in manifest.shards if shard.start < flat + length and flat < shard.stop}
+        return {
+            shard.file
+            for seg in target.segments_of_server(server)
+            for _, flat, length in segment_runs(saved, target, seg)
+            for shard in manifest.shards
+            if shard.start < flat + length and flat < shard.stop
+        }
 
     needed = needed_by(0)
     assert 0 < len(needed) < len(manifest.files)
@@ -380,7 +396,11 @@ def test_keep_last_prunes_oldest_and_stale_partials(tmp_path: Path) -> None:
     store.begin(7)  # a partial of a later step: left alone
     save(store, 5, data, [128])
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step-0000000001", "step-0000000002", "step-0000000005", "step-0000000007.partial"]
+        "step-0000000001",
+        "step-0000000002",
+        "step-0000000005",
+        "step-0000000007.partial",
+    ]
     for step in (6, 8, 9):
         save(store, step, data, [320])
     assert store.complete_steps() == [6, 8, 9]
@@ -470,10 +490,14 @@ def test_a_flipped_byte_is_caught_naming_the_file(tmp_path: Path, where: str) ->
     victim = path / shard.file
     raw = bytearray(victim.read_bytes())
     layout = FileLayout(shard.stop - shard.start)
-    offset = {"magic": 0, "header run id": raw.index(b"run-test"),
-              "header checksum": raw.index(struct.pack("<I", manifest.files[1].crc32c), 0, HEADER_BYTES),
-              "data start": HEADER_BYTES, "data end": layout.offset(2) + layout.array_bytes - 1,
-              "padding": layout.file_bytes - 1}[where]
+    offset = {
+        "magic": 0,
+        "header run id": raw.index(b"run-test"),
+        "header checksum": raw.index(struct.pack("<I", manifest.files[1].crc32c), 0, HEADER_BYTES),
+        "data start": HEADER_BYTES,
+        "data end": layout.offset(2) + layout.array_bytes - 1,
+        "padding": layout.file_bytes - 1,
+    }[where]
     assert manifest.files[1].name == shard.file
     assert layout.file_bytes == len(raw) > layout.offset(2) + layout.array_bytes  # the last region has padding
     raw[offset] ^= 0x10
@@ -502,11 +526,17 @@ def test_a_truncated_file_is_caught_and_skipped_by_latest(tmp_path: Path) -> Non
 
 def _mount_tmpfs(mountpoint: Path, size: str) -> None:
     mountpoint.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)],
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if result.returncode != 0:
-        pytest.skip(f"cannot mount a {size} tmpfs here ({result.stderr.strip() or result.returncode}); "
-                    "test_a_file_size_limit_fails_the_save covers a failed write instead")
+        pytest.skip(
+            f"cannot mount a {size} tmpfs here ({result.stderr.strip() or result.returncode}); "
+            "test_a_file_size_limit_fails_the_save covers a failed write instead"
+        )
 
 
 def _fill(directory: Path) -> Path:
@@ -576,12 +606,13 @@ def test_a_file_size_limit_fails_the_save(zygote: Zygote, tmp_path: Path) -> Non
 
 def test_an_unwritable_place_names_the_file_and_reason(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-dir"
-    with pytest.raises(CheckpointError, match=rf"into {missing} failed: {os.strerror(errno.ENOENT)} "
-                                              rf"\({missing}/server0-shard000000-part00000\.tier\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"into {missing} failed: {os.strerror(errno.ENOENT)} "
+        rf"\({missing}/server0-shard000000-part00000\.tier\)",
+    ):
         write_segments(missing, 1, 1, random_data(64, 0), [(0, 0, 64)])
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(CheckpointError, match="file/step-0000000001.partial"):
         CheckpointStore(blocker).begin(1)
-
-

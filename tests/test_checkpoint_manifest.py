@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import flat_layout, group_layout, random_data, restore, save, save_layout
 
 from cargohold.services.checkpoint import (
     FORMAT_VERSION,
@@ -26,7 +27,6 @@ from cargohold.services.errors import CargoholdError, CheckpointError, CorruptCh
 from cargohold.services.layout import build_layout
 from cargohold.services.shard_state import ShardRegistry
 from cargohold.services.tiers.storage import TieredStorage
-from checkpoints import flat_layout, group_layout, random_data, restore, save, save_layout
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,13 +42,24 @@ def test_a_file_holds_exactly_one_shard(tmp_path: Path) -> None:
     low, high = manifest.shards
     fields = {f: getattr(manifest, f) for f in Manifest.__dataclass_fields__}
     with pytest.raises(CheckpointError, match=rf"file {high.file!r} is named by 2 shards; a partition file holds one"):
-        Manifest(**{**fields, "shards": (ShardRecord(0, 0, 256, 6, high.file), ShardRecord(1, 256, 600, 6, low.file),
-                                         ShardRecord(2, 600, 1_000, 6, high.file))})
+        Manifest(
+            **{
+                **fields,
+                "shards": (
+                    ShardRecord(0, 0, 256, 6, high.file),
+                    ShardRecord(1, 256, 600, 6, low.file),
+                    ShardRecord(2, 600, 1_000, 6, high.file),
+                ),
+            }
+        )
     with pytest.raises(CheckpointError, match=rf"file {high.file!r} is named by 0 shards"):
         Manifest(**{**fields, "shards": (low,), "total": 600})
     swapped = (ShardRecord(0, 0, 600, 6, high.file), ShardRecord(1, 600, 1_000, 6, low.file))
-    with pytest.raises(CorruptCheckpointError, match=rf"{high.file} is corrupt: it holds partition 0 of shard 1 .*"
-                                                     r"the manifest puts shard 0 \[0, 600\) of run 'run-test' in it"):
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=rf"{high.file} is corrupt: it holds partition 0 of shard 1 .*"
+        r"the manifest puts shard 0 \[0, 600\) of run 'run-test' in it",
+    ):
         read_flat_range(path, Manifest(**{**fields, "shards": swapped}), 0, 1_000)
 
 
@@ -65,8 +76,11 @@ def test_a_checkpoint_of_an_earlier_format_is_refused(tmp_path: Path) -> None:
     for version in (2, 1):
         body["format_version"] = version
         (path / MANIFEST_NAME).write_text(json.dumps(body))
-        with pytest.raises(CheckpointError, match=rf"{path / MANIFEST_NAME}: format version {version} is no longer "
-                                                  "readable: this build reads version 3 only"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"{path / MANIFEST_NAME}: format version {version} is no longer "
+            "readable: this build reads version 3 only",
+        ):
             restore(path, layout, 0, ShardRegistry(TieredStorage(None)))
         assert store.latest() is None
         with pytest.raises(CheckpointError, match="no longer readable"):
@@ -80,9 +94,13 @@ def test_a_gap_in_the_shards_is_named(tmp_path: Path) -> None:
     path = save(store, 1, data, [300, 700])
     manifest = store.load(path)
     dropped = next(s for s in manifest.shards if s.start == 300)
-    holey = Manifest(**{**{f: getattr(manifest, f) for f in Manifest.__dataclass_fields__},
-                        "shards": tuple(s for s in manifest.shards if s is not dropped),
-                        "files": tuple(f for f in manifest.files if f.name != dropped.file)})
+    holey = Manifest(
+        **{
+            **{f: getattr(manifest, f) for f in Manifest.__dataclass_fields__},
+            "shards": tuple(s for s in manifest.shards if s is not dropped),
+            "files": tuple(f for f in manifest.files if f.name != dropped.file),
+        }
+    )
     with pytest.raises(CheckpointError, match=r"no file for flat elements \[300, 700\)"):
         read_flat_range(path, holey, 250, 800)
     assert torch.equal(read_flat_range(path, holey, 700, 1_000)["exp_avg"], data["exp_avg"][700:])
@@ -90,10 +108,16 @@ def test_a_gap_in_the_shards_is_named(tmp_path: Path) -> None:
     for record in manifest.files:
         shutil.copy(path / record.name, directory / record.name)
     with pytest.raises(CheckpointError, match=r"\(300, 700\)"):
-        store.commit(2, Manifest(**{**{f: getattr(holey, f) for f in Manifest.__dataclass_fields__},
-                                    "step": 2, "shards": tuple(
-                                        ShardRecord(s.segment_id, s.start, s.stop, 2, s.file)
-                                        for s in holey.shards)}))
+        store.commit(
+            2,
+            Manifest(
+                **{
+                    **{f: getattr(holey, f) for f in Manifest.__dataclass_fields__},
+                    "step": 2,
+                    "shards": tuple(ShardRecord(s.segment_id, s.start, s.stop, 2, s.file) for s in holey.shards),
+                }
+            ),
+        )
     assert not directory.exists() and store.latest() == path
 
 
@@ -103,8 +127,12 @@ BAD_FIELDS = {
     "updates not an integer": ("updates", "2", r"updates must be an integer .*got '2'"),
     "align not an integer": ("layout.align", 1.5, r"layout\.align must be an integer >= 1, got 1\.5"),
     "align zero": ("layout.align", 0, r"layout\.align must be an integer >= 1, got 0"),
-    "layout kind": ("layout.kind", "worker-major-v9", r"layout\.kind is 'worker-major-v9'; this build reads "
-                                                      r"'worker-major-v1'"),
+    "layout kind": (
+        "layout.kind",
+        "worker-major-v9",
+        r"layout\.kind is 'worker-major-v9'; this build reads "
+        r"'worker-major-v1'",
+    ),
     "layout workers": ("layout.num_workers", True, r"layout\.num_workers must be an integer >= 1, got True"),
     "layout groups": ("layout.group_sizes", "1", r"layout\.group_sizes must be a list, got str"),
     "layout names": ("layout.group_names", [1], r"layout\.group_names must be a list of strings, got \[1\]"),
@@ -170,11 +198,17 @@ def test_check_compatible_matches_parameters_by_name(tmp_path: Path) -> None:
     check_compatible(manifest, model_signature=shapes, align=64)
     check_compatible(manifest, model_signature=shapes[::-1], align=64)  # grouped otherwise: fine
     cases = [
-        ([("emb", (100,)), ("w1", (7, 33)), ("w2", (500,))], r"parameter 'w1' has shape \(33, 7\) in the "
-                                                             r"checkpoint but \(7, 33\) in this model"),
+        (
+            [("emb", (100,)), ("w1", (7, 33)), ("w2", (500,))],
+            r"parameter 'w1' has shape \(33, 7\) in the "
+            r"checkpoint but \(7, 33\) in this model",
+        ),
         ([("emb", (100,)), ("w1b", (33, 7)), ("w2", (500,))], "only the checkpoint has parameter 'w1' "),
-        (shapes[:2], r"only the checkpoint has parameter 'w2' of shape \(500,\) \(3 parameters in the "
-                     r"checkpoint, 2 in this model\)"),
+        (
+            shapes[:2],
+            r"only the checkpoint has parameter 'w2' of shape \(500,\) \(3 parameters in the "
+            r"checkpoint, 2 in this model\)",
+        ),
         ([*shapes, ("head", (4,))], "only this model has parameter 'head'"),
     ]
     for signature, named in cases:
@@ -190,5 +224,14 @@ def test_errors_are_cargohold_errors() -> None:
     assert issubclass(CorruptCheckpointError, CheckpointError)
     assert issubclass(CheckpointError, CargoholdError)
     with pytest.raises(CheckpointError, match="covers no shard|not listed"):
-        Manifest(step=1, updates=1, run_id="r", config_hash="c", model_signature=(), layout=flat_layout(10),
-                 total=10, shards=(ShardRecord(0, 0, 10, 1, "a.bin"),), files=(FileRecord("b.bin", 0, 0),))
+        Manifest(
+            step=1,
+            updates=1,
+            run_id="r",
+            config_hash="c",
+            model_signature=(),
+            layout=flat_layout(10),
+            total=10,
+            shards=(ShardRecord(0, 0, 10, 1, "a.bin"),),
+            files=(FileRecord("b.bin", 0, 0),),
+        )

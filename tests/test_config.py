@@ -216,7 +216,9 @@ def test_tier_paths_are_a_list_from_yaml_and_overrides(tmp_path: Path) -> None:
     tier = config.state_server.tier
     assert tier.nvme_paths == ["/mnt/nvme0", "/mnt/nvme1"] and tier.ram_budget_bytes == 8_000_000_000
     assert tier.direct_io == "off"  # YAML 1.1 reads a bare off as false; the schema wants the word
-    assert load_config(_write(tmp_path, "state_server:\n  tier:\n    direct_io: on\n")).state_server.tier.direct_io == "on"
+    assert (
+        load_config(_write(tmp_path, "state_server:\n  tier:\n    direct_io: on\n")).state_server.tier.direct_io == "on"
+    )
     assert 3 * (64 << 20) - 4096 <= tier.staging_bytes() <= 3 * ((64 << 20) + 4 * 4096)  # 3 partitions
     assert load_config(None, ["state_server.tier.nvme_paths=[/x]"]).state_server.tier.nvme_paths == ["/x"]
     assert from_dict(TrainConfig, to_dict(config)) == config
@@ -284,8 +286,10 @@ def test_wrong_types_are_refused_naming_the_key(tmp_path: Path, text: str, key: 
         ("model:\n  dropout: 1.0\n", "model.dropout"),
         ("cluster:\n  num_cpus: 0\n", "cluster.num_cpus"),
         ("state_server:\n  tier:\n    ram_budget_bytes: 1000000000\n", "state_server.tier.nvme_paths"),
-        ("state_server:\n  tier:\n    nvme_paths: [/a]\n    ram_budget_bytes: 1000\n",
-         "state_server.tier.ram_budget_bytes"),
+        (
+            "state_server:\n  tier:\n    nvme_paths: [/a]\n    ram_budget_bytes: 1000\n",
+            "state_server.tier.ram_budget_bytes",
+        ),
         ("state_server:\n  tier:\n    buffer_count: 1\n", "state_server.tier.buffer_count"),
         ("state_server:\n  tier:\n    partition_bytes: 100\n", "state_server.tier.partition_bytes"),
         ("state_server:\n  tier:\n    nvme_paths: [/a, /a]\n", "state_server.tier.nvme_paths"),
@@ -438,9 +442,7 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "_train", refuse)
 
 
-def test_cli_missing_config_file_exits_2(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_training: None
-) -> None:
+def test_cli_missing_config_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], no_training: None) -> None:
     path = tmp_path / "missing.yaml"
     assert cli.main(["train", "--config", str(path)]) == 2
     captured = capsys.readouterr()

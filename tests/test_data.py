@@ -95,13 +95,8 @@ def test_batch_is_a_pure_function_of_seed_and_step() -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_split_the_single_process_global_batch(world_size: int) -> None:
-    reference_x, reference_y = batch_for_step(
-        TOKENS, **{**ARGS, "batch_size": world_size * ARGS["batch_size"]}
-    )
-    parts = [
-        batch_for_step(TOKENS, **{**ARGS, "rank": rank, "world_size": world_size})
-        for rank in range(world_size)
-    ]
+    reference_x, reference_y = batch_for_step(TOKENS, **{**ARGS, "batch_size": world_size * ARGS["batch_size"]})
+    parts = [batch_for_step(TOKENS, **{**ARGS, "rank": rank, "world_size": world_size}) for rank in range(world_size)]
     assert torch.equal(torch.cat([x for x, _ in parts]), reference_x)
     assert torch.equal(torch.cat([y for _, y in parts]), reference_y)
     assert not torch.equal(parts[0][0], parts[1][0])

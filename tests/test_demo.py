@@ -30,8 +30,18 @@ def test_demo_trains_and_loss_falls() -> None:
 
 
 def test_unplaceable_run_fails_with_a_clear_message() -> None:
-    result = _run("train", "--set", "steps=1", "--set", "worker.gpus=1", "--set", "cluster.startup_timeout_s=5",
-                  "--set", "model.n_layer=1", timeout=300)
+    result = _run(
+        "train",
+        "--set",
+        "steps=1",
+        "--set",
+        "worker.gpus=1",
+        "--set",
+        "cluster.startup_timeout_s=5",
+        "--set",
+        "model.n_layer=1",
+        timeout=300,
+    )
     assert result.returncode == 1
     assert "could not place" in result.stderr and "worker.cpus" in result.stderr
 

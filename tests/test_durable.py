@@ -14,9 +14,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from system import mounted_tmpfs
 
 from cargohold.services.durable import TEMP_SUFFIX, replace_durably
-from system import mounted_tmpfs
 
 pytestmark = pytest.mark.timeout(60)
 

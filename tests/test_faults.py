@@ -10,10 +10,10 @@ import time
 
 import pytest
 import ray
+from reference import tiny_config
 
 from cargohold.cluster.launcher import TrainingSession, _get
 from cargohold.services.errors import ConfigError, TrainingError
-from reference import tiny_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 DETECTION_LIMIT_S = 60.0
@@ -41,8 +41,7 @@ def test_a_killed_state_servers_tier_folder_is_removed_at_teardown(ray_local, tm
     """A SIGKILLed server cannot delete its partition files; the launcher removes them on
     the server's node when the session closes, so restarts do not fill the drive."""
     nvme = tmp_path / "nvme"
-    tier = {"nvme_paths": [str(nvme)], "ram_budget_bytes": 320 << 10, "partition_bytes": 64 << 10,
-            "buffer_count": 3}
+    tier = {"nvme_paths": [str(nvme)], "ram_budget_bytes": 320 << 10, "partition_bytes": 64 << 10, "buffer_count": 3}
     with TrainingSession(tiny_config(steps=5, state_server__num_servers=2, state_server__tier=tier)) as session:
         session.step()
         folders = sorted(p.relative_to(nvme) for p in nvme.glob("*/server-*"))

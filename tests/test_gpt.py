@@ -62,9 +62,7 @@ def test_meta_device_construction_matches_real_shapes() -> None:
         meta = GPT(TINY)
     real = _tiny_model()
     assert all(p.is_meta for p in meta.parameters())
-    assert [(n, p.shape) for n, p in meta.named_parameters()] == [
-        (n, p.shape) for n, p in real.named_parameters()
-    ]
+    assert [(n, p.shape) for n, p in meta.named_parameters()] == [(n, p.shape) for n, p in real.named_parameters()]
     assert num_parameters(meta) == num_parameters(real)
     assert list(meta.buffers()) == []
 
@@ -87,9 +85,7 @@ def test_adamw_on_generated_corpus_reduces_loss() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for step in range(40):
-        x, y = batch_for_step(
-            tokens, step=step, rank=0, world_size=1, batch_size=16, seq_len=32, seed=0
-        )
+        x, y = batch_for_step(tokens, step=step, rank=0, world_size=1, batch_size=16, seq_len=32, seed=0)
         _, loss = model(x, y)
         optimizer.zero_grad()
         loss.backward()

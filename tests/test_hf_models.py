@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
+from reference import reference_train, tiny_config  # noqa: E402
+
 from cargohold.cluster.config import load_config  # noqa: E402
 from cargohold.cluster.export import (  # noqa: E402
     GPT_CONFIG_FILE,
@@ -29,15 +31,21 @@ from cargohold.cluster.export import (  # noqa: E402
 from cargohold.cluster.launcher import TrainingSession  # noqa: E402
 from cargohold.services.errors import ConfigError, ExportError  # noqa: E402
 from cargohold.services.layout import gather_params, scatter_params  # noqa: E402
+from cargohold.services.model_setup import model_layout  # noqa: E402
 from cargohold.services.models.build import build_model  # noqa: E402
 from cargohold.services.models.hf import HFCausalLM, hf_name  # noqa: E402
-from cargohold.services.model_setup import model_layout  # noqa: E402
-from reference import reference_train, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
-LLAMA = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1, max_position_embeddings=64)
+LLAMA = dict(
+    vocab_size=320,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+)
 # GPT-2 ties lm_head to the token embedding and has dropout 0.1 by default.
 GPT2 = dict(vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
 
@@ -184,8 +192,7 @@ def test_config_keys_load_from_yaml_and_overrides(tmp_path: Path, llama_dir: Pat
         ("empty-export-dir", ["export_dir"]),
     ],
 )
-def test_bad_inputs_are_refused_naming_the_key(tmp_path: Path, llama_dir: Path, case: str,
-                                               keys: list[str]) -> None:
+def test_bad_inputs_are_refused_naming_the_key(tmp_path: Path, llama_dir: Path, case: str, keys: list[str]) -> None:
     overrides = {  # built lazily: each case writes its own files into tmp_path
         "missing-config": lambda: [f"hf.config_path={tmp_path / 'absent'}"],
         "missing-checkpoint": lambda: [f"hf.checkpoint_dir={tmp_path / 'absent'}"],
@@ -219,8 +226,9 @@ def _garbage(path: Path) -> str:
 def test_builtin_gpt_export_round_trips(tmp_path: Path) -> None:
     config = tiny_config(steps=3)
     _, _, layout = model_layout(config)
-    assert [p.name for p in layout.params] != [n for n, _ in build_model(config).named_parameters()], \
+    assert [p.name for p in layout.params] != [n for n, _ in build_model(config).named_parameters()], (
         "the layout orders parameters by unit, not as the model lists them"
+    )
     flat = reference_train(config, 3).flat(layout)
     assert export_weights(config, layout, flat, tmp_path / "out") == tmp_path / "out"
     assert {p.name for p in (tmp_path / "out").iterdir()} == {WEIGHTS_FILE, GPT_CONFIG_FILE}
@@ -294,8 +302,7 @@ def test_llama_trains_bitwise_and_exports_for_transformers(ray_local, llama_dir:
 
 
 @pytest.mark.integration
-def test_tied_checkpoint_trains_bitwise_in_bf16_and_exports_tied(ray_local, gpt2_checkpoint,
-                                                                 tmp_path: Path) -> None:
+def test_tied_checkpoint_trains_bitwise_in_bf16_and_exports_tied(ray_local, gpt2_checkpoint, tmp_path: Path) -> None:
     path, saved = gpt2_checkpoint
     config = tiny_config(hf__checkpoint_dir=str(path), steps=8, worker__compute_dtype="bfloat16")
     layout, initial, losses, weights, masters = _train(config, tmp_path / "export")

@@ -48,8 +48,7 @@ def _groups(data: st.DataObject, count: int) -> list[int]:
 def _layout_or_none(data: st.DataObject, shapes, workers: int, servers: int, align: int) -> ShardLayout | None:
     groups = _groups(data, len(shapes))
     try:
-        return build_layout(_named(shapes), num_workers=workers, num_servers=servers, align=align,
-                            group_sizes=groups)
+        return build_layout(_named(shapes), num_workers=workers, num_servers=servers, align=align, group_sizes=groups)
     except LayoutError as error:
         assert "fewer state servers" in str(error)
         return None
@@ -69,8 +68,9 @@ def test_every_element_has_one_home_and_the_chunks_are_fsdp2s(data, shapes, work
     layout = _layout_or_none(data, shapes, workers, servers, align)
     if layout is None:
         return
-    tensors = {f"p{i}": torch.arange(math.prod(s), dtype=torch.float64).reshape(s) + 1000 * i
-               for i, s in enumerate(shapes)}
+    tensors = {
+        f"p{i}": torch.arange(math.prod(s), dtype=torch.float64).reshape(s) + 1000 * i for i, s in enumerate(shapes)
+    }
     flat = scatter_params(layout, tensors, dtype=torch.float64)
     assert all(torch.equal(value, tensors[name]) for name, value in gather_params(layout, flat).items())
 
@@ -121,14 +121,24 @@ def test_slots_servers_and_runs_are_consistent(data, shapes, workers, servers, a
 
 
 def test_two_workers_split_rows_like_fsdp2() -> None:
-    layout = build_layout([("a", (5, 3)), ("b", (7,))], num_workers=2, num_servers=1, align=8,
-                          group_sizes=[1, 1], group_names=["", "block"])
+    layout = build_layout(
+        [("a", (5, 3)), ("b", (7,))],
+        num_workers=2,
+        num_servers=1,
+        align=8,
+        group_sizes=[1, 1],
+        group_names=["", "block"],
+    )
     a, b = layout.params
     assert (a.rows_per_worker, a.slot_numel, a.offset) == (3, 9, 0)
     assert (b.rows_per_worker, b.slot_numel, b.offset) == (4, 4, 16)
     assert layout.worker_size == 24 and layout.total == 48
     assert [(s.worker, s.group, s.start, s.stop) for s in layout.segments] == [
-        (0, 0, 0, 16), (0, 1, 16, 24), (1, 0, 24, 40), (1, 1, 40, 48)]
+        (0, 0, 0, 16),
+        (0, 1, 16, 24),
+        (1, 0, 24, 40),
+        (1, 1, 40, 48),
+    ]
     # worker 1 holds rows 3..4 of a (6 elements from element 9) and 3 elements of b
     assert [(f.param_start, f.length) for f in layout.segments[2].fragments] == [(9, 6)]
     assert [(f.param_start, f.length) for f in layout.segments[3].fragments] == [(4, 3)]

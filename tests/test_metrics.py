@@ -28,9 +28,7 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def _fetch(endpoint: MetricsEndpoint) -> str:
-    with urllib.request.urlopen(
-        f"http://{endpoint.address}/metrics", timeout=_HTTP_TIMEOUT_S
-    ) as reply:
+    with urllib.request.urlopen(f"http://{endpoint.address}/metrics", timeout=_HTTP_TIMEOUT_S) as reply:
         assert reply.status == 200
         return reply.read().decode("utf-8")
 
@@ -227,9 +225,7 @@ def test_two_endpoints_in_one_process_do_not_share_values() -> None:
         (lambda: WorkerMetrics(0).set_resident_bytes("activations", 1), "activations", "exchange"),
     ],
 )
-def test_unknown_label_values_are_rejected(
-    call: Callable[[], None], bad: str, allowed: str
-) -> None:
+def test_unknown_label_values_are_rejected(call: Callable[[], None], bad: str, allowed: str) -> None:
     with pytest.raises(ConfigError) as caught:
         call()
     assert isinstance(caught.value, ValueError)
@@ -275,9 +271,7 @@ def test_address_and_double_start_are_guarded(server: StateServerMetrics) -> Non
         _ = WorkerMetrics(1).address
 
 
-def test_metric_names_lists_exactly_what_is_exported(
-    server: StateServerMetrics, worker: WorkerMetrics
-) -> None:
+def test_metric_names_lists_exactly_what_is_exported(server: StateServerMetrics, worker: WorkerMetrics) -> None:
     server.record_received("PushGradient", 1)
     server.record_sent("FetchWeights", 1)
     server.observe_update(0.001)

@@ -54,8 +54,15 @@ def test_transformers_decoder_layers_are_found_on_meta() -> None:
     transformers = pytest.importorskip("transformers")
     from cargohold.services.models.hf import HFCausalLM
 
-    llama = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    llama = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     gpt2 = transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=2)
     with torch.device("meta"):
         models = [HFCausalLM(transformers.AutoModelForCausalLM.from_config(c)) for c in (llama, gpt2)]
@@ -95,8 +102,15 @@ def test_checkpointing_a_transformers_model_changes_no_gradient() -> None:
     transformers = pytest.importorskip("transformers")
     from cargohold.services.models.hf import HFCausalLM
 
-    config = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     plain = HFCausalLM(transformers.AutoModelForCausalLM.from_config(config))
     checkpointed = copy.deepcopy(plain)
     apply_activation_checkpointing([block for _, block in transformer_blocks(checkpointed)])

@@ -10,16 +10,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_model_init import max_bytes_per_value
 
 from cargohold.cluster.config import TrainConfig, from_dict
 from cargohold.services.errors import ConfigError
 from cargohold.services.models.build import buffer_values, build_model, parameter_values
 from cargohold.services.models.gpt import GPT
 from cargohold.services.models.init import initialize, module_seed
-from test_model_init import max_bytes_per_value
 
-LLAMA = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1, max_position_embeddings=64)
+LLAMA = dict(
+    vocab_size=320,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+)
 # GPT-2 ties lm_head to the token embedding.
 GPT2 = dict(vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
 
@@ -164,8 +171,7 @@ def test_checkpoint_values_are_its_weights(gpt2_checkpoint) -> None:
 
 
 @pytest.mark.parametrize("source", ["gpt", "llama", "gpt2"])
-def test_a_meta_build_filled_from_the_values_is_the_built_model(source: str, llama_dir: Path,
-                                                                  gpt2_dir: Path) -> None:
+def test_a_meta_build_filled_from_the_values_is_the_built_model(source: str, llama_dir: Path, gpt2_dir: Path) -> None:
     hf = {"gpt": {}, "llama": {"config_path": str(llama_dir)}, "gpt2": {"config_path": str(gpt2_dir)}}[source]
     _assert_meta_fill_is_the_built_model(_config(**hf), source)
 

@@ -14,9 +14,9 @@ import ray
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster
+from reference import reference_train, tiny_config
 
 from cargohold.cluster.launcher import TrainingSession
-from reference import reference_train, tiny_config
 
 pytestmark = pytest.mark.integration
 
@@ -45,8 +45,9 @@ def _scrape(address: str) -> dict[str, list]:
 
 
 def _value(samples: dict, family: str, sample: str, **labels: str) -> float:
-    return sum(s.value for s in samples[family] if s.name == sample
-               and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value for s in samples[family] if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def _free_port_range(count: int) -> int:
@@ -91,8 +92,10 @@ def test_every_actor_on_its_own_node(four_nodes, tmp_path) -> None:
     groups = json.loads((tmp_path / "sd" / "cargohold.json").read_text())
     published = {(g["labels"]["role"], g["labels"]["index"]): g["targets"][0] for g in groups}
     assert published == {
-        ("state_server", "0"): f"127.0.0.1:{base_port}", ("state_server", "1"): f"127.0.0.1:{base_port + 1}",
-        ("worker", "0"): f"127.0.0.1:{base_port + 2}", ("worker", "1"): f"127.0.0.1:{base_port + 3}",
+        ("state_server", "0"): f"127.0.0.1:{base_port}",
+        ("state_server", "1"): f"127.0.0.1:{base_port + 1}",
+        ("worker", "0"): f"127.0.0.1:{base_port + 2}",
+        ("worker", "1"): f"127.0.0.1:{base_port + 3}",
     }
     assert set(scrapes) == set(published.values())
     assert all(address.startswith("127.0.0.1:") for address in session.server_addresses)
@@ -103,20 +106,27 @@ def test_every_actor_on_its_own_node(four_nodes, tmp_path) -> None:
     server_scrapes = [s for s in scrapes.values() if "cargohold_optimizer_steps" in s]
     worker_scrapes = [s for s in scrapes.values() if "cargohold_worker_steps" in s]
     assert len(server_scrapes) == 2 and len(worker_scrapes) == 2
-    segments_per_server = [_value(s, "cargohold_optimizer_steps", "cargohold_optimizer_steps_total")
-                           for s in server_scrapes]
+    segments_per_server = [
+        _value(s, "cargohold_optimizer_steps", "cargohold_optimizer_steps_total") for s in server_scrapes
+    ]
     assert sum(segments_per_server) % config.steps == 0 and min(segments_per_server) >= config.steps
     for samples in server_scrapes:
         updates = _value(samples, "cargohold_optimizer_steps", "cargohold_optimizer_steps_total")
         assert _value(samples, "cargohold_optimizer_step_seconds", "cargohold_optimizer_step_seconds_count") == updates
         assert _value(samples, "cargohold_optimizer_step_seconds", "cargohold_optimizer_step_seconds_sum") > 0
-        received = _value(samples, "cargohold_transport_received_bytes", "cargohold_transport_received_bytes_total",
-                          rpc="PushGradient")
+        received = _value(
+            samples,
+            "cargohold_transport_received_bytes",
+            "cargohold_transport_received_bytes_total",
+            rpc="PushGradient",
+        )
         assert received > 0 and received % (4 * config.steps) == 0  # fp32 gradients, every step
         ram = _value(samples, "cargohold_state_resident_bytes", "cargohold_state_resident_bytes", tier="ram")
         assert ram > 0 and ram % 12 == 0  # master + two moments, 4 bytes each
-    total_ram = sum(_value(s, "cargohold_state_resident_bytes", "cargohold_state_resident_bytes", tier="ram")
-                    for s in server_scrapes)
+    total_ram = sum(
+        _value(s, "cargohold_state_resident_bytes", "cargohold_state_resident_bytes", tier="ram")
+        for s in server_scrapes
+    )
     assert total_ram == 12 * weights.numel()  # the whole flat space, padding included
     for samples in worker_scrapes:
         assert _value(samples, "cargohold_worker_steps", "cargohold_worker_steps_total") == config.steps
@@ -124,6 +134,11 @@ def test_every_actor_on_its_own_node(four_nodes, tmp_path) -> None:
         loss = _value(samples, "cargohold_worker_loss", "cargohold_worker_loss")
         assert loss == pytest.approx(losses[-1])
     # each worker holds its FSDP2 shard of every parameter: together, the model once
-    assert sum(_value(s, "cargohold_worker_resident_bytes", "cargohold_worker_resident_bytes", kind="weights")
-               for s in worker_scrapes) == 4 * real_elements
+    assert (
+        sum(
+            _value(s, "cargohold_worker_resident_bytes", "cargohold_worker_resident_bytes", kind="weights")
+            for s in worker_scrapes
+        )
+        == 4 * real_elements
+    )
     assert torch.isfinite(weights).all()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import tiny_config
 
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.services.errors import TrainingError
-from reference import tiny_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -37,8 +37,7 @@ def test_nonfinite_gradients_never_change_the_state(ray_local, policy: str) -> N
         before = _state(session)
         # An Inf in rank 0's output head makes its loss and gradients non-finite, and so
         # the all-reduced global norm on every rank.
-        ray.get(session.workers[0].__ray_call__.remote(
-            poison_head))
+        ray.get(session.workers[0].__ray_call__.remote(poison_head))
         if policy == "fail":
             with pytest.raises(TrainingError, match="optim.nonfinite=skip"):
                 session.step()

@@ -40,10 +40,7 @@ SHAPE_SETS: dict[str, list[Shape]] = {
 def _lr_schedule(base: float = 3e-3) -> list[float]:
     """Linear warm-up then cosine decay: a different lr every step."""
     warmup = 5
-    return [
-        base * min(1.0, (k + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * k / STEPS))
-        for k in range(STEPS)
-    ]
+    return [base * min(1.0, (k + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * k / STEPS)) for k in range(STEPS)]
 
 
 @dataclass
@@ -73,8 +70,7 @@ class Result:
     exp_avg_sq: list[torch.Tensor]
 
 
-def _reference(run: Run, lrs: Sequence[float], hyper: AdamWHyperParams = HYPER, *,
-               num_workers: int = 1) -> Result:
+def _reference(run: Run, lrs: Sequence[float], hyper: AdamWHyperParams = HYPER, *, num_workers: int = 1) -> Result:
     """Plain torch: per-parameter tensors, clip_grad_norm_, AdamW(fused=True). With
     ``num_workers`` > 1 each parameter is stepped as the dim-0 chunks FSDP2 gives each
     worker (separate tensors, as FSDP2 + AdamW does), clipped by the whole norm."""
@@ -158,9 +154,7 @@ def _offloaded(
         else:
             global_norm = global_norm_from_squares(sum(sum_of_squares(s) for s in shards))
         for seg, state, shard in zip(layout.segments, states, shards, strict=True):
-            adamw_step(
-                state, fragment_views(seg, shard), lr=lr, hyper=hyper, global_norm=global_norm
-            )
+            adamw_step(state, fragment_views(seg, shard), lr=lr, hyper=hyper, global_norm=global_norm)
     assert all(int(s.step.item()) == STEPS for s in states)
     # Padding never takes part in the update.
     real = torch.zeros(layout.total, dtype=torch.bool)
@@ -197,9 +191,7 @@ def _max_abs_diff(got: Result, want: Result) -> float:
 @pytest.mark.parametrize("shape_set", sorted(SHAPE_SETS))
 @pytest.mark.parametrize("num_workers", [1, 2, 3])
 @pytest.mark.parametrize("num_servers", [1, 2, 3])
-def test_sharded_update_is_bitwise_equal_to_torch_adamw(
-    shape_set: str, num_workers: int, num_servers: int
-) -> None:
+def test_sharded_update_is_bitwise_equal_to_torch_adamw(shape_set: str, num_workers: int, num_servers: int) -> None:
     run = _make_run(SHAPE_SETS[shape_set], seed=num_workers * 10 + num_servers)
     lrs = _lr_schedule()
     want = _reference(run, lrs, num_workers=num_workers)
@@ -350,9 +342,7 @@ def test_lr_is_applied_as_given_each_step() -> None:
     moves = []
     for lr in (1e-3, 2e-3):
         # From zero weights, so the move is not rounded against a weight of order 1.
-        state = AdamWState(
-            [torch.zeros(1000)], [torch.zeros(1000)], [torch.zeros(1000)], torch.tensor(0.0)
-        )
+        state = AdamWState([torch.zeros(1000)], [torch.zeros(1000)], [torch.zeros(1000)], torch.tensor(0.0))
         hyper = AdamWHyperParams(weight_decay=0.0)
         adamw_step(state, [run.grads[0][0].clone()], lr=lr, hyper=hyper, global_norm=0.0)
         moves.append(state.master[0].clone())
@@ -397,9 +387,7 @@ def test_sum_of_squares_adds_up_across_shards() -> None:
     whole = sum_of_squares(g)
     parts = sum_of_squares(g[:333]) + sum_of_squares(g[333:])
     assert math.isclose(whole, parts, rel_tol=1e-14)
-    assert math.isclose(
-        global_norm_from_squares(whole), float(torch.linalg.vector_norm(g.double())), rel_tol=1e-14
-    )
+    assert math.isclose(global_norm_from_squares(whole), float(torch.linalg.vector_norm(g.double())), rel_tol=1e-14)
     assert sum_of_squares(torch.zeros(0)) == 0.0
     assert sum_of_squares(torch.tensor([3.0, 4.0], dtype=torch.bfloat16)) == 25.0
 
@@ -442,9 +430,7 @@ def test_clipped_update_with_norm_from_shards_is_close(shape_set: str, num_worke
     print(f"clipping, norm from shards, {shape_set} x{num_workers}: max |weight diff| {diff:.3g}")
     assert diff <= CLIP_TOLERANCE
     # Not vacuous: clipping changed the result compared with no clipping at all.
-    unclipped = _reference(
-        run, lrs, hyper=AdamWHyperParams(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-    )
+    unclipped = _reference(run, lrs, hyper=AdamWHyperParams(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1))
     assert _max_abs_diff(unclipped, want) > 100 * CLIP_TOLERANCE
 
 

@@ -39,10 +39,10 @@ from cargohold.cluster.plan import (
 from cargohold.cluster.sizes import format_bytes, parse_size
 from cargohold.services.errors import ConfigError
 from cargohold.services.layout import ShardLayout
+from cargohold.services.model_setup import model_layout
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT
 from cargohold.services.tiers.storage import TieredStorage, tensor_source
-from cargohold.services.model_setup import model_layout
 from tests.reference import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,10 +73,21 @@ def _exchange(layout: ShardLayout, bytes_per_element: int, slots: int = 3) -> in
 
 
 # --- sizes ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("text, expected", [
-    ("24GiB", 24 << 30), ("512MiB", 512 << 20), ("1.5TB", 1_500_000_000_000), ("100Gi", 100 << 30),
-    ("4096", 4096), (" 2 kib ", 2048), ("64k", 64_000), ("1e3", 1000), (1 << 40, 1 << 40), ("0", 0),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("24GiB", 24 << 30),
+        ("512MiB", 512 << 20),
+        ("1.5TB", 1_500_000_000_000),
+        ("100Gi", 100 << 30),
+        ("4096", 4096),
+        (" 2 kib ", 2048),
+        ("64k", 64_000),
+        ("1e3", 1000),
+        (1 << 40, 1 << 40),
+        ("0", 0),
+    ],
+)
 def test_parse_size(text, expected: int) -> None:
     assert parse_size(text) == expected
 
@@ -89,7 +100,14 @@ def test_parse_size_refuses_with_a_clear_message(text) -> None:
 
 def test_format_bytes() -> None:
     assert [format_bytes(n) for n in (0, 1023, 1024, 1536, 33 << 30, int(37.1 * (1 << 30)), 3 << 40)] == [
-        "0 B", "1023 B", "1 KiB", "1.5 KiB", "33 GiB", "37.1 GiB", "3 TiB"]
+        "0 B",
+        "1023 B",
+        "1 KiB",
+        "1.5 KiB",
+        "33 GiB",
+        "37.1 GiB",
+        "3 TiB",
+    ]
 
 
 # --- the arithmetic ------------------------------------------------------------------------
@@ -125,8 +143,9 @@ def test_the_device_holds_the_units_fsdp2_gathers() -> None:
     assert w.gathered_bytes == 4 * (root + 2 * block + 2 * max(root_chunk, chunk))
     assert w.gradient_bytes == 4 * root + max(4 * block + 3 * 4 * chunk, 3 * 4 * root_chunk)
     assert w.transient_bytes == 8 * max(root_chunk, chunk)  # the fp64 copy for the norm; same dtypes
-    assert w.device_peak_bytes == (w.buffers["weights"] + w.gathered_bytes + w.gradient_bytes
-                                   + w.transient_bytes + w.activation_bytes)
+    assert w.device_peak_bytes == (
+        w.buffers["weights"] + w.gathered_bytes + w.gradient_bytes + w.transient_bytes + w.activation_bytes
+    )
     alone = plan_run(tiny_config(model__n_layer=4, worker__num_workers=1)).worker
     assert alone.gathered_bytes == 4 * (root + 2 * block)  # nothing to gather from others: no buffer
     assert alone.traffic.reduce_scatter_bytes == alone.traffic.all_gather_bytes == 0
@@ -201,8 +220,9 @@ def test_a_gpu_worker_pins_its_exchange_buffers() -> None:
     on_cpu = plan_run(config)
     assert on_cpu.worker.device == "cpu" and on_cpu.worker.pinned_bytes == 0
     assert on_cpu.transport == "shared_memory" and on_cpu.worker.shared_memory_bytes == _exchange(_layout(config), 6)
-    assert on_cpu.worker.host_bytes == (on_cpu.worker.device_peak_bytes + on_cpu.worker.buffers["exchange"]
-                                        + on_cpu.worker.corpus_bytes)
+    assert on_cpu.worker.host_bytes == (
+        on_cpu.worker.device_peak_bytes + on_cpu.worker.buffers["exchange"] + on_cpu.worker.corpus_bytes
+    )
 
 
 def test_offload_moves_the_weights_from_the_device_to_pinned_host_memory() -> None:
@@ -243,7 +263,8 @@ def test_activation_checkpointing_keeps_only_each_blocks_input() -> None:
     assert blocks.worker.activation_bytes == 4 * tokens * width * 4 + per_layer + logits
     assert blocks.worker.activation_bytes < off.worker.activation_bytes
     assert blocks.worker.device_peak_bytes - off.worker.device_peak_bytes == (
-        blocks.worker.activation_bytes - off.worker.activation_bytes)
+        blocks.worker.activation_bytes - off.worker.activation_bytes
+    )
     assert "activation checkpointing blocks" in render(blocks)
 
 
@@ -251,9 +272,15 @@ def test_activations_follow_an_hf_models_mlp(tmp_path: Path) -> None:
     """A gated MLP (Llama's SwiGLU) keeps 4 tensors of its width I, an ungated one 2."""
     transformers = pytest.importorskip("transformers")
     llama = tmp_path / "llama"
-    transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                             ).save_pretrained(llama)
+    transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    ).save_pretrained(llama)
     gpt2 = tmp_path / "gpt2"
     transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=3, n_head=4, n_positions=64).save_pretrained(gpt2)
     tokens = 4 * 32
@@ -294,8 +321,9 @@ def test_nvme_holds_the_state_not_kept_in_ram(tmp_path: Path) -> None:
         assert set(server.nvme_bytes_by_path) == set(tier.nvme_paths)
         assert server.nvme_need_bytes == server.nvme_file_bytes + server.staging_bytes
         assert server.traffic.nvme_write_bytes == server.traffic.nvme_read_bytes == server.nvme_file_bytes
-    bigger = plan_run(tiny_config(state_server__num_servers=2,
-                                  state_server__tier=_tier(tmp_path, ram_budget_bytes=640 << 10)))
+    bigger = plan_run(
+        tiny_config(state_server__num_servers=2, state_server__tier=_tier(tmp_path, ram_budget_bytes=640 << 10))
+    )
     assert all(b.nvme_state_bytes < s.nvme_state_bytes for b, s in zip(bigger.servers, plan.servers))
 
 
@@ -307,9 +335,13 @@ def test_the_plan_is_the_tier_storages_own(tmp_path: Path) -> None:
     storage = TieredStorage(config.state_server.tier, server_index=0)
     try:
         for segment in layout.segments_of_server(0):
-            storage.add_shard("plan", segment.segment_id, segment.numel,
-                              [(f.segment_start, f.length) for f in segment.fragments],
-                              tensor_source(torch.zeros(segment.numel)))
+            storage.add_shard(
+                "plan",
+                segment.segment_id,
+                segment.numel,
+                [(f.segment_start, f.length) for f in segment.fragments],
+                tensor_source(torch.zeros(segment.numel)),
+            )
         summary = storage.summary()
     finally:
         storage.close()
@@ -322,8 +354,17 @@ def test_the_plan_is_the_tier_storages_own(tmp_path: Path) -> None:
 def test_render_shows_every_tier_and_the_verdict(tmp_path: Path) -> None:
     config = tiny_config(state_server__tier=_tier(tmp_path))
     text = render(plan_run(config, ClusterDescription(nvme_bytes=1 << 30)))
-    for needle in ("Each worker", "Each state server", "state on NVMe", "NVMe writes", "push", "fetch",
-                   "activations (estimate)", "fits          NVMe of state server 0", "=> fits"):
+    for needle in (
+        "Each worker",
+        "Each state server",
+        "state on NVMe",
+        "NVMe writes",
+        "push",
+        "fetch",
+        "activations (estimate)",
+        "fits          NVMe of state server 0",
+        "=> fits",
+    ):
         assert needle in text, needle
 
 
@@ -378,8 +419,9 @@ def test_host_memory_counts_every_actor_on_a_node() -> None:
     assert two.transport == "mixed"  # streams to the other node: the server holds the streamed copies too
     per_node = 2 * two.worker.host_peak_bytes + max(s.ram_peak_bytes for s in two.servers)
     assert per_node < need
-    fitted = plan_run(config, ClusterDescription(nodes=(
-        NodeGroup(count=2, workers=2, servers=1, host_memory_bytes=per_node),)))
+    fitted = plan_run(
+        config, ClusterDescription(nodes=(NodeGroup(count=2, workers=2, servers=1, host_memory_bytes=per_node),))
+    )
     assert fitted.fits
     too_few = plan_run(config, ClusterDescription(nodes=(NodeGroup(count=1, workers=2, servers=2),)))
     slots = {c.resource: c for c in too_few.checks}["worker slots"]
@@ -389,27 +431,34 @@ def test_host_memory_counts_every_actor_on_a_node() -> None:
 def test_load_cluster_from_yaml_and_flags(tmp_path: Path) -> None:
     config = tiny_config(worker__num_workers=8, state_server__num_servers=2)
     path = tmp_path / "cluster.yaml"
-    path.write_text("device_memory: 80GiB\nnvme: 100Gi\nhost_memory: 64GiB\nnodes:\n"
-                    "  - {count: 1, workers: 8, host_memory: 480GiB}\n  - {count: 2, servers: 1}\n")
+    path.write_text(
+        "device_memory: 80GiB\nnvme: 100Gi\nhost_memory: 64GiB\nnodes:\n"
+        "  - {count: 1, workers: 8, host_memory: 480GiB}\n  - {count: 2, servers: 1}\n"
+    )
     cluster = load_cluster(path, config=config)
     assert cluster.device_memory_bytes == 80 << 30 and cluster.nvme_bytes == 100 << 30
-    assert cluster.nodes == (NodeGroup(count=1, workers=8, servers=0, host_memory_bytes=480 << 30),
-                             NodeGroup(count=2, workers=0, servers=1, host_memory_bytes=64 << 30))
+    assert cluster.nodes == (
+        NodeGroup(count=1, workers=8, servers=0, host_memory_bytes=480 << 30),
+        NodeGroup(count=2, workers=0, servers=1, host_memory_bytes=64 << 30),
+    )
     flagged = load_cluster(path, config=config, nvme="2TiB")
     assert flagged.nvme_bytes == 2 << 40
     default = load_cluster(None, config=config, host_memory="256GiB")
     assert default.nodes == (NodeGroup(workers=8, servers=2, host_memory_bytes=256 << 30),)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("device_memry: 1GiB\n", "unknown cluster key 'device_memry'"),
-    ("nodes:\n  - {count: 1, wokers: 2}\n", "unknown cluster key nodes[0].wokers"),
-    ("nodes:\n  - {count: two}\n", "nodes[0].count must be an integer"),
-    ("nvme: lots\n", "nvme (--nvme): cannot read 'lots'"),
-    ("- 1\n", "must hold a mapping"),
-    ("nodes: {count: 1}\n", "nodes must be a list"),
-    ("a: [\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("device_memry: 1GiB\n", "unknown cluster key 'device_memry'"),
+        ("nodes:\n  - {count: 1, wokers: 2}\n", "unknown cluster key nodes[0].wokers"),
+        ("nodes:\n  - {count: two}\n", "nodes[0].count must be an integer"),
+        ("nvme: lots\n", "nvme (--nvme): cannot read 'lots'"),
+        ("- 1\n", "must hold a mapping"),
+        ("nodes: {count: 1}\n", "nodes must be a list"),
+        ("a: [\n", "not valid YAML"),
+    ],
+)
 def test_a_bad_cluster_file_is_refused(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "cluster.yaml"
     path.write_text(text)
@@ -422,8 +471,7 @@ def test_a_bad_cluster_file_is_refused(tmp_path: Path, text: str, message: str) 
 @pytest.fixture
 def tiny_yaml(tmp_path: Path) -> Path:
     path = tmp_path / "tiny.yaml"
-    path.write_text("model: {n_layer: 2, n_head: 2, n_embd: 64, block_size: 32}\n"
-                    "data: {corpus_bytes: 100000}\n")
+    path.write_text("model: {n_layer: 2, n_head: 2, n_embd: 64, block_size: 32}\ndata: {corpus_bytes: 100000}\n")
     return path
 
 
@@ -440,10 +488,24 @@ def test_cli_exits_3_when_it_does_not_fit(tiny_yaml: Path, capsys: pytest.Captur
 
 
 def test_cli_json(tiny_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["plan", "--config", str(tiny_yaml), "--json", "--device-memory", "1KiB", "--nvme", "1TB",
-            "--set", "worker.device=cuda", "--set", "state_server.tier.ram_budget_bytes=327680",
-            "--set", "state_server.tier.partition_bytes=65536",
-            "--set", f"state_server.tier.nvme_paths=[{tmp_path / 'nvme'}]"]
+    args = [
+        "plan",
+        "--config",
+        str(tiny_yaml),
+        "--json",
+        "--device-memory",
+        "1KiB",
+        "--nvme",
+        "1TB",
+        "--set",
+        "worker.device=cuda",
+        "--set",
+        "state_server.tier.ram_budget_bytes=327680",
+        "--set",
+        "state_server.tier.partition_bytes=65536",
+        "--set",
+        f"state_server.tier.nvme_paths=[{tmp_path / 'nvme'}]",
+    ]
     assert cli.main(args) == 3
     data = json.loads(capsys.readouterr().out)
     expected = plan_run(*_cli_config(tiny_yaml, args))
@@ -465,15 +527,19 @@ def _cli_config(path: Path, args: list[str]):
     return config, ClusterDescription(device_memory_bytes=1024, nvme_bytes=10**12)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--host-memory", "24GB!"], "cannot read '24GB!' as a size"),
-    (["--device-memory", "eighty"], "--device-memory"),
-    (["--set", "optim.lrr=1"], "unknown config key 'optim.lrr'"),
-    (["--set", "state_server.num_servers=100000"], "use fewer state servers"),
-    (["--cluster", "/nonexistent/cluster.yaml"], "cannot read cluster file"),
-])
-def test_cli_exits_2_on_a_bad_config(tiny_yaml: Path, capsys: pytest.CaptureFixture[str], args: list[str],
-                                     message: str) -> None:
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--host-memory", "24GB!"], "cannot read '24GB!' as a size"),
+        (["--device-memory", "eighty"], "--device-memory"),
+        (["--set", "optim.lrr=1"], "unknown config key 'optim.lrr'"),
+        (["--set", "state_server.num_servers=100000"], "use fewer state servers"),
+        (["--cluster", "/nonexistent/cluster.yaml"], "cannot read cluster file"),
+    ],
+)
+def test_cli_exits_2_on_a_bad_config(
+    tiny_yaml: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
     assert cli.main(["plan", "--config", str(tiny_yaml), *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cargohold: bad configuration:") and message in err
@@ -482,10 +548,16 @@ def test_cli_exits_2_on_a_bad_config(tiny_yaml: Path, capsys: pytest.CaptureFixt
 # --- the shipped examples (plans, no run) ----------------------------------------------------
 EXAMPLES = {
     # config: (cluster flags, workers, parameters)
-    "examples/llama-13b-1gpu.yaml": (["--device-memory", "24GiB", "--host-memory", "256GiB", "--nvme", "2TiB"],
-                                     1, 13_015_864_320),
-    "examples/llama-2-70b-8gpu.yaml": (["--device-memory", "24GiB", "--host-memory", "768GiB", "--nvme", "1TiB"],
-                                       8, 68_976_648_192),
+    "examples/llama-13b-1gpu.yaml": (
+        ["--device-memory", "24GiB", "--host-memory", "256GiB", "--nvme", "2TiB"],
+        1,
+        13_015_864_320,
+    ),
+    "examples/llama-2-70b-8gpu.yaml": (
+        ["--device-memory", "24GiB", "--host-memory", "768GiB", "--nvme", "1TiB"],
+        8,
+        68_976_648_192,
+    ),
 }
 
 
@@ -497,8 +569,9 @@ def at_the_repository_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("path", EXAMPLES)
-def test_an_example_plan_fits_24_gib_gpus(at_the_repository_root, path: str,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_example_plan_fits_24_gib_gpus(
+    at_the_repository_root, path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     from cargohold.cluster.config import load_config
 
     flags, workers, parameters = EXAMPLES[path]
@@ -506,8 +579,9 @@ def test_an_example_plan_fits_24_gib_gpus(at_the_repository_root, path: str,
     out = capsys.readouterr().out
     assert "\n=> fits\n" in out
     config = load_config(path)
-    plan = plan_run(config, load_cluster(None, config=config, device_memory="24GiB", host_memory=flags[3],
-                                         nvme=flags[5]))
+    plan = plan_run(
+        config, load_cluster(None, config=config, device_memory="24GiB", host_memory=flags[3], nvme=flags[5])
+    )
     w = plan.worker
     assert plan.fits and plan.parameters == parameters and plan.num_workers == workers
     assert w.device == "cuda" and w.offload and w.activation_checkpointing == "blocks"
@@ -521,8 +595,9 @@ def test_an_example_plan_fits_24_gib_gpus(at_the_repository_root, path: str,
     assert "DOES NOT FIT  device memory per worker" in capsys.readouterr().out
     # docs/operations.md shows this very output.
     docs = (REPO / "docs" / "operations.md").read_text()
-    assert f"$ cargohold plan --config {path} {' '.join(flags)}\n{out.rstrip()}\n```" in docs, \
+    assert f"$ cargohold plan --config {path} {' '.join(flags)}\n{out.rstrip()}\n```" in docs, (
         "docs/operations.md shows another plan; paste the command's output"
+    )
 
 
 def test_the_example_figures(at_the_repository_root) -> None:
@@ -532,8 +607,9 @@ def test_the_example_figures(at_the_repository_root) -> None:
     def plan(path: str):
         flags = EXAMPLES[path][0]
         config = load_config(path)
-        return plan_run(config, load_cluster(None, config=config, device_memory=flags[1], host_memory=flags[3],
-                                             nvme=flags[5]))
+        return plan_run(
+            config, load_cluster(None, config=config, device_memory=flags[1], host_memory=flags[3], nvme=flags[5])
+        )
 
     small, large = plan("examples/llama-13b-1gpu.yaml"), plan("examples/llama-2-70b-8gpu.yaml")
     assert format_bytes(small.worker.buffers["weights"]) == "24.2 GiB"  # the bf16 weights: the whole GPU
@@ -557,9 +633,13 @@ def _scrape(address: str) -> dict[tuple[str, frozenset], float]:
 def _total(samples: dict, name: str, **labels: str) -> float:
     """Sum of ``name`` over the samples whose labels include ``labels`` (an ``rpc`` prefix)."""
     rpc = labels.pop("rpc", None)
-    return sum(v for (n, ls), v in samples.items() if n == name
-               and all((k, x) in ls for k, x in labels.items())
-               and (rpc is None or dict(ls).get("rpc", "").startswith(rpc)))
+    return sum(
+        v
+        for (n, ls), v in samples.items()
+        if n == name
+        and all((k, x) in ls for k, x in labels.items())
+        and (rpc is None or dict(ls).get("rpc", "").startswith(rpc))
+    )
 
 
 @pytest.mark.integration
@@ -567,7 +647,6 @@ def _total(samples: dict, name: str, **labels: str) -> float:
 @pytest.mark.parametrize("tiered", [False, True], ids=["all-ram", "nvme"])
 def test_plan_matches_a_real_run(ray_local, tmp_path: Path, tiered: bool) -> None:
     from cargohold.cluster.launcher import TrainingSession
-
     from cargohold.services.checkpoint import CheckpointStore
 
     overrides = {"state_server__tier": _tier(tmp_path)} if tiered else {}
@@ -634,14 +713,21 @@ def test_worker_buffers_match_a_real_run(ray_local) -> None:
     rank 0's equal, and the bytes pushed and fetched are the plan's."""
     from cargohold.cluster.launcher import TrainingSession, worker_env
 
-    config = tiny_config(steps=2, worker__num_workers=3, worker__compute_dtype="bfloat16",
-                         worker__grad_wire_dtype="bfloat16", worker__activation_checkpointing="blocks",
-                         worker__reshard_after_forward=False)
+    config = tiny_config(
+        steps=2,
+        worker__num_workers=3,
+        worker__compute_dtype="bfloat16",
+        worker__grad_wire_dtype="bfloat16",
+        worker__activation_checkpointing="blocks",
+        worker__reshard_after_forward=False,
+    )
     plan = plan_run(config)
     with TrainingSession(config) as session:
         resident = [ray_get(w.resident_bytes.remote()) for w in session.workers]
-        malloc = [ray_get(w.__ray_call__.remote(lambda self: os.environ.get("MALLOC_MMAP_THRESHOLD_")))
-                  for w in session.workers]
+        malloc = [
+            ray_get(w.__ray_call__.remote(lambda self: os.environ.get("MALLOC_MMAP_THRESHOLD_")))
+            for w in session.workers
+        ]
         address = {(t.role, t.index): t.address for t in session.metrics_targets()}[("worker", 0)]
         session.step()
         session.step()

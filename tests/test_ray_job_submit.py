@@ -32,15 +32,16 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                                          reason="teardown walks /proc")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="teardown walks /proc"),
+]
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 RAY = str(BIN / "ray")
 # What `--working-dir .` must not upload: virtualenvs, VCS data, caches, build output, runs.
-EXCLUDES = [".git", ".venv", ".hypothesis", ".pytest_cache", "*.egg-info", "__pycache__", "build", "dist",
-            "runs"]
+EXCLUDES = [".git", ".venv", ".hypothesis", ".pytest_cache", "*.egg-info", "__pycache__", "build", "dist", "runs"]
 START_TIMEOUT_S = 90
 JOB_TIMEOUT_S = 240
 TINY = ["--config", "examples/tiny.yaml", "--set", "cluster.address=auto", "--set", "progress=false"]
@@ -55,8 +56,9 @@ class Head:
     """Environment for `ray` CLI calls: auth mode and token, the venv's bin on PATH."""
 
     def api(self, path: str, method: str = "GET") -> dict | str:
-        request = urllib.request.Request(self.dashboard + path, method=method,
-                                         headers={"Authorization": f"Bearer {self.token}"})
+        request = urllib.request.Request(
+            self.dashboard + path, method=method, headers={"Authorization": f"Bearer {self.token}"}
+        )
         with urllib.request.urlopen(request, timeout=10) as reply:
             body = reply.read().decode()
         return json.loads(body) if reply.headers.get_content_type() == "application/json" else body
@@ -134,21 +136,39 @@ def head() -> Iterator[Head]:
     temp_dir = tempfile.mkdtemp(prefix="rch", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
     token = secrets.token_hex(32)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token,
-               RAY_USAGE_STATS_ENABLED="0")
+    env.update(
+        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=token,
+        RAY_USAGE_STATS_ENABLED="0",
+    )
     gcs, dashboard, client, agent_http, agent_grpc, runtime_env, metrics, node_manager, object_manager = _free_ports(9)
     command = [
-        RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=4",
-        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-        f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
-        f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={runtime_env}",
-        f"--metrics-export-port={metrics}", f"--node-manager-port={node_manager}",
-        f"--object-manager-port={object_manager}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+        RAY,
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs}",
+        "--num-cpus=4",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard}",
+        f"--ray-client-server-port={client}",
+        f"--dashboard-agent-listen-port={agent_http}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--runtime-env-agent-port={runtime_env}",
+        f"--metrics-export-port={metrics}",
+        f"--node-manager-port={node_manager}",
+        f"--object-manager-port={object_manager}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
     ]
     log_path = Path(temp_dir) / "ray-start.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         node = Head(dashboard=f"http://127.0.0.1:{dashboard}", token=token, env=env)
         _wait_for_job_server(node, process, log_path)
@@ -178,12 +198,25 @@ def _submit(node: Head, *train_args: str) -> tuple[subprocess.CompletedProcess, 
     """`ray job submit` (waiting, streaming the logs); returns its result, the job's final
     record and its logs as the job server has them."""
     submission_id = f"cargohold-test-{secrets.token_hex(4)}"
-    command = [RAY, "job", "submit", "--address", node.dashboard, "--submission-id", submission_id,
-               "--working-dir", ".", "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
-               "--", "cargohold", "train", *train_args]
+    command = [
+        RAY,
+        "job",
+        "submit",
+        "--address",
+        node.dashboard,
+        "--submission-id",
+        submission_id,
+        "--working-dir",
+        ".",
+        "--runtime-env-json",
+        json.dumps({"excludes": EXCLUDES}),
+        "--",
+        "cargohold",
+        "train",
+        *train_args,
+    ]
     try:
-        result = subprocess.run(command, cwd=REPO, env=node.env, capture_output=True, text=True,
-                                timeout=JOB_TIMEOUT_S)
+        result = subprocess.run(command, cwd=REPO, env=node.env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         try:
             node.api(f"/api/jobs/{submission_id}/stop", method="POST")

@@ -15,6 +15,8 @@ import pytest
 import ray
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from reference import tiny_config
+from system import mounted_tmpfs
 
 from cargohold.cluster.launcher import TrainingSession, train
 from cargohold.services.checkpoint import CheckpointStore, read_flat_range
@@ -22,8 +24,6 @@ from cargohold.services.errors import CheckpointError, TrainingError
 from cargohold.services.layout import gather_params, scatter_params
 from cargohold.services.metrics import LauncherMetrics
 from cargohold.services.reshard import saved_layout
-from reference import tiny_config
-from system import mounted_tmpfs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 STEPS = 8
@@ -68,8 +68,12 @@ def test_stop_and_resume_onto_any_number_of_servers(uninterrupted, tmp_path, res
         pending = session.checkpoint_begin(store)
         assert pending.stall_seconds < 5.0
         assert session.checkpoint_finish(store, pending).path.name == "step-0000000004"
-    second = tiny_config(steps=STEPS, state_server__num_servers=resume_servers, checkpoint__dir=str(tmp_path),
-                         checkpoint__resume="latest")
+    second = tiny_config(
+        steps=STEPS,
+        state_server__num_servers=resume_servers,
+        checkpoint__dir=str(tmp_path),
+        checkpoint__resume="latest",
+    )
     resumed = train(second)
     assert resumed.first_step == 4 and len(resumed.losses) == STEPS - 4
     _assert_same(_final_state(tmp_path), uninterrupted)
@@ -77,8 +81,12 @@ def test_stop_and_resume_onto_any_number_of_servers(uninterrupted, tmp_path, res
 
 def _tier(root: Path, partition_kib: int) -> dict[str, object]:
     """Most of the tiny model's state on disk (as in the training contract's NVMe test)."""
-    return {"nvme_paths": [str(root / "nvme")], "ram_budget_bytes": 320 << 10,
-            "partition_bytes": partition_kib << 10, "buffer_count": 3}
+    return {
+        "nvme_paths": [str(root / "nvme")],
+        "ram_budget_bytes": 320 << 10,
+        "partition_bytes": partition_kib << 10,
+        "buffer_count": 3,
+    }
 
 
 def test_an_nvme_tier_checkpoint_links_its_files_and_resumes_bitwise(uninterrupted, tmp_path) -> None:
@@ -87,8 +95,12 @@ def test_an_nvme_tier_checkpoint_links_its_files_and_resumes_bitwise(uninterrupt
     onto one server with another partition size, the run ends where the uninterrupted one
     does."""
     checkpoints = tmp_path / "checkpoints"
-    first = tiny_config(steps=STEPS, state_server__num_servers=2, checkpoint__dir=str(checkpoints),
-                        state_server__tier=_tier(tmp_path, 64))
+    first = tiny_config(
+        steps=STEPS,
+        state_server__num_servers=2,
+        checkpoint__dir=str(checkpoints),
+        state_server__tier=_tier(tmp_path, 64),
+    )
     store = CheckpointStore(checkpoints)
     with TrainingSession(first) as session:
         for _ in range(4):
@@ -103,8 +115,13 @@ def test_an_nvme_tier_checkpoint_links_its_files_and_resumes_bitwise(uninterrupt
         tier_files = {(f.stat().st_dev, f.stat().st_ino) for f in (tmp_path / "nvme").rglob("*.bin")}
         assert {(f.stat().st_dev, f.stat().st_ino) for f in linked} <= tier_files
     assert all(f.stat().st_nlink == 1 for f in files), "the stopped tier removed its names, the checkpoint kept its own"
-    second = tiny_config(steps=STEPS, state_server__num_servers=1, checkpoint__dir=str(checkpoints),
-                         checkpoint__resume="latest", state_server__tier=_tier(tmp_path, 32))
+    second = tiny_config(
+        steps=STEPS,
+        state_server__num_servers=1,
+        checkpoint__dir=str(checkpoints),
+        checkpoint__resume="latest",
+        state_server__tier=_tier(tmp_path, 32),
+    )
     resumed = train(second)
     assert resumed.first_step == 4
     _assert_same(_final_state(checkpoints), uninterrupted)
@@ -128,8 +145,12 @@ def test_resume_with_dropout_is_bitwise(ray_local, tmp_path) -> None:
 def _scrape(address: str) -> dict[str, float]:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    return {sample.name: sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples if not sample.labels}
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
 
 
 def _kill(actor) -> None:
@@ -137,8 +158,9 @@ def _kill(actor) -> None:
 
 
 @pytest.mark.parametrize("victim", ["state-server", "worker"])
-def test_a_killed_actor_is_recovered_from_the_last_checkpoint(uninterrupted, tmp_path, monkeypatch,
-                                                              victim: str) -> None:
+def test_a_killed_actor_is_recovered_from_the_last_checkpoint(
+    uninterrupted, tmp_path, monkeypatch, victim: str
+) -> None:
     original_step = TrainingSession.step
     killed = []
 
@@ -149,8 +171,13 @@ def test_a_killed_actor_is_recovered_from_the_last_checkpoint(uninterrupted, tmp
         return original_step(session)
 
     monkeypatch.setattr(TrainingSession, "step", step_with_fault)
-    config = tiny_config(steps=STEPS, state_server__num_servers=2, checkpoint__dir=str(tmp_path),
-                         checkpoint__every_steps=2, checkpoint__max_failures=1)
+    config = tiny_config(
+        steps=STEPS,
+        state_server__num_servers=2,
+        checkpoint__dir=str(tmp_path),
+        checkpoint__every_steps=2,
+        checkpoint__max_failures=1,
+    )
     metrics = LauncherMetrics()
     metrics.start(host="127.0.0.1")
     try:
@@ -181,8 +208,7 @@ def test_failures_beyond_the_limit_stop_the_run(ray_local, tmp_path, monkeypatch
         return original_step(session)
 
     monkeypatch.setattr(TrainingSession, "step", always_fail)
-    config = tiny_config(steps=6, checkpoint__dir=str(tmp_path), checkpoint__every_steps=2,
-                         checkpoint__max_failures=1)
+    config = tiny_config(steps=6, checkpoint__dir=str(tmp_path), checkpoint__every_steps=2, checkpoint__max_failures=1)
     with pytest.raises(TrainingError, match="step 4"):
         train(config)
 
@@ -251,8 +277,13 @@ def small_disk(tmp_path):
 
 @pytest.mark.parametrize("policy", ["continue", "stop"])
 def test_a_full_disk_keeps_the_last_checkpoint_and_follows_the_policy(ray_local, small_disk, policy: str) -> None:
-    config = tiny_config(steps=6, checkpoint__dir=str(small_disk), checkpoint__every_steps=2,
-                         checkpoint__keep_last=3, checkpoint__on_save_error=policy)
+    config = tiny_config(
+        steps=6,
+        checkpoint__dir=str(small_disk),
+        checkpoint__every_steps=2,
+        checkpoint__keep_last=3,
+        checkpoint__on_save_error=policy,
+    )
     if policy == "continue":
         result = train(config)
         assert len(result.losses) == 6

@@ -24,9 +24,17 @@ SHAPES = [("wte", (37, 8)), ("ln_f", (8,)), ("blocks.0.w", (13, 8)), ("blocks.0.
 
 
 def _manifest(layout: ShardLayout) -> Manifest:
-    return Manifest(step=1, updates=1, run_id="r", config_hash="c",
-                    model_signature=tuple((p.name, p.shape) for p in layout.params), layout=layout_record(layout),
-                    total=layout.total, shards=(), files=())
+    return Manifest(
+        step=1,
+        updates=1,
+        run_id="r",
+        config_hash="c",
+        model_signature=tuple((p.name, p.shape) for p in layout.params),
+        layout=layout_record(layout),
+        total=layout.total,
+        shards=(),
+        files=(),
+    )
 
 
 def _ids(layout: ShardLayout) -> dict[str, torch.Tensor]:
@@ -85,16 +93,25 @@ def _layouts(draw: st.DrawFn, shapes: list[tuple[str, tuple[int, ...]]]) -> Shar
     cuts = sorted(draw(st.lists(st.integers(0, len(order)), max_size=3)))
     bounds = [0, *cuts, len(order)]
     try:
-        return build_layout(order, num_workers=draw(st.integers(1, 5)), num_servers=draw(st.integers(1, 4)),
-                            align=draw(st.sampled_from([1, 4, 64])),
-                            group_sizes=[b - a for a, b in zip(bounds, bounds[1:])])
+        return build_layout(
+            order,
+            num_workers=draw(st.integers(1, 5)),
+            num_servers=draw(st.integers(1, 4)),
+            align=draw(st.sampled_from([1, 4, 64])),
+            group_sizes=[b - a for a, b in zip(bounds, bounds[1:])],
+        )
     except LayoutError:  # more servers than aligned units
         assume(False)
         raise
 
 
-@settings(max_examples=150, deadline=None, database=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(
+    max_examples=150,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 @given(data=st.data())
 def test_every_element_of_every_new_segment_comes_from_its_saved_position(data: st.DataObject) -> None:
     shapes = data.draw(_models())
@@ -102,7 +119,9 @@ def test_every_element_of_every_new_segment_comes_from_its_saved_position(data: 
     _check_runs(saved, new)
 
 
-@pytest.mark.parametrize(("saved_at", "new_at"), [((2, 2), (1, 1)), ((1, 1), (3, 2)), ((2, 3), (4, 1)), ((3, 1), (3, 4))])
+@pytest.mark.parametrize(
+    ("saved_at", "new_at"), [((2, 2), (1, 1)), ((1, 1), (3, 2)), ((2, 3), (4, 1)), ((3, 1), (3, 4))]
+)
 def test_worker_and_server_changes_under_transformer_like_groups(saved_at, new_at) -> None:
     groups = {"group_sizes": [2, 2, 1], "group_names": ["", "blocks.0", "blocks.1"]}
     saved = build_layout(SHAPES, num_workers=saved_at[0], num_servers=saved_at[1], **groups)
@@ -117,8 +136,9 @@ def test_the_same_layout_maps_each_segment_onto_itself() -> None:
         assert [(start - segment.start, start, length) for _, start, length in runs] == list(runs)
 
 
-@pytest.mark.parametrize("saved_shapes", [SHAPES[:-1], [*SHAPES[:-1], ("blocks.1.s", (1,))]],
-                         ids=["missing", "reshaped"])
+@pytest.mark.parametrize(
+    "saved_shapes", [SHAPES[:-1], [*SHAPES[:-1], ("blocks.1.s", (1,))]], ids=["missing", "reshaped"]
+)
 def test_a_parameter_the_checkpoint_lacks_is_named(saved_shapes) -> None:
     saved = build_layout(saved_shapes, num_workers=1, num_servers=1)
     new = build_layout(SHAPES, num_workers=1, num_servers=1)
@@ -127,8 +147,13 @@ def test_a_parameter_the_checkpoint_lacks_is_named(saved_shapes) -> None:
             segment_runs(saved, new, segment)
 
 
-@settings(max_examples=40, deadline=None, database=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(
+    max_examples=40,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 @given(data=st.data())
 def test_the_saving_layout_is_rebuilt_from_its_manifest(data: st.DataObject) -> None:
     layout = data.draw(_layouts(data.draw(_models())))
@@ -137,13 +162,19 @@ def test_the_saving_layout_is_rebuilt_from_its_manifest(data: st.DataObject) -> 
     assert saved_layout(manifest, "m.json") == layout
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"kind": "worker-major-v9"}, r"m\.json: layout\.kind is 'worker-major-v9'; this build reads 'worker-major-v1'"),
-    ({"num_workers": 0}, r"m\.json: layout\.num_workers must be an integer >= 1, got 0"),
-    ({"align": True}, r"m\.json: layout\.align must be an integer >= 1, got True"),
-    ({"group_sizes": "5"}, r"m\.json: layout\.group_sizes must be a list, got str"),
-    ({"group_sizes": [1, "a"]}, r"m\.json: layout\.group_sizes must be a list of integers >= 0, got \[1, 'a'\]"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"kind": "worker-major-v9"},
+            r"m\.json: layout\.kind is 'worker-major-v9'; this build reads 'worker-major-v1'",
+        ),
+        ({"num_workers": 0}, r"m\.json: layout\.num_workers must be an integer >= 1, got 0"),
+        ({"align": True}, r"m\.json: layout\.align must be an integer >= 1, got True"),
+        ({"group_sizes": "5"}, r"m\.json: layout\.group_sizes must be a list, got str"),
+        ({"group_sizes": [1, "a"]}, r"m\.json: layout\.group_sizes must be a list of integers >= 0, got \[1, 'a'\]"),
+    ],
+)
 def test_a_manifest_with_a_badly_typed_layout_is_refused_on_load(change: dict, message: str) -> None:
     body = json.loads(_manifest(build_layout(SHAPES, num_workers=3, num_servers=1, align=1)).to_json())
     body["layout"].update(change)
@@ -151,12 +182,18 @@ def test_a_manifest_with_a_badly_typed_layout_is_refused_on_load(change: dict, m
         Manifest.from_json(json.dumps(body), source="m.json")
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"group_sizes": (1, 1)}, r"the recorded layout cannot be rebuilt: group sizes \[1, 1\] do not add up"),
-    ({"group_names": ("a", "b")}, r"the recorded layout cannot be rebuilt: 2 group names for 1 groups"),
-    ({"num_workers": 2}, r"the recorded layout spans \d+ elements, the manifest's total is \d+; the manifest is "
-                         "inconsistent"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"group_sizes": (1, 1)}, r"the recorded layout cannot be rebuilt: group sizes \[1, 1\] do not add up"),
+        ({"group_names": ("a", "b")}, r"the recorded layout cannot be rebuilt: 2 group names for 1 groups"),
+        (
+            {"num_workers": 2},
+            r"the recorded layout spans \d+ elements, the manifest's total is \d+; the manifest is "
+            "inconsistent",
+        ),
+    ],
+)
 def test_a_manifest_without_a_usable_layout_is_refused(change: dict, message: str) -> None:
     manifest = _manifest(build_layout(SHAPES, num_workers=3, num_servers=1, align=1))
     changed = dataclasses.replace(manifest, layout=dataclasses.replace(manifest.layout, **change))

@@ -110,8 +110,7 @@ def test_push_of_a_step_out_of_order_raises_and_changes_nothing(at: int, pushed:
     with pytest.raises(StepMismatchError) as info:
         state.push(pushed, _gradient(pushed), global_norm=0.5, lr=1e-2)
     assert str(info.value) == (
-        f"shard 3 of run 'run-a' is at step {at}; it accepts a gradient for step {at + 1}, "
-        f"got step {pushed}"
+        f"shard 3 of run 'run-a' is at step {at}; it accepts a gradient for step {at + 1}, got step {pushed}"
     )
     assert state.step == at
     _assert_snapshot_equal(state.snapshot(), before)
@@ -286,9 +285,7 @@ def test_padding_only_shard_counts_steps() -> None:
 def test_shard_pushes_over_a_layout_match_torch_adamw_bitwise() -> None:
     """Registry shards built from a real layout reproduce torch.optim.AdamW(fused=True)."""
     shapes = [(101,), (37, 5), (1,), (1000,)]
-    layout = build_layout(
-        [(f"p{i}", s) for i, s in enumerate(shapes)], num_workers=2, num_servers=3
-    )
+    layout = build_layout([(f"p{i}", s) for i, s in enumerate(shapes)], num_workers=2, num_servers=3)
     gen = torch.Generator().manual_seed(5)
     init = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(10)]
@@ -326,19 +323,13 @@ def test_shard_pushes_over_a_layout_match_torch_adamw_bitwise() -> None:
         flat_grad = flat(step_grads)
         for seg in layout.segments:
             shard = registry.get("r", seg.segment_id)
-            assert shard.push(
-                step, flat_grad[seg.start : seg.stop], global_norm=0.0, lr=1e-2
-            ).applied
+            assert shard.push(step, flat_grad[seg.start : seg.stop], global_norm=0.0, lr=1e-2).applied
     result = torch.zeros(layout.total)
     for seg in layout.segments:
         result[seg.start : seg.stop] = registry.get("r", seg.segment_id).weights(10, "float32")
-        for view, f in zip(
-            fragment_views(seg, result[seg.start : seg.stop]), seg.fragments, strict=True
-        ):
+        for view, f in zip(fragment_views(seg, result[seg.start : seg.stop]), seg.fragments, strict=True):
             slot = layout.params[f.param_index]
-            want = (
-                params[f.param_index].detach().reshape(-1)[f.param_start : f.param_start + f.length]
-            )
+            want = params[f.param_index].detach().reshape(-1)[f.param_start : f.param_start + f.length]
             assert torch.equal(view, want), f"segment {seg.segment_id}, parameter {slot.name}"
 
 
@@ -412,17 +403,13 @@ def test_weights_of_another_step_raise_step_mismatch(asked: int) -> None:
     state = _state()
     state.push(1, _gradient(1), global_norm=0.5, lr=1e-2)
     state.push(2, _gradient(2), global_norm=0.5, lr=1e-2)
-    with pytest.raises(
-        StepMismatchError, match=rf"holds the weights of step 2, not of step {asked}$"
-    ):
+    with pytest.raises(StepMismatchError, match=rf"holds the weights of step 2, not of step {asked}$"):
         state.weights(asked, "float32")
 
 
 def test_weights_in_an_unknown_dtype_raise_invalid_tensor() -> None:
     state = _state()
-    with pytest.raises(
-        InvalidTensorError, match=r"weight dtype 'float16' is not one of \['bfloat16', 'float32'\]"
-    ):
+    with pytest.raises(InvalidTensorError, match=r"weight dtype 'float16' is not one of \['bfloat16', 'float32'\]"):
         state.weights(0, "float16")
 
 
@@ -482,9 +469,7 @@ def test_registry_keys_by_run_and_shard() -> None:
 
 def test_register_with_bad_initial_weights_registers_nothing() -> None:
     registry = ShardRegistry()
-    with pytest.raises(
-        InvalidTensorError, match="initial weights must be torch.float32, got torch.float64"
-    ):
+    with pytest.raises(InvalidTensorError, match="initial weights must be torch.float32, got torch.float64"):
         registry.register(_spec(), _initial(_spec()).double())
     with pytest.raises(InvalidTensorError, match=rf"initial weights must have {NUMEL} elements"):
         registry.register(_spec(), torch.zeros(NUMEL + 1))

@@ -18,14 +18,27 @@ import grpc
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from reference import tiny_config
+from test_transport import (
+    G1,
+    G2,
+    GLOBAL_NORM,
+    LR,
+    NUMEL,
+    RUN,
+    W0,
+    _assert_bitwise_equal,
+    _scrape,
+    _spec,
+    _total,
+    serving,
+)
 
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.services.transport import shm
 from cargohold.services.transport.grpc_client import RemoteError
 from cargohold.services.transport.shm import SharedRegion
 from cargohold.v1 import state_server_pb2 as pb
-from reference import tiny_config
-from test_transport import G1, G2, GLOBAL_NORM, LR, NUMEL, RUN, W0, _assert_bitwise_equal, _scrape, _spec, _total, serving
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no sealed memfds on this host")
 
@@ -60,17 +73,20 @@ def _memfd(name: str, size: int, *, sealed: bool) -> int:
     return fd
 
 
-@pytest.mark.parametrize("case, message", [
-    ("a file in /dev/shm", "is not allowed"),
-    ("a relative path", "is not allowed"),
-    ("a NUL byte", "is not allowed"),
-    ("no such descriptor", "cannot open shared memory"),
-    ("a regular file", "not a memfd sealed"),
-    ("an unsealed memfd", "not a memfd sealed"),
-    ("another run's memfd", "does not belong to run"),
-    ("past the end", "does not fit"),
-    ("misaligned", "does not fit"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("a file in /dev/shm", "is not allowed"),
+        ("a relative path", "is not allowed"),
+        ("a NUL byte", "is not allowed"),
+        ("no such descriptor", "cannot open shared memory"),
+        ("a regular file", "not a memfd sealed"),
+        ("an unsealed memfd", "not a memfd sealed"),
+        ("another run's memfd", "does not belong to run"),
+        ("past the end", "does not fit"),
+        ("misaligned", "does not fit"),
+    ],
+)
 def test_bad_shared_memory_references_are_refused_and_change_nothing(region, case, message) -> None:
     """Each refused with INVALID_ARGUMENT naming why; the shard keeps its state."""
     with tempfile.TemporaryFile() as regular:
@@ -91,8 +107,10 @@ def test_bad_shared_memory_references_are_refused_and_change_nothing(region, cas
             }[case]
             with serving() as s:
                 s.client.register(_spec(), W0)
-                for call in (lambda: s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR, shm=(path, offset)),
-                             lambda: s.client.fetch(RUN, 0, 0, "float32", NUMEL, shm=(path, offset))):
+                for call in (
+                    lambda: s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR, shm=(path, offset)),
+                    lambda: s.client.fetch(RUN, 0, 0, "float32", NUMEL, shm=(path, offset)),
+                ):
                     with pytest.raises(RemoteError) as error:
                         call()
                     assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -114,7 +132,9 @@ def test_a_client_cannot_shrink_the_memory_under_the_server(region: SharedRegion
             with pytest.raises(PermissionError):
                 os.ftruncate(other_handle.fileno(), 0)
         assert s.client.fetch(RUN, 0, 1, "float32", NUMEL, shm=(region.path, NUMEL * 4)) is None
-        _assert_bitwise_equal(region.tensor(torch.float32, NUMEL * 4, NUMEL), s.client.fetch(RUN, 0, 1, "float32", NUMEL))
+        _assert_bitwise_equal(
+            region.tensor(torch.float32, NUMEL * 4, NUMEL), s.client.fetch(RUN, 0, 1, "float32", NUMEL)
+        )
 
 
 def test_a_region_is_checked_again_when_its_path_names_another_file(region: SharedRegion) -> None:
@@ -141,8 +161,9 @@ def test_a_cancelled_call_is_counted_as_cancelled_not_as_a_server_error(caplog) 
     release = threading.Event()
 
     def requests():
-        yield pb.PushGradientRequest(header=pb.PushHeader(key=pb.ShardKey(run_id=RUN, shard_id=0), step=1,
-                                                          numel=NUMEL, dtype=pb.DTYPE_FLOAT32))
+        yield pb.PushGradientRequest(
+            header=pb.PushHeader(key=pb.ShardKey(run_id=RUN, shard_id=0), step=1, numel=NUMEL, dtype=pb.DTYPE_FLOAT32)
+        )
         release.wait(30)
 
     with caplog.at_level(logging.INFO, logger="cargohold.services.transport.grpc_server"), serving() as s:
@@ -152,8 +173,9 @@ def test_a_cancelled_call_is_counted_as_cancelled_not_as_a_server_error(caplog) 
         call.cancel()
         release.set()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not _total(_scrape(s.metrics.address), "cargohold_rpc_errors_total",
-                                                           rpc="PushGradient", code="CANCELLED"):
+        while time.monotonic() < deadline and not _total(
+            _scrape(s.metrics.address), "cargohold_rpc_errors_total", rpc="PushGradient", code="CANCELLED"
+        ):
             time.sleep(0.1)
         samples = _scrape(s.metrics.address)
     assert _total(samples, "cargohold_rpc_errors_total", rpc="PushGradient", code="CANCELLED") == 1
@@ -164,8 +186,13 @@ def test_a_cancelled_call_is_counted_as_cancelled_not_as_a_server_error(caplog) 
 def _received_by_rpc(address: str) -> dict[str, float]:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
         families = text_string_to_metric_families(reply.read().decode())
-    return {s.labels["rpc"]: s.value for f in families if f.name == "cargohold_transport_received_bytes"
-            for s in f.samples if s.name.endswith("_total")}
+    return {
+        s.labels["rpc"]: s.value
+        for f in families
+        if f.name == "cargohold_transport_received_bytes"
+        for s in f.samples
+        if s.name.endswith("_total")
+    }
 
 
 @pytest.mark.integration

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from reference import _free_port, reference_train, tiny_config
 
 from cargohold.services.data import batch_for_step, dropout_seed, load_tokens
+from cargohold.services.model_setup import exchange_buffers, model_layout, sharded_model, step_policy
 from cargohold.services.models.build import build_model, parameter_values
 from cargohold.services.state_port import ExchangeBuffers, LocalPort
 from cargohold.services.step import ShardedStep
-from cargohold.services.model_setup import exchange_buffers, model_layout, sharded_model, step_policy
-from reference import _free_port, reference_train, tiny_config
 
 STRATEGIES = {
     "staged": dict(),
@@ -53,9 +53,15 @@ def _train(rank: int, config, folder: Path) -> None:
     tokens = load_tokens(None, config.data.corpus_bytes, config.data.seed, seq_len=config.model.block_size)
     losses = []
     for number in range(1, config.steps + 1):
-        x, y = batch_for_step(tokens, step=number, rank=rank, world_size=world,
-                              batch_size=config.data.batch_size, seq_len=config.model.block_size,
-                              seed=config.data.seed)
+        x, y = batch_for_step(
+            tokens,
+            step=number,
+            rank=rank,
+            world_size=world,
+            batch_size=config.data.batch_size,
+            seq_len=config.model.block_size,
+            seed=config.data.seed,
+        )
         torch.manual_seed(dropout_seed(config.seed, number, rank))
         losses.append(step.run(number, x, y, config.optim.lr_at(number, config.steps)).loss)
     weights = step.newest_weights()
@@ -73,10 +79,10 @@ def _train(rank: int, config, folder: Path) -> None:
 def test_step_without_ray_matches_adamw_bitwise(world: int) -> None:
     """Each strategy (staged, immediate, delayed) equals the single-process reference."""
     with tempfile.TemporaryDirectory(prefix="cargohold-step-") as folder:
-        mp.start_processes(_train_all, args=(world, _free_port(), folder), nprocs=world,
-                           start_method="spawn", join=True)
-        results = {name: [torch.load(Path(folder) / name / f"{r}.pt") for r in range(world)]
-                   for name in STRATEGIES}
+        mp.start_processes(
+            _train_all, args=(world, _free_port(), folder), nprocs=world, start_method="spawn", join=True
+        )
+        results = {name: [torch.load(Path(folder) / name / f"{r}.pt") for r in range(world)] for name in STRATEGIES}
     for name, ranks in results.items():
         config = tiny_config(steps=6, worker__num_workers=world, **STRATEGIES[name])
         layout = model_layout(config)[2]
@@ -91,13 +97,15 @@ def test_step_without_ray_matches_adamw_bitwise(world: int) -> None:
 def test_exchange_buffers_lay_slots_and_held_weights_apart_in_one_shared_region() -> None:
     """Every view is aligned, none overlaps another, and a co-located server finds each
     by (path, offset) in the one region; slots go round as they are given back."""
-    buffers = ExchangeBuffers.allocate(1000, torch.bfloat16, torch.float32, slots=2, held_numel=3000,
-                                       shared_name="test-exchange")
+    buffers = ExchangeBuffers.allocate(
+        1000, torch.bfloat16, torch.float32, slots=2, held_numel=3000, shared_name="test-exchange"
+    )
     try:
         views = [t for slot in buffers.slots for t in (slot.grads, slot.weights)] + [buffers.held]
         assert [v.numel() for v in views] == [1024, 1024, 1024, 1024, 3000]  # slots rounded up to 64
-        spans = sorted((buffers.shared_ref(v)[1], buffers.shared_ref(v)[1] + v.numel() * v.element_size())
-                       for v in views)
+        spans = sorted(
+            (buffers.shared_ref(v)[1], buffers.shared_ref(v)[1] + v.numel() * v.element_size()) for v in views
+        )
         assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
         assert all(start % 64 == 0 for start, _ in spans)
         assert buffers.nbytes == spans[-1][1] == buffers.region.path.stat().st_size

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from system import mounted_tmpfs, run_measured
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.checkpoint import CheckpointStore, Manifest, read_flat_range
@@ -37,7 +38,6 @@ from cargohold.services.shard_state import ShardRegistry, ShardSpec
 from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout, parse_header
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.storage import TieredStorage
-from system import mounted_tmpfs, run_measured
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,16 +56,24 @@ FLAT = (("flat", (TOTAL,)),)
 
 
 def _tier(root: Path, **changes: object) -> TierConfig:
-    fields: dict[str, object] = dict(nvme_paths=[str(root / "d0"), str(root / "d1")],
-                                     ram_budget_bytes=5 * BUFFER_BYTES, partition_bytes=16 << 10,
-                                     buffer_count=3, io_threads=2)
+    fields: dict[str, object] = dict(
+        nvme_paths=[str(root / "d0"), str(root / "d1")],
+        ram_budget_bytes=5 * BUFFER_BYTES,
+        partition_bytes=16 << 10,
+        buffer_count=3,
+        io_threads=2,
+    )
     fields.update(changes)
     return TierConfig(**fields)  # type: ignore[arg-type]
 
 
 def _specs() -> list[ShardSpec]:
-    return [ShardSpec(run_id=RUN, shard_id=i, start=i * NUMEL, numel=NUMEL, fragments=FRAGMENTS,
-                      grad_dtype="float32", hyper=HYPER) for i in range(SHARDS)]
+    return [
+        ShardSpec(
+            run_id=RUN, shard_id=i, start=i * NUMEL, numel=NUMEL, fragments=FRAGMENTS, grad_dtype="float32", hyper=HYPER
+        )
+        for i in range(SHARDS)
+    ]
 
 
 def _whole() -> list[tuple[ShardSpec, tuple[tuple[int, int, int], ...]]]:
@@ -106,10 +114,17 @@ def _checkpoint(store: CheckpointStore, registry: ShardRegistry, step: int) -> t
     except CheckpointError:
         store.abort(step)
         raise
-    manifest = Manifest(step=step, updates=update, run_id=RUN, config_hash="cfg", model_signature=FLAT,
-                        layout=layout_record(build_layout(FLAT, num_workers=1, num_servers=1, align=1)), total=TOTAL,
-                        shards=tuple(sorted((r for r, _ in records), key=lambda r: r.start)),
-                        files=tuple(f for _, f in records))
+    manifest = Manifest(
+        step=step,
+        updates=update,
+        run_id=RUN,
+        config_hash="cfg",
+        model_signature=FLAT,
+        layout=layout_record(build_layout(FLAT, num_workers=1, num_servers=1, align=1)),
+        total=TOTAL,
+        shards=tuple(sorted((r for r, _ in records), key=lambda r: r.start)),
+        files=tuple(f for _, f in records),
+    )
     return store.commit(step, manifest), checkpointer.preserved
 
 
@@ -177,9 +192,11 @@ def test_a_tier_checkpoint_restores_and_continues_bitwise(tmp_path: Path, target
     finally:
         original.close()
 
-    tier = {"same-partitions": _tier(tmp_path / "b"),
-            "other-partitions": _tier(tmp_path / "b", partition_bytes=40 << 10, ram_budget_bytes=4 * (40 << 10)),
-            "all-in-ram": None}[target]
+    tier = {
+        "same-partitions": _tier(tmp_path / "b"),
+        "other-partitions": _tier(tmp_path / "b", partition_bytes=40 << 10, ram_budget_bytes=4 * (40 << 10)),
+        "all-in-ram": None,
+    }[target]
     restored = ShardRegistry(TieredStorage(tier))
     try:
         ShardCheckpointer(restored, server_index=0).restore(str(path), store.load(path), _whole())
@@ -251,7 +268,8 @@ def test_on_another_filesystem_the_pinned_version_is_copied(tmp_path: Path, othe
         copies = []
         for spec in _specs():
             _, preserved = registry.get(RUN, spec.shard_id).preserve(
-                str(directory), lambda key: f"{key.shard_id}-{key.index}.tier")
+                str(directory), lambda key: f"{key.shard_id}-{key.index}.tier"
+            )
             assert {p.how for p in preserved} == {"copied", "written"}
             for part in preserved:
                 if part.how == "written":
@@ -283,8 +301,7 @@ def test_on_another_filesystem_the_pinned_version_is_copied(tmp_path: Path, othe
         registry.close()
 
 
-def test_a_full_checkpoint_disk_fails_the_save_and_keeps_the_last_one(tmp_path: Path,
-                                                                      other_filesystem: Path) -> None:
+def test_a_full_checkpoint_disk_fails_the_save_and_keeps_the_last_one(tmp_path: Path, other_filesystem: Path) -> None:
     store = CheckpointStore(other_filesystem, keep_last=3)
     registry = _fresh(_tier(tmp_path))
     try:
@@ -344,9 +361,12 @@ def test_a_partition_file_named_for_another_shard_is_refused(tmp_path: Path) -> 
         registry.close()
     manifest = CheckpointStore(tmp_path / "ckpt").load(path)
     first, second = manifest.shards[0], manifest.shards[len(manifest.shards) // 2]
-    swapped = [s if s not in (first, second) else
-               type(s)(s.segment_id, s.start, s.stop, s.step, second.file if s is first else first.file)
-               for s in manifest.shards]
+    swapped = [
+        s
+        if s not in (first, second)
+        else type(s)(s.segment_id, s.start, s.stop, s.step, second.file if s is first else first.file)
+        for s in manifest.shards
+    ]
     bad = Manifest(**{**{f: getattr(manifest, f) for f in manifest.__dataclass_fields__}, "shards": tuple(swapped)})
     with pytest.raises(CorruptCheckpointError, match="the manifest puts shard"):
         read_flat_range(path, bad, 0, TOTAL)
@@ -361,7 +381,8 @@ allocations pile up to 5-20 MiB, varying run to run."""
 
 @pytest.mark.parametrize("saved_by", ["tier", "ram"])
 def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larger(
-        tmp_path: Path, saved_by: str) -> None:
+    tmp_path: Path, saved_by: str
+) -> None:
     """A checkpoint of 48 MiB of state — tier partition files, or one 48 MiB partition
     file written from RAM — restored into a tier with an 8 MiB budget: the peak RSS of the
     restoring process grows by the budget plus a stated overhead, not by the state."""
@@ -436,7 +457,8 @@ def test_the_next_update_waits_for_the_ram_partitions_to_be_written(tmp_path: Pa
         assert writes and all(p.pending is not None for p in preserved if p.how != "linked")
         gradient = torch.randn(NUMEL, generator=torch.Generator().manual_seed(3))
         pushing = threading.Thread(
-            target=lambda: registry.get(RUN, 0).push(3, gradient, global_norm=NORM, lr=LR), daemon=True)
+            target=lambda: registry.get(RUN, 0).push(3, gradient, global_norm=NORM, lr=LR), daemon=True
+        )
         pushing.start()
         pushing.join(timeout=1.0)
         assert pushing.is_alive(), "the update ran over a partition its checkpoint had not written yet"
@@ -446,8 +468,9 @@ def test_the_next_update_waits_for_the_ram_partitions_to_be_written(tmp_path: Pa
         assert not pushing.is_alive() and registry.get(RUN, 0).step == 3
         for part in writes:
             raw = (directory / part.name).read_bytes()
-            got = torch.frombuffer(bytearray(raw[HEADER_BYTES : HEADER_BYTES + 4 * (part.stop - part.start)]),
-                                   dtype=torch.float32)
+            got = torch.frombuffer(
+                bytearray(raw[HEADER_BYTES : HEADER_BYTES + 4 * (part.stop - part.start)]), dtype=torch.float32
+            )
             assert torch.equal(got, saved["master"][part.start : part.stop]), f"{part.name} holds step 3"
     finally:
         registry.close()
@@ -505,10 +528,13 @@ class CrashWriter:
     """A child process running :func:`crash_writer`."""
 
     def __init__(self, root: Path, tier_root: Path) -> None:
-        script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-                  f"from test_tier_checkpoint import crash_writer; crash_writer({str(root)!r}, {str(tier_root)!r})")
-        self.proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        script = (
+            f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"from test_tier_checkpoint import crash_writer; crash_writer({str(root)!r}, {str(tier_root)!r})"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         line = self.proc.stdout.readline().strip()
         if line != "ready":
             self.proc.kill()

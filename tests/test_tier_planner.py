@@ -72,8 +72,7 @@ def test_partition_cuts_fall_on_aligned_parameter_offsets(shapes, workers, serve
     """Every cut inside a worker's chunk of a parameter is at a chunk-relative multiple of 64,
     and partitions cover each segment's fragments exactly."""
     try:
-        layout = build_layout([(f"p{i}", (n,)) for i, n in enumerate(shapes)], num_workers=workers,
-                              num_servers=servers)
+        layout = build_layout([(f"p{i}", (n,)) for i, n in enumerate(shapes)], num_workers=workers, num_servers=servers)
     except Exception:
         return  # too few elements for that many servers
     for segment in layout.segments:

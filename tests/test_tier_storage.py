@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from system import run_measured
 
 from cargohold.cluster.config import StateServerConfig, TierConfig
 from cargohold.services.errors import (
@@ -42,7 +43,6 @@ from cargohold.services.tiers.residency import Residency
 from cargohold.services.tiers.storage import TieredStorage, tensor_source
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
 from cargohold.services.transport.grpc_server import GrpcStateServer
-from system import run_measured
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,8 +59,9 @@ NORM = 2.0  # > max_grad_norm: clipping is active
 
 
 def _spec(shard_id: int = 0, run_id: str = "run-t") -> ShardSpec:
-    return ShardSpec(run_id=run_id, shard_id=shard_id, start=0, numel=NUMEL, fragments=FRAGMENTS,
-                     grad_dtype="float32", hyper=HYPER)
+    return ShardSpec(
+        run_id=run_id, shard_id=shard_id, start=0, numel=NUMEL, fragments=FRAGMENTS, grad_dtype="float32", hyper=HYPER
+    )
 
 
 def _randn(seed: int) -> torch.Tensor:
@@ -68,9 +69,13 @@ def _randn(seed: int) -> torch.Tensor:
 
 
 def _config(tmp_path: Path, **changes: object) -> TierConfig:
-    fields: dict[str, object] = dict(nvme_paths=[str(tmp_path / "d0"), str(tmp_path / "d1")],
-                                     ram_budget_bytes=BUDGET, partition_bytes=PARTITION_BYTES,
-                                     buffer_count=BUFFERS, io_threads=2)
+    fields: dict[str, object] = dict(
+        nvme_paths=[str(tmp_path / "d0"), str(tmp_path / "d1")],
+        ram_budget_bytes=BUDGET,
+        partition_bytes=PARTITION_BYTES,
+        buffer_count=BUFFERS,
+        io_threads=2,
+    )
     fields.update(changes)
     return TierConfig(**fields)  # type: ignore[arg-type]
 
@@ -293,8 +298,9 @@ def test_state_larger_than_the_free_space_is_refused_at_registration(tmp_path: P
 def test_an_unusable_path_fails_the_state_server_at_start_up(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    config = StateServerConfig(bind_host="127.0.0.1", tier=TierConfig(
-        nvme_paths=[str(blocker / "nvme")], ram_budget_bytes=1 << 30))
+    config = StateServerConfig(
+        bind_host="127.0.0.1", tier=TierConfig(nvme_paths=[str(blocker / "nvme")], ram_budget_bytes=1 << 30)
+    )
     with pytest.raises(TierError, match=f"cannot create {blocker / 'nvme'}"):
         StateServer(config, run_id="run-t", server_index=0, metrics_enabled=False)
 
@@ -339,8 +345,7 @@ def test_grpc_reports_the_plan_and_maps_corruption_to_data_loss(tmp_path: Path) 
         assert stats.tier.paths == tuple(str(tmp_path / d) for d in ("d0", "d1"))
         assert len(stats.partitions) == 11
         assert sorted(r.order for r in stats.partitions) == list(range(11))
-        assert stats.resident_bytes_by_tier == {"ram": 12 * 2 * PER_PARTITION,
-                                                "nvme": 12 * (NUMEL - 2 * PER_PARTITION)}
+        assert stats.resident_bytes_by_tier == {"ram": 12 * 2 * PER_PARTITION, "nvme": 12 * (NUMEL - 2 * PER_PARTITION)}
 
         victim = _cold_disk_file(storage)
         with open(victim, "r+b") as f:
@@ -386,9 +391,10 @@ _PRELUDE = textwrap.dedent(f"""
 def _in_namespace(tmp_path: Path, mounts: list[tuple[str, str]], body: str) -> dict:
     """Run ``body`` (after the prelude) in a subprocess with ``mounts`` (fstype, options)
     at tmp_path/m0, m1, ...; returns the JSON the script prints last."""
-    if shutil.which("unshare") is None or subprocess.run(
-        ["unshare", "-Urm", "true"], capture_output=True, timeout=10
-    ).returncode != 0:
+    if (
+        shutil.which("unshare") is None
+        or subprocess.run(["unshare", "-Urm", "true"], capture_output=True, timeout=10).returncode != 0
+    ):
         pytest.skip("user and mount namespaces are not available here")
     commands = []
     for index, (fstype, options) in enumerate(mounts):
@@ -397,14 +403,18 @@ def _in_namespace(tmp_path: Path, mounts: list[tuple[str, str]], body: str) -> d
         commands.append(f"mount -t {fstype} -o {options} {fstype} {shlex.quote(str(target))}")
     script = _PRELUDE + textwrap.dedent(body)
     commands.append(f"exec {shlex.quote(sys.executable)} -c {shlex.quote(script)} {shlex.quote(str(tmp_path))}")
-    done = subprocess.run(["unshare", "-Urm", "sh", "-c", " && ".join(commands)], capture_output=True,
-                          text=True, timeout=50)
+    done = subprocess.run(
+        ["unshare", "-Urm", "sh", "-c", " && ".join(commands)], capture_output=True, text=True, timeout=50
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_o_direct_refused_by_the_filesystem_falls_back_to_buffered_io(tmp_path: Path) -> None:
-    result = _in_namespace(tmp_path, [("ramfs", "mode=0700")], """
+    result = _in_namespace(
+        tmp_path,
+        [("ramfs", "mode=0700")],
+        """
         root = sys.argv[1] + "/m0/tier"
         try:
             TieredStorage(config(root, direct_io="on"))
@@ -419,13 +429,17 @@ def test_o_direct_refused_by_the_filesystem_falls_back_to_buffered_io(tmp_path: 
             ram.push(step, randn(step), global_norm=2.0, lr=1e-2)
         print(json.dumps({"refused": refused, "direct": storage.summary().direct_io, "same": same(state, ram)}))
         storage.close()
-    """)
+    """,
+    )
     assert "refuses O_DIRECT" in result["refused"] and "state_server.tier.direct_io" in result["refused"]
     assert result["direct"] == [False] and result["same"]
 
 
 def test_disk_full_at_start_up_and_at_run_time(tmp_path: Path) -> None:
-    result = _in_namespace(tmp_path, [("tmpfs", "size=256k"), ("tmpfs", "size=2m")], """
+    result = _in_namespace(
+        tmp_path,
+        [("tmpfs", "size=256k"), ("tmpfs", "size=2m")],
+        """
         small, roomy = sys.argv[1] + "/m0", sys.argv[1] + "/m1"
         # Start-up: 9 partition files (252 KiB) plus room for 3 writes (84 KiB) exceed 256 KiB.
         try:
@@ -464,7 +478,8 @@ def test_disk_full_at_start_up_and_at_run_time(tmp_path: Path) -> None:
                           "incomplete": incomplete, "same": same(state, ram),
                           "temporaries": [f for f in os.listdir(roomy + "/ns/server-0") if f.endswith(".tmp")]}))
         storage.close()
-    """)
+    """,
+    )
     assert "bytes free" in result["startup"] and "m0" in result["startup"]
     assert "No space left on device" in result["runtime"] and "the last good file is kept" in result["runtime"]
     assert result["step"] == 1 and result["incomplete"] and result["same"]

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import fsdp_reference_train, reference_train, tiny_config
 
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.services.layout import ShardLayout
-from cargohold.services.tiers.partitions import elements_per_partition
 from cargohold.services.model_setup import model_layout
-from reference import fsdp_reference_train, reference_train, tiny_config
+from cargohold.services.tiers.partitions import elements_per_partition
 
 pytestmark = pytest.mark.integration
 
@@ -66,23 +66,25 @@ CASES = {
     "1-server-fp32": dict(state_server__num_servers=1),
     "2-servers-fp32-grpc": dict(state_server__num_servers=2, worker__shared_memory="off"),
     # No clipping: each unit's segments are applied as they arrive, weights fetched during backward.
-    "3-servers-fp32-no-clip": dict(state_server__num_servers=3, optim__max_grad_norm=0.0,
-                                   optim__nonfinite="ignore"),
+    "3-servers-fp32-no-clip": dict(state_server__num_servers=3, optim__max_grad_norm=0.0, optim__nonfinite="ignore"),
     # The one-step delayed update: step t computes on the weights of update t-2.
     "2-servers-fp32-delayed-update": dict(state_server__num_servers=2, worker__delayed_update=True),
-    "1-server-fp32-delayed-update-no-clip": dict(worker__delayed_update=True, optim__max_grad_norm=0.0,
-                                                 optim__nonfinite="ignore"),
+    "1-server-fp32-delayed-update-no-clip": dict(
+        worker__delayed_update=True, optim__max_grad_norm=0.0, optim__nonfinite="ignore"
+    ),
     # ... after 5 normal steps (step 6 computes on update 5, step 7 on update 5 too).
-    "2-servers-fp32-delayed-update-after-5": dict(state_server__num_servers=2, worker__delayed_update=True,
-                                                  worker__delayed_update_after_steps=5),
+    "2-servers-fp32-delayed-update-after-5": dict(
+        state_server__num_servers=2, worker__delayed_update=True, worker__delayed_update_after_steps=5
+    ),
     "2-servers-bf16": dict(state_server__num_servers=2, worker__compute_dtype="bfloat16"),
     # ZeRO-2-like: blocks stay gathered from forward to backward; and recomputed activations.
-    "1-server-bf16-no-reshard-checkpointed": dict(worker__compute_dtype="bfloat16",
-                                                  worker__reshard_after_forward=False,
-                                                  worker__activation_checkpointing="blocks"),
+    "1-server-bf16-no-reshard-checkpointed": dict(
+        worker__compute_dtype="bfloat16", worker__reshard_after_forward=False, worker__activation_checkpointing="blocks"
+    ),
     # Parameter offload: FSDP2's CPUOffloadPolicy (on CPU workers the copies are host to host).
-    "2-servers-bf16-offload-params": dict(state_server__num_servers=2, worker__compute_dtype="bfloat16",
-                                          worker__offload_params=True),
+    "2-servers-bf16-offload-params": dict(
+        state_server__num_servers=2, worker__compute_dtype="bfloat16", worker__offload_params=True
+    ),
 }
 
 
@@ -121,8 +123,13 @@ def test_nvme_tier_matches_torch_adamw_bitwise(ray_local, tmp_path, num_servers:
     """The same contract with most of the state on disk: a RAM budget of 320 KiB against
     ~1.6 MiB of state in 64 KiB partitions leaves a few partitions per server in RAM; the
     rest streams through three staging buffers from two paths."""
-    tier = {"nvme_paths": [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")],
-            "ram_budget_bytes": 320 << 10, "partition_bytes": 64 << 10, "buffer_count": 3, "io_threads": 2}
+    tier = {
+        "nvme_paths": [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")],
+        "ram_budget_bytes": 320 << 10,
+        "partition_bytes": 64 << 10,
+        "buffer_count": 3,
+        "io_threads": 2,
+    }
     config = tiny_config(state_server__num_servers=num_servers, state_server__tier=tier)
     layout = _layout(config)
     with TrainingSession(config) as session:

@@ -54,10 +54,23 @@ GLOBAL_NORM = 3.5  # > max_grad_norm: clipping is on, so the norm must arrive in
 Code = grpc.StatusCode
 
 
-def _spec(shard_id: int = 0, *, numel: int = NUMEL, fragments=FRAGMENTS, grad_dtype: str = "float32",
-          hyper: AdamWHyperParams = HYPER) -> ShardSpec:
-    return ShardSpec(run_id=RUN, shard_id=shard_id, start=shard_id * NUMEL, numel=numel,
-                     fragments=fragments, grad_dtype=grad_dtype, hyper=hyper)
+def _spec(
+    shard_id: int = 0,
+    *,
+    numel: int = NUMEL,
+    fragments=FRAGMENTS,
+    grad_dtype: str = "float32",
+    hyper: AdamWHyperParams = HYPER,
+) -> ShardSpec:
+    return ShardSpec(
+        run_id=RUN,
+        shard_id=shard_id,
+        start=shard_id * NUMEL,
+        numel=numel,
+        fragments=fragments,
+        grad_dtype=grad_dtype,
+        hyper=hyper,
+    )
 
 
 def _randn(seed: int, numel: int = NUMEL, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -108,8 +121,7 @@ def serving() -> Iterator[Served]:
         server = GrpcStateServer(ShardRegistry(), metrics, run_id=RUN, host="127.0.0.1")
         server.start()
         stack.callback(server.stop, 0.5)
-        client = stack.enter_context(
-            StateServerClient(server.address, chunk_bytes=CHUNK_BYTES, timeout_s=DEADLINE_S))
+        client = stack.enter_context(StateServerClient(server.address, chunk_bytes=CHUNK_BYTES, timeout_s=DEADLINE_S))
         channel = stack.enter_context(grpc.insecure_channel(server.address))
         client.wait_ready(timeout_s=DEADLINE_S)
         yield Served(server, metrics, client, channel, pb_grpc.StateServerStub(channel))
@@ -146,9 +158,7 @@ def _observe(s: Served, shard_id: int = 0) -> Observed:
 
 def _assert_unchanged(s: Served, before: Observed) -> None:
     after = _observe(s)
-    assert (after.step, after.updates_applied, after.shards) == (
-        before.step, before.updates_applied, before.shards
-    )
+    assert (after.step, after.updates_applied, after.shards) == (before.step, before.updates_applied, before.shards)
     _assert_bitwise_equal(after.weights, before.weights)
 
 
@@ -157,8 +167,7 @@ def _key(shard_id: int = 0, run_id: str = RUN) -> pb.ShardKey:
 
 
 def _header(step: int = 2, **fields) -> pb.PushGradientRequest:
-    values = dict(key=_key(), step=step, dtype=pb.DTYPE_FLOAT32, numel=NUMEL,
-                  global_grad_norm=GLOBAL_NORM, lr=LR)
+    values = dict(key=_key(), step=step, dtype=pb.DTYPE_FLOAT32, numel=NUMEL, global_grad_norm=GLOBAL_NORM, lr=LR)
     values.update(fields)
     return pb.PushGradientRequest(header=pb.PushHeader(**values))
 
@@ -171,8 +180,9 @@ def _push_raw(s: Served, messages: list[pb.PushGradientRequest]) -> pb.PushGradi
     return s.stub.PushGradient(iter(messages), timeout=DEADLINE_S)
 
 
-def _fetch_raw(s: Served, step: int, dtype: int = pb.DTYPE_FLOAT32, *, shard_id: int = 0,
-               chunk_bytes: int = CHUNK_BYTES) -> list[pb.WeightsChunk]:
+def _fetch_raw(
+    s: Served, step: int, dtype: int = pb.DTYPE_FLOAT32, *, shard_id: int = 0, chunk_bytes: int = CHUNK_BYTES
+) -> list[pb.WeightsChunk]:
     request = pb.FetchWeightsRequest(key=_key(shard_id), step=step, dtype=dtype, chunk_bytes=chunk_bytes)
     return list(s.stub.FetchWeights(request, timeout=DEADLINE_S))
 
@@ -257,14 +267,16 @@ def test_weights_come_back_in_several_ordered_checksummed_chunks(stepped: Served
             assert m.chunk.crc32c == google_crc32c.value(m.chunk.data)
             offset += len(m.chunk.data)
         raw = b"".join(m.chunk.data for m in messages)
-        _assert_bitwise_equal(torch.frombuffer(bytearray(raw), dtype=expected.weights(1, name).dtype),
-                              expected.weights(1, name))
+        _assert_bitwise_equal(
+            torch.frombuffer(bytearray(raw), dtype=expected.weights(1, name).dtype), expected.weights(1, name)
+        )
     # chunk_bytes 0 lets the server choose: one chunk for a shard this small.
     assert len(_fetch_raw(stepped, 1, chunk_bytes=0)) == 1
 
 
 def test_a_failure_after_the_first_weights_chunk_ends_the_call_with_a_status(
-        stepped: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    stepped: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Chunks are built as they are sent; one that cannot be built still aborts the call."""
     from cargohold.services.transport import grpc_server
 
@@ -296,8 +308,9 @@ def test_fetch_into_a_given_tensor_and_repeated_fetches_agree(stepped: Served) -
         stepped.client.push(RUN, 0, step, gradient, global_norm=GLOBAL_NORM, lr=LR)
         expected.push(step, gradient, global_norm=GLOBAL_NORM, lr=LR)
         for _ in range(2):
-            _assert_bitwise_equal(stepped.client.fetch(RUN, 0, step, "bfloat16", NUMEL),
-                                  expected.weights(step, "bfloat16"))
+            _assert_bitwise_equal(
+                stepped.client.fetch(RUN, 0, step, "bfloat16", NUMEL), expected.weights(step, "bfloat16")
+            )
     with pytest.raises(CargoholdError, match="contiguous CPU tensor of 10240 x bfloat16"):
         stepped.client.fetch(RUN, 0, 3, "bfloat16", NUMEL, out=torch.empty(NUMEL))
 
@@ -308,8 +321,7 @@ def test_gradient_chunks_may_split_elements_anywhere(served: Served) -> None:
     raw = G1.view(torch.uint8).numpy().tobytes()
     cuts = [0, 1, 4097, 4100, 9999, 20_001, 40_959, len(raw)]
     chunks = [
-        pb.PushGradientRequest(chunk=pb.TensorChunk(byte_offset=a, data=raw[a:b],
-                                                    crc32c=google_crc32c.value(raw[a:b])))
+        pb.PushGradientRequest(chunk=pb.TensorChunk(byte_offset=a, data=raw[a:b], crc32c=google_crc32c.value(raw[a:b])))
         for a, b in zip(cuts, cuts[1:])
     ]
     reply = _push_raw(served, [_header(step=1), *chunks])
@@ -347,8 +359,10 @@ def _register_raw(s: Served, messages: list[pb.RegisterShardRequest]) -> pb.Regi
 
 
 def _register_messages(spec: pb.ShardSpec, weights: torch.Tensor = W0) -> list[pb.RegisterShardRequest]:
-    return [pb.RegisterShardRequest(spec=spec),
-            *(pb.RegisterShardRequest(initial_weights=c) for c in tensor_chunks(weights, CHUNK_BYTES))]
+    return [
+        pb.RegisterShardRequest(spec=spec),
+        *(pb.RegisterShardRequest(initial_weights=c) for c in tensor_chunks(weights, CHUNK_BYTES)),
+    ]
 
 
 def _spec_with(field: str, value) -> pb.ShardSpec:
@@ -371,126 +385,219 @@ def _spec_of_run(run_id: str) -> ShardSpec:
 # (case, call, status, words the message must contain). Every call runs against a server
 # whose shard 0 is at step 1; afterwards nothing a worker can observe may differ.
 BAD_REQUESTS: list[tuple[str, Callable[[Served], object], grpc.StatusCode, str]] = [
-    ("gradient of the wrong size",
-     lambda s: s.client.push(RUN, 0, 2, G1[:-1], global_norm=GLOBAL_NORM, lr=LR),
-     Code.INVALID_ARGUMENT, "gradient must be 10240 x float32, got 10239 x float32"),
-    ("gradient in bf16 for a float32 spec",
-     lambda s: s.client.push(RUN, 0, 2, G1.to(torch.bfloat16), global_norm=GLOBAL_NORM, lr=LR),
-     Code.INVALID_ARGUMENT, "got 10240 x bfloat16"),
-    ("push for an unknown shard",
-     lambda s: s.client.push(RUN, 9, 1, G1, global_norm=GLOBAL_NORM, lr=LR),
-     Code.NOT_FOUND, "no shard 9 is registered for run 'run-transport'"),
-    ("push for another run",
-     lambda s: s.client.push("other-run", 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR),
-     Code.PERMISSION_DENIED, "serves run 'run-transport', not 'other-run'"),
-    ("registering a shard of another run",
-     lambda s: s.client.register(_spec_of_run("other-run"), W0),
-     Code.PERMISSION_DENIED, "serves run 'run-transport', not 'other-run'"),
-    ("fetch from another run",
-     lambda s: s.client.fetch("other-run", 0, 1, "float32", NUMEL),
-     Code.PERMISSION_DENIED, "not 'other-run'"),
-    ("commit for another run",
-     lambda s: s.client.commit("other-run", 0, 1, global_norm=GLOBAL_NORM, lr=LR),
-     Code.PERMISSION_DENIED, "not 'other-run'"),
-    ("describe a shard of another run",
-     lambda s: s.client.describe("other-run", 0),
-     Code.PERMISSION_DENIED, "not 'other-run'"),
-    ("stats of another run",
-     lambda s: s.client.stats(run_id="other-run"),
-     Code.PERMISSION_DENIED, "not 'other-run'"),
-    ("push that skips a step",
-     lambda s: s.client.push(RUN, 0, 3, G1, global_norm=GLOBAL_NORM, lr=LR),
-     Code.FAILED_PRECONDITION, "is at step 1; it accepts a gradient for step 2, got step 3"),
-    ("push for an old step",
-     lambda s: s.client.push(RUN, 0, 0, G1, global_norm=GLOBAL_NORM, lr=LR),
-     Code.FAILED_PRECONDITION, "accepts a gradient for step 2, got step 0"),
-    ("push with a NaN learning rate",
-     lambda s: s.client.push(RUN, 0, 2, G1, global_norm=GLOBAL_NORM, lr=math.nan),
-     Code.INVALID_ARGUMENT, "lr must be finite"),
-    ("push with a negative global norm",
-     lambda s: s.client.push(RUN, 0, 2, G1, global_norm=-1.0, lr=LR),
-     Code.INVALID_ARGUMENT, "global gradient norm must be finite"),
-    ("re-register with a different spec",
-     lambda s: s.client.register(_spec(hyper=AdamWHyperParams(weight_decay=0.0)), W0),
-     Code.ALREADY_EXISTS, "already registered with a different specification"),
-    ("re-register with other fragments",
-     lambda s: s.client.register(_spec(fragments=((0, 64),)), W0),
-     Code.ALREADY_EXISTS, "different specification"),
-    ("corrupted gradient chunk checksum",
-     lambda s: _push_raw(s, _flip_crc([_header(), *_chunks(G1)], 4)),
-     Code.DATA_LOSS, "CRC-32C mismatch in chunk at byte 12288"),
-    ("corrupted initial-weights checksum",
-     _bad_register_crc,
-     Code.DATA_LOSS, "CRC-32C mismatch in chunk at byte 8192"),
-    ("truncated gradient stream",
-     lambda s: _push_raw(s, [_header(), *_chunks(G1)][:-1]),
-     Code.INVALID_ARGUMENT, "stream ended after 36864 of 40960 bytes"),
-    ("header only, no gradient",
-     lambda s: _push_raw(s, [_header()]),
-     Code.INVALID_ARGUMENT, "stream ended after 0 of 40960 bytes"),
-    ("more bytes than declared",
-     lambda s: _push_raw(s, [_header(), *_chunks(G1),
-                             pb.PushGradientRequest(chunk=pb.TensorChunk(byte_offset=40960, data=b"\0" * 4,
-                                                                        crc32c=google_crc32c.value(b"\0" * 4)))]),
-     Code.INVALID_ARGUMENT, "40964 bytes received, more than the 40960 bytes declared"),
-    ("chunks out of order",
-     lambda s: _push_raw(s, _swap([_header(), *_chunks(G1)], 2, 3)),
-     Code.INVALID_ARGUMENT, "chunk at byte 8192 arrived, expected byte 4096"),
-    ("a chunk repeated",
-     lambda s: _push_raw(s, (lambda m: m[:3] + m[2:])([_header(), *_chunks(G1)])),
-     Code.INVALID_ARGUMENT, "chunk at byte 4096 arrived, expected byte 8192"),
-    ("push stream that starts with a chunk",
-     lambda s: _push_raw(s, [*_chunks(G1)]),
-     Code.INVALID_ARGUMENT, "the first message must carry the header"),
-    ("empty push stream",
-     lambda s: _push_raw(s, []),
-     Code.INVALID_ARGUMENT, "the first message must carry the header"),
-    ("a second header inside the stream",
-     lambda s: _push_raw(s, [_header(), _header(), *_chunks(G1)]),
-     Code.INVALID_ARGUMENT, "only chunk messages may follow the first"),
-    ("register stream that starts with weights",
-     lambda s: _register_raw(s, _register_messages(spec_to_proto(_spec(shard_id=5)))[1:]),
-     Code.INVALID_ARGUMENT, "the first message must carry the spec"),
-    ("register with an unsupported grad dtype",
-     lambda s: _register_raw(s, _register_messages(_spec_with("grad_dtype", 7))),
-     Code.INVALID_ARGUMENT, "unsupported dtype enum value 7"),
-    ("register with eps 0",
-     lambda s: _register_raw(s, _register_messages(_spec_with("hyper.eps", 0.0))),
-     Code.INVALID_ARGUMENT, "optim.eps must be > 0"),
-    ("register with a fragment past the segment",
-     lambda s: _register_raw(s, _register_messages(_spec_with("numel", 100))),
-     Code.INVALID_ARGUMENT, "leaves the segment of 100 elements"),
-    ("register declaring an absurd size",
-     lambda s: _register_raw(s, _register_messages(_spec_with("numel", 2**64 - 1))[:1]),
-     Code.INVALID_ARGUMENT, "cannot hold 18446744073709551615 x float32"),
-    ("push with an unsupported dtype enum value",
-     lambda s: _push_raw(s, [_header(dtype=7), *_chunks(G1)]),
-     Code.INVALID_ARGUMENT, "unsupported dtype enum value 7"),
-    ("push with an unspecified dtype",
-     lambda s: _push_raw(s, [_header(dtype=pb.DTYPE_UNSPECIFIED), *_chunks(G1)]),
-     Code.INVALID_ARGUMENT, "unsupported dtype enum value 0"),
-    ("fetch of a step not yet applied",
-     lambda s: s.client.fetch(RUN, 0, 2, "float32", NUMEL),
-     Code.FAILED_PRECONDITION, "holds the weights of step 1, not of step 2"),
-    ("fetch of an unknown shard",
-     lambda s: s.client.fetch(RUN, 9, 1, "float32", NUMEL),
-     Code.NOT_FOUND, "no shard 9"),
-    ("fetch in an unsupported dtype enum value",
-     lambda s: _fetch_raw(s, 1, dtype=7),
-     Code.INVALID_ARGUMENT, "unsupported dtype enum value 7"),
-    ("fetch with chunks over the limit",
-     lambda s: _fetch_raw(s, 1, chunk_bytes=2**32 - 1),
-     Code.INVALID_ARGUMENT, "chunk_bytes must be <="),
-    ("describe of an unknown shard",
-     lambda s: s.client.describe(RUN, 9),
-     Code.NOT_FOUND, "no shard 9"),
+    (
+        "gradient of the wrong size",
+        lambda s: s.client.push(RUN, 0, 2, G1[:-1], global_norm=GLOBAL_NORM, lr=LR),
+        Code.INVALID_ARGUMENT,
+        "gradient must be 10240 x float32, got 10239 x float32",
+    ),
+    (
+        "gradient in bf16 for a float32 spec",
+        lambda s: s.client.push(RUN, 0, 2, G1.to(torch.bfloat16), global_norm=GLOBAL_NORM, lr=LR),
+        Code.INVALID_ARGUMENT,
+        "got 10240 x bfloat16",
+    ),
+    (
+        "push for an unknown shard",
+        lambda s: s.client.push(RUN, 9, 1, G1, global_norm=GLOBAL_NORM, lr=LR),
+        Code.NOT_FOUND,
+        "no shard 9 is registered for run 'run-transport'",
+    ),
+    (
+        "push for another run",
+        lambda s: s.client.push("other-run", 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR),
+        Code.PERMISSION_DENIED,
+        "serves run 'run-transport', not 'other-run'",
+    ),
+    (
+        "registering a shard of another run",
+        lambda s: s.client.register(_spec_of_run("other-run"), W0),
+        Code.PERMISSION_DENIED,
+        "serves run 'run-transport', not 'other-run'",
+    ),
+    (
+        "fetch from another run",
+        lambda s: s.client.fetch("other-run", 0, 1, "float32", NUMEL),
+        Code.PERMISSION_DENIED,
+        "not 'other-run'",
+    ),
+    (
+        "commit for another run",
+        lambda s: s.client.commit("other-run", 0, 1, global_norm=GLOBAL_NORM, lr=LR),
+        Code.PERMISSION_DENIED,
+        "not 'other-run'",
+    ),
+    (
+        "describe a shard of another run",
+        lambda s: s.client.describe("other-run", 0),
+        Code.PERMISSION_DENIED,
+        "not 'other-run'",
+    ),
+    ("stats of another run", lambda s: s.client.stats(run_id="other-run"), Code.PERMISSION_DENIED, "not 'other-run'"),
+    (
+        "push that skips a step",
+        lambda s: s.client.push(RUN, 0, 3, G1, global_norm=GLOBAL_NORM, lr=LR),
+        Code.FAILED_PRECONDITION,
+        "is at step 1; it accepts a gradient for step 2, got step 3",
+    ),
+    (
+        "push for an old step",
+        lambda s: s.client.push(RUN, 0, 0, G1, global_norm=GLOBAL_NORM, lr=LR),
+        Code.FAILED_PRECONDITION,
+        "accepts a gradient for step 2, got step 0",
+    ),
+    (
+        "push with a NaN learning rate",
+        lambda s: s.client.push(RUN, 0, 2, G1, global_norm=GLOBAL_NORM, lr=math.nan),
+        Code.INVALID_ARGUMENT,
+        "lr must be finite",
+    ),
+    (
+        "push with a negative global norm",
+        lambda s: s.client.push(RUN, 0, 2, G1, global_norm=-1.0, lr=LR),
+        Code.INVALID_ARGUMENT,
+        "global gradient norm must be finite",
+    ),
+    (
+        "re-register with a different spec",
+        lambda s: s.client.register(_spec(hyper=AdamWHyperParams(weight_decay=0.0)), W0),
+        Code.ALREADY_EXISTS,
+        "already registered with a different specification",
+    ),
+    (
+        "re-register with other fragments",
+        lambda s: s.client.register(_spec(fragments=((0, 64),)), W0),
+        Code.ALREADY_EXISTS,
+        "different specification",
+    ),
+    (
+        "corrupted gradient chunk checksum",
+        lambda s: _push_raw(s, _flip_crc([_header(), *_chunks(G1)], 4)),
+        Code.DATA_LOSS,
+        "CRC-32C mismatch in chunk at byte 12288",
+    ),
+    ("corrupted initial-weights checksum", _bad_register_crc, Code.DATA_LOSS, "CRC-32C mismatch in chunk at byte 8192"),
+    (
+        "truncated gradient stream",
+        lambda s: _push_raw(s, [_header(), *_chunks(G1)][:-1]),
+        Code.INVALID_ARGUMENT,
+        "stream ended after 36864 of 40960 bytes",
+    ),
+    (
+        "header only, no gradient",
+        lambda s: _push_raw(s, [_header()]),
+        Code.INVALID_ARGUMENT,
+        "stream ended after 0 of 40960 bytes",
+    ),
+    (
+        "more bytes than declared",
+        lambda s: _push_raw(
+            s,
+            [
+                _header(),
+                *_chunks(G1),
+                pb.PushGradientRequest(
+                    chunk=pb.TensorChunk(byte_offset=40960, data=b"\0" * 4, crc32c=google_crc32c.value(b"\0" * 4))
+                ),
+            ],
+        ),
+        Code.INVALID_ARGUMENT,
+        "40964 bytes received, more than the 40960 bytes declared",
+    ),
+    (
+        "chunks out of order",
+        lambda s: _push_raw(s, _swap([_header(), *_chunks(G1)], 2, 3)),
+        Code.INVALID_ARGUMENT,
+        "chunk at byte 8192 arrived, expected byte 4096",
+    ),
+    (
+        "a chunk repeated",
+        lambda s: _push_raw(s, (lambda m: m[:3] + m[2:])([_header(), *_chunks(G1)])),
+        Code.INVALID_ARGUMENT,
+        "chunk at byte 4096 arrived, expected byte 8192",
+    ),
+    (
+        "push stream that starts with a chunk",
+        lambda s: _push_raw(s, [*_chunks(G1)]),
+        Code.INVALID_ARGUMENT,
+        "the first message must carry the header",
+    ),
+    ("empty push stream", lambda s: _push_raw(s, []), Code.INVALID_ARGUMENT, "the first message must carry the header"),
+    (
+        "a second header inside the stream",
+        lambda s: _push_raw(s, [_header(), _header(), *_chunks(G1)]),
+        Code.INVALID_ARGUMENT,
+        "only chunk messages may follow the first",
+    ),
+    (
+        "register stream that starts with weights",
+        lambda s: _register_raw(s, _register_messages(spec_to_proto(_spec(shard_id=5)))[1:]),
+        Code.INVALID_ARGUMENT,
+        "the first message must carry the spec",
+    ),
+    (
+        "register with an unsupported grad dtype",
+        lambda s: _register_raw(s, _register_messages(_spec_with("grad_dtype", 7))),
+        Code.INVALID_ARGUMENT,
+        "unsupported dtype enum value 7",
+    ),
+    (
+        "register with eps 0",
+        lambda s: _register_raw(s, _register_messages(_spec_with("hyper.eps", 0.0))),
+        Code.INVALID_ARGUMENT,
+        "optim.eps must be > 0",
+    ),
+    (
+        "register with a fragment past the segment",
+        lambda s: _register_raw(s, _register_messages(_spec_with("numel", 100))),
+        Code.INVALID_ARGUMENT,
+        "leaves the segment of 100 elements",
+    ),
+    (
+        "register declaring an absurd size",
+        lambda s: _register_raw(s, _register_messages(_spec_with("numel", 2**64 - 1))[:1]),
+        Code.INVALID_ARGUMENT,
+        "cannot hold 18446744073709551615 x float32",
+    ),
+    (
+        "push with an unsupported dtype enum value",
+        lambda s: _push_raw(s, [_header(dtype=7), *_chunks(G1)]),
+        Code.INVALID_ARGUMENT,
+        "unsupported dtype enum value 7",
+    ),
+    (
+        "push with an unspecified dtype",
+        lambda s: _push_raw(s, [_header(dtype=pb.DTYPE_UNSPECIFIED), *_chunks(G1)]),
+        Code.INVALID_ARGUMENT,
+        "unsupported dtype enum value 0",
+    ),
+    (
+        "fetch of a step not yet applied",
+        lambda s: s.client.fetch(RUN, 0, 2, "float32", NUMEL),
+        Code.FAILED_PRECONDITION,
+        "holds the weights of step 1, not of step 2",
+    ),
+    ("fetch of an unknown shard", lambda s: s.client.fetch(RUN, 9, 1, "float32", NUMEL), Code.NOT_FOUND, "no shard 9"),
+    (
+        "fetch in an unsupported dtype enum value",
+        lambda s: _fetch_raw(s, 1, dtype=7),
+        Code.INVALID_ARGUMENT,
+        "unsupported dtype enum value 7",
+    ),
+    (
+        "fetch with chunks over the limit",
+        lambda s: _fetch_raw(s, 1, chunk_bytes=2**32 - 1),
+        Code.INVALID_ARGUMENT,
+        "chunk_bytes must be <=",
+    ),
+    ("describe of an unknown shard", lambda s: s.client.describe(RUN, 9), Code.NOT_FOUND, "no shard 9"),
 ]
 
 
-@pytest.mark.parametrize(("call", "code", "words"), [c[1:] for c in BAD_REQUESTS],
-                         ids=[c[0] for c in BAD_REQUESTS])
+@pytest.mark.parametrize(("call", "code", "words"), [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
 def test_a_bad_request_is_refused_with_its_status_and_changes_nothing(
-        stepped: Served, call: Callable[[Served], object], code: grpc.StatusCode, words: str) -> None:
+    stepped: Served, call: Callable[[Served], object], code: grpc.StatusCode, words: str
+) -> None:
     before = _observe(stepped)
     got, details = _status(lambda: call(stepped))
     assert (got, words in details) == (code, True), f"{got.name}: {details!r}"
@@ -506,8 +613,10 @@ _U64 = st.integers(0, 2**64 - 1)
 _U32 = st.integers(0, 2**32 - 1)
 _DOUBLES = st.floats(allow_nan=True, allow_infinity=True)
 _DTYPE = st.one_of(st.sampled_from([0, 2, 3]), st.integers(-(2**31), 2**31 - 1))
-_OTHER_KEY = (st.builds(pb.ShardKey, run_id=st.just(RUN), shard_id=st.integers(1, 2**32 - 1))  # unknown shard
-              | st.builds(pb.ShardKey, run_id=st.sampled_from(["", "x"]), shard_id=st.integers(0, 2**32 - 1)))
+_OTHER_KEY = (
+    st.builds(pb.ShardKey, run_id=st.just(RUN), shard_id=st.integers(1, 2**32 - 1))  # unknown shard
+    | st.builds(pb.ShardKey, run_id=st.sampled_from(["", "x"]), shard_id=st.integers(0, 2**32 - 1))
+)
 _CHUNK_FAULTS = ("chunk_offset", "chunk_crc", "chunk_data", "drop_chunk", "truncate", "extra_chunk")
 
 
@@ -516,8 +625,10 @@ def _stream(draw, nbytes: int) -> list[pb.TensorChunk]:
     data = random.Random(draw(_U32)).randbytes(nbytes)
     cuts = sorted(draw(st.lists(st.integers(1, nbytes - 1), max_size=6, unique=True)))
     bounds = [0, *cuts, nbytes]
-    return [pb.TensorChunk(byte_offset=a, data=data[a:b], crc32c=google_crc32c.value(data[a:b]))
-            for a, b in zip(bounds, bounds[1:])]
+    return [
+        pb.TensorChunk(byte_offset=a, data=data[a:b], crc32c=google_crc32c.value(data[a:b]))
+        for a, b in zip(bounds, bounds[1:])
+    ]
 
 
 def _spoil_chunks(draw, chunks: list[pb.TensorChunk], fault: str) -> list[pb.TensorChunk]:
@@ -551,14 +662,23 @@ def _faults(names: tuple[str, ...]) -> st.SearchStrategy[list[str]]:
 # repeats (a push of step 1, the identical registration of shard 0), so no fuzzed
 # request may change what a worker observes. A push claims step 2 (the one that would
 # apply) only together with a truncated stream.
-_PUSH_FAULTS = ("key", "step", "dtype", "numel", "norm", "lr", "header_again", "no_header", "step_2_truncated",
-                *_CHUNK_FAULTS)
+_PUSH_FAULTS = (
+    "key",
+    "step",
+    "dtype",
+    "numel",
+    "norm",
+    "lr",
+    "header_again",
+    "no_header",
+    "step_2_truncated",
+    *_CHUNK_FAULTS,
+)
 
 
 @st.composite
 def _push(draw) -> list[pb.PushGradientRequest]:
-    header = pb.PushHeader(key=_key(), step=1, dtype=pb.DTYPE_FLOAT32, numel=NUMEL,
-                           global_grad_norm=GLOBAL_NORM, lr=LR)
+    header = pb.PushHeader(key=_key(), step=1, dtype=pb.DTYPE_FLOAT32, numel=NUMEL, global_grad_norm=GLOBAL_NORM, lr=LR)
     chunks = _stream(draw, 4 * NUMEL)
     faults = draw(_faults(_PUSH_FAULTS))
     for fault in faults:
@@ -606,8 +726,7 @@ def _register(draw) -> list[pb.RegisterShardRequest]:
         elif fault == "fragments":
             del spec.fragments[:]
             for _ in range(draw(st.integers(0, 3))):
-                spec.fragments.add(offset=draw(st.integers(0, NUMEL) | _U64),
-                                   length=draw(st.integers(0, NUMEL) | _U64))
+                spec.fragments.add(offset=draw(st.integers(0, NUMEL) | _U64), length=draw(st.integers(0, NUMEL) | _U64))
         elif fault == "grad_dtype":
             spec.grad_dtype = draw(_DTYPE | st.just(pb.DTYPE_BFLOAT16))
         elif fault == "hyper":
@@ -623,8 +742,12 @@ _FETCH_FAULTS = ("key", "step", "dtype", "chunk_bytes")
 
 @st.composite
 def _fetch(draw) -> pb.FetchWeightsRequest:
-    request = pb.FetchWeightsRequest(key=_key(), step=1, dtype=draw(st.sampled_from([1, 2])),
-                                     chunk_bytes=draw(st.sampled_from([0, 4096]) | st.integers(1024, 1 << 20)))
+    request = pb.FetchWeightsRequest(
+        key=_key(),
+        step=1,
+        dtype=draw(st.sampled_from([1, 2])),
+        chunk_bytes=draw(st.sampled_from([0, 4096]) | st.integers(1024, 1 << 20)),
+    )
     for fault in draw(_faults(_FETCH_FAULTS)):
         if fault == "key":
             request.key.CopyFrom(draw(_OTHER_KEY))
@@ -644,6 +767,7 @@ _RPC_PATHS = {name: f"/{SERVICE_NAME}/{name}" for name in ("RegisterShard", "Pus
 def _bound(send: Callable[[str, object], None], kind: str) -> Callable[[object], None]:
     def send_one(payload) -> None:
         send(kind, payload)
+
     return send_one
 
 
@@ -685,17 +809,24 @@ def test_fuzzed_requests_never_break_the_server_or_change_its_state() -> None:
 
         # Each RPC gets its own budget, so that none crowds out the others.
         for kind, strategy, examples in (
-            ("push", _push(), 40), ("register", _register(), 30), ("fetch", _fetch(), 25),
-            ("PushGradient", _GARBAGE, 8), ("RegisterShard", _GARBAGE, 8),
+            ("push", _push(), 40),
+            ("register", _register(), 30),
+            ("fetch", _fetch(), 25),
+            ("PushGradient", _GARBAGE, 8),
+            ("RegisterShard", _GARBAGE, 8),
         ):
-            settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                            HealthCheck.filter_too_much])(
-                given(strategy)(_bound(send, kind)))()
+            settings(
+                max_examples=examples,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+            )(given(strategy)(_bound(send, kind)))()
         # The server still works after all that: the next step applies normally.
         assert s.client.push(RUN, 0, 2, G2, global_norm=GLOBAL_NORM, lr=LR).applied
-        _assert_bitwise_equal(s.client.fetch(RUN, 0, 2, "float32", NUMEL),
-                              _local(_spec(), [G1, G2]).snapshot()["master"])
+        _assert_bitwise_equal(
+            s.client.fetch(RUN, 0, 2, "float32", NUMEL), _local(_spec(), [G1, G2]).snapshot()["master"]
+        )
         # The fuzz got past the first checks: it reached the deeper answers too.
         for kind in ("push", "register", "fetch"):
             assert outcomes.get(f"{kind}:OK") and len([o for o in outcomes if o.startswith(kind)]) >= 3, outcomes
@@ -719,7 +850,7 @@ def _scrape(address: str) -> dict[tuple[str, frozenset], float]:
 
 def _total(samples: dict, name: str, **labels: str) -> float:
     want = set(labels.items())
-    return sum(v for (n, l), v in samples.items() if n == name and want <= l)
+    return sum(v for (n, have), v in samples.items() if n == name and want <= have)
 
 
 def test_stats_and_scraped_metrics_agree_with_the_traffic(served: Served) -> None:
@@ -773,8 +904,12 @@ def test_remote_error_survives_pickling(served: Served) -> None:
     assert error.code == Code.NOT_FOUND and error.rpc == "DescribeShard"
     copy = pickle.loads(pickle.dumps(error))
     assert type(copy) is RemoteError
-    assert (copy.code, copy.rpc, copy.address, copy.details) == (Code.NOT_FOUND, "DescribeShard",
-                                                                 served.server.address, error.details)
+    assert (copy.code, copy.rpc, copy.address, copy.details) == (
+        Code.NOT_FOUND,
+        "DescribeShard",
+        served.server.address,
+        error.details,
+    )
     assert str(copy) == str(error) and "no shard 9" in str(copy) and "NOT_FOUND" in str(copy)
 
 
@@ -813,8 +948,9 @@ def test_staged_push_applies_only_on_commit_and_equals_a_direct_push(stepped: Se
 
     committed = stepped.client.commit(RUN, 0, 2, global_norm=GLOBAL_NORM, lr=LR)
     assert committed.applied and committed.step == 2
-    _assert_bitwise_equal(stepped.client.fetch(RUN, 0, 2, "float32", NUMEL),
-                          _local(_spec(), [G1, G2]).weights(2, "float32"))
+    _assert_bitwise_equal(
+        stepped.client.fetch(RUN, 0, 2, "float32", NUMEL), _local(_spec(), [G1, G2]).weights(2, "float32")
+    )
 
     # A repeated commit (a retry) is acknowledged and ignored; so is a late staged push.
     again = stepped.client.commit(RUN, 0, 2, global_norm=GLOBAL_NORM, lr=LR)
@@ -841,6 +977,5 @@ def test_commit_without_a_staged_gradient_is_refused_and_changes_nothing(stepped
 def test_concurrent_commits_apply_once(stepped: Served) -> None:
     stepped.client.push(RUN, 0, 2, G2, defer_update=True)
     with ThreadPoolExecutor(8) as pool:
-        outcomes = list(pool.map(
-            lambda _: stepped.client.commit(RUN, 0, 2, global_norm=GLOBAL_NORM, lr=LR), range(8)))
+        outcomes = list(pool.map(lambda _: stepped.client.commit(RUN, 0, 2, global_norm=GLOBAL_NORM, lr=LR), range(8)))
     assert sum(o.applied for o in outcomes) == 1

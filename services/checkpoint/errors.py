@@ -10,8 +10,11 @@ from cargohold.services.errors import CheckpointError, CorruptCheckpointError
 
 def free_space_hint(error: OSError) -> str:
     """What to do, appended to the message of a write that ran out of space."""
-    return ("; free space there or lower the number of checkpoints kept"
-            if error.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+    return (
+        "; free space there or lower the number of checkpoints kept"
+        if error.errno in (errno.ENOSPC, errno.EDQUOT)
+        else ""
+    )
 
 
 def os_error(action: str, path: Path, error: OSError) -> CheckpointError:

@@ -85,15 +85,25 @@ class LayoutRecord:
             raise CheckpointError(f"layout.group_names must be a list of strings, got {_shown(self.group_names)}")
 
     def to_body(self) -> dict[str, Any]:
-        return {"kind": self.kind, "align": self.align, "num_workers": self.num_workers,
-                "num_servers": self.num_servers, "group_sizes": list(self.group_sizes),
-                "group_names": list(self.group_names)}
+        return {
+            "kind": self.kind,
+            "align": self.align,
+            "num_workers": self.num_workers,
+            "num_servers": self.num_servers,
+            "group_sizes": list(self.group_sizes),
+            "group_names": list(self.group_names),
+        }
 
     @classmethod
     def from_body(cls, body: object) -> LayoutRecord:
         entry = _record(body, cls, "layout")
-        return cls(**{**entry, "group_sizes": tuple(_list(entry["group_sizes"], "layout.group_sizes")),
-                      "group_names": tuple(_list(entry["group_names"], "layout.group_names"))})
+        return cls(
+            **{
+                **entry,
+                "group_sizes": tuple(_list(entry["group_sizes"], "layout.group_sizes")),
+                "group_names": tuple(_list(entry["group_names"], "layout.group_names")),
+            }
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,14 +168,14 @@ class Manifest:
         if not isinstance(body, dict):
             raise CheckpointError(f"the manifest is a JSON {type(body).__name__}, not an object")
         version = body.get("format_version")
-        if is_int(version) and 1 <= version < FORMAT_VERSION:
+        if isinstance(version, int) and is_int(version) and 1 <= version < FORMAT_VERSION:
             raise CheckpointError(
                 f"format version {version} is no longer readable: this build reads version {FORMAT_VERSION} "
                 "only (start the run afresh, or finish it with the cargohold version that wrote it)"
             )
         if version != FORMAT_VERSION or not is_int(version):
             raise CheckpointError(f"format version {version!r}; this build reads version {FORMAT_VERSION}")
-        keys = {"format_version", *cls.__dataclass_fields__}  # type: ignore[attr-defined]
+        keys = {"format_version", *cls.__dataclass_fields__}
         if set(body) != keys:
             missing, unknown = sorted(keys - set(body)), sorted(set(body) - keys)
             raise CheckpointError(f"manifest fields missing {missing}, unknown {unknown}")
@@ -180,8 +190,7 @@ class Manifest:
             model_signature=tuple(_signature_entry(entry, i) for i, entry in enumerate(signature)),
             layout=LayoutRecord.from_body(body["layout"]),
             total=body["total"],
-            shards=tuple(ShardRecord(**_record(entry, ShardRecord, f"shards[{i}]"))
-                         for i, entry in enumerate(shards)),
+            shards=tuple(ShardRecord(**_record(entry, ShardRecord, f"shards[{i}]")) for i, entry in enumerate(shards)),
             files=tuple(FileRecord(**_record(entry, FileRecord, f"files[{i}]")) for i, entry in enumerate(files)),
         )
 
@@ -216,8 +225,15 @@ def is_int(value: object) -> bool:
 
 def _check_name(name: object) -> None:
     """A payload file name: one plain path component, not one the store itself uses."""
-    if (not isinstance(name, str) or not name or name in (".", "..", MANIFEST_NAME)
-            or "/" in name or "\\" in name or "\0" in name or name.endswith(TEMP_SUFFIX)):
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..", MANIFEST_NAME)
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or name.endswith(TEMP_SUFFIX)
+    ):
         raise CheckpointError(
             f"file {name!r} is not a valid payload file name (one path component, not "
             f"{MANIFEST_NAME!r}, not ending in {TEMP_SUFFIX!r})"
@@ -242,8 +258,13 @@ def _validate_manifest(m: Manifest) -> None:
     if not isinstance(m.model_signature, tuple):
         raise CheckpointError("model_signature must be a tuple of (name, shape)")
     for index, entry in enumerate(m.model_signature):
-        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
-                and isinstance(entry[1], tuple) and all(is_int(d) and d >= 0 for d in entry[1])):
+        if not (
+            isinstance(entry, tuple)
+            and len(entry) == 2
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], tuple)
+            and all(is_int(d) and d >= 0 for d in entry[1])
+        ):
             raise CheckpointError(f"model_signature[{index}] must be (name, shape), got {entry!r}")
     if not isinstance(m.layout, LayoutRecord):
         raise CheckpointError(f"layout must be a LayoutRecord, got {type(m.layout).__name__}")

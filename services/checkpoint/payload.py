@@ -57,8 +57,9 @@ def open_sized(path: Path, record: FileRecord) -> tuple[int, int]:
     return fd, size
 
 
-def verify(fd: int, path: Path, size: int, record: FileRecord, shard: ShardRecord, manifest: Manifest,
-           buffer: memoryview) -> Payload:
+def verify(
+    fd: int, path: Path, size: int, record: FileRecord, shard: ShardRecord, manifest: Manifest, buffer: memoryview
+) -> Payload:
     """Check the partition file of ``shard`` against its manifest: the header (its
     checksum is the one ``record`` holds), the identity, the update count, the size and
     each array's checksum, streamed through ``buffer``. Raises CorruptCheckpointError
@@ -74,10 +75,15 @@ def verify(fd: int, path: Path, size: int, record: FileRecord, shard: ShardRecor
     layout = FileLayout(header.numel)
     if size != layout.file_bytes:
         raise corrupt(path, f"it is {size} bytes, its header says {layout.file_bytes} (truncated?)")
-    if ((header.key.run_id, header.key.shard_id) != (manifest.run_id, shard.segment_id)
-            or header.numel != shard.stop - shard.start):
-        raise corrupt(path, f"it holds {header.key} of {header.numel} elements, the manifest puts shard "
-                            f"{shard.segment_id} [{shard.start}, {shard.stop}) of run {manifest.run_id!r} in it")
+    if (header.key.run_id, header.key.shard_id) != (
+        manifest.run_id,
+        shard.segment_id,
+    ) or header.numel != shard.stop - shard.start:
+        raise corrupt(
+            path,
+            f"it holds {header.key} of {header.numel} elements, the manifest puts shard "
+            f"{shard.segment_id} [{shard.start}, {shard.stop}) of run {manifest.run_id!r} in it",
+        )
     if header.step != manifest.updates:
         raise corrupt(path, f"it holds the state after {header.step} updates, the manifest's after {manifest.updates}")
     for index, array_name in enumerate(ARRAYS):
@@ -89,7 +95,7 @@ def verify(fd: int, path: Path, size: int, record: FileRecord, shard: ShardRecor
 def read_into(fd: int, payload: Payload, lo: int, hi: int, out: Mapping[str, torch.Tensor], at: int) -> None:
     """Elements ``[lo, hi)`` (flat) of each array into ``out[name][at : at + hi - lo]``."""
     for index, array_name in enumerate(ARRAYS):
-        target = memoryview(out[array_name][at : at + hi - lo].numpy()).cast("B")
+        target = out[array_name][at : at + hi - lo].numpy().data.cast("B")
         offset = payload.layout.offset(index) + 4 * (lo - payload.start)
         got = 0
         while got < len(target):

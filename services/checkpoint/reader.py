@@ -52,7 +52,7 @@ class CheckpointReader:
                 f"[0, {manifest.total})"
             )
         # shards are sorted and do not overlap: the first that may overlap ends past start
-        shards = self._shards[bisect.bisect_right(self._stops, start):]
+        shards = self._shards[bisect.bisect_right(self._stops, start) :]
         shards = list(itertools.takewhile(lambda s: s.start < stop, shards))
         missing = gaps(shards, start, stop)
         if missing:

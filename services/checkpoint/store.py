@@ -197,7 +197,8 @@ class CheckpointStore:
         for name in sorted(names):
             partial = _PARTIAL_DIR.fullmatch(name)
             if (partial and int(partial.group(1)) < committed) or (
-                    name.startswith("step-") and name.endswith(_TRASH_SUFFIXES)):
+                name.startswith("step-") and name.endswith(_TRASH_SUFFIXES)
+            ):
                 doomed.append(self.root / name)
         for path in doomed:
             try:

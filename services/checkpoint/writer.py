@@ -111,35 +111,52 @@ class ShardCheckpointer:
                 held, parts = shard.preserve(directory, self._name_of)
                 preserved += [(shard, part) for part in parts]
                 if held != update:
-                    raise TierError(f"shard {shard.spec.shard_id} moved to update {held} while checkpointing "
-                                    f"update {update}; a push arrived during the save")
+                    raise TierError(
+                        f"shard {shard.spec.shard_id} moved to update {held} while checkpointing "
+                        f"update {update}; a push arrived during the save"
+                    )
         except (OSError, TierError) as error:
             _cancel(part for _, part in preserved)
             self._result = _save_error(directory, error)
             return
         self.preserved = {how: sum(part.how == how for _, part in preserved) for how in ("linked", "copied", "written")}
         self.linked_bytes = sum(part.nbytes for _, part in preserved if part.how == "linked")
-        logger.info("checkpoint of step %d: %d partition files linked, %d to copy, %d to write from RAM",
-                    step, self.preserved["linked"], self.preserved["copied"], self.preserved["written"])
-        jobs = sorted((part for _, part in preserved if part.pending is not None),
-                      key=lambda part: not isinstance(part.pending, PendingWrite))
+        logger.info(
+            "checkpoint of step %d: %d partition files linked, %d to copy, %d to write from RAM",
+            step,
+            self.preserved["linked"],
+            self.preserved["copied"],
+            self.preserved["written"],
+        )
+        jobs = sorted(
+            ((part, part.pending) for _, part in preserved if part.pending is not None),
+            key=lambda job: not isinstance(job[1], PendingWrite),
+        )
 
         def finish() -> Records:
             checksums = {}
             try:  # each job's OSError names its file
-                for part in jobs:
-                    header = part.pending.run()
-                    if isinstance(part.pending, PendingWrite):
-                        checksums[part.name] = header.checksum()
+                for part, pending in jobs:
+                    if isinstance(pending, PendingWrite):
+                        checksums[part.name] = pending.run().checksum()
+                    else:
+                        pending.run()
                 fsync_directory(directory)
             except OSError as error:
                 raise _save_error(directory, error) from error
             finally:
-                _cancel(jobs)  # whatever did not run: release the partitions waiting on it
+                _cancel(part for part, _ in jobs)  # whatever did not run: release the partitions waiting on it
             return [
-                (ShardRecord(segment_id=shard.spec.shard_id, start=shard.spec.start + part.start,
-                             stop=shard.spec.start + part.stop, step=step, file=part.name),
-                 FileRecord(name=part.name, nbytes=part.nbytes, crc32c=checksums.get(part.name, part.checksum)))
+                (
+                    ShardRecord(
+                        segment_id=shard.spec.shard_id,
+                        start=shard.spec.start + part.start,
+                        stop=shard.spec.start + part.stop,
+                        step=step,
+                        file=part.name,
+                    ),
+                    FileRecord(name=part.name, nbytes=part.nbytes, crc32c=_checksum_of(part, checksums)),
+                )
                 for shard, part in preserved
             ]
 
@@ -160,8 +177,10 @@ class ShardCheckpointer:
             ordered = sorted(runs)
             for offset, _, length in ordered:
                 if offset < 0 or length <= 0 or offset + length > spec.numel:
-                    raise CheckpointError(f"restoring shard {spec.shard_id}: the run of {length} elements at "
-                                          f"{offset} leaves its {spec.numel} elements")
+                    raise CheckpointError(
+                        f"restoring shard {spec.shard_id}: the run of {length} elements at "
+                        f"{offset} leaves its {spec.numel} elements"
+                    )
             ends = [offset + length for offset, _, length in ordered]
 
             def source(lo: int, hi: int, ordered: list[Run] = ordered, ends: list[int] = ends):
@@ -169,15 +188,27 @@ class ShardCheckpointer:
                 if not scratch or scratch["master"].numel() < hi - lo:
                     scratch.update({k: torch.empty(hi - lo, dtype=torch.float32) for k in ARRAYS})
                 piece = {k: v[: hi - lo].zero_() for k, v in scratch.items()}
-                for offset, flat, length in ordered[bisect.bisect_right(ends, lo):]:
+                for offset, flat, length in ordered[bisect.bisect_right(ends, lo) :]:
                     if offset >= hi:
                         break
                     first, stop = max(lo, offset), min(hi, offset + length)
-                    reader.read(flat + first - offset, flat + stop - offset,
-                                out={k: v[first - lo : stop - lo] for k, v in piece.items()})
+                    reader.read(
+                        flat + first - offset,
+                        flat + stop - offset,
+                        out={k: v[first - lo : stop - lo] for k, v in piece.items()},
+                    )
                 return piece["master"], (piece["exp_avg"], piece["exp_avg_sq"])
 
             self._registry.restore(spec, source, manifest.updates)
+
+
+def _checksum_of(part: PreservedPartition, written: dict[str, int]) -> int:
+    """The file's header checksum: as written now, or as the tier recorded it (a linked or
+    copied file)."""
+    checksum = written.get(part.name, part.checksum)
+    if checksum is None:
+        raise CheckpointError(f"no checksum is known for the partition file {part.name}")
+    return checksum
 
 
 def _cancel(parts: Iterable[PreservedPartition]) -> None:

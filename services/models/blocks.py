@@ -31,8 +31,9 @@ def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if best is None or size > best[0]:
             best = (size, name, module)
     if best is None:
-        raise ConfigError(f"{_describe(model)} has no repeated block list (an nn.ModuleList of layers of one "
-                          "class) for FSDP2 to wrap")
+        raise ConfigError(
+            f"{_describe(model)} has no repeated block list (an nn.ModuleList of layers of one class) for FSDP2 to wrap"
+        )
     _, name, blocks = best
     return [(f"{name}.{key}" if name else key, block) for key, block in blocks.named_children()]
 

@@ -41,8 +41,9 @@ def build_model(config: TrainConfig) -> nn.Module:
     return model
 
 
-def parameter_values(config: TrainConfig, model_on_meta: nn.Module,
-                     names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def parameter_values(
+    config: TrainConfig, model_on_meta: nn.Module, names: Iterable[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, fp32 CPU tensor)`` for each of ``names`` (default: every parameter, in
     ``named_parameters()`` order) of ``model_on_meta`` (``build_model(config)`` built on
     the meta device, not sharded), bitwise what ``build_model(config)`` holds; one
@@ -53,8 +54,7 @@ def parameter_values(config: TrainConfig, model_on_meta: nn.Module,
     wanted = list(names) if names is not None else [name for name, _ in model_on_meta.named_parameters()]
     stored = _stored_names(Path(config.hf.checkpoint_dir), model_on_meta)
     in_checkpoint = [stored.get(name, hf_name(name)) for name in wanted]
-    for name, (_, value) in zip(wanted, checkpoint_tensors(Path(config.hf.checkpoint_dir), in_checkpoint),
-                                strict=True):
+    for name, (_, value) in zip(wanted, checkpoint_tensors(Path(config.hf.checkpoint_dir), in_checkpoint), strict=True):
         yield name, value
 
 
@@ -73,20 +73,25 @@ def buffer_values(config: TrainConfig, model_on_meta: nn.Module) -> Iterator[tup
         for key in keys:
             qualified = f"{name}.{key}" if name else key
             if not torch.equal(zeros[key], ones[key]):
-                raise ConfigError(f"the initialisation rule of {type(model_on_meta).__name__} does not compute "
-                                  f"buffer {qualified}, so a model built on the meta device cannot be given it")
+                raise ConfigError(
+                    f"the initialisation rule of {type(model_on_meta).__name__} does not compute "
+                    f"buffer {qualified}, so a model built on the meta device cannot be given it"
+                )
             yield qualified, zeros[key]
 
 
-def _buffers_by_rule(rule: Rule, seed: int, name: str, module: nn.Module, keys: list[str],
-                     fill: int) -> dict[str, torch.Tensor]:
+def _buffers_by_rule(
+    rule: Rule, seed: int, name: str, module: nn.Module, keys: list[str], fill: int
+) -> dict[str, torch.Tensor]:
     clone = copy.deepcopy(module)  # parameters stay on meta
     for key in keys:
-        clone._buffers[key] = torch.full_like(clone._buffers[key], fill, device="cpu")
+        built = clone._buffers[key]
+        assert built is not None, f"{name} has no buffer {key}"
+        clone._buffers[key] = torch.full_like(built, fill, device="cpu")
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(module_seed(seed, name))
         rule(name, clone)
-    return {key: clone._buffers[key] for key in keys}
+    return {key: value for key in keys if (value := clone._buffers[key]) is not None}
 
 
 def _stored_names(checkpoint_dir: Path, model: nn.Module) -> dict[str, str]:

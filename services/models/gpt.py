@@ -44,9 +44,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(width, dim=2)
         # [B, T, C] -> [B, n_head, T, head_dim]
         q, k, v = (t.view(batch, seq, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(batch, seq, width)
         return self.resid_dropout(self.c_proj(y))
 
@@ -125,9 +123,7 @@ class GPT(nn.Module):
         """
         seq = idx.shape[1]
         if seq > self.config.block_size:
-            raise ConfigError(
-                f"sequence length {seq} exceeds model.block_size ({self.config.block_size})"
-            )
+            raise ConfigError(f"sequence length {seq} exceeds model.block_size ({self.config.block_size})")
         positions = torch.arange(seq, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(positions))
         for block in self.blocks:

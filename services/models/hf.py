@@ -62,12 +62,16 @@ def check_hf_model(config: HFModelConfig, block_size: int) -> None:
     loaded = pretrained_config(config)
     vocab = getattr(loaded, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < BYTE_VOCAB:
-        raise ConfigError(f"the model at {config.key}={config.path!r} has vocab_size {vocab}; cargohold's "
-                          f"data is byte-level and needs vocab_size >= {BYTE_VOCAB}")
+        raise ConfigError(
+            f"the model at {config.key}={config.path!r} has vocab_size {vocab}; cargohold's "
+            f"data is byte-level and needs vocab_size >= {BYTE_VOCAB}"
+        )
     positions = getattr(loaded, "max_position_embeddings", None)
     if isinstance(positions, int) and block_size > positions:
-        raise ConfigError(f"model.block_size ({block_size}) exceeds max_position_embeddings "
-                          f"({positions}) of the model at {config.key}={config.path!r}; lower model.block_size")
+        raise ConfigError(
+            f"model.block_size ({block_size}) exceeds max_position_embeddings "
+            f"({positions}) of the model at {config.key}={config.path!r}; lower model.block_size"
+        )
 
 
 class HFCausalLM(nn.Module):
@@ -115,7 +119,7 @@ class HFCausalLM(nn.Module):
     def _place_buffers(self, device: torch.device) -> None:
         for module, name, built in self._buffers_as_built:
             current = module._buffers[name]
-            if current.device != device or current.dtype != built.dtype:
+            if current is None or current.device != device or current.dtype != built.dtype:
                 module._buffers[name] = built.to(device)
 
 
@@ -129,7 +133,10 @@ def build_hf_model(config: HFModelConfig) -> HFCausalLM:
     try:
         if config.checkpoint_dir is not None and not on_meta:
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                _local(config.checkpoint_dir), config=pretrained, dtype=torch.float32, local_files_only=True,
+                _local(config.checkpoint_dir),
+                config=pretrained,
+                dtype=torch.float32,
+                local_files_only=True,
             )
         else:
             model = transformers.AutoModelForCausalLM.from_config(pretrained, dtype=torch.float32)
@@ -148,8 +155,10 @@ def pretrained_config(config: HFModelConfig) -> PretrainedConfig:
         raise ConfigError(f"cannot read a transformers config from {config.key}={config.path!r}: {error}") from error
     causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if loaded.model_type not in causal:
-        raise ConfigError(f"{config.key}={config.path!r} is a {loaded.model_type!r} model, not a causal LM "
-                          "that transformers.AutoModelForCausalLM can build")
+        raise ConfigError(
+            f"{config.key}={config.path!r} is a {loaded.model_type!r} model, not a causal LM "
+            "that transformers.AutoModelForCausalLM can build"
+        )
     return loaded
 
 
@@ -167,6 +176,7 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as error:
-        raise ConfigError("hf.config_path / hf.checkpoint_dir need the transformers package: "
-                          "pip install 'cargohold[hf]'") from error
+        raise ConfigError(
+            "hf.config_path / hf.checkpoint_dir need the transformers package: pip install 'cargohold[hf]'"
+        ) from error
     return transformers

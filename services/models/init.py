@@ -47,8 +47,10 @@ def init_rule(model: nn.Module) -> Rule:
         return _hf_rule(model)
     rule = getattr(model, "init_module", None)
     if not callable(rule):
-        raise ConfigError(f"{type(model).__name__} has no initialisation rule: cargohold initialises "
-                          "the built-in GPT and transformers models (hf.*)")
+        raise ConfigError(
+            f"{type(model).__name__} has no initialisation rule: cargohold initialises "
+            "the built-in GPT and transformers models (hf.*)"
+        )
     return rule
 
 
@@ -80,8 +82,9 @@ def initialize(model: nn.Module, seed: int) -> None:
             rule(name, module)
 
 
-def initial_values(model: nn.Module, seed: int,
-                   names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def initial_values(
+    model: nn.Module, seed: int, names: Iterable[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, value)`` of each parameter ``names`` lists (default: all, in
     ``named_parameters()`` order) of the meta-device, unsharded ``model``, as fp32 CPU
     tensors equal to what :func:`initialize` gives; only the tensors one rule writes are
@@ -97,8 +100,8 @@ def initial_values(model: nn.Module, seed: int,
         if not writers.get(id(params[name])):  # KeyError for a name the model lacks
             raise ConfigError(f"no initialisation rule of {type(model).__name__} writes {name}")
     # Consecutive parameters written by the same rules (a Linear's weight and bias) share one replay.
-    for chain, run in groupby(wanted, key=lambda name: writers[id(params[name])]):
-        run = list(run)
+    for chain, grouped in groupby(wanted, key=lambda name: writers[id(params[name])]):
+        run = list(grouped)
         values = {id(params[n]): torch.full(params[n].shape, float("nan"), dtype=params[n].dtype) for n in run}
         with _own_rng(), torch.no_grad():
             for writer in chain:
@@ -107,8 +110,10 @@ def initial_values(model: nn.Module, seed: int,
         for n in run:
             value = values[id(params[n])]
             if value.isnan().any():
-                raise ConfigError(f"the initialisation rule of {type(model).__name__} leaves part of {n} "
-                                  "unwritten; initial_values cannot compute it module by module")
+                raise ConfigError(
+                    f"the initialisation rule of {type(model).__name__} leaves part of {n} "
+                    "unwritten; initial_values cannot compute it module by module"
+                )
             yield n, value.to(torch.float32)
 
 
@@ -159,11 +164,17 @@ def _materialised(module: nn.Module, written: frozenset[int], values: dict[int, 
     """A copy of meta ``module`` in which the parameters its rule writes (ids of the
     originals) are CPU tensors: those in ``values`` share its storage, the rest are NaN."""
     clone = copy.deepcopy(module)
-    original = {id(c): id(o) for (_, o), (_, c) in zip(module.named_parameters(remove_duplicate=False),
-                                                       clone.named_parameters(remove_duplicate=False), strict=True)}
+    original = {
+        id(c): id(o)
+        for (_, o), (_, c) in zip(
+            module.named_parameters(remove_duplicate=False), clone.named_parameters(remove_duplicate=False), strict=True
+        )
+    }
     real: dict[int, nn.Parameter] = {}
     for sub in clone.modules():
         for key, param in sub._parameters.items():
+            if param is None:
+                continue
             pid = original.get(id(param))
             if pid in written:
                 if pid not in real:

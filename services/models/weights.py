@@ -38,8 +38,10 @@ def tensor_files(checkpoint_dir: Path) -> dict[str, Path]:
     if single.is_file():
         with safe_open(single, framework="pt") as f:
             return dict.fromkeys(f.keys(), single)
-    raise ConfigError(f"checkpoint folder {folder} holds no {SINGLE_FILE} or {INDEX_FILE}; "
-                      "save the model with save_pretrained (safetensors)")
+    raise ConfigError(
+        f"checkpoint folder {folder} holds no {SINGLE_FILE} or {INDEX_FILE}; "
+        "save the model with save_pretrained (safetensors)"
+    )
 
 
 def checkpoint_tensors(checkpoint_dir: Path, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -70,5 +72,7 @@ def _file_of(files: dict[str, Path], name: str, checkpoint_dir: Path) -> Path:
     try:
         return files[name]
     except KeyError:
-        raise ConfigError(f"tensor {name} is not in the checkpoint at {checkpoint_dir} "
-                          f"(it holds {len(files)} tensors); is this checkpoint of the same model?") from None
+        raise ConfigError(
+            f"tensor {name} is not in the checkpoint at {checkpoint_dir} "
+            f"(it holds {len(files)} tensors); is this checkpoint of the same model?"
+        ) from None

@@ -85,11 +85,23 @@ class PartitionHeader:
         run = self.key.run_id.encode()
         if len(run) > MAX_RUN_ID_BYTES:
             raise ValueError(f"run id is {len(run)} bytes; at most {MAX_RUN_ID_BYTES} fit a header")
-        body = _FIXED.pack(
-            MAGIC, self.version, HEADER_BYTES, DTYPE_FLOAT32, len(ARRAYS), self.numel,
-            FileLayout(self.numel).region_bytes, self.step, self.key.shard_id, self.key.index,
-            *self.checksums, len(run),
-        ) + run
+        body = (
+            _FIXED.pack(
+                MAGIC,
+                self.version,
+                HEADER_BYTES,
+                DTYPE_FLOAT32,
+                len(ARRAYS),
+                self.numel,
+                FileLayout(self.numel).region_bytes,
+                self.step,
+                self.key.shard_id,
+                self.key.index,
+                *self.checksums,
+                len(run),
+            )
+            + run
+        )
         body += _CRC.pack(google_crc32c.value(body))
         return body + bytes(HEADER_BYTES - len(body))
 
@@ -106,14 +118,16 @@ def parse_header(raw: bytes | memoryview, *, path: str, expected: PartitionKey |
     """Parse and check a header block whatever partition it names (a checkpoint's reader
     takes the identity from it); raises CorruptPartitionError naming the file, and the
     ``expected`` partition when given."""
+
     def corrupt(reason: str) -> CorruptPartitionError:
         return corrupt_error(path, expected, reason)
 
     raw = bytes(raw[:HEADER_BYTES])
     if len(raw) < HEADER_BYTES:
         raise corrupt(f"header is {len(raw)} bytes, shorter than a header")
-    (magic, version, header_bytes, dtype, arrays, numel, region, step, shard_id, index,
-     crc0, crc1, crc2, run_len) = _FIXED.unpack_from(raw)
+    (magic, version, header_bytes, dtype, arrays, numel, region, step, shard_id, index, crc0, crc1, crc2, run_len) = (
+        _FIXED.unpack_from(raw)
+    )
     if magic != MAGIC:
         raise corrupt(f"bad magic {magic!r}, not a cargohold partition file")
     end = _FIXED.size + run_len
@@ -128,7 +142,7 @@ def parse_header(raw: bytes | memoryview, *, path: str, expected: PartitionKey |
         raise corrupt(f"unsupported layout (header {header_bytes} bytes, dtype {dtype}, {arrays} arrays)")
     if region != FileLayout(numel).region_bytes:
         raise corrupt(f"regions of {region} bytes do not fit {numel} elements")
-    key = PartitionKey(raw[_FIXED.size:end].decode(errors="replace"), shard_id, index)
+    key = PartitionKey(raw[_FIXED.size : end].decode(errors="replace"), shard_id, index)
     return PartitionHeader(key=key, numel=numel, step=step, checksums=(crc0, crc1, crc2), version=version)
 
 
@@ -158,8 +172,9 @@ def check_step(header: PartitionHeader, step: int, *, path: str) -> None:
 
 def corrupt_error(path: str, key: PartitionKey | None, reason: str) -> CorruptPartitionError:
     what = f"partition file {path}" + (f" ({key})" if key is not None else "")
-    return CorruptPartitionError(f"{what} is corrupt: {reason}; it was not used",
-                                 path=path, partition=str(key) if key is not None else "")
+    return CorruptPartitionError(
+        f"{what} is corrupt: {reason}; it was not used", path=path, partition=str(key) if key is not None else ""
+    )
 
 
 def crc32c(view: memoryview, crc: int = 0) -> int:

@@ -20,7 +20,7 @@ import mmap
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Literal, TypeVar, overload
 
 import torch
 
@@ -82,6 +82,12 @@ class BufferPool:
     def allocated_bytes(self) -> int:
         with self._cond:
             return len(self._all) * self.nbytes
+
+    @overload
+    def acquire(self, tag: tuple[PartitionKey, int] | None, *, block: Literal[True]) -> tuple[AlignedBuffer, bool]: ...
+
+    @overload
+    def acquire(self, tag: tuple[PartitionKey, int] | None, *, block: bool) -> tuple[AlignedBuffer, bool] | None: ...
 
     def acquire(self, tag: tuple[PartitionKey, int] | None, *, block: bool) -> tuple[AlignedBuffer, bool] | None:
         """A buffer, and whether it is warm (already holds ``tag``); None when none is

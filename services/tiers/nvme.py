@@ -122,8 +122,18 @@ def probe_path(root: str, direct_io: str, probe_bytes: int = PROBE_BYTES) -> Tie
     finally:
         unlink_if_present(probe)
         buffer.close()
-    return TierPath(root=root, direct=direct, device=os.stat(root).st_dev,
-                    bandwidth=Bandwidth(probe_bytes / max(read, 1e-9), probe_bytes / max(written, 1e-9)))
+    return TierPath(
+        root=root,
+        direct=direct,
+        device=os.stat(root).st_dev,
+        bandwidth=Bandwidth(probe_bytes / max(read, 1e-9), probe_bytes / max(written, 1e-9)),
+    )
+
+
+def _buffer_of(staged: Staged) -> AlignedBuffer:
+    """The staging buffer this tier put in ``staged.handle``."""
+    assert isinstance(staged.handle, AlignedBuffer), "a partition staged by another tier"
+    return staged.handle
 
 
 LOCK_NAME = ".lock"
@@ -138,8 +148,10 @@ def _lock_folder(directory: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as error:
         os.close(fd)
-        raise TierError(f"{directory} is in use by another state server (two runs with the same run id, or "
-                        "two servers with the same index?); give each run its own run_id") from error
+        raise TierError(
+            f"{directory} is in use by another state server (two runs with the same run id, or "
+            "two servers with the same index?); give each run its own run_id"
+        ) from error
     return fd
 
 
@@ -148,8 +160,9 @@ class NvmeTier:
 
     residency = Residency.NVME
 
-    def __init__(self, paths: Sequence[TierPath], *, server_index: int, io: IoPool, buffers: BufferPool,
-                 observer: TierObserver) -> None:
+    def __init__(
+        self, paths: Sequence[TierPath], *, server_index: int, io: IoPool, buffers: BufferPool, observer: TierObserver
+    ) -> None:
         self.paths = list(paths)
         self.server_index = server_index
         self._io = io
@@ -164,8 +177,9 @@ class NvmeTier:
         return os.path.join(self.paths[path_index].root, run_id, f"server-{self.server_index}")
 
     def file_of(self, key: PartitionKey, path_index: int) -> str:
-        return os.path.join(self.directory(key.run_id, path_index),
-                            f"shard-{key.shard_id:06d}.part-{key.index:05d}.bin")
+        return os.path.join(
+            self.directory(key.run_id, path_index), f"shard-{key.shard_id:06d}.part-{key.index:05d}.bin"
+        )
 
     def prepare_run(self, run_id: str) -> None:
         """Create the run's directories; refuse a run id that cannot name one."""
@@ -235,22 +249,23 @@ class NvmeTier:
         return Staged(partition, arrays, ready=ready, handle=buffer)
 
     def commit(self, staged: Staged, step: int) -> Future[None]:
-        return self._write_async(staged.partition, staged.handle, step, release=True)
+        return self._write_async(staged.partition, _buffer_of(staged), step, release=True)
 
     def discard(self, staged: Staged, *, intact: bool) -> None:
         try:
             staged.ready.result()
         except Exception:
             intact = False
-        self._buffers.release(staged.handle, (staged.partition.key, staged.partition.step) if intact else None)
+        self._buffers.release(_buffer_of(staged), (staged.partition.key, staged.partition.step) if intact else None)
 
     def drop(self, partition: Partition) -> None:
         self._buffers.forget(partition.key)
         unlink_if_present(partition.path)
 
     # --- moves in and out of the tier ---------------------------------------------------
-    def create(self, partition: Partition, master: torch.Tensor,
-               moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> Future[None]:
+    def create(
+        self, partition: Partition, master: torch.Tensor, moments: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> Future[None]:
         """Write a new partition file at ``partition.step``: ``master`` and the moments
         (zero unless given, as when restoring a checkpoint)."""
         buffer, _ = self._buffers.acquire(None, block=True)
@@ -299,8 +314,7 @@ class NvmeTier:
         started = time.perf_counter()
         try:
             try:
-                write_partition_file(target, buffer, partition.key, partition.span.numel, step,
-                                     direct=tier_path.direct)
+                write_partition_file(target, buffer, partition.key, partition.span.numel, step, direct=tier_path.direct)
             except OSError as error:
                 if not (tier_path.direct and error.errno == errno.EINVAL):
                     raise
@@ -353,8 +367,7 @@ class NvmeTier:
 
     @staticmethod
     def _fall_back(tier_path: TierPath, error: OSError) -> None:
-        logger.warning("%s refused an O_DIRECT request (%s); using buffered I/O there",
-                       tier_path.root, error.strerror)
+        logger.warning("%s refused an O_DIRECT request (%s); using buffered I/O there", tier_path.root, error.strerror)
         tier_path.direct = False
 
 
@@ -368,17 +381,19 @@ def check_free_space(root: str, need: int, free: int, what: str) -> None:
         )
 
 
-def write_partition_file(target: str, buffer: AlignedBuffer, key: PartitionKey, numel: int, step: int, *,
-                         direct: bool) -> PartitionHeader:
+def write_partition_file(
+    target: str, buffer: AlignedBuffer, key: PartitionKey, numel: int, step: int, *, direct: bool
+) -> PartitionHeader:
     """Write a partition held in ``buffer`` (its file layout; the header block is filled
     here) as the file of ``step`` at ``target`` with
     :func:`~cargohold.services.durable.replace_durably`. Every version is a new file renamed
     into place and none is ever changed in place, which is what lets a checkpoint hard-link
     one. Raises the OSError, leaving no temporary file and ``target`` as it was."""
     layout = FileLayout(numel)
-    checksums = tuple(
+    master, exp_avg, exp_avg_sq = (
         crc32c(buffer.view[layout.offset(i) : layout.offset(i) + layout.region_bytes]) for i in range(len(ARRAYS))
     )
+    checksums = (master, exp_avg, exp_avg_sq)
     header = PartitionHeader(key=key, numel=numel, step=step, checksums=checksums)
     buffer.view[:HEADER_BYTES] = header.pack()
     with replace_durably(target, drop_cache=not direct) as temporary:

@@ -68,9 +68,7 @@ def split_segment(
     return tuple(spans)
 
 
-def clip_fragments(
-    fragments: Sequence[tuple[int, int]], start: int, stop: int
-) -> tuple[tuple[int, int], ...]:
+def clip_fragments(fragments: Sequence[tuple[int, int]], start: int, stop: int) -> tuple[tuple[int, int], ...]:
     """The parts of ``fragments`` inside ``[start, stop)``, relative to ``start``."""
     clipped = []
     for offset, length in fragments:

@@ -72,6 +72,7 @@ def stream_update(
                 # every buffer in use is being read or written and will come back.
                 waited = time.perf_counter()
                 current = store.stage(partition, block=True)
+                assert current is not None, "stage(block=True) waits for a buffer"
                 report.io_wait_seconds += time.perf_counter() - waited
                 staged[position] = current
                 issued = position + 1

@@ -95,8 +95,7 @@ def plan_tiers(
     capacity = ram_budget_bytes - staging_bytes
     if capacity < 0:
         raise ValueError(
-            f"RAM budget {ram_budget_bytes} bytes is smaller than the {staging_bytes} bytes of "
-            "staging buffers"
+            f"RAM budget {ram_budget_bytes} bytes is smaller than the {staging_bytes} bytes of staging buffers"
         )
     residency: dict[PartitionKey, Residency] = {d.key: Residency.NVME for d in demands}
     ram_bytes = 0
@@ -134,8 +133,10 @@ def predict_io_seconds(
     for demand in on_disk:
         per_path[path_index[demand.key]] = per_path.get(path_index[demand.key], 0) + demand.state_bytes
     return max(
-        (nbytes / bandwidths[p].read_bytes_per_s + nbytes / bandwidths[p].write_bytes_per_s
-         for p, nbytes in per_path.items()),
+        (
+            nbytes / bandwidths[p].read_bytes_per_s + nbytes / bandwidths[p].write_bytes_per_s
+            for p, nbytes in per_path.items()
+        ),
         default=0.0,
     )
 

@@ -47,8 +47,9 @@ from cargohold.services.tiers.residency import PartitionKey
 LINK_REFUSED = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP})
 """errnos of ``link`` that mean "not here", answered by copying."""
 _COPY_CHUNK = 64 << 20
-_KERNEL_COPY_REFUSED = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP,
-                                  errno.EBADF})
+_KERNEL_COPY_REFUSED = frozenset(
+    {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF}
+)
 
 
 @dataclass(slots=True)
@@ -112,8 +113,9 @@ class PendingWrite:
         self.done.set()
 
 
-def link_or_pin(source: str, target: str, *, key: PartitionKey, numel: int,
-                step: int) -> tuple[PartitionHeader, PendingCopy | None]:
+def link_or_pin(
+    source: str, target: str, *, key: PartitionKey, numel: int, step: int
+) -> tuple[PartitionHeader, PendingCopy | None]:
     """Hard-link the file of ``key`` at ``step`` to ``target``, or, where the filesystem
     refuses, return a :class:`PendingCopy` holding the version open. Raises
     CorruptPartitionError when the file is not that partition at that step, and the
@@ -163,4 +165,3 @@ def _copy_range(source: int, target: int, nbytes: int) -> None:
         if done <= 0:
             raise OSError(errno.EIO, f"the file ended after {offset} of {nbytes} bytes")
         offset += done
-

@@ -70,7 +70,7 @@ class PreservedPartition:
 
     @property
     def how(self) -> str:
-        """"linked", "copied" or "written"."""
+        """ "linked", "copied" or "written"."""
         return {type(None): "linked", PendingCopy: "copied", PendingWrite: "written"}[type(self.pending)]
 
 
@@ -78,8 +78,9 @@ class TieredStorage:
     """All partitions of one state server. Thread-safe across shards; the caller (the
     shard) serialises calls about the same shard."""
 
-    def __init__(self, config: TierConfig | None = None, *, server_index: int = 0,
-                 observer: TierObserver | None = None) -> None:
+    def __init__(
+        self, config: TierConfig | None = None, *, server_index: int = 0, observer: TierObserver | None = None
+    ) -> None:
         self.config = config or TierConfig()
         self._observer = observer or NullObserver()
         self._lock = threading.Lock()
@@ -101,8 +102,9 @@ class TieredStorage:
         paths = [probe_path(p, self.config.direct_io, min(PROBE_BYTES, buffer_bytes)) for p in self.config.nvme_paths]
         self._io = IoPool(self.config.io_threads, self._observer)
         self._buffers = BufferPool(self.config.buffer_count, buffer_bytes)
-        self._nvme = NvmeTier(paths, server_index=server_index, io=self._io, buffers=self._buffers,
-                              observer=self._observer)
+        self._nvme = NvmeTier(
+            paths, server_index=server_index, io=self._io, buffers=self._buffers, observer=self._observer
+        )
 
     @property
     def enabled(self) -> bool:
@@ -110,8 +112,16 @@ class TieredStorage:
         return self._nvme is not None
 
     # --- registration -------------------------------------------------------------------
-    def add_shard(self, run_id: str, shard_id: int, numel: int, fragments: Sequence[tuple[int, int]],
-                  source: StateSource, *, step: int = 0) -> None:
+    def add_shard(
+        self,
+        run_id: str,
+        shard_id: int,
+        numel: int,
+        fragments: Sequence[tuple[int, int]],
+        source: StateSource,
+        *,
+        step: int = 0,
+    ) -> None:
         """Create a shard's partitions from ``source`` — fp32 weights with zero moments
         at step 0, or a checkpoint's state at ``step`` — re-planning every partition of
         the server. The source is asked for one partition at a time, so a restore never
@@ -161,7 +171,7 @@ class TieredStorage:
                     raise first
             except BaseException:
                 for part in parts:
-                    (self._ram if part.residency is Residency.RAM else self._nvme).drop(part)
+                    self._store_of(part).drop(part)
                 raise
             self._shards[(run_id, shard_id)] = parts
             self._plan = plan
@@ -170,7 +180,8 @@ class TieredStorage:
     def _replan(self, new: Sequence[Partition] = ()) -> TierPlan:
         demands = [
             PartitionDemand(p.key, FileLayout(p.span.numel).file_bytes)
-            for parts in [*self._shards.values(), new] for p in parts
+            for parts in [*self._shards.values(), new]
+            for p in parts
         ]
         nvme = self._nvme
         return plan_tiers(
@@ -182,10 +193,20 @@ class TieredStorage:
         )
 
     # --- the update ---------------------------------------------------------------------
-    def update(self, run_id: str, shard_id: int, step: int, gradient: torch.Tensor, *,
-               coefficient: torch.Tensor | None, lr: float, hyper: AdamWHyperParams,
-               gradient_owned: bool = False, weights_dtype: torch.dtype | None = None,
-               weights_out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, StreamReport]:
+    def update(
+        self,
+        run_id: str,
+        shard_id: int,
+        step: int,
+        gradient: torch.Tensor,
+        *,
+        coefficient: torch.Tensor | None,
+        lr: float,
+        hyper: AdamWHyperParams,
+        gradient_owned: bool = False,
+        weights_dtype: torch.dtype | None = None,
+        weights_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, StreamReport]:
         """Apply the (already validated) gradient of ``step`` to every partition not yet
         at ``step``, clipping by ``coefficient``. Returns the updated master weights in
         ``weights_dtype`` when asked (None if the update resumed an interrupted one),
@@ -208,8 +229,11 @@ class TieredStorage:
         numel = parts[-1].span.stop
         weights = None
         if weights_dtype is not None and len(pending) == len(parts):
-            weights = (weights_out if weights_out is not None and weights_out.dtype == weights_dtype
-                       and weights_out.shape == (numel,) else torch.empty(numel, dtype=weights_dtype))
+            weights = (
+                weights_out
+                if weights_out is not None and weights_out.dtype == weights_dtype and weights_out.shape == (numel,)
+                else torch.empty(numel, dtype=weights_dtype)
+            )
 
         def update(part: Partition, arrays: PartitionArrays) -> None:
             if part.saving is not None:  # a checkpoint is still writing this partition out
@@ -219,6 +243,7 @@ class TieredStorage:
                 self._observer.add_tier_io_wait(time.perf_counter() - waited)
             span = part.span
             if span.fragments:
+
                 def views(t: torch.Tensor) -> list[torch.Tensor]:
                     return [t[offset : offset + length] for offset, length in span.fragments]
 
@@ -231,8 +256,7 @@ class TieredStorage:
                     clip_(grads, coefficient)
                 else:
                     grads = clipped(views(piece), coefficient)
-                state = AdamWState(views(arrays.master), views(arrays.exp_avg), views(arrays.exp_avg_sq),
-                                   step_tensor)
+                state = AdamWState(views(arrays.master), views(arrays.exp_avg), views(arrays.exp_avg_sq), step_tensor)
                 fused_adamw_(state, grads, lr=lr, hyper=hyper)
             if weights is not None:
                 weights[span.start : span.stop].copy_(arrays.master)
@@ -240,8 +264,7 @@ class TieredStorage:
         def finish(part: Partition, staged: Staged) -> Future[None]:
             return self._finish(part, staged, step, plan.of(part.key))
 
-        report = stream_update(order, store_of=self._store_of, update=update, finish=finish,
-                               observer=self._observer)
+        report = stream_update(order, store_of=self._store_of, update=update, finish=finish, observer=self._observer)
         return weights, report
 
     def _finish(self, part: Partition, staged: Staged, step: int, planned: Residency) -> Future[None]:
@@ -279,8 +302,9 @@ class TieredStorage:
         return self._nvme
 
     # --- reads --------------------------------------------------------------------------
-    def read_weights(self, run_id: str, shard_id: int, step: int, dtype: torch.dtype, *,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+    def read_weights(
+        self, run_id: str, shard_id: int, step: int, dtype: torch.dtype, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The master weights of ``step`` cast to ``dtype``: a new tensor, or ``out`` (a
         spare buffer) when it has that dtype and size."""
         parts = self._consistent(run_id, shard_id, step)
@@ -315,8 +339,9 @@ class TieredStorage:
             store.discard(staged, intact=True)
         return out
 
-    def preserve(self, run_id: str, shard_id: int, step: int, directory: str,
-                 name_of: Callable[[PartitionKey], str]) -> list[PreservedPartition]:
+    def preserve(
+        self, run_id: str, shard_id: int, step: int, directory: str, name_of: Callable[[PartitionKey], str]
+    ) -> list[PreservedPartition]:
         """Put every partition of a shard at ``step`` into ``directory`` as a partition
         file named ``name_of(key)``, for a checkpoint. Files on the NVMe tier are
         hard-linked now (their version is immutable), or, on another filesystem, held
@@ -343,18 +368,26 @@ class TieredStorage:
                     part.saving = threading.Event()
                     pending = PendingWrite(self._ram.buffer(part), part.key, numel, part.step, target, part.saving)
                 elif part.residency is Residency.RAM:
-                    pending = PendingWrite(self._ram.buffer(part).clone(), part.key, numel, part.step, target,
-                                           threading.Event())
+                    pending = PendingWrite(
+                        self._ram.buffer(part).clone(), part.key, numel, part.step, target, threading.Event()
+                    )
                 else:
                     try:
                         header, pending = link_or_pin(part.path, target, key=part.key, numel=numel, step=part.step)
                     except OSError as error:  # name the file whatever call failed
                         raise OSError(error.errno, error.strerror, target) from error
                     checksum = header.checksum()
-                preserved.append(PreservedPartition(
-                    key=part.key, name=name, start=part.span.start, stop=part.span.stop,
-                    nbytes=FileLayout(numel).file_bytes, checksum=checksum, pending=pending,
-                ))
+                preserved.append(
+                    PreservedPartition(
+                        key=part.key,
+                        name=name,
+                        start=part.span.start,
+                        stop=part.span.stop,
+                        nbytes=FileLayout(numel).file_bytes,
+                        checksum=checksum,
+                        pending=pending,
+                    )
+                )
         except BaseException:
             for done in preserved:
                 if done.pending is not None:
@@ -379,8 +412,11 @@ class TieredStorage:
         """Bytes of optimizer state (12 per element) in each tier, for a shard or all."""
         totals = {Residency.RAM: 0, Residency.NVME: 0}
         with self._lock:
-            shards = [(k, v) for k, v in self._shards.items()
-                      if run_id is None or (k[0] == run_id and shard_id in (None, k[1]))]
+            shards = [
+                (k, v)
+                for k, v in self._shards.items()
+                if run_id is None or (k[0] == run_id and shard_id in (None, k[1]))
+            ]
         for _, parts in shards:
             for part in parts:
                 totals[part.residency] += part.span.state_bytes
@@ -397,9 +433,16 @@ class TieredStorage:
             order = stream_order([(p.key.index, p.residency) for p in parts], next_step)
             position = {index: n for n, index in enumerate(order)}
             rows += [
-                PartitionRow(key=p.key, offset=p.span.start, numel=p.span.numel, planned=plan.of(p.key),
-                             actual=p.residency, order=position[p.key.index], step=p.step,
-                             path=p.path if p.residency is Residency.NVME else "")
+                PartitionRow(
+                    key=p.key,
+                    offset=p.span.start,
+                    numel=p.span.numel,
+                    planned=plan.of(p.key),
+                    actual=p.residency,
+                    order=position[p.key.index],
+                    step=p.step,
+                    path=p.path if p.residency is Residency.NVME else "",
+                )
                 for p in parts
             ]
         return rows
@@ -442,24 +485,27 @@ views of one reused scratch buffer."""
 
 def tensor_source(initial: torch.Tensor, moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> StateSource:
     """A :data:`StateSource` over whole-shard tensors."""
+
     def piece(start: int, stop: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         return initial[start:stop], None if moments is None else (moments[0][start:stop], moments[1][start:stop])
 
     return piece
 
 
-def _source_piece(source: StateSource, part: Partition,
-                  shard_id: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+def _source_piece(
+    source: StateSource, part: Partition, shard_id: int
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     master, moments = source(part.span.start, part.span.stop)
     for name, array in zip(ARRAYS, (master, *(moments or ()))):
         if array.dtype != torch.float32 or array.shape != (part.span.numel,):
-            raise ValueError(f"shard {shard_id}: the {name} source gave {array.dtype} of shape "
-                             f"{tuple(array.shape)} for {part.key}, expected float32 ({part.span.numel},)")
+            raise ValueError(
+                f"shard {shard_id}: the {name} source gave {array.dtype} of shape "
+                f"{tuple(array.shape)} for {part.key}, expected float32 ({part.span.numel},)"
+            )
     return master, moments
 
 
-def _then(future: Future[None], then: Callable[[BaseException | None], None], *,
-          swallow: bool = False) -> Future[None]:
+def _then(future: Future[None], then: Callable[[BaseException | None], None], *, swallow: bool = False) -> Future[None]:
     """A future that completes after ``then`` has seen the outcome of ``future`` (a done
     callback alone could run after a waiter of ``future`` has woken)."""
     chained: Future[None] = Future()

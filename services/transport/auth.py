@@ -29,7 +29,11 @@ class TlsFiles:
 
     def read(self) -> tuple[bytes, bytes, bytes]:
         try:
-            return tuple(Path(p).read_bytes() for p in (self.cert_file, self.key_file, self.ca_file))
+            return (
+                Path(self.cert_file).read_bytes(),
+                Path(self.key_file).read_bytes(),
+                Path(self.ca_file).read_bytes(),
+            )
         except OSError as error:
             raise ConfigError(f"cannot read TLS file {error.filename}: {error.strerror}") from error
 
@@ -46,8 +50,9 @@ def tls_files(security: SecurityConfig) -> TlsFiles | None:
     """The mutual-TLS files ``security`` names; None when TLS is off."""
     if not security.tls_cert_file:
         return None
-    return TlsFiles(cert_file=security.tls_cert_file, key_file=security.tls_key_file or "",
-                    ca_file=security.tls_ca_file or "")
+    return TlsFiles(
+        cert_file=security.tls_cert_file, key_file=security.tls_key_file or "", ca_file=security.tls_ca_file or ""
+    )
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:

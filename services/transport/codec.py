@@ -32,15 +32,15 @@ MAX_CHUNK_BYTES = 32 << 20
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 16)
 """gRPC message limit on both ends: the largest chunk plus room for its envelope."""
 
-_DTYPE_TO_PROTO = {"float32": pb.DTYPE_FLOAT32, "bfloat16": pb.DTYPE_BFLOAT16}
-_PROTO_TO_DTYPE = {v: k for k, v in _DTYPE_TO_PROTO.items()}
+_DTYPE_TO_PROTO: dict[str, pb.DType] = {"float32": pb.DTYPE_FLOAT32, "bfloat16": pb.DTYPE_BFLOAT16}
+_PROTO_TO_DTYPE: dict[int, str] = {v: k for k, v in _DTYPE_TO_PROTO.items()}
 
 
 class ChecksumError(InvalidTensorError):
     """A chunk's bytes do not match its CRC-32C."""
 
 
-def dtype_to_proto(name: str) -> int:
+def dtype_to_proto(name: str) -> pb.DType:
     return _DTYPE_TO_PROTO[name]
 
 
@@ -87,8 +87,12 @@ class TensorAssembler:
             raise InvalidTensorError(f"{what}: dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
         self.what = what
         if out is not None:
-            if (out.dtype != WIRE_DTYPES[dtype] or out.shape != (numel,) or out.device.type != "cpu"
-                    or not out.is_contiguous()):
+            if (
+                out.dtype != WIRE_DTYPES[dtype]
+                or out.shape != (numel,)
+                or out.device.type != "cpu"
+                or not out.is_contiguous()
+            ):
                 raise InvalidTensorError(
                     f"{what}: the output tensor must be a contiguous CPU tensor of {numel} x {dtype}, "
                     f"got {tuple(out.shape)} x {out.dtype} on {out.device}"
@@ -122,8 +126,7 @@ class TensorAssembler:
             )
         if self._received + size > self._raw.size:
             raise InvalidTensorError(
-                f"{self.what}: {self._received + size} bytes received, more than the "
-                f"{self._raw.size} bytes declared"
+                f"{self.what}: {self._received + size} bytes received, more than the {self._raw.size} bytes declared"
             )
         if google_crc32c.value(data) != chunk.crc32c:
             raise ChecksumError(f"{self.what}: CRC-32C mismatch in chunk at byte {byte_offset}")
@@ -133,9 +136,7 @@ class TensorAssembler:
 
     def finish(self) -> torch.Tensor:
         if self._received != self._raw.size:
-            raise InvalidTensorError(
-                f"{self.what}: stream ended after {self._received} of {self._raw.size} bytes"
-            )
+            raise InvalidTensorError(f"{self.what}: stream ended after {self._received} of {self._raw.size} bytes")
         return self.tensor
 
 
@@ -148,7 +149,10 @@ def spec_to_proto(spec: ShardSpec) -> pb.ShardSpec:
         fragments=[pb.Fragment(offset=o, length=n) for o, n in spec.fragments],
         grad_dtype=dtype_to_proto(spec.grad_dtype),
         hyper=pb.AdamWHyperParams(
-            beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+            beta1=h.beta1,
+            beta2=h.beta2,
+            eps=h.eps,
+            weight_decay=h.weight_decay,
             max_grad_norm=h.max_grad_norm,
         ),
     )
@@ -165,7 +169,10 @@ def spec_from_proto(message: pb.ShardSpec) -> ShardSpec:
         fragments=tuple((f.offset, f.length) for f in message.fragments),
         grad_dtype=dtype_from_proto(message.grad_dtype),
         hyper=AdamWHyperParams(
-            beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+            beta1=h.beta1,
+            beta2=h.beta2,
+            eps=h.eps,
+            weight_decay=h.weight_decay,
             max_grad_norm=h.max_grad_norm,
         ),
     )
@@ -177,30 +184,48 @@ _PROTO_TO_RESIDENCY = {v: k for k, v in _RESIDENCY_TO_PROTO.items()}
 
 def partition_row_to_proto(row: PartitionRow) -> pb.PartitionPlan:
     return pb.PartitionPlan(
-        key=pb.ShardKey(run_id=row.key.run_id, shard_id=row.key.shard_id), index=row.key.index,
-        offset=row.offset, numel=row.numel, planned=_RESIDENCY_TO_PROTO[row.planned],
-        actual=_RESIDENCY_TO_PROTO[row.actual], order=row.order, step=row.step, path=row.path,
+        key=pb.ShardKey(run_id=row.key.run_id, shard_id=row.key.shard_id),
+        index=row.key.index,
+        offset=row.offset,
+        numel=row.numel,
+        planned=_RESIDENCY_TO_PROTO[row.planned],
+        actual=_RESIDENCY_TO_PROTO[row.actual],
+        order=row.order,
+        step=row.step,
+        path=row.path,
     )
 
 
 def partition_row_from_proto(message: pb.PartitionPlan) -> PartitionRow:
     return PartitionRow(
         key=PartitionKey(message.key.run_id, message.key.shard_id, message.index),
-        offset=message.offset, numel=message.numel, planned=_PROTO_TO_RESIDENCY[message.planned],
-        actual=_PROTO_TO_RESIDENCY[message.actual], order=message.order, step=message.step,
+        offset=message.offset,
+        numel=message.numel,
+        planned=_PROTO_TO_RESIDENCY[message.planned],
+        actual=_PROTO_TO_RESIDENCY[message.actual],
+        order=message.order,
+        step=message.step,
         path=message.path,
     )
 
 
 def tier_summary_to_proto(summary: TierSummary) -> pb.TierPlanSummary:
     return pb.TierPlanSummary(
-        enabled=summary.enabled, ram_budget_bytes=summary.ram_budget_bytes,
-        staging_bytes=summary.staging_bytes, buffer_count=summary.buffer_count,
-        ram_used_bytes=summary.ram_used_bytes, planned_ram_bytes=summary.planned_ram_bytes,
-        planned_nvme_bytes=summary.planned_nvme_bytes, predicted_io_seconds=summary.predicted_io_seconds,
+        enabled=summary.enabled,
+        ram_budget_bytes=summary.ram_budget_bytes,
+        staging_bytes=summary.staging_bytes,
+        buffer_count=summary.buffer_count,
+        ram_used_bytes=summary.ram_used_bytes,
+        planned_ram_bytes=summary.planned_ram_bytes,
+        planned_nvme_bytes=summary.planned_nvme_bytes,
+        predicted_io_seconds=summary.predicted_io_seconds,
         paths=[
-            pb.TierPath(path=path, direct_io=direct, read_bytes_per_s=bw.read_bytes_per_s,
-                        write_bytes_per_s=bw.write_bytes_per_s)
+            pb.TierPath(
+                path=path,
+                direct_io=direct,
+                read_bytes_per_s=bw.read_bytes_per_s,
+                write_bytes_per_s=bw.write_bytes_per_s,
+            )
             for path, direct, bw in zip(summary.paths, summary.direct_io, summary.bandwidth)
         ],
     )
@@ -208,10 +233,14 @@ def tier_summary_to_proto(summary: TierSummary) -> pb.TierPlanSummary:
 
 def tier_summary_from_proto(message: pb.TierPlanSummary) -> TierSummary:
     return TierSummary(
-        enabled=message.enabled, ram_budget_bytes=message.ram_budget_bytes,
-        staging_bytes=message.staging_bytes, buffer_count=message.buffer_count,
-        ram_used_bytes=message.ram_used_bytes, planned_ram_bytes=message.planned_ram_bytes,
-        planned_nvme_bytes=message.planned_nvme_bytes, predicted_io_seconds=message.predicted_io_seconds,
+        enabled=message.enabled,
+        ram_budget_bytes=message.ram_budget_bytes,
+        staging_bytes=message.staging_bytes,
+        buffer_count=message.buffer_count,
+        ram_used_bytes=message.ram_used_bytes,
+        planned_ram_bytes=message.planned_ram_bytes,
+        planned_nvme_bytes=message.planned_nvme_bytes,
+        predicted_io_seconds=message.predicted_io_seconds,
         paths=tuple(p.path for p in message.paths),
         direct_io=tuple(p.direct_io for p in message.paths),
         bandwidth=tuple(Bandwidth(p.read_bytes_per_s, p.write_bytes_per_s) for p in message.paths),

@@ -62,9 +62,15 @@ class ServerStats:
 class StateServerClient:
     """Blocking calls with a deadline each; thread-safe (one channel, many calls)."""
 
-    def __init__(self, address: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 timeout_s: float = 120.0, auth_token: str | None = None,
-                 tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout_s: float = 120.0,
+        auth_token: str | None = None,
+        tls: TlsFiles | None = None,
+    ) -> None:
         self.address = address
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
@@ -73,8 +79,11 @@ class StateServerClient:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
-        self._channel = (grpc.secure_channel(address, tls.channel_credentials(), options=options)
-                         if tls is not None else grpc.insecure_channel(address, options=options))
+        self._channel = (
+            grpc.secure_channel(address, tls.channel_credentials(), options=options)
+            if tls is not None
+            else grpc.insecure_channel(address, options=options)
+        )
         self._stub = pb_grpc.StateServerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -92,19 +101,19 @@ class StateServerClient:
         # wait_for_ready rather than channel_ready_future: a timed-out ready future stays
         # subscribed and its polling thread raises once the channel is closed.
         try:
-            reply = self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
-                                       timeout=timeout_s, wait_for_ready=True)
+            reply = self._health.Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout_s, wait_for_ready=True
+            )
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise TransportError(
-                    f"state server {self.address} not reachable within {timeout_s}s"
-                ) from error
+                raise TransportError(f"state server {self.address} not reachable within {timeout_s}s") from error
             raise self._error("Health.Check", error) from error
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             raise TransportError(f"state server {self.address} is not serving: status {reply.status}")
 
     def register(self, spec: ShardSpec, initial_weights: torch.Tensor) -> tuple[int, bool]:
         """Register a shard with its fp32 initial weights; returns (step, created)."""
+
         def requests() -> Iterator[pb.RegisterShardRequest]:
             yield pb.RegisterShardRequest(spec=spec_to_proto(spec))
             for offset, data in byte_chunks(initial_weights, self.chunk_bytes):
@@ -116,13 +125,25 @@ class StateServerClient:
         return reply.step, reply.created
 
     def describe(self, run_id: str, shard_id: int) -> tuple[ShardSpec, int]:
-        reply = self._call("DescribeShard", self._stub.DescribeShard,
-                           pb.DescribeShardRequest(key=pb.ShardKey(run_id=run_id, shard_id=shard_id)))
+        reply = self._call(
+            "DescribeShard",
+            self._stub.DescribeShard,
+            pb.DescribeShardRequest(key=pb.ShardKey(run_id=run_id, shard_id=shard_id)),
+        )
         return spec_from_proto(reply.spec), reply.step
 
-    def push(self, run_id: str, shard_id: int, step: int, gradient: torch.Tensor, *,
-             global_norm: float = 0.0, lr: float = 0.0, defer_update: bool = False,
-             shm: tuple[str, int] | None = None) -> PushOutcome:
+    def push(
+        self,
+        run_id: str,
+        shard_id: int,
+        step: int,
+        gradient: torch.Tensor,
+        *,
+        global_norm: float = 0.0,
+        lr: float = 0.0,
+        defer_update: bool = False,
+        shm: tuple[str, int] | None = None,
+    ) -> PushOutcome:
         """Send the gradient of ``step``; harmless to repeat. With ``defer_update`` the
         server only stages it, and :meth:`commit` applies it. With ``shm`` (path, byte
         offset) the server reads ``gradient``'s bytes from that shared memory instead."""
@@ -130,9 +151,13 @@ class StateServerClient:
         if wire_dtype is None:
             raise TransportError(f"gradients travel as float32 or bfloat16, not {gradient.dtype}")
         header = pb.PushHeader(
-            key=pb.ShardKey(run_id=run_id, shard_id=shard_id), step=step,
-            dtype=dtype_to_proto(wire_dtype), numel=gradient.numel(),
-            global_grad_norm=global_norm, lr=lr, defer_update=defer_update,
+            key=pb.ShardKey(run_id=run_id, shard_id=shard_id),
+            step=step,
+            dtype=dtype_to_proto(wire_dtype),
+            numel=gradient.numel(),
+            global_grad_norm=global_norm,
+            lr=lr,
+            defer_update=defer_update,
             shm=_shm_ref(shm),
         )
 
@@ -150,13 +175,29 @@ class StateServerClient:
 
     def commit(self, run_id: str, shard_id: int, step: int, *, global_norm: float, lr: float) -> PushOutcome:
         """Apply the gradient staged for ``step``; harmless to repeat."""
-        reply = self._call("CommitStep", self._stub.CommitStep, pb.CommitStepRequest(
-            key=pb.ShardKey(run_id=run_id, shard_id=shard_id), step=step, global_grad_norm=global_norm, lr=lr,
-        ))
+        reply = self._call(
+            "CommitStep",
+            self._stub.CommitStep,
+            pb.CommitStepRequest(
+                key=pb.ShardKey(run_id=run_id, shard_id=shard_id),
+                step=step,
+                global_grad_norm=global_norm,
+                lr=lr,
+            ),
+        )
         return PushOutcome(applied=reply.applied, step=reply.step, seconds=reply.update_seconds)
 
-    def fetch(self, run_id: str, shard_id: int, step: int, dtype: str, numel: int, *,
-              shm: tuple[str, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    def fetch(
+        self,
+        run_id: str,
+        shard_id: int,
+        step: int,
+        dtype: str,
+        numel: int,
+        *,
+        shm: tuple[str, int] | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """The weights after ``step``; ``numel`` is what the caller expects to receive.
 
         With ``shm`` (path, byte offset) the server writes them into that shared memory
@@ -166,8 +207,11 @@ class StateServerClient:
         fails, part of ``out`` may have been overwritten.
         """
         request = pb.FetchWeightsRequest(
-            key=pb.ShardKey(run_id=run_id, shard_id=shard_id), step=step,
-            dtype=dtype_to_proto(dtype), chunk_bytes=self.chunk_bytes, shm=_shm_ref(shm),
+            key=pb.ShardKey(run_id=run_id, shard_id=shard_id),
+            step=step,
+            dtype=dtype_to_proto(dtype),
+            chunk_bytes=self.chunk_bytes,
+            shm=_shm_ref(shm),
         )
         if shm is not None:
             try:

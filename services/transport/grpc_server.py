@@ -83,15 +83,23 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         self.received_bytes = 0
         self.sent_bytes = 0
 
-    def RegisterShard(self, request_iterator: Iterator[pb.RegisterShardRequest], context: grpc.ServicerContext) -> pb.RegisterShardResponse:
+    def RegisterShard(
+        self, request_iterator: Iterator[pb.RegisterShardRequest], context: grpc.ServicerContext
+    ) -> pb.RegisterShardResponse:
         def handle() -> pb.RegisterShardResponse:
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("part") != "spec":
                 raise InvalidTensorError("RegisterShard: the first message must carry the spec")
             spec = spec_from_proto(first.spec)
             self._admit(spec.run_id)
-            weights = self._receive(request_iterator, spec.numel, "float32", "initial_weights",
-                                    f"shard {spec.shard_id} initial weights", "RegisterShard")
+            weights = self._receive(
+                request_iterator,
+                spec.numel,
+                "float32",
+                "initial_weights",
+                f"shard {spec.shard_id} initial weights",
+                "RegisterShard",
+            )
             try:
                 existing = self._registry.get(spec.run_id, spec.shard_id)
             except UnknownShardError:
@@ -102,7 +110,9 @@ class StateServerServicer(pb_grpc.StateServerServicer):
 
         return self._guard("RegisterShard", context, handle)
 
-    def DescribeShard(self, request: pb.DescribeShardRequest, context: grpc.ServicerContext) -> pb.DescribeShardResponse:
+    def DescribeShard(
+        self, request: pb.DescribeShardRequest, context: grpc.ServicerContext
+    ) -> pb.DescribeShardResponse:
         def handle() -> pb.DescribeShardResponse:
             self._admit(request.key.run_id)
             state = self._registry.get(request.key.run_id, request.key.shard_id)
@@ -110,7 +120,9 @@ class StateServerServicer(pb_grpc.StateServerServicer):
 
         return self._guard("DescribeShard", context, handle)
 
-    def PushGradient(self, request_iterator: Iterator[pb.PushGradientRequest], context: grpc.ServicerContext) -> pb.PushGradientResponse:
+    def PushGradient(
+        self, request_iterator: Iterator[pb.PushGradientRequest], context: grpc.ServicerContext
+    ) -> pb.PushGradientResponse:
         def handle() -> pb.PushGradientResponse:
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("part") != "header":
@@ -132,19 +144,25 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 self._metrics.record_received("PushGradient.shm", gradient.numel() * gradient.element_size())
                 owned = False  # a view of the worker's buffer, which it reuses next step
             else:
-                gradient = self._receive(request_iterator, header.numel, dtype, "chunk",
-                                         f"shard {state.spec.shard_id} gradient", "PushGradient")
+                gradient = self._receive(
+                    request_iterator,
+                    header.numel,
+                    dtype,
+                    "chunk",
+                    f"shard {state.spec.shard_id} gradient",
+                    "PushGradient",
+                )
                 owned = True  # assembled for this call alone: clipping may scale it in place
             if header.defer_update:
                 # Staged, it may be applied more than once (a commit retried after a failed
                 # write), so the commit leaves it unscaled: see GradientStaging.commit.
                 outcome = self._staging.stage(state, header.step, gradient, borrowed=not owned)
             else:
-                outcome = state.push(header.step, gradient, global_norm=header.global_grad_norm,
-                                     lr=header.lr, owned=owned)
+                outcome = state.push(
+                    header.step, gradient, global_norm=header.global_grad_norm, lr=header.lr, owned=owned
+                )
                 self._count(outcome)
-            return pb.PushGradientResponse(step=outcome.step, applied=outcome.applied,
-                                           update_seconds=outcome.seconds)
+            return pb.PushGradientResponse(step=outcome.step, applied=outcome.applied, update_seconds=outcome.seconds)
 
         return self._guard("PushGradient", context, handle)
 
@@ -154,8 +172,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             state = self._registry.get(request.key.run_id, request.key.shard_id)
             outcome = self._staging.commit(state, request.step, global_norm=request.global_grad_norm, lr=request.lr)
             self._count(outcome)
-            return pb.PushGradientResponse(step=outcome.step, applied=outcome.applied,
-                                           update_seconds=outcome.seconds)
+            return pb.PushGradientResponse(step=outcome.step, applied=outcome.applied, update_seconds=outcome.seconds)
 
         return self._guard("CommitStep", context, handle)
 
@@ -187,8 +204,16 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 target = region.tensor(WIRE_DTYPES[dtype], request.shm.byte_offset, state.spec.numel)
                 weights = state.weights(request.step, dtype, out=target)
                 self._metrics.record_sent("FetchWeights.shm", weights.numel() * weights.element_size())
-                return iter([(pb.WeightsChunk(step=request.step, dtype=request.dtype, numel=weights.numel(),
-                                              chunk=pb.TensorChunk()), 0)])
+                return iter(
+                    [
+                        (
+                            pb.WeightsChunk(
+                                step=request.step, dtype=request.dtype, numel=weights.numel(), chunk=pb.TensorChunk()
+                            ),
+                            0,
+                        )
+                    ]
+                )
             weights = state.weights(request.step, dtype)
             return self._weight_chunks(state, request, weights, chunk_bytes)
 
@@ -203,8 +228,9 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             yield message
 
     @staticmethod
-    def _weight_chunks(state: ShardState, request: pb.FetchWeightsRequest, weights: torch.Tensor,
-                       chunk_bytes: int) -> Iterator[tuple[pb.WeightsChunk, int]]:
+    def _weight_chunks(
+        state: ShardState, request: pb.FetchWeightsRequest, weights: torch.Tensor, chunk_bytes: int
+    ) -> Iterator[tuple[pb.WeightsChunk, int]]:
         for offset, data in byte_chunks(weights, chunk_bytes):
             message = pb.WeightsChunk(step=request.step, dtype=request.dtype, numel=weights.numel())
             fill_chunk(message.chunk, offset, data)  # in place: no merge copy
@@ -220,7 +246,9 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 shards=[
                     pb.ShardStats(
                         key=pb.ShardKey(run_id=s.spec.run_id, shard_id=s.spec.shard_id),
-                        step=s.step, numel=s.spec.numel, resident_bytes=s.resident_bytes,
+                        step=s.step,
+                        numel=s.spec.numel,
+                        resident_bytes=s.resident_bytes,
                     )
                     for s in shards
                 ],
@@ -244,8 +272,9 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         for tier, nbytes in self._registry.bytes_by_tier().items():
             self._metrics.set_resident_bytes(tier, nbytes)
 
-    def _receive(self, request_iterator: Iterator, numel: int, dtype: str, field: str, what: str,
-                 rpc: str) -> torch.Tensor:
+    def _receive(
+        self, request_iterator: Iterator, numel: int, dtype: str, field: str, what: str, rpc: str
+    ) -> torch.Tensor:
         assembler = TensorAssembler(numel, dtype, what=what)
         for message in request_iterator:
             if message.WhichOneof("part") != field:
@@ -282,9 +311,18 @@ class StateServerServicer(pb_grpc.StateServerServicer):
 class GrpcStateServer:
     """A gRPC server on ``host:port`` serving the StateServer and health services."""
 
-    def __init__(self, registry: ShardRegistry, metrics: StateServerMetrics, *, run_id: str, host: str,
-                 port: int = 0, max_workers: int = 8, auth_token: str | None = None,
-                 tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self,
+        registry: ShardRegistry,
+        metrics: StateServerMetrics,
+        *,
+        run_id: str,
+        host: str,
+        port: int = 0,
+        max_workers: int = 8,
+        auth_token: str | None = None,
+        tls: TlsFiles | None = None,
+    ) -> None:
         """``run_id``: the one run it serves (its token is that run's); ``auth_token``:
         calls must carry it (health checks excepted); ``tls``: serve mutual TLS only."""
         self.servicer = StateServerServicer(registry, metrics, run_id)
@@ -300,8 +338,11 @@ class GrpcStateServer:
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         target = f"{host}:{port}"
-        bound = (self._server.add_secure_port(target, tls.server_credentials()) if tls is not None
-                 else self._server.add_insecure_port(target))
+        bound = (
+            self._server.add_secure_port(target, tls.server_credentials())
+            if tls is not None
+            else self._server.add_insecure_port(target)
+        )
         if bound == 0:
             raise CargoholdError(f"state server could not bind {host}:{port}")
         self.address = f"{host}:{bound}"

@@ -58,7 +58,8 @@ class SharedRegion:
             os.close(fd)  # the mapping keeps the memory
         self.owner = owner
         self.bytes = (
-            torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None
+            torch.frombuffer(self._map, dtype=torch.uint8)
+            if self._map is not None
             else torch.empty(0, dtype=torch.uint8)
         )
 
@@ -111,8 +112,9 @@ class RegionCache:
         this user; InvalidTensorError otherwise."""
         match = _PROC_FD.fullmatch(path)
         if match is None:
-            raise InvalidTensorError(f"shared memory path {path!r} is not allowed; it must be /proc/<pid>/fd/<fd> "
-                                     "of a worker's sealed memfd")
+            raise InvalidTensorError(
+                f"shared memory path {path!r} is not allowed; it must be /proc/<pid>/fd/<fd> of a worker's sealed memfd"
+            )
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as error:
