@@ -377,6 +377,11 @@ class CheckpointConfig:
             )
         if self.dir:
             _check_output_folder("checkpoint.dir", self.dir)
+        if self.resume not in (None, "latest") and not Path(self.resume).expanduser().is_dir():
+            raise ConfigError(
+                f"checkpoint.resume {self.resume!r} is not a folder: name a checkpoint folder, a folder "
+                "of checkpoints, or latest (with checkpoint.dir)"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -454,6 +454,14 @@ def test_cli_unknown_override_exits_2(capsys: pytest.CaptureFixture[str], no_tra
     assert "optim.lrr" in capsys.readouterr().err
 
 
+def test_cli_resume_from_a_missing_folder_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_training: None
+) -> None:
+    """Found before anything starts, naming the key (it used to fail in start-up, exit 1)."""
+    assert cli.main(["train", "--resume", str(tmp_path / "nonexistent")]) == 2
+    assert "checkpoint.resume" in capsys.readouterr().err
+
+
 def test_cli_malformed_override_exits_2(capsys: pytest.CaptureFixture[str], no_training: None) -> None:
     assert cli.main(["train", "--config", str(DEMO), "--set", "steps"]) == 2
     assert "key.path=value" in capsys.readouterr().err
