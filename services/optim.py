@@ -110,6 +110,42 @@ def adamw_step(
     fused_adamw_(state, gradients, lr=lr, hyper=hyper)
 
 
+def apply_update(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    fragments: Sequence[tuple[int, int]],
+    gradient: torch.Tensor,
+    *,
+    step: torch.Tensor,
+    coefficient: torch.Tensor | None,
+    lr: float,
+    hyper: AdamWHyperParams,
+    owned: bool,
+) -> None:
+    """The state server's update of one piece of a shard: AdamW at ``step`` over the real
+    elements (``(offset, length)`` ``fragments``) of ``master`` and the moments, with
+    ``gradient`` (parallel to them, in the wire dtype) clipped by ``coefficient``.
+
+    A bf16 gradient is cast to fp32 (a new tensor, scaled in place). An fp32 one is read in
+    place: scaled in place when ``owned`` (the caller hands it over), else clipped into new
+    tensors, so that it stays exactly as it was and a retried update can pass it again.
+    """
+
+    def views(t: torch.Tensor) -> list[torch.Tensor]:
+        return [t[offset : offset + length] for offset, length in fragments]
+
+    if gradient.dtype != torch.float32:
+        grads = views(gradient.to(torch.float32))
+        clip_(grads, coefficient)
+    elif owned:
+        grads = views(gradient)
+        clip_(grads, coefficient)
+    else:
+        grads = clipped(views(gradient), coefficient)
+    fused_adamw_(AdamWState(views(master), views(exp_avg), views(exp_avg_sq), step), grads, lr=lr, hyper=hyper)
+
+
 def clip_(gradients: Sequence[torch.Tensor], coefficient: torch.Tensor | None) -> None:
     """Scale gradients in place by a :func:`clip_coefficient` (None: leave them).
 

@@ -19,6 +19,7 @@ from cargohold.services.optim import (
     AdamWHyperParams,
     AdamWState,
     adamw_step,
+    apply_update,
     clip_coefficient,
     global_norm_from_squares,
     sum_of_squares,
@@ -479,3 +480,49 @@ def test_hyper_params_accept_edges() -> None:
     assert hyper.max_grad_norm == 0.0
     with pytest.raises(TypeError):
         AdamWHyperParams(0.9)  # type: ignore[misc]  # keyword-only
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
+def test_the_servers_update_of_a_piece_equals_adamw_step_and_keeps_a_borrowed_gradient(wire: torch.dtype) -> None:
+    """apply_update (what TieredStorage runs per partition) over a piece's fragments equals
+    one adamw_step over the same views, touches nothing between fragments, and leaves a
+    gradient it does not own bit for bit as it was; owned, it gives the same state."""
+    torch.manual_seed(0)
+    fragments = ((0, 64), (128, 72))
+    master = torch.randn(200)
+    gradient = torch.randn(200).to(wire)
+    coefficient = clip_coefficient(10.0, 1.0)
+    results = []
+    for owned in (False, True):
+        arrays = (master.clone(), torch.zeros(200), torch.zeros(200))
+        given = gradient.clone()
+        apply_update(
+            *arrays,
+            fragments,
+            given,
+            step=torch.tensor(1.0),
+            coefficient=coefficient,
+            lr=1e-2,
+            hyper=HYPER,
+            owned=owned,
+        )
+        if not owned:
+            assert torch.equal(given, gradient)
+        assert torch.equal(arrays[0][64:128], master[64:128])  # padding between fragments untouched
+        results.append(arrays)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    views = [lambda t, o=o, n=n: t[o : o + n] for o, n in fragments]
+    state = AdamWState(
+        [v(master.clone()) for v in views],
+        [torch.zeros(n) for _, n in fragments],
+        [torch.zeros(n) for _, n in fragments],
+        torch.tensor(0.0),
+    )
+    adamw_step(
+        state,
+        [v(gradient.float().clone()) for v in views],
+        lr=1e-2,
+        hyper=AdamWHyperParams(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, max_grad_norm=1.0),
+        global_norm=10.0,
+    )
+    assert all(torch.equal(v(results[0][0]), m) for v, m in zip(views, state.master))

@@ -27,7 +27,7 @@ import torch
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.errors import IncompleteStepError
-from cargohold.services.optim import AdamWHyperParams, AdamWState, clip_, clipped, fused_adamw_
+from cargohold.services.optim import AdamWHyperParams, apply_update
 from cargohold.services.tiers.fileformat import ARRAYS, FileLayout
 from cargohold.services.tiers.io_pool import BufferPool, IoPool
 from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path
@@ -212,10 +212,8 @@ class TieredStorage:
         ``weights_dtype`` when asked (None if the update resumed an interrupted one),
         written into ``weights_out`` when given (a spare buffer of that dtype and size).
 
-        An fp32 gradient is read in place, never copied: the kernel only reads it, and
-        clipping scales it in place when ``gradient_owned`` (the caller hands it over and
-        will not use it again) or else into a new tensor per partition. Not owned, it is
-        left exactly as it was, so a retry of an interrupted update can pass it again.
+        Each partition's piece goes through :func:`~cargohold.services.optim.apply_update`
+        (``gradient_owned``: it may scale the gradient in place).
         """
         parts = self._shards[(run_id, shard_id)]
         pending = [p for p in parts if p.step != step]
@@ -243,21 +241,18 @@ class TieredStorage:
                 self._observer.add_tier_io_wait(time.perf_counter() - waited)
             span = part.span
             if span.fragments:
-
-                def views(t: torch.Tensor) -> list[torch.Tensor]:
-                    return [t[offset : offset + length] for offset, length in span.fragments]
-
-                piece = gradient[span.start : span.stop]
-                if piece.dtype != torch.float32:  # bf16 on the wire: the cast is a new tensor, ours
-                    grads = views(piece.to(torch.float32))
-                    clip_(grads, coefficient)
-                elif gradient_owned:
-                    grads = views(piece)
-                    clip_(grads, coefficient)
-                else:
-                    grads = clipped(views(piece), coefficient)
-                state = AdamWState(views(arrays.master), views(arrays.exp_avg), views(arrays.exp_avg_sq), step_tensor)
-                fused_adamw_(state, grads, lr=lr, hyper=hyper)
+                apply_update(
+                    arrays.master,
+                    arrays.exp_avg,
+                    arrays.exp_avg_sq,
+                    span.fragments,
+                    gradient[span.start : span.stop],
+                    step=step_tensor,
+                    coefficient=coefficient,
+                    lr=lr,
+                    hyper=hyper,
+                    owned=gradient_owned,
+                )
             if weights is not None:
                 weights[span.start : span.stop].copy_(arrays.master)
 
