@@ -62,9 +62,9 @@ import torch
 
 from cargohold.cluster.config import TrainConfig, read_yaml_mapping
 from cargohold.cluster.sizes import format_bytes, parse_size
+from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.errors import ConfigError, LayoutError
 from cargohold.services.layout import ShardLayout
-from cargohold.services.shard_state import WIRE_DTYPES
 from cargohold.services.state_port import exchange_nbytes
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT, elements_per_partition, split_segment

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from cargohold.cluster.config import TrainConfig
+from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.errors import ConfigError, TrainingError
 from cargohold.services.layout import ShardLayout
 from cargohold.services.models.blocks import apply_activation_checkpointing, transformer_blocks
 from cargohold.services.models.build import buffer_values, build_model
 from cargohold.services.models.hf import HFCausalLM
-from cargohold.services.shard_state import WIRE_DTYPES
 from cargohold.services.sharding import Unit, check_unit_order, layout_for_units, shard_units, units_of
 from cargohold.services.state_port import ExchangeBuffers
 from cargohold.services.step import StepPolicy

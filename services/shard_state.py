@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.errors import (
     InvalidTensorError,
     ShardConflictError,
@@ -24,9 +25,6 @@ from cargohold.services.errors import (
 from cargohold.services.optim import AdamWHyperParams, clip_coefficient
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.storage import PreservedPartition, StateSource, TieredStorage, tensor_source
-
-WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-"""Dtypes gradients and weights may travel in, by the name used in configs and the API."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,8 +11,9 @@ import threading
 
 import torch
 
+from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.errors import InvalidTensorError, StepMismatchError
-from cargohold.services.shard_state import WIRE_DTYPES, PushOutcome, ShardState, repeats_last_step
+from cargohold.services.shard_state import PushOutcome, ShardState, repeats_last_step
 
 
 class GradientStaging:

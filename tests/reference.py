@@ -27,11 +27,11 @@ import torch.multiprocessing as mp
 
 from cargohold.cluster.config import TrainConfig, from_dict
 from cargohold.services.data import batch_for_step, dropout_seed, load_tokens
+from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.layout import ShardLayout, scatter_params
 from cargohold.services.model_setup import model_layout
 from cargohold.services.models.blocks import transformer_blocks
 from cargohold.services.models.build import build_model
-from cargohold.services.shard_state import WIRE_DTYPES
 from cargohold.services.sharding import local_tensors, params_to_range, units_of
 
 STATES = ("masters", "exp_avg", "exp_avg_sq")

@@ -17,9 +17,10 @@ import google_crc32c
 import numpy as np
 import torch
 
+from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.errors import InvalidTensorError
 from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.shard_state import WIRE_DTYPES, ShardSpec
+from cargohold.services.shard_state import ShardSpec
 from cargohold.services.tiers.planner import Bandwidth
 from cargohold.services.tiers.report import PartitionRow, TierSummary
 from cargohold.services.tiers.residency import PartitionKey, Residency

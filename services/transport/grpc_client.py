@@ -9,6 +9,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cargohold.services.dtypes import DTYPE_NAMES
 from cargohold.services.errors import TransportError
 from cargohold.services.shard_state import PushOutcome, ShardSpec
 from cargohold.services.tiers.report import PartitionRow, TierSummary
@@ -147,7 +148,7 @@ class StateServerClient:
         """Send the gradient of ``step``; harmless to repeat. With ``defer_update`` the
         server only stages it, and :meth:`commit` applies it. With ``shm`` (path, byte
         offset) the server reads ``gradient``'s bytes from that shared memory instead."""
-        wire_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(gradient.dtype)
+        wire_dtype = DTYPE_NAMES.get(gradient.dtype)
         if wire_dtype is None:
             raise TransportError(f"gradients travel as float32 or bfloat16, not {gradient.dtype}")
         header = pb.PushHeader(

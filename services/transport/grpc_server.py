@@ -13,6 +13,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.errors import (
     CargoholdError,
     CorruptPartitionError,
@@ -26,7 +27,7 @@ from cargohold.services.errors import (
     UnknownShardError,
 )
 from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.shard_state import WIRE_DTYPES, PushOutcome, ShardRegistry, ShardState
+from cargohold.services.shard_state import PushOutcome, ShardRegistry, ShardState
 from cargohold.services.staging import GradientStaging
 from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
 from cargohold.services.transport.codec import (
