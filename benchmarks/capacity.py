@@ -268,6 +268,26 @@ def plain_probe(n_layer: int, width: int) -> dict:
 
 
 # --- cargohold: W workers + 1 state server ----------------------------------------------------
+def session_overrides(workers: int, dtype: str, wire: str) -> list[str]:
+    """One step of W workers and 1 state server on sequences of BLOCK tokens, batch 1, one
+    torch thread each, no metrics, patient timeouts (probes run on a loaded box)."""
+    return [
+        "steps=1",
+        "progress=false",
+        "metrics.enabled=false",
+        f"model.block_size={BLOCK}",
+        "data.batch_size=1",
+        "data.corpus_bytes=200000",
+        f"worker.compute_dtype={dtype}",
+        f"worker.grad_wire_dtype={wire}",
+        f"worker.num_workers={workers}",
+        "worker.torch_threads=1",
+        "state_server.num_servers=1",
+        "cluster.startup_timeout_s=1200",
+        "state_server.rpc_timeout_s=1200",
+    ]
+
+
 def cargohold_overrides(
     n_layer: int,
     width: int,
@@ -279,22 +299,10 @@ def cargohold_overrides(
     extra: tuple[str, ...] = (),
 ) -> list[str]:
     overrides = [
-        "steps=1",
-        "progress=false",
-        "metrics.enabled=false",
         f"model.n_layer={n_layer}",
         f"model.n_embd={width}",
         f"model.n_head={width // 64}",
-        f"model.block_size={BLOCK}",
-        "data.batch_size=1",
-        "data.corpus_bytes=200000",
-        f"worker.compute_dtype={dtype}",
-        f"worker.grad_wire_dtype={wire}",
-        f"worker.num_workers={workers}",
-        "worker.torch_threads=1",
-        "state_server.num_servers=1",
-        "cluster.startup_timeout_s=1200",
-        "state_server.rpc_timeout_s=1200",
+        *session_overrides(workers, dtype, wire),
     ]
     if tier:
         overrides += [f"state_server.tier.nvme_paths=[{tier}]", f"state_server.tier.ram_budget_bytes={budget}"]

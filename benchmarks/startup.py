@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from capacity import run_session
+from capacity import run_session, session_overrides
 
 GIB = 2**30
 GOAL = 1.3
@@ -75,22 +75,7 @@ def save_checkpoint(spec: dict, folder: str) -> None:
 
 
 def overrides(folder: str, workers: int, dtype: str, wire: str) -> list[str]:
-    return [
-        "steps=1",
-        "progress=false",
-        "metrics.enabled=false",
-        f"hf.checkpoint_dir={folder}",
-        "model.block_size=128",
-        "data.batch_size=1",
-        "data.corpus_bytes=200000",
-        f"worker.compute_dtype={dtype}",
-        f"worker.grad_wire_dtype={wire}",
-        f"worker.num_workers={workers}",
-        "worker.torch_threads=1",
-        "state_server.num_servers=1",
-        "cluster.startup_timeout_s=1200",
-        "state_server.rpc_timeout_s=1200",
-    ]
+    return [f"hf.checkpoint_dir={folder}", *session_overrides(workers, dtype, wire)]
 
 
 def probe(folder: str, workers: int, dtype: str, wire: str) -> dict:

@@ -9,7 +9,6 @@ import logging
 import math
 import os
 import secrets
-import shutil
 import signal
 import threading
 import time
@@ -35,6 +34,7 @@ from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.state_port import segment_spec
 from cargohold.services.state_server import StateServer
 from cargohold.services.step import StepReport
+from cargohold.services.tiers.nvme import remove_server_folders
 from cargohold.services.transport.auth import tls_files
 from cargohold.services.worker import TrainingWorker
 
@@ -334,7 +334,7 @@ class TrainingSession:
         roots = list(self.config.state_server.tier.nvme_paths)
         if not roots:
             return
-        sweep = ray.remote(num_cpus=0)(remove_tier_folders)
+        sweep = ray.remote(num_cpus=0)(remove_server_folders)
         refs = [
             sweep.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -364,17 +364,6 @@ class TrainingSession:
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
-
-
-def remove_tier_folders(roots: list[str], run_id: str, server_index: int) -> None:
-    """A state server's partition folders of ``run_id`` (``<root>/<run_id>/server-<i>``),
-    and the run's folder when no other server's files are left in it."""
-    for root in roots:
-        shutil.rmtree(os.path.join(root, run_id, f"server-{server_index}"), ignore_errors=True)
-        try:
-            os.rmdir(os.path.join(root, run_id))
-        except OSError:
-            pass  # another server's files are still there, or it was never made
 
 
 def train(

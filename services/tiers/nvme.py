@@ -136,6 +136,18 @@ def _buffer_of(staged: Staged) -> AlignedBuffer:
     return staged.handle
 
 
+def remove_server_folders(roots: Sequence[str], run_id: str, server_index: int) -> None:
+    """Delete a state server's partition folders of ``run_id`` under each root, and the
+    run's folder where no other server's files are left in it. The server does this when
+    it stops; the launcher, for a server that was killed."""
+    for root in roots:
+        shutil.rmtree(os.path.join(root, run_id, f"server-{server_index}"), ignore_errors=True)
+        try:
+            os.rmdir(os.path.join(root, run_id))
+        except OSError:
+            pass  # another server's files are still there, or it was never made
+
+
 LOCK_NAME = ".lock"
 """In each of a server's tier folders: held (flock) while the server uses the folder."""
 
@@ -226,12 +238,7 @@ class NvmeTier:
         with self._lock:
             runs, self._runs = dict(self._runs), {}
         for run_id, locks in runs.items():
-            for index, path in enumerate(self.paths):
-                shutil.rmtree(self.directory(run_id, index), ignore_errors=True)
-                try:
-                    os.rmdir(os.path.join(path.root, run_id))
-                except OSError:
-                    pass  # another server's files are still there
+            remove_server_folders([path.root for path in self.paths], run_id, self.server_index)
             for fd in locks:  # only once the folders it guarded are gone
                 os.close(fd)
 
