@@ -9,7 +9,7 @@ In one run, on the disk under ``--path``:
    ``--block-mib`` requests, ``--io-threads`` in flight: the bandwidth the disk offers.
 2. **Tier.** One shard of ``--state-mib`` of optimizer state (fp32 master, exp_avg,
    exp_avg_sq) on a state server with a ``--budget-mib`` RAM budget, so most partitions
-   live on disk; ``--steps`` optimizer steps (ShardState.push, as a PushGradient ends
+   live on disk; ``--steps`` optimizer steps (SegmentState.push, as a PushGradient ends
    in). It reports the bytes swapped in and out per step and their rate, and compares the
    step with the disk time the same bytes would take at the raw bandwidth
    (``read / raw_read + written / raw_write``): ``tier / raw`` is that ideal disk time
@@ -40,7 +40,7 @@ import torch
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.shard_state import ShardRegistry, ShardSpec
+from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
 from cargohold.services.tiers.storage import TieredStorage
 
 MIB = 1 << 20
@@ -110,9 +110,9 @@ class Counter:
 
 
 def run_steps(tier: TierConfig, numel: int, steps: int, observer: Counter | None):
-    spec = ShardSpec(
+    spec = SegmentSpec(
         run_id="bench",
-        shard_id=0,
+        segment_id=0,
         start=0,
         numel=numel,
         fragments=((0, numel),),
@@ -121,7 +121,7 @@ def run_steps(tier: TierConfig, numel: int, steps: int, observer: Counter | None
     )
     initial = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     gradient = torch.randn(numel, generator=torch.Generator().manual_seed(1)).mul_(1e-2)
-    registry = ShardRegistry(TieredStorage(tier, observer=observer))
+    registry = SegmentRegistry(TieredStorage(tier, observer=observer))
     try:
         state = registry.register(spec, initial)
         del initial

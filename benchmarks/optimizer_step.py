@@ -9,7 +9,7 @@ as a state server holding a whole model would, and times:
 
 * ``optim.adamw_step`` over the fragment views (the kernel the server runs), with all
   cores and with one thread, and the same kernel run over chunks of ``--chunk-elements``;
-* ``ShardState.push`` (what a PushGradient ends in) and ``push`` + ``weights("bfloat16")``
+* ``SegmentState.push`` (what a PushGradient ends in) and ``push`` + ``weights("bfloat16")``
   (a whole server step: update, then the weights a worker fetches, handed back with
   ``recycle`` as the server does after the last chunk, so the next push writes them into
   the same buffer);
@@ -41,7 +41,7 @@ from cargohold.cluster.config import GPTConfig
 from cargohold.services.layout import build_layout
 from cargohold.services.models.gpt import GPT, num_parameters
 from cargohold.services.optim import AdamWHyperParams, AdamWState, adamw_step, fused_adamw_
-from cargohold.services.shard_state import ShardSpec, ShardState
+from cargohold.services.segment_state import SegmentSpec, SegmentState
 
 ADAM_BYTES_PER_PARAM = 28
 """Read param, grad, exp_avg, exp_avg_sq (4 x 4 B); write param, exp_avg, exp_avg_sq (3 x 4 B)."""
@@ -147,10 +147,10 @@ def run_kernel(numel, fragments, weights, grad, steps, threads, chunk=None) -> t
 
 def run_shard_state(numel, fragments, weights, grad, steps, threads, fetch: bool) -> tuple[list[float], tuple]:
     torch.set_num_threads(threads)
-    spec = ShardSpec(
-        run_id="bench", shard_id=0, start=0, numel=numel, fragments=fragments, grad_dtype="float32", hyper=HYPER
+    spec = SegmentSpec(
+        run_id="bench", segment_id=0, start=0, numel=numel, fragments=fragments, grad_dtype="float32", hyper=HYPER
     )
-    shard = ShardState(spec, weights)
+    shard = SegmentState(spec, weights)
     times = []
     for k in range(1, steps + 1):
 
@@ -223,12 +223,12 @@ def measure_size(target: float, reps: int, chunk: int, all_threads: int) -> tupl
             lambda t: run_kernel(numel, fragments, weights, grad, steps, t, chunk),
         ),
         (
-            "ShardState.push",
+            "SegmentState.push",
             all_threads,
             28,
             lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, False),
         ),
-        ("ShardState.push", 1, 28, lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, False)),
+        ("SegmentState.push", 1, 28, lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, False)),
         (
             "push + weights(bf16)",
             all_threads,
@@ -252,7 +252,7 @@ def measure_size(target: float, reps: int, chunk: int, all_threads: int) -> tupl
     model = (
         f"\nmodel: GPT n_layer={config.n_layer} n_embd={config.n_embd} vocab={config.vocab_size}: "
         f"{real / 1e6:.1f}M params in {len(fragments)} fragments (segment of {numel} elements)\n"
-        f"ShardState.push uses an fp32 gradient in place; the copy it used to make first "
+        f"SegmentState.push uses an fp32 gradient in place; the copy it used to make first "
         f"(gradient.to(float32, copy=True), a fresh allocation each push) would take {copy * 1e3:.0f} ms "
         f"alone, {numel * 8 / copy / 1e9:.1f} GB/s with its page faults"
     )

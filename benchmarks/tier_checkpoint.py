@@ -41,12 +41,12 @@ import torch
 from timing import timed
 
 from cargohold.cluster.config import TierConfig
-from cargohold.services.checkpoint import CheckpointReader, FileRecord, Manifest, ShardRecord
+from cargohold.services.checkpoint import CheckpointReader, FileRecord, Manifest, SegmentRecord
 from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.layout import build_layout
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.reshard import layout_record
-from cargohold.services.shard_state import ShardRegistry, ShardSpec, ShardState
+from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState
 from cargohold.services.tiers.fileformat import ARRAYS, FileLayout
 from cargohold.services.tiers.io_pool import AlignedBuffer
 from cargohold.services.tiers.nvme import write_partition_file
@@ -67,7 +67,7 @@ def copy_files(sources: list[str], directory: str) -> None:
             os.close(fd)
 
 
-def write_through_ram(state: ShardState, path: str) -> None:
+def write_through_ram(state: SegmentState, path: str) -> None:
     """The whole shard read back into memory and written as one partition file."""
     snapshot = state.snapshot()
     numel = state.spec.numel
@@ -98,9 +98,9 @@ def main() -> None:
         f"({'another' if args.other_path else 'the same'} filesystem)"
     )
 
-    spec = ShardSpec(
+    spec = SegmentSpec(
         run_id="bench",
-        shard_id=0,
+        segment_id=0,
         start=0,
         numel=numel,
         fragments=((0, numel),),
@@ -114,7 +114,7 @@ def main() -> None:
         buffer_count=3,
         io_threads=4,
     )
-    registry = ShardRegistry(TieredStorage(tier))
+    registry = SegmentRegistry(TieredStorage(tier))
     try:
         state = registry.register(spec, torch.randn(numel, generator=torch.Generator().manual_seed(0)))
         gradient = torch.randn(numel, generator=torch.Generator().manual_seed(1)).mul_(1e-2)
@@ -143,7 +143,7 @@ def main() -> None:
         updates = checkpointer.begin("bench", checkpoints, 3)
         begin = time.perf_counter() - started
         next_step = timed(lambda: state.push(4, gradient, global_norm=1.0, lr=1e-3))
-        records: list[tuple[ShardRecord, FileRecord]] = checkpointer.wait()
+        records: list[tuple[SegmentRecord, FileRecord]] = checkpointer.wait()
         total = time.perf_counter() - started
         how = checkpointer.preserved
         stall = begin + max(0.0, next_step - plain_step)

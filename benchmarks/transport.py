@@ -4,7 +4,7 @@ and memcpy of the same bytes.
     python benchmarks/transport.py                    # 256 MB, chunks of 256 KiB, 1 MiB, 4 MiB
     python benchmarks/transport.py --megabytes 64 --chunks 1048576 --reps 2
 
-The state server (``GrpcStateServer`` over a ``ShardRegistry``, 1 torch thread as the
+The state server (``GrpcStateServer`` over a ``SegmentRegistry``, 1 torch thread as the
 config's default) runs in its own process, as it does under Ray; the client
 (``StateServerClient``) in this one. One fp32 shard of ``--megabytes`` is registered; for
 each chunk size the gradient is pushed and the weights fetched ``--reps`` times (into a new
@@ -36,7 +36,7 @@ import torch
 from timing import timed
 
 from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.shard_state import ShardSpec
+from cargohold.services.segment_state import SegmentSpec
 from cargohold.services.transport.codec import TensorAssembler, fill_chunk
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.v1 import state_server_pb2 as pb
@@ -50,10 +50,10 @@ def serve(conn) -> None:
     """Child process: serve a registry on 127.0.0.1 until told to stop."""
     torch.set_num_threads(1)
     from cargohold.services.metrics import StateServerMetrics
-    from cargohold.services.shard_state import ShardRegistry
+    from cargohold.services.segment_state import SegmentRegistry
     from cargohold.services.transport.grpc_server import GrpcStateServer
 
-    server = GrpcStateServer(ShardRegistry(), StateServerMetrics("bench"), run_id=RUN, host="127.0.0.1")
+    server = GrpcStateServer(SegmentRegistry(), StateServerMetrics("bench"), run_id=RUN, host="127.0.0.1")
     server.start()
     bare = _bare_server()
     conn.send((server.address, f"127.0.0.1:{bare.port}"))
@@ -112,9 +112,9 @@ def measure_grpc(
 ) -> dict[int, dict[str, float]]:
     """Per chunk size: best push seconds (transfer only and with update) and fetch seconds."""
     numel = gradient.numel()
-    spec = ShardSpec(
+    spec = SegmentSpec(
         run_id=RUN,
-        shard_id=0,
+        segment_id=0,
         start=0,
         numel=numel,
         fragments=((0, numel),),
@@ -156,9 +156,9 @@ def measure_shared_memory(address: str, gradient: torch.Tensor, reps: int) -> di
     from cargohold.services.transport.shm import SharedRegion
 
     numel = gradient.numel()
-    spec = ShardSpec(
+    spec = SegmentSpec(
         run_id=RUN,
-        shard_id=1,
+        segment_id=1,
         start=0,
         numel=numel,
         fragments=((0, numel),),
@@ -313,7 +313,7 @@ def report(
             server += us
     push_us = best[1]["push"] / (nbytes / MiB) * 1e6
     print(
-        f"CPU per MiB moved: client {client:.0f} us, server {server:.0f} us (ShardState.push adds none: "
+        f"CPU per MiB moved: client {client:.0f} us, server {server:.0f} us (SegmentState.push adds none: "
         f"an fp32 gradient is used in place); measured: push {push_us:.0f} us/MiB, bare gRPC stream "
         f"{min(bare.values()) / (nbytes / MiB) * 1e6:.0f} us/MiB, raw TCP {tcp / (nbytes / MiB) * 1e6:.0f} us/MiB"
     )

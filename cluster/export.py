@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from cargohold.cluster.config import GPTConfig, TrainConfig
 from cargohold.services.durable import replace_durably
 from cargohold.services.errors import ConfigError, ExportError
-from cargohold.services.layout import ShardLayout, gather_params
+from cargohold.services.layout import Layout, gather_params
 from cargohold.services.models.build import build_model
 from cargohold.services.models.gpt import GPT
 from cargohold.services.models.hf import HFCausalLM, hf_name
@@ -42,23 +42,23 @@ GPT_FORMAT = "cargohold-gpt"
 GPT_FORMAT_VERSION = 1
 
 
-def master_weights(layout: ShardLayout, masters: list[dict[int, torch.Tensor]]) -> torch.Tensor:
+def master_weights(layout: Layout, masters: list[dict[int, torch.Tensor]]) -> torch.Tensor:
     """The flat fp32 master weights, reassembled from every state server's segments
     (``TrainingSession.server_masters()``); zeros in the padding."""
     flat = torch.zeros(layout.total, dtype=torch.float32)
     seen: set[int] = set()
     for server in masters:
-        for shard_id, weights in server.items():
-            segment = layout.segments[shard_id]
+        for segment_id, weights in server.items():
+            segment = layout.segments[segment_id]
             flat[segment.start : segment.stop] = weights
-            seen.add(shard_id)
+            seen.add(segment_id)
     missing = sorted(set(range(len(layout.segments))) - seen)
     if missing:
         raise ExportError(f"the state servers hold no master weights for segments {missing[:10]}")
     return flat
 
 
-def export_weights(config: TrainConfig, layout: ShardLayout, flat: torch.Tensor, out_dir: str | Path) -> Path:
+def export_weights(config: TrainConfig, layout: Layout, flat: torch.Tensor, out_dir: str | Path) -> Path:
     """Write the fp32 weights ``flat`` (laid out by ``layout``) of the model ``config``
     describes into ``out_dir`` (created if needed); returns the folder."""
     if flat.dtype != torch.float32 or flat.dim() != 1 or flat.numel() != layout.total:

@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cargohold.cluster.config import TrainConfig, config_hash
 from cargohold.cluster.export import export_weights, master_weights
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
-from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointStore, Manifest, check_compatible
+from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest, check_compatible
 from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
 from cargohold.services.metrics import LauncherMetrics
 from cargohold.services.model_setup import model_layout
@@ -218,7 +218,7 @@ class TrainingSession:
     def _restore(self, directory: Path, timeout: float) -> tuple[int, int]:
         """Restore every server's segments from a checkpoint, whatever layout saved it;
         returns (updates, data step)."""
-        manifest = CheckpointStore(directory.parent).load(directory)
+        manifest = CheckpointDir(directory.parent).load(directory)
         saved = saved_layout(manifest, str(directory / MANIFEST_NAME))
         check_compatible(
             manifest, model_signature=[(p.name, p.shape) for p in self.layout.params], align=self.layout.align
@@ -243,7 +243,7 @@ class TrainingSession:
         )
         return manifest.updates, manifest.step
 
-    def checkpoint_begin(self, store: CheckpointStore) -> PendingCheckpoint:
+    def checkpoint_begin(self, store: CheckpointDir) -> PendingCheckpoint:
         """Snapshot every server's state as of the current step; the files are written
         in the background (RAM tier) while training goes on."""
         started = time.perf_counter()
@@ -264,7 +264,7 @@ class TrainingSession:
             step=step, updates=updates.pop(), started=started, stall_seconds=time.perf_counter() - started
         )
 
-    def checkpoint_finish(self, store: CheckpointStore, pending: PendingCheckpoint) -> SavedCheckpoint:
+    def checkpoint_finish(self, store: CheckpointDir, pending: PendingCheckpoint) -> SavedCheckpoint:
         """Wait for the servers' files, then write the manifest: the checkpoint is complete."""
         waited = _get([s.checkpoint_wait.remote() for s in self.servers], None, f"writing checkpoint {pending.step}")
         records = [r for rs, _ in waited for r in rs]
@@ -391,7 +391,7 @@ def train(
 
 def _train(config: TrainConfig, on_step: Callable[[StepReport], None] | None, metrics: LauncherMetrics) -> TrainResult:
     ckpt = config.checkpoint
-    store = CheckpointStore(Path(ckpt.dir), keep_last=ckpt.keep_last) if ckpt.dir else None
+    store = CheckpointDir(Path(ckpt.dir), keep_last=ckpt.keep_last) if ckpt.dir else None
     resume = _resolve_resume(ckpt.resume, store)
     result = TrainResult(run_id="")
     while True:
@@ -412,7 +412,7 @@ def _train(config: TrainConfig, on_step: Callable[[StepReport], None] | None, me
 
 def _train_session(
     config: TrainConfig,
-    store: CheckpointStore | None,
+    store: CheckpointDir | None,
     resume: Path | None,
     result: TrainResult,
     on_step: Callable[[StepReport], None] | None,
@@ -497,12 +497,12 @@ def _is_save_error(error: BaseException | None) -> bool:
     return False
 
 
-def _resolve_resume(spec: str | None, store: CheckpointStore | None) -> Path | None:
+def _resolve_resume(spec: str | None, store: CheckpointDir | None) -> Path | None:
     if spec is None:
         return None
     if spec == "latest":
         return store.resolve("latest") if store is not None else None
-    return CheckpointStore(Path(spec).parent).resolve(spec)
+    return CheckpointDir(Path(spec).parent).resolve(spec)
 
 
 def resolve_auth_token(env_name: str | None) -> str | None:

@@ -64,7 +64,7 @@ from cargohold.cluster.config import TrainConfig, read_yaml_mapping
 from cargohold.cluster.sizes import format_bytes, parse_size
 from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.errors import ConfigError, LayoutError
-from cargohold.services.layout import ShardLayout
+from cargohold.services.layout import Layout
 from cargohold.services.state_port import exchange_nbytes
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT, elements_per_partition, split_segment
@@ -438,7 +438,7 @@ def plan_run(config: TrainConfig, cluster: ClusterDescription | None = None) -> 
     )
 
 
-def _layout(config: TrainConfig) -> tuple[torch.nn.Module, list[Unit], ShardLayout]:
+def _layout(config: TrainConfig) -> tuple[torch.nn.Module, list[Unit], Layout]:
     """The meta-device model, its FSDP2 units and the layout every worker computes
     (shapes only; nothing allocated, nothing read)."""
     from cargohold.services.model_setup import model_layout
@@ -475,7 +475,7 @@ class _UnitSize:
     chunk: int
 
 
-def _unit_sizes(layout: ShardLayout) -> list[_UnitSize]:
+def _unit_sizes(layout: Layout) -> list[_UnitSize]:
     return [
         _UnitSize(
             numel=sum(s.numel for s in layout.group_params(g.index)),
@@ -486,7 +486,7 @@ def _unit_sizes(layout: ShardLayout) -> list[_UnitSize]:
 
 
 def _plan_worker(
-    config: TrainConfig, layout: ShardLayout, model: torch.nn.Module, device: str, transport: str, activations: int
+    config: TrainConfig, layout: Layout, model: torch.nn.Module, device: str, transport: str, activations: int
 ) -> WorkerPlan:
     settings = config.worker
     compute = _DTYPE_BYTES[settings.compute_dtype]
@@ -605,7 +605,7 @@ def _matrices_of_width(model: torch.nn.Module, width: int, intermediate: int) ->
     return sum(1 for p in block.parameters() if tuple(p.shape) in shapes)
 
 
-def _plan_server(config: TrainConfig, layout: ShardLayout, index: int, transport: str) -> ServerPlan:
+def _plan_server(config: TrainConfig, layout: Layout, index: int, transport: str) -> ServerPlan:
     tier = config.state_server.tier
     compute = _DTYPE_BYTES[config.worker.compute_dtype]
     wire = _DTYPE_BYTES[config.worker.grad_wire_dtype]

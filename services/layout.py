@@ -130,7 +130,7 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
-class ShardLayout:
+class Layout:
     """The complete placement of a model's parameters over workers and servers."""
 
     params: tuple[ParamSlot, ...]
@@ -220,7 +220,7 @@ def build_layout(
     align: int = DEFAULT_ALIGN,
     group_sizes: Sequence[int] | None = None,
     group_names: Sequence[str] | None = None,
-) -> ShardLayout:
+) -> Layout:
     """Place parameters (in the given order) in groups of ``group_sizes`` consecutive
     parameters (None: one group of all) and split the space over workers and servers."""
     if num_workers < 1:
@@ -302,7 +302,7 @@ def build_layout(
                             ),
                         )
                     )
-    return ShardLayout(
+    return Layout(
         params=tuple(params),
         groups=tuple(groups),
         total=total,
@@ -316,7 +316,7 @@ def build_layout(
 
 
 def scatter_params(
-    layout: ShardLayout,
+    layout: Layout,
     tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
@@ -330,7 +330,7 @@ def scatter_params(
     return flat
 
 
-def gather_params(layout: ShardLayout, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+def gather_params(layout: Layout, flat: torch.Tensor) -> dict[str, torch.Tensor]:
     """Each parameter, whole and shaped, copied out of the flat space ``flat``."""
     if flat.dim() != 1 or flat.numel() != layout.total:
         raise LayoutError(f"flat space must be 1-D with {layout.total} elements, got shape {tuple(flat.shape)}")
@@ -353,7 +353,7 @@ def fragment_views(segment: Segment, buffer: torch.Tensor) -> list[torch.Tensor]
     return [buffer[f.segment_start : f.segment_start + f.length] for f in segment.fragments]
 
 
-def _in_layout_order(layout: ShardLayout, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> list:
+def _in_layout_order(layout: Layout, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> list:
     if isinstance(tensors, Mapping):
         missing = [p.name for p in layout.params if p.name not in tensors]
         if missing:

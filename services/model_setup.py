@@ -12,7 +12,7 @@ from torch import nn
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.errors import ConfigError, TrainingError
-from cargohold.services.layout import ShardLayout
+from cargohold.services.layout import Layout
 from cargohold.services.models.blocks import apply_activation_checkpointing, transformer_blocks
 from cargohold.services.models.build import buffer_values, build_model
 from cargohold.services.models.hf import HFCausalLM
@@ -30,7 +30,7 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
-def model_layout(config: TrainConfig) -> tuple[nn.Module, list[Unit], ShardLayout]:
+def model_layout(config: TrainConfig) -> tuple[nn.Module, list[Unit], Layout]:
     """The meta-device model, its FSDP2 units and the layout every process derives from
     the config (workers, launcher, plan, tests)."""
     with torch.device("meta"):
@@ -42,7 +42,7 @@ def model_layout(config: TrainConfig) -> tuple[nn.Module, list[Unit], ShardLayou
     return model, units, layout
 
 
-def sharded_model(config: TrainConfig, device: torch.device) -> tuple[nn.Module, list[Unit], ShardLayout]:
+def sharded_model(config: TrainConfig, device: torch.device) -> tuple[nn.Module, list[Unit], Layout]:
     """The model sharded with FSDP2 (the process group must exist), local shards
     allocated on ``device`` (host memory when offloaded) but not yet filled."""
     model, units, layout = model_layout(config)
@@ -92,7 +92,7 @@ def _set_buffers(config: TrainConfig, model: nn.Module) -> None:
 
 
 def exchange_buffers(
-    config: TrainConfig, layout: ShardLayout, *, shared_name: str | None = None, pin: bool = False
+    config: TrainConfig, layout: Layout, *, shared_name: str | None = None, pin: bool = False
 ) -> ExchangeBuffers:
     """``worker.exchange_slots`` slots of the largest unit, and the whole range's weights
     with the delayed update."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from cargohold.services.checkpoint.manifest import LAYOUT_KIND, LayoutRecord, Manifest
 from cargohold.services.errors import CheckpointError, LayoutError
-from cargohold.services.layout import Segment, ShardLayout, build_layout
+from cargohold.services.layout import Layout, Segment, build_layout
 
 Run = tuple[int, int, int]
 """``(segment_offset, saved_flat_start, length)``: elements ``[segment_offset,
@@ -24,7 +24,7 @@ segment_offset + length)`` of a new segment are the saved flat elements ``[saved
 saved_flat_start + length)``."""
 
 
-def layout_record(layout: ShardLayout) -> LayoutRecord:
+def layout_record(layout: Layout) -> LayoutRecord:
     """The manifest's ``layout``: what rebuilds ``layout`` with the manifest's model
     signature (its parameters, in layout order)."""
     return LayoutRecord(
@@ -37,7 +37,7 @@ def layout_record(layout: ShardLayout) -> LayoutRecord:
     )
 
 
-def saved_layout(manifest: Manifest, source: str) -> ShardLayout:
+def saved_layout(manifest: Manifest, source: str) -> Layout:
     """The layout that wrote the checkpoint of ``manifest`` (read from ``source``, named
     in errors); refuses a recorded layout that does not rebuild one of ``total`` elements."""
     record = manifest.layout
@@ -60,7 +60,7 @@ def saved_layout(manifest: Manifest, source: str) -> ShardLayout:
     return layout
 
 
-def segment_runs(saved: ShardLayout, new: ShardLayout, segment: Segment) -> tuple[Run, ...]:
+def segment_runs(saved: Layout, new: Layout, segment: Segment) -> tuple[Run, ...]:
     """Where the real elements of ``segment`` (of layout ``new``) lie in the flat space of
     ``saved``, in segment order; adjacent runs are merged so that each is one read.
 

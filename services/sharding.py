@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from cargohold.services.errors import TrainingError
-from cargohold.services.layout import DEFAULT_ALIGN, ShardLayout, build_layout
+from cargohold.services.layout import DEFAULT_ALIGN, Layout, build_layout
 
 ROOT = ""
 """The root unit's name: the parameters outside every block."""
@@ -52,7 +52,7 @@ def units_of(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> list[
 
 def layout_for_units(
     model: nn.Module, units: Sequence[Unit], *, num_workers: int, num_servers: int, align: int = DEFAULT_ALIGN
-) -> ShardLayout:
+) -> Layout:
     """The layout of ``units`` (works on a meta-device model)."""
     params = dict(model.named_parameters())
     return build_layout(
@@ -90,7 +90,7 @@ def shard_units(
     fully_shard(units[0].module, mp_policy=policy, reshard_after_forward=False, offload_policy=offload_policy)
 
 
-def local_tensors(model: nn.Module, layout: ShardLayout) -> list[torch.Tensor]:
+def local_tensors(model: nn.Module, layout: Layout) -> list[torch.Tensor]:
     """Each parameter's local shard (FSDP2's storage, in layout order), flattened: writing
     into them changes what the next all-gather sends."""
     params = dict(model.named_parameters())
@@ -98,7 +98,7 @@ def local_tensors(model: nn.Module, layout: ShardLayout) -> list[torch.Tensor]:
 
 
 def copy_range_into_params(
-    layout: ShardLayout,
+    layout: Layout,
     worker: int,
     source: torch.Tensor,
     targets: Sequence[torch.Tensor],
@@ -116,9 +116,7 @@ def copy_range_into_params(
             targets[index].copy_(source[at : at + numel], non_blocking=True)
 
 
-def params_to_range(
-    layout: ShardLayout, worker: int, sources: Sequence[torch.Tensor], out: torch.Tensor
-) -> torch.Tensor:
+def params_to_range(layout: Layout, worker: int, sources: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """The local shards ``sources`` laid into a worker-range tensor ``out`` (padding zero)."""
     out.zero_()
     for slot, source in zip(layout.params, sources):

@@ -13,7 +13,7 @@ import torch
 
 from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.errors import InvalidTensorError, StepMismatchError
-from cargohold.services.shard_state import PushOutcome, ShardState, repeats_last_step
+from cargohold.services.segment_state import SegmentState, UpdateOutcome, repeats_last_step
 
 
 class GradientStaging:
@@ -26,19 +26,19 @@ class GradientStaging:
         """Per shard that stages borrowed gradients: last step's copy, reused for the next
         (a fresh allocation's page faults cost as much as the copy itself)."""
 
-    def stage(self, state: ShardState, step: int, gradient: torch.Tensor, *, borrowed: bool = False) -> PushOutcome:
+    def stage(self, state: SegmentState, step: int, gradient: torch.Tensor, *, borrowed: bool = False) -> UpdateOutcome:
         """Hold ``gradient`` for ``step``; a push for the already applied step is ignored.
         ``borrowed``: the caller's buffer (shared memory the worker reuses), so keep a copy."""
         spec = state.spec
         if gradient.dtype != WIRE_DTYPES[spec.grad_dtype] or gradient.numel() != spec.numel:
             raise InvalidTensorError(
-                f"shard {spec.shard_id}: gradient must be {spec.numel} x {spec.grad_dtype}, "
+                f"shard {spec.segment_id}: gradient must be {spec.numel} x {spec.grad_dtype}, "
                 f"got {gradient.numel()} x {gradient.dtype}"
             )
         current = state.step
         if repeats_last_step(spec, current, step, verb="stages"):
-            return PushOutcome(applied=False, step=current, seconds=0.0)
-        key = (spec.run_id, spec.shard_id)
+            return UpdateOutcome(applied=False, step=current, seconds=0.0)
+        key = (spec.run_id, spec.segment_id)
         if borrowed:
             with self._lock:
                 spare = self._spares.pop(key, None)
@@ -49,19 +49,19 @@ class GradientStaging:
             self._staged[key] = (step, gradient)
             if borrowed:
                 self._spares.setdefault(key, torch.empty(0))  # marks the shard as reusing
-        return PushOutcome(applied=False, step=step, seconds=0.0)
+        return UpdateOutcome(applied=False, step=step, seconds=0.0)
 
-    def commit(self, state: ShardState, step: int, *, global_norm: float, lr: float) -> PushOutcome:
+    def commit(self, state: SegmentState, step: int, *, global_norm: float, lr: float) -> UpdateOutcome:
         """Apply the gradient staged for ``step``; repeating a commit is harmless."""
         spec = state.spec
-        key = (spec.run_id, spec.shard_id)
+        key = (spec.run_id, spec.segment_id)
         with self._lock:
             staged = self._staged.get(key)
         if staged is None or staged[0] != step:
             if step == state.step and step > 0:
-                return PushOutcome(applied=False, step=step, seconds=0.0)
+                return UpdateOutcome(applied=False, step=step, seconds=0.0)
             raise StepMismatchError(
-                f"shard {spec.shard_id} of run {spec.run_id!r} has no gradient staged for step "
+                f"shard {spec.segment_id} of run {spec.run_id!r} has no gradient staged for step "
                 f"{step} (it is at step {state.step}); push it with defer_update first"
             )
         # Not handed over (owned=False): a commit retried after a failed write passes the

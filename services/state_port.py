@@ -20,17 +20,17 @@ import torch
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.layout import Segment
 from cargohold.services.metrics import WorkerMetrics
-from cargohold.services.shard_state import ShardRegistry, ShardSpec
+from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
 from cargohold.services.staging import GradientStaging
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.shm import SharedRegion
 
 
-def segment_spec(config: TrainConfig, run_id: str, segment: Segment) -> ShardSpec:
+def segment_spec(config: TrainConfig, run_id: str, segment: Segment) -> SegmentSpec:
     """What a state server is told about one segment it owns."""
-    return ShardSpec(
+    return SegmentSpec(
         run_id=run_id,
-        shard_id=segment.segment_id,
+        segment_id=segment.segment_id,
         start=segment.start,
         numel=segment.numel,
         fragments=tuple((f.segment_start, f.length) for f in segment.fragments),
@@ -219,10 +219,10 @@ class RemotePort:
 class LocalPort:
     """State in this process: the same registry and staging a state server runs."""
 
-    def __init__(self, config: TrainConfig, run_id: str, registry: ShardRegistry | None = None) -> None:
+    def __init__(self, config: TrainConfig, run_id: str, registry: SegmentRegistry | None = None) -> None:
         self.config = config
         self.run_id = run_id
-        self.registry = registry if registry is not None else ShardRegistry()
+        self.registry = registry if registry is not None else SegmentRegistry()
         self._staging = GradientStaging()
 
     def register(self, segment: Segment, initial: torch.Tensor) -> int:

@@ -13,12 +13,12 @@ import logging
 import torch
 
 from cargohold.cluster.config import WILDCARD_HOSTS, StateServerConfig
-from cargohold.services.checkpoint import MANIFEST_NAME, FileRecord, Manifest, ShardRecord
+from cargohold.services.checkpoint import MANIFEST_NAME, FileRecord, Manifest, SegmentRecord
 from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.node import node_ip
 from cargohold.services.reshard import Run
-from cargohold.services.shard_state import ShardRegistry, ShardSpec
+from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
 from cargohold.services.tiers.storage import TieredStorage
 from cargohold.services.transport.auth import TlsFiles
 from cargohold.services.transport.grpc_server import GrpcStateServer
@@ -49,7 +49,7 @@ class StateServer:
             )
         self.server_index = server_index
         self.metrics = StateServerMetrics(f"state-server-{server_index}")
-        self.registry = ShardRegistry(TieredStorage(config.tier, server_index=server_index, observer=self.metrics))
+        self.registry = SegmentRegistry(TieredStorage(config.tier, server_index=server_index, observer=self.metrics))
         if metrics_enabled:
             self.metrics.start(host=host, port=metrics_port)
         self._grpc = GrpcStateServer(
@@ -80,22 +80,22 @@ class StateServer:
 
     def snapshot(self, run_id: str) -> dict[int, dict[str, torch.Tensor]]:
         """Copies of every shard's fp32 state for a run, by shard id (tests, checkpoints)."""
-        return {s.spec.shard_id: {**s.snapshot(), "step": torch.tensor(s.step)} for s in self.registry.shards(run_id)}
+        return {s.spec.segment_id: {**s.snapshot(), "step": torch.tensor(s.step)} for s in self.registry.shards(run_id)}
 
     def masters(self, run_id: str) -> dict[int, torch.Tensor]:
         """fp32 master weights of every shard of a run, by shard id (export): read a
         partition at a time from the tiers, without the moments."""
-        return {s.spec.shard_id: s.master_weights() for s in self.registry.shards(run_id)}
+        return {s.spec.segment_id: s.master_weights() for s in self.registry.shards(run_id)}
 
     def checkpoint_begin(self, run_id: str, directory: str, step: int) -> int:
         """Start writing this server's shards of ``run_id`` into ``directory``."""
         return self._checkpointer.begin(run_id, directory, step)
 
-    def checkpoint_wait(self) -> tuple[list[tuple[ShardRecord, FileRecord]], int]:
+    def checkpoint_wait(self) -> tuple[list[tuple[SegmentRecord, FileRecord]], int]:
         """The records of the files written, and how many of their bytes are hard links."""
         return self._checkpointer.wait(), self._checkpointer.linked_bytes
 
-    def restore(self, directory: str, manifest_json: str, shards: list[tuple[ShardSpec, tuple[Run, ...]]]) -> None:
+    def restore(self, directory: str, manifest_json: str, shards: list[tuple[SegmentSpec, tuple[Run, ...]]]) -> None:
         """Create each spec from the checkpoint in ``directory``, reading the saved flat
         elements its runs name (:func:`~cargohold.services.reshard.segment_runs`)."""
         manifest = Manifest.from_json(manifest_json, source=f"{directory}/{MANIFEST_NAME}")

@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from cargohold.services.errors import TrainingError
-from cargohold.services.layout import ParamSlot, Segment, ShardLayout
+from cargohold.services.layout import Layout, ParamSlot, Segment
 from cargohold.services.optim import global_norm_from_squares, sum_of_squares
 from cargohold.services.sharding import Unit, copy_range_into_params, local_tensors, params_to_range
 from cargohold.services.state_port import ExchangeBuffers, ExchangeSlot, StatePort
@@ -92,7 +92,7 @@ class ShardedStep:
         self,
         model: nn.Module,
         units: list[Unit],
-        layout: ShardLayout,
+        layout: Layout,
         rank: int,
         port: StatePort,
         buffers: ExchangeBuffers,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.data import batch_for_step, dropout_seed, load_tokens
 from cargohold.services.errors import TrainingError
-from cargohold.services.layout import ShardLayout
+from cargohold.services.layout import Layout
 from cargohold.services.metrics import WorkerMetrics
 from cargohold.services.model_setup import exchange_buffers, resolve_device, sharded_model, step_policy
 from cargohold.services.models.build import build_model, parameter_values
@@ -114,7 +114,7 @@ class TrainingWorker:
         self._report_resident_bytes()
 
     @property
-    def layout(self) -> ShardLayout:
+    def layout(self) -> Layout:
         return self._step().layout
 
     def register_shards(self) -> int:

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointStore, LayoutRecord, Manifest, check_compatible
+from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, LayoutRecord, Manifest, check_compatible
 from cargohold.services.checkpoint.writer import Records, ShardCheckpointer
-from cargohold.services.layout import ShardLayout, build_layout
+from cargohold.services.layout import Layout, build_layout
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
-from cargohold.services.shard_state import ShardRegistry, ShardSpec
+from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
 from cargohold.services.tiers.fileformat import ARRAYS
 from cargohold.services.tiers.storage import TieredStorage, tensor_source
 
@@ -42,12 +42,12 @@ def write_segments(
 ) -> Records:
     """What a state server holding ``segments`` ((id, start, stop) of the flat buffer
     ``data``) at update ``updates`` writes into ``directory`` for a checkpoint of ``step``."""
-    registry = ShardRegistry(TieredStorage(None))
+    registry = SegmentRegistry(TieredStorage(None))
     try:
         for segment_id, start, stop in segments:
-            spec = ShardSpec(
+            spec = SegmentSpec(
                 run_id=run,
-                shard_id=segment_id,
+                segment_id=segment_id,
                 start=start,
                 numel=stop - start,
                 fragments=((0, stop - start),),
@@ -78,7 +78,7 @@ def flat_manifest(step: int, updates: int, total: int, records: Records) -> Mani
     )
 
 
-def save(store: CheckpointStore, step: int, data: dict[str, torch.Tensor], cuts: list[int]) -> Path:
+def save(store: CheckpointDir, step: int, data: dict[str, torch.Tensor], cuts: list[int]) -> Path:
     """A complete save: begin, one payload file per piece between ``cuts`` (a segment at
     update ``step - 1``: one step was skipped), commit."""
     total = data["master"].numel()
@@ -103,12 +103,12 @@ GROUPS = {"group_sizes": [3, 2, 3], "group_names": ["", "blocks.0", "blocks.1"]}
 RUN = "run-r"
 
 
-def group_layout(workers: int, servers: int) -> ShardLayout:
+def group_layout(workers: int, servers: int) -> Layout:
     """The layout of ``SHAPES`` in ``GROUPS`` over ``workers`` and ``servers``."""
     return build_layout(SHAPES, num_workers=workers, num_servers=servers, **GROUPS)
 
 
-def save_layout(store: CheckpointStore, step: int, layout: ShardLayout, data: dict[str, torch.Tensor]) -> Path:
+def save_layout(store: CheckpointDir, step: int, layout: Layout, data: dict[str, torch.Tensor]) -> Path:
     """Save the way state servers and the launcher do: each server its segments, the
     layout recorded in the manifest."""
     directory = store.begin(step)
@@ -130,16 +130,16 @@ def save_layout(store: CheckpointStore, step: int, layout: ShardLayout, data: di
     return store.commit(step, manifest)
 
 
-def restore(path: Path, target: ShardLayout, server: int, registry: ShardRegistry) -> None:
+def restore(path: Path, target: Layout, server: int, registry: SegmentRegistry) -> None:
     """What the launcher and a state server do on resume, without Ray."""
-    manifest = CheckpointStore(path.parent).load(path)
+    manifest = CheckpointDir(path.parent).load(path)
     saved = saved_layout(manifest, str(path / MANIFEST_NAME))
     check_compatible(manifest, model_signature=[(p.name, p.shape) for p in target.params], align=target.align)
     shards = [
         (
-            ShardSpec(
+            SegmentSpec(
                 run_id=RUN,
-                shard_id=seg.segment_id,
+                segment_id=seg.segment_id,
                 start=seg.start,
                 numel=seg.numel,
                 fragments=tuple((f.segment_start, f.length) for f in seg.fragments),

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from cargohold.cluster.config import TrainConfig, from_dict
 from cargohold.services.data import batch_for_step, dropout_seed, load_tokens
 from cargohold.services.dtypes import WIRE_DTYPES
-from cargohold.services.layout import ShardLayout, scatter_params
+from cargohold.services.layout import Layout, scatter_params
 from cargohold.services.model_setup import model_layout
 from cargohold.services.models.blocks import transformer_blocks
 from cargohold.services.models.build import build_model
@@ -43,7 +43,7 @@ class ReferenceResult:
     """masters / exp_avg / exp_avg_sq, each by parameter name."""
     losses: list[float]
 
-    def flat(self, layout: ShardLayout, which: str = "masters") -> torch.Tensor:
+    def flat(self, layout: Layout, which: str = "masters") -> torch.Tensor:
         """The tensors of ``which`` laid out in the flat space (zeros in padding)."""
         return scatter_params(layout, self.state[which])
 
@@ -54,7 +54,7 @@ class FlatReference:
     """masters / exp_avg / exp_avg_sq in the flat space."""
     losses: list[float]
 
-    def flat(self, layout: ShardLayout, which: str = "masters") -> torch.Tensor:
+    def flat(self, layout: Layout, which: str = "masters") -> torch.Tensor:
         return self.flats[which]
 
 

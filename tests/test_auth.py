@@ -15,7 +15,7 @@ from test_transport import G1, GLOBAL_NORM, LR, NUMEL, RUN, W0, _assert_bitwise_
 
 from cargohold.services.errors import ConfigError, TransportError
 from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.shard_state import ShardRegistry
+from cargohold.services.segment_state import SegmentRegistry
 from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
 from cargohold.services.transport.codec import SERVICE_NAME
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
@@ -28,7 +28,7 @@ TOKEN = "s3cret-token"
 @contextmanager
 def server(**kwargs):
     metrics = StateServerMetrics("auth")
-    grpc_server = GrpcStateServer(ShardRegistry(), metrics, run_id=RUN, host="127.0.0.1", **kwargs)
+    grpc_server = GrpcStateServer(SegmentRegistry(), metrics, run_id=RUN, host="127.0.0.1", **kwargs)
     grpc_server.start()
     try:
         yield grpc_server

@@ -45,11 +45,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cargohold.cluster.config import TierConfig
-from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointStore, Manifest, read_flat_range
+from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest, read_flat_range
 from cargohold.services.errors import CheckpointError, CorruptCheckpointError
 from cargohold.services.layout import scatter_params
 from cargohold.services.reshard import segment_runs
-from cargohold.services.shard_state import ShardRegistry
+from cargohold.services.segment_state import SegmentRegistry
 from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout
 from cargohold.services.tiers.partitions import elements_per_partition
 from cargohold.services.tiers.storage import TieredStorage
@@ -69,7 +69,7 @@ def writer_cuts(step: int, total: int = WRITER_TOTAL) -> list[int]:
     return sorted(64 * u for u in random.Random(step).sample(range(1, total // 64), 2))
 
 
-def save_writer_step(store: CheckpointStore, step: int) -> Path:
+def save_writer_step(store: CheckpointDir, step: int) -> Path:
     """What the crash writer saves at ``step``: content a pure function of the step."""
     return save(store, step, random_data(WRITER_TOTAL, step), writer_cuts(step))
 
@@ -77,7 +77,7 @@ def save_writer_step(store: CheckpointStore, step: int) -> Path:
 def writer_loop(root: str, timings: str) -> None:
     """Save steps after the latest one, forever (until killed); append each save's
     duration to ``timings`` so the test can aim its kills."""
-    store = CheckpointStore(Path(root), keep_last=WRITER_KEEP)
+    store = CheckpointDir(Path(root), keep_last=WRITER_KEEP)
     latest = store.latest()
     step = store.load(latest).step + 1 if latest is not None else 1
     while True:
@@ -90,7 +90,7 @@ def writer_loop(root: str, timings: str) -> None:
 
 
 def save_steps(root: str, count: str) -> None:
-    store = CheckpointStore(Path(root), keep_last=WRITER_KEEP)
+    store = CheckpointDir(Path(root), keep_last=WRITER_KEEP)
     for step in range(1, int(count) + 1):
         save_writer_step(store, step)
 
@@ -101,7 +101,7 @@ def save_under_size_limit(root: str, limit: str, result: str) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), hard))
     try:
-        save_writer_step(CheckpointStore(Path(root), keep_last=WRITER_KEEP), 2)
+        save_writer_step(CheckpointDir(Path(root), keep_last=WRITER_KEEP), 2)
         outcome = "saved"
     except CheckpointError as error:
         outcome = str(error)
@@ -112,7 +112,7 @@ def save_under_size_limit(root: str, limit: str, result: str) -> None:
 def verify_writer_checkpoint(path: Path) -> int:
     """Assert the checkpoint at ``path`` is complete and holds what the writer saves for
     its step; returns the step."""
-    manifest = CheckpointStore(path.parent).load(path)
+    manifest = CheckpointDir(path.parent).load(path)
     assert path.name == f"step-{manifest.step:010d}"
     assert manifest.updates == manifest.step - 1
     assert [s.start for s in manifest.shards][1:] == writer_cuts(manifest.step)
@@ -209,7 +209,7 @@ def zygote(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_round_trip_latest_and_arbitrary_ranges(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path / "ckpt")
+    store = CheckpointDir(tmp_path / "ckpt")
     data = random_data(10_000, seed=1)
     path = save(store, 12, data, [1_000, 6_400])
     assert path == tmp_path / "ckpt" / "step-0000000012"
@@ -248,7 +248,7 @@ def test_any_write_cut_reads_back_under_any_read_cut(case: tuple[int, list[int],
     total, write_cuts, read_cuts = case
     data = random_data(total, seed)
     with tempfile.TemporaryDirectory() as root:
-        store = CheckpointStore(Path(root))
+        store = CheckpointDir(Path(root))
         path = save(store, 3, data, write_cuts)
         assert store.latest() == path
         manifest = store.load(path)
@@ -298,13 +298,13 @@ def test_a_checkpoint_restores_bitwise_onto_any_workers_and_servers(
     state = _model_state(seed=5)
     saved = group_layout(*saved_at)
     path = save_layout(
-        CheckpointStore(tmp_path / "ckpt"), 40, saved, {key: scatter_params(saved, state[key]) for key in ARRAYS}
+        CheckpointDir(tmp_path / "ckpt"), 40, saved, {key: scatter_params(saved, state[key]) for key in ARRAYS}
     )
     target = group_layout(*restored_at)
     expected = {key: scatter_params(target, state[key]) for key in ARRAYS}
     got = {key: torch.full((target.total,), float("nan")) for key in ARRAYS}
     for server in range(target.num_servers):
-        registry = ShardRegistry(TieredStorage(_small_partitions(tmp_path / f"nvme{server}") if tier else None))
+        registry = SegmentRegistry(TieredStorage(_small_partitions(tmp_path / f"nvme{server}") if tier else None))
         try:
             restore(path, target, server, registry)
             for shard in registry.shards(RUN):
@@ -322,8 +322,8 @@ def test_a_server_reads_only_the_files_its_segments_need(tmp_path: Path) -> None
     never opens them."""
     state = _model_state(seed=6)
     saved, target = group_layout(2, 4), group_layout(4, 4)
-    path = save_layout(CheckpointStore(tmp_path), 1, saved, {key: scatter_params(saved, state[key]) for key in ARRAYS})
-    manifest = CheckpointStore(tmp_path).load(path)
+    path = save_layout(CheckpointDir(tmp_path), 1, saved, {key: scatter_params(saved, state[key]) for key in ARRAYS})
+    manifest = CheckpointDir(tmp_path).load(path)
 
     def needed_by(server: int) -> set[str]:
         return {
@@ -339,7 +339,7 @@ def test_a_server_reads_only_the_files_its_segments_need(tmp_path: Path) -> None
     for record in manifest.files:
         if record.name not in needed:
             (path / record.name).unlink()
-    registry = ShardRegistry(TieredStorage(None))
+    registry = SegmentRegistry(TieredStorage(None))
     restore(path, target, 0, registry)
     expected = scatter_params(target, state["exp_avg_sq"])
     for shard in registry.shards(RUN):
@@ -347,14 +347,14 @@ def test_a_server_reads_only_the_files_its_segments_need(tmp_path: Path) -> None
         assert torch.equal(shard.snapshot()["exp_avg_sq"], expected[spec.start : spec.start + spec.numel])
     other = next(server for server in range(1, target.num_servers) if needed_by(server) - needed)
     with pytest.raises(CorruptCheckpointError, match="the file is missing"):
-        restore(path, target, other, ShardRegistry(TieredStorage(None)))
+        restore(path, target, other, SegmentRegistry(TieredStorage(None)))
 
 
 # ---------------------------------------------------------------------- manifest last
 
 
 def test_partial_and_incomplete_directories_are_never_latest(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path, keep_last=5)
+    store = CheckpointDir(tmp_path, keep_last=5)
     assert store.latest() is None
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         store.resolve("latest")
@@ -388,7 +388,7 @@ def test_partial_and_incomplete_directories_are_never_latest(tmp_path: Path) -> 
 
 
 def test_keep_last_prunes_oldest_and_stale_partials(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path, keep_last=3)
+    store = CheckpointDir(tmp_path, keep_last=3)
     data = random_data(640, 0)
     for step in (1, 2):
         save(store, step, data, [64])
@@ -429,7 +429,7 @@ def _crash_trials(zygote: Zygote, root: Path, trials: int, seed: int) -> None:
     assert zygote.wait(pid) == 0, zygote.log.read_text()
     floor = (time.monotonic() - started) / 2
     timings = root.with_name("timings.txt")
-    store = CheckpointStore(root)
+    store = CheckpointDir(root)
     partial_seen = progress = 0
     for trial in range(trials):
         # aim at ~3 saves, so kills land in every phase; the duration of a save is the
@@ -483,7 +483,7 @@ def test_sigkill_during_saves_many_trials(zygote: Zygote, tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("where", ["magic", "header run id", "header checksum", "data start", "data end", "padding"])
 def test_a_flipped_byte_is_caught_naming_the_file(tmp_path: Path, where: str) -> None:
-    store = CheckpointStore(tmp_path)
+    store = CheckpointDir(tmp_path)
     path = save(store, 4, random_data(4_000, 4), [1_000])
     manifest = store.load(path)
     shard = manifest.shards[1]
@@ -508,7 +508,7 @@ def test_a_flipped_byte_is_caught_naming_the_file(tmp_path: Path, where: str) ->
 
 
 def test_a_truncated_file_is_caught_and_skipped_by_latest(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path)
+    store = CheckpointDir(tmp_path)
     older = save(store, 1, random_data(3_000, 1), [1_500])
     newer = save(store, 2, random_data(3_000, 2), [1_500])
     manifest = store.load(newer)
@@ -556,7 +556,7 @@ def test_disk_full_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path: Pa
     mountpoint = tmp_path / "small"
     _mount_tmpfs(mountpoint, "2m")
     try:
-        store = CheckpointStore(mountpoint / "ckpt", keep_last=3)
+        store = CheckpointDir(mountpoint / "ckpt", keep_last=3)
         first_data = random_data(32_768, 1)  # 384 KiB
         first = save(store, 1, first_data, [16_384])
         full = os.strerror(errno.ENOSPC)
@@ -589,7 +589,7 @@ def test_disk_full_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path: Pa
 
 def test_a_file_size_limit_fails_the_save(zygote: Zygote, tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
-    store = CheckpointStore(root, keep_last=WRITER_KEEP)
+    store = CheckpointDir(root, keep_last=WRITER_KEEP)
     first = save_writer_step(store, 1)
     result = tmp_path / "result.txt"
     pid = zygote.spawn("save_under_size_limit", str(root), str(1 << 20), str(result))
@@ -615,4 +615,4 @@ def test_an_unwritable_place_names_the_file_and_reason(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(CheckpointError, match="file/step-0000000001.partial"):
-        CheckpointStore(blocker).begin(1)
+        CheckpointDir(blocker).begin(1)

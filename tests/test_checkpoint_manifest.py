@@ -16,16 +16,16 @@ from checkpoints import flat_layout, group_layout, random_data, restore, save, s
 from cargohold.services.checkpoint import (
     FORMAT_VERSION,
     MANIFEST_NAME,
-    CheckpointStore,
+    CheckpointDir,
     FileRecord,
     Manifest,
-    ShardRecord,
+    SegmentRecord,
     check_compatible,
     read_flat_range,
 )
 from cargohold.services.errors import CargoholdError, CheckpointError, CorruptCheckpointError
 from cargohold.services.layout import build_layout
-from cargohold.services.shard_state import ShardRegistry
+from cargohold.services.segment_state import SegmentRegistry
 from cargohold.services.tiers.storage import TieredStorage
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,7 +35,7 @@ def test_a_file_holds_exactly_one_shard(tmp_path: Path) -> None:
     """A partition file holds one shard's range: a manifest that names a file from two
     shards, or lists one no shard names, is refused; a shard put in another shard's file
     is corruption, named."""
-    store = CheckpointStore(tmp_path)
+    store = CheckpointDir(tmp_path)
     data = random_data(1_000, seed=9)
     path = save(store, 6, data, [600])
     manifest = store.load(path)
@@ -46,15 +46,15 @@ def test_a_file_holds_exactly_one_shard(tmp_path: Path) -> None:
             **{
                 **fields,
                 "shards": (
-                    ShardRecord(0, 0, 256, 6, high.file),
-                    ShardRecord(1, 256, 600, 6, low.file),
-                    ShardRecord(2, 600, 1_000, 6, high.file),
+                    SegmentRecord(0, 0, 256, 6, high.file),
+                    SegmentRecord(1, 256, 600, 6, low.file),
+                    SegmentRecord(2, 600, 1_000, 6, high.file),
                 ),
             }
         )
     with pytest.raises(CheckpointError, match=rf"file {high.file!r} is named by 0 shards"):
         Manifest(**{**fields, "shards": (low,), "total": 600})
-    swapped = (ShardRecord(0, 0, 600, 6, high.file), ShardRecord(1, 600, 1_000, 6, low.file))
+    swapped = (SegmentRecord(0, 0, 600, 6, high.file), SegmentRecord(1, 600, 1_000, 6, low.file))
     with pytest.raises(
         CorruptCheckpointError,
         match=rf"{high.file} is corrupt: it holds partition 0 of shard 1 .*"
@@ -67,7 +67,7 @@ def test_a_checkpoint_of_an_earlier_format_is_refused(tmp_path: Path) -> None:
     """Manifests before version 3 kept the update count and the layout in ``extra``
     (version 1 and 2 with the worker-major layout, earlier ones with none: the former
     parameter-ordered flat space). They are refused naming the manifest, never deleted."""
-    store = CheckpointStore(tmp_path)
+    store = CheckpointDir(tmp_path)
     layout = group_layout(2, 1)
     path = save_layout(store, 3, layout, random_data(layout.total, 3))
     body = json.loads((path / MANIFEST_NAME).read_text())
@@ -81,7 +81,7 @@ def test_a_checkpoint_of_an_earlier_format_is_refused(tmp_path: Path) -> None:
             match=rf"{path / MANIFEST_NAME}: format version {version} is no longer "
             "readable: this build reads version 3 only",
         ):
-            restore(path, layout, 0, ShardRegistry(TieredStorage(None)))
+            restore(path, layout, 0, SegmentRegistry(TieredStorage(None)))
         assert store.latest() is None
         with pytest.raises(CheckpointError, match="no longer readable"):
             store.resolve(str(path))
@@ -89,7 +89,7 @@ def test_a_checkpoint_of_an_earlier_format_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_gap_in_the_shards_is_named(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path)
+    store = CheckpointDir(tmp_path)
     data = random_data(1_000, seed=2)
     path = save(store, 1, data, [300, 700])
     manifest = store.load(path)
@@ -114,7 +114,7 @@ def test_a_gap_in_the_shards_is_named(tmp_path: Path) -> None:
                 **{
                     **{f: getattr(holey, f) for f in Manifest.__dataclass_fields__},
                     "step": 2,
-                    "shards": tuple(ShardRecord(s.segment_id, s.start, s.stop, 2, s.file) for s in holey.shards),
+                    "shards": tuple(SegmentRecord(s.segment_id, s.start, s.stop, 2, s.file) for s in holey.shards),
                 }
             ),
         )
@@ -146,7 +146,7 @@ BAD_FIELDS = {
 def test_a_bad_manifest_is_refused_naming_it(tmp_path: Path, damage: str) -> None:
     """Refused naming the manifest and the field, and nothing already saved is lost: the
     previous checkpoint is the latest, and the refused one's files stay as they were."""
-    store = CheckpointStore(tmp_path)
+    store = CheckpointDir(tmp_path)
     older = save(store, 1, random_data(1_000, 1), [500])
     newer = save(store, 2, random_data(1_000, 2), [500])
     source = newer / MANIFEST_NAME
@@ -193,8 +193,8 @@ def test_a_bad_manifest_is_refused_naming_it(tmp_path: Path, damage: str) -> Non
 def test_check_compatible_matches_parameters_by_name(tmp_path: Path) -> None:
     shapes = [("emb", (100,)), ("w1", (33, 7)), ("w2", (500,))]
     layout = build_layout(shapes, num_workers=2, num_servers=2)
-    path = save_layout(CheckpointStore(tmp_path), 1, layout, random_data(layout.total, 0))
-    manifest = CheckpointStore(tmp_path).load(path)
+    path = save_layout(CheckpointDir(tmp_path), 1, layout, random_data(layout.total, 0))
+    manifest = CheckpointDir(tmp_path).load(path)
     check_compatible(manifest, model_signature=shapes, align=64)
     check_compatible(manifest, model_signature=shapes[::-1], align=64)  # grouped otherwise: fine
     cases = [
@@ -232,6 +232,6 @@ def test_errors_are_cargohold_errors() -> None:
             model_signature=(),
             layout=flat_layout(10),
             total=10,
-            shards=(ShardRecord(0, 0, 10, 1, "a.bin"),),
+            shards=(SegmentRecord(0, 0, 10, 1, "a.bin"),),
             files=(FileRecord("b.bin", 0, 0),),
         )

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cargohold.services.errors import LayoutError
-from cargohold.services.layout import ShardLayout, build_layout, fragment_views, gather_params, scatter_params
+from cargohold.services.layout import Layout, build_layout, fragment_views, gather_params, scatter_params
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,7 +45,7 @@ def _groups(data: st.DataObject, count: int) -> list[int]:
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def _layout_or_none(data: st.DataObject, shapes, workers: int, servers: int, align: int) -> ShardLayout | None:
+def _layout_or_none(data: st.DataObject, shapes, workers: int, servers: int, align: int) -> Layout | None:
     groups = _groups(data, len(shapes))
     try:
         return build_layout(_named(shapes), num_workers=workers, num_servers=servers, align=align, group_sizes=groups)

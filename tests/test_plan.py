@@ -38,7 +38,7 @@ from cargohold.cluster.plan import (
 )
 from cargohold.cluster.sizes import format_bytes, parse_size
 from cargohold.services.errors import ConfigError
-from cargohold.services.layout import ShardLayout
+from cargohold.services.layout import Layout
 from cargohold.services.model_setup import model_layout
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT
@@ -56,17 +56,17 @@ def _tier(tmp_path: Path, **overrides) -> dict:
     return {**NVME_TIER, "nvme_paths": [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")], **overrides}
 
 
-def _layout(config) -> ShardLayout:
+def _layout(config) -> Layout:
     return model_layout(config)[2]
 
 
-def _units(layout: ShardLayout) -> list[tuple[int, int]]:
+def _units(layout: Layout) -> list[tuple[int, int]]:
     """(parameter elements, padded chunk per worker) of each FSDP2 unit, root first."""
     slots = [layout.group_params(g.index) for g in layout.groups]
     return [(sum(s.numel for s in unit), sum(s.slot_numel for s in unit)) for unit in slots]
 
 
-def _exchange(layout: ShardLayout, bytes_per_element: int, slots: int = 3) -> int:
+def _exchange(layout: Layout, bytes_per_element: int, slots: int = 3) -> int:
     """Bytes of ``slots`` exchange slots of the largest unit (rounded up to 64 elements)."""
     largest = max(group.stop - group.start for group in layout.groups)
     return slots * (-(-largest // 64) * 64) * bytes_per_element
@@ -647,7 +647,7 @@ def _total(samples: dict, name: str, **labels: str) -> float:
 @pytest.mark.parametrize("tiered", [False, True], ids=["all-ram", "nvme"])
 def test_plan_matches_a_real_run(ray_local, tmp_path: Path, tiered: bool) -> None:
     from cargohold.cluster.launcher import TrainingSession
-    from cargohold.services.checkpoint import CheckpointStore
+    from cargohold.services.checkpoint import CheckpointDir
 
     overrides = {"state_server__tier": _tier(tmp_path)} if tiered else {}
     config = tiny_config(steps=5, checkpoint__dir=str(tmp_path / "checkpoints"), **overrides)
@@ -669,7 +669,7 @@ def test_plan_matches_a_real_run(ray_local, tmp_path: Path, tiered: bool) -> Non
         session.step()
         after = _scrape(targets[("state_server", 0)])
         worker = _scrape(targets[("worker", 0)])
-        store = CheckpointStore(tmp_path / "checkpoints")
+        store = CheckpointDir(tmp_path / "checkpoints")
         saved = session.checkpoint_finish(store, session.checkpoint_begin(store))
 
     # One checkpoint: the files the plan counts, written or hard-linked as it says.

@@ -19,7 +19,7 @@ from reference import tiny_config
 from system import mounted_tmpfs
 
 from cargohold.cluster.launcher import TrainingSession, train
-from cargohold.services.checkpoint import CheckpointStore, read_flat_range
+from cargohold.services.checkpoint import CheckpointDir, read_flat_range
 from cargohold.services.errors import CheckpointError, TrainingError
 from cargohold.services.layout import gather_params, scatter_params
 from cargohold.services.metrics import LauncherMetrics
@@ -30,7 +30,7 @@ STEPS = 8
 
 
 def _final_state(directory: Path) -> dict[str, torch.Tensor]:
-    store = CheckpointStore(directory)
+    store = CheckpointDir(directory)
     latest = store.latest()
     manifest = store.load(latest)
     assert manifest.step == STEPS
@@ -38,7 +38,7 @@ def _final_state(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def _state_at(root: Path, step: int) -> dict[str, torch.Tensor]:
-    store = CheckpointStore(root)
+    store = CheckpointDir(root)
     path = store.final_dir(step)
     manifest = store.load(path)
     return read_flat_range(path, manifest, 0, manifest.total)
@@ -61,7 +61,7 @@ def uninterrupted(ray_local, tmp_path_factory) -> dict[str, torch.Tensor]:
 def test_stop_and_resume_onto_any_number_of_servers(uninterrupted, tmp_path, resume_servers: int) -> None:
     # Stop after 4 of 8 steps (the lr schedule spans all 8), with a checkpoint.
     first = tiny_config(steps=STEPS, state_server__num_servers=2, checkpoint__dir=str(tmp_path))
-    store = CheckpointStore(tmp_path)
+    store = CheckpointDir(tmp_path)
     with TrainingSession(first) as session:
         for _ in range(4):
             session.step()
@@ -101,7 +101,7 @@ def test_an_nvme_tier_checkpoint_links_its_files_and_resumes_bitwise(uninterrupt
         checkpoint__dir=str(checkpoints),
         state_server__tier=_tier(tmp_path, 64),
     )
-    store = CheckpointStore(checkpoints)
+    store = CheckpointDir(checkpoints)
     with TrainingSession(first) as session:
         for _ in range(4):
             session.step()
@@ -135,7 +135,7 @@ def test_resume_with_dropout_is_bitwise(ray_local, tmp_path) -> None:
     train(tiny_config(checkpoint__dir=str(whole), **dropout))
     halves = tmp_path / "halves"
     train(tiny_config(checkpoint__dir=str(halves), checkpoint__every_steps=3, **dropout))
-    shutil.rmtree(CheckpointStore(halves).final_dir(6))
+    shutil.rmtree(CheckpointDir(halves).final_dir(6))
     resumed = train(tiny_config(checkpoint__dir=str(halves), checkpoint__resume="latest", **dropout))
     assert resumed.first_step == 3
     expected, got = (_state_at(root, 6) for root in (whole, halves))
@@ -222,7 +222,7 @@ def test_a_checkpoint_of_another_model_is_refused(ray_local, tmp_path) -> None:
 
 def test_a_flipped_byte_is_named_on_resume(ray_local, tmp_path) -> None:
     train(tiny_config(steps=2, checkpoint__dir=str(tmp_path)))
-    latest = CheckpointStore(tmp_path).latest()
+    latest = CheckpointDir(tmp_path).latest()
     victim = sorted(latest.glob("*.tier"))[0]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x40
@@ -236,8 +236,8 @@ def test_resume_onto_another_number_of_workers_restores_every_tensor(ray_local, 
     space is laid out otherwise, yet every parameter's master weights, both moments and
     the workers' weights come back bitwise, and padding is zero."""
     train(tiny_config(steps=3, checkpoint__dir=str(tmp_path)))
-    saved_dir = CheckpointStore(tmp_path).latest()
-    manifest = CheckpointStore(tmp_path).load(saved_dir)
+    saved_dir = CheckpointDir(tmp_path).latest()
+    manifest = CheckpointDir(tmp_path).load(saved_dir)
     saved_space = saved_layout(manifest, str(saved_dir))
     flat = read_flat_range(saved_dir, manifest, 0, manifest.total)
     saved = {key: gather_params(saved_space, flat[key]) for key in flat}
@@ -248,8 +248,8 @@ def test_resume_onto_another_number_of_workers_restores_every_tensor(ray_local, 
         assert layout.total != saved_space.total
         restored = {key: torch.full((layout.total,), float("nan")) for key in saved}
         for snapshot in session.server_snapshots():
-            for shard_id, tensors in snapshot.items():
-                segment = layout.segments[shard_id]
+            for segment_id, tensors in snapshot.items():
+                segment = layout.segments[segment_id]
                 assert int(tensors["step"]) == 3
                 for key in saved:
                     restored[key][segment.start : segment.stop] = tensors[key]
@@ -290,7 +290,7 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_follows_the_policy(ray_local,
     else:
         with pytest.raises((TrainingError, CheckpointError), match="No space left on device"):
             train(config)
-    store = CheckpointStore(small_disk)
+    store = CheckpointDir(small_disk)
     latest = store.latest()
     assert latest is not None and latest.name == "step-0000000002"
     manifest = store.load(latest)

@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 from cargohold.services.checkpoint import Manifest
 from cargohold.services.checkpoint.manifest import LAYOUT_KIND
 from cargohold.services.errors import CheckpointError, LayoutError
-from cargohold.services.layout import ShardLayout, build_layout, scatter_params
+from cargohold.services.layout import Layout, build_layout, scatter_params
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 
 SHAPES = [("wte", (37, 8)), ("ln_f", (8,)), ("blocks.0.w", (13, 8)), ("blocks.0.b", (13,)), ("blocks.1.s", ())]
 
 
-def _manifest(layout: ShardLayout) -> Manifest:
+def _manifest(layout: Layout) -> Manifest:
     return Manifest(
         step=1,
         updates=1,
@@ -37,7 +37,7 @@ def _manifest(layout: ShardLayout) -> Manifest:
     )
 
 
-def _ids(layout: ShardLayout) -> dict[str, torch.Tensor]:
+def _ids(layout: Layout) -> dict[str, torch.Tensor]:
     """Each parameter's elements numbered 1.. over the whole model, by name (0: padding)."""
     ids, base = {}, 1
     for slot in sorted(layout.params, key=lambda p: p.name):
@@ -46,7 +46,7 @@ def _ids(layout: ShardLayout) -> dict[str, torch.Tensor]:
     return ids
 
 
-def _check_runs(saved: ShardLayout, new: ShardLayout) -> None:
+def _check_runs(saved: Layout, new: Layout) -> None:
     ids = _ids(new)
     saved_flat = torch.zeros(saved.total, dtype=torch.int64)
     for index, param_start, flat_start, length in saved.param_runs(0, saved.total):
@@ -87,7 +87,7 @@ def _models(draw: st.DrawFn) -> list[tuple[str, tuple[int, ...]]]:
 
 
 @st.composite
-def _layouts(draw: st.DrawFn, shapes: list[tuple[str, tuple[int, ...]]]) -> ShardLayout:
+def _layouts(draw: st.DrawFn, shapes: list[tuple[str, tuple[int, ...]]]) -> Layout:
     """``shapes`` in a random order and grouping, on random worker and server counts."""
     order = draw(st.permutations(shapes))
     cuts = sorted(draw(st.lists(st.integers(0, len(order)), max_size=3)))

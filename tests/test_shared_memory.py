@@ -52,7 +52,7 @@ def region():
 
 def test_push_and_fetch_through_shared_memory_equal_streaming(region: SharedRegion) -> None:
     with serving() as s:
-        spec_a, spec_b = _spec(), _spec(shard_id=1)
+        spec_a, spec_b = _spec(), _spec(segment_id=1)
         s.client.register(spec_a, W0)
         s.client.register(spec_b, W0)
         gradients = region.tensor(torch.float32, 0, NUMEL)

@@ -68,7 +68,7 @@ def _train(rank: int, config, folder: Path) -> None:
     step.close()
     masters = torch.zeros(layout.worker_size)
     for state in port_.registry.shards("run"):
-        segment = layout.segments[state.spec.shard_id]
+        segment = layout.segments[state.spec.segment_id]
         at = segment.local_offset
         masters[at : at + segment.numel] = state.snapshot()["master"]
     folder.mkdir(exist_ok=True)

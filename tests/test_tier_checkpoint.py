@@ -28,13 +28,13 @@ import torch
 from system import mounted_tmpfs, run_measured
 
 from cargohold.cluster.config import TierConfig
-from cargohold.services.checkpoint import CheckpointStore, Manifest, read_flat_range
+from cargohold.services.checkpoint import CheckpointDir, Manifest, read_flat_range
 from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.errors import CheckpointError, CorruptCheckpointError
 from cargohold.services.layout import build_layout
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.reshard import layout_record
-from cargohold.services.shard_state import ShardRegistry, ShardSpec
+from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
 from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout, parse_header
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.storage import TieredStorage
@@ -67,36 +67,42 @@ def _tier(root: Path, **changes: object) -> TierConfig:
     return TierConfig(**fields)  # type: ignore[arg-type]
 
 
-def _specs() -> list[ShardSpec]:
+def _specs() -> list[SegmentSpec]:
     return [
-        ShardSpec(
-            run_id=RUN, shard_id=i, start=i * NUMEL, numel=NUMEL, fragments=FRAGMENTS, grad_dtype="float32", hyper=HYPER
+        SegmentSpec(
+            run_id=RUN,
+            segment_id=i,
+            start=i * NUMEL,
+            numel=NUMEL,
+            fragments=FRAGMENTS,
+            grad_dtype="float32",
+            hyper=HYPER,
         )
         for i in range(SHARDS)
     ]
 
 
-def _whole() -> list[tuple[ShardSpec, tuple[tuple[int, int, int], ...]]]:
+def _whole() -> list[tuple[SegmentSpec, tuple[tuple[int, int, int], ...]]]:
     """Each spec with the run restoring all of it from where it was saved (same layout)."""
     return [(spec, ((0, spec.start, spec.numel),)) for spec in _specs()]
 
 
-def _fresh(tier: TierConfig | None) -> ShardRegistry:
-    registry = ShardRegistry(TieredStorage(tier))
+def _fresh(tier: TierConfig | None) -> SegmentRegistry:
+    registry = SegmentRegistry(TieredStorage(tier))
     for spec in _specs():
-        registry.register(spec, torch.randn(NUMEL, generator=torch.Generator().manual_seed(spec.shard_id)))
+        registry.register(spec, torch.randn(NUMEL, generator=torch.Generator().manual_seed(spec.segment_id)))
     return registry
 
 
-def _push(registry: ShardRegistry, steps: range) -> None:
+def _push(registry: SegmentRegistry, steps: range) -> None:
     for step in steps:
         for spec in _specs():
-            gradient = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * step + spec.shard_id))
-            registry.get(RUN, spec.shard_id).push(step, gradient, global_norm=NORM, lr=LR)
+            gradient = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * step + spec.segment_id))
+            registry.get(RUN, spec.segment_id).push(step, gradient, global_norm=NORM, lr=LR)
 
 
-def _state(registry: ShardRegistry) -> dict[str, torch.Tensor]:
-    shards = [registry.get(RUN, spec.shard_id).snapshot() for spec in _specs()]
+def _state(registry: SegmentRegistry) -> dict[str, torch.Tensor]:
+    shards = [registry.get(RUN, spec.segment_id).snapshot() for spec in _specs()]
     return {key: torch.cat([s[key] for s in shards]) for key in ARRAYS}
 
 
@@ -105,7 +111,7 @@ def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Non
         assert torch.equal(a[key], b[key]), f"{key} differs"
 
 
-def _checkpoint(store: CheckpointStore, registry: ShardRegistry, step: int) -> tuple[Path, dict[str, int]]:
+def _checkpoint(store: CheckpointDir, registry: SegmentRegistry, step: int) -> tuple[Path, dict[str, int]]:
     checkpointer = ShardCheckpointer(registry, server_index=0)
     directory = store.begin(step)
     update = checkpointer.begin(RUN, str(directory), step)
@@ -129,16 +135,16 @@ def _checkpoint(store: CheckpointStore, registry: ShardRegistry, step: int) -> t
 
 
 def _read(path: Path) -> dict[str, torch.Tensor]:
-    manifest = CheckpointStore(path.parent).load(path)
+    manifest = CheckpointDir(path.parent).load(path)
     return read_flat_range(path, manifest, 0, manifest.total)
 
 
-def _disk_rows(registry: ShardRegistry) -> dict[PartitionKey, str]:
+def _disk_rows(registry: SegmentRegistry) -> dict[PartitionKey, str]:
     return {r.key: r.path for r in registry.storage.rows(RUN) if r.actual is Residency.NVME}
 
 
 def _checkpoint_file(path: Path, key: PartitionKey) -> Path:
-    return path / f"server0-shard{key.shard_id:06d}-part{key.index:05d}.tier"
+    return path / f"server0-shard{key.segment_id:06d}-part{key.index:05d}.tier"
 
 
 @pytest.fixture
@@ -158,7 +164,7 @@ def test_disk_partitions_are_hard_linked_and_keep_the_saved_state(tmp_path: Path
         on_disk = _disk_rows(registry)
         partitions = len(registry.storage.rows(RUN))
         assert 0 < len(on_disk) < partitions, "some partitions on disk, some in RAM"
-        path, how = _checkpoint(CheckpointStore(tmp_path / "ckpt"), registry, 3)
+        path, how = _checkpoint(CheckpointDir(tmp_path / "ckpt"), registry, 3)
 
         assert how == {"linked": len(on_disk), "copied": 0, "written": partitions - len(on_disk)}
         for key, tier_file in on_disk.items():
@@ -181,7 +187,7 @@ def test_disk_partitions_are_hard_linked_and_keep_the_saved_state(tmp_path: Path
 
 @pytest.mark.parametrize("target", ["same-partitions", "other-partitions", "all-in-ram"])
 def test_a_tier_checkpoint_restores_and_continues_bitwise(tmp_path: Path, target: str) -> None:
-    store = CheckpointStore(tmp_path / "ckpt")
+    store = CheckpointDir(tmp_path / "ckpt")
     original = _fresh(_tier(tmp_path / "a"))
     try:
         _push(original, range(1, 4))
@@ -197,10 +203,10 @@ def test_a_tier_checkpoint_restores_and_continues_bitwise(tmp_path: Path, target
         "other-partitions": _tier(tmp_path / "b", partition_bytes=40 << 10, ram_budget_bytes=4 * (40 << 10)),
         "all-in-ram": None,
     }[target]
-    restored = ShardRegistry(TieredStorage(tier))
+    restored = SegmentRegistry(TieredStorage(tier))
     try:
         ShardCheckpointer(restored, server_index=0).restore(str(path), store.load(path), _whole())
-        assert all(restored.get(RUN, s.shard_id).step == 3 for s in _specs())
+        assert all(restored.get(RUN, s.segment_id).step == 3 for s in _specs())
         if tier is not None:
             assert _disk_rows(restored), "the restored state is back on disk"
         _assert_equal(_state(restored), saved)
@@ -216,7 +222,7 @@ def test_one_payload_format_whatever_the_tier(tmp_path: Path, saved_by: str) -> 
     tier's format: each is the partition its name and its shard record say, at the
     manifest's update count, with the size and header checksum the manifest records; the
     checkpoint restores bitwise into either kind of storage and training continues."""
-    store = CheckpointStore(tmp_path / "ckpt")
+    store = CheckpointDir(tmp_path / "ckpt")
     original = _fresh(_tier(tmp_path / "a") if saved_by == "nvme-tier" else None)
     try:
         _push(original, range(1, 4))
@@ -238,13 +244,13 @@ def test_one_payload_format_whatever_the_tier(tmp_path: Path, saved_by: str) -> 
         raw = (path / shard.file).read_bytes()
         header = parse_header(raw[:HEADER_BYTES], path=shard.file)
         assert _checkpoint_file(path, header.key).name == shard.file
-        assert header.key.run_id == RUN and header.key.shard_id == shard.segment_id
+        assert header.key.run_id == RUN and header.key.segment_id == shard.segment_id
         assert header.numel == shard.stop - shard.start
         assert header.step == manifest.updates == 3
         assert len(raw) == FileLayout(header.numel).file_bytes == records[shard.file].nbytes
         assert header.checksum() == records[shard.file].crc32c
     for target in (None, _tier(tmp_path / "b")):
-        restored = ShardRegistry(TieredStorage(target))
+        restored = SegmentRegistry(TieredStorage(target))
         try:
             ShardCheckpointer(restored, server_index=0).restore(str(path), manifest, _whole())
             _assert_equal(_state(restored), saved)
@@ -267,8 +273,8 @@ def test_on_another_filesystem_the_pinned_version_is_copied(tmp_path: Path, othe
         directory.mkdir()
         copies = []
         for spec in _specs():
-            _, preserved = registry.get(RUN, spec.shard_id).preserve(
-                str(directory), lambda key: f"{key.shard_id}-{key.index}.tier"
+            _, preserved = registry.get(RUN, spec.segment_id).preserve(
+                str(directory), lambda key: f"{key.segment_id}-{key.index}.tier"
             )
             assert {p.how for p in preserved} == {"copied", "written"}
             for part in preserved:
@@ -283,17 +289,17 @@ def test_on_another_filesystem_the_pinned_version_is_copied(tmp_path: Path, othe
         for key in on_disk:
             start = key.index * PER_PARTITION
             stop = min(NUMEL, start + PER_PARTITION)
-            raw = (directory / f"{key.shard_id}-{key.index}.tier").read_bytes()
+            raw = (directory / f"{key.segment_id}-{key.index}.tier").read_bytes()
             offset = HEADER_BYTES
             for name in ARRAYS:
                 got = torch.frombuffer(bytearray(raw[offset : offset + 4 * (stop - start)]), dtype=torch.float32)
-                assert torch.equal(got, saved[name][key.shard_id * NUMEL + start : key.shard_id * NUMEL + stop])
+                assert torch.equal(got, saved[name][key.segment_id * NUMEL + start : key.segment_id * NUMEL + stop])
                 offset += FileLayout(stop - start).region_bytes
 
         # the whole save through the checkpointer: copies in the background, then committed
         shutil.rmtree(directory)  # the small filesystem holds one copy
         after = _state(registry)
-        path, how = _checkpoint(CheckpointStore(other_filesystem / "ckpt"), registry, 4)
+        path, how = _checkpoint(CheckpointDir(other_filesystem / "ckpt"), registry, 4)
         assert how["linked"] == 0 and how["copied"] == len(_disk_rows(registry))
         assert all(os.stat(f).st_nlink == 1 for f in path.glob("*.tier"))
         _assert_equal(_read(path), after)
@@ -302,7 +308,7 @@ def test_on_another_filesystem_the_pinned_version_is_copied(tmp_path: Path, othe
 
 
 def test_a_full_checkpoint_disk_fails_the_save_and_keeps_the_last_one(tmp_path: Path, other_filesystem: Path) -> None:
-    store = CheckpointStore(other_filesystem, keep_last=3)
+    store = CheckpointDir(other_filesystem, keep_last=3)
     registry = _fresh(_tier(tmp_path))
     try:
         _push(registry, range(1, 3))
@@ -320,7 +326,7 @@ def test_a_full_checkpoint_disk_fails_the_save_and_keeps_the_last_one(tmp_path: 
 
 @pytest.mark.parametrize("damage", ["array byte", "header byte", "truncated", "another version"])
 def test_a_damaged_partition_file_is_named(tmp_path: Path, damage: str) -> None:
-    store = CheckpointStore(tmp_path / "ckpt", keep_last=5)
+    store = CheckpointDir(tmp_path / "ckpt", keep_last=5)
     registry = _fresh(_tier(tmp_path))
     try:
         _push(registry, range(1, 3))
@@ -356,10 +362,10 @@ def test_a_partition_file_named_for_another_shard_is_refused(tmp_path: Path) -> 
     registry = _fresh(_tier(tmp_path))
     try:
         _push(registry, range(1, 2))
-        path, _ = _checkpoint(CheckpointStore(tmp_path / "ckpt"), registry, 1)
+        path, _ = _checkpoint(CheckpointDir(tmp_path / "ckpt"), registry, 1)
     finally:
         registry.close()
-    manifest = CheckpointStore(tmp_path / "ckpt").load(path)
+    manifest = CheckpointDir(tmp_path / "ckpt").load(path)
     first, second = manifest.shards[0], manifest.shards[len(manifest.shards) // 2]
     swapped = [
         s
@@ -391,24 +397,24 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         torch.set_num_threads(1)
         from pathlib import Path
         from cargohold.cluster.config import TierConfig
-        from cargohold.services.checkpoint import CheckpointStore, Manifest
+        from cargohold.services.checkpoint import CheckpointDir, Manifest
         from cargohold.services.checkpoint.writer import ShardCheckpointer
         from cargohold.services.layout import build_layout
         from cargohold.services.optim import AdamWHyperParams
         from cargohold.services.reshard import layout_record
-        from cargohold.services.shard_state import ShardRegistry, ShardSpec
+        from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
         from cargohold.services.tiers.storage import TieredStorage
         from system import proc_status, reset_peak_rss
 
         root, budget, saved_by = sys.argv[1], int(sys.argv[2]), sys.argv[3]
         N = 4 << 20  # 48 MiB of state
-        spec = ShardSpec(run_id="rss", shard_id=0, start=0, numel=N, fragments=((0, N),),
+        spec = SegmentSpec(run_id="rss", segment_id=0, start=0, numel=N, fragments=((0, N),),
                          grad_dtype="float32", hyper=AdamWHyperParams())
         def tier(path):
             return TierConfig(nvme_paths=[path], ram_budget_bytes=budget, partition_bytes=1 << 20,
                               buffer_count=3, io_threads=2)
-        store = CheckpointStore(Path(root) / "ckpt")
-        saving = ShardRegistry(TieredStorage(tier(root + "/a") if saved_by == "tier" else None))
+        store = CheckpointDir(Path(root) / "ckpt")
+        saving = SegmentRegistry(TieredStorage(tier(root + "/a") if saved_by == "tier" else None))
         state = saving.register(spec, torch.randn(N, generator=torch.Generator().manual_seed(0)))
         state.push(1, torch.randn(N, generator=torch.Generator().manual_seed(1)), global_norm=1.0, lr=1e-3)
         expected = state.snapshot()
@@ -422,7 +428,7 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
                                         files=tuple(f for _, f in records)))
         saving.close()
         del state, saving
-        restoring = ShardRegistry(TieredStorage(tier(root + "/b")))
+        restoring = SegmentRegistry(TieredStorage(tier(root + "/b")))
         manifest = store.load(path)
         base = reset_peak_rss()
         ShardCheckpointer(restoring, 0).restore(str(path), manifest, [(spec, ((0, 0, N),))])
@@ -504,13 +510,13 @@ def crash_writer(root: str, tier_root: str) -> None:
     checkpoint one step after another until killed; prints "ready" once restored, "saving"
     when a checkpoint begins and "saved <step> <seconds of the step> <seconds of the
     checkpoint>" after each commit. Run in a child process."""
-    store = CheckpointStore(Path(root), keep_last=CRASH_KEEP)
+    store = CheckpointDir(Path(root), keep_last=CRASH_KEEP)
     latest = store.latest()
     if latest is None:
         registry, step = _fresh(_tier(Path(tier_root))), 0
     else:
         manifest = store.load(latest)
-        registry, step = ShardRegistry(TieredStorage(_tier(Path(tier_root)))), manifest.step
+        registry, step = SegmentRegistry(TieredStorage(_tier(Path(tier_root)))), manifest.step
         ShardCheckpointer(registry, server_index=0).restore(str(latest), manifest, _whole())
     print("ready", flush=True)
     while True:
@@ -571,7 +577,7 @@ def _kill_trials(tmp_path: Path, trials: int, seed: int) -> None:
     assert saves, "the writer saved nothing in a second"
     per_save = statistics.median(float(step) for step, _ in saves)
     per_checkpoint = statistics.median(float(checkpoint) for _, checkpoint in saves)
-    store = CheckpointStore(root, keep_last=CRASH_KEEP)
+    store = CheckpointDir(root, keep_last=CRASH_KEEP)
     expected = _reference_states(0)
     partial_seen = 0
     for trial in range(trials):

@@ -120,7 +120,7 @@ def test_without_a_budget_everything_stays_in_ram() -> None:
 def test_budget_pays_for_staging_then_heads_of_shards_round_robin() -> None:
     # 1000 budget - 300 staging = 700: seven partitions of 100, heads first on every shard.
     plan = plan_tiers(_demands({0: 5, 1: 5, 2: 1}), ram_budget_bytes=1000, staging_bytes=300, num_paths=2)
-    ram = sorted((k.shard_id, k.index) for k, r in plan.residency.items() if r is RAM)
+    ram = sorted((k.segment_id, k.index) for k, r in plan.residency.items() if r is RAM)
     assert ram == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0)]
     assert (plan.ram_bytes, plan.nvme_bytes) == (700, 400)
     assert plan.count(RAM) == 7 and plan.count(NVME) == 4

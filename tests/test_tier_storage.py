@@ -35,7 +35,7 @@ from cargohold.services.errors import (
 )
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.shard_state import ShardRegistry, ShardSpec, ShardState
+from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState
 from cargohold.services.state_server import StateServer
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.nvme import check_free_space
@@ -58,9 +58,15 @@ LR = 1e-2
 NORM = 2.0  # > max_grad_norm: clipping is active
 
 
-def _spec(shard_id: int = 0, run_id: str = "run-t") -> ShardSpec:
-    return ShardSpec(
-        run_id=run_id, shard_id=shard_id, start=0, numel=NUMEL, fragments=FRAGMENTS, grad_dtype="float32", hyper=HYPER
+def _spec(segment_id: int = 0, run_id: str = "run-t") -> SegmentSpec:
+    return SegmentSpec(
+        run_id=run_id,
+        segment_id=segment_id,
+        start=0,
+        numel=NUMEL,
+        fragments=FRAGMENTS,
+        grad_dtype="float32",
+        hyper=HYPER,
     )
 
 
@@ -80,7 +86,7 @@ def _config(tmp_path: Path, **changes: object) -> TierConfig:
     return TierConfig(**fields)  # type: ignore[arg-type]
 
 
-def _assert_same(tiered: ShardState, ram: ShardState) -> None:
+def _assert_same(tiered: SegmentState, ram: SegmentState) -> None:
     a, b = tiered.snapshot(), ram.snapshot()
     for key in a:
         assert torch.equal(a[key], b[key]), f"{key} differs"
@@ -135,8 +141,8 @@ def _cold_disk_file(storage: TieredStorage) -> str:
 def test_most_partitions_on_disk_is_bitwise_equal_to_ram(tmp_path: Path) -> None:
     recorder = Recorder()
     with _storage(_config(tmp_path), recorder) as storage:
-        tiered = ShardRegistry(storage).register(_spec(), _randn(0))
-        ram = ShardState(_spec(), _randn(0))
+        tiered = SegmentRegistry(storage).register(_spec(), _randn(0))
+        ram = SegmentState(_spec(), _randn(0))
         rows = storage.rows()
         assert len(rows) == 11 and [r.actual for r in rows].count(Residency.RAM) == 2
         assert {Path(r.path).parent.parent.parent.name for r in rows if r.path} == {"d0", "d1"}
@@ -167,15 +173,15 @@ def test_most_partitions_on_disk_is_bitwise_equal_to_ram(tmp_path: Path) -> None
 
 def test_a_second_shard_is_planned_in_and_partitions_move_after_updates(tmp_path: Path) -> None:
     with _storage(_config(tmp_path)) as storage:
-        registry = ShardRegistry(storage)
+        registry = SegmentRegistry(storage)
         a = registry.register(_spec(0), _randn(0))
         assert [r.index for r in [x.key for x in storage.rows()]][:2] == [0, 1]
         b = registry.register(_spec(1), _randn(1))
-        rows = {(r.key.shard_id, r.key.index): r for r in storage.rows()}
+        rows = {(r.key.segment_id, r.key.index): r for r in storage.rows()}
         # The plan gives each shard its head partition; RAM is still full of shard 0's.
         assert rows[(0, 1)].planned is Residency.NVME and rows[(0, 1)].actual is Residency.RAM
         assert rows[(1, 0)].planned is Residency.RAM and rows[(1, 0)].actual is Residency.NVME
-        refs = [ShardState(_spec(0), _randn(0)), ShardState(_spec(1), _randn(1))]
+        refs = [SegmentState(_spec(0), _randn(0)), SegmentState(_spec(1), _randn(1))]
         for step in (1, 2):
             for state in (a, b, *refs):
                 state.push(step, _randn(step), global_norm=NORM, lr=LR)
@@ -188,7 +194,7 @@ def test_a_second_shard_is_planned_in_and_partitions_move_after_updates(tmp_path
 
 
 def test_without_a_budget_each_shard_is_one_ram_partition() -> None:
-    registry = ShardRegistry()
+    registry = SegmentRegistry()
     registry.register(_spec(), _randn(0))
     (row,) = registry.storage.rows()
     assert (row.numel, row.actual, row.path) == (NUMEL, Residency.RAM, "")
@@ -198,8 +204,8 @@ def test_without_a_budget_each_shard_is_one_ram_partition() -> None:
 @pytest.mark.parametrize("direct_io", ["off", "auto"])
 def test_direct_io_setting(tmp_path: Path, direct_io: str) -> None:
     with _storage(_config(tmp_path, direct_io=direct_io)) as storage:
-        state = ShardRegistry(storage).register(_spec(), _randn(0))
-        ram = ShardState(_spec(), _randn(0))
+        state = SegmentRegistry(storage).register(_spec(), _randn(0))
+        ram = SegmentState(_spec(), _randn(0))
         for step in (1, 2):
             state.push(step, _randn(step), global_norm=NORM, lr=LR)
             ram.push(step, _randn(step), global_norm=NORM, lr=LR)
@@ -213,8 +219,8 @@ def test_direct_io_setting(tmp_path: Path, direct_io: str) -> None:
 
 def test_a_corrupted_byte_fails_the_next_step_naming_the_file_and_loses_nothing(tmp_path: Path) -> None:
     with _storage(_config(tmp_path)) as storage:
-        state = ShardRegistry(storage).register(_spec(), _randn(0))
-        ram = ShardState(_spec(), _randn(0))
+        state = SegmentRegistry(storage).register(_spec(), _randn(0))
+        ram = SegmentState(_spec(), _randn(0))
         for s in (state, ram):
             s.push(1, _randn(1), global_norm=NORM, lr=LR)
         victim = _cold_disk_file(storage)
@@ -245,7 +251,7 @@ def test_a_corrupted_byte_fails_the_next_step_naming_the_file_and_loses_nothing(
 @pytest.mark.parametrize("damage", ["truncate", "header", "other-partition", "missing"])
 def test_torn_or_wrong_files_are_refused_on_read(tmp_path: Path, damage: str) -> None:
     with _storage(_config(tmp_path)) as storage:
-        state = ShardRegistry(storage).register(_spec(), _randn(0))
+        state = SegmentRegistry(storage).register(_spec(), _randn(0))
         state.push(1, _randn(1), global_norm=NORM, lr=LR)
         victim = _cold_disk_file(storage)
         if damage == "truncate":  # a torn write: the tail never reached the disk
@@ -310,19 +316,19 @@ def test_two_live_servers_cannot_share_a_tier_folder(tmp_path: Path) -> None:
     partition files and delete them at the end: the second is refused, the first keeps
     its files, and once it is gone the folder can be used again."""
     with _storage(_config(tmp_path)) as first:
-        ShardRegistry(first).register(_spec(), _randn(0))
+        SegmentRegistry(first).register(_spec(), _randn(0))
         files = sorted(tmp_path.rglob("*.bin"))
         with _storage(_config(tmp_path)) as second, pytest.raises(TierError, match="in use by another state server"):
-            ShardRegistry(second).register(_spec(), _randn(1))
+            SegmentRegistry(second).register(_spec(), _randn(1))
         assert sorted(tmp_path.rglob("*.bin")) == files  # the refused one touched nothing
     with _storage(_config(tmp_path)) as again:
-        ShardRegistry(again).register(_spec(), _randn(2))
+        SegmentRegistry(again).register(_spec(), _randn(2))
     assert not list(tmp_path.rglob("*.bin")) and not list(tmp_path.rglob(".lock"))
 
 
 def test_run_ids_that_cannot_name_a_directory_are_refused(tmp_path: Path) -> None:
     with _storage(_config(tmp_path)) as storage, pytest.raises(TierError, match="cannot name a directory"):
-        ShardRegistry(storage).register(_spec(run_id="../escape"), _randn(0))
+        SegmentRegistry(storage).register(_spec(run_id="../escape"), _randn(0))
 
 
 # --- the gRPC face --------------------------------------------------------------------------
@@ -333,7 +339,7 @@ def test_grpc_reports_the_plan_and_maps_corruption_to_data_loss(tmp_path: Path) 
     with ExitStack() as stack:
         metrics = StateServerMetrics("tier")
         storage = stack.enter_context(_storage(_config(tmp_path), metrics))
-        server = GrpcStateServer(ShardRegistry(storage), metrics, run_id="run-t", host="127.0.0.1")
+        server = GrpcStateServer(SegmentRegistry(storage), metrics, run_id="run-t", host="127.0.0.1")
         server.start()
         stack.callback(server.stop, 0.5)
         client = stack.enter_context(StateServerClient(server.address, chunk_bytes=1 << 16, timeout_s=10))
@@ -369,11 +375,11 @@ _PRELUDE = textwrap.dedent(f"""
     from cargohold.cluster.config import TierConfig
     from cargohold.services.errors import IncompleteStepError, TierError, TierSpaceError
     from cargohold.services.optim import AdamWHyperParams
-    from cargohold.services.shard_state import ShardRegistry, ShardSpec, ShardState
+    from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState
     from cargohold.services.tiers.storage import TieredStorage
     HYPER = AdamWHyperParams(max_grad_norm=1.0, weight_decay=0.1)
     N = {NUMEL}
-    SPEC = ShardSpec(run_id="ns", shard_id=0, start=0, numel=N, fragments={FRAGMENTS!r},
+    SPEC = SegmentSpec(run_id="ns", segment_id=0, start=0, numel=N, fragments={FRAGMENTS!r},
                      grad_dtype="float32", hyper=HYPER)
     def randn(seed):
         return torch.randn(N, generator=torch.Generator().manual_seed(seed))
@@ -422,8 +428,8 @@ def test_o_direct_refused_by_the_filesystem_falls_back_to_buffered_io(tmp_path: 
         except TierError as error:
             refused = str(error)
         storage = TieredStorage(config(root))
-        state = ShardRegistry(storage).register(SPEC, randn(0))
-        ram = ShardState(SPEC, randn(0))
+        state = SegmentRegistry(storage).register(SPEC, randn(0))
+        ram = SegmentState(SPEC, randn(0))
         for step in (1, 2, 3):
             state.push(step, randn(step), global_norm=2.0, lr=1e-2)
             ram.push(step, randn(step), global_norm=2.0, lr=1e-2)
@@ -443,13 +449,13 @@ def test_disk_full_at_start_up_and_at_run_time(tmp_path: Path) -> None:
         small, roomy = sys.argv[1] + "/m0", sys.argv[1] + "/m1"
         # Start-up: 9 partition files (252 KiB) plus room for 3 writes (84 KiB) exceed 256 KiB.
         try:
-            ShardRegistry(TieredStorage(config(small))).register(SPEC, randn(0))
+            SegmentRegistry(TieredStorage(config(small))).register(SPEC, randn(0))
             startup = ""
         except TierSpaceError as error:
             startup = str(error)
         storage = TieredStorage(config(roomy))
-        state = ShardRegistry(storage).register(SPEC, randn(0))
-        ram = ShardState(SPEC, randn(0))
+        state = SegmentRegistry(storage).register(SPEC, randn(0))
+        ram = SegmentState(SPEC, randn(0))
         for s in (state, ram):
             s.push(1, randn(1), global_norm=2.0, lr=1e-2)
         filler = roomy + "/filler"
@@ -500,13 +506,13 @@ def test_rss_growth_stays_within_the_budget_while_the_state_is_six_times_larger(
         torch.set_num_threads(1)
         from cargohold.cluster.config import TierConfig
         from cargohold.services.optim import AdamWHyperParams
-        from cargohold.services.shard_state import ShardRegistry, ShardSpec
+        from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
         from cargohold.services.tiers.storage import TieredStorage
         from system import proc_status, reset_peak_rss
 
         root, budget = sys.argv[1], int(sys.argv[2])
         def spec(run, n):
-            return ShardSpec(run_id=run, shard_id=0, start=0, numel=n, fragments=((0, n),),
+            return SegmentSpec(run_id=run, segment_id=0, start=0, numel=n, fragments=((0, n),),
                              grad_dtype="float32", hyper=AdamWHyperParams())
         def config(path, budget, partition):
             return TierConfig(nvme_paths=[path], ram_budget_bytes=budget, partition_bytes=partition,
@@ -515,11 +521,11 @@ def test_rss_growth_stays_within_the_budget_while_the_state_is_six_times_larger(
         initial = torch.randn(N, generator=torch.Generator().manual_seed(0))
         gradient = torch.randn(N, generator=torch.Generator().manual_seed(1))
         # Warm up the kernel and the I/O paths on a small shard before measuring.
-        warm = ShardRegistry(TieredStorage(config(root + "/warm", 1 << 20, 64 << 10)))
+        warm = SegmentRegistry(TieredStorage(config(root + "/warm", 1 << 20, 64 << 10)))
         warm.register(spec("warm", 1 << 16), initial[: 1 << 16]).push(1, gradient[: 1 << 16], global_norm=1.0, lr=1e-3)
         warm.close()
         base = reset_peak_rss()
-        registry = ShardRegistry(TieredStorage(config(root + "/tier", budget, 1 << 20)))
+        registry = SegmentRegistry(TieredStorage(config(root + "/tier", budget, 1 << 20)))
         state = registry.register(spec("rss", N), initial)
         for step in (1, 2, 3):
             state.push(step, gradient, global_norm=1.0, lr=1e-3)

@@ -12,31 +12,31 @@ import torch
 from reference import fsdp_reference_train, reference_train, tiny_config
 
 from cargohold.cluster.launcher import TrainingSession
-from cargohold.services.layout import ShardLayout
+from cargohold.services.layout import Layout
 from cargohold.services.model_setup import model_layout
 from cargohold.services.tiers.partitions import elements_per_partition
 
 pytestmark = pytest.mark.integration
 
 
-def _layout(config) -> ShardLayout:
+def _layout(config) -> Layout:
     return model_layout(config)[2]
 
 
-def _server_state(session: TrainingSession, layout: ShardLayout, key: str) -> torch.Tensor:
+def _server_state(session: TrainingSession, layout: Layout, key: str) -> torch.Tensor:
     """Reassemble one kind of server state into the flat buffer from every segment."""
     flat = torch.zeros(layout.total, dtype=torch.float32)
     seen = 0
     for snapshot in session.server_snapshots():
-        for shard_id, tensors in snapshot.items():
-            segment = layout.segments[shard_id]
+        for segment_id, tensors in snapshot.items():
+            segment = layout.segments[segment_id]
             flat[segment.start : segment.stop] = tensors[key]
             seen += 1
     assert seen == len(layout.segments)
     return flat
 
 
-def _assert_matches_reference(config, layout: ShardLayout, losses, weights, server, reference=None) -> None:
+def _assert_matches_reference(config, layout: Layout, losses, weights, server, reference=None) -> None:
     """Losses, server state and worker weights bitwise equal to plain AdamW's."""
     reference = reference or reference_train(config, config.steps)
     assert losses == reference.losses

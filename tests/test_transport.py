@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cargohold.services.errors import CargoholdError, TransportError
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.shard_state import ShardRegistry, ShardSpec, ShardState
+from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState
 from cargohold.services.transport.codec import SERVICE_NAME, spec_to_proto, tensor_chunks
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
 from cargohold.services.transport.grpc_server import GrpcStateServer
@@ -55,17 +55,17 @@ Code = grpc.StatusCode
 
 
 def _spec(
-    shard_id: int = 0,
+    segment_id: int = 0,
     *,
     numel: int = NUMEL,
     fragments=FRAGMENTS,
     grad_dtype: str = "float32",
     hyper: AdamWHyperParams = HYPER,
-) -> ShardSpec:
-    return ShardSpec(
+) -> SegmentSpec:
+    return SegmentSpec(
         run_id=RUN,
-        shard_id=shard_id,
-        start=shard_id * NUMEL,
+        segment_id=segment_id,
+        start=segment_id * NUMEL,
         numel=numel,
         fragments=fragments,
         grad_dtype=grad_dtype,
@@ -93,9 +93,9 @@ def _assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert differ.numel() == 0, f"{differ.numel()} elements differ, first at {differ[:5].flatten().tolist()}"
 
 
-def _local(spec: ShardSpec, pushes: list[torch.Tensor]) -> ShardState:
+def _local(spec: SegmentSpec, pushes: list[torch.Tensor]) -> SegmentState:
     """The same updates applied in process, without any transport."""
-    state = ShardState(spec, (W0 if spec.numel == NUMEL else _randn(0, spec.numel)).clone())
+    state = SegmentState(spec, (W0 if spec.numel == NUMEL else _randn(0, spec.numel)).clone())
     for step, gradient in enumerate(pushes, start=1):
         assert state.push(step, gradient, global_norm=GLOBAL_NORM, lr=LR).applied
     return state
@@ -118,7 +118,7 @@ def serving() -> Iterator[Served]:
         metrics = StateServerMetrics("t")
         metrics.start(host="127.0.0.1", port=0)
         stack.callback(metrics.stop)
-        server = GrpcStateServer(ShardRegistry(), metrics, run_id=RUN, host="127.0.0.1")
+        server = GrpcStateServer(SegmentRegistry(), metrics, run_id=RUN, host="127.0.0.1")
         server.start()
         stack.callback(server.stop, 0.5)
         client = stack.enter_context(StateServerClient(server.address, chunk_bytes=CHUNK_BYTES, timeout_s=DEADLINE_S))
@@ -149,10 +149,10 @@ class Observed:
     shards: dict[int, int]
 
 
-def _observe(s: Served, shard_id: int = 0) -> Observed:
-    _, step = s.client.describe(RUN, shard_id)
+def _observe(s: Served, segment_id: int = 0) -> Observed:
+    _, step = s.client.describe(RUN, segment_id)
     stats = s.client.stats()
-    weights = s.client.fetch(RUN, shard_id, step, "float32", NUMEL)
+    weights = s.client.fetch(RUN, segment_id, step, "float32", NUMEL)
     return Observed(weights, step, stats.updates_applied, stats.shard_steps)
 
 
@@ -162,8 +162,8 @@ def _assert_unchanged(s: Served, before: Observed) -> None:
     _assert_bitwise_equal(after.weights, before.weights)
 
 
-def _key(shard_id: int = 0, run_id: str = RUN) -> pb.ShardKey:
-    return pb.ShardKey(run_id=run_id, shard_id=shard_id)
+def _key(segment_id: int = 0, run_id: str = RUN) -> pb.ShardKey:
+    return pb.ShardKey(run_id=run_id, shard_id=segment_id)
 
 
 def _header(step: int = 2, **fields) -> pb.PushGradientRequest:
@@ -181,9 +181,9 @@ def _push_raw(s: Served, messages: list[pb.PushGradientRequest]) -> pb.PushGradi
 
 
 def _fetch_raw(
-    s: Served, step: int, dtype: int = pb.DTYPE_FLOAT32, *, shard_id: int = 0, chunk_bytes: int = CHUNK_BYTES
+    s: Served, step: int, dtype: int = pb.DTYPE_FLOAT32, *, segment_id: int = 0, chunk_bytes: int = CHUNK_BYTES
 ) -> list[pb.WeightsChunk]:
-    request = pb.FetchWeightsRequest(key=_key(shard_id), step=step, dtype=dtype, chunk_bytes=chunk_bytes)
+    request = pb.FetchWeightsRequest(key=_key(segment_id), step=step, dtype=dtype, chunk_bytes=chunk_bytes)
     return list(s.stub.FetchWeights(request, timeout=DEADLINE_S))
 
 
@@ -242,9 +242,9 @@ def test_register_push_fetch_equals_the_local_update_bitwise(served: Served) -> 
 
     for spec, gradient in ((spec32, G1), (spec16, g16)):
         local = _local(spec, [gradient])
-        fetched = client.fetch(RUN, spec.shard_id, 1, "float32", NUMEL)
+        fetched = client.fetch(RUN, spec.segment_id, 1, "float32", NUMEL)
         _assert_bitwise_equal(fetched, local.snapshot()["master"])
-        _assert_bitwise_equal(client.fetch(RUN, spec.shard_id, 1, "bfloat16", NUMEL), local.weights(1, "bfloat16"))
+        _assert_bitwise_equal(client.fetch(RUN, spec.segment_id, 1, "bfloat16", NUMEL), local.weights(1, "bfloat16"))
         _assert_bitwise_equal(fetched[PADDING], W0[PADDING])  # padding is never updated
         assert not torch.equal(fetched[~PADDING], W0[~PADDING])
     # Registering again with the same spec is no reset, whatever weights come along.
@@ -366,19 +366,19 @@ def _register_messages(spec: pb.ShardSpec, weights: torch.Tensor = W0) -> list[p
 
 
 def _spec_with(field: str, value) -> pb.ShardSpec:
-    message = spec_to_proto(_spec(shard_id=5))
+    message = spec_to_proto(_spec(segment_id=5))
     target, _, name = field.rpartition(".")
     setattr(message if not target else getattr(message, target), name, value)
     return message
 
 
 def _bad_register_crc(s: Served) -> None:
-    messages = _register_messages(spec_to_proto(_spec(shard_id=5)))
+    messages = _register_messages(spec_to_proto(_spec(segment_id=5)))
     messages[3].initial_weights.crc32c ^= 0x80000000
     _register_raw(s, messages)
 
 
-def _spec_of_run(run_id: str) -> ShardSpec:
+def _spec_of_run(run_id: str) -> SegmentSpec:
     return dataclasses.replace(_spec(), run_id=run_id)
 
 
@@ -531,7 +531,7 @@ BAD_REQUESTS: list[tuple[str, Callable[[Served], object], grpc.StatusCode, str]]
     ),
     (
         "register stream that starts with weights",
-        lambda s: _register_raw(s, _register_messages(spec_to_proto(_spec(shard_id=5)))[1:]),
+        lambda s: _register_raw(s, _register_messages(spec_to_proto(_spec(segment_id=5)))[1:]),
         Code.INVALID_ARGUMENT,
         "the first message must carry the spec",
     ),

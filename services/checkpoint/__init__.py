@@ -28,26 +28,26 @@ which imports the manifest from here.
 """
 
 from cargohold.services.checkpoint.compat import check_compatible
+from cargohold.services.checkpoint.directory import CheckpointDir
 from cargohold.services.checkpoint.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     FileRecord,
     LayoutRecord,
     Manifest,
-    ShardRecord,
+    SegmentRecord,
 )
 from cargohold.services.checkpoint.reader import CheckpointReader, read_flat_range
-from cargohold.services.checkpoint.store import CheckpointStore
 
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "CheckpointReader",
-    "CheckpointStore",
+    "CheckpointDir",
     "FileRecord",
     "LayoutRecord",
     "Manifest",
-    "ShardRecord",
+    "SegmentRecord",
     "check_compatible",
     "read_flat_range",
 ]

@@ -43,7 +43,7 @@ class FileRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class ShardRecord:
+class SegmentRecord:
     """The flat range ``[start, stop)`` of the model buffer that ``file`` holds."""
 
     segment_id: int
@@ -127,7 +127,7 @@ class Manifest:
     layout: LayoutRecord
     total: int
     """Padded length of the flat buffer the checkpoint was saved from."""
-    shards: tuple[ShardRecord, ...]
+    shards: tuple[SegmentRecord, ...]
     files: tuple[FileRecord, ...]
 
     def __post_init__(self) -> None:
@@ -190,7 +190,9 @@ class Manifest:
             model_signature=tuple(_signature_entry(entry, i) for i, entry in enumerate(signature)),
             layout=LayoutRecord.from_body(body["layout"]),
             total=body["total"],
-            shards=tuple(ShardRecord(**_record(entry, ShardRecord, f"shards[{i}]")) for i, entry in enumerate(shards)),
+            shards=tuple(
+                SegmentRecord(**_record(entry, SegmentRecord, f"shards[{i}]")) for i, entry in enumerate(shards)
+            ),
             files=tuple(FileRecord(**_record(entry, FileRecord, f"files[{i}]")) for i, entry in enumerate(files)),
         )
 
@@ -282,8 +284,8 @@ def _validate_manifest(m: Manifest) -> None:
         if not is_int(record.crc32c) or not 0 <= record.crc32c < 1 << 32:
             raise CheckpointError(f"file {record.name!r}: crc32c must be a 32-bit unsigned integer")
 
-    if not isinstance(m.shards, tuple) or not all(isinstance(s, ShardRecord) for s in m.shards):
-        raise CheckpointError("shards must be a tuple of ShardRecord")
+    if not isinstance(m.shards, tuple) or not all(isinstance(s, SegmentRecord) for s in m.shards):
+        raise CheckpointError("shards must be a tuple of SegmentRecord")
     for shard in m.shards:
         where = f"shard {shard.segment_id!r}"
         if not all(is_int(v) for v in (shard.segment_id, shard.start, shard.stop, shard.step)):
@@ -309,7 +311,7 @@ def _validate_manifest(m: Manifest) -> None:
             )
 
 
-def gaps(shards: Iterable[ShardRecord], start: int, stop: int) -> list[tuple[int, int]]:
+def gaps(shards: Iterable[SegmentRecord], start: int, stop: int) -> list[tuple[int, int]]:
     """The parts of ``[start, stop)`` no shard covers (shards do not overlap)."""
     missing, cursor = [], start
     for shard in sorted(shards, key=lambda s: s.start):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from cargohold.services.checkpoint.errors import corrupt, os_error
-from cargohold.services.checkpoint.manifest import FileRecord, Manifest, ShardRecord
+from cargohold.services.checkpoint.manifest import FileRecord, Manifest, SegmentRecord
 from cargohold.services.errors import CorruptPartitionError
 from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout, crc32c, parse_header
 
@@ -58,7 +58,7 @@ def open_sized(path: Path, record: FileRecord) -> tuple[int, int]:
 
 
 def verify(
-    fd: int, path: Path, size: int, record: FileRecord, shard: ShardRecord, manifest: Manifest, buffer: memoryview
+    fd: int, path: Path, size: int, record: FileRecord, shard: SegmentRecord, manifest: Manifest, buffer: memoryview
 ) -> Payload:
     """Check the partition file of ``shard`` against its manifest: the header (its
     checksum is the one ``record`` holds), the identity, the update count, the size and
@@ -75,7 +75,7 @@ def verify(
     layout = FileLayout(header.numel)
     if size != layout.file_bytes:
         raise corrupt(path, f"it is {size} bytes, its header says {layout.file_bytes} (truncated?)")
-    if (header.key.run_id, header.key.shard_id) != (
+    if (header.key.run_id, header.key.segment_id) != (
         manifest.run_id,
         shard.segment_id,
     ) or header.numel != shard.stop - shard.start:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from cargohold.services.checkpoint.manifest import Manifest, ShardRecord, gaps, is_int
+from cargohold.services.checkpoint.manifest import Manifest, SegmentRecord, gaps, is_int
 from cargohold.services.checkpoint.payload import CHUNK, Payload, open_sized, read_into, verify
 from cargohold.services.errors import CheckpointError
 from cargohold.services.tiers.fileformat import ARRAYS
@@ -76,7 +76,7 @@ class CheckpointReader:
                 os.close(fd)
         return out
 
-    def _verify(self, fd: int, path: Path, size: int, shard: ShardRecord) -> Payload:
+    def _verify(self, fd: int, path: Path, size: int, shard: SegmentRecord) -> Payload:
         payload = verify(fd, path, size, self._records[shard.file], shard, self.manifest, self._buffer)
         self._verified[shard.file] = payload
         return payload

@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 
 from cargohold.services.checkpoint.errors import free_space_hint
-from cargohold.services.checkpoint.manifest import FileRecord, Manifest, ShardRecord
+from cargohold.services.checkpoint.manifest import FileRecord, Manifest, SegmentRecord
 from cargohold.services.checkpoint.reader import CheckpointReader
 from cargohold.services.durable import fsync_directory
 from cargohold.services.errors import CheckpointError, TierError
 from cargohold.services.reshard import Run
-from cargohold.services.shard_state import ShardRegistry, ShardSpec, ShardState
+from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState
 from cargohold.services.tiers.fileformat import ARRAYS
 from cargohold.services.tiers.preserve import PendingWrite
 from cargohold.services.tiers.residency import PartitionKey
@@ -43,13 +43,13 @@ from cargohold.services.tiers.storage import PreservedPartition
 
 logger = logging.getLogger(__name__)
 
-Records = list[tuple[ShardRecord, FileRecord]]
+Records = list[tuple[SegmentRecord, FileRecord]]
 
 
 class ShardCheckpointer:
     """Saves and restores the shards of one state server's registry."""
 
-    def __init__(self, registry: ShardRegistry, server_index: int) -> None:
+    def __init__(self, registry: SegmentRegistry, server_index: int) -> None:
         self._registry = registry
         self._server_index = server_index
         self._thread: threading.Thread | None = None
@@ -99,20 +99,20 @@ class ShardCheckpointer:
         self._thread.start()
 
     def _name_of(self, key: PartitionKey) -> str:
-        return f"server{self._server_index}-shard{key.shard_id:06d}-part{key.index:05d}.tier"
+        return f"server{self._server_index}-shard{key.segment_id:06d}-part{key.index:05d}.tier"
 
-    def _preserve(self, directory: str, step: int, update: int, shards: list[ShardState]) -> None:
+    def _preserve(self, directory: str, step: int, update: int, shards: list[SegmentState]) -> None:
         """Link every disk partition file of the shards at ``update`` now; write the RAM
         partitions (first: an update may wait for them) and copy what could not be linked
         in the background."""
-        preserved: list[tuple[ShardState, PreservedPartition]] = []
+        preserved: list[tuple[SegmentState, PreservedPartition]] = []
         try:
             for shard in shards:
                 held, parts = shard.preserve(directory, self._name_of)
                 preserved += [(shard, part) for part in parts]
                 if held != update:
                     raise TierError(
-                        f"shard {shard.spec.shard_id} moved to update {held} while checkpointing "
+                        f"shard {shard.spec.segment_id} moved to update {held} while checkpointing "
                         f"update {update}; a push arrived during the save"
                     )
         except (OSError, TierError) as error:
@@ -148,8 +148,8 @@ class ShardCheckpointer:
                 _cancel(part for part, _ in jobs)  # whatever did not run: release the partitions waiting on it
             return [
                 (
-                    ShardRecord(
-                        segment_id=shard.spec.shard_id,
+                    SegmentRecord(
+                        segment_id=shard.spec.segment_id,
                         start=shard.spec.start + part.start,
                         stop=shard.spec.start + part.stop,
                         step=step,
@@ -165,7 +165,7 @@ class ShardCheckpointer:
         else:
             self._result = finish()
 
-    def restore(self, directory: str, manifest: Manifest, shards: Sequence[tuple[ShardSpec, Sequence[Run]]]) -> None:
+    def restore(self, directory: str, manifest: Manifest, shards: Sequence[tuple[SegmentSpec, Sequence[Run]]]) -> None:
         """Register each spec with the state the checkpoint holds for it, at its update
         count (``manifest.updates``): its ``runs``
         (:func:`~cargohold.services.reshard.segment_runs`) say which saved flat elements
@@ -178,7 +178,7 @@ class ShardCheckpointer:
             for offset, _, length in ordered:
                 if offset < 0 or length <= 0 or offset + length > spec.numel:
                     raise CheckpointError(
-                        f"restoring shard {spec.shard_id}: the run of {length} elements at "
+                        f"restoring shard {spec.segment_id}: the run of {length} elements at "
                         f"{offset} leaves its {spec.numel} elements"
                     )
             ends = [offset + length for offset, _, length in ordered]

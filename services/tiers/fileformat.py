@@ -95,7 +95,7 @@ class PartitionHeader:
                 self.numel,
                 FileLayout(self.numel).region_bytes,
                 self.step,
-                self.key.shard_id,
+                self.key.segment_id,
                 self.key.index,
                 *self.checksums,
                 len(run),
@@ -125,7 +125,7 @@ def parse_header(raw: bytes | memoryview, *, path: str, expected: PartitionKey |
     raw = bytes(raw[:HEADER_BYTES])
     if len(raw) < HEADER_BYTES:
         raise corrupt(f"header is {len(raw)} bytes, shorter than a header")
-    (magic, version, header_bytes, dtype, arrays, numel, region, step, shard_id, index, crc0, crc1, crc2, run_len) = (
+    (magic, version, header_bytes, dtype, arrays, numel, region, step, segment_id, index, crc0, crc1, crc2, run_len) = (
         _FIXED.unpack_from(raw)
     )
     if magic != MAGIC:
@@ -142,7 +142,7 @@ def parse_header(raw: bytes | memoryview, *, path: str, expected: PartitionKey |
         raise corrupt(f"unsupported layout (header {header_bytes} bytes, dtype {dtype}, {arrays} arrays)")
     if region != FileLayout(numel).region_bytes:
         raise corrupt(f"regions of {region} bytes do not fit {numel} elements")
-    key = PartitionKey(raw[_FIXED.size : end].decode(errors="replace"), shard_id, index)
+    key = PartitionKey(raw[_FIXED.size : end].decode(errors="replace"), segment_id, index)
     return PartitionHeader(key=key, numel=numel, step=step, checksums=(crc0, crc1, crc2), version=version)
 
 

@@ -26,7 +26,7 @@ import torch
 
 from cargohold.services.tiers.fileformat import ARRAYS, FileLayout
 from cargohold.services.tiers.residency import PartitionKey
-from cargohold.services.tiers.store import PartitionArrays, TierObserver
+from cargohold.services.tiers.tier import PartitionArrays, TierObserver
 
 T = TypeVar("T")
 

@@ -49,7 +49,7 @@ from cargohold.services.tiers.fileformat import (
 from cargohold.services.tiers.io_pool import AlignedBuffer, BufferPool, IoPool
 from cargohold.services.tiers.planner import Bandwidth
 from cargohold.services.tiers.residency import PartitionKey, Residency
-from cargohold.services.tiers.store import Partition, Staged, TierObserver
+from cargohold.services.tiers.tier import Partition, Staged, TierObserver
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class NvmeTier:
 
     def file_of(self, key: PartitionKey, path_index: int) -> str:
         return os.path.join(
-            self.directory(key.run_id, path_index), f"shard-{key.shard_id:06d}.part-{key.index:05d}.bin"
+            self.directory(key.run_id, path_index), f"shard-{key.segment_id:06d}.part-{key.index:05d}.bin"
         )
 
     def prepare_run(self, run_id: str) -> None:
@@ -242,7 +242,7 @@ class NvmeTier:
             for fd in locks:  # only once the folders it guarded are gone
                 os.close(fd)
 
-    # --- TierStore ----------------------------------------------------------------------
+    # --- Tier ----------------------------------------------------------------------
     def stage(self, partition: Partition, *, block: bool) -> Staged | None:
         got = self._buffers.acquire((partition.key, partition.step), block=block)
         if got is None:

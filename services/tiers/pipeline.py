@@ -3,7 +3,7 @@ following ones are read in (as far ahead as free staging buffers allow) and k-1 
 written back behind it. The number of buffers therefore sets the depth: two give double
 buffering, three let a read, an update and a write overlap.
 
-Tier-agnostic: it asks each partition's :class:`TierStore` to stage it, runs ``update``
+Tier-agnostic: it asks each partition's :class:`Tier` to stage it, runs ``update``
 on the arrays, and hands them to ``finish`` (commit, or move to another tier).
 """
 
@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from cargohold.services.tiers.residency import Residency
-from cargohold.services.tiers.store import Partition, PartitionArrays, Staged, TierObserver, TierStore
+from cargohold.services.tiers.tier import Partition, PartitionArrays, Staged, Tier, TierObserver
 
 
 @dataclass(slots=True)
@@ -33,7 +33,7 @@ class StreamReport:
 def stream_update(
     order: Sequence[Partition],
     *,
-    store_of: Callable[[Partition], TierStore],
+    store_of: Callable[[Partition], Tier],
     update: Callable[[Partition, PartitionArrays], None],
     finish: Callable[[Partition, Staged], Future[None]],
     observer: TierObserver,

@@ -99,7 +99,7 @@ def plan_tiers(
         )
     residency: dict[PartitionKey, Residency] = {d.key: Residency.NVME for d in demands}
     ram_bytes = 0
-    for demand in sorted(demands, key=lambda d: (d.key.index, d.key.run_id, d.key.shard_id)):
+    for demand in sorted(demands, key=lambda d: (d.key.index, d.key.run_id, d.key.segment_id)):
         if ram_bytes + demand.state_bytes <= capacity:
             residency[demand.key] = Residency.RAM
             ram_bytes += demand.state_bytes
@@ -118,7 +118,7 @@ def plan_tiers(
 
 def path_of(key: PartitionKey, num_paths: int) -> int:
     """Round-robin over the paths along a shard, offset by the shard id."""
-    return (key.shard_id + key.index) % num_paths
+    return (key.segment_id + key.index) % num_paths
 
 
 def predict_io_seconds(

@@ -9,7 +9,7 @@ from concurrent.futures import Future
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.io_pool import AlignedBuffer
 from cargohold.services.tiers.residency import PartitionKey, Residency
-from cargohold.services.tiers.store import Partition, PartitionArrays, Staged, done_future
+from cargohold.services.tiers.tier import Partition, PartitionArrays, Staged, done_future
 
 
 class RamTier:
@@ -54,7 +54,7 @@ class RamTier:
     def buffer(self, partition: Partition) -> AlignedBuffer:
         return self._buffers[partition.key]
 
-    # --- TierStore ----------------------------------------------------------------------
+    # --- Tier ----------------------------------------------------------------------
     def stage(self, partition: Partition, *, block: bool) -> Staged:
         return Staged(partition, self.arrays(partition), warm=True)
 

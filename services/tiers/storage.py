@@ -10,7 +10,7 @@ The RAM budget is a hard limit on the memory this store holds: resident partitio
 (in their 4 KiB-aligned file layout) plus the staging buffers are never more than it.
 Not counted: the gradient a push brings and the weights a fetch returns (a shard's
 size in the wire dtype each; the shard keeps the latter between steps to reuse it, see
-``ShardState.recycle``), which belong to the transport.
+``SegmentState.recycle``), which belong to the transport.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ from cargohold.services.tiers.preserve import PendingCopy, PendingWrite, link_or
 from cargohold.services.tiers.ram import RamTier
 from cargohold.services.tiers.report import PartitionRow, TierSummary
 from cargohold.services.tiers.residency import PartitionKey, Residency
-from cargohold.services.tiers.store import (
+from cargohold.services.tiers.tier import (
     NullObserver,
     Partition,
     PartitionArrays,
     Staged,
+    Tier,
     TierObserver,
-    TierStore,
     done_future,
 )
 
@@ -115,7 +115,7 @@ class TieredStorage:
     def add_shard(
         self,
         run_id: str,
-        shard_id: int,
+        segment_id: int,
         numel: int,
         fragments: Sequence[tuple[int, int]],
         source: StateSource,
@@ -130,7 +130,7 @@ class TieredStorage:
         with self._lock:
             if self._nvme is not None:
                 self._nvme.prepare_run(run_id)
-            parts = [Partition(PartitionKey(run_id, shard_id, s.index), s, Residency.RAM, step=step) for s in spans]
+            parts = [Partition(PartitionKey(run_id, segment_id, s.index), s, Residency.RAM, step=step) for s in spans]
             plan = self._replan(parts)
             to_disk: list[Partition] = []
             resident: dict[PartitionKey, PartitionArrays] = {}
@@ -149,12 +149,12 @@ class TieredStorage:
                     assert self._nvme is not None  # no budget means no limit on RAM
                     self._nvme.check_space(
                         ((p.path_index, FileLayout(p.span.numel).file_bytes) for p in to_disk),
-                        f"shard {shard_id} of run {run_id!r}",
+                        f"shard {segment_id} of run {run_id!r}",
                     )
                 created: list[Future[None]] = []
                 try:
                     for part in parts:
-                        master, moments = _source_piece(source, part, shard_id)
+                        master, moments = _source_piece(source, part, segment_id)
                         if part.residency is Residency.RAM:
                             arrays = resident[part.key]
                             arrays.master.copy_(master)
@@ -173,7 +173,7 @@ class TieredStorage:
                 for part in parts:
                     self._store_of(part).drop(part)
                 raise
-            self._shards[(run_id, shard_id)] = parts
+            self._shards[(run_id, segment_id)] = parts
             self._plan = plan
         self._report_plan(plan)
 
@@ -196,7 +196,7 @@ class TieredStorage:
     def update(
         self,
         run_id: str,
-        shard_id: int,
+        segment_id: int,
         step: int,
         gradient: torch.Tensor,
         *,
@@ -215,7 +215,7 @@ class TieredStorage:
         Each partition's piece goes through :func:`~cargohold.services.optim.apply_update`
         (``gradient_owned``: it may scale the gradient in place).
         """
-        parts = self._shards[(run_id, shard_id)]
+        parts = self._shards[(run_id, segment_id)]
         pending = [p for p in parts if p.step != step]
         for part in pending:
             if part.step != step - 1:
@@ -290,7 +290,7 @@ class TieredStorage:
 
         return _then(self._nvme.commit(staged, step), committed)
 
-    def _store_of(self, part: Partition) -> TierStore:
+    def _store_of(self, part: Partition) -> Tier:
         if part.residency is Residency.RAM:
             return self._ram
         assert self._nvme is not None
@@ -298,11 +298,11 @@ class TieredStorage:
 
     # --- reads --------------------------------------------------------------------------
     def read_weights(
-        self, run_id: str, shard_id: int, step: int, dtype: torch.dtype, *, out: torch.Tensor | None = None
+        self, run_id: str, segment_id: int, step: int, dtype: torch.dtype, *, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The master weights of ``step`` cast to ``dtype``: a new tensor, or ``out`` (a
         spare buffer) when it has that dtype and size."""
-        parts = self._consistent(run_id, shard_id, step)
+        parts = self._consistent(run_id, segment_id, step)
         numel = parts[-1].span.stop
         if out is None or out.dtype != dtype or out.shape != (numel,):
             out = torch.empty(numel, dtype=dtype)
@@ -315,9 +315,9 @@ class TieredStorage:
                 self._nvme.read_master_into(part, view)
         return out
 
-    def snapshot(self, run_id: str, shard_id: int, step: int) -> dict[str, torch.Tensor]:
+    def snapshot(self, run_id: str, segment_id: int, step: int) -> dict[str, torch.Tensor]:
         """fp32 copies of master, exp_avg and exp_avg_sq of the whole shard."""
-        parts = self._consistent(run_id, shard_id, step)
+        parts = self._consistent(run_id, segment_id, step)
         numel = parts[-1].span.stop
         out = {name: torch.empty(numel, dtype=torch.float32) for name in ARRAYS}
         for part in parts:
@@ -335,7 +335,7 @@ class TieredStorage:
         return out
 
     def preserve(
-        self, run_id: str, shard_id: int, step: int, directory: str, name_of: Callable[[PartitionKey], str]
+        self, run_id: str, segment_id: int, step: int, directory: str, name_of: Callable[[PartitionKey], str]
     ) -> list[PreservedPartition]:
         """Put every partition of a shard at ``step`` into ``directory`` as a partition
         file named ``name_of(key)``, for a checkpoint. Files on the NVMe tier are
@@ -350,7 +350,7 @@ class TieredStorage:
 
         Raises OSError or a TierError, having cancelled its jobs; what it already put
         there stays for the caller to remove with the directory."""
-        parts = self._consistent(run_id, shard_id, step)
+        parts = self._consistent(run_id, segment_id, step)
         preserved: list[PreservedPartition] = []
         try:
             for part in parts:
@@ -390,27 +390,27 @@ class TieredStorage:
             raise
         return preserved
 
-    def _consistent(self, run_id: str, shard_id: int, step: int) -> list[Partition]:
-        parts = self._shards[(run_id, shard_id)]
+    def _consistent(self, run_id: str, segment_id: int, step: int) -> list[Partition]:
+        parts = self._shards[(run_id, segment_id)]
         behind = [p for p in parts if p.step != step]
         if behind:
             ahead = max(p.step for p in parts)
             raise IncompleteStepError(
-                f"shard {shard_id} of run {run_id!r} stopped part-way through step {ahead} "
+                f"shard {segment_id} of run {run_id!r} stopped part-way through step {ahead} "
                 f"({len(parts) - len(behind)} of {len(parts)} partitions at step {step}); "
                 f"repeat the push of step {ahead} to finish it"
             )
         return parts
 
     # --- accounting and stats -------------------------------------------------------------
-    def state_bytes(self, run_id: str | None = None, shard_id: int | None = None) -> dict[Residency, int]:
+    def state_bytes(self, run_id: str | None = None, segment_id: int | None = None) -> dict[Residency, int]:
         """Bytes of optimizer state (12 per element) in each tier, for a shard or all."""
         totals = {Residency.RAM: 0, Residency.NVME: 0}
         with self._lock:
             shards = [
                 (k, v)
                 for k, v in self._shards.items()
-                if run_id is None or (k[0] == run_id and shard_id in (None, k[1]))
+                if run_id is None or (k[0] == run_id and segment_id in (None, k[1]))
             ]
         for _, parts in shards:
             for part in parts:
@@ -488,13 +488,13 @@ def tensor_source(initial: torch.Tensor, moments: tuple[torch.Tensor, torch.Tens
 
 
 def _source_piece(
-    source: StateSource, part: Partition, shard_id: int
+    source: StateSource, part: Partition, segment_id: int
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     master, moments = source(part.span.start, part.span.stop)
     for name, array in zip(ARRAYS, (master, *(moments or ()))):
         if array.dtype != torch.float32 or array.shape != (part.span.numel,):
             raise ValueError(
-                f"shard {shard_id}: the {name} source gave {array.dtype} of shape "
+                f"shard {segment_id}: the {name} source gave {array.dtype} of shape "
                 f"{tuple(array.shape)} for {part.key}, expected float32 ({part.span.numel},)"
             )
     return master, moments

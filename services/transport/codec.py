@@ -20,7 +20,7 @@ import torch
 from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.errors import InvalidTensorError
 from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.shard_state import ShardSpec
+from cargohold.services.segment_state import SegmentSpec
 from cargohold.services.tiers.planner import Bandwidth
 from cargohold.services.tiers.report import PartitionRow, TierSummary
 from cargohold.services.tiers.residency import PartitionKey, Residency
@@ -141,10 +141,10 @@ class TensorAssembler:
         return self.tensor
 
 
-def spec_to_proto(spec: ShardSpec) -> pb.ShardSpec:
+def spec_to_proto(spec: SegmentSpec) -> pb.ShardSpec:
     h = spec.hyper
     return pb.ShardSpec(
-        key=pb.ShardKey(run_id=spec.run_id, shard_id=spec.shard_id),
+        key=pb.ShardKey(run_id=spec.run_id, shard_id=spec.segment_id),
         start=spec.start,
         numel=spec.numel,
         fragments=[pb.Fragment(offset=o, length=n) for o, n in spec.fragments],
@@ -159,12 +159,12 @@ def spec_to_proto(spec: ShardSpec) -> pb.ShardSpec:
     )
 
 
-def spec_from_proto(message: pb.ShardSpec) -> ShardSpec:
+def spec_from_proto(message: pb.ShardSpec) -> SegmentSpec:
     """Validate and convert; raises InvalidTensorError or ConfigError naming the field."""
     h = message.hyper
-    return ShardSpec(
+    return SegmentSpec(
         run_id=message.key.run_id,
-        shard_id=message.key.shard_id,
+        segment_id=message.key.shard_id,
         start=message.start,
         numel=message.numel,
         fragments=tuple((f.offset, f.length) for f in message.fragments),
@@ -185,7 +185,7 @@ _PROTO_TO_RESIDENCY = {v: k for k, v in _RESIDENCY_TO_PROTO.items()}
 
 def partition_row_to_proto(row: PartitionRow) -> pb.PartitionPlan:
     return pb.PartitionPlan(
-        key=pb.ShardKey(run_id=row.key.run_id, shard_id=row.key.shard_id),
+        key=pb.ShardKey(run_id=row.key.run_id, shard_id=row.key.segment_id),
         index=row.key.index,
         offset=row.offset,
         numel=row.numel,

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cargohold.services.dtypes import DTYPE_NAMES
 from cargohold.services.errors import TransportError
-from cargohold.services.shard_state import PushOutcome, ShardSpec
+from cargohold.services.segment_state import SegmentSpec, UpdateOutcome
 from cargohold.services.tiers.report import PartitionRow, TierSummary
 from cargohold.services.transport.auth import TlsFiles, bearer
 from cargohold.services.transport.codec import (
@@ -112,7 +112,7 @@ class StateServerClient:
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             raise TransportError(f"state server {self.address} is not serving: status {reply.status}")
 
-    def register(self, spec: ShardSpec, initial_weights: torch.Tensor) -> tuple[int, bool]:
+    def register(self, spec: SegmentSpec, initial_weights: torch.Tensor) -> tuple[int, bool]:
         """Register a shard with its fp32 initial weights; returns (step, created)."""
 
         def requests() -> Iterator[pb.RegisterShardRequest]:
@@ -125,18 +125,18 @@ class StateServerClient:
         reply = self._call("RegisterShard", self._stub.RegisterShard, requests())
         return reply.step, reply.created
 
-    def describe(self, run_id: str, shard_id: int) -> tuple[ShardSpec, int]:
+    def describe(self, run_id: str, segment_id: int) -> tuple[SegmentSpec, int]:
         reply = self._call(
             "DescribeShard",
             self._stub.DescribeShard,
-            pb.DescribeShardRequest(key=pb.ShardKey(run_id=run_id, shard_id=shard_id)),
+            pb.DescribeShardRequest(key=pb.ShardKey(run_id=run_id, shard_id=segment_id)),
         )
         return spec_from_proto(reply.spec), reply.step
 
     def push(
         self,
         run_id: str,
-        shard_id: int,
+        segment_id: int,
         step: int,
         gradient: torch.Tensor,
         *,
@@ -144,7 +144,7 @@ class StateServerClient:
         lr: float = 0.0,
         defer_update: bool = False,
         shm: tuple[str, int] | None = None,
-    ) -> PushOutcome:
+    ) -> UpdateOutcome:
         """Send the gradient of ``step``; harmless to repeat. With ``defer_update`` the
         server only stages it, and :meth:`commit` applies it. With ``shm`` (path, byte
         offset) the server reads ``gradient``'s bytes from that shared memory instead."""
@@ -152,7 +152,7 @@ class StateServerClient:
         if wire_dtype is None:
             raise TransportError(f"gradients travel as float32 or bfloat16, not {gradient.dtype}")
         header = pb.PushHeader(
-            key=pb.ShardKey(run_id=run_id, shard_id=shard_id),
+            key=pb.ShardKey(run_id=run_id, shard_id=segment_id),
             step=step,
             dtype=dtype_to_proto(wire_dtype),
             numel=gradient.numel(),
@@ -172,26 +172,26 @@ class StateServerClient:
                 yield request
 
         reply = self._call("PushGradient", self._stub.PushGradient, requests())
-        return PushOutcome(applied=reply.applied, step=reply.step, seconds=reply.update_seconds)
+        return UpdateOutcome(applied=reply.applied, step=reply.step, seconds=reply.update_seconds)
 
-    def commit(self, run_id: str, shard_id: int, step: int, *, global_norm: float, lr: float) -> PushOutcome:
+    def commit(self, run_id: str, segment_id: int, step: int, *, global_norm: float, lr: float) -> UpdateOutcome:
         """Apply the gradient staged for ``step``; harmless to repeat."""
         reply = self._call(
             "CommitStep",
             self._stub.CommitStep,
             pb.CommitStepRequest(
-                key=pb.ShardKey(run_id=run_id, shard_id=shard_id),
+                key=pb.ShardKey(run_id=run_id, shard_id=segment_id),
                 step=step,
                 global_grad_norm=global_norm,
                 lr=lr,
             ),
         )
-        return PushOutcome(applied=reply.applied, step=reply.step, seconds=reply.update_seconds)
+        return UpdateOutcome(applied=reply.applied, step=reply.step, seconds=reply.update_seconds)
 
     def fetch(
         self,
         run_id: str,
-        shard_id: int,
+        segment_id: int,
         step: int,
         dtype: str,
         numel: int,
@@ -208,7 +208,7 @@ class StateServerClient:
         fails, part of ``out`` may have been overwritten.
         """
         request = pb.FetchWeightsRequest(
-            key=pb.ShardKey(run_id=run_id, shard_id=shard_id),
+            key=pb.ShardKey(run_id=run_id, shard_id=segment_id),
             step=step,
             dtype=dtype_to_proto(dtype),
             chunk_bytes=self.chunk_bytes,
@@ -222,7 +222,7 @@ class StateServerClient:
             if len(reply) != 1 or reply[0].numel != numel or reply[0].step != step:
                 raise TransportError(f"FetchWeights to shared memory from {self.address}: unexpected reply")
             return None
-        assembler = TensorAssembler(numel, dtype, what=f"shard {shard_id} weights from {self.address}", out=out)
+        assembler = TensorAssembler(numel, dtype, what=f"shard {segment_id} weights from {self.address}", out=out)
         try:
             for message in self._stub.FetchWeights(request, timeout=self.timeout_s, metadata=self._metadata):
                 if message.numel != numel or dtype_from_proto(message.dtype) != dtype or message.step != step:

@@ -27,7 +27,7 @@ from cargohold.services.errors import (
     UnknownShardError,
 )
 from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.shard_state import PushOutcome, ShardRegistry, ShardState
+from cargohold.services.segment_state import SegmentRegistry, SegmentState, UpdateOutcome
 from cargohold.services.staging import GradientStaging
 from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
 from cargohold.services.transport.codec import (
@@ -70,7 +70,7 @@ T = TypeVar("T")
 
 
 class StateServerServicer(pb_grpc.StateServerServicer):
-    def __init__(self, registry: ShardRegistry, metrics: StateServerMetrics, run_id: str) -> None:
+    def __init__(self, registry: SegmentRegistry, metrics: StateServerMetrics, run_id: str) -> None:
         self.run_id = run_id
         """The one run this server serves: calls naming another are refused."""
         self._registry = registry
@@ -98,11 +98,11 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 spec.numel,
                 "float32",
                 "initial_weights",
-                f"shard {spec.shard_id} initial weights",
+                f"shard {spec.segment_id} initial weights",
                 "RegisterShard",
             )
             try:
-                existing = self._registry.get(spec.run_id, spec.shard_id)
+                existing = self._registry.get(spec.run_id, spec.segment_id)
             except UnknownShardError:
                 existing = None
             state = self._registry.register(spec, weights)
@@ -134,7 +134,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             dtype = dtype_from_proto(header.dtype)
             if header.numel != state.spec.numel or dtype != state.spec.grad_dtype:
                 raise InvalidTensorError(
-                    f"shard {state.spec.shard_id}: gradient must be {state.spec.numel} x "
+                    f"shard {state.spec.segment_id}: gradient must be {state.spec.numel} x "
                     f"{state.spec.grad_dtype}, got {header.numel} x {dtype}"
                 )
             if header.HasField("shm"):
@@ -150,7 +150,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                     header.numel,
                     dtype,
                     "chunk",
-                    f"shard {state.spec.shard_id} gradient",
+                    f"shard {state.spec.segment_id} gradient",
                     "PushGradient",
                 )
                 owned = True  # assembled for this call alone: clipping may scale it in place
@@ -177,7 +177,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
 
         return self._guard("CommitStep", context, handle)
 
-    def _count(self, outcome: PushOutcome) -> None:
+    def _count(self, outcome: UpdateOutcome) -> None:
         """Account an update that was applied, or a repeat that was ignored."""
         with self._counts:
             if outcome.applied:
@@ -230,7 +230,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
 
     @staticmethod
     def _weight_chunks(
-        state: ShardState, request: pb.FetchWeightsRequest, weights: torch.Tensor, chunk_bytes: int
+        state: SegmentState, request: pb.FetchWeightsRequest, weights: torch.Tensor, chunk_bytes: int
     ) -> Iterator[tuple[pb.WeightsChunk, int]]:
         for offset, data in byte_chunks(weights, chunk_bytes):
             message = pb.WeightsChunk(step=request.step, dtype=request.dtype, numel=weights.numel())
@@ -246,7 +246,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             return pb.GetStatsResponse(
                 shards=[
                     pb.ShardStats(
-                        key=pb.ShardKey(run_id=s.spec.run_id, shard_id=s.spec.shard_id),
+                        key=pb.ShardKey(run_id=s.spec.run_id, shard_id=s.spec.segment_id),
                         step=s.step,
                         numel=s.spec.numel,
                         resident_bytes=s.resident_bytes,
@@ -314,7 +314,7 @@ class GrpcStateServer:
 
     def __init__(
         self,
-        registry: ShardRegistry,
+        registry: SegmentRegistry,
         metrics: StateServerMetrics,
         *,
         run_id: str,

@@ -1,4 +1,4 @@
-"""The seam every tier implements (:class:`TierStore`), the records it trades in, and the
+"""The seam every tier implements (:class:`Tier`), the records it trades in, and the
 observer the tiers report their I/O to (the state server's metrics satisfy it)."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class Staged:
     """The tier's own token (the NVMe tier's buffer)."""
 
 
-class TierStore(Protocol):
+class Tier(Protocol):
     """One storage tier. The pipeline stages a partition, the kernel updates its arrays in
     place, then the tier commits them (or discards them unchanged)."""
 

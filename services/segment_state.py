@@ -28,11 +28,11 @@ from cargohold.services.tiers.storage import PreservedPartition, StateSource, Ti
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ShardSpec:
+class SegmentSpec:
     """Everything a server must know to own one segment of the flat parameter buffer."""
 
     run_id: str
-    shard_id: int
+    segment_id: int
     start: int
     """First element of the segment in the flat buffer (informational, for stats)."""
     numel: int
@@ -45,23 +45,23 @@ class ShardSpec:
         if not self.run_id:
             raise InvalidTensorError("run_id must not be empty")
         if self.numel <= 0:
-            raise InvalidTensorError(f"shard {self.shard_id}: numel must be > 0, got {self.numel}")
+            raise InvalidTensorError(f"shard {self.segment_id}: numel must be > 0, got {self.numel}")
         if self.grad_dtype not in WIRE_DTYPES:
             raise InvalidTensorError(
-                f"shard {self.shard_id}: grad dtype {self.grad_dtype!r} is not one of {sorted(WIRE_DTYPES)}"
+                f"shard {self.segment_id}: grad dtype {self.grad_dtype!r} is not one of {sorted(WIRE_DTYPES)}"
             )
         end = 0
         for offset, length in self.fragments:
             if offset < end or length <= 0 or offset + length > self.numel:
                 raise InvalidTensorError(
-                    f"shard {self.shard_id}: fragment ({offset}, {length}) overlaps, is empty "
+                    f"shard {self.segment_id}: fragment ({offset}, {length}) overlaps, is empty "
                     f"or leaves the segment of {self.numel} elements"
                 )
             end = offset + length
 
 
 @dataclass(frozen=True, slots=True)
-class PushOutcome:
+class UpdateOutcome:
     applied: bool
     """False when the push repeated an already applied step and was ignored."""
     step: int
@@ -69,7 +69,7 @@ class PushOutcome:
     """Time spent in the update (0 for an ignored repeat)."""
 
 
-class ShardState:
+class SegmentState:
     """fp32 master weights and Adam moments of one segment, updated under a lock.
 
     The arrays live in a :class:`TieredStorage` (the server's, or a private all-RAM one),
@@ -79,7 +79,7 @@ class ShardState:
 
     def __init__(
         self,
-        spec: ShardSpec,
+        spec: SegmentSpec,
         initial_weights: torch.Tensor | None = None,
         *,
         storage: TieredStorage | None = None,
@@ -92,7 +92,7 @@ class ShardState:
         (exp_avg, exp_avg_sq) or a source, with ``step``, restore a checkpointed shard;
         without them it starts fresh at step 0."""
         if (initial_weights is None) == (source is None):
-            raise InvalidTensorError(f"shard {spec.shard_id}: give initial weights or a source, not both or neither")
+            raise InvalidTensorError(f"shard {spec.segment_id}: give initial weights or a source, not both or neither")
         if source is None:
             assert initial_weights is not None  # one of the two is given (checked above)
             _check_tensor(spec, initial_weights, torch.float32, "initial weights")
@@ -103,11 +103,11 @@ class ShardState:
                 None if moments is None else (moments[0].detach().contiguous(), moments[1].detach().contiguous()),
             )
         if step < 0:
-            raise InvalidTensorError(f"shard {spec.shard_id}: step must be >= 0, got {step}")
+            raise InvalidTensorError(f"shard {spec.segment_id}: step must be >= 0, got {step}")
         self.spec = spec
         self.lock = threading.Lock()
         self._storage = storage if storage is not None else TieredStorage()
-        self._storage.add_shard(spec.run_id, spec.shard_id, spec.numel, spec.fragments, source, step=step)
+        self._storage.add_shard(spec.run_id, spec.segment_id, spec.numel, spec.fragments, source, step=step)
         self._step = step
         self._fetch_dtype: str | None = None
         """Dtype of the latest weight fetch: pushes prepare the weights in it."""
@@ -125,14 +125,14 @@ class ShardState:
     @property
     def resident_bytes(self) -> int:
         """Bytes of this shard's state held in RAM."""
-        return self._storage.state_bytes(self.spec.run_id, self.spec.shard_id)[Residency.RAM]
+        return self._storage.state_bytes(self.spec.run_id, self.spec.segment_id)[Residency.RAM]
 
     def bytes_by_tier(self) -> dict[Residency, int]:
-        return self._storage.state_bytes(self.spec.run_id, self.spec.shard_id)
+        return self._storage.state_bytes(self.spec.run_id, self.spec.segment_id)
 
     def push(
         self, step: int, gradient: torch.Tensor, *, global_norm: float, lr: float, owned: bool = False
-    ) -> PushOutcome:
+    ) -> UpdateOutcome:
         """Apply the gradient of ``step`` once; a repeat of the last step is ignored.
 
         An fp32 gradient is used in place, not copied. ``owned``: the caller hands the
@@ -145,15 +145,15 @@ class ShardState:
         """
         _check_tensor(self.spec, gradient, WIRE_DTYPES[self.spec.grad_dtype], "gradient")
         if not (math.isfinite(lr) and lr >= 0.0):
-            raise InvalidTensorError(f"shard {self.spec.shard_id}: lr must be finite and >= 0, got {lr}")
+            raise InvalidTensorError(f"shard {self.spec.segment_id}: lr must be finite and >= 0, got {lr}")
         if not (math.isfinite(global_norm) and global_norm >= 0.0):
             raise InvalidTensorError(
-                f"shard {self.spec.shard_id}: global gradient norm must be finite and >= 0, got {global_norm}"
+                f"shard {self.spec.segment_id}: global gradient norm must be finite and >= 0, got {global_norm}"
             )
         with self.lock:
             current = self.step
             if repeats_last_step(self.spec, current, step, verb="accepts"):
-                return PushOutcome(applied=False, step=current, seconds=0.0)
+                return UpdateOutcome(applied=False, step=current, seconds=0.0)
             started = time.perf_counter()
             self._prepared = None
             dtype = self._fetch_dtype
@@ -161,7 +161,7 @@ class ShardState:
             try:
                 weights, _ = self._storage.update(
                     self.spec.run_id,
-                    self.spec.shard_id,
+                    self.spec.segment_id,
                     step,
                     gradient,
                     coefficient=clip_coefficient(global_norm, self.spec.hyper.max_grad_norm),
@@ -180,7 +180,7 @@ class ShardState:
             self._step = step
             if weights is not None and dtype is not None:
                 self._prepared = (step, dtype, weights)
-            return PushOutcome(applied=True, step=step, seconds=time.perf_counter() - started)
+            return UpdateOutcome(applied=True, step=step, seconds=time.perf_counter() - started)
 
     def weights(self, step: int, dtype: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of the master weights after ``step``, in a wire dtype; the caller is its
@@ -193,7 +193,7 @@ class ShardState:
             current = self.step
             if step != current:
                 raise StepMismatchError(
-                    f"shard {self.spec.shard_id} of run {self.spec.run_id!r} holds the weights "
+                    f"shard {self.spec.segment_id} of run {self.spec.run_id!r} holds the weights "
                     f"of step {current}, not of step {step}"
                 )
             self._fetch_dtype = dtype
@@ -208,12 +208,12 @@ class ShardState:
             if out is not None:
                 _check_tensor(self.spec, out, WIRE_DTYPES[dtype], "weights destination")
                 return self._storage.read_weights(
-                    self.spec.run_id, self.spec.shard_id, step, WIRE_DTYPES[dtype], out=out
+                    self.spec.run_id, self.spec.segment_id, step, WIRE_DTYPES[dtype], out=out
                 )
             spare = self._take_spare(dtype)
             try:
                 return self._storage.read_weights(
-                    self.spec.run_id, self.spec.shard_id, step, WIRE_DTYPES[dtype], out=spare
+                    self.spec.run_id, self.spec.segment_id, step, WIRE_DTYPES[dtype], out=spare
                 )
             except BaseException:
                 if spare is not None:
@@ -247,23 +247,23 @@ class ShardState:
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of master, exp_avg and exp_avg_sq (for tests and checkpoints)."""
         with self.lock:
-            return self._storage.snapshot(self.spec.run_id, self.spec.shard_id, self.step)
+            return self._storage.snapshot(self.spec.run_id, self.spec.segment_id, self.step)
 
     def master_weights(self) -> torch.Tensor:
         """A new fp32 copy of the master weights, read a partition at a time; unlike
         :meth:`weights` it leaves what the next push prepares alone (export)."""
         with self.lock:
-            return self._storage.read_weights(self.spec.run_id, self.spec.shard_id, self.step, torch.float32)
+            return self._storage.read_weights(self.spec.run_id, self.spec.segment_id, self.step, torch.float32)
 
     def preserve(self, directory: str, name_of: Callable[[PartitionKey], str]) -> tuple[int, list[PreservedPartition]]:
         """Put the shard's partition files into ``directory`` (see
         :meth:`TieredStorage.preserve`); returns the update count they hold too."""
         with self.lock:
             step = self.step
-            return step, self._storage.preserve(self.spec.run_id, self.spec.shard_id, step, directory, name_of)
+            return step, self._storage.preserve(self.spec.run_id, self.spec.segment_id, step, directory, name_of)
 
 
-class ShardRegistry:
+class SegmentRegistry:
     """All shards a server owns, keyed by (run id, shard id), over one tiered storage."""
 
     def __init__(self, storage: TieredStorage | None = None) -> None:
@@ -271,51 +271,51 @@ class ShardRegistry:
         self._registering = threading.Lock()
         """Serialises registrations, which may write partition files, without holding
         ``_lock`` (and so every other shard's lookups) meanwhile."""
-        self._shards: dict[tuple[str, int], ShardState] = {}
+        self._shards: dict[tuple[str, int], SegmentState] = {}
         self.storage = storage if storage is not None else TieredStorage()
 
-    def register(self, spec: ShardSpec, initial_weights: torch.Tensor) -> ShardState:
+    def register(self, spec: SegmentSpec, initial_weights: torch.Tensor) -> SegmentState:
         """Create the shard, or return it unchanged if registered with the same spec."""
-        key = (spec.run_id, spec.shard_id)
+        key = (spec.run_id, spec.segment_id)
         with self._registering:
             with self._lock:
                 existing = self._shards.get(key)
             if existing is not None:
                 if existing.spec != spec:
                     raise ShardConflictError(
-                        f"shard {spec.shard_id} of run {spec.run_id!r} is already registered "
+                        f"shard {spec.segment_id} of run {spec.run_id!r} is already registered "
                         "with a different specification"
                     )
                 return existing
-            state = ShardState(spec, initial_weights, storage=self.storage)
+            state = SegmentState(spec, initial_weights, storage=self.storage)
             with self._lock:
                 self._shards[key] = state
             return state
 
-    def restore(self, spec: ShardSpec, source: StateSource, step: int) -> ShardState:
+    def restore(self, spec: SegmentSpec, source: StateSource, step: int) -> SegmentState:
         """Create a shard from checkpointed master weights and moments at ``step``, read
         from ``source`` a partition at a time."""
-        key = (spec.run_id, spec.shard_id)
+        key = (spec.run_id, spec.segment_id)
         with self._registering:
             with self._lock:
                 if key in self._shards:
                     raise ShardConflictError(
-                        f"shard {spec.shard_id} of run {spec.run_id!r} is already registered; "
+                        f"shard {spec.segment_id} of run {spec.run_id!r} is already registered; "
                         "restore into a fresh state server"
                     )
-            state = ShardState(spec, storage=self.storage, source=source, step=step)
+            state = SegmentState(spec, storage=self.storage, source=source, step=step)
             with self._lock:
                 self._shards[key] = state
             return state
 
-    def get(self, run_id: str, shard_id: int) -> ShardState:
+    def get(self, run_id: str, segment_id: int) -> SegmentState:
         with self._lock:
-            state = self._shards.get((run_id, shard_id))
+            state = self._shards.get((run_id, segment_id))
         if state is None:
-            raise UnknownShardError(f"no shard {shard_id} is registered for run {run_id!r}")
+            raise UnknownShardError(f"no shard {segment_id} is registered for run {run_id!r}")
         return state
 
-    def shards(self, run_id: str | None = None) -> list[ShardState]:
+    def shards(self, run_id: str | None = None) -> list[SegmentState]:
         with self._lock:
             return [s for (run, _), s in self._shards.items() if run_id in (None, run)]
 
@@ -333,23 +333,23 @@ class ShardRegistry:
         self.storage.close()
 
 
-def repeats_last_step(spec: ShardSpec, current: int, step: int, *, verb: str) -> bool:
+def repeats_last_step(spec: SegmentSpec, current: int, step: int, *, verb: str) -> bool:
     """True when ``step`` repeats the update the shard already applied (to be ignored);
     raises StepMismatchError unless it is the next one."""
     if step == current and step > 0:
         return True
     if step != current + 1:
         raise StepMismatchError(
-            f"shard {spec.shard_id} of run {spec.run_id!r} is at step {current}; "
+            f"shard {spec.segment_id} of run {spec.run_id!r} is at step {current}; "
             f"it {verb} a gradient for step {current + 1}, got step {step}"
         )
     return False
 
 
-def _check_tensor(spec: ShardSpec, tensor: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+def _check_tensor(spec: SegmentSpec, tensor: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     if tensor.dtype != dtype:
-        raise InvalidTensorError(f"shard {spec.shard_id}: {what} must be {dtype}, got {tensor.dtype}")
+        raise InvalidTensorError(f"shard {spec.segment_id}: {what} must be {dtype}, got {tensor.dtype}")
     if tensor.dim() != 1 or tensor.numel() != spec.numel:
         raise InvalidTensorError(
-            f"shard {spec.shard_id}: {what} must have {spec.numel} elements, got shape {tuple(tensor.shape)}"
+            f"shard {spec.segment_id}: {what} must have {spec.numel} elements, got shape {tuple(tensor.shape)}"
         )

@@ -30,7 +30,7 @@ _TRASH_SUFFIXES = (".deleting", ".replaced")
 """Suffixes of directories on their way out; never read, removed by the next commit."""
 
 
-class CheckpointStore:
+class CheckpointDir:
     """The checkpoints under one root: build, commit, prune, find.
 
     ``keep_last`` complete checkpoints are kept; the one just committed always is.
@@ -155,7 +155,7 @@ class CheckpointStore:
             match = _STEP_DIR.fullmatch(path.name)
             self._verify(path, int(match.group(1)) if match else None)
             return path
-        found = CheckpointStore(path, keep_last=self.keep_last).latest()
+        found = CheckpointDir(path, keep_last=self.keep_last).latest()
         if found is None:
             raise CheckpointError(
                 f"{path} is neither a checkpoint directory (no {MANIFEST_NAME}) nor a root "

@@ -1,4 +1,4 @@
-"""ShardState and ShardRegistry without transport: idempotent pushes keyed by step,
+"""SegmentState and SegmentRegistry without transport: idempotent pushes keyed by step,
 complete validation before any change, weight reads, and registration rules."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from cargohold.services.errors import (
 )
 from cargohold.services.layout import build_layout, fragment_views, scatter_params
 from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.shard_state import PushOutcome, ShardRegistry, ShardSpec, ShardState
+from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState, UpdateOutcome
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,10 +30,10 @@ FRAGMENTS = ((0, 101), (128, 85))
 PADDING_VALUE = 12345.0
 
 
-def _spec(**overrides: object) -> ShardSpec:
+def _spec(**overrides: object) -> SegmentSpec:
     fields: dict[str, object] = dict(
         run_id="run-a",
-        shard_id=3,
+        segment_id=3,
         start=1024,
         numel=NUMEL,
         fragments=FRAGMENTS,
@@ -41,17 +41,17 @@ def _spec(**overrides: object) -> ShardSpec:
         hyper=HYPER,
     )
     fields.update(overrides)
-    return ShardSpec(**fields)  # type: ignore[arg-type]
+    return SegmentSpec(**fields)  # type: ignore[arg-type]
 
 
-def _padding_mask(spec: ShardSpec) -> torch.Tensor:
+def _padding_mask(spec: SegmentSpec) -> torch.Tensor:
     mask = torch.ones(spec.numel, dtype=torch.bool)
     for offset, length in spec.fragments:
         mask[offset : offset + length] = False
     return mask
 
 
-def _initial(spec: ShardSpec, seed: int = 0) -> torch.Tensor:
+def _initial(spec: SegmentSpec, seed: int = 0) -> torch.Tensor:
     """Random real elements, a recognisable value in the padding."""
     weights = torch.randn(spec.numel, generator=torch.Generator().manual_seed(seed))
     weights[_padding_mask(spec)] = PADDING_VALUE
@@ -63,9 +63,9 @@ def _gradient(step: int, numel: int = NUMEL, dtype: torch.dtype = torch.float32)
     return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + step)).to(dtype)
 
 
-def _state(spec: ShardSpec | None = None) -> ShardState:
+def _state(spec: SegmentSpec | None = None) -> SegmentState:
     spec = spec or _spec()
-    return ShardState(spec, _initial(spec))
+    return SegmentState(spec, _initial(spec))
 
 
 def _assert_snapshot_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -83,7 +83,7 @@ def test_push_applies_the_next_step_and_ignores_a_repeat() -> None:
     assert state.step == 0
 
     first = state.push(1, _gradient(1), global_norm=0.5, lr=1e-2)
-    assert isinstance(first, PushOutcome)
+    assert isinstance(first, UpdateOutcome)
     assert first.applied and first.step == 1 and first.seconds >= 0.0
     assert state.step == 1
     after = state.snapshot()
@@ -93,7 +93,7 @@ def test_push_applies_the_next_step_and_ignores_a_repeat() -> None:
     # The same push again (a retry after a lost reply), even with another payload: ignored.
     for gradient in (_gradient(1), _gradient(99)):
         repeat = state.push(1, gradient, global_norm=0.5, lr=1e-2)
-        assert repeat == PushOutcome(applied=False, step=1, seconds=0.0)
+        assert repeat == UpdateOutcome(applied=False, step=1, seconds=0.0)
         assert state.step == 1
         _assert_snapshot_equal(state.snapshot(), after)
 
@@ -193,8 +193,8 @@ def test_bad_lr_or_norm_raises_naming_it_and_changes_nothing(kwargs: dict, messa
 
 def test_bfloat16_gradients_are_accepted_when_the_spec_says_so() -> None:
     spec = _spec(grad_dtype="bfloat16")
-    state = ShardState(spec, _initial(spec))
-    reference = ShardState(_spec(), _initial(spec))
+    state = SegmentState(spec, _initial(spec))
+    reference = SegmentState(_spec(), _initial(spec))
     gradient = _gradient(1, dtype=torch.bfloat16)
     assert state.push(1, gradient, global_norm=0.5, lr=1e-2).applied
     reference.push(1, gradient.to(torch.float32), global_norm=0.5, lr=1e-2)
@@ -275,7 +275,7 @@ def test_padding_stays_exactly_as_registered() -> None:
 def test_padding_only_shard_counts_steps() -> None:
     """A segment of padding alone (the tail of the last worker) still follows the steps."""
     spec = _spec(fragments=())
-    state = ShardState(spec, torch.zeros(NUMEL))
+    state = SegmentState(spec, torch.zeros(NUMEL))
     for step in (1, 2):
         assert state.push(step, _gradient(step), global_norm=0.5, lr=1e-2).applied
     assert state.step == 2
@@ -306,12 +306,12 @@ def test_shard_pushes_over_a_layout_match_torch_adamw_bitwise() -> None:
     def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
         return scatter_params(layout, tensors)
 
-    registry = ShardRegistry()
+    registry = SegmentRegistry()
     initial = flat(init)
     for seg in layout.segments:
-        spec = ShardSpec(
+        spec = SegmentSpec(
             run_id="r",
-            shard_id=seg.segment_id,
+            segment_id=seg.segment_id,
             start=seg.start,
             numel=seg.numel,
             fragments=tuple((f.segment_start, f.length) for f in seg.fragments),
@@ -336,10 +336,10 @@ def test_shard_pushes_over_a_layout_match_torch_adamw_bitwise() -> None:
 # --- concurrency -------------------------------------------------------------------------
 
 
-def _push_from_threads(state: ShardState, step: int, threads: int) -> list[PushOutcome]:
+def _push_from_threads(state: SegmentState, step: int, threads: int) -> list[UpdateOutcome]:
     """Push the same step from ``threads`` threads released together by a barrier."""
     barrier = threading.Barrier(threads)
-    outcomes: list[PushOutcome] = []
+    outcomes: list[UpdateOutcome] = []
     errors: list[BaseException] = []
     record = threading.Lock()
 
@@ -417,7 +417,7 @@ def test_weights_in_an_unknown_dtype_raise_invalid_tensor() -> None:
 
 
 def test_register_same_spec_twice_returns_the_same_state() -> None:
-    registry = ShardRegistry()
+    registry = SegmentRegistry()
     spec = _spec()
     first = registry.register(spec, _initial(spec, seed=0))
     first.push(1, _gradient(1), global_norm=0.5, lr=1e-2)
@@ -443,7 +443,7 @@ def test_register_same_spec_twice_returns_the_same_state() -> None:
     ],
 )
 def test_register_with_a_different_spec_raises_conflict(change: dict) -> None:
-    registry = ShardRegistry()
+    registry = SegmentRegistry()
     original = registry.register(_spec(), _initial(_spec()))
     spec = _spec(**change)
     with pytest.raises(
@@ -456,9 +456,9 @@ def test_register_with_a_different_spec_raises_conflict(change: dict) -> None:
 
 
 def test_registry_keys_by_run_and_shard() -> None:
-    registry = ShardRegistry()
+    registry = SegmentRegistry()
     a3 = registry.register(_spec(), _initial(_spec()))
-    a4 = registry.register(_spec(shard_id=4), _initial(_spec()))
+    a4 = registry.register(_spec(segment_id=4), _initial(_spec()))
     b3 = registry.register(_spec(run_id="run-b"), _initial(_spec()))
     assert len({id(a3), id(a4), id(b3)}) == 3
     assert registry.shards("run-a") == [a3, a4]
@@ -468,7 +468,7 @@ def test_registry_keys_by_run_and_shard() -> None:
 
 
 def test_register_with_bad_initial_weights_registers_nothing() -> None:
-    registry = ShardRegistry()
+    registry = SegmentRegistry()
     with pytest.raises(InvalidTensorError, match="initial weights must be torch.float32, got torch.float64"):
         registry.register(_spec(), _initial(_spec()).double())
     with pytest.raises(InvalidTensorError, match=rf"initial weights must have {NUMEL} elements"):
@@ -482,19 +482,19 @@ def test_initial_weights_are_copied() -> None:
     spec = _spec()
     weights = _initial(spec)
     kept = weights.clone()
-    state = ShardState(spec, weights)
+    state = SegmentState(spec, weights)
     weights.fill_(0.0)
     assert torch.equal(state.weights(0, "float32"), kept)
 
 
 def test_unknown_shard_error_is_readable_and_pickles() -> None:
-    registry = ShardRegistry()
+    registry = SegmentRegistry()
     registry.register(_spec(), _initial(_spec()))
-    for run_id, shard_id in (("run-a", 4), ("run-b", 3)):
+    for run_id, segment_id in (("run-a", 4), ("run-b", 3)):
         with pytest.raises(UnknownShardError) as info:
-            registry.get(run_id, shard_id)
+            registry.get(run_id, segment_id)
         error = info.value
-        expected = f"no shard {shard_id} is registered for run {run_id!r}"
+        expected = f"no shard {segment_id} is registered for run {run_id!r}"
         assert str(error) == expected  # not KeyError's quoted repr
         assert isinstance(error, KeyError) and isinstance(error, CargoholdError)
         copy = pickle.loads(pickle.dumps(error))
