@@ -129,7 +129,7 @@ def run_steps(tier: TierConfig, numel: int, steps: int, observer: Counter | None
         for step in range(1, steps + 1):
             before = (observer.read, observer.written) if observer else (0, 0)
             started = time.perf_counter()
-            state.push(step, gradient, global_norm=1.0, lr=1e-3)
+            state.apply_gradient(step, gradient, global_norm=1.0, lr=1e-3)
             times.append(time.perf_counter() - started)
             if observer:
                 moved.append((observer.read - before[0], observer.written - before[1]))

@@ -7,7 +7,7 @@ For each size it lays out a GPT-like model (byte vocabulary of 50304 tokens, 12 
 width chosen to reach the size) as one segment with one fragment per parameter, exactly
 as a state server holding a whole model would, and times:
 
-* ``optim.adamw_step`` over the fragment views (the kernel the server runs), with all
+* ``optim.fused_adamw_`` over the fragment views (the kernel the server runs), with all
   cores and with one thread, and the same kernel run over chunks of ``--chunk-elements``;
 * ``SegmentState.push`` (what a PushGradient ends in) and ``push`` + ``weights("bfloat16")``
   (a whole server step: update, then the weights a worker fetches, handed back with
@@ -40,7 +40,7 @@ from timing import timed
 from cargohold.cluster.config import GPTConfig
 from cargohold.services.layout import build_layout
 from cargohold.services.models.gpt import GPT, num_parameters
-from cargohold.services.optim import AdamWHyperParams, AdamWState, adamw_step, fused_adamw_
+from cargohold.services.optim import AdamWHyperParams, AdamWState, fused_adamw_
 from cargohold.services.segment_state import SegmentSpec, SegmentState
 
 ADAM_BYTES_PER_PARAM = 28
@@ -121,7 +121,8 @@ def chunked_views(fragments, buffer: torch.Tensor, chunk: int) -> list[list[torc
 
 
 def run_kernel(numel, fragments, weights, grad, steps, threads, chunk=None) -> tuple[list[float], tuple]:
-    """``adamw_step`` over fragment views (or over chunks of them); returns times, state."""
+    """The fused kernel over fragment views (or over chunks of them), as the server runs
+    it per partition; returns times, state."""
     torch.set_num_threads(threads)
     master, exp_avg, exp_avg_sq = weights.clone(), torch.zeros(numel), torch.zeros(numel)
     views = lambda t: [t[o : o + n] for o, n in fragments]  # noqa: E731
@@ -130,7 +131,11 @@ def run_kernel(numel, fragments, weights, grad, steps, threads, chunk=None) -> t
     )
     grads = views(grad)
     if chunk is None:
-        step = lambda: adamw_step(state, grads, lr=LR, hyper=HYPER, global_norm=0.0)  # noqa: E731
+
+        def step() -> None:
+            state.step += 1
+            fused_adamw_(state, grads, lr=LR, hyper=HYPER)
+
     else:
         parts = [
             (AdamWState(master=m, exp_avg=e, exp_avg_sq=s, step=state.step), g)
@@ -155,7 +160,7 @@ def run_shard_state(numel, fragments, weights, grad, steps, threads, fetch: bool
     for k in range(1, steps + 1):
 
         def step(k: int = k) -> None:
-            shard.push(k, grad, global_norm=0.0, lr=LR)
+            shard.apply_gradient(k, grad, global_norm=0.0, lr=LR)
             if fetch:  # as the server does once a fetch has sent its last chunk
                 shard.recycle(shard.weights(k, "bfloat16"))
 
@@ -208,16 +213,16 @@ def measure_size(target: float, reps: int, chunk: int, all_threads: int) -> tupl
             28,
             lambda t: run_torch(numel, fragments, weights, grad, steps, t, fused=False),
         ),
-        ("optim.adamw_step", all_threads, 28, lambda t: run_kernel(numel, fragments, weights, grad, steps, t)),
-        ("optim.adamw_step", 1, 28, lambda t: run_kernel(numel, fragments, weights, grad, steps, t)),
+        ("optim.fused_adamw_", all_threads, 28, lambda t: run_kernel(numel, fragments, weights, grad, steps, t)),
+        ("optim.fused_adamw_", 1, 28, lambda t: run_kernel(numel, fragments, weights, grad, steps, t)),
         (
-            f"adamw_step chunked {chunk >> 20}M",
+            f"fused_adamw_ chunked {chunk >> 20}M",
             all_threads,
             28,
             lambda t: run_kernel(numel, fragments, weights, grad, steps, t, chunk),
         ),
         (
-            f"adamw_step chunked {chunk >> 20}M",
+            f"fused_adamw_ chunked {chunk >> 20}M",
             1,
             28,
             lambda t: run_kernel(numel, fragments, weights, grad, steps, t, chunk),

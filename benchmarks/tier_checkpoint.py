@@ -74,7 +74,7 @@ def write_through_ram(state: SegmentState, path: str) -> None:
     buffer = AlignedBuffer(FileLayout(numel).file_bytes)
     for array, name in zip(buffer.arrays(numel), ARRAYS):
         array.copy_(snapshot[name])
-    write_partition_file(path, buffer, PartitionKey("bench", 0, 0), numel, state.step, direct=False)
+    write_partition_file(path, buffer, PartitionKey("bench", 0, 0), numel, state.updates, direct=False)
 
 
 def main() -> None:
@@ -119,8 +119,8 @@ def main() -> None:
         state = registry.register(spec, torch.randn(numel, generator=torch.Generator().manual_seed(0)))
         gradient = torch.randn(numel, generator=torch.Generator().manual_seed(1)).mul_(1e-2)
         for step in (1, 2):
-            state.push(step, gradient, global_norm=1.0, lr=1e-3)
-        plain_step = timed(lambda: state.push(3, gradient, global_norm=1.0, lr=1e-3))
+            state.apply_gradient(step, gradient, global_norm=1.0, lr=1e-3)
+        plain_step = timed(lambda: state.apply_gradient(3, gradient, global_norm=1.0, lr=1e-3))
         rows = registry.storage.rows("bench")
         disk = [r.path for r in rows if r.actual is Residency.NVME]
         on_disk = sum(12 * r.numel for r in rows if r.actual is Residency.NVME)
@@ -142,7 +142,7 @@ def main() -> None:
         started = time.perf_counter()
         updates = checkpointer.begin("bench", checkpoints, 3)
         begin = time.perf_counter() - started
-        next_step = timed(lambda: state.push(4, gradient, global_norm=1.0, lr=1e-3))
+        next_step = timed(lambda: state.apply_gradient(4, gradient, global_norm=1.0, lr=1e-3))
         records: list[tuple[SegmentRecord, FileRecord]] = checkpointer.wait()
         total = time.perf_counter() - started
         how = checkpointer.preserved

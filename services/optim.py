@@ -90,26 +90,6 @@ def sum_of_squares(gradient: torch.Tensor) -> float:
     return total
 
 
-def adamw_step(
-    state: AdamWState,
-    gradients: Sequence[torch.Tensor],
-    *,
-    lr: float,
-    hyper: AdamWHyperParams,
-    global_norm: float,
-) -> None:
-    """Clip (by the global norm of all shards) and apply one AdamW step in place.
-
-    ``gradients`` must be fp32 and parallel to ``state.master``; they are scaled in
-    place when clipping is on.
-    """
-    if len(gradients) != len(state.master):
-        raise ValueError(f"{len(gradients)} gradient views for {len(state.master)} state views")
-    clip_(gradients, clip_coefficient(global_norm, hyper.max_grad_norm))
-    state.step += 1
-    fused_adamw_(state, gradients, lr=lr, hyper=hyper)
-
-
 def apply_update(
     master: torch.Tensor,
     exp_avg: torch.Tensor,

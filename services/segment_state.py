@@ -1,5 +1,5 @@
 """What a state server knows about its shards, without any transport: registration,
-idempotent gradient pushes keyed by (run, step, shard), and weight reads.
+idempotent updates keyed by (run, segment, update number), and weight reads.
 
 Every request is validated completely before any state changes, so a rejected request
 leaves the shard exactly as it was.
@@ -63,8 +63,9 @@ class SegmentSpec:
 @dataclass(frozen=True, slots=True)
 class UpdateOutcome:
     applied: bool
-    """False when the push repeated an already applied step and was ignored."""
-    step: int
+    """False when the gradient repeated an already applied update and was ignored."""
+    updates: int
+    """The segment's update count after the call."""
     seconds: float
     """Time spent in the update (0 for an ignored repeat)."""
 
@@ -74,7 +75,7 @@ class SegmentState:
 
     The arrays live in a :class:`TieredStorage` (the server's, or a private all-RAM one),
     split into partitions there when a RAM budget is set. The clip coefficient and the
-    step count are per shard: computed once per push, whatever the partitions.
+    update count are per segment: computed once per update, whatever the partitions.
     """
 
     def __init__(
@@ -84,13 +85,13 @@ class SegmentState:
         *,
         storage: TieredStorage | None = None,
         moments: tuple[torch.Tensor, torch.Tensor] | None = None,
-        step: int = 0,
+        updates: int = 0,
         source: StateSource | None = None,
     ) -> None:
         """Starts from ``initial_weights``, or from ``source`` (a checkpoint read a
         partition at a time, so a restore fits the tiers' memory). ``moments``
-        (exp_avg, exp_avg_sq) or a source, with ``step``, restore a checkpointed shard;
-        without them it starts fresh at step 0."""
+        (exp_avg, exp_avg_sq) or a source, with ``updates``, restore a checkpointed
+        segment; without them it starts fresh with no update applied."""
         if (initial_weights is None) == (source is None):
             raise InvalidTensorError(f"shard {spec.segment_id}: give initial weights or a source, not both or neither")
         if source is None:
@@ -102,46 +103,55 @@ class SegmentState:
                 initial_weights.detach().contiguous(),
                 None if moments is None else (moments[0].detach().contiguous(), moments[1].detach().contiguous()),
             )
-        if step < 0:
-            raise InvalidTensorError(f"shard {spec.segment_id}: step must be >= 0, got {step}")
+        if updates < 0:
+            raise InvalidTensorError(f"shard {spec.segment_id}: step must be >= 0, got {updates}")
         self.spec = spec
         self.lock = threading.Lock()
         self._storage = storage if storage is not None else TieredStorage()
-        self._storage.add_shard(spec.run_id, spec.segment_id, spec.numel, spec.fragments, source, step=step)
-        self._step = step
-        self._fetch_dtype: str | None = None
-        """Dtype of the latest weight fetch: pushes prepare the weights in it."""
+        self._storage.add_shard(spec.run_id, spec.segment_id, spec.numel, spec.fragments, source, step=updates)
+        self._updates = updates
         self._prepared: tuple[int, str, torch.Tensor] | None = None
-        """(step, dtype, weights) made during the latest push, until fetched once."""
+        """(update, dtype, weights) that the latest update prepared, until fetched once."""
         self._spare: torch.Tensor | None = None
-        """A weights buffer a fetch has finished with (:meth:`recycle`): the next push or
+        """A weights buffer a fetch has finished with (:meth:`recycle`): the next update or
         read writes into it instead of faulting in a new one. Held by nobody else."""
 
     @property
-    def step(self) -> int:
-        """The number of updates applied; weights read now are those after this step."""
-        return self._step
+    def updates(self) -> int:
+        """The number of updates applied; weights read now are those after the last one."""
+        return self._updates
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes of this shard's state held in RAM."""
+        """Bytes of this segment's state held in RAM."""
         return self._storage.state_bytes(self.spec.run_id, self.spec.segment_id)[Residency.RAM]
 
     def bytes_by_tier(self) -> dict[Residency, int]:
         return self._storage.state_bytes(self.spec.run_id, self.spec.segment_id)
 
-    def push(
-        self, step: int, gradient: torch.Tensor, *, global_norm: float, lr: float, owned: bool = False
+    def apply_gradient(
+        self,
+        update: int,
+        gradient: torch.Tensor,
+        *,
+        global_norm: float,
+        lr: float,
+        owned: bool = False,
+        prepare: str | None = None,
     ) -> UpdateOutcome:
-        """Apply the gradient of ``step`` once; a repeat of the last step is ignored.
+        """Apply the gradient of update number ``update`` once; a repeat of the last
+        update is ignored.
 
         An fp32 gradient is used in place, not copied. ``owned``: the caller hands the
         gradient over (a tensor the transport just assembled) and will not use it again,
         so clipping may scale it in place; otherwise it is left exactly as it was.
+        ``prepare``: a wire dtype in which the update also writes the new weights, while
+        they stream through memory anyway; the next :meth:`weights` of this update in that
+        dtype then only hands them over. Without it a fetch reads the state again.
 
         If the update stops part-way (a corrupt partition file, a failed write) the error
-        propagates and the shard stays at the previous step; pushing the same step again
-        finishes the partitions that had not been updated.
+        propagates and the segment stays at the previous update; applying the same update
+        again finishes the partitions that had not been updated.
         """
         _check_tensor(self.spec, gradient, WIRE_DTYPES[self.spec.grad_dtype], "gradient")
         if not (math.isfinite(lr) and lr >= 0.0):
@@ -150,25 +160,26 @@ class SegmentState:
             raise InvalidTensorError(
                 f"shard {self.spec.segment_id}: global gradient norm must be finite and >= 0, got {global_norm}"
             )
+        if prepare is not None and prepare not in WIRE_DTYPES:
+            raise InvalidTensorError(f"weight dtype {prepare!r} is not one of {sorted(WIRE_DTYPES)}")
         with self.lock:
-            current = self.step
-            if repeats_last_step(self.spec, current, step, verb="accepts"):
-                return UpdateOutcome(applied=False, step=current, seconds=0.0)
+            current = self._updates
+            if repeats_last_update(self.spec, current, update, verb="accepts"):
+                return UpdateOutcome(applied=False, updates=current, seconds=0.0)
             started = time.perf_counter()
             self._prepared = None
-            dtype = self._fetch_dtype
-            spare = self._take_spare(dtype)
+            spare = self._take_spare(prepare)
             try:
                 weights, _ = self._storage.update(
                     self.spec.run_id,
                     self.spec.segment_id,
-                    step,
+                    update,
                     gradient,
                     coefficient=clip_coefficient(global_norm, self.spec.hyper.max_grad_norm),
                     lr=lr,
                     hyper=self.spec.hyper,
                     gradient_owned=owned,
-                    weights_dtype=WIRE_DTYPES[dtype] if dtype is not None else None,
+                    weights_dtype=WIRE_DTYPES[prepare] if prepare is not None else None,
                     weights_out=spare,
                 )
             except BaseException:
@@ -177,28 +188,27 @@ class SegmentState:
                 raise
             if spare is not None and weights is not spare:  # a resumed update makes no weights
                 self._spare = spare
-            self._step = step
-            if weights is not None and dtype is not None:
-                self._prepared = (step, dtype, weights)
-            return UpdateOutcome(applied=True, step=step, seconds=time.perf_counter() - started)
+            self._updates = update
+            if weights is not None and prepare is not None:
+                self._prepared = (update, prepare, weights)
+            return UpdateOutcome(applied=True, updates=update, seconds=time.perf_counter() - started)
 
-    def weights(self, step: int, dtype: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """A copy of the master weights after ``step``, in a wire dtype; the caller is its
-        only holder (hand it back with :meth:`recycle` when done). With ``out`` (a 1-D
-        tensor of the shard's size and that dtype, e.g. a worker's shared memory) the copy
-        is written there and ``out`` returned."""
+    def weights(self, update: int, dtype: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of the master weights after update ``update``, in a wire dtype; the
+        caller is its only holder (hand it back with :meth:`recycle` when done). With
+        ``out`` (a 1-D tensor of the segment's size and that dtype, e.g. a worker's shared
+        memory) the copy is written there and ``out`` returned."""
         if dtype not in WIRE_DTYPES:
             raise InvalidTensorError(f"weight dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
         with self.lock:
-            current = self.step
-            if step != current:
+            current = self._updates
+            if update != current:
                 raise StepMismatchError(
                     f"shard {self.spec.segment_id} of run {self.spec.run_id!r} holds the weights "
-                    f"of step {current}, not of step {step}"
+                    f"of step {current}, not of step {update}"
                 )
-            self._fetch_dtype = dtype
             prepared, self._prepared = self._prepared, None
-            if prepared is not None and prepared[:2] == (step, dtype):
+            if prepared is not None and prepared[:2] == (update, dtype):
                 if out is None:
                     return prepared[2]
                 out.copy_(prepared[2])
@@ -208,12 +218,12 @@ class SegmentState:
             if out is not None:
                 _check_tensor(self.spec, out, WIRE_DTYPES[dtype], "weights destination")
                 return self._storage.read_weights(
-                    self.spec.run_id, self.spec.segment_id, step, WIRE_DTYPES[dtype], out=out
+                    self.spec.run_id, self.spec.segment_id, update, WIRE_DTYPES[dtype], out=out
                 )
             spare = self._take_spare(dtype)
             try:
                 return self._storage.read_weights(
-                    self.spec.run_id, self.spec.segment_id, step, WIRE_DTYPES[dtype], out=spare
+                    self.spec.run_id, self.spec.segment_id, update, WIRE_DTYPES[dtype], out=spare
                 )
             except BaseException:
                 if spare is not None:
@@ -247,20 +257,20 @@ class SegmentState:
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of master, exp_avg and exp_avg_sq (for tests and checkpoints)."""
         with self.lock:
-            return self._storage.snapshot(self.spec.run_id, self.spec.segment_id, self.step)
+            return self._storage.snapshot(self.spec.run_id, self.spec.segment_id, self._updates)
 
     def master_weights(self) -> torch.Tensor:
         """A new fp32 copy of the master weights, read a partition at a time; unlike
         :meth:`weights` it leaves what the next push prepares alone (export)."""
         with self.lock:
-            return self._storage.read_weights(self.spec.run_id, self.spec.segment_id, self.step, torch.float32)
+            return self._storage.read_weights(self.spec.run_id, self.spec.segment_id, self._updates, torch.float32)
 
     def preserve(self, directory: str, name_of: Callable[[PartitionKey], str]) -> tuple[int, list[PreservedPartition]]:
         """Put the shard's partition files into ``directory`` (see
         :meth:`TieredStorage.preserve`); returns the update count they hold too."""
         with self.lock:
-            step = self.step
-            return step, self._storage.preserve(self.spec.run_id, self.spec.segment_id, step, directory, name_of)
+            updates = self._updates
+            return updates, self._storage.preserve(self.spec.run_id, self.spec.segment_id, updates, directory, name_of)
 
 
 class SegmentRegistry:
@@ -292,8 +302,8 @@ class SegmentRegistry:
                 self._shards[key] = state
             return state
 
-    def restore(self, spec: SegmentSpec, source: StateSource, step: int) -> SegmentState:
-        """Create a shard from checkpointed master weights and moments at ``step``, read
+    def restore(self, spec: SegmentSpec, source: StateSource, updates: int) -> SegmentState:
+        """Create a segment from checkpointed master weights and moments after ``updates``, read
         from ``source`` a partition at a time."""
         key = (spec.run_id, spec.segment_id)
         with self._registering:
@@ -303,7 +313,7 @@ class SegmentRegistry:
                         f"shard {spec.segment_id} of run {spec.run_id!r} is already registered; "
                         "restore into a fresh state server"
                     )
-            state = SegmentState(spec, storage=self.storage, source=source, step=step)
+            state = SegmentState(spec, storage=self.storage, source=source, updates=updates)
             with self._lock:
                 self._shards[key] = state
             return state
@@ -333,15 +343,15 @@ class SegmentRegistry:
         self.storage.close()
 
 
-def repeats_last_step(spec: SegmentSpec, current: int, step: int, *, verb: str) -> bool:
-    """True when ``step`` repeats the update the shard already applied (to be ignored);
-    raises StepMismatchError unless it is the next one."""
-    if step == current and step > 0:
+def repeats_last_update(spec: SegmentSpec, current: int, update: int, *, verb: str) -> bool:
+    """True when ``update`` repeats the update the segment already applied (to be
+    ignored); raises StepMismatchError unless it is the next one."""
+    if update == current and update > 0:
         return True
-    if step != current + 1:
+    if update != current + 1:
         raise StepMismatchError(
             f"shard {spec.segment_id} of run {spec.run_id!r} is at step {current}; "
-            f"it {verb} a gradient for step {current + 1}, got step {step}"
+            f"it {verb} a gradient for step {current + 1}, got step {update}"
         )
     return False
 

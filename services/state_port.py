@@ -148,7 +148,9 @@ class StatePort(Protocol):
 
     def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
         """Send the gradient of ``update``; with ``defer`` the server only stages it.
-        Returns whether an update was applied (False for a repeat or when staged)."""
+        The update prepares the new weights in the compute dtype for the :meth:`fetch`
+        that follows. Returns whether an update was applied (False for a repeat or when
+        staged)."""
 
     def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float) -> bool:
         """Apply the gradient staged for ``update``."""
@@ -187,7 +189,14 @@ class RemotePort:
     def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
         shm = self.buffers.shared_ref(gradient) if segment.server in self.shared else None
         outcome = self.clients[segment.server].push(
-            self.run_id, segment.segment_id, update, gradient, lr=lr, defer_update=defer, shm=shm
+            self.run_id,
+            segment.segment_id,
+            update,
+            gradient,
+            lr=lr,
+            defer_update=defer,
+            shm=shm,
+            prepare=self.config.worker.compute_dtype,
         )
         self.metrics.record_sent(
             "PushGradient.shm" if shm else "PushGradient", gradient.numel() * gradient.element_size()
@@ -197,7 +206,14 @@ class RemotePort:
     def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float) -> bool:
         return (
             self.clients[segment.server]
-            .commit(self.run_id, segment.segment_id, update, global_norm=global_norm, lr=lr)
+            .commit(
+                self.run_id,
+                segment.segment_id,
+                update,
+                global_norm=global_norm,
+                lr=lr,
+                prepare=self.config.worker.compute_dtype,
+            )
             .applied
         )
 
@@ -226,18 +242,20 @@ class LocalPort:
         self._staging = GradientStaging()
 
     def register(self, segment: Segment, initial: torch.Tensor) -> int:
-        return self.registry.register(segment_spec(self.config, self.run_id, segment), initial.clone()).step
+        return self.registry.register(segment_spec(self.config, self.run_id, segment), initial.clone()).updates
 
     def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
         state = self.registry.get(self.run_id, segment.segment_id)
         if defer:
             self._staging.stage(state, update, gradient, borrowed=True)
             return False
-        return state.push(update, gradient, global_norm=0.0, lr=lr).applied
+        prepare = self.config.worker.compute_dtype
+        return state.apply_gradient(update, gradient, global_norm=0.0, lr=lr, prepare=prepare).applied
 
     def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float) -> bool:
         state = self.registry.get(self.run_id, segment.segment_id)
-        return self._staging.commit(state, update, global_norm=global_norm, lr=lr).applied
+        prepare = self.config.worker.compute_dtype
+        return self._staging.commit(state, update, global_norm=global_norm, lr=lr, prepare=prepare).applied
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
         dtype = self.config.worker.compute_dtype

@@ -80,7 +80,9 @@ class StateServer:
 
     def snapshot(self, run_id: str) -> dict[int, dict[str, torch.Tensor]]:
         """Copies of every shard's fp32 state for a run, by shard id (tests, checkpoints)."""
-        return {s.spec.segment_id: {**s.snapshot(), "step": torch.tensor(s.step)} for s in self.registry.shards(run_id)}
+        return {
+            s.spec.segment_id: {**s.snapshot(), "step": torch.tensor(s.updates)} for s in self.registry.shards(run_id)
+        }
 
     def masters(self, run_id: str) -> dict[int, torch.Tensor]:
         """fp32 master weights of every shard of a run, by shard id (export): read a

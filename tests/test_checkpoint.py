@@ -308,7 +308,7 @@ def test_a_checkpoint_restores_bitwise_onto_any_workers_and_servers(
         try:
             restore(path, target, server, registry)
             for shard in registry.shards(RUN):
-                assert shard.step == 40
+                assert shard.updates == 40
                 for key, values in shard.snapshot().items():
                     got[key][shard.spec.start : shard.spec.start + shard.spec.numel] = values
         finally:

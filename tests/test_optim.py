@@ -18,12 +18,35 @@ from cargohold.services.optim import (
     CLIP_EPSILON,
     AdamWHyperParams,
     AdamWState,
-    adamw_step,
     apply_update,
+    clip_,
     clip_coefficient,
+    fused_adamw_,
     global_norm_from_squares,
     sum_of_squares,
 )
+
+
+def adamw_step(
+    state: AdamWState,
+    gradients: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    hyper: AdamWHyperParams,
+    global_norm: float,
+) -> None:
+    """Clip (by the global norm of all shards) and apply one AdamW step in place: the
+    primitives composed as the server composes them per piece (``optim.apply_update``).
+
+    ``gradients`` must be fp32 and parallel to ``state.master``; they are scaled in
+    place when clipping is on.
+    """
+    if len(gradients) != len(state.master):
+        raise ValueError(f"{len(gradients)} gradient views for {len(state.master)} state views")
+    clip_(gradients, clip_coefficient(global_norm, hyper.max_grad_norm))
+    state.step += 1
+    fused_adamw_(state, gradients, lr=lr, hyper=hyper)
+
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -80,39 +80,39 @@ def _assert_snapshot_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor
 def test_push_applies_the_next_step_and_ignores_a_repeat() -> None:
     state = _state()
     before = state.snapshot()
-    assert state.step == 0
+    assert state.updates == 0
 
-    first = state.push(1, _gradient(1), global_norm=0.5, lr=1e-2)
+    first = state.apply_gradient(1, _gradient(1), global_norm=0.5, lr=1e-2)
     assert isinstance(first, UpdateOutcome)
-    assert first.applied and first.step == 1 and first.seconds >= 0.0
-    assert state.step == 1
+    assert first.applied and first.updates == 1 and first.seconds >= 0.0
+    assert state.updates == 1
     after = state.snapshot()
     assert not torch.equal(after["master"], before["master"])
     assert bool(torch.any(after["exp_avg"] != 0)) and bool(torch.any(after["exp_avg_sq"] != 0))
 
     # The same push again (a retry after a lost reply), even with another payload: ignored.
     for gradient in (_gradient(1), _gradient(99)):
-        repeat = state.push(1, gradient, global_norm=0.5, lr=1e-2)
-        assert repeat == UpdateOutcome(applied=False, step=1, seconds=0.0)
-        assert state.step == 1
+        repeat = state.apply_gradient(1, gradient, global_norm=0.5, lr=1e-2)
+        assert repeat == UpdateOutcome(applied=False, updates=1, seconds=0.0)
+        assert state.updates == 1
         _assert_snapshot_equal(state.snapshot(), after)
 
-    second = state.push(2, _gradient(2), global_norm=0.5, lr=1e-2)
-    assert second.applied and second.step == 2 and state.step == 2
+    second = state.apply_gradient(2, _gradient(2), global_norm=0.5, lr=1e-2)
+    assert second.applied and second.updates == 2 and state.updates == 2
 
 
 @pytest.mark.parametrize(("at", "pushed"), [(0, 0), (0, 2), (1, 3), (1, 0), (2, 1)])
 def test_push_of_a_step_out_of_order_raises_and_changes_nothing(at: int, pushed: int) -> None:
     state = _state()
     for step in range(1, at + 1):
-        state.push(step, _gradient(step), global_norm=0.5, lr=1e-2)
+        state.apply_gradient(step, _gradient(step), global_norm=0.5, lr=1e-2)
     before = state.snapshot()
     with pytest.raises(StepMismatchError) as info:
-        state.push(pushed, _gradient(pushed), global_norm=0.5, lr=1e-2)
+        state.apply_gradient(pushed, _gradient(pushed), global_norm=0.5, lr=1e-2)
     assert str(info.value) == (
         f"shard 3 of run 'run-a' is at step {at}; it accepts a gradient for step {at + 1}, got step {pushed}"
     )
-    assert state.step == at
+    assert state.updates == at
     _assert_snapshot_equal(state.snapshot(), before)
 
 
@@ -151,17 +151,17 @@ _BAD_GRADIENTS: dict[str, tuple[Callable[[], torch.Tensor], str]] = {
 def test_bad_gradient_raises_naming_the_problem_and_changes_nothing(case: str) -> None:
     make, message = _BAD_GRADIENTS[case]
     state = _state()
-    state.push(1, _gradient(1), global_norm=0.5, lr=1e-2)
+    state.apply_gradient(1, _gradient(1), global_norm=0.5, lr=1e-2)
     before = state.snapshot()
     with pytest.raises(InvalidTensorError, match=message) as info:
-        state.push(2, make(), global_norm=0.5, lr=1e-2)
+        state.apply_gradient(2, make(), global_norm=0.5, lr=1e-2)
     assert str(info.value).startswith("shard 3: gradient must ")
-    assert state.step == 1
+    assert state.updates == 1
     _assert_snapshot_equal(state.snapshot(), before)
     # Validation comes first: a bad payload for the already applied step is an error too,
     # not a silently ignored repeat.
     with pytest.raises(InvalidTensorError):
-        state.push(1, make(), global_norm=0.5, lr=1e-2)
+        state.apply_gradient(1, make(), global_norm=0.5, lr=1e-2)
 
 
 @pytest.mark.parametrize(
@@ -185,10 +185,10 @@ def test_bad_lr_or_norm_raises_naming_it_and_changes_nothing(kwargs: dict, messa
     args = dict(global_norm=0.5, lr=1e-2)
     args.update(kwargs)
     with pytest.raises(InvalidTensorError, match=rf"^shard 3: {message}$"):
-        state.push(1, _gradient(1), **args)
-    assert state.step == 0
+        state.apply_gradient(1, _gradient(1), **args)
+    assert state.updates == 0
     _assert_snapshot_equal(state.snapshot(), before)
-    assert state.push(1, _gradient(1), global_norm=0.5, lr=1e-2).applied  # still usable
+    assert state.apply_gradient(1, _gradient(1), global_norm=0.5, lr=1e-2).applied  # still usable
 
 
 def test_bfloat16_gradients_are_accepted_when_the_spec_says_so() -> None:
@@ -196,18 +196,18 @@ def test_bfloat16_gradients_are_accepted_when_the_spec_says_so() -> None:
     state = SegmentState(spec, _initial(spec))
     reference = SegmentState(_spec(), _initial(spec))
     gradient = _gradient(1, dtype=torch.bfloat16)
-    assert state.push(1, gradient, global_norm=0.5, lr=1e-2).applied
-    reference.push(1, gradient.to(torch.float32), global_norm=0.5, lr=1e-2)
+    assert state.apply_gradient(1, gradient, global_norm=0.5, lr=1e-2).applied
+    reference.apply_gradient(1, gradient.to(torch.float32), global_norm=0.5, lr=1e-2)
     _assert_snapshot_equal(state.snapshot(), reference.snapshot())
     with pytest.raises(InvalidTensorError, match="must be torch.bfloat16, got torch.float32"):
-        state.push(2, _gradient(2), global_norm=0.5, lr=1e-2)
+        state.apply_gradient(2, _gradient(2), global_norm=0.5, lr=1e-2)
 
 
 def test_push_does_not_modify_the_callers_gradient() -> None:
     state = _state()
     gradient = _gradient(1)
     kept = gradient.clone()
-    state.push(1, gradient, global_norm=50.0, lr=1e-2)  # clipping scales its own copy
+    state.apply_gradient(1, gradient, global_norm=50.0, lr=1e-2)  # clipping scales its own copy
     assert torch.equal(gradient, kept)
 
 
@@ -216,9 +216,9 @@ def test_without_clipping_the_gradient_is_read_in_place_and_left_alone() -> None
     state, reference = _state(spec), _state(spec)
     gradient = _gradient(1)
     kept = gradient.clone()
-    state.push(1, gradient, global_norm=50.0, lr=1e-2)
+    state.apply_gradient(1, gradient, global_norm=50.0, lr=1e-2)
     assert torch.equal(gradient, kept)  # the kernel only reads it
-    reference.push(1, kept.clone(), global_norm=50.0, lr=1e-2, owned=True)
+    reference.apply_gradient(1, kept.clone(), global_norm=50.0, lr=1e-2, owned=True)
     _assert_snapshot_equal(state.snapshot(), reference.snapshot())
 
 
@@ -229,25 +229,25 @@ def test_an_owned_gradient_gives_the_same_update_bitwise(dtype: torch.dtype) -> 
     owned, lent = _state(spec), _state(spec)
     for step in (1, 2):
         gradient = _gradient(step, dtype=dtype)
-        assert owned.push(step, gradient.clone(), global_norm=50.0, lr=1e-2, owned=True).applied
-        assert lent.push(step, gradient, global_norm=50.0, lr=1e-2).applied
+        assert owned.apply_gradient(step, gradient.clone(), global_norm=50.0, lr=1e-2, owned=True).applied
+        assert lent.apply_gradient(step, gradient, global_norm=50.0, lr=1e-2).applied
         assert torch.equal(gradient, _gradient(step, dtype=dtype))
     _assert_snapshot_equal(owned.snapshot(), lent.snapshot())
 
 
 def test_weights_buffers_are_reused_only_once_handed_back() -> None:
     state = _state()
-    state.push(1, _gradient(1), global_norm=0.5, lr=1e-2)
-    first = state.weights(1, "bfloat16")  # read (nothing prepared yet); now pushes prepare bf16
+    state.apply_gradient(1, _gradient(1), global_norm=0.5, lr=1e-2)
+    first = state.weights(1, "bfloat16")  # read (nothing prepared)
     kept = first.clone()
-    state.push(2, _gradient(2), global_norm=0.5, lr=1e-2)
+    state.apply_gradient(2, _gradient(2), global_norm=0.5, lr=1e-2, prepare="bfloat16")
     assert torch.equal(first, kept)  # not handed back: never written again
-    second = state.weights(2, "bfloat16")  # the weights the push prepared
+    second = state.weights(2, "bfloat16")  # the weights the update prepared
     assert second.data_ptr() != first.data_ptr()
     state.recycle(second)
-    state.push(3, _gradient(3), global_norm=0.5, lr=1e-2)
+    state.apply_gradient(3, _gradient(3), global_norm=0.5, lr=1e-2, prepare="bfloat16")
     third = state.weights(3, "bfloat16")
-    assert third.data_ptr() == second.data_ptr()  # the push prepared into the recycled buffer
+    assert third.data_ptr() == second.data_ptr()  # the update prepared into the recycled buffer
     assert torch.equal(third, state.snapshot()["master"].to(torch.bfloat16))
     again = state.weights(3, "bfloat16")  # a second fetch of the step while the first holds it
     assert again.data_ptr() != third.data_ptr() and torch.equal(again, third)
@@ -264,7 +264,7 @@ def test_padding_stays_exactly_as_registered() -> None:
     mask = _padding_mask(state.spec)
     assert int(mask.sum()) == NUMEL - 101 - 85
     for step in range(1, 6):
-        state.push(step, _gradient(step), global_norm=0.5, lr=1e-2)
+        state.apply_gradient(step, _gradient(step), global_norm=0.5, lr=1e-2)
     snap = state.snapshot()
     assert torch.all(snap["master"][mask] == PADDING_VALUE)
     assert torch.all(snap["exp_avg"][mask] == 0) and torch.all(snap["exp_avg_sq"][mask] == 0)
@@ -277,8 +277,8 @@ def test_padding_only_shard_counts_steps() -> None:
     spec = _spec(fragments=())
     state = SegmentState(spec, torch.zeros(NUMEL))
     for step in (1, 2):
-        assert state.push(step, _gradient(step), global_norm=0.5, lr=1e-2).applied
-    assert state.step == 2
+        assert state.apply_gradient(step, _gradient(step), global_norm=0.5, lr=1e-2).applied
+    assert state.updates == 2
     assert torch.equal(state.weights(2, "float32"), torch.zeros(NUMEL))
 
 
@@ -323,7 +323,7 @@ def test_shard_pushes_over_a_layout_match_torch_adamw_bitwise() -> None:
         flat_grad = flat(step_grads)
         for seg in layout.segments:
             shard = registry.get("r", seg.segment_id)
-            assert shard.push(step, flat_grad[seg.start : seg.stop], global_norm=0.0, lr=1e-2).applied
+            assert shard.apply_gradient(step, flat_grad[seg.start : seg.stop], global_norm=0.0, lr=1e-2).applied
     result = torch.zeros(layout.total)
     for seg in layout.segments:
         result[seg.start : seg.stop] = registry.get("r", seg.segment_id).weights(10, "float32")
@@ -346,7 +346,7 @@ def _push_from_threads(state: SegmentState, step: int, threads: int) -> list[Upd
     def push() -> None:
         barrier.wait()
         try:
-            outcome = state.push(step, _gradient(step), global_norm=0.5, lr=1e-2)
+            outcome = state.apply_gradient(step, _gradient(step), global_norm=0.5, lr=1e-2)
         except BaseException as error:  # reported below
             with record:
                 errors.append(error)
@@ -366,13 +366,13 @@ def _push_from_threads(state: SegmentState, step: int, threads: int) -> list[Upd
 
 def test_concurrent_pushes_of_the_same_step_apply_exactly_once() -> None:
     reference = _state()
-    reference.push(1, _gradient(1), global_norm=0.5, lr=1e-2)
+    reference.apply_gradient(1, _gradient(1), global_norm=0.5, lr=1e-2)
     for _ in range(5):  # several rounds, to give a race a chance to show
         state = _state()
         outcomes = _push_from_threads(state, 1, threads=8)
         assert sum(o.applied for o in outcomes) == 1
-        assert all(o.step == 1 for o in outcomes)
-        assert state.step == 1
+        assert all(o.updates == 1 for o in outcomes)
+        assert state.updates == 1
         _assert_snapshot_equal(state.snapshot(), reference.snapshot())
 
 
@@ -384,7 +384,7 @@ def test_weights_of_the_current_step_in_both_wire_dtypes() -> None:
     initial = _initial(state.spec)
     assert torch.equal(state.weights(0, "float32"), initial)
     for step in (1, 2):
-        state.push(step, _gradient(step), global_norm=0.5, lr=1e-2)
+        state.apply_gradient(step, _gradient(step), global_norm=0.5, lr=1e-2)
     master = state.snapshot()["master"]
     fp32 = state.weights(2, "float32")
     bf16 = state.weights(2, "bfloat16")
@@ -401,8 +401,8 @@ def test_weights_of_the_current_step_in_both_wire_dtypes() -> None:
 @pytest.mark.parametrize("asked", [0, 1, 3, -1])
 def test_weights_of_another_step_raise_step_mismatch(asked: int) -> None:
     state = _state()
-    state.push(1, _gradient(1), global_norm=0.5, lr=1e-2)
-    state.push(2, _gradient(2), global_norm=0.5, lr=1e-2)
+    state.apply_gradient(1, _gradient(1), global_norm=0.5, lr=1e-2)
+    state.apply_gradient(2, _gradient(2), global_norm=0.5, lr=1e-2)
     with pytest.raises(StepMismatchError, match=rf"holds the weights of step 2, not of step {asked}$"):
         state.weights(asked, "float32")
 
@@ -420,12 +420,12 @@ def test_register_same_spec_twice_returns_the_same_state() -> None:
     registry = SegmentRegistry()
     spec = _spec()
     first = registry.register(spec, _initial(spec, seed=0))
-    first.push(1, _gradient(1), global_norm=0.5, lr=1e-2)
+    first.apply_gradient(1, _gradient(1), global_norm=0.5, lr=1e-2)
     snap = first.snapshot()
     # A re-registration (e.g. a worker restarting) with other initial weights changes nothing.
     second = registry.register(_spec(), _initial(spec, seed=1))
     assert second is first
-    assert second.step == 1
+    assert second.updates == 1
     _assert_snapshot_equal(second.snapshot(), snap)
     assert registry.shards() == [first]
     assert registry.get("run-a", 3) is first

@@ -98,7 +98,7 @@ def _push(registry: SegmentRegistry, steps: range) -> None:
     for step in steps:
         for spec in _specs():
             gradient = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * step + spec.segment_id))
-            registry.get(RUN, spec.segment_id).push(step, gradient, global_norm=NORM, lr=LR)
+            registry.get(RUN, spec.segment_id).apply_gradient(step, gradient, global_norm=NORM, lr=LR)
 
 
 def _state(registry: SegmentRegistry) -> dict[str, torch.Tensor]:
@@ -206,7 +206,7 @@ def test_a_tier_checkpoint_restores_and_continues_bitwise(tmp_path: Path, target
     restored = SegmentRegistry(TieredStorage(tier))
     try:
         ShardCheckpointer(restored, server_index=0).restore(str(path), store.load(path), _whole())
-        assert all(restored.get(RUN, s.segment_id).step == 3 for s in _specs())
+        assert all(restored.get(RUN, s.segment_id).updates == 3 for s in _specs())
         if tier is not None:
             assert _disk_rows(restored), "the restored state is back on disk"
         _assert_equal(_state(restored), saved)
@@ -416,7 +416,7 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         store = CheckpointDir(Path(root) / "ckpt")
         saving = SegmentRegistry(TieredStorage(tier(root + "/a") if saved_by == "tier" else None))
         state = saving.register(spec, torch.randn(N, generator=torch.Generator().manual_seed(0)))
-        state.push(1, torch.randn(N, generator=torch.Generator().manual_seed(1)), global_norm=1.0, lr=1e-3)
+        state.apply_gradient(1, torch.randn(N, generator=torch.Generator().manual_seed(1)), global_norm=1.0, lr=1e-3)
         expected = state.snapshot()
         checkpointer = ShardCheckpointer(saving, 0)
         checkpointer.begin("rss", str(store.begin(1)), 1)
@@ -463,7 +463,7 @@ def test_the_next_update_waits_for_the_ram_partitions_to_be_written(tmp_path: Pa
         assert writes and all(p.pending is not None for p in preserved if p.how != "linked")
         gradient = torch.randn(NUMEL, generator=torch.Generator().manual_seed(3))
         pushing = threading.Thread(
-            target=lambda: registry.get(RUN, 0).push(3, gradient, global_norm=NORM, lr=LR), daemon=True
+            target=lambda: registry.get(RUN, 0).apply_gradient(3, gradient, global_norm=NORM, lr=LR), daemon=True
         )
         pushing.start()
         pushing.join(timeout=1.0)
@@ -471,7 +471,7 @@ def test_the_next_update_waits_for_the_ram_partitions_to_be_written(tmp_path: Pa
         for part in writes:
             part.pending.run()
         pushing.join(timeout=30)
-        assert not pushing.is_alive() and registry.get(RUN, 0).step == 3
+        assert not pushing.is_alive() and registry.get(RUN, 0).updates == 3
         for part in writes:
             raw = (directory / part.name).read_bytes()
             got = torch.frombuffer(

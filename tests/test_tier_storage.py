@@ -149,7 +149,7 @@ def test_most_partitions_on_disk_is_bitwise_equal_to_ram(tmp_path: Path) -> None
         assert all(f"run-t{os.sep}server-0{os.sep}shard-000000.part-" in r.path for r in rows if r.path)
         for step in range(1, 7):
             for state in (tiered, ram):
-                assert state.push(step, _randn(100 + step), global_norm=NORM, lr=LR).applied
+                assert state.apply_gradient(step, _randn(100 + step), global_norm=NORM, lr=LR).applied
             dtype = "bfloat16" if step % 2 else "float32"
             assert torch.equal(tiered.weights(step, dtype), ram.weights(step, dtype))
         _assert_same(tiered, ram)
@@ -171,6 +171,27 @@ def test_most_partitions_on_disk_is_bitwise_equal_to_ram(tmp_path: Path) -> None
     assert not list(tmp_path.rglob("*.bin")), "close() removes the partition files"
 
 
+def test_weights_an_update_prepared_are_fetched_without_reading_the_tiers(tmp_path: Path) -> None:
+    """Preparing is asked for explicitly: with ``prepare`` the update writes the weights
+    on its way through the partitions and the fetch reads no file; without it (or in
+    another dtype) the fetch reads the state back from the disk partitions."""
+    recorder = Recorder()
+    with _storage(_config(tmp_path), recorder) as storage:
+        tiered = SegmentRegistry(storage).register(_spec(), _randn(0))
+        ram = SegmentState(_spec(), _randn(0))
+        for step, prepare, fetched, reads_file in (
+            (1, "bfloat16", "bfloat16", False),
+            (2, None, "bfloat16", True),
+            (3, "float32", "bfloat16", True),
+            (4, "float32", "float32", False),
+        ):
+            assert tiered.apply_gradient(step, _randn(step), global_norm=NORM, lr=LR, prepare=prepare).applied
+            ram.apply_gradient(step, _randn(step), global_norm=NORM, lr=LR)
+            reads = len(recorder.io["read"])
+            assert torch.equal(tiered.weights(step, fetched), ram.weights(step, fetched))
+            assert (len(recorder.io["read"]) > reads) == reads_file, f"update {step}"
+
+
 def test_a_second_shard_is_planned_in_and_partitions_move_after_updates(tmp_path: Path) -> None:
     with _storage(_config(tmp_path)) as storage:
         registry = SegmentRegistry(storage)
@@ -184,7 +205,7 @@ def test_a_second_shard_is_planned_in_and_partitions_move_after_updates(tmp_path
         refs = [SegmentState(_spec(0), _randn(0)), SegmentState(_spec(1), _randn(1))]
         for step in (1, 2):
             for state in (a, b, *refs):
-                state.push(step, _randn(step), global_norm=NORM, lr=LR)
+                state.apply_gradient(step, _randn(step), global_norm=NORM, lr=LR)
         rows = storage.rows()
         assert all(r.planned is r.actual for r in rows)
         assert [r.key.index for r in rows if r.actual is Residency.RAM] == [0, 0]
@@ -207,8 +228,8 @@ def test_direct_io_setting(tmp_path: Path, direct_io: str) -> None:
         state = SegmentRegistry(storage).register(_spec(), _randn(0))
         ram = SegmentState(_spec(), _randn(0))
         for step in (1, 2):
-            state.push(step, _randn(step), global_norm=NORM, lr=LR)
-            ram.push(step, _randn(step), global_norm=NORM, lr=LR)
+            state.apply_gradient(step, _randn(step), global_norm=NORM, lr=LR)
+            ram.apply_gradient(step, _randn(step), global_norm=NORM, lr=LR)
         _assert_same(state, ram)
         if direct_io == "off":
             assert storage.summary().direct_io == (False, False)
@@ -222,7 +243,7 @@ def test_a_corrupted_byte_fails_the_next_step_naming_the_file_and_loses_nothing(
         state = SegmentRegistry(storage).register(_spec(), _randn(0))
         ram = SegmentState(_spec(), _randn(0))
         for s in (state, ram):
-            s.push(1, _randn(1), global_norm=NORM, lr=LR)
+            s.apply_gradient(1, _randn(1), global_norm=NORM, lr=LR)
         victim = _cold_disk_file(storage)
         offset = FileLayout(PER_PARTITION).offset(2) + 1001  # a byte of exp_avg_sq
         with open(victim, "r+b") as f:
@@ -232,18 +253,18 @@ def test_a_corrupted_byte_fails_the_next_step_naming_the_file_and_loses_nothing(
             f.write(bytes([original[0] ^ 0x10]))
 
         with pytest.raises(CorruptPartitionError) as caught:
-            state.push(2, _randn(2), global_norm=NORM, lr=LR)
+            state.apply_gradient(2, _randn(2), global_norm=NORM, lr=LR)
         assert caught.value.path == victim
         assert victim in str(caught.value) and "exp_avg_sq checksum mismatch" in str(caught.value)
-        assert state.step == 1
+        assert state.updates == 1
         with pytest.raises(IncompleteStepError, match="repeat the push of step 2"):
             state.weights(1, "float32")
 
         with open(victim, "r+b") as f:  # repaired (as from a backup): the retry finishes step 2
             f.seek(offset)
             f.write(original)
-        assert state.push(2, _randn(2), global_norm=NORM, lr=LR).applied
-        ram.push(2, _randn(2), global_norm=NORM, lr=LR)
+        assert state.apply_gradient(2, _randn(2), global_norm=NORM, lr=LR).applied
+        ram.apply_gradient(2, _randn(2), global_norm=NORM, lr=LR)
         assert torch.equal(state.weights(2, "float32"), ram.weights(2, "float32"))
         _assert_same(state, ram)
 
@@ -252,7 +273,7 @@ def test_a_corrupted_byte_fails_the_next_step_naming_the_file_and_loses_nothing(
 def test_torn_or_wrong_files_are_refused_on_read(tmp_path: Path, damage: str) -> None:
     with _storage(_config(tmp_path)) as storage:
         state = SegmentRegistry(storage).register(_spec(), _randn(0))
-        state.push(1, _randn(1), global_norm=NORM, lr=LR)
+        state.apply_gradient(1, _randn(1), global_norm=NORM, lr=LR)
         victim = _cold_disk_file(storage)
         if damage == "truncate":  # a torn write: the tail never reached the disk
             os.truncate(victim, FileLayout(PER_PARTITION).file_bytes - 4096)
@@ -431,8 +452,8 @@ def test_o_direct_refused_by_the_filesystem_falls_back_to_buffered_io(tmp_path: 
         state = SegmentRegistry(storage).register(SPEC, randn(0))
         ram = SegmentState(SPEC, randn(0))
         for step in (1, 2, 3):
-            state.push(step, randn(step), global_norm=2.0, lr=1e-2)
-            ram.push(step, randn(step), global_norm=2.0, lr=1e-2)
+            state.apply_gradient(step, randn(step), global_norm=2.0, lr=1e-2)
+            ram.apply_gradient(step, randn(step), global_norm=2.0, lr=1e-2)
         print(json.dumps({"refused": refused, "direct": storage.summary().direct_io, "same": same(state, ram)}))
         storage.close()
     """,
@@ -457,7 +478,7 @@ def test_disk_full_at_start_up_and_at_run_time(tmp_path: Path) -> None:
         state = SegmentRegistry(storage).register(SPEC, randn(0))
         ram = SegmentState(SPEC, randn(0))
         for s in (state, ram):
-            s.push(1, randn(1), global_norm=2.0, lr=1e-2)
+            s.apply_gradient(1, randn(1), global_norm=2.0, lr=1e-2)
         filler = roomy + "/filler"
         with open(filler, "wb") as f:  # another program fills the disk
             try:
@@ -467,19 +488,19 @@ def test_disk_full_at_start_up_and_at_run_time(tmp_path: Path) -> None:
             except OSError:
                 pass
         try:
-            state.push(2, randn(2), global_norm=2.0, lr=1e-2)
+            state.apply_gradient(2, randn(2), global_norm=2.0, lr=1e-2)
             runtime = ""
         except TierSpaceError as error:
             runtime = str(error)
-        step_after_failure = state.step
+        step_after_failure = state.updates
         try:
             state.weights(1, "float32")
             incomplete = False
         except IncompleteStepError:
             incomplete = True
         os.unlink(filler)
-        state.push(2, randn(2), global_norm=2.0, lr=1e-2)  # the retry finishes the step
-        ram.push(2, randn(2), global_norm=2.0, lr=1e-2)
+        state.apply_gradient(2, randn(2), global_norm=2.0, lr=1e-2)  # the retry finishes the step
+        ram.apply_gradient(2, randn(2), global_norm=2.0, lr=1e-2)
         print(json.dumps({"startup": startup, "runtime": runtime, "step": step_after_failure,
                           "incomplete": incomplete, "same": same(state, ram),
                           "temporaries": [f for f in os.listdir(roomy + "/ns/server-0") if f.endswith(".tmp")]}))
@@ -522,13 +543,14 @@ def test_rss_growth_stays_within_the_budget_while_the_state_is_six_times_larger(
         gradient = torch.randn(N, generator=torch.Generator().manual_seed(1))
         # Warm up the kernel and the I/O paths on a small shard before measuring.
         warm = SegmentRegistry(TieredStorage(config(root + "/warm", 1 << 20, 64 << 10)))
-        warm.register(spec("warm", 1 << 16), initial[: 1 << 16]).push(1, gradient[: 1 << 16], global_norm=1.0, lr=1e-3)
+        warmed = warm.register(spec("warm", 1 << 16), initial[: 1 << 16])
+        warmed.apply_gradient(1, gradient[: 1 << 16], global_norm=1.0, lr=1e-3)
         warm.close()
         base = reset_peak_rss()
         registry = SegmentRegistry(TieredStorage(config(root + "/tier", budget, 1 << 20)))
         state = registry.register(spec("rss", N), initial)
         for step in (1, 2, 3):
-            state.push(step, gradient, global_norm=1.0, lr=1e-3)
+            state.apply_gradient(step, gradient, global_norm=1.0, lr=1e-3)
         print(json.dumps({"growth": proc_status("VmHWM") - base, "state": 12 * N,
                           "nvme": registry.bytes_by_tier()["nvme"]}))
         registry.close()

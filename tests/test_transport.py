@@ -32,7 +32,7 @@ from cargohold.services.errors import CargoholdError, TransportError
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState
-from cargohold.services.transport.codec import SERVICE_NAME, spec_to_proto, tensor_chunks
+from cargohold.services.transport.codec import SERVICE_NAME, byte_chunks, fill_chunk, spec_to_proto
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
 from cargohold.services.transport.grpc_server import GrpcStateServer
 from cargohold.v1 import state_server_pb2 as pb
@@ -97,7 +97,7 @@ def _local(spec: SegmentSpec, pushes: list[torch.Tensor]) -> SegmentState:
     """The same updates applied in process, without any transport."""
     state = SegmentState(spec, (W0 if spec.numel == NUMEL else _randn(0, spec.numel)).clone())
     for step, gradient in enumerate(pushes, start=1):
-        assert state.push(step, gradient, global_norm=GLOBAL_NORM, lr=LR).applied
+        assert state.apply_gradient(step, gradient, global_norm=GLOBAL_NORM, lr=LR).applied
     return state
 
 
@@ -160,6 +160,14 @@ def _assert_unchanged(s: Served, before: Observed) -> None:
     after = _observe(s)
     assert (after.step, after.updates_applied, after.shards) == (before.step, before.updates_applied, before.shards)
     _assert_bitwise_equal(after.weights, before.weights)
+
+
+def tensor_chunks(tensor: torch.Tensor, chunk_bytes: int) -> Iterator[pb.TensorChunk]:
+    """A tensor's bytes as TensorChunk messages with their CRC-32C, for raw requests."""
+    for offset, data in byte_chunks(tensor, chunk_bytes):
+        chunk = pb.TensorChunk()
+        fill_chunk(chunk, offset, data)
+        yield chunk
 
 
 def _key(segment_id: int = 0, run_id: str = RUN) -> pb.ShardKey:
@@ -236,7 +244,7 @@ def test_register_push_fetch_equals_the_local_update_bitwise(served: Served) -> 
 
     out32 = client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR)
     out16 = client.push(RUN, 1, 1, g16, global_norm=GLOBAL_NORM, lr=LR)
-    assert (out32.applied, out32.step, out16.applied, out16.step) == (True, 1, True, 1)
+    assert (out32.applied, out32.updates, out16.applied, out16.updates) == (True, 1, True, 1)
     assert out32.seconds > 0.0
     assert client.describe(RUN, 0)[1] == client.describe(RUN, 1)[1] == 1
 
@@ -305,8 +313,8 @@ def test_fetch_into_a_given_tensor_and_repeated_fetches_agree(stepped: Served) -
     _assert_bitwise_equal(target, expected.weights(1, "bfloat16"))
     assert torch.all(shard[:4] == -1.0) and torch.all(shard[-4:] == -1.0)
     for step, gradient in ((2, G2), (3, G1)):  # each push prepares into the buffer the last fetch freed
-        stepped.client.push(RUN, 0, step, gradient, global_norm=GLOBAL_NORM, lr=LR)
-        expected.push(step, gradient, global_norm=GLOBAL_NORM, lr=LR)
+        stepped.client.push(RUN, 0, step, gradient, global_norm=GLOBAL_NORM, lr=LR, prepare="bfloat16")
+        expected.apply_gradient(step, gradient, global_norm=GLOBAL_NORM, lr=LR)
         for _ in range(2):
             _assert_bitwise_equal(
                 stepped.client.fetch(RUN, 0, step, "bfloat16", NUMEL), expected.weights(step, "bfloat16")
@@ -334,7 +342,7 @@ def test_a_repeated_push_is_acknowledged_and_ignored(stepped: Served) -> None:
     before = _observe(stepped)
     # A retry after a lost reply; even a different gradient must not be applied again.
     again = client.push(RUN, 0, 1, G2, global_norm=GLOBAL_NORM, lr=LR)
-    assert (again.applied, again.step, again.seconds) == (False, 1, 0.0)
+    assert (again.applied, again.updates, again.seconds) == (False, 1, 0.0)
     _assert_unchanged(stepped, before)
     _assert_bitwise_equal(before.weights, _local(_spec(), [G1]).snapshot()["master"])
     stats = client.stats()
@@ -933,7 +941,7 @@ def test_concurrent_pushes_of_one_step_apply_exactly_once(served: Served) -> Non
         w.join(timeout=2 * DEADLINE_S)
     assert not failures and len(outcomes) == threads
     assert sorted(o.applied for o in outcomes) == [False] * (threads - 1) + [True]
-    assert {o.step for o in outcomes} == {1}
+    assert {o.updates for o in outcomes} == {1}
     stats = served.client.stats()
     assert (stats.updates_applied, stats.duplicate_pushes) == (1, threads - 1)
     _assert_bitwise_equal(served.client.fetch(RUN, 0, 1, "float32", NUMEL), _local(_spec(), [G1]).snapshot()["master"])
@@ -943,18 +951,18 @@ def test_concurrent_pushes_of_one_step_apply_exactly_once(served: Served) -> Non
 def test_staged_push_applies_only_on_commit_and_equals_a_direct_push(stepped: Served) -> None:
     before = _observe(stepped)
     staged = stepped.client.push(RUN, 0, 2, G2, defer_update=True)
-    assert (staged.applied, staged.step) == (False, 2)
+    assert (staged.applied, staged.updates) == (False, 2)
     _assert_unchanged(stepped, before)  # staging changes nothing visible
 
     committed = stepped.client.commit(RUN, 0, 2, global_norm=GLOBAL_NORM, lr=LR)
-    assert committed.applied and committed.step == 2
+    assert committed.applied and committed.updates == 2
     _assert_bitwise_equal(
         stepped.client.fetch(RUN, 0, 2, "float32", NUMEL), _local(_spec(), [G1, G2]).weights(2, "float32")
     )
 
     # A repeated commit (a retry) is acknowledged and ignored; so is a late staged push.
     again = stepped.client.commit(RUN, 0, 2, global_norm=GLOBAL_NORM, lr=LR)
-    assert (again.applied, again.step) == (False, 2)
+    assert (again.applied, again.updates) == (False, 2)
     assert not stepped.client.push(RUN, 0, 2, G2, defer_update=True).applied
     assert stepped.client.stats().updates_applied == 2
 

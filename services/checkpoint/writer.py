@@ -67,7 +67,7 @@ class ShardCheckpointer:
         if self._thread is not None:
             raise CheckpointError("a checkpoint is still being written; wait for it first")
         shards = self._registry.shards(run_id)
-        updates = {s.step for s in shards}
+        updates = {s.updates for s in shards}
         if len(updates) > 1:
             raise CheckpointError(f"shards of run {run_id!r} are at different updates {sorted(updates)}")
         update = updates.pop() if updates else 0

@@ -52,6 +52,11 @@ def dtype_from_proto(value: int) -> str:
     return name
 
 
+def prepare_dtype_from_proto(value: int) -> str | None:
+    """The dtype a push asks the update to prepare the weights in; None when unset."""
+    return None if value == pb.DTYPE_UNSPECIFIED else dtype_from_proto(value)
+
+
 def byte_chunks(tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
     """(byte offset, bytes) of each piece of a 1-D tensor's memory, made one at a time."""
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -66,16 +71,6 @@ def fill_chunk(chunk: pb.TensorChunk, byte_offset: int, data: bytes) -> None:
     chunk.byte_offset = byte_offset
     chunk.data = data
     chunk.crc32c = google_crc32c.value(data)  # reads the bytes object in place, no copy
-
-
-def tensor_chunks(tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
-    """Split a 1-D tensor's bytes into TensorChunk messages with CRC-32C. To put chunks
-    into a request, :func:`fill_chunk` its field instead: merging one of these into a
-    request copies the payload again."""
-    for offset, data in byte_chunks(tensor, chunk_bytes):
-        chunk = pb.TensorChunk()
-        fill_chunk(chunk, offset, data)
-        yield chunk
 
 
 class TensorAssembler:

@@ -144,10 +144,13 @@ class StateServerClient:
         lr: float = 0.0,
         defer_update: bool = False,
         shm: tuple[str, int] | None = None,
+        prepare: str | None = None,
     ) -> UpdateOutcome:
         """Send the gradient of ``step``; harmless to repeat. With ``defer_update`` the
         server only stages it, and :meth:`commit` applies it. With ``shm`` (path, byte
-        offset) the server reads ``gradient``'s bytes from that shared memory instead."""
+        offset) the server reads ``gradient``'s bytes from that shared memory instead.
+        ``prepare``: the dtype the next :meth:`fetch` asks for, so the update writes the
+        weights in it on the way (see SegmentState.apply_gradient)."""
         wire_dtype = DTYPE_NAMES.get(gradient.dtype)
         if wire_dtype is None:
             raise TransportError(f"gradients travel as float32 or bfloat16, not {gradient.dtype}")
@@ -160,6 +163,7 @@ class StateServerClient:
             lr=lr,
             defer_update=defer_update,
             shm=_shm_ref(shm),
+            prepare_dtype=_prepare_to_proto(prepare),
         )
 
         def requests() -> Iterator[pb.PushGradientRequest]:
@@ -172,10 +176,12 @@ class StateServerClient:
                 yield request
 
         reply = self._call("PushGradient", self._stub.PushGradient, requests())
-        return UpdateOutcome(applied=reply.applied, step=reply.step, seconds=reply.update_seconds)
+        return UpdateOutcome(applied=reply.applied, updates=reply.step, seconds=reply.update_seconds)
 
-    def commit(self, run_id: str, segment_id: int, step: int, *, global_norm: float, lr: float) -> UpdateOutcome:
-        """Apply the gradient staged for ``step``; harmless to repeat."""
+    def commit(
+        self, run_id: str, segment_id: int, step: int, *, global_norm: float, lr: float, prepare: str | None = None
+    ) -> UpdateOutcome:
+        """Apply the gradient staged for ``step``; harmless to repeat. ``prepare`` as in :meth:`push`."""
         reply = self._call(
             "CommitStep",
             self._stub.CommitStep,
@@ -184,9 +190,10 @@ class StateServerClient:
                 step=step,
                 global_grad_norm=global_norm,
                 lr=lr,
+                prepare_dtype=_prepare_to_proto(prepare),
             ),
         )
-        return UpdateOutcome(applied=reply.applied, step=reply.step, seconds=reply.update_seconds)
+        return UpdateOutcome(applied=reply.applied, updates=reply.step, seconds=reply.update_seconds)
 
     def fetch(
         self,
@@ -262,3 +269,7 @@ class StateServerClient:
 
 def _shm_ref(shm: tuple[str, int] | None) -> pb.SharedMemoryRef | None:
     return None if shm is None else pb.SharedMemoryRef(path=shm[0], byte_offset=shm[1])
+
+
+def _prepare_to_proto(prepare: str | None) -> pb.DType:
+    return pb.DTYPE_UNSPECIFIED if prepare is None else dtype_to_proto(prepare)

@@ -41,6 +41,7 @@ from cargohold.services.transport.codec import (
     dtype_from_proto,
     fill_chunk,
     partition_row_to_proto,
+    prepare_dtype_from_proto,
     spec_from_proto,
     spec_to_proto,
     tier_summary_to_proto,
@@ -107,7 +108,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 existing = None
             state = self._registry.register(spec, weights)
             self._report_resident_bytes()
-            return pb.RegisterShardResponse(step=state.step, created=existing is None)
+            return pb.RegisterShardResponse(step=state.updates, created=existing is None)
 
         return self._guard("RegisterShard", context, handle)
 
@@ -117,7 +118,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         def handle() -> pb.DescribeShardResponse:
             self._admit(request.key.run_id)
             state = self._registry.get(request.key.run_id, request.key.shard_id)
-            return pb.DescribeShardResponse(spec=spec_to_proto(state.spec), step=state.step)
+            return pb.DescribeShardResponse(spec=spec_to_proto(state.spec), step=state.updates)
 
         return self._guard("DescribeShard", context, handle)
 
@@ -159,11 +160,18 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 # write), so the commit leaves it unscaled: see GradientStaging.commit.
                 outcome = self._staging.stage(state, header.step, gradient, borrowed=not owned)
             else:
-                outcome = state.push(
-                    header.step, gradient, global_norm=header.global_grad_norm, lr=header.lr, owned=owned
+                outcome = state.apply_gradient(
+                    header.step,
+                    gradient,
+                    global_norm=header.global_grad_norm,
+                    lr=header.lr,
+                    owned=owned,
+                    prepare=prepare_dtype_from_proto(header.prepare_dtype),
                 )
                 self._count(outcome)
-            return pb.PushGradientResponse(step=outcome.step, applied=outcome.applied, update_seconds=outcome.seconds)
+            return pb.PushGradientResponse(
+                step=outcome.updates, applied=outcome.applied, update_seconds=outcome.seconds
+            )
 
         return self._guard("PushGradient", context, handle)
 
@@ -171,9 +179,17 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         def handle() -> pb.PushGradientResponse:
             self._admit(request.key.run_id)
             state = self._registry.get(request.key.run_id, request.key.shard_id)
-            outcome = self._staging.commit(state, request.step, global_norm=request.global_grad_norm, lr=request.lr)
+            outcome = self._staging.commit(
+                state,
+                request.step,
+                global_norm=request.global_grad_norm,
+                lr=request.lr,
+                prepare=prepare_dtype_from_proto(request.prepare_dtype),
+            )
             self._count(outcome)
-            return pb.PushGradientResponse(step=outcome.step, applied=outcome.applied, update_seconds=outcome.seconds)
+            return pb.PushGradientResponse(
+                step=outcome.updates, applied=outcome.applied, update_seconds=outcome.seconds
+            )
 
         return self._guard("CommitStep", context, handle)
 
@@ -247,7 +263,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 shards=[
                     pb.ShardStats(
                         key=pb.ShardKey(run_id=s.spec.run_id, shard_id=s.spec.segment_id),
-                        step=s.step,
+                        step=s.updates,
                         numel=s.spec.numel,
                         resident_bytes=s.resident_bytes,
                     )

@@ -120,7 +120,7 @@ class SharedMemoryRef(_message.Message):
     def __init__(self, path: _Optional[str] = ..., byte_offset: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("key", "step", "dtype", "numel", "global_grad_norm", "lr", "defer_update", "shm")
+    __slots__ = ("key", "step", "dtype", "numel", "global_grad_norm", "lr", "defer_update", "shm", "prepare_dtype")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class PushHeader(_message.Message):
     LR_FIELD_NUMBER: _ClassVar[int]
     DEFER_UPDATE_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     step: int
     dtype: DType
@@ -137,7 +138,8 @@ class PushHeader(_message.Message):
     lr: float
     defer_update: bool
     shm: SharedMemoryRef
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., defer_update: _Optional[bool] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
+    prepare_dtype: DType
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., defer_update: _Optional[bool] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., prepare_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class PushGradientRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -158,16 +160,18 @@ class PushGradientResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., applied: _Optional[bool] = ..., update_seconds: _Optional[float] = ...) -> None: ...
 
 class CommitStepRequest(_message.Message):
-    __slots__ = ("key", "step", "global_grad_norm", "lr")
+    __slots__ = ("key", "step", "global_grad_norm", "lr", "prepare_dtype")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     step: int
     global_grad_norm: float
     lr: float
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ...) -> None: ...
+    prepare_dtype: DType
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., prepare_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class FetchWeightsRequest(_message.Message):
     __slots__ = ("key", "step", "dtype", "chunk_bytes", "shm")
