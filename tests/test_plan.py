@@ -28,14 +28,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cargohold.cluster import cli
 from cargohold.cluster.config import TierConfig
-from cargohold.cluster.plan import (
-    EXIT_DOES_NOT_FIT,
-    ClusterDescription,
-    NodeGroup,
-    load_cluster,
-    plan_run,
-    render,
-)
+from cargohold.cluster.plan.command import EXIT_DOES_NOT_FIT
+from cargohold.cluster.plan.description import ClusterDescription, NodeGroup, load_cluster
+from cargohold.cluster.plan.render import render
+from cargohold.cluster.plan.run import plan_run
 from cargohold.cluster.sizes import format_bytes, parse_size
 from cargohold.services.errors import ConfigError
 from cargohold.services.layout import Layout
