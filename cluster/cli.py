@@ -6,7 +6,7 @@
     cargohold plan --config FILE --device-memory 80GiB --host-memory 256GiB --nvme 2TiB
 
 ``cargohold plan`` starts nothing: it prints the memory and per-step traffic the run
-needs and exits 0 when it fits, 3 when it does not (cluster/plan.py).
+needs and exits 0 when it fits, 3 when it does not (cluster/plan/).
 
 Under ``ray job submit`` set ``cluster.address: auto`` (or ``--set cluster.address=auto``)
 to join the job's cluster instead of starting one.
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides.append(f"checkpoint.resume={args.resume}")
         config = load_config(args.config, overrides)
         if args.command == "plan":
-            from cargohold.cluster.plan import plan_command
+            from cargohold.cluster.plan.command import plan_command
 
             return plan_command(config, args)  # 0 fits, 3 does not; a bad cluster is a ConfigError
     except ConfigError as error:
@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override one key (repeatable)",
     )
-    from cargohold.cluster.plan import add_arguments
+    from cargohold.cluster.plan.command import add_arguments
 
     add_arguments(plan)
     return parser

@@ -1,4 +1,5 @@
-"""Shared fixtures: one in-process Ray cluster per test module that asks for it."""
+"""Shared fixtures: one in-process Ray cluster per test module that asks for it, and one
+checkpoint-writer zygote per test module that asks for it."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ def ray_local():
     )
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory: pytest.TempPathFactory):
+    """A process with torch and ``checkpoint_writers.py`` loaded, forking its writers."""
+    from checkpoint_writers import Zygote
+
+    helper = Zygote(tmp_path_factory.mktemp("zygote") / "zygote.log")
+    yield helper
+    helper.close()

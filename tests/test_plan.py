@@ -1,59 +1,31 @@
-"""`cargohold plan`: the arithmetic on small configs, the cluster description and size
-parsing, the command's exit codes and JSON, the shipped plan examples (13B on one 24 GiB
-GPU, 70B on eight), and the plan checked against a real run.
+"""`cargohold plan`: the arithmetic on small configs. A worker's buffers, units in flight,
+gradients, temporaries and activations follow the layout and the worker settings; a
+state server's state, memory, files and checkpoints follow the tier planner. The
+cluster description and the checks are in test_plan_cluster.py, the command and the
+shipped examples in test_plan_cli.py, the plan against a real run in test_plan_run.py.
 
-Margins against a real run (test_plan_matches_a_real_run, test_worker_buffers_match_a_real_run):
-* worker buffers (TrainingWorker.resident_bytes: FSDP2 weight shards and exchange
-  buffers) and the bytes pushed and fetched per step: equal, no margin;
-* a state server's state per tier (12 B/element): equal once every partition sits in its
-  planned tier (partitions move after their next update; compared after 3 steps);
-* the memory its tiers hold (RAM tier + staging buffers, in the 4 KiB-aligned file
-  layout) and the NVMe bytes written per step: equal;
-* NVMe bytes read per step: at most the planned bytes and at least the planned bytes less
-  the staging buffers (partitions still staged from the previous step are not read).
 The device-side figures (units in flight, gradients in backward, temporaries,
 activations) are bounds and estimates; here only their arithmetic is tested.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
-from cargohold.cluster import cli
 from cargohold.cluster.config import TierConfig
-from cargohold.cluster.plan import (
-    EXIT_DOES_NOT_FIT,
-    ClusterDescription,
-    NodeGroup,
-    load_cluster,
-    plan_run,
-    render,
-)
-from cargohold.cluster.sizes import format_bytes, parse_size
-from cargohold.services.errors import ConfigError
+from cargohold.cluster.plan.description import ClusterDescription
+from cargohold.cluster.plan.render import render
+from cargohold.cluster.plan.run import plan_run
 from cargohold.services.layout import Layout
 from cargohold.services.model_setup import model_layout
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT
 from cargohold.services.tiers.storage import TieredStorage, tensor_source
+from tests.plans import nvme_tier
 from tests.reference import tiny_config
-
-REPO = Path(__file__).resolve().parents[1]
-GiB = 1 << 30
-
-NVME_TIER = {"ram_budget_bytes": 320 << 10, "partition_bytes": 64 << 10, "buffer_count": 3, "io_threads": 2}
-"""The bitwise NVMe contract test's tier: ~1.6 MiB of state, most of it on disk."""
-
-
-def _tier(tmp_path: Path, **overrides) -> dict:
-    return {**NVME_TIER, "nvme_paths": [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")], **overrides}
 
 
 def _layout(config) -> Layout:
@@ -72,45 +44,7 @@ def _exchange(layout: Layout, bytes_per_element: int, slots: int = 3) -> int:
     return slots * (-(-largest // 64) * 64) * bytes_per_element
 
 
-# --- sizes ---------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "text, expected",
-    [
-        ("24GiB", 24 << 30),
-        ("512MiB", 512 << 20),
-        ("1.5TB", 1_500_000_000_000),
-        ("100Gi", 100 << 30),
-        ("4096", 4096),
-        (" 2 kib ", 2048),
-        ("64k", 64_000),
-        ("1e3", 1000),
-        (1 << 40, 1 << 40),
-        ("0", 0),
-    ],
-)
-def test_parse_size(text, expected: int) -> None:
-    assert parse_size(text) == expected
-
-
-@pytest.mark.parametrize("text", ["24GB!", "GiB", "-1GiB", "1.5", "0.1KiB", "12 gigs", "", "1e400", True])
-def test_parse_size_refuses_with_a_clear_message(text) -> None:
-    with pytest.raises(ConfigError, match="--host-memory"):
-        parse_size(text, "--host-memory")
-
-
-def test_format_bytes() -> None:
-    assert [format_bytes(n) for n in (0, 1023, 1024, 1536, 33 << 30, int(37.1 * (1 << 30)), 3 << 40)] == [
-        "0 B",
-        "1023 B",
-        "1 KiB",
-        "1.5 KiB",
-        "33 GiB",
-        "37.1 GiB",
-        "3 TiB",
-    ]
-
-
-# --- the arithmetic ------------------------------------------------------------------------
+# --- a worker ------------------------------------------------------------------------------
 @pytest.mark.parametrize("num_workers", [1, 2, 4])
 def test_worker_buffers_follow_the_layout(num_workers: int) -> None:
     config = tiny_config(worker__num_workers=num_workers)
@@ -291,6 +225,7 @@ def test_activations_follow_an_hf_models_mlp(tmp_path: Path) -> None:
         assert plan.worker.activation_bytes == 3 * per_layer + tokens * 300 * (4 + 8), path.name
 
 
+# --- a state server ------------------------------------------------------------------------
 def test_all_state_in_ram_without_a_budget() -> None:
     plan = plan_run(tiny_config(state_server__num_servers=2))
     layout = _layout(tiny_config(state_server__num_servers=2))
@@ -306,7 +241,7 @@ def test_all_state_in_ram_without_a_budget() -> None:
 
 
 def test_nvme_holds_the_state_not_kept_in_ram(tmp_path: Path) -> None:
-    config = tiny_config(state_server__num_servers=2, state_server__tier=_tier(tmp_path))
+    config = tiny_config(state_server__num_servers=2, state_server__tier=nvme_tier(tmp_path))
     plan = plan_run(config)
     tier: TierConfig = config.state_server.tier
     for server in plan.servers:
@@ -322,7 +257,7 @@ def test_nvme_holds_the_state_not_kept_in_ram(tmp_path: Path) -> None:
         assert server.nvme_need_bytes == server.nvme_file_bytes + server.staging_bytes
         assert server.traffic.nvme_write_bytes == server.traffic.nvme_read_bytes == server.nvme_file_bytes
     bigger = plan_run(
-        tiny_config(state_server__num_servers=2, state_server__tier=_tier(tmp_path, ram_budget_bytes=640 << 10))
+        tiny_config(state_server__num_servers=2, state_server__tier=nvme_tier(tmp_path, ram_budget_bytes=640 << 10))
     )
     assert all(b.nvme_state_bytes < s.nvme_state_bytes for b, s in zip(bigger.servers, plan.servers))
 
@@ -330,7 +265,7 @@ def test_nvme_holds_the_state_not_kept_in_ram(tmp_path: Path) -> None:
 def test_the_plan_is_the_tier_storages_own(tmp_path: Path) -> None:
     """Register server 0's segments with a real TieredStorage (real files): its planner
     places the same bytes in each tier as the plan says."""
-    config = tiny_config(state_server__tier=_tier(tmp_path))
+    config = tiny_config(state_server__tier=nvme_tier(tmp_path))
     plan, layout = plan_run(config), _layout(config)
     storage = TieredStorage(config.state_server.tier, server_index=0)
     try:
@@ -351,30 +286,13 @@ def test_the_plan_is_the_tier_storages_own(tmp_path: Path) -> None:
     assert summary.staging_bytes == server.staging_bytes
 
 
-def test_render_shows_every_tier_and_the_verdict(tmp_path: Path) -> None:
-    config = tiny_config(state_server__tier=_tier(tmp_path))
-    text = render(plan_run(config, ClusterDescription(nvme_bytes=1 << 30)))
-    for needle in (
-        "Each worker",
-        "Each state server",
-        "state on NVMe",
-        "NVMe writes",
-        "push",
-        "fetch",
-        "activations (estimate)",
-        "fits          NVMe of state server 0",
-        "=> fits",
-    ):
-        assert needle in text, needle
-
-
 def test_checkpoints_are_planned_per_tier(tmp_path: Path) -> None:
     """All in RAM a checkpoint copies the state (its partition files' layout: 12 B/param
     plus headers and padding, of server RAM) and writes all of it; with the NVMe tier it
     writes only the RAM-resident partitions and hard-links the rest, copying nothing in
     RAM."""
     ram = plan_run(tiny_config(checkpoint__dir=str(tmp_path), checkpoint__keep_last=2))
-    tiered = plan_run(tiny_config(checkpoint__dir=str(tmp_path), state_server__tier=_tier(tmp_path)))
+    tiered = plan_run(tiny_config(checkpoint__dir=str(tmp_path), state_server__tier=nvme_tier(tmp_path)))
     off = plan_run(tiny_config())
     server = ram.servers[0]
     assert server.checkpoint_snapshot_bytes == server.checkpoint_bytes  # the copy is laid out like the files
@@ -388,355 +306,3 @@ def test_checkpoints_are_planned_per_tier(tmp_path: Path) -> None:
     text = render(ram)
     assert "RAM: checkpoint snapshot" in text and "holds up to 3 while one is saved" in text
     assert "hard-linked from the NVMe tier" in render(tiered)
-
-
-# --- fitting -------------------------------------------------------------------------------
-def test_checks_name_each_resource_and_its_shortfall(tmp_path: Path) -> None:
-    config = tiny_config(worker__device="cuda", state_server__tier=_tier(tmp_path))
-    plan = plan_run(config, ClusterDescription(device_memory_bytes=1 << 20, nvme_bytes=1 << 30))
-    verdicts = {c.resource: c for c in plan.checks}
-    device = verdicts["device memory per worker"]
-    assert device.fits is False and device.need == plan.worker.device_peak_bytes and "short" in device.reason
-    assert verdicts["NVMe of state server 0"].fits is True
-    host = next(c for c in plan.checks if c.resource.startswith("host RAM"))
-    assert host.fits is None and "--host-memory" in host.reason  # not given: not checked, not failed
-    assert not plan.fits
-    roomy = plan_run(config, ClusterDescription(device_memory_bytes=1 << 30, nvme_bytes=1 << 30))
-    assert roomy.fits
-
-
-def test_host_memory_counts_every_actor_on_a_node() -> None:
-    config = tiny_config(worker__num_workers=4, state_server__num_servers=2)
-    plan = plan_run(config)
-    worker, server = plan.worker.host_peak_bytes, max(s.ram_peak_bytes for s in plan.servers)
-    need = 4 * worker + 2 * server
-    one_node = plan_run(config, ClusterDescription(nodes=(NodeGroup(workers=4, servers=2, host_memory_bytes=need),)))
-    assert one_node.fits
-    short = plan_run(config, ClusterDescription(nodes=(NodeGroup(workers=4, servers=2, host_memory_bytes=need - 1),)))
-    assert not short.fits
-    spread = ClusterDescription(nodes=(NodeGroup(count=2, workers=2, servers=1),))
-    two = plan_run(config, spread)
-    assert two.transport == "mixed"  # streams to the other node: the server holds the streamed copies too
-    per_node = 2 * two.worker.host_peak_bytes + max(s.ram_peak_bytes for s in two.servers)
-    assert per_node < need
-    fitted = plan_run(
-        config, ClusterDescription(nodes=(NodeGroup(count=2, workers=2, servers=1, host_memory_bytes=per_node),))
-    )
-    assert fitted.fits
-    too_few = plan_run(config, ClusterDescription(nodes=(NodeGroup(count=1, workers=2, servers=2),)))
-    slots = {c.resource: c for c in too_few.checks}["worker slots"]
-    assert slots.fits is False and slots.need == 4 and slots.available == 2
-
-
-def test_load_cluster_from_yaml_and_flags(tmp_path: Path) -> None:
-    config = tiny_config(worker__num_workers=8, state_server__num_servers=2)
-    path = tmp_path / "cluster.yaml"
-    path.write_text(
-        "device_memory: 80GiB\nnvme: 100Gi\nhost_memory: 64GiB\nnodes:\n"
-        "  - {count: 1, workers: 8, host_memory: 480GiB}\n  - {count: 2, servers: 1}\n"
-    )
-    cluster = load_cluster(path, config=config)
-    assert cluster.device_memory_bytes == 80 << 30 and cluster.nvme_bytes == 100 << 30
-    assert cluster.nodes == (
-        NodeGroup(count=1, workers=8, servers=0, host_memory_bytes=480 << 30),
-        NodeGroup(count=2, workers=0, servers=1, host_memory_bytes=64 << 30),
-    )
-    flagged = load_cluster(path, config=config, nvme="2TiB")
-    assert flagged.nvme_bytes == 2 << 40
-    default = load_cluster(None, config=config, host_memory="256GiB")
-    assert default.nodes == (NodeGroup(workers=8, servers=2, host_memory_bytes=256 << 30),)
-
-
-@pytest.mark.parametrize(
-    "text, message",
-    [
-        ("device_memry: 1GiB\n", "unknown cluster key 'device_memry'"),
-        ("nodes:\n  - {count: 1, wokers: 2}\n", "unknown cluster key nodes[0].wokers"),
-        ("nodes:\n  - {count: two}\n", "nodes[0].count must be an integer"),
-        ("nvme: lots\n", "nvme (--nvme): cannot read 'lots'"),
-        ("- 1\n", "must hold a mapping"),
-        ("nodes: {count: 1}\n", "nodes must be a list"),
-        ("a: [\n", "not valid YAML"),
-    ],
-)
-def test_a_bad_cluster_file_is_refused(tmp_path: Path, text: str, message: str) -> None:
-    path = tmp_path / "cluster.yaml"
-    path.write_text(text)
-    with pytest.raises(ConfigError) as error:
-        load_cluster(path, config=tiny_config())
-    assert message in str(error.value)
-
-
-# --- the command ---------------------------------------------------------------------------
-@pytest.fixture
-def tiny_yaml(tmp_path: Path) -> Path:
-    path = tmp_path / "tiny.yaml"
-    path.write_text("model: {n_layer: 2, n_head: 2, n_embd: 64, block_size: 32}\ndata: {corpus_bytes: 100000}\n")
-    return path
-
-
-def test_cli_exits_0_when_it_fits(tiny_yaml: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["plan", "--config", str(tiny_yaml), "--host-memory", "1GiB"]) == 0
-    out = capsys.readouterr().out
-    assert "fits          host RAM per node" in out and "=> fits" in out
-
-
-def test_cli_exits_3_when_it_does_not_fit(tiny_yaml: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["plan", "--config", str(tiny_yaml), "--host-memory", "1MiB"]) == EXIT_DOES_NOT_FIT == 3
-    out = capsys.readouterr().out
-    assert "DOES NOT FIT  host RAM per node" in out and "=> does not fit" in out
-
-
-def test_cli_json(tiny_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = [
-        "plan",
-        "--config",
-        str(tiny_yaml),
-        "--json",
-        "--device-memory",
-        "1KiB",
-        "--nvme",
-        "1TB",
-        "--set",
-        "worker.device=cuda",
-        "--set",
-        "state_server.tier.ram_budget_bytes=327680",
-        "--set",
-        "state_server.tier.partition_bytes=65536",
-        "--set",
-        f"state_server.tier.nvme_paths=[{tmp_path / 'nvme'}]",
-    ]
-    assert cli.main(args) == 3
-    data = json.loads(capsys.readouterr().out)
-    expected = plan_run(*_cli_config(tiny_yaml, args))
-    assert data["fits"] is False
-    assert data["worker"]["buffers"] == expected.worker.buffers
-    assert data["worker"]["device_peak_bytes"] == expected.worker.device_peak_bytes
-    assert data["servers"][0]["nvme_file_bytes"] == expected.servers[0].nvme_file_bytes > 0
-    assert data["servers"][0]["ram_peak_bytes"] == expected.servers[0].ram_peak_bytes
-    checks = {c["resource"]: c for c in data["checks"]}
-    assert checks["device memory per worker"]["fits"] is False
-    assert checks["NVMe of state server 0"]["fits"] is True
-
-
-def _cli_config(path: Path, args: list[str]):
-    from cargohold.cluster.config import load_config
-
-    overrides = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
-    config = load_config(path, overrides)
-    return config, ClusterDescription(device_memory_bytes=1024, nvme_bytes=10**12)
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--host-memory", "24GB!"], "cannot read '24GB!' as a size"),
-        (["--device-memory", "eighty"], "--device-memory"),
-        (["--set", "optim.lrr=1"], "unknown config key 'optim.lrr'"),
-        (["--set", "state_server.num_servers=100000"], "use fewer state servers"),
-        (["--cluster", "/nonexistent/cluster.yaml"], "cannot read cluster file"),
-    ],
-)
-def test_cli_exits_2_on_a_bad_config(
-    tiny_yaml: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
-) -> None:
-    assert cli.main(["plan", "--config", str(tiny_yaml), *args]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("cargohold: bad configuration:") and message in err
-
-
-# --- the shipped examples (plans, no run) ----------------------------------------------------
-EXAMPLES = {
-    # config: (cluster flags, workers, parameters)
-    "examples/llama-13b-1gpu.yaml": (
-        ["--device-memory", "24GiB", "--host-memory", "256GiB", "--nvme", "2TiB"],
-        1,
-        13_015_864_320,
-    ),
-    "examples/llama-2-70b-8gpu.yaml": (
-        ["--device-memory", "24GiB", "--host-memory", "768GiB", "--nvme", "1TiB"],
-        8,
-        68_976_648_192,
-    ),
-}
-
-
-@pytest.fixture
-def at_the_repository_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The examples name their hf config folder relative to the repository root."""
-    pytest.importorskip("transformers")
-    monkeypatch.chdir(REPO)
-
-
-@pytest.mark.parametrize("path", EXAMPLES)
-def test_an_example_plan_fits_24_gib_gpus(
-    at_the_repository_root, path: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from cargohold.cluster.config import load_config
-
-    flags, workers, parameters = EXAMPLES[path]
-    assert cli.main(["plan", "--config", path, *flags]) == 0
-    out = capsys.readouterr().out
-    assert "\n=> fits\n" in out
-    config = load_config(path)
-    plan = plan_run(
-        config, load_cluster(None, config=config, device_memory="24GiB", host_memory=flags[3], nvme=flags[5])
-    )
-    w = plan.worker
-    assert plan.fits and plan.parameters == parameters and plan.num_workers == workers
-    assert w.device == "cuda" and w.offload and w.activation_checkpointing == "blocks"
-    assert w.device_bytes == 0 and w.device_peak_bytes < 20 * GiB  # headroom for the CUDA context and allocator
-    assert w.pinned_bytes == w.buffers["weights"] + w.buffers["exchange"]
-    # The optimizer state: 12 B/param, in part on NVMe.
-    assert sum(s.ram_state_bytes + s.nvme_state_bytes for s in plan.servers) == 12 * parameters
-    assert all(s.nvme_state_bytes > 0 for s in plan.servers)
-    # Each example needs its offload: without it the GPU is too small.
-    assert cli.main(["plan", "--config", path, *flags, "--set", "worker.offload_params=false"]) == EXIT_DOES_NOT_FIT
-    assert "DOES NOT FIT  device memory per worker" in capsys.readouterr().out
-    # docs/operations.md shows this very output.
-    docs = (REPO / "docs" / "operations.md").read_text()
-    assert f"$ cargohold plan --config {path} {' '.join(flags)}\n{out.rstrip()}\n```" in docs, (
-        "docs/operations.md shows another plan; paste the command's output"
-    )
-
-
-def test_the_example_figures(at_the_repository_root) -> None:
-    """The figures the examples' comments and the docs quote."""
-    from cargohold.cluster.config import load_config
-
-    def plan(path: str):
-        flags = EXAMPLES[path][0]
-        config = load_config(path)
-        return plan_run(
-            config, load_cluster(None, config=config, device_memory=flags[1], host_memory=flags[3], nvme=flags[5])
-        )
-
-    small, large = plan("examples/llama-13b-1gpu.yaml"), plan("examples/llama-2-70b-8gpu.yaml")
-    assert format_bytes(small.worker.buffers["weights"]) == "24.2 GiB"  # the bf16 weights: the whole GPU
-    assert format_bytes(small.worker.device_peak_bytes) == "11.4 GiB"
-    assert format_bytes(small.worker.activation_bytes) == "1.78 GiB"
-    assert format_bytes(large.worker.buffers["weights"]) == "16.1 GiB"  # 1/8 of the bf16 weights
-    assert format_bytes(large.worker.device_peak_bytes) == "15.1 GiB"
-    host = {c.resource: c for c in large.checks if c.resource.startswith("host RAM")}
-    assert [format_bytes(c.need) for c in host.values()] == ["475 GiB"]
-    assert format_bytes(small.worker.host_peak_bytes) == "31.6 GiB"  # shards + three unit-sized slots
-    assert format_bytes(sum(s.nvme_state_bytes for s in large.servers)) == "708 GiB"
-
-
-# --- against a real run ----------------------------------------------------------------------
-def _scrape(address: str) -> dict[tuple[str, frozenset], float]:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
-        families = text_string_to_metric_families(reply.read().decode())
-    return {(s.name, frozenset(s.labels.items())): s.value for f in families for s in f.samples}
-
-
-def _total(samples: dict, name: str, **labels: str) -> float:
-    """Sum of ``name`` over the samples whose labels include ``labels`` (an ``rpc`` prefix)."""
-    rpc = labels.pop("rpc", None)
-    return sum(
-        v
-        for (n, ls), v in samples.items()
-        if n == name
-        and all((k, x) in ls for k, x in labels.items())
-        and (rpc is None or dict(ls).get("rpc", "").startswith(rpc))
-    )
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("tiered", [False, True], ids=["all-ram", "nvme"])
-def test_plan_matches_a_real_run(ray_local, tmp_path: Path, tiered: bool) -> None:
-    from cargohold.cluster.launcher import TrainingSession
-    from cargohold.services.checkpoint import CheckpointDir
-
-    overrides = {"state_server__tier": _tier(tmp_path)} if tiered else {}
-    config = tiny_config(steps=5, checkpoint__dir=str(tmp_path / "checkpoints"), **overrides)
-    plan = plan_run(config)
-    server_plan = plan.servers[0]
-    assert (server_plan.nvme_state_bytes > 0) is tiered
-    assert (server_plan.checkpoint_snapshot_bytes > 0) is not tiered
-
-    with TrainingSession(config) as session:
-        assert session.worker_resident_bytes() == plan.worker.buffers  # both are buffer sizes: equal
-        targets = {(t.role, t.index): t.address for t in session.metrics_targets()}
-        for _ in range(3):
-            session.step()
-        server = session.servers[0]
-        by_tier = ray_get(server.__ray_call__.remote(lambda s: s.registry.bytes_by_tier()))
-        summary = ray_get(server.__ray_call__.remote(lambda s: s.registry.storage.summary()))
-        before = _scrape(targets[("state_server", 0)])
-        session.step()
-        session.step()
-        after = _scrape(targets[("state_server", 0)])
-        worker = _scrape(targets[("worker", 0)])
-        store = CheckpointDir(tmp_path / "checkpoints")
-        saved = session.checkpoint_finish(store, session.checkpoint_begin(store))
-
-    # One checkpoint: the files the plan counts, written or hard-linked as it says.
-    assert saved.written_bytes + saved.linked_bytes == server_plan.checkpoint_bytes
-    assert saved.written_bytes == server_plan.checkpoint_written_bytes
-    assert (saved.linked_bytes > 0) is tiered
-
-    # State per tier (12 B/element), once every partition reached its planned tier.
-    assert by_tier["ram"] == server_plan.ram_state_bytes
-    assert by_tier.get("nvme", 0) == server_plan.nvme_state_bytes
-    # Memory the tiers hold: resident partitions in file layout plus the staging buffers.
-    assert summary.ram_used_bytes == server_plan.ram_bytes
-    assert summary.planned_nvme_bytes == server_plan.nvme_file_bytes
-
-    steps, sent, received = 5, "cargohold_transport_sent_bytes_total", "cargohold_transport_received_bytes_total"
-    assert _total(worker, sent, rpc="PushGradient") == steps * plan.worker.traffic.push_bytes
-    assert _total(worker, received, rpc="FetchWeights") == steps * plan.worker.traffic.fetch_bytes
-    assert _total(after, received, rpc="PushGradient") == steps * server_plan.traffic.push_bytes
-    assert _total(after, sent, rpc="FetchWeights") == steps * server_plan.traffic.fetch_bytes
-
-    def per_step(name: str) -> float:
-        return (_total(after, name) - _total(before, name)) / 2
-
-    assert per_step("cargohold_tier_write_bytes_total") == server_plan.traffic.nvme_write_bytes
-    read = per_step("cargohold_tier_read_bytes_total")
-    planned = server_plan.traffic.nvme_read_bytes
-    assert planned - server_plan.staging_bytes <= read <= planned
-
-
-def ray_get(ref):
-    import ray
-
-    return ray.get(ref, timeout=60)
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(300)
-def test_worker_buffers_match_a_real_run(ray_local) -> None:
-    """bf16 weights and wire, 3 workers (uneven dim-0 shards: rank 0 holds the most),
-    checkpointed blocks kept gathered: every worker's buffers are at most the plan's,
-    rank 0's equal, and the bytes pushed and fetched are the plan's."""
-    from cargohold.cluster.launcher import TrainingSession, worker_env
-
-    config = tiny_config(
-        steps=2,
-        worker__num_workers=3,
-        worker__compute_dtype="bfloat16",
-        worker__grad_wire_dtype="bfloat16",
-        worker__activation_checkpointing="blocks",
-        worker__reshard_after_forward=False,
-    )
-    plan = plan_run(config)
-    with TrainingSession(config) as session:
-        resident = [ray_get(w.resident_bytes.remote()) for w in session.workers]
-        malloc = [
-            ray_get(w.__ray_call__.remote(lambda self: os.environ.get("MALLOC_MMAP_THRESHOLD_")))
-            for w in session.workers
-        ]
-        address = {(t.role, t.index): t.address for t in session.metrics_targets()}[("worker", 0)]
-        session.step()
-        session.step()
-        worker = _scrape(address)
-    assert resident[0] == plan.worker.buffers
-    assert malloc == [worker_env()["MALLOC_MMAP_THRESHOLD_"]] * 3  # FSDP2's unit buffers go back to the system
-    assert all(r["exchange"] == plan.worker.buffers["exchange"] for r in resident)
-    assert all(r["weights"] <= plan.worker.buffers["weights"] for r in resident)
-    assert resident[-1]["weights"] < resident[0]["weights"]  # the last rank's chunks run short
-    sent, received = "cargohold_transport_sent_bytes_total", "cargohold_transport_received_bytes_total"
-    assert _total(worker, sent, rpc="PushGradient") == 2 * plan.worker.traffic.push_bytes
-    assert _total(worker, received, rpc="FetchWeights") == 2 * plan.worker.traffic.fetch_bytes

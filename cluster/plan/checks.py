@@ -1,0 +1,128 @@
+"""The verdict per resource: what the plan needs of it against what the cluster has
+(worker and state-server slots, device memory per worker, host RAM per node, NVMe per
+state server), with the shortfall and a remedy when it does not fit."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.plan.description import ClusterDescription, NodeGroup
+from cargohold.cluster.plan.server import ServerPlan
+from cargohold.cluster.plan.worker import WorkerPlan
+from cargohold.cluster.sizes import format_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Check:
+    """One resource: what the run needs of it, what the cluster has, and the verdict."""
+
+    resource: str
+    need: int
+    available: int | None
+    fits: bool | None
+    """None: not checked (the cluster description does not say how much there is)."""
+    reason: str
+    unit: str = "bytes"
+
+
+def check_cluster(
+    config: TrainConfig,
+    cluster: ClusterDescription,
+    groups: Sequence[NodeGroup],
+    worker: WorkerPlan,
+    servers: Sequence[ServerPlan],
+) -> tuple[Check, ...]:
+    """One check per resource: the slots of ``groups`` against the config's counts, the
+    worker's device peak, each node group's host RAM, and each server's NVMe (with a RAM
+    budget only); a resource the cluster does not size is reported unchecked."""
+    checks = []
+    for role, want, have in (
+        ("worker slots", config.worker.num_workers, sum(g.count * g.workers for g in groups)),
+        ("state-server slots", config.state_server.num_servers, sum(g.count * g.servers for g in groups)),
+    ):
+        checks.append(
+            Check(
+                resource=role,
+                need=want,
+                available=have,
+                fits=have >= want,
+                unit="count",
+                reason=(
+                    f"the cluster has room for {have}"
+                    if have >= want
+                    else f"the config asks for {want} but the node groups hold {have}; add nodes or lower the count"
+                ),
+            )
+        )
+
+    if worker.device == "cuda":
+        settings = config.worker
+        remedies = [
+            *(["set worker.offload_params=true"] if not settings.offload_params else []),
+            *(["worker.activation_checkpointing=blocks"] if settings.activation_checkpointing == "off" else []),
+            *(["worker.compute_dtype=bfloat16"] if settings.compute_dtype == "float32" else []),
+            "add workers",
+            "lower data.batch_size or model.block_size",
+        ]
+        checks.append(
+            _check(
+                "device memory per worker",
+                worker.device_peak_bytes,
+                cluster.device_memory_bytes,
+                "--device-memory",
+                ", ".join(remedies[:-1]) + " or " + remedies[-1],
+            )
+        )
+    server_peak = max(s.ram_peak_bytes for s in servers)
+    for number, group in enumerate(groups, 1):
+        name = f"node group {number} ({group.count} x {group.workers} workers + {group.servers} servers)"
+        need = group.workers * worker.host_peak_bytes + group.servers * server_peak
+        checks.append(
+            _check(
+                f"host RAM per node, {name}",
+                need,
+                group.host_memory_bytes,
+                "--host-memory",
+                "set or lower state_server.tier.ram_budget_bytes, or spread the actors over more nodes",
+            )
+        )
+    if config.state_server.tier.ram_budget_bytes is not None:
+        for server in servers:
+            checks.append(
+                _check(
+                    f"NVMe of state server {server.index}",
+                    server.nvme_need_bytes,
+                    cluster.nvme_bytes,
+                    "--nvme",
+                    "free space, add state_server.tier.nvme_paths, or raise the RAM budget",
+                )
+            )
+    return tuple(checks)
+
+
+def _check(resource: str, need: int, available: int | None, flag: str, remedy: str) -> Check:
+    if available is None:
+        return Check(
+            resource=resource,
+            need=need,
+            available=None,
+            fits=None,
+            reason=f"not checked; give {flag} (or the cluster file) to check it",
+        )
+    if need <= available:
+        return Check(
+            resource=resource,
+            need=need,
+            available=available,
+            fits=True,
+            reason=f"{format_bytes(available - need)} to spare",
+        )
+    return Check(
+        resource=resource,
+        need=need,
+        available=available,
+        fits=False,
+        reason=f"{format_bytes(need - available)} short; {remedy}",
+    )

@@ -1,0 +1,112 @@
+"""The plan as a table in human units: each worker, each state server, the bytes per step
+and per checkpoint, and the verdict per resource."""
+
+from __future__ import annotations
+
+from cargohold.cluster.plan.run import RunPlan
+from cargohold.cluster.sizes import format_bytes
+
+_LABEL = 33
+"""Width of the row names in :func:`render`."""
+
+
+def render(plan: RunPlan) -> str:
+    """The plan as a table in human units."""
+    w, b = plan.worker, format_bytes
+    lines = [
+        f"cargohold plan: {plan.parameters:,} parameters ({plan.flat_elements:,} in the flat buffer), "
+        f"{plan.num_workers} worker{'s' * (plan.num_workers != 1)} on {w.device}, "
+        f"{plan.num_servers} state server{'s' * (plan.num_servers != 1)}",
+        f"  weights in {plan.compute_dtype}, gradients on the wire in {plan.grad_wire_dtype}, "
+        f"push/fetch over {plan.transport.replace('_', ' ')}",
+        "",
+        f"Each worker (rank 0, the largest shards; a {w.range_elements:,}-element range of the flat buffer)",
+        f"  FSDP2 units: root + {w.blocks} block{'s' * (w.blocks != 1)}"
+        + (", resharded after forward" if w.reshard_after_forward else ", gathered from forward to backward")
+        + f"; activation checkpointing {w.activation_checkpointing}"
+        + ("; weight shards offloaded to host RAM" if w.offload else ""),
+    ]
+    on = "GPU" if w.device == "cuda" else "host RAM"
+    host = "pinned host RAM" if w.device == "cuda" else "host RAM"
+    gathered = "root + 2 blocks" if w.reshard_after_forward else f"root + {w.blocks} blocks"
+    rows = [
+        *([] if w.offload else [("weight shards", w.buffers["weights"], on)]),
+        (f"{gathered} gathered (bound)", w.gathered_bytes, on),
+        ("gradients in backward (bound)", w.gradient_bytes, on),
+        ("per-step temporaries (bound)", w.transient_bytes, on),
+        ("activations (estimate)", w.activation_bytes, on),
+        ("= compute device total", w.device_peak_bytes, on),
+        *([("weight shards (offloaded)", w.buffers["weights"], host)] if w.offload else []),
+        ("exchange buffers", w.buffers["exchange"], "host RAM, shared" if w.shared_memory_bytes else host),
+        *([("offload: gradient copies", w.host_transient_bytes, "host RAM")] if w.offload else []),
+        ("corpus", w.corpus_bytes, "host RAM"),
+        ("while training", w.host_bytes, "host RAM"),
+        ("while starting", w.startup_host_bytes, "host RAM"),
+        ("= host peak", w.host_peak_bytes, "host RAM"),
+    ]
+    lines += [f"  {name:<{_LABEL}} {b(n):>10}  {where}" for name, n, where in rows]
+
+    names = [f"server {s.index}" for s in plan.servers]
+    lines += ["", f"{'Each state server':<{_LABEL + 2}}" + "".join(f"{n:>12}" for n in names)]
+    server_rows = [
+        ("state in RAM (12 B/param)", lambda s: s.ram_state_bytes),
+        ("state on NVMe", lambda s: s.nvme_state_bytes),
+        ("RAM: resident partitions", lambda s: s.ram_resident_bytes),
+        ("RAM: staging buffers", lambda s: s.staging_bytes),
+        ("RAM: step gradients", lambda s: s.gradient_bytes),
+        ("RAM: update temporaries", lambda s: s.update_temp_bytes),
+        ("RAM: weights to fetch", lambda s: s.weights_bytes),
+        ("RAM: checkpoint snapshot", lambda s: s.checkpoint_snapshot_bytes),
+        ("= RAM peak", lambda s: s.ram_peak_bytes),
+        ("NVMe files", lambda s: s.nvme_file_bytes),
+        ("NVMe + writes in flight", lambda s: s.nvme_need_bytes),
+    ]
+    lines += [f"  {name:<{_LABEL}}" + "".join(f"{b(get(s)):>12}" for s in plan.servers) for name, get in server_rows]
+    lines.append(
+        f"  {'partitions (on NVMe)':<{_LABEL}}"
+        + "".join(f"{f'{s.partitions} ({s.partitions_on_nvme})':>12}" for s in plan.servers)
+    )
+
+    t = w.traffic
+    lines += [
+        "",
+        "Per step",
+        f"  each worker: reduce-scatter {b(t.reduce_scatter_bytes)}, all-gather {b(t.all_gather_bytes)} "
+        f"(ring), push {b(t.push_bytes)}, fetch {b(t.fetch_bytes)}",
+    ]
+    lines += [
+        f"  server {s.index}: receives {b(s.traffic.push_bytes)}, sends {b(s.traffic.fetch_bytes)}"
+        + (
+            f", NVMe writes {b(s.traffic.nvme_write_bytes)} and reads <= {b(s.traffic.nvme_read_bytes)}"
+            if s.traffic.nvme_write_bytes
+            else ""
+        )
+        for s in plan.servers
+    ]
+
+    if any(s.checkpoint_bytes for s in plan.servers):
+        total = sum(s.checkpoint_bytes for s in plan.servers)
+        written = sum(s.checkpoint_written_bytes for s in plan.servers)
+        kept = plan.checkpoint_keep_last
+        lines += [
+            "",
+            "Per checkpoint",
+            f"  files {b(total)}: written {b(written)}, hard-linked from the NVMe tier {b(total - written)}",
+            f"  checkpoint.dir holds up to {kept + 1} while one is saved: {b((kept + 1) * total)}"
+            + (
+                "; on the tier's filesystem the linked files stop being shared once the tier writes newer versions"
+                if written < total
+                else ""
+            ),
+        ]
+
+    lines += ["", "Fits"]
+    for c in plan.checks:
+        verdict = {True: "fits", False: "DOES NOT FIT", None: "unchecked"}[c.fits]
+        need = f"{c.need}" if c.unit == "count" else b(c.need)
+        have = "?" if c.available is None else (f"{c.available}" if c.unit == "count" else b(c.available))
+        lines.append(f"  {verdict:<13} {c.resource}: {need} of {have} ({c.reason})")
+    lines.append("")
+    lines.append("=> fits" if plan.fits else "=> does not fit")
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

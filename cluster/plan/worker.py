@@ -1,0 +1,213 @@
+"""One worker's plan: the buffers it holds between steps, what a step adds on its device
+and in host memory, and the bytes it moves.
+
+A worker's memory follows FSDP2 (ZeRO-3): between steps it holds its 1/W shards (on the
+device, or in pinned host memory with ``worker.offload_params``) and its exchange
+buffers (host memory). During a step the device also holds, at most, the root unit
+(embeddings, final norm, head: gathered from forward to backward) and two blocks (the
+one computed and the one FSDP2 prefetches; every block with
+``worker.reshard_after_forward: false``) unsharded in the compute dtype, the all-gather
+buffer of the unit arriving, the root's gradients (reduced only when backward ends) and
+one unit's unsharded gradients with FSDP2's reduce-scatter input and output (wire
+dtype), and the activations (all of them, or with ``worker.activation_checkpointing:
+blocks`` each block's input plus one block's recomputed activations; see
+:mod:`.activations`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.plan.itemsize import DTYPE_BYTES, FP32_BYTES
+from cargohold.services.layout import Layout
+from cargohold.services.state_port import exchange_nbytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerTraffic:
+    """Bytes one worker moves per step."""
+
+    reduce_scatter_bytes: int
+    """Sent by each worker reducing every unit's gradients (ring: (W-1)/W of each unit's
+    padded size, wire dtype)."""
+    all_gather_bytes: int
+    """Sent by each worker gathering the units (ring: (W-1)/W of each unit, compute
+    dtype): every unit in forward, the blocks again in backward when resharded."""
+    push_bytes: int
+    """Its range of the gradients, to the state servers, in the wire dtype."""
+    fetch_bytes: int
+    """Its range of the weights, from the state servers, in the compute dtype."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerPlan:
+    """One worker: rank 0, which holds the most of FSDP2's uneven dim-0 shards."""
+
+    device: str
+    """Where it computes: "cuda" or "cpu" (then its device memory is host memory)."""
+    offload: bool
+    """Its weight shards live in host memory (``worker.offload_params`` on a GPU)."""
+    buffers: dict[str, int]
+    """What it holds between steps, keyed as ``TrainingWorker.resident_bytes()``: its FSDP2
+    weight shards (compute dtype) and its exchange buffers (slots of the largest unit's
+    gradients in the wire dtype and weights in the compute dtype; with the delayed update
+    also ``range_elements`` weights)."""
+    range_elements: int
+    """Elements of its range of the flat space (``layout.worker_size``)."""
+    blocks: int
+    """Transformer blocks, each one FSDP2 unit (the root is one more)."""
+    reshard_after_forward: bool
+    """``worker.reshard_after_forward``: blocks are gathered again for backward."""
+    gathered_bytes: int
+    """Units unsharded at once on the device, in the compute dtype (upper bound): the root,
+    the block computed and the one prefetched (every block without
+    ``reshard_after_forward``), and the all-gather buffer of the unit arriving."""
+    gradient_bytes: int
+    """Gradients on the device during backward (upper bound): the root's unsharded
+    gradients (reduced when backward ends) plus the larger of a block's unsharded
+    gradients with its reduce-scatter input and output (wire dtype) and the root's
+    reduce-scatter input and output. None persists: reduced gradients are copied to the
+    exchange buffer and dropped."""
+    transient_bytes: int
+    """Other per-step temporaries on the device (upper bound): the fp64 copy of a unit's
+    reduced gradient for the norm, its cast to the weights' dtype when the wire dtype
+    differs, and with offload the shards of the two units in flight copied in."""
+    activation_bytes: int
+    """Estimate (see activation_bytes_estimate)."""
+    activation_checkpointing: str
+    """``worker.activation_checkpointing``: "off" or "blocks"."""
+    pinned_bytes: int
+    """Pinned host memory (GPU only): the exchange buffers and the offloaded weight shards."""
+    shared_memory_bytes: int
+    """Host memory a CPU worker shares with a state server on its node (its exchange
+    buffers, a sealed memfd: host RAM, not /dev/shm)."""
+    host_transient_bytes: int
+    """Host memory a step needs beyond the buffers: with offload, FSDP2's host copy of
+    one unit's reduced gradient (dropped at once)."""
+    corpus_bytes: int
+    """Training text in host memory (at most data.corpus_bytes)."""
+    startup_host_bytes: int
+    """Host memory while it starts: the buffers held in host memory, one module's full
+    fp32 initial values and one unit's fp32 initial chunk (registered with the servers a
+    unit at a time); the model itself is only ever built on the meta device."""
+    traffic: WorkerTraffic
+
+    @property
+    def device_bytes(self) -> int:
+        """Resident on the compute device between steps: the weight shards unless offloaded."""
+        return 0 if self.offload else self.buffers["weights"]
+
+    @property
+    def device_peak_bytes(self) -> int:
+        return (
+            self.device_bytes + self.gathered_bytes + self.gradient_bytes + self.transient_bytes + self.activation_bytes
+        )
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory while training: the exchange buffers, offloaded shards, temporaries
+        and corpus; on a CPU also everything the device total counts."""
+        on_host = self.device_peak_bytes if self.device == "cpu" else 0
+        offloaded = self.buffers["weights"] if self.offload else 0
+        return on_host + self.buffers["exchange"] + offloaded + self.host_transient_bytes + self.corpus_bytes
+
+    @property
+    def host_peak_bytes(self) -> int:
+        return max(self.host_bytes, self.startup_host_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class _UnitSize:
+    """One FSDP2 unit in elements: its parameters, and its padded chunk on each worker
+    (dim 0 split in ``ceil(rows / W)`` rows: the reduce-scatter output; ``W`` times it is
+    the all-gather output and the reduce-scatter input)."""
+
+    numel: int
+    chunk: int
+
+
+def _unit_sizes(layout: Layout) -> list[_UnitSize]:
+    return [
+        _UnitSize(
+            numel=sum(s.numel for s in layout.group_params(g.index)),
+            chunk=sum(s.slot_numel for s in layout.group_params(g.index)),
+        )
+        for g in layout.groups
+    ]
+
+
+def plan_worker(
+    config: TrainConfig, layout: Layout, model: torch.nn.Module, device: str, transport: str, activations: int
+) -> WorkerPlan:
+    """Rank 0 of ``layout`` computing on ``device`` ("cuda" or "cpu"), exchanging with the
+    state servers over ``transport``; ``activations`` is the activation estimate."""
+    settings = config.worker
+    compute = DTYPE_BYTES[settings.compute_dtype]
+    wire = DTYPE_BYTES[settings.grad_wire_dtype]
+    world = layout.num_workers
+    offload = settings.offload_params and device == "cuda"
+    # FSDP2's local shards, in the compute dtype; rank 0 holds the most (the last ranks'
+    # dim-0 chunks run short or empty).
+    weights = sum(slot.local_numel(0) for slot in layout.params) * compute
+    exchange = exchange_nbytes(
+        layout.largest_group,
+        wire,
+        compute,
+        slots=settings.exchange_slots,
+        held_numel=layout.worker_size if settings.delayed_update else 0,
+    )
+    units = _unit_sizes(layout)
+    root, blocks = units[0], units[1:]
+    if settings.reshard_after_forward:  # the block computed and the one prefetched
+        in_flight = sum(sorted((u.numel for u in blocks), reverse=True)[:2])
+    else:  # every block stays gathered from its forward to its backward
+        in_flight = sum(u.numel for u in blocks)
+    gather_buffer = max(world * u.chunk for u in units) if world > 1 else 0  # none to gather alone
+    gathered = (root.numel + in_flight + gather_buffer) * compute
+
+    def reduce_scatter(unit: _UnitSize) -> int:  # FSDP2's input (W chunks) and output, wire dtype
+        return (world + 1) * unit.chunk * wire
+
+    gradients = root.numel * compute + max(
+        max(u.numel * compute + reduce_scatter(u) for u in blocks), reduce_scatter(root)
+    )
+    chunk = max(u.chunk for u in units)
+    transient = chunk * 8 + (chunk * compute if wire != compute else 0) + (2 * chunk * compute if offload else 0)
+
+    on_host = weights if offload or device == "cpu" else 0
+    one_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    startup = (
+        exchange
+        + on_host
+        + config.data.corpus_bytes
+        + one_module * FP32_BYTES
+        + max(g.stop - g.start for g in layout.groups) * FP32_BYTES
+    )
+    gathers = sum(u.chunk for u in units) + (sum(u.chunk for u in blocks) if settings.reshard_after_forward else 0)
+    return WorkerPlan(
+        device=device,
+        offload=offload,
+        buffers={"weights": weights, "exchange": exchange},
+        range_elements=layout.worker_size,
+        blocks=len(blocks),
+        reshard_after_forward=settings.reshard_after_forward,
+        gathered_bytes=gathered,
+        gradient_bytes=gradients,
+        transient_bytes=transient,
+        activation_bytes=activations,
+        activation_checkpointing=settings.activation_checkpointing,
+        pinned_bytes=exchange + (weights if offload else 0) if device == "cuda" else 0,
+        shared_memory_bytes=exchange if transport != "grpc" else 0,
+        host_transient_bytes=chunk * compute if offload else 0,
+        corpus_bytes=config.data.corpus_bytes,
+        startup_host_bytes=startup,
+        traffic=WorkerTraffic(
+            reduce_scatter_bytes=(world - 1) * sum(u.chunk for u in units) * wire,
+            all_gather_bytes=(world - 1) * gathers * compute,
+            push_bytes=layout.worker_size * wire,
+            fetch_bytes=layout.worker_size * compute,
+        ),
+    )
