@@ -20,8 +20,7 @@ import torch
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.layout import Segment
 from cargohold.services.metrics import WorkerMetrics
-from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
-from cargohold.services.staging import GradientStaging
+from cargohold.services.segment_state import GradientStaging, SegmentRegistry, SegmentSpec
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.shm import SharedRegion
 

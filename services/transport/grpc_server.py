@@ -27,8 +27,7 @@ from cargohold.services.errors import (
     UnknownShardError,
 )
 from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.segment_state import SegmentRegistry, SegmentState, UpdateOutcome
-from cargohold.services.staging import GradientStaging
+from cargohold.services.segment_state import GradientStaging, SegmentRegistry, SegmentState, UpdateOutcome
 from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
 from cargohold.services.transport.codec import (
     DEFAULT_CHUNK_BYTES,
