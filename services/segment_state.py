@@ -24,8 +24,10 @@ from cargohold.services.errors import (
     UnknownShardError,
 )
 from cargohold.services.optim import AdamWHyperParams, clip_coefficient
+from cargohold.services.tiers.preserve import PreservedPartition
 from cargohold.services.tiers.residency import PartitionKey, Residency
-from cargohold.services.tiers.storage import PreservedPartition, StateSource, TieredStorage, tensor_source
+from cargohold.services.tiers.source import StateSource, tensor_source
+from cargohold.services.tiers.storage import TieredStorage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -16,7 +16,8 @@ from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
 from cargohold.services.tiers.fileformat import ARRAYS
-from cargohold.services.tiers.storage import TieredStorage, tensor_source
+from cargohold.services.tiers.source import tensor_source
+from cargohold.services.tiers.storage import TieredStorage
 
 
 def random_data(total: int, seed: int) -> dict[str, torch.Tensor]:

@@ -23,7 +23,8 @@ from cargohold.services.layout import Layout
 from cargohold.services.model_setup import model_layout
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT
-from cargohold.services.tiers.storage import TieredStorage, tensor_source
+from cargohold.services.tiers.source import tensor_source
+from cargohold.services.tiers.storage import TieredStorage
 from tests.plans import nvme_tier
 from tests.reference import tiny_config
 

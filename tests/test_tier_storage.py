@@ -40,7 +40,8 @@ from cargohold.services.state_server import StateServer
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.nvme import check_free_space
 from cargohold.services.tiers.residency import Residency
-from cargohold.services.tiers.storage import TieredStorage, tensor_source
+from cargohold.services.tiers.source import tensor_source
+from cargohold.services.tiers.storage import TieredStorage
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
 from cargohold.services.transport.grpc_server import GrpcStateServer
 

@@ -37,9 +37,8 @@ from cargohold.services.errors import CheckpointError, TierError
 from cargohold.services.reshard import Run
 from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState
 from cargohold.services.tiers.fileformat import ARRAYS
-from cargohold.services.tiers.preserve import PendingWrite
+from cargohold.services.tiers.preserve import PendingWrite, PreservedPartition
 from cargohold.services.tiers.residency import PartitionKey
-from cargohold.services.tiers.storage import PreservedPartition
 
 logger = logging.getLogger(__name__)
 

@@ -165,3 +165,26 @@ def _copy_range(source: int, target: int, nbytes: int) -> None:
         if done <= 0:
             raise OSError(errno.EIO, f"the file ended after {offset} of {nbytes} bytes")
         offset += done
+
+
+@dataclass(frozen=True, slots=True)
+class PreservedPartition:
+    """A partition file :meth:`TieredStorage.preserve` put into a directory."""
+
+    key: PartitionKey
+    name: str
+    start: int
+    """First element of the partition within its shard."""
+    stop: int
+    nbytes: int
+    checksum: int | None
+    """The header's CRC-32C, which covers the checksums of the arrays (see
+    :meth:`.fileformat.PartitionHeader.checksum`); for a RAM partition, that of the
+    header its pending write returns."""
+    pending: PendingCopy | PendingWrite | None
+    """The copy or write still to run; None for a hard link."""
+
+    @property
+    def how(self) -> str:
+        """ "linked", "copied" or "written"."""
+        return {type(None): "linked", PendingCopy: "copied", PendingWrite: "written"}[type(self.pending)]

@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
@@ -34,10 +33,11 @@ from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path
 from cargohold.services.tiers.partitions import elements_per_partition, split_segment
 from cargohold.services.tiers.pipeline import StreamReport, stream_update
 from cargohold.services.tiers.planner import PartitionDemand, TierPlan, plan_tiers, stream_order
-from cargohold.services.tiers.preserve import PendingCopy, PendingWrite, link_or_pin
+from cargohold.services.tiers.preserve import PendingCopy, PendingWrite, PreservedPartition, link_or_pin
 from cargohold.services.tiers.ram import RamTier
 from cargohold.services.tiers.report import PartitionRow, TierSummary
 from cargohold.services.tiers.residency import PartitionKey, Residency
+from cargohold.services.tiers.source import StateSource, source_piece
 from cargohold.services.tiers.tier import (
     NullObserver,
     Partition,
@@ -49,29 +49,6 @@ from cargohold.services.tiers.tier import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class PreservedPartition:
-    """A partition file :meth:`TieredStorage.preserve` put into a directory."""
-
-    key: PartitionKey
-    name: str
-    start: int
-    """First element of the partition within its shard."""
-    stop: int
-    nbytes: int
-    checksum: int | None
-    """The header's CRC-32C, which covers the checksums of the arrays (see
-    :meth:`.fileformat.PartitionHeader.checksum`); for a RAM partition, that of the
-    header its pending write returns."""
-    pending: PendingCopy | PendingWrite | None
-    """The copy or write still to run; None for a hard link."""
-
-    @property
-    def how(self) -> str:
-        """ "linked", "copied" or "written"."""
-        return {type(None): "linked", PendingCopy: "copied", PendingWrite: "written"}[type(self.pending)]
 
 
 class TieredStorage:
@@ -154,7 +131,7 @@ class TieredStorage:
                 created: list[Future[None]] = []
                 try:
                     for part in parts:
-                        master, moments = _source_piece(source, part, segment_id)
+                        master, moments = source_piece(source, part, segment_id)
                         if part.residency is Residency.RAM:
                             arrays = resident[part.key]
                             arrays.master.copy_(master)
@@ -470,34 +447,6 @@ class TieredStorage:
             self._io.shutdown()
         if self._nvme is not None:
             self._nvme.remove_runs()
-
-
-StateSource = Callable[[int, int], tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]]
-"""Elements ``[start, stop)`` of a shard -> fp32 master weights and (exp_avg, exp_avg_sq),
-or None for zero moments. They are copied before the next call, so a source may hand out
-views of one reused scratch buffer."""
-
-
-def tensor_source(initial: torch.Tensor, moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> StateSource:
-    """A :data:`StateSource` over whole-shard tensors."""
-
-    def piece(start: int, stop: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        return initial[start:stop], None if moments is None else (moments[0][start:stop], moments[1][start:stop])
-
-    return piece
-
-
-def _source_piece(
-    source: StateSource, part: Partition, segment_id: int
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    master, moments = source(part.span.start, part.span.stop)
-    for name, array in zip(ARRAYS, (master, *(moments or ()))):
-        if array.dtype != torch.float32 or array.shape != (part.span.numel,):
-            raise ValueError(
-                f"shard {segment_id}: the {name} source gave {array.dtype} of shape "
-                f"{tuple(array.shape)} for {part.key}, expected float32 ({part.span.numel},)"
-            )
-    return master, moments
 
 
 def _then(future: Future[None], then: Callable[[BaseException | None], None], *, swallow: bool = False) -> Future[None]:
