@@ -31,12 +31,12 @@ from cargohold.services.segment_state import GradientStaging, SegmentRegistry, S
 from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
 from cargohold.services.transport.codec import (
     DEFAULT_CHUNK_BYTES,
-    MAX_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
     SERVICE_NAME,
     ChecksumError,
     TensorAssembler,
     byte_chunks,
+    check_chunk_bytes,
     dtype_from_proto,
     fill_chunk,
     partition_row_to_proto,
@@ -212,9 +212,8 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             self._admit(request.key.run_id)
             state = self._registry.get(request.key.run_id, request.key.shard_id)
             dtype = dtype_from_proto(request.dtype)
-            chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES
-            if chunk_bytes > MAX_CHUNK_BYTES:
-                raise InvalidTensorError(f"chunk_bytes must be <= {MAX_CHUNK_BYTES}, got {chunk_bytes}")
+            chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES  # 0: the server's choice
+            check_chunk_bytes(chunk_bytes)
             if request.HasField("shm"):  # written straight into the worker's weight shard
                 region = self._regions.open(request.shm.path, request.key.run_id)
                 target = region.tensor(WIRE_DTYPES[dtype], request.shm.byte_offset, state.spec.numel)
