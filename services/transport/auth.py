@@ -1,11 +1,18 @@
 """Who may call a state server: a shared bearer token in call metadata, checked by a
 server interceptor, and optional mutual TLS. Health checks stay open so orchestrators
-can probe liveness without the secret; they reveal nothing and change nothing."""
+can probe liveness without the secret; they reveal nothing and change nothing.
+
+A call without the token is refused before gRPC reads any of its body. The interceptor
+sees only the method and the metadata; what gRPC reads next depends on the handler it
+returns: for a handler taking one request it receives and parses the whole message
+(up to the 32 MiB limit) before the handler runs, for a streaming one nothing until the
+handler asks. So the refusal is always a streaming handler that never asks.
+"""
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,20 +81,19 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         offered = dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA_KEY, "")
         if hmac.compare_digest(offered.encode(), self._expected):
             return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
-        return _refusal(handler, "missing or wrong auth token" if offered else "no auth token")
+        # Not continuation(): a refused call goes no further, not even to find its handler.
+        return refusal(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token" if offered else "no auth token")
 
 
-def _refusal(handler: grpc.RpcMethodHandler | None, reason: str) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming shape that aborts with UNAUTHENTICATED."""
+def refusal(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+    """A handler that ends any call with ``code`` before reading its body.
 
-    def abort(_request, context: grpc.ServicerContext):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+    Streaming on both sides whatever the method's shape: gRPC reads no request message
+    for a streaming handler until it asks for one, and a client of any shape sees only
+    the status, since no message is sent.
+    """
 
-    if handler is None or not (handler.request_streaming or handler.response_streaming):
-        return grpc.unary_unary_rpc_method_handler(abort)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort)
-    return grpc.unary_stream_rpc_method_handler(abort)
+    def abort(_requests: Iterator[bytes], context: grpc.ServicerContext) -> None:
+        context.abort(code, details)  # raises: the call ends here
+
+    return grpc.stream_stream_rpc_method_handler(abort)
