@@ -7,11 +7,15 @@ them.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_transport import (
     G1,
     G2,
@@ -25,6 +29,7 @@ from test_transport import (
     _chunks,
     _fetch_raw,
     _header,
+    _key,
     _observe,
     _push_raw,
     _spec,
@@ -33,12 +38,20 @@ from test_transport import (
 )
 
 from cargohold.services.errors import InvalidTensorError
-from cargohold.services.transport.codec import MIN_CHUNK_BYTES, fill_chunk
+from cargohold.services.transport.codec import MIN_CHUNK_BYTES, SERVICE_NAME, fill_chunk
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.v1 import state_server_pb2 as pb
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 Code = grpc.StatusCode
+RPC_THREADS = 8
+"""GrpcStateServer's default handler threads."""
+STALL_S = 30.0
+"""How long a stalled caller of these tests would wait at most."""
+PROBE_S = 5.0
+"""A probe's deadline: it is answered in milliseconds when it is answered at all."""
+QUEUED_S = 2.0
+"""How long a call that should wait for a thread is given to show it does."""
 
 
 @pytest.fixture
@@ -78,3 +91,53 @@ def test_pushed_chunks_below_the_minimum_are_refused_but_a_short_last_one_is_not
 def test_the_client_refuses_a_chunk_size_below_the_minimum() -> None:
     with pytest.raises(InvalidTensorError, match=f"between {MIN_CHUNK_BYTES} and"):
         StateServerClient("127.0.0.1:1", chunk_bytes=MIN_CHUNK_BYTES - 1)
+
+
+# ---------------------------------------------------------------- stalled calls
+
+
+@contextmanager
+def _stalled_pushes(s: Served, count: int) -> Iterator[list[grpc.Future]]:
+    """``count`` pushes that send their header and then nothing, until the block ends."""
+    release = threading.Event()
+
+    def body() -> Iterator[pb.PushGradientRequest]:
+        yield _header()
+        release.wait(STALL_S)
+
+    calls = [s.stub.PushGradient.future(body(), timeout=STALL_S) for _ in range(count)]
+    try:
+        yield calls
+    finally:
+        release.set()
+        for call in calls:
+            with suppress(grpc.RpcError):  # the stream ends short of its bytes: refused
+                call.result(timeout=STALL_S)
+
+
+def _wait_until_threads_held(s: Served) -> None:
+    """Until a state-server call has to wait for a thread: every handler thread is taken
+    (the stalled calls may reach the server after the first probe)."""
+    give_up = time.monotonic() + STALL_S / 2
+    while time.monotonic() < give_up:
+        try:
+            s.stub.DescribeShard(pb.DescribeShardRequest(key=_key()), timeout=QUEUED_S)
+        except grpc.RpcError as error:
+            assert error.code() == Code.DEADLINE_EXCEEDED
+            return
+        time.sleep(0.1)
+    raise AssertionError("the stalled calls never held every handler thread")
+
+
+def test_health_is_answered_while_every_handler_thread_is_held(stepped: Served) -> None:
+    # Before: health checks queued behind the stalled calls on the same pool and timed
+    # out, so a liveness probe would have killed a server that was merely busy.
+    with _stalled_pushes(stepped, RPC_THREADS):
+        _wait_until_threads_held(stepped)
+        health = health_pb2_grpc.HealthStub(stepped.channel)
+        for service in ("", SERVICE_NAME):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=PROBE_S)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=PROBE_S)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()

@@ -2,17 +2,15 @@
 server interceptor, and optional mutual TLS. Health checks stay open so orchestrators
 can probe liveness without the secret; they reveal nothing and change nothing.
 
-A call without the token is refused before gRPC reads any of its body. The interceptor
-sees only the method and the metadata; what gRPC reads next depends on the handler it
-returns: for a handler taking one request it receives and parses the whole message
-(up to the 32 MiB limit) before the handler runs, for a streaming one nothing until the
-handler asks. So the refusal is always a streaming handler that never asks.
+A call without the token is refused before gRPC reads any of its body (see
+:func:`~cargohold.services.transport.limits.refusal`), on the server's quick pool.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import grpc
 
 from cargohold.cluster.config import SecurityConfig
 from cargohold.services.errors import ConfigError
+from cargohold.services.transport.limits import refusal
 
 AUTH_METADATA_KEY = "authorization"
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
@@ -68,12 +67,14 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Rejects every call but health checks unless it carries ``Bearer <token>``."""
+    """Rejects every call but health checks unless it carries ``Bearer <token>``; the
+    refusals run on ``quick`` (the server's pool when None)."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, quick: ThreadPoolExecutor | None = None) -> None:
         if not token:
             raise ConfigError("the auth token must not be empty")
         self._expected = f"Bearer {token}".encode()
+        self._quick = quick
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
         if handler_call_details.method in OPEN_METHODS:
@@ -82,18 +83,5 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         if hmac.compare_digest(offered.encode(), self._expected):
             return continuation(handler_call_details)
         # Not continuation(): a refused call goes no further, not even to find its handler.
-        return refusal(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token" if offered else "no auth token")
-
-
-def refusal(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
-    """A handler that ends any call with ``code`` before reading its body.
-
-    Streaming on both sides whatever the method's shape: gRPC reads no request message
-    for a streaming handler until it asks for one, and a client of any shape sees only
-    the status, since no message is sent.
-    """
-
-    def abort(_requests: Iterator[bytes], context: grpc.ServicerContext) -> None:
-        context.abort(code, details)  # raises: the call ends here
-
-    return grpc.stream_stream_rpc_method_handler(abort)
+        reason = "missing or wrong auth token" if offered else "no auth token"
+        return refusal(grpc.StatusCode.UNAUTHENTICATED, reason, self._quick)

@@ -45,6 +45,7 @@ from cargohold.services.transport.codec import (
     spec_to_proto,
     tier_summary_to_proto,
 )
+from cargohold.services.transport.limits import QUICK_THREADS, OnPoolServicer
 from cargohold.services.transport.shm import RegionCache
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
@@ -339,11 +340,14 @@ class GrpcStateServer:
         tls: TlsFiles | None = None,
     ) -> None:
         """``run_id``: the one run it serves (its token is that run's); ``auth_token``:
-        calls must carry it (health checks excepted); ``tls``: serve mutual TLS only."""
+        calls must carry it (health checks excepted); ``tls``: serve mutual TLS only.
+        ``max_workers`` threads run the state-server calls; health checks and refusals
+        run on threads of their own, so that a probe is answered while all are busy."""
         self.servicer = StateServerServicer(registry, metrics, run_id)
+        self._quick = futures.ThreadPoolExecutor(max_workers=QUICK_THREADS, thread_name_prefix="state-server-quick")
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="state-server-rpc"),
-            interceptors=[TokenAuthInterceptor(auth_token)] if auth_token is not None else [],
+            interceptors=[TokenAuthInterceptor(auth_token, self._quick)] if auth_token is not None else [],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -351,7 +355,7 @@ class GrpcStateServer:
         )
         pb_grpc.add_StateServerServicer_to_server(self.servicer, self._server)
         self._health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(OnPoolServicer(self._health, self._quick), self._server)
         target = f"{host}:{port}"
         bound = (
             self._server.add_secure_port(target, tls.server_credentials())
@@ -371,4 +375,5 @@ class GrpcStateServer:
     def stop(self, grace: float = 1.0) -> None:
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        self._quick.shutdown()
         self.servicer.close()
