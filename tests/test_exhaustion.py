@@ -7,15 +7,20 @@ them.
 
 from __future__ import annotations
 
+import dataclasses
+import signal
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_auth import _held_back
 from test_transport import (
     G1,
     G2,
@@ -32,15 +37,19 @@ from test_transport import (
     _key,
     _observe,
     _push_raw,
+    _scrape,
     _spec,
     _status,
+    _total,
     serving,
 )
 
 from cargohold.services.errors import InvalidTensorError
 from cargohold.services.transport.codec import MIN_CHUNK_BYTES, SERVICE_NAME, fill_chunk
 from cargohold.services.transport.grpc_client import StateServerClient
+from cargohold.services.transport.limits import CallLimits
 from cargohold.v1 import state_server_pb2 as pb
+from cargohold.v1 import state_server_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 Code = grpc.StatusCode
@@ -52,6 +61,7 @@ PROBE_S = 5.0
 """A probe's deadline: it is answered in milliseconds when it is answered at all."""
 QUEUED_S = 2.0
 """How long a call that should wait for a thread is given to show it does."""
+SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 @pytest.fixture
@@ -137,7 +147,117 @@ def test_health_is_answered_while_every_handler_thread_is_held(stepped: Served) 
         health = health_pb2_grpc.HealthStub(stepped.channel)
         for service in ("", SERVICE_NAME):
             reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=PROBE_S)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert reply.status == SERVING
         watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=PROBE_S)
-        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        assert next(watch).status == SERVING
         watch.cancel()
+
+
+def _wait_for(condition: Callable[[], bool], what: str, within_s: float = STALL_S / 2) -> None:
+    give_up = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < give_up, f"not within {within_s} s: {what}"
+        time.sleep(0.05)
+
+
+def _errors(s: Served, rpc: str, code: str) -> float:
+    return _total(_scrape(s.metrics.address), "cargohold_rpc_errors_total", rpc=rpc, code=code)
+
+
+def test_calls_beyond_the_cap_are_refused_at_once_and_admitted_again_after() -> None:
+    # Before: the third call waited in the pool's queue, without bound, for a thread.
+    with serving(limits=CallLimits(max_calls=2)) as s:
+        s.client.register(_spec(), W0)
+        with _stalled_pushes(s, 2):
+            _wait_for(lambda: s.server.calls_in_flight == 2, "both stalled pushes admitted")
+            code, details = _status(lambda: s.client.describe(RUN, 0))
+            assert (code, "already has 2 calls in flight" in details) == (Code.RESOURCE_EXHAUSTED, True)
+            assert _errors(s, "DescribeShard", "RESOURCE_EXHAUSTED") == 1
+            health = health_pb2_grpc.HealthStub(s.channel)  # not counted against the cap
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_S).status == SERVING
+        _wait_for(lambda: s.server.calls_in_flight == 0, "the pushes finished")
+        assert s.client.describe(RUN, 0) == (_spec(), 0)
+        _wait_for(lambda: s.server.calls_in_flight == 0, "the describe finished")  # a moment after its reply
+
+
+QUICK_TIMEOUT = CallLimits(message_timeout_s=1.0)
+"""A message timeout short enough to wait out in a test."""
+
+
+def test_a_push_whose_peer_stops_sending_is_cancelled() -> None:
+    # Before: it held its thread until the caller's own deadline (here 30 s).
+    with serving(limits=QUICK_TIMEOUT) as s:
+        s.client.register(_spec(), W0)
+        with _stalled_pushes(s, 1) as (push,):
+            code, _ = _status(lambda: push.result(timeout=STALL_S / 2))
+            assert code == Code.CANCELLED
+        _wait_for(lambda: s.server.calls_in_flight == 0, "the call finished")
+        _wait_for(lambda: _errors(s, "PushGradient", "DEADLINE_EXCEEDED") == 1, "the stall counted once")
+        assert _errors(s, "PushGradient", "INVALID_ARGUMENT") == 0
+        assert s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR).applied  # it serves on
+
+
+def test_a_unary_call_whose_message_never_comes_is_cancelled() -> None:
+    with serving(limits=QUICK_TIMEOUT) as s:
+        release, held_back = threading.Event(), []
+        call = s.channel.stream_stream(f"/{SERVICE_NAME}/DescribeShard")(
+            _held_back(release, held_back), timeout=STALL_S
+        )
+        try:
+            code, _ = _status(lambda: next(call))
+            assert code == Code.CANCELLED
+        finally:
+            release.set()
+        _wait_for(lambda: s.server.calls_in_flight == 0, "the call finished")
+
+
+def test_a_fetch_whose_peer_stops_reading_is_cancelled() -> None:
+    # 1 MiB in 4 KiB chunks to a reader that takes one: the server's sends stop once the
+    # stream's flow-control window (64 KiB without BDP probing) is full.
+    numel = 1 << 18
+    spec = dataclasses.replace(_spec(), numel=numel, fragments=((0, numel),))
+    with (
+        serving(limits=QUICK_TIMEOUT) as s,
+        grpc.insecure_channel(s.server.address, options=[("grpc.http2.bdp_probe", 0)]) as channel,
+    ):
+        s.client.register(spec, torch.zeros(numel))
+        request = pb.FetchWeightsRequest(key=_key(), step=0, dtype=pb.DTYPE_FLOAT32, chunk_bytes=MIN_CHUNK_BYTES)
+        chunks = pb_grpc.StateServerStub(channel).FetchWeights(request, timeout=STALL_S)
+        next(chunks)
+        _wait_for(lambda: s.server.calls_in_flight == 0, "the fetch cancelled")
+        assert _status(lambda: list(chunks))[0] == Code.CANCELLED
+        assert s.server.servicer.sent_bytes < 4 * numel  # the reader did hold the sends up
+
+
+_FROZEN_CLIENT = """
+import sys, time, grpc
+from cargohold.v1 import state_server_pb2 as pb, state_server_pb2_grpc as pb_grpc
+def body():
+    yield pb.PushGradientRequest.FromString(bytes.fromhex(sys.argv[2]))
+    print("sent", flush=True)
+    time.sleep(600)
+pb_grpc.StateServerStub(grpc.insecure_channel(sys.argv[1])).PushGradient(body(), timeout=600)
+"""
+
+
+def test_keepalive_drops_the_calls_of_a_peer_that_stopped_answering() -> None:
+    """A client process stopped (SIGSTOP) mid-call: its host still acknowledges TCP, but
+    nothing answers the server's pings. Before: the call stayed in flight until the
+    message timeout, if any; here that is a minute, and the pings end it in seconds."""
+    limits = CallLimits(message_timeout_s=2 * STALL_S, keepalive_s=1.0, keepalive_timeout_s=1.0)
+    with serving(limits=limits) as s:
+        s.client.register(_spec(), W0)
+        header = _header().SerializeToString().hex()
+        client = subprocess.Popen(
+            [sys.executable, "-c", _FROZEN_CLIENT, s.server.address, header], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert client.stdout is not None and client.stdout.readline() == "sent\n"
+            _wait_for(lambda: s.server.calls_in_flight == 1, "the client's push admitted")
+            client.send_signal(signal.SIGSTOP)
+            _wait_for(lambda: s.server.calls_in_flight == 0, "the frozen client's call dropped")
+        finally:
+            client.kill()
+            client.wait(timeout=STALL_S)
+            if client.stdout is not None:
+                client.stdout.close()

@@ -119,13 +119,14 @@ class Served:
 
 
 @contextmanager
-def serving() -> Iterator[Served]:
-    """A started server with its metrics endpoint and a ready client; all stopped after."""
+def serving(**server_options) -> Iterator[Served]:
+    """A started server (``server_options`` to GrpcStateServer) with its metrics endpoint
+    and a ready client; all stopped after."""
     with ExitStack() as stack:
         metrics = StateServerMetrics("t")
         metrics.start(host="127.0.0.1", port=0)
         stack.callback(metrics.stop)
-        server = GrpcStateServer(SegmentRegistry(), metrics, run_id=RUN, host="127.0.0.1")
+        server = GrpcStateServer(SegmentRegistry(), metrics, run_id=RUN, host="127.0.0.1", **server_options)
         server.start()
         stack.callback(server.stop, 0.5)
         client = stack.enter_context(StateServerClient(server.address, chunk_bytes=CHUNK_BYTES, timeout_s=DEADLINE_S))

@@ -45,7 +45,13 @@ from cargohold.services.transport.codec import (
     spec_to_proto,
     tier_summary_to_proto,
 )
-from cargohold.services.transport.limits import QUICK_THREADS, OnPoolServicer
+from cargohold.services.transport.limits import (
+    QUICK_THREADS,
+    CallLimiter,
+    CallLimits,
+    OnPoolServicer,
+    StalledCallError,
+)
 from cargohold.services.transport.shm import RegionCache
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
@@ -308,6 +314,8 @@ class StateServerServicer(pb_grpc.StateServerServicer):
     def _guard(self, rpc: str, context: grpc.ServicerContext, handle: Callable[[], T]) -> T:
         try:
             return handle()
+        except StalledCallError as error:  # the call limits cancelled the call, and counted it
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
         except CargoholdError as error:
             code = next(c for kind, c in _STATUS_OF_ERROR if isinstance(error, kind))
             self._metrics.record_error(rpc, code.name)
@@ -338,19 +346,30 @@ class GrpcStateServer:
         max_workers: int = 8,
         auth_token: str | None = None,
         tls: TlsFiles | None = None,
+        limits: CallLimits | None = None,
     ) -> None:
         """``run_id``: the one run it serves (its token is that run's); ``auth_token``:
         calls must carry it (health checks excepted); ``tls``: serve mutual TLS only.
-        ``max_workers`` threads run the state-server calls; health checks and refusals
-        run on threads of their own, so that a probe is answered while all are busy."""
+        ``max_workers`` threads run the state-server calls, as many as ``limits`` (the
+        defaults when None) admits at once; health checks and refusals run on threads of
+        their own, so that a probe is answered while all are busy."""
+        limits = limits or CallLimits()
         self.servicer = StateServerServicer(registry, metrics, run_id)
         self._quick = futures.ThreadPoolExecutor(max_workers=QUICK_THREADS, thread_name_prefix="state-server-quick")
+        self._limiter = CallLimiter(
+            limits, SERVICE_NAME, quick=self._quick, on_limit=lambda rpc, code: metrics.record_error(rpc, code.name)
+        )
+        # Token first: a call without it is refused before it is counted.
+        interceptors: list[grpc.ServerInterceptor] = [self._limiter]
+        if auth_token is not None:
+            interceptors.insert(0, TokenAuthInterceptor(auth_token, self._quick))
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="state-server-rpc"),
-            interceptors=[TokenAuthInterceptor(auth_token, self._quick)] if auth_token is not None else [],
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                *limits.server_options(),
             ],
         )
         pb_grpc.add_StateServerServicer_to_server(self.servicer, self._server)
@@ -366,7 +385,13 @@ class GrpcStateServer:
             raise CargoholdError(f"state server could not bind {host}:{port}")
         self.address = f"{host}:{bound}"
 
+    @property
+    def calls_in_flight(self) -> int:
+        """State-server calls admitted and not yet finished (health checks aside)."""
+        return self._limiter.in_flight
+
     def start(self) -> None:
+        self._limiter.start()
         self._server.start()
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -375,5 +400,6 @@ class GrpcStateServer:
     def stop(self, grace: float = 1.0) -> None:
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        self._limiter.stop()
         self._quick.shutdown()
         self.servicer.close()
