@@ -312,6 +312,13 @@ class StateServerConfig:
     """Bytes per streamed message; between 4 KiB and 32 MiB."""
     rpc_timeout_s: float = 300.0
     """Deadline of each call from a worker."""
+    max_concurrent_calls: int = 1024
+    """Calls a state server admits at once (health checks aside); the next is refused at
+    once with RESOURCE_EXHAUSTED, not queued. A worker has at most 16 calls in flight, so
+    keep this at least 16 x the workers that call one server; at least `rpc_threads`."""
+    message_timeout_s: float = 60.0
+    """A call whose peer sends no message, or takes none, for this long is cancelled (the
+    server's own work between messages does not count)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Extra Ray custom resources each state server's bundle asks for."""
     tier: TierConfig = field(default_factory=TierConfig)
@@ -324,6 +331,12 @@ class StateServerConfig:
         if not 4096 <= self.chunk_bytes <= 32 << 20:
             raise ConfigError(f"state_server.chunk_bytes must be between 4096 and {32 << 20}, got {self.chunk_bytes}")
         _positive("state_server.rpc_timeout_s", self.rpc_timeout_s)
+        if self.max_concurrent_calls < self.rpc_threads:
+            raise ConfigError(
+                f"state_server.max_concurrent_calls ({self.max_concurrent_calls}) must be at least "
+                f"state_server.rpc_threads ({self.rpc_threads}): threads beyond it would never run a call"
+            )
+        _positive("state_server.message_timeout_s", self.message_timeout_s)
         if self.bind_host in WILDCARD_HOSTS and not self.allow_wildcard_bind:
             raise ConfigError(
                 f"state_server.bind_host {self.bind_host!r} serves every interface of the node; "

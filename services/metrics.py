@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cargohold.services.errors import CargoholdError, ConfigError
+from cargohold.services.metrics_http import MetricsHTTPServer
 
 # Metric names, as a Prometheus user queries them: counters with their `_total` suffix,
 # histograms by their base name (a query adds `_bucket`, `_sum` or `_count`).
@@ -108,6 +108,10 @@ _WORKER_STEP_BUCKETS = (
 )  # fmt: skip
 
 _STOP_JOIN_TIMEOUT_S = 5.0
+HTTP_THREADS = 4
+"""Connections an endpoint serves at once; more wait for a thread."""
+HTTP_TIMEOUT_S = 10.0
+"""A scrape connection idle this long is closed (Prometheus's own scrape timeout is 10 s)."""
 
 
 def _check_label(label: str, value: str, allowed: Iterable[str]) -> None:
@@ -122,14 +126,20 @@ class MetricsEndpoint:
     def __init__(self) -> None:
         # auto_describe makes a second registration of the same name fail at once.
         self.registry = CollectorRegistry(auto_describe=True)
-        self._server: WSGIServer | None = None
+        self._server: MetricsHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        """Serve the registry on `host:port` from a daemon thread; port 0 picks a free port."""
+    def start(
+        self, host: str = "127.0.0.1", port: int = 0, *, threads: int = HTTP_THREADS, timeout_s: float = HTTP_TIMEOUT_S
+    ) -> None:
+        """Serve the registry on `host:port` from a daemon thread; port 0 picks a free port.
+        At most `threads` connections are served at once, each closed after `timeout_s`
+        without traffic (see `metrics_http`)."""
         if self._server is not None:
             raise CargoholdError(f"metrics endpoint already serving on {self.address}")
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = MetricsHTTPServer(host, port, self.registry, threads=threads, timeout_s=timeout_s)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http-accept", daemon=True)
+        self._thread.start()
 
     @property
     def serving(self) -> bool:
@@ -150,8 +160,7 @@ class MetricsEndpoint:
         self._server = self._thread = None
         if server is None:
             return
-        server.shutdown()
-        server.server_close()
+        server.close()
         if thread is not None:
             thread.join(timeout=_STOP_JOIN_TIMEOUT_S)
 

@@ -22,6 +22,7 @@ from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
 from cargohold.services.tiers.storage import TieredStorage
 from cargohold.services.transport.auth import TlsFiles
 from cargohold.services.transport.grpc_server import GrpcStateServer
+from cargohold.services.transport.limits import CallLimits
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class StateServer:
             max_workers=config.rpc_threads,
             auth_token=auth_token,
             tls=tls,
+            limits=CallLimits(max_calls=config.max_concurrent_calls, message_timeout_s=config.message_timeout_s),
         )
         self._grpc.start()
         self._checkpointer = ShardCheckpointer(self.registry, server_index)

@@ -5,13 +5,15 @@ CA signed cannot even connect. Health checks stay open for orchestrators' probes
 from __future__ import annotations
 
 import subprocess
+import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_transport import G1, GLOBAL_NORM, LR, NUMEL, RUN, W0, _assert_bitwise_equal, _spec
+from test_transport import DEADLINE_S, G1, GLOBAL_NORM, LR, NUMEL, RUN, W0, _assert_bitwise_equal, _spec
 
 from cargohold.services.errors import ConfigError, TransportError
 from cargohold.services.metrics import StateServerMetrics
@@ -64,6 +66,35 @@ def test_calls_without_or_with_a_wrong_token_are_refused_and_change_nothing() ->
             wrong.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR)
         assert good.describe(RUN, 0)[1] == 0
         assert good.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR).applied
+
+
+METHODS = ("RegisterShard", "DescribeShard", "PushGradient", "CommitStep", "FetchWeights", "GetStats")
+
+
+def _held_back(release: threading.Event, sent: list[bytes]) -> Iterator[bytes]:
+    """A request stream that sends nothing until ``release`` is set."""
+    release.wait(DEADLINE_S)
+    sent.append(b"")
+    yield b""
+
+
+def test_a_call_without_the_token_is_refused_before_its_body_is_read() -> None:
+    """The refusal comes while the caller has sent nothing but its headers. (gRPC used
+    to receive and parse a whole unary request, up to 32 MiB, before the refusal ran.)"""
+    with server(auth_token=TOKEN) as s, grpc.insecure_channel(s.address) as channel:
+        for method in METHODS:
+            release, sent = threading.Event(), []
+            call = channel.stream_stream(f"/{SERVICE_NAME}/{method}")(_held_back(release, sent), timeout=DEADLINE_S / 2)
+            try:
+                with pytest.raises(grpc.RpcError) as refused:
+                    next(call)
+                assert (refused.value.code(), refused.value.details()) == (
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "no auth token",
+                )
+                assert not sent, method
+            finally:
+                release.set()
 
 
 def test_health_is_open_without_a_token() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import socket
+import threading
 import urllib.request
 import warnings
 from collections.abc import Callable, Iterator
@@ -23,12 +24,14 @@ from cargohold.services.metrics import (
 pytestmark = pytest.mark.timeout(60)
 
 _HTTP_TIMEOUT_S = 5.0
+_IDLE_BOUND_S = 20.0
+"""Generous: the server closes an idle connection after 1 s in these tests."""
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def _fetch(endpoint: MetricsEndpoint) -> str:
-    with urllib.request.urlopen(f"http://{endpoint.address}/metrics", timeout=_HTTP_TIMEOUT_S) as reply:
+def _fetch(endpoint: MetricsEndpoint, timeout_s: float = _HTTP_TIMEOUT_S) -> str:
+    with urllib.request.urlopen(f"http://{endpoint.address}/metrics", timeout=timeout_s) as reply:
         assert reply.status == 200
         return reply.read().decode("utf-8")
 
@@ -262,6 +265,29 @@ def test_stop_frees_the_port_and_is_idempotent() -> None:
         assert "cargohold_worker_steps_total" in _fetch(second)
     finally:
         second.stop()
+
+
+def test_idle_connections_are_closed_and_hold_no_more_threads_than_the_pool() -> None:
+    """Before: a thread per connection (prometheus_client's server), each held for as long
+    as its peer kept the connection open and sent nothing."""
+    threads, idle_count = 2, 8
+    before = threading.active_count()
+    metrics = WorkerMetrics(0)
+    metrics.start(threads=threads, timeout_s=1.0)
+    host, port = metrics.address.rsplit(":", 1)
+    idle = []
+    try:
+        for _ in range(idle_count):
+            idle.append(socket.create_connection((host, int(port)), timeout=_IDLE_BOUND_S))
+        # Answered once the idle connections ahead of it have timed out, a pool at a time.
+        assert "cargohold_worker_steps_total" in _fetch(metrics, timeout_s=_IDLE_BOUND_S)
+        assert threading.active_count() - before <= threads + 1  # and the accept loop
+        for connection in idle:  # each closed by the server: end of stream, not our timeout
+            assert connection.recv(1) == b""
+    finally:
+        for connection in idle:
+            connection.close()
+        metrics.stop()
 
 
 def test_address_and_double_start_are_guarded(server: StateServerMetrics) -> None:

@@ -32,7 +32,14 @@ from cargohold.services.errors import CargoholdError, TransportError
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState
-from cargohold.services.transport.codec import SERVICE_NAME, byte_chunks, fill_chunk, spec_to_proto
+from cargohold.services.transport.codec import (
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    SERVICE_NAME,
+    byte_chunks,
+    fill_chunk,
+    spec_to_proto,
+)
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
 from cargohold.services.transport.grpc_server import GrpcStateServer
 from cargohold.v1 import state_server_pb2 as pb
@@ -112,13 +119,14 @@ class Served:
 
 
 @contextmanager
-def serving() -> Iterator[Served]:
-    """A started server with its metrics endpoint and a ready client; all stopped after."""
+def serving(**server_options) -> Iterator[Served]:
+    """A started server (``server_options`` to GrpcStateServer) with its metrics endpoint
+    and a ready client; all stopped after."""
     with ExitStack() as stack:
         metrics = StateServerMetrics("t")
         metrics.start(host="127.0.0.1", port=0)
         stack.callback(metrics.stop)
-        server = GrpcStateServer(SegmentRegistry(), metrics, run_id=RUN, host="127.0.0.1")
+        server = GrpcStateServer(SegmentRegistry(), metrics, run_id=RUN, host="127.0.0.1", **server_options)
         server.start()
         stack.callback(server.stop, 0.5)
         client = stack.enter_context(StateServerClient(server.address, chunk_bytes=CHUNK_BYTES, timeout_s=DEADLINE_S))
@@ -324,10 +332,11 @@ def test_fetch_into_a_given_tensor_and_repeated_fetches_agree(stepped: Served) -
 
 
 def test_gradient_chunks_may_split_elements_anywhere(served: Served) -> None:
-    """The server reassembles bytes, not elements: odd chunk sizes give the same update."""
+    """The server reassembles bytes, not elements: odd chunk sizes give the same update
+    (each at least MIN_CHUNK_BYTES but the last, here 1 byte)."""
     served.client.register(_spec(), W0)
     raw = G1.view(torch.uint8).numpy().tobytes()
-    cuts = [0, 1, 4097, 4100, 9999, 20_001, 40_959, len(raw)]
+    cuts = [0, 4097, 8199, 12_302, 20_001, 40_959, len(raw)]
     chunks = [
         pb.PushGradientRequest(chunk=pb.TensorChunk(byte_offset=a, data=raw[a:b], crc32c=google_crc32c.value(raw[a:b])))
         for a, b in zip(cuts, cuts[1:])
@@ -596,7 +605,7 @@ BAD_REQUESTS: list[tuple[str, Callable[[Served], object], grpc.StatusCode, str]]
         "fetch with chunks over the limit",
         lambda s: _fetch_raw(s, 1, chunk_bytes=2**32 - 1),
         Code.INVALID_ARGUMENT,
-        "chunk_bytes must be <=",
+        "chunk_bytes must be between",
     ),
     ("describe of an unknown shard", lambda s: s.client.describe(RUN, 9), Code.NOT_FOUND, "no shard 9"),
 ]
@@ -629,9 +638,12 @@ _CHUNK_FAULTS = ("chunk_offset", "chunk_crc", "chunk_data", "drop_chunk", "trunc
 
 
 def _stream(draw, nbytes: int) -> list[pb.TensorChunk]:
-    """A complete, valid stream of ``nbytes`` random bytes, cut at random places."""
+    """A complete, valid stream of ``nbytes`` random bytes, cut at random places no
+    closer than the smallest chunk allowed."""
     data = random.Random(draw(_U32)).randbytes(nbytes)
-    cuts = sorted(draw(st.lists(st.integers(1, nbytes - 1), max_size=6, unique=True)))
+    cut = st.integers(MIN_CHUNK_BYTES, nbytes - MIN_CHUNK_BYTES)
+    cuts = sorted(draw(st.lists(cut, max_size=6, unique_by=lambda c: c // MIN_CHUNK_BYTES)))
+    cuts = [c for c, before in zip(cuts, [-MIN_CHUNK_BYTES, *cuts]) if c - before >= MIN_CHUNK_BYTES]
     bounds = [0, *cuts, nbytes]
     return [
         pb.TensorChunk(byte_offset=a, data=data[a:b], crc32c=google_crc32c.value(data[a:b]))
@@ -754,7 +766,7 @@ def _fetch(draw) -> pb.FetchWeightsRequest:
         key=_key(),
         step=1,
         dtype=draw(st.sampled_from([1, 2])),
-        chunk_bytes=draw(st.sampled_from([0, 4096]) | st.integers(1024, 1 << 20)),
+        chunk_bytes=draw(st.sampled_from([0, MIN_CHUNK_BYTES]) | st.integers(MIN_CHUNK_BYTES, 1 << 20)),
     )
     for fault in draw(_faults(_FETCH_FAULTS)):
         if fault == "key":
@@ -763,8 +775,9 @@ def _fetch(draw) -> pb.FetchWeightsRequest:
             request.step = draw(st.sampled_from([0, 2]) | _U64)
         elif fault == "dtype":
             request.dtype = draw(_DTYPE)
-        elif fault == "chunk_bytes":  # not below 1 KiB: 40 KiB in 1-byte chunks is merely slow
-            request.chunk_bytes = draw(st.integers(1024, 2**32 - 1))
+        elif fault == "chunk_bytes":
+            too_small, too_large = st.integers(1, MIN_CHUNK_BYTES - 1), st.integers(MAX_CHUNK_BYTES + 1, 2**32 - 1)
+            request.chunk_bytes = draw(too_small | too_large)
     return request
 
 

@@ -1,11 +1,16 @@
 """Who may call a state server: a shared bearer token in call metadata, checked by a
 server interceptor, and optional mutual TLS. Health checks stay open so orchestrators
-can probe liveness without the secret; they reveal nothing and change nothing."""
+can probe liveness without the secret; they reveal nothing and change nothing.
+
+A call without the token is refused before gRPC reads any of its body (see
+:func:`~cargohold.services.transport.limits.refusal`), on the server's quick pool.
+"""
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +18,7 @@ import grpc
 
 from cargohold.cluster.config import SecurityConfig
 from cargohold.services.errors import ConfigError
+from cargohold.services.transport.limits import refusal
 
 AUTH_METADATA_KEY = "authorization"
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
@@ -61,12 +67,14 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Rejects every call but health checks unless it carries ``Bearer <token>``."""
+    """Rejects every call but health checks unless it carries ``Bearer <token>``; the
+    refusals run on ``quick`` (the server's pool when None)."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, quick: ThreadPoolExecutor | None = None) -> None:
         if not token:
             raise ConfigError("the auth token must not be empty")
         self._expected = f"Bearer {token}".encode()
+        self._quick = quick
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
         if handler_call_details.method in OPEN_METHODS:
@@ -74,20 +82,6 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         offered = dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA_KEY, "")
         if hmac.compare_digest(offered.encode(), self._expected):
             return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
-        return _refusal(handler, "missing or wrong auth token" if offered else "no auth token")
-
-
-def _refusal(handler: grpc.RpcMethodHandler | None, reason: str) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming shape that aborts with UNAUTHENTICATED."""
-
-    def abort(_request, context: grpc.ServicerContext):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
-
-    if handler is None or not (handler.request_streaming or handler.response_streaming):
-        return grpc.unary_unary_rpc_method_handler(abort)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort)
-    return grpc.unary_stream_rpc_method_handler(abort)
+        # Not continuation(): a refused call goes no further, not even to find its handler.
+        reason = "missing or wrong auth token" if offered else "no auth token"
+        return refusal(grpc.StatusCode.UNAUTHENTICATED, reason, self._quick)

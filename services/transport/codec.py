@@ -29,6 +29,10 @@ from cargohold.v1 import state_server_pb2 as pb
 SERVICE_NAME = "cargohold.v1.StateServer"
 """The gRPC service, as health checks name it."""
 DEFAULT_CHUNK_BYTES = 1 << 20
+MIN_CHUNK_BYTES = 4 << 10
+"""Smallest chunk either end sends or accepts (a tensor's last chunk aside). Every message
+costs its receiver a parse, a CRC and a copy whatever its size: in 1-byte chunks one MiB
+costs minutes of CPU, in 4 KiB chunks a fraction of a second."""
 MAX_CHUNK_BYTES = 32 << 20
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 16)
 """gRPC message limit on both ends: the largest chunk plus room for its envelope."""
@@ -57,10 +61,17 @@ def prepare_dtype_from_proto(value: int) -> str | None:
     return None if value == pb.DTYPE_UNSPECIFIED else dtype_from_proto(value)
 
 
+def check_chunk_bytes(chunk_bytes: int) -> None:
+    """Refuse a chunk size outside MIN_CHUNK_BYTES..MAX_CHUNK_BYTES."""
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise InvalidTensorError(
+            f"chunk_bytes must be between {MIN_CHUNK_BYTES} and {MAX_CHUNK_BYTES}, got {chunk_bytes}"
+        )
+
+
 def byte_chunks(tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
     """(byte offset, bytes) of each piece of a 1-D tensor's memory, made one at a time."""
-    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
-        raise InvalidTensorError(f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}, got {chunk_bytes}")
+    check_chunk_bytes(chunk_bytes)
     raw = tensor.detach().contiguous().view(torch.uint8).numpy()
     for offset in range(0, raw.size, chunk_bytes):
         yield offset, raw[offset : offset + chunk_bytes].tobytes()
@@ -76,7 +87,8 @@ def fill_chunk(chunk: pb.TensorChunk, byte_offset: int, data: bytes) -> None:
 class TensorAssembler:
     """Receives the chunks of one tensor in order into a preallocated buffer: a new one,
     or ``out`` (a 1-D contiguous CPU tensor of that dtype and size, e.g. the caller's own
-    slice of a larger buffer; on a failure part of it may have been overwritten)."""
+    slice of a larger buffer; on a failure part of it may have been overwritten). Only the
+    last chunk may be smaller than MIN_CHUNK_BYTES."""
 
     def __init__(self, numel: int, dtype: str, *, what: str, out: torch.Tensor | None = None) -> None:
         if dtype not in WIRE_DTYPES:
@@ -126,6 +138,11 @@ class TensorAssembler:
             )
         if google_crc32c.value(data) != chunk.crc32c:
             raise ChecksumError(f"{self.what}: CRC-32C mismatch in chunk at byte {byte_offset}")
+        if size < MIN_CHUNK_BYTES and self._received + size < self._raw.size:
+            raise InvalidTensorError(
+                f"{self.what}: a chunk of {size} bytes at byte {byte_offset}; chunks must be at least "
+                f"{MIN_CHUNK_BYTES} bytes, all but the last"
+            )
         self._raw[self._received : self._received + size] = np.frombuffer(data, dtype=np.uint8)
         self._received += size
         return size

@@ -20,6 +20,7 @@ from cargohold.services.transport.codec import (
     SERVICE_NAME,
     TensorAssembler,
     byte_chunks,
+    check_chunk_bytes,
     dtype_from_proto,
     dtype_to_proto,
     fill_chunk,
@@ -72,6 +73,7 @@ class StateServerClient:
         auth_token: str | None = None,
         tls: TlsFiles | None = None,
     ) -> None:
+        check_chunk_bytes(chunk_bytes)  # now, not at the first push
         self.address = address
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s

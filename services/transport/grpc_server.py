@@ -31,12 +31,12 @@ from cargohold.services.segment_state import GradientStaging, SegmentRegistry, S
 from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
 from cargohold.services.transport.codec import (
     DEFAULT_CHUNK_BYTES,
-    MAX_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
     SERVICE_NAME,
     ChecksumError,
     TensorAssembler,
     byte_chunks,
+    check_chunk_bytes,
     dtype_from_proto,
     fill_chunk,
     partition_row_to_proto,
@@ -44,6 +44,13 @@ from cargohold.services.transport.codec import (
     spec_from_proto,
     spec_to_proto,
     tier_summary_to_proto,
+)
+from cargohold.services.transport.limits import (
+    QUICK_THREADS,
+    CallLimiter,
+    CallLimits,
+    OnPoolServicer,
+    StalledCallError,
 )
 from cargohold.services.transport.shm import RegionCache
 from cargohold.v1 import state_server_pb2 as pb
@@ -212,9 +219,8 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             self._admit(request.key.run_id)
             state = self._registry.get(request.key.run_id, request.key.shard_id)
             dtype = dtype_from_proto(request.dtype)
-            chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES
-            if chunk_bytes > MAX_CHUNK_BYTES:
-                raise InvalidTensorError(f"chunk_bytes must be <= {MAX_CHUNK_BYTES}, got {chunk_bytes}")
+            chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES  # 0: the server's choice
+            check_chunk_bytes(chunk_bytes)
             if request.HasField("shm"):  # written straight into the worker's weight shard
                 region = self._regions.open(request.shm.path, request.key.run_id)
                 target = region.tensor(WIRE_DTYPES[dtype], request.shm.byte_offset, state.spec.numel)
@@ -308,6 +314,8 @@ class StateServerServicer(pb_grpc.StateServerServicer):
     def _guard(self, rpc: str, context: grpc.ServicerContext, handle: Callable[[], T]) -> T:
         try:
             return handle()
+        except StalledCallError as error:  # the call limits cancelled the call, and counted it
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
         except CargoholdError as error:
             code = next(c for kind, c in _STATUS_OF_ERROR if isinstance(error, kind))
             self._metrics.record_error(rpc, code.name)
@@ -338,21 +346,35 @@ class GrpcStateServer:
         max_workers: int = 8,
         auth_token: str | None = None,
         tls: TlsFiles | None = None,
+        limits: CallLimits | None = None,
     ) -> None:
         """``run_id``: the one run it serves (its token is that run's); ``auth_token``:
-        calls must carry it (health checks excepted); ``tls``: serve mutual TLS only."""
+        calls must carry it (health checks excepted); ``tls``: serve mutual TLS only.
+        ``max_workers`` threads run the state-server calls, as many as ``limits`` (the
+        defaults when None) admits at once; health checks and refusals run on threads of
+        their own, so that a probe is answered while all are busy."""
+        limits = limits or CallLimits()
         self.servicer = StateServerServicer(registry, metrics, run_id)
+        self._quick = futures.ThreadPoolExecutor(max_workers=QUICK_THREADS, thread_name_prefix="state-server-quick")
+        self._limiter = CallLimiter(
+            limits, SERVICE_NAME, quick=self._quick, on_limit=lambda rpc, code: metrics.record_error(rpc, code.name)
+        )
+        # Token first: a call without it is refused before it is counted.
+        interceptors: list[grpc.ServerInterceptor] = [self._limiter]
+        if auth_token is not None:
+            interceptors.insert(0, TokenAuthInterceptor(auth_token, self._quick))
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="state-server-rpc"),
-            interceptors=[TokenAuthInterceptor(auth_token)] if auth_token is not None else [],
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                *limits.server_options(),
             ],
         )
         pb_grpc.add_StateServerServicer_to_server(self.servicer, self._server)
         self._health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(OnPoolServicer(self._health, self._quick), self._server)
         target = f"{host}:{port}"
         bound = (
             self._server.add_secure_port(target, tls.server_credentials())
@@ -363,7 +385,13 @@ class GrpcStateServer:
             raise CargoholdError(f"state server could not bind {host}:{port}")
         self.address = f"{host}:{bound}"
 
+    @property
+    def calls_in_flight(self) -> int:
+        """State-server calls admitted and not yet finished (health checks aside)."""
+        return self._limiter.in_flight
+
     def start(self) -> None:
+        self._limiter.start()
         self._server.start()
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -372,4 +400,6 @@ class GrpcStateServer:
     def stop(self, grace: float = 1.0) -> None:
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        self._limiter.stop()
+        self._quick.shutdown()
         self.servicer.close()
