@@ -4,10 +4,12 @@ checkpoint-writer zygote per test module that asks for it."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
+from transport_server import G1, GLOBAL_NORM, LR, RUN, W0, Served, make_spec, serving
 
 # Everything the tests start binds loopback: cargohold's servers (read by
 # cargohold.services.node in every actor, which inherits this environment through the
@@ -46,3 +48,21 @@ def zygote(tmp_path_factory: pytest.TempPathFactory):
     helper = Zygote(tmp_path_factory.mktemp("zygote") / "zygote.log")
     yield helper
     helper.close()
+
+
+# --- a state server on 127.0.0.1 (tests/transport_server.py) ---------------------------
+
+
+@pytest.fixture
+def served() -> Iterator[Served]:
+    """A state server of its own, with a client."""
+    with serving() as s:
+        yield s
+
+
+@pytest.fixture
+def stepped(served: Served) -> Served:
+    """Shard 0 registered and at step 1."""
+    assert served.client.register(make_spec(), W0) == (0, True)
+    assert served.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR).applied
+    return served

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_transport import DEADLINE_S, G1, GLOBAL_NORM, LR, NUMEL, RUN, W0, _assert_bitwise_equal, _spec
+from transport_server import DEADLINE_S, G1, GLOBAL_NORM, LR, NUMEL, RUN, W0, assert_bitwise_equal, make_spec
 
 from cargohold.services.errors import ConfigError, TransportError
 from cargohold.services.metrics import StateServerMetrics
@@ -49,7 +49,7 @@ def test_calls_without_or_with_a_wrong_token_are_refused_and_change_nothing() ->
         anonymous.wait_ready(10)  # health checks need no token
         for client, reason in ((anonymous, "no auth token"), (wrong, "wrong auth token")):
             for call in (
-                lambda c: c.register(_spec(), W0),
+                lambda c: c.register(make_spec(), W0),
                 lambda c: c.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR),
                 lambda c: c.fetch(RUN, 0, 0, "float32", NUMEL),
                 lambda c: c.describe(RUN, 0),
@@ -61,7 +61,7 @@ def test_calls_without_or_with_a_wrong_token_are_refused_and_change_nothing() ->
                 assert reason in error.value.details
                 assert TOKEN not in str(error.value)
         assert good.stats().shard_steps == {}  # the refused register created nothing
-        good.register(_spec(), W0)
+        good.register(make_spec(), W0)
         with pytest.raises(RemoteError):
             wrong.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR)
         assert good.describe(RUN, 0)[1] == 0
@@ -176,7 +176,7 @@ def pki(tmp_path_factory) -> dict[str, TlsFiles]:
 def test_mutual_tls_admits_only_certificates_of_the_ca(pki) -> None:
     with server(auth_token=TOKEN, tls=pki["ca"]) as s:
         with StateServerClient(s.address, timeout_s=10, auth_token=TOKEN, tls=pki["ca"]) as good:
-            good.register(_spec(), W0)
+            good.register(make_spec(), W0)
             assert good.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR).applied
             weights = good.fetch(RUN, 0, 1, "float32", NUMEL)
         with StateServerClient(s.address, timeout_s=3, auth_token=TOKEN, tls=pki["rogue"]) as rogue:
@@ -188,7 +188,7 @@ def test_mutual_tls_admits_only_certificates_of_the_ca(pki) -> None:
             assert error.value.code == grpc.StatusCode.UNAVAILABLE
         with StateServerClient(s.address, timeout_s=10, auth_token=TOKEN, tls=pki["ca"]) as good:
             assert good.describe(RUN, 0)[1] == 1
-            _assert_bitwise_equal(good.fetch(RUN, 0, 1, "float32", NUMEL), weights)
+            assert_bitwise_equal(good.fetch(RUN, 0, 1, "float32", NUMEL), weights)
 
 
 def test_missing_tls_files_are_a_config_error(tmp_path: Path) -> None:

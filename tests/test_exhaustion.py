@@ -22,7 +22,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_auth import _held_back
-from test_transport import (
+from transport_server import (
     G1,
     G2,
     GLOBAL_NORM,
@@ -31,18 +31,18 @@ from test_transport import (
     RUN,
     W0,
     Served,
-    _assert_unchanged,
-    _chunks,
-    _fetch_raw,
-    _header,
-    _key,
-    _observe,
-    _push_raw,
-    _scrape,
-    _spec,
-    _status,
-    _total,
+    assert_unchanged,
+    chunks,
+    fetch_raw,
+    key,
+    make_spec,
+    observe,
+    push_header,
+    push_raw,
+    scrape,
     serving,
+    status,
+    total,
 )
 
 from cargohold.services.errors import InvalidTensorError
@@ -69,7 +69,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 def stepped() -> Iterator[Served]:
     """A server whose segment 0 is registered and at step 1."""
     with serving() as s:
-        s.client.register(_spec(), W0)
+        s.client.register(make_spec(), W0)
         assert s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR).applied
         yield s
 
@@ -81,22 +81,22 @@ def test_a_fetch_in_chunks_below_the_minimum_is_refused(stepped: Served) -> None
     # Before the minimum, chunk_bytes=1 was served: 40 KiB as 40,960 messages, about
     # four minutes of server time per MiB.
     for chunk_bytes in (1, MIN_CHUNK_BYTES - 1):
-        code, details = _status(lambda n=chunk_bytes: _fetch_raw(stepped, 1, chunk_bytes=n))
+        code, details = status(lambda n=chunk_bytes: fetch_raw(stepped, 1, chunk_bytes=n))
         assert (code, f"chunk_bytes must be between {MIN_CHUNK_BYTES}" in details) == (Code.INVALID_ARGUMENT, True)
-    assert len(_fetch_raw(stepped, 1, chunk_bytes=MIN_CHUNK_BYTES)) == 4 * NUMEL // MIN_CHUNK_BYTES
+    assert len(fetch_raw(stepped, 1, chunk_bytes=MIN_CHUNK_BYTES)) == 4 * NUMEL // MIN_CHUNK_BYTES
 
 
 def test_pushed_chunks_below_the_minimum_are_refused_but_a_short_last_one_is_not(stepped: Served) -> None:
-    before = _observe(stepped)
+    before = observe(stepped)
     raw = G2.view(torch.uint8).numpy()
     tiny = [pb.PushGradientRequest() for _ in range(0, raw.size, 1024)]  # as no cargohold client sends them
     for offset, request in zip(range(0, raw.size, 1024), tiny):
         fill_chunk(request.chunk, offset, raw[offset : offset + 1024].tobytes())
-    code, details = _status(lambda: _push_raw(stepped, [_header(), *tiny]))
+    code, details = status(lambda: push_raw(stepped, [push_header(), *tiny]))
     assert (code, "chunks must be at least 4096 bytes" in details) == (Code.INVALID_ARGUMENT, True)
-    _assert_unchanged(stepped, before)
+    assert_unchanged(stepped, before)
     # 4 x 10,000 bytes and a last chunk of 960: the short one ends the tensor, so it is fine
-    assert _push_raw(stepped, [_header(), *_chunks(G2, 10_000)]).applied
+    assert push_raw(stepped, [push_header(), *chunks(G2, 10_000)]).applied
 
 
 def test_the_client_refuses_a_chunk_size_below_the_minimum() -> None:
@@ -113,7 +113,7 @@ def _stalled_pushes(s: Served, count: int) -> Iterator[list[grpc.Future]]:
     release = threading.Event()
 
     def body() -> Iterator[pb.PushGradientRequest]:
-        yield _header()
+        yield push_header()
         release.wait(STALL_S)
 
     calls = [s.stub.PushGradient.future(body(), timeout=STALL_S) for _ in range(count)]
@@ -132,7 +132,7 @@ def _wait_until_threads_held(s: Served) -> None:
     give_up = time.monotonic() + STALL_S / 2
     while time.monotonic() < give_up:
         try:
-            s.stub.DescribeShard(pb.DescribeShardRequest(key=_key()), timeout=QUEUED_S)
+            s.stub.DescribeShard(pb.DescribeShardRequest(key=key()), timeout=QUEUED_S)
         except grpc.RpcError as error:
             assert error.code() == Code.DEADLINE_EXCEEDED
             return
@@ -162,22 +162,22 @@ def _wait_for(condition: Callable[[], bool], what: str, within_s: float = STALL_
 
 
 def _errors(s: Served, rpc: str, code: str) -> float:
-    return _total(_scrape(s.metrics.address), "cargohold_rpc_errors_total", rpc=rpc, code=code)
+    return total(scrape(s.metrics.address), "cargohold_rpc_errors_total", rpc=rpc, code=code)
 
 
 def test_calls_beyond_the_cap_are_refused_at_once_and_admitted_again_after() -> None:
     # Before: the third call waited in the pool's queue, without bound, for a thread.
     with serving(limits=CallLimits(max_calls=2)) as s:
-        s.client.register(_spec(), W0)
+        s.client.register(make_spec(), W0)
         with _stalled_pushes(s, 2):
             _wait_for(lambda: s.server.calls_in_flight == 2, "both stalled pushes admitted")
-            code, details = _status(lambda: s.client.describe(RUN, 0))
+            code, details = status(lambda: s.client.describe(RUN, 0))
             assert (code, "already has 2 calls in flight" in details) == (Code.RESOURCE_EXHAUSTED, True)
             assert _errors(s, "DescribeShard", "RESOURCE_EXHAUSTED") == 1
             health = health_pb2_grpc.HealthStub(s.channel)  # not counted against the cap
             assert health.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_S).status == SERVING
         _wait_for(lambda: s.server.calls_in_flight == 0, "the pushes finished")
-        assert s.client.describe(RUN, 0) == (_spec(), 0)
+        assert s.client.describe(RUN, 0) == (make_spec(), 0)
         _wait_for(lambda: s.server.calls_in_flight == 0, "the describe finished")  # a moment after its reply
 
 
@@ -188,9 +188,9 @@ QUICK_TIMEOUT = CallLimits(message_timeout_s=1.0)
 def test_a_push_whose_peer_stops_sending_is_cancelled() -> None:
     # Before: it held its thread until the caller's own deadline (here 30 s).
     with serving(limits=QUICK_TIMEOUT) as s:
-        s.client.register(_spec(), W0)
+        s.client.register(make_spec(), W0)
         with _stalled_pushes(s, 1) as (push,):
-            code, _ = _status(lambda: push.result(timeout=STALL_S / 2))
+            code, _ = status(lambda: push.result(timeout=STALL_S / 2))
             assert code == Code.CANCELLED
         _wait_for(lambda: s.server.calls_in_flight == 0, "the call finished")
         _wait_for(lambda: _errors(s, "PushGradient", "DEADLINE_EXCEEDED") == 1, "the stall counted once")
@@ -205,7 +205,7 @@ def test_a_unary_call_whose_message_never_comes_is_cancelled() -> None:
             _held_back(release, held_back), timeout=STALL_S
         )
         try:
-            code, _ = _status(lambda: next(call))
+            code, _ = status(lambda: next(call))
             assert code == Code.CANCELLED
         finally:
             release.set()
@@ -216,17 +216,17 @@ def test_a_fetch_whose_peer_stops_reading_is_cancelled() -> None:
     # 1 MiB in 4 KiB chunks to a reader that takes one: the server's sends stop once the
     # stream's flow-control window (64 KiB without BDP probing) is full.
     numel = 1 << 18
-    spec = dataclasses.replace(_spec(), numel=numel, fragments=((0, numel),))
+    spec = dataclasses.replace(make_spec(), numel=numel, fragments=((0, numel),))
     with (
         serving(limits=QUICK_TIMEOUT) as s,
         grpc.insecure_channel(s.server.address, options=[("grpc.http2.bdp_probe", 0)]) as channel,
     ):
         s.client.register(spec, torch.zeros(numel))
-        request = pb.FetchWeightsRequest(key=_key(), step=0, dtype=pb.DTYPE_FLOAT32, chunk_bytes=MIN_CHUNK_BYTES)
+        request = pb.FetchWeightsRequest(key=key(), step=0, dtype=pb.DTYPE_FLOAT32, chunk_bytes=MIN_CHUNK_BYTES)
         chunks = pb_grpc.StateServerStub(channel).FetchWeights(request, timeout=STALL_S)
         next(chunks)
         _wait_for(lambda: s.server.calls_in_flight == 0, "the fetch cancelled")
-        assert _status(lambda: list(chunks))[0] == Code.CANCELLED
+        assert status(lambda: list(chunks))[0] == Code.CANCELLED
         assert s.server.servicer.sent_bytes < 4 * numel  # the reader did hold the sends up
 
 
@@ -247,8 +247,8 @@ def test_keepalive_drops_the_calls_of_a_peer_that_stopped_answering() -> None:
     message timeout, if any; here that is a minute, and the pings end it in seconds."""
     limits = CallLimits(message_timeout_s=2 * STALL_S, keepalive_s=1.0, keepalive_timeout_s=1.0)
     with serving(limits=limits) as s:
-        s.client.register(_spec(), W0)
-        header = _header().SerializeToString().hex()
+        s.client.register(make_spec(), W0)
+        header = push_header().SerializeToString().hex()
         client = subprocess.Popen(
             [sys.executable, "-c", _FROZEN_CLIENT, s.server.address, header], stdout=subprocess.PIPE, text=True
         )
@@ -301,7 +301,7 @@ def test_unauthenticated_32_mib_calls_leave_the_server_memory_alone() -> None:
             call = channel.unary_unary(f"/{SERVICE_NAME}/DescribeShard")
 
             def refused(_: int) -> grpc.StatusCode:
-                return _status(lambda: call(body, timeout=STALL_S))[0]
+                return status(lambda: call(body, timeout=STALL_S))[0]
 
             with ThreadPoolExecutor(8) as pool:
                 assert set(pool.map(refused, range(64))) == {Code.UNAUTHENTICATED}

@@ -19,7 +19,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from reference import tiny_config
-from test_transport import (
+from transport_server import (
     G1,
     G2,
     GLOBAL_NORM,
@@ -27,11 +27,11 @@ from test_transport import (
     NUMEL,
     RUN,
     W0,
-    _assert_bitwise_equal,
-    _scrape,
-    _spec,
-    _total,
+    assert_bitwise_equal,
+    make_spec,
+    scrape,
     serving,
+    total,
 )
 
 from cargohold.cluster.launcher import TrainingSession
@@ -52,7 +52,7 @@ def region():
 
 def test_push_and_fetch_through_shared_memory_equal_streaming(region: SharedRegion) -> None:
     with serving() as s:
-        spec_a, spec_b = _spec(), _spec(segment_id=1)
+        spec_a, spec_b = make_spec(), make_spec(segment_id=1)
         s.client.register(spec_a, W0)
         s.client.register(spec_b, W0)
         gradients = region.tensor(torch.float32, 0, NUMEL)
@@ -62,7 +62,7 @@ def test_push_and_fetch_through_shared_memory_equal_streaming(region: SharedRegi
             s.client.push(RUN, 0, step, gradient, global_norm=GLOBAL_NORM, lr=LR, shm=(region.path, 0))
             s.client.push(RUN, 1, step, gradient, global_norm=GLOBAL_NORM, lr=LR)
             assert s.client.fetch(RUN, 0, step, "float32", NUMEL, shm=(region.path, NUMEL * 4)) is None
-            _assert_bitwise_equal(weights, s.client.fetch(RUN, 1, step, "float32", NUMEL))
+            assert_bitwise_equal(weights, s.client.fetch(RUN, 1, step, "float32", NUMEL))
 
 
 def _memfd(name: str, size: int, *, sealed: bool) -> int:
@@ -106,7 +106,7 @@ def test_bad_shared_memory_references_are_refused_and_change_nothing(region, cas
                 "misaligned": (region.path, 2),
             }[case]
             with serving() as s:
-                s.client.register(_spec(), W0)
+                s.client.register(make_spec(), W0)
                 for call in (
                     lambda: s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR, shm=(path, offset)),
                     lambda: s.client.fetch(RUN, 0, 0, "float32", NUMEL, shm=(path, offset)),
@@ -116,7 +116,7 @@ def test_bad_shared_memory_references_are_refused_and_change_nothing(region, cas
                     assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
                     assert message in error.value.details
                 assert s.client.describe(RUN, 0)[1] == 0
-                _assert_bitwise_equal(s.client.fetch(RUN, 0, 0, "float32", NUMEL), W0)
+                assert_bitwise_equal(s.client.fetch(RUN, 0, 0, "float32", NUMEL), W0)
         finally:
             os.close(unsealed)
             os.close(foreign)
@@ -125,14 +125,14 @@ def test_bad_shared_memory_references_are_refused_and_change_nothing(region, cas
 def test_a_client_cannot_shrink_the_memory_under_the_server(region: SharedRegion) -> None:
     """A mapped file cut short makes its reader die of SIGBUS; a sealed memfd cannot be cut."""
     with serving() as s:
-        s.client.register(_spec(), W0)
+        s.client.register(make_spec(), W0)
         region.tensor(torch.float32, 0, NUMEL).copy_(G1)
         s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR, shm=(region.path, 0))  # now mapped
         with open(region.path, "r+b") as other_handle:  # what any process with the path can do
             with pytest.raises(PermissionError):
                 os.ftruncate(other_handle.fileno(), 0)
         assert s.client.fetch(RUN, 0, 1, "float32", NUMEL, shm=(region.path, NUMEL * 4)) is None
-        _assert_bitwise_equal(
+        assert_bitwise_equal(
             region.tensor(torch.float32, NUMEL * 4, NUMEL), s.client.fetch(RUN, 0, 1, "float32", NUMEL)
         )
 
@@ -141,7 +141,7 @@ def test_a_region_is_checked_again_when_its_path_names_another_file(region: Shar
     """The cache is keyed by inode: the same /proc path reused for another run's memfd is
     refused, not served from the mapping of the first."""
     with serving() as s:
-        s.client.register(_spec(), W0)
+        s.client.register(make_spec(), W0)
         first = _memfd(f"cargohold-{RUN}-first", NUMEL * 8, sealed=True)
         path = f"/proc/{os.getpid()}/fd/{first}"
         s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR, shm=(path, 0))
@@ -167,19 +167,19 @@ def test_a_cancelled_call_is_counted_as_cancelled_not_as_a_server_error(caplog) 
         release.wait(30)
 
     with caplog.at_level(logging.INFO, logger="cargohold.services.transport.grpc_server"), serving() as s:
-        s.client.register(_spec(), W0)
+        s.client.register(make_spec(), W0)
         call = s.stub.PushGradient.future(requests(), timeout=30)
         time.sleep(0.5)
         call.cancel()
         release.set()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not _total(
-            _scrape(s.metrics.address), "cargohold_rpc_errors_total", rpc="PushGradient", code="CANCELLED"
+        while time.monotonic() < deadline and not total(
+            scrape(s.metrics.address), "cargohold_rpc_errors_total", rpc="PushGradient", code="CANCELLED"
         ):
             time.sleep(0.1)
-        samples = _scrape(s.metrics.address)
-    assert _total(samples, "cargohold_rpc_errors_total", rpc="PushGradient", code="CANCELLED") == 1
-    assert _total(samples, "cargohold_rpc_errors_total", rpc="PushGradient", code="INTERNAL") == 0
+        samples = scrape(s.metrics.address)
+    assert total(samples, "cargohold_rpc_errors_total", rpc="PushGradient", code="CANCELLED") == 1
+    assert total(samples, "cargohold_rpc_errors_total", rpc="PushGradient", code="INTERNAL") == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
@@ -191,7 +191,7 @@ def _received_by_rpc(address: str) -> dict[str, float]:
         for f in families
         if f.name == "cargohold_transport_received_bytes"
         for s in f.samples
-        if s.name.endswith("_total")
+        if s.name.endswith("total")
     }
 
 
