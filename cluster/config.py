@@ -22,6 +22,7 @@ from cargohold.services.errors import ConfigError
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import elements_per_partition
+from cargohold.services.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
 DType = Literal["float32", "bfloat16"]
 
@@ -308,7 +309,7 @@ class StateServerConfig:
     warning is logged): only behind a network that admits nobody else."""
     rpc_threads: int = 8
     """gRPC handler threads per state server."""
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Bytes per streamed message; between 4 KiB and 32 MiB."""
     rpc_timeout_s: float = 300.0
     """Deadline of each call from a worker."""
@@ -328,8 +329,11 @@ class StateServerConfig:
         _positive("state_server.torch_threads", self.torch_threads)
         _positive("state_server.rpc_threads", self.rpc_threads)
         _non_negative("state_server.cpus", self.cpus)
-        if not 4096 <= self.chunk_bytes <= 32 << 20:
-            raise ConfigError(f"state_server.chunk_bytes must be between 4096 and {32 << 20}, got {self.chunk_bytes}")
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ConfigError(
+                f"state_server.chunk_bytes must be between {MIN_CHUNK_BYTES} and {MAX_CHUNK_BYTES}, "
+                f"got {self.chunk_bytes}"
+            )
         _positive("state_server.rpc_timeout_s", self.rpc_timeout_s)
         if self.max_concurrent_calls < self.rpc_threads:
             raise ConfigError(

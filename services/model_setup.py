@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from cargohold.cluster.config import TrainConfig
-from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.errors import ConfigError, TrainingError
 from cargohold.services.layout import Layout
 from cargohold.services.models.blocks import apply_activation_checkpointing, transformer_blocks
@@ -19,6 +18,7 @@ from cargohold.services.models.hf import HFCausalLM
 from cargohold.services.sharding import Unit, check_unit_order, layout_for_units, shard_units, units_of
 from cargohold.services.state_port import ExchangeBuffers
 from cargohold.services.step import StepPolicy
+from cargohold.services.wire import WIRE_DTYPES
 
 
 def resolve_device(requested: str) -> torch.device:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.errors import (
     InvalidTensorError,
     ShardConflictError,
@@ -28,6 +27,7 @@ from cargohold.services.tiers.preserve import PreservedPartition
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.source import StateSource, tensor_source
 from cargohold.services.tiers.storage import TieredStorage
+from cargohold.services.wire import WIRE_DTYPES
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

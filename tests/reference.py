@@ -27,12 +27,12 @@ import torch.multiprocessing as mp
 
 from cargohold.cluster.config import TrainConfig, from_dict
 from cargohold.services.data import batch_for_step, dropout_seed, load_tokens
-from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.layout import Layout, scatter_params
 from cargohold.services.model_setup import model_layout
 from cargohold.services.models.blocks import transformer_blocks
 from cargohold.services.models.build import build_model
 from cargohold.services.sharding import local_tensors, params_to_range, units_of
+from cargohold.services.wire import WIRE_DTYPES
 
 STATES = ("masters", "exp_avg", "exp_avg_sq")
 

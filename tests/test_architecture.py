@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"cargohold.services": ROOT / "services", "cargohold.cluster": ROOT / "cluster"}
 CORE = frozenset(
     {
-        "cargohold.services.dtypes",
+        "cargohold.services.wire",
         "cargohold.services.errors",
         "cargohold.services.layout",
         "cargohold.services.optim",

@@ -46,9 +46,10 @@ from transport_server import (
 )
 
 from cargohold.services.errors import InvalidTensorError
-from cargohold.services.transport.codec import MIN_CHUNK_BYTES, SERVICE_NAME, fill_chunk
+from cargohold.services.transport.codec import SERVICE_NAME, fill_chunk
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.limits import CallLimits
+from cargohold.services.wire import MIN_CHUNK_BYTES
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
 

@@ -46,9 +46,7 @@ from transport_server import (
 )
 
 from cargohold.services.errors import CargoholdError, TransportError
-from cargohold.services.transport.codec import (
-    SERVICE_NAME,
-)
+from cargohold.services.transport.codec import SERVICE_NAME
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
 from cargohold.v1 import state_server_pb2 as pb
 

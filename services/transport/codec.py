@@ -17,23 +17,17 @@ import google_crc32c
 import numpy as np
 import torch
 
-from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.errors import InvalidTensorError
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.segment_state import SegmentSpec
 from cargohold.services.tiers.planner import Bandwidth
 from cargohold.services.tiers.report import PartitionRow, TierSummary
 from cargohold.services.tiers.residency import PartitionKey, Residency
+from cargohold.services.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, WIRE_DTYPES
 from cargohold.v1 import state_server_pb2 as pb
 
 SERVICE_NAME = "cargohold.v1.StateServer"
 """The gRPC service, as health checks name it."""
-DEFAULT_CHUNK_BYTES = 1 << 20
-MIN_CHUNK_BYTES = 4 << 10
-"""Smallest chunk either end sends or accepts (a tensor's last chunk aside). Every message
-costs its receiver a parse, a CRC and a copy whatever its size: in 1-byte chunks one MiB
-costs minutes of CPU, in 4 KiB chunks a fraction of a second."""
-MAX_CHUNK_BYTES = 32 << 20
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 16)
 """gRPC message limit on both ends: the largest chunk plus room for its envelope."""
 

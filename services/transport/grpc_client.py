@@ -9,13 +9,11 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cargohold.services.dtypes import DTYPE_NAMES
 from cargohold.services.errors import TransportError
 from cargohold.services.segment_state import SegmentSpec, UpdateOutcome
 from cargohold.services.tiers.report import PartitionRow, TierSummary
 from cargohold.services.transport.auth import TlsFiles, bearer
 from cargohold.services.transport.codec import (
-    DEFAULT_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
     SERVICE_NAME,
     TensorAssembler,
@@ -29,6 +27,7 @@ from cargohold.services.transport.codec import (
     spec_to_proto,
     tier_summary_from_proto,
 )
+from cargohold.services.wire import DEFAULT_CHUNK_BYTES, DTYPE_NAMES
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
 

@@ -13,7 +13,6 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cargohold.services.dtypes import WIRE_DTYPES
 from cargohold.services.errors import (
     CargoholdError,
     CorruptPartitionError,
@@ -30,7 +29,6 @@ from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.segment_state import GradientStaging, SegmentRegistry, SegmentState, UpdateOutcome
 from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
 from cargohold.services.transport.codec import (
-    DEFAULT_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
     SERVICE_NAME,
     ChecksumError,
@@ -53,6 +51,7 @@ from cargohold.services.transport.limits import (
     StalledCallError,
 )
 from cargohold.services.transport.shm import RegionCache
+from cargohold.services.wire import DEFAULT_CHUNK_BYTES, WIRE_DTYPES
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
 
