@@ -1,0 +1,70 @@
+"""SegmentState weight reads: the current step's weights in either wire dtype as copies,
+other steps and dtypes refused, and weight buffers reused only once handed back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from segment_states import NUMEL, fresh_state, initial_weights, step_gradient
+
+from cargohold.services.errors import InvalidTensorError, StepMismatchError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_weights_of_the_current_step_in_both_wire_dtypes() -> None:
+    state = fresh_state()
+    initial = initial_weights(state.spec)
+    assert torch.equal(state.weights(0, "float32"), initial)
+    for step in (1, 2):
+        state.apply_gradient(step, step_gradient(step), global_norm=0.5, lr=1e-2)
+    master = state.snapshot()["master"]
+    fp32 = state.weights(2, "float32")
+    bf16 = state.weights(2, "bfloat16")
+    assert fp32.dtype == torch.float32 and bf16.dtype == torch.bfloat16
+    assert fp32.shape == bf16.shape == (NUMEL,)
+    assert torch.equal(fp32, master)
+    assert torch.equal(bf16, master.to(torch.bfloat16))
+    # Copies: writing to them leaves the shard alone.
+    fp32.fill_(0.0)
+    bf16.fill_(0.0)
+    assert torch.equal(state.snapshot()["master"], master)
+
+
+@pytest.mark.parametrize("asked", [0, 1, 3, -1])
+def test_weights_of_another_step_raise_step_mismatch(asked: int) -> None:
+    state = fresh_state()
+    state.apply_gradient(1, step_gradient(1), global_norm=0.5, lr=1e-2)
+    state.apply_gradient(2, step_gradient(2), global_norm=0.5, lr=1e-2)
+    with pytest.raises(StepMismatchError, match=rf"holds the weights of step 2, not of step {asked}$"):
+        state.weights(asked, "float32")
+
+
+def test_weights_in_an_unknown_dtype_raise_invalid_tensor() -> None:
+    state = fresh_state()
+    with pytest.raises(InvalidTensorError, match=r"weight dtype 'float16' is not one of \['bfloat16', 'float32'\]"):
+        state.weights(0, "float16")
+
+
+def test_weights_buffers_are_reused_only_once_handed_back() -> None:
+    state = fresh_state()
+    state.apply_gradient(1, step_gradient(1), global_norm=0.5, lr=1e-2)
+    first = state.weights(1, "bfloat16")  # read (nothing prepared)
+    kept = first.clone()
+    state.apply_gradient(2, step_gradient(2), global_norm=0.5, lr=1e-2, prepare="bfloat16")
+    assert torch.equal(first, kept)  # not handed back: never written again
+    second = state.weights(2, "bfloat16")  # the weights the update prepared
+    assert second.data_ptr() != first.data_ptr()
+    state.recycle(second)
+    state.apply_gradient(3, step_gradient(3), global_norm=0.5, lr=1e-2, prepare="bfloat16")
+    third = state.weights(3, "bfloat16")
+    assert third.data_ptr() == second.data_ptr()  # the update prepared into the recycled buffer
+    assert torch.equal(third, state.snapshot()["master"].to(torch.bfloat16))
+    again = state.weights(3, "bfloat16")  # a second fetch of the step while the first holds it
+    assert again.data_ptr() != third.data_ptr() and torch.equal(again, third)
+    state.recycle(third)
+    state.recycle(again)  # one spare at most; the other is freed
+    in_fp32 = state.weights(3, "float32")  # a spare of another dtype is not used
+    assert torch.equal(in_fp32, state.snapshot()["master"])
+    reread = state.weights(3, "bfloat16")
+    assert reread.data_ptr() == third.data_ptr() and torch.equal(reread, again)
