@@ -54,15 +54,14 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from process_memory import ProcessTrace, RayProcessWatch, peak_rss, read_text, start_local_ray
 
 from cargohold.cluster.config import GPTConfig
-from cargohold.services.layout import Segment
 from cargohold.services.models.gpt import GPT, num_parameters
 
 BLOCK = 128
@@ -85,160 +84,6 @@ by W/2 for other W; plain AdamW does not depend on W. The line fit takes over af
 first probe."""
 BASE_BYTES = {"plain": 350 << 20, "cargohold": 650 << 20}
 """Rough runtime resident memory, only to place the first probe."""
-SAMPLE_S = 0.05
-
-
-# --- reading process memory -------------------------------------------------------------
-def peak_rss(status: str, field: str = "VmHWM") -> int:
-    """VmHWM (or another Vm/Rss field) in bytes from the text of /proc/<pid>/status."""
-    line = next(line for line in status.splitlines() if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode(errors="replace")
-    except OSError:
-        return None
-
-
-def exchange_rss(pid: int) -> int:
-    """Resident bytes of the process's mappings of cargohold's shared memory (memfds, ``smaps``)."""
-    total, in_shm = 0, False
-    for line in (_read(f"/proc/{pid}/smaps") or "").splitlines():
-        fields = line.split()
-        if fields and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header
-            in_shm = len(fields) >= 6 and fields[5].startswith("/memfd:cargohold-")
-        elif in_shm and fields[:1] == ["Rss:"]:
-            total += int(fields[1]) * 1024
-    return total
-
-
-@dataclass
-class ProcessTrace:
-    """What the sampler saw of one process."""
-
-    pid: int
-    role: str
-    """worker, server or driver."""
-    hwm: int = 0
-    rss: int = 0
-    """VmRSS after the step (:meth:`RayProcessWatch.freeze_rss`)."""
-    shared: int = 0
-    """The part of ``rss`` that maps shared memory: the workers' exchange buffers,
-    counted in the RSS of the worker and of the co-located server alike."""
-    peak_during: str = ""
-    """The call (method of the actor) running when VmHWM last rose."""
-    hwm_after: dict[str, int] = field(default_factory=dict)
-    """VmHWM when each call was last seen running: the peak reached up to and during it."""
-    last_call: str = "start"
-    hwm_at: dict[str, int] = field(default_factory=dict)
-    """VmHWM at each moment :meth:`RayProcessWatch.mark` named (e.g. "started": the
-    session started, no step run yet)."""
-
-
-class RayProcessWatch:
-    """Samples every descendant of this process whose title names a cargohold actor, so
-    per-process peaks are known without calling into the actors (which run one call at a
-    time). Titles are Ray's ``ray::<Class>.<method>`` (``ray::<Class>`` when idle)."""
-
-    ROLES = {"TrainingWorker": "worker", "StateServer": "server"}
-
-    def __init__(self, interval: float = SAMPLE_S) -> None:
-        self.interval = interval
-        self.traces: dict[int, ProcessTrace] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-watch")
-        self._known_other: set[int] = set()
-        self._frozen = False
-        self._lock = threading.Lock()
-
-    def __enter__(self) -> RayProcessWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
-
-    def freeze_rss(self) -> None:
-        """Sample now and keep each process's RSS as it is (after the step, before teardown)."""
-        self.sample()
-        self._frozen = True
-
-    def mark(self, moment: str) -> None:
-        """Sample now and note every process's VmHWM as of ``moment``."""
-        with self._lock:
-            self._sample()
-            for trace in self.traces.values():
-                trace.hwm_at[moment] = trace.hwm
-
-    def by_role(self, role: str) -> list[ProcessTrace]:
-        return sorted((t for t in self.traces.values() if t.role == role), key=lambda t: t.pid)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sample()
-
-    def sample(self) -> None:
-        with self._lock:
-            self._sample()
-
-    def _sample(self) -> None:
-        for pid in self._descendants(os.getpid()):
-            if pid in self._known_other:
-                continue
-            title = (_read(f"/proc/{pid}/cmdline") or "").split("\0")[0]
-            actor = title.removeprefix("ray::").split(".")[0].split(" ")[0] if title.startswith("ray::") else ""
-            role = self.ROLES.get(actor)
-            if role is None:
-                if title and "python" not in title and not title.startswith("ray::"):
-                    self._known_other.add(pid)  # raylet, gcs: never an actor (Python workers are renamed later)
-                continue
-            status = _read(f"/proc/{pid}/status")
-            if status is None or "VmHWM:" not in status:  # gone, or a zombie (no memory left)
-                continue
-            trace = self.traces.setdefault(pid, ProcessTrace(pid, role))
-            # Between calls the title is the bare class: a rise seen then happened at the
-            # end of the call seen last (or in what little runs between calls).
-            call = title.removeprefix(f"ray::{actor}").lstrip(".").split("(")[0] or trace.last_call
-            hwm = peak_rss(status)
-            if hwm > trace.hwm:
-                trace.peak_during = call
-            trace.hwm, trace.last_call = hwm, call
-            trace.hwm_after[call] = hwm
-            if not self._frozen:
-                trace.rss = peak_rss(status, "VmRSS")
-                trace.shared = exchange_rss(pid)
-
-    @staticmethod
-    def _descendants(root: int) -> list[int]:
-        children: dict[int, list[int]] = {}
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            stat = _read(f"/proc/{entry.name}/stat")
-            if stat is None:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-        out, todo = [], [root]
-        while todo:
-            for child in children.get(todo.pop(), []):
-                out.append(child)
-                todo.append(child)
-        return out
-
-
-def start_local_ray(num_cpus: int) -> None:
-    import ray
-
-    # address="local": never join a cluster someone else started on this machine.
-    ray.init(
-        address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False
-    )
 
 
 # --- the models -------------------------------------------------------------------------
@@ -264,7 +109,7 @@ def plain_probe(n_layer: int, width: int) -> dict:
         _, loss = model(x, x)
         loss.backward()
         optimizer.step()
-    return {"worker": peak_rss(_read("/proc/self/status"))}
+    return {"worker": peak_rss(read_text("/proc/self/status"))}
 
 
 # --- cargohold: W workers + 1 state server ----------------------------------------------------
@@ -350,7 +195,7 @@ def run_session(overrides: list[str], workers: int) -> dict:
     return {
         "workers": [trace(t) for t in watch.by_role("worker")],
         "servers": [trace(t) for t in watch.by_role("server")],
-        "driver": peak_rss(_read("/proc/self/status")),
+        "driver": peak_rss(read_text("/proc/self/status")),
         "buffers": buffers,
         "phases": report.phases,
         "loss": report.loss,
@@ -373,90 +218,6 @@ def cargohold_probe(
         raise RuntimeError(f"watched {len(result['workers'])} worker processes, expected {workers}")
     result["worker"] = max(w["hwm"] for w in result["workers"])
     return result
-
-
-# --- one worker's step without Ray (--trace-step) -----------------------------------------------
-class NullPort:
-    """A StatePort with no state server: pushes are dropped, fetches leave the buffer."""
-
-    def register(self, segment: Segment, initial: torch.Tensor) -> int:
-        return 0
-
-    def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
-        return True
-
-    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float) -> bool:
-        return True
-
-    def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
-        pass
-
-
-def trace_rank(rank: int, world: int, port: int, n_layer: int, width: int, wire: str, steps: int) -> None:
-    """One rank of ``--trace-step`` (a spawned process): the worker's own code path, FSDP2
-    over gloo and ``ShardedStep``, with a :class:`NullPort`; VmHWM and VmRSS after each
-    phase, the peak reset in between (``/proc/self/clear_refs``)."""
-    import torch.distributed as dist
-
-    from cargohold.cluster.config import load_config
-    from cargohold.services.data import batch_for_step, load_tokens
-    from cargohold.services.model_setup import exchange_buffers, sharded_model, step_policy
-    from cargohold.services.models.build import build_model, parameter_values
-    from cargohold.services.step import ShardedStep
-
-    torch.set_num_threads(1)
-    lines = []
-
-    def mark(phase: str) -> None:
-        status = _read("/proc/self/status")
-        peak, rss = peak_rss(status) / 2**30, peak_rss(status, "VmRSS") / 2**30
-        lines.append(f"  {phase:28} peak {peak:5.2f} GiB, RSS {rss:5.2f}")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
-    mark("start")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    config = load_config(None, cargohold_overrides(n_layer, width, world, "bfloat16", wire))
-    cpu = torch.device("cpu")
-    model, units, layout = sharded_model(config, cpu)
-    mark("sharded_model")
-    buffers = exchange_buffers(config, layout)
-    step = ShardedStep(model, units, layout, rank, NullPort(), buffers, step_policy(config), device=cpu)
-    mark("exchange buffers, ShardedStep")
-    with torch.device("meta"):
-        shapes = build_model(config)
-    step.register(lambda names: parameter_values(config, shapes, names))
-    mark("register")
-    tokens = load_tokens(None, config.data.corpus_bytes, 0, seq_len=BLOCK)
-    for number in range(1, steps + 1):
-        x, y = batch_for_step(tokens, step=number, rank=rank, world_size=world, batch_size=1, seq_len=BLOCK, seed=0)
-        step.run(number, x, y, 1e-4)
-        mark(f"step {number}")
-    step.close()
-    dist.destroy_process_group()
-    if rank == 0:
-        weights = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-        print(
-            f"rank 0 of {world}, {params_of(n_layer, width) / 1e6:.1f}M parameters, wire {wire}: FSDP2 shards "
-            f"{weights / 2**30:.2f} GiB, exchange buffers {buffers.nbytes / 2**30:.2f} GiB (the weights halves never "
-            f"touched: the null port fetches nothing); {os.environ.get('MALLOC_MMAP_THRESHOLD_', 'default')} mmap "
-            "threshold",
-            flush=True,
-        )
-        print("\n".join(lines), flush=True)
-
-
-def trace_step(n_layer: int, width: int, workers: int, wire: str, steps: int) -> None:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.start_processes(
-        trace_rank, args=(workers, port, n_layer, width, wire, steps), nprocs=workers, start_method="spawn", join=True
-    )
 
 
 # --- the search -------------------------------------------------------------------------
@@ -710,6 +471,8 @@ def main() -> None:
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trace_step:
+        from step_trace import trace_step  # it imports this module's model helpers
+
         trace_step(args.n_layer, args.trace_step, int(args.workers.split(",")[0]), args.wire.split(",")[0], 4)
         return
     if args.probe:

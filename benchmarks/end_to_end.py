@@ -41,7 +41,7 @@ from pathlib import Path
 
 import ray
 import torch
-from capacity import RayProcessWatch
+from process_memory import RayProcessWatch
 
 from cargohold.cluster.config import TrainConfig, load_config
 from cargohold.cluster.launcher import TrainingSession
