@@ -43,7 +43,8 @@ import ray
 import torch
 
 from cargohold.cluster.config import TrainConfig, from_dict
-from cargohold.cluster.launcher import TrainingSession, TrainResult, train
+from cargohold.cluster.launcher import TrainingSession
+from cargohold.cluster.supervise import TrainResult, train
 from cargohold.services.checkpoint.directory import CheckpointDir
 from cargohold.services.checkpoint.reader import read_flat_range
 

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(config: TrainConfig) -> int:
     from tqdm import tqdm
 
-    from cargohold.cluster.launcher import train
+    from cargohold.cluster.supervise import train
 
     bar = tqdm(total=config.steps, desc="train", unit="step", disable=not config.progress, file=sys.stderr)
 

@@ -1,6 +1,7 @@
-"""Start a run on Ray: connect (or start an in-process cluster), reserve a placement
-group that keeps state servers next to the workers, start the actors, drive the steps,
-and tear everything down, on success or failure.
+"""One attempt at a run on Ray: connect (or start an in-process cluster), reserve a
+placement group that keeps state servers next to the workers, start the actors, step
+them, take checkpoints, and tear everything down, on success or failure.
+:mod:`cargohold.cluster.supervise` drives a whole run with it, restarts included.
 """
 
 from __future__ import annotations
@@ -9,12 +10,9 @@ import logging
 import math
 import os
 import secrets
-import signal
-import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -23,13 +21,10 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cargohold.cluster.config import TrainConfig, config_hash
-from cargohold.cluster.export import export_weights, master_weights
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest, check_compatible
-from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
-from cargohold.services.metrics import LauncherMetrics
+from cargohold.services.errors import ConfigError, TrainingError
 from cargohold.services.model_setup import model_layout
-from cargohold.services.node import node_ip
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.state_port import segment_spec
 from cargohold.services.state_server import StateServer
@@ -51,26 +46,6 @@ RSS per parameter in ``benchmarks/capacity.py``; see docs/benchmarks.md)."""
 def worker_env() -> dict[str, str]:
     """:data:`WORKER_ENV`, except where this process's environment sets a variable."""
     return {name: os.environ.get(name, value) for name, value in WORKER_ENV.items()}
-
-
-@dataclass(slots=True)
-class TrainResult:
-    run_id: str
-    first_step: int | None = None
-    """The step training started after (0, or a resumed checkpoint's); losses[i] is the
-    loss of step first_step + i + 1."""
-    losses: list[float] = field(default_factory=list)
-    step_seconds: list[float] = field(default_factory=list)
-    server_addresses: list[str] = field(default_factory=list)
-    metrics_addresses: list[str] = field(default_factory=list)
-    worker_resident_bytes: dict[str, int] = field(default_factory=dict)
-    """Bytes rank 0 holds for training, by kind (weights, exchange)."""
-    checkpoints: list[Path] = field(default_factory=list)
-    checkpoint_stall_seconds: list[float] = field(default_factory=list)
-    """How long each checkpoint held training up (the snapshot, not the writing)."""
-    restarts: int = 0
-    recovery_seconds: list[float] = field(default_factory=list)
-    """From each failure's restart to training again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,145 +339,6 @@ class TrainingSession:
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
-
-
-def train(
-    config: TrainConfig, on_step: Callable[[StepReport], None] | None = None, *, metrics: LauncherMetrics | None = None
-) -> TrainResult:
-    """Run ``config.steps`` steps, taking checkpoints as configured; on an actor failure
-    restart everything from the latest checkpoint, up to ``checkpoint.max_failures``.
-
-    ``metrics``: where to count checkpoints, failures and recoveries; by default the run
-    serves its own (when metrics are enabled) until it ends."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGUSR1, _request_checkpoint)
-    own_metrics = metrics is None
-    if metrics is None:
-        metrics = LauncherMetrics()
-        if config.metrics.enabled:
-            metrics.start(host=node_ip(), port=config.metrics.port_for("launcher", config.worker.num_workers, config))
-            logger.info("launcher metrics on %s", metrics.address)
-    try:
-        return _train(config, on_step, metrics)
-    finally:
-        if own_metrics:
-            metrics.stop()
-
-
-def _train(config: TrainConfig, on_step: Callable[[StepReport], None] | None, metrics: LauncherMetrics) -> TrainResult:
-    ckpt = config.checkpoint
-    store = CheckpointDir(Path(ckpt.dir), keep_last=ckpt.keep_last) if ckpt.dir else None
-    resume = _resolve_resume(ckpt.resume, store)
-    result = TrainResult(run_id="")
-    while True:
-        try:
-            _train_session(config, store, resume, result, on_step, metrics)
-            return result
-        except TrainingError as error:
-            metrics.record_failure()
-            latest = store.latest() if store is not None else None
-            if result.restarts >= ckpt.max_failures or latest is None:
-                raise
-            result.restarts += 1
-            logger.warning(
-                "run failed (%s); restart %d of %d from %s", error, result.restarts, ckpt.max_failures, latest
-            )
-            resume = latest
-
-
-def _train_session(
-    config: TrainConfig,
-    store: CheckpointDir | None,
-    resume: Path | None,
-    result: TrainResult,
-    on_step: Callable[[StepReport], None] | None,
-    metrics: LauncherMetrics,
-) -> None:
-    every = config.checkpoint.every_steps
-    recovering = time.perf_counter()
-
-    def finish(pending: PendingCheckpoint) -> None:
-        assert store is not None, "checkpoints are only taken with checkpoint.dir set"
-        try:
-            saved = session.checkpoint_finish(store, pending)
-        except (CheckpointError, TrainingError) as error:
-            if not _is_save_error(error):
-                raise
-            store.abort(pending.step)  # earlier checkpoints stay as they were
-            if config.checkpoint.on_save_error == "stop":
-                raise
-            logger.warning("checkpoint of step %d not written, training goes on: %s", pending.step, error)
-            return
-        metrics.observe_checkpoint(
-            pending.stall_seconds, time.perf_counter() - pending.started, saved.written_bytes, saved.linked_bytes
-        )
-        result.checkpoints.append(saved.path)
-
-    with TrainingSession(config, resume=resume) as session:
-        if result.restarts:
-            result.recovery_seconds.append(time.perf_counter() - recovering)
-            metrics.observe_recovery(result.recovery_seconds[-1])
-        result.run_id = session.run_id
-        result.server_addresses = list(session.server_addresses)
-        result.metrics_addresses = session.metrics_addresses() + ([metrics.address] if metrics.serving else [])
-        result.worker_resident_bytes = session.worker_resident_bytes()
-        if result.first_step is None:
-            result.first_step = session.step_count
-        done = session.step_count - result.first_step  # a recovery repeats what came after
-        del result.losses[done:], result.step_seconds[done:]
-        pending = None
-        while session.step_count < config.steps:
-            report = session.step()
-            result.losses.append(report.loss)
-            result.step_seconds.append(report.seconds)
-            if on_step is not None:
-                on_step(report)
-            if pending is not None:  # its files were written while this step ran
-                finish(pending)
-                pending = None
-            if store is not None and (
-                session.step_count == config.steps or _take_request() or (every and session.step_count % every == 0)
-            ):
-                pending = session.checkpoint_begin(store)
-                result.checkpoint_stall_seconds.append(pending.stall_seconds)
-        if pending is not None:
-            finish(pending)
-        if config.export_dir is not None:
-            export_weights(
-                config, session.layout, master_weights(session.layout, session.server_masters()), config.export_dir
-            )
-
-
-_checkpoint_requested = threading.Event()
-
-
-def _request_checkpoint(signum: int, frame: object) -> None:
-    _checkpoint_requested.set()
-
-
-def _take_request() -> bool:
-    """True once after SIGUSR1 asked for a checkpoint (on demand, e.g. before maintenance)."""
-    if _checkpoint_requested.is_set():
-        _checkpoint_requested.clear()
-        return True
-    return False
-
-
-def _is_save_error(error: BaseException | None) -> bool:
-    """A checkpoint write failed (here or, reported through Ray, on a state server)."""
-    while error is not None:
-        if isinstance(error, CheckpointError):
-            return True
-        error = getattr(error, "cause", None) or error.__cause__
-    return False
-
-
-def _resolve_resume(spec: str | None, store: CheckpointDir | None) -> Path | None:
-    if spec is None:
-        return None
-    if spec == "latest":
-        return store.resolve("latest") if store is not None else None
-    return CheckpointDir(Path(spec).parent).resolve(spec)
 
 
 def resolve_auth_token(env_name: str | None) -> str | None:

@@ -317,7 +317,7 @@ def test_tied_checkpoint_trains_bitwise_in_bf16_and_exports_tied(ray_local, gpt2
 @pytest.mark.integration
 def test_train_writes_export_dir_from_the_masters(ray_local, tmp_path: Path) -> None:
     """The launcher's end of run: ``export_dir`` set, the built-in GPT exported."""
-    from cargohold.cluster.launcher import train
+    from cargohold.cluster.supervise import train
 
     config = tiny_config(steps=3, export_dir=str(tmp_path / "export"))
     train(config)

@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from reference import tiny_config
 from system import mounted_tmpfs
 
-from cargohold.cluster.launcher import TrainingSession, train
+from cargohold.cluster.launcher import TrainingSession
+from cargohold.cluster.supervise import train
 from cargohold.services.checkpoint import CheckpointDir, read_flat_range
 from cargohold.services.errors import CheckpointError, TrainingError
 from cargohold.services.layout import gather_params, scatter_params
