@@ -1,7 +1,8 @@
-"""Damaged checkpoints and failed saves: a flipped byte or a truncated file is caught naming
-the file (and skipped by latest()); a full disk, a file-size limit (in a writer forked by
-the zygote, ``checkpoint_writers.py``) or an unwritable place fails the save naming the
-file and the reason, and keeps the previous checkpoint.
+"""Damaged checkpoints and failed saves: a flipped byte, a truncated file, a symbolic link
+or a FIFO in the folder is caught naming the file (and skipped by latest()); a full disk,
+a file-size limit (in a writer forked by the zygote, ``checkpoint_writers.py``) or an
+unwritable place fails the save naming the file and the reason, and keeps the previous
+checkpoint.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 import struct
 import subprocess
 from pathlib import Path
@@ -71,6 +73,40 @@ def test_a_truncated_file_is_caught_and_skipped_by_latest(tmp_path: Path) -> Non
         with pytest.raises(CorruptCheckpointError, match=str(victim)):
             read_flat_range(newer, manifest, 0, 3_000)
         assert store.latest() == older
+
+
+@pytest.mark.timeout(60)  # before reads refused FIFOs, opening one blocked for good
+@pytest.mark.parametrize("kind", ["symbolic link", "FIFO"])
+@pytest.mark.parametrize("victim", ["payload", "manifest"])
+def test_only_regular_files_in_the_folder_are_read(tmp_path: Path, kind: str, victim: str) -> None:
+    """A checkpoint's file that is a symbolic link (to an identical copy outside the
+    folder) or a FIFO is refused at once naming it, by every reader: a symbolic link is
+    never followed out of the folder, and a FIFO never blocks the open. Nothing is lost:
+    the previous checkpoint is the latest, the link's target is untouched."""
+    store = CheckpointDir(tmp_path / "ckpt")
+    older = save(store, 1, random_data(3_000, 1), [1_500])
+    newer = save(store, 2, random_data(3_000, 2), [1_500])
+    manifest = store.load(newer)
+    path = newer / (manifest.files[0].name if victim == "payload" else MANIFEST_NAME)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.move(path, outside / path.name)
+    if kind == "FIFO":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(outside / path.name)
+    assert store.latest() == older
+    with pytest.raises(CheckpointError, match=rf"{path}.*{kind}") as refused:
+        store.resolve(str(newer))
+    if victim == "manifest":
+        assert isinstance(refused.value, CheckpointError)
+        with pytest.raises(CheckpointError, match=rf"{path}.*{kind}"):
+            store.load(newer)
+    else:
+        with pytest.raises(CorruptCheckpointError, match=rf"{path}.*{kind}"):
+            read_flat_range(newer, manifest, 0, 3_000)
+    assert (outside / path.name).stat().st_nlink == 1
+    assert torch.equal(read_flat_range(older, store.load(older), 0, 3_000)["master"], random_data(3_000, 1)["master"])
 
 
 # ----------------------------------------------------------------------------- disk full

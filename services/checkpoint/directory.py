@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from cargohold.services.checkpoint.errors import os_error
+from cargohold.services.checkpoint.files import check_regular, open_regular
 from cargohold.services.checkpoint.manifest import MANIFEST_NAME, Manifest, gaps, is_int
 from cargohold.services.durable import fsync_directory, replace_durably
 from cargohold.services.errors import CheckpointError
@@ -167,7 +168,8 @@ class CheckpointDir:
         """Parse and validate the manifest of the checkpoint at ``path``."""
         source = Path(path) / MANIFEST_NAME
         try:
-            text = source.read_text(encoding="utf-8")
+            with os.fdopen(open_regular(source), "rb") as handle:
+                text = handle.read().decode("utf-8")
         except FileNotFoundError as error:
             raise CheckpointError(f"{source} is missing: not a complete checkpoint") from error
         except (OSError, UnicodeDecodeError) as error:
@@ -226,7 +228,7 @@ def _check_files(directory: Path, manifest: Manifest) -> None:
     for record in manifest.files:
         path = directory / record.name
         try:
-            size = os.stat(path).st_size
+            size = check_regular(path).st_size
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint file {path} named in the manifest is missing") from None
         except OSError as error:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from cargohold.services.checkpoint.errors import corrupt, os_error
+from cargohold.services.checkpoint.files import open_regular
 from cargohold.services.checkpoint.manifest import FileRecord, Manifest, SegmentRecord
 from cargohold.services.errors import CorruptPartitionError
 from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout, crc32c, parse_header
@@ -43,9 +44,10 @@ class Payload:
 
 
 def open_sized(path: Path, record: FileRecord) -> tuple[int, int]:
-    """An open descriptor and the size, checked against ``record``."""
+    """An open descriptor of the regular file ``path`` (:func:`.files.open_regular`) and
+    its size, checked against ``record``."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path)
     except FileNotFoundError as error:
         raise corrupt(path, "the file is missing") from error
     except OSError as error:
