@@ -139,10 +139,25 @@ BAD_FIELDS = {
     "layout missing": ("layout", None, r"missing \['layout'\]"),
     "layout not an object": ("layout", [], r"layout must be an object with fields \['align', 'group_names', "),
     "layout field missing": ("layout.align", None, r"layout must be an object with fields \['align', "),
+    "step not a number": ("step", float("nan"), r"not a valid manifest \(JSON: NaN is not a JSON number"),
+    "segment negative": ("shards.0.segment_id", -1, r"shards\[0\]\.segment_id must be an integer >= 0, got -1"),
+    "shard start a string": ("shards.1.start", "500", r"shards\[1\]\.start must be an integer >= 0, got '500'"),
+    "shard empty": ("shards.1.stop", 500, r"shards\[1\]\.stop must be above start, got \[500, 500\)"),
+    "shard file": ("shards.0.file", 3, r"shards\[0\]\.file must be a string, got 3"),
+    "file size": ("files.0.nbytes", 1.5, r"files\[0\]\.nbytes must be an integer >= 0, got 1\.5"),
+    "file crc": ("files.1.crc32c", 1 << 32, r"files\[1\]\.crc32c must be a 32-bit unsigned integer, got 4294967296"),
+    "file name": ("files.0.name", "../x", r"files\[0\]\.name '\.\./x' is not a valid payload file name"),
+    "file missing field": ("files.0.crc32c", None, r"files\[0\] must be an object with fields \['crc32c', "),
+    "signature name": ("model_signature.0.0", 7, r"model_signature\[0\] name must be a string, got 7"),
+    "signature dims": (
+        "model_signature.0.1",
+        ["3"],
+        r"model_signature\[0\] \('flat'\) shape must be a list of integers >= 0, got \['3'\]",
+    ),
 }
 
 
-@pytest.mark.parametrize("damage", ["garbage", "version", "missing field", "bad type", "overlap", *BAD_FIELDS])
+@pytest.mark.parametrize("damage", ["garbage", "deep", "version", "missing field", "overlap", *BAD_FIELDS])
 def test_a_bad_manifest_is_refused_naming_it(tmp_path: Path, damage: str) -> None:
     """Refused naming the manifest and the field, and nothing already saved is lost: the
     previous checkpoint is the latest, and the refused one's files stay as they were."""
@@ -154,9 +169,11 @@ def test_a_bad_manifest_is_refused_naming_it(tmp_path: Path, damage: str) -> Non
     saved = {p.name: p.read_bytes() for p in newer.iterdir() if p.name != MANIFEST_NAME}
     if damage == "garbage":
         text, reason = '{"format_version": 1, "step": 2,', "not a valid manifest"
+    elif damage == "deep":
+        text, reason = "[" * 100_000 + "]" * 100_000, r"not a valid manifest \(JSON nested too deeply\)"
     elif damage in BAD_FIELDS:
         field, value, reason = BAD_FIELDS[damage]
-        *parents, name = field.split(".")
+        *parents, name = (int(part) if part.isdigit() else part for part in field.split("."))
         where = body
         for parent in parents:
             where = where[parent]
@@ -171,8 +188,6 @@ def test_a_bad_manifest_is_refused_naming_it(tmp_path: Path, damage: str) -> Non
         elif damage == "missing field":
             del body["config_hash"]
             reason = r"missing \['config_hash'\]"
-        elif damage == "bad type":
-            body["shards"][0]["stop"], reason = "500", "must be integers"
         else:
             body["shards"][1]["start"], reason = 400, "overlap"
         text = json.dumps(body)

@@ -15,7 +15,7 @@ import json
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from cargohold.services.durable import TEMP_SUFFIX
 from cargohold.services.errors import CheckpointError
@@ -25,6 +25,7 @@ FORMAT_VERSION = 3
 ``updates`` and ``layout``, and made every payload file a partition file (versions 1 and 2
 also had shard files, ``files[].format``); manifests of earlier versions are refused."""
 MANIFEST_NAME = "manifest.json"
+_Record = TypeVar("_Record", "FileRecord", "SegmentRecord")
 LAYOUT_KIND = "worker-major-v1"
 """``layout.kind`` of a checkpoint whose flat space is worker-major
 (:mod:`cargohold.services.layout`)."""
@@ -41,6 +42,13 @@ class FileRecord:
     """The CRC-32C the file's header stores for itself; it covers the file's identity,
     update count and the checksums of its arrays."""
 
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        if not is_int(self.nbytes) or self.nbytes < 0:
+            raise CheckpointError(f"nbytes must be an integer >= 0, got {self.nbytes!r}")
+        if not is_int(self.crc32c) or not 0 <= self.crc32c < 1 << 32:
+            raise CheckpointError(f"crc32c must be a 32-bit unsigned integer, got {self.crc32c!r}")
+
 
 @dataclass(frozen=True, slots=True)
 class SegmentRecord:
@@ -52,6 +60,16 @@ class SegmentRecord:
     step: int
     """The checkpoint's data step (the manifest's ``step``)."""
     file: str
+
+    def __post_init__(self) -> None:
+        for name in ("segment_id", "start", "stop", "step"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 0:
+                raise CheckpointError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.stop <= self.start:
+            raise CheckpointError(f"stop must be above start, got [{self.start}, {self.stop})")
+        if not isinstance(self.file, str):
+            raise CheckpointError(f"file must be a string, got {self.file!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,9 +173,11 @@ class Manifest:
     def from_json(cls, text: str, *, source: str) -> Manifest:
         """Parse and validate; every error names ``source`` (the manifest's path)."""
         try:
-            body = json.loads(text)
+            body = json.loads(text, parse_constant=_refuse_constant)
         except ValueError as error:
             raise CheckpointError(f"{source}: not a valid manifest (JSON: {error})") from error
+        except RecursionError as error:
+            raise CheckpointError(f"{source}: not a valid manifest (JSON nested too deeply)") from error
         try:
             return cls._from_body(body)
         except CheckpointError as error:
@@ -187,13 +207,13 @@ class Manifest:
             updates=body["updates"],
             run_id=body["run_id"],
             config_hash=body["config_hash"],
-            model_signature=tuple(_signature_entry(entry, i) for i, entry in enumerate(signature)),
+            model_signature=tuple(
+                _signature_entry(entry, f"model_signature[{i}]") for i, entry in enumerate(signature)
+            ),
             layout=LayoutRecord.from_body(body["layout"]),
             total=body["total"],
-            shards=tuple(
-                SegmentRecord(**_record(entry, SegmentRecord, f"shards[{i}]")) for i, entry in enumerate(shards)
-            ),
-            files=tuple(FileRecord(**_record(entry, FileRecord, f"files[{i}]")) for i, entry in enumerate(files)),
+            shards=tuple(_parsed(SegmentRecord, entry, f"shards[{i}]") for i, entry in enumerate(shards)),
+            files=tuple(_parsed(FileRecord, entry, f"files[{i}]") for i, entry in enumerate(files)),
         )
 
 
@@ -208,10 +228,25 @@ def _list(value: object, what: str) -> list[Any]:
     return value
 
 
-def _signature_entry(entry: object, index: int) -> tuple[str, tuple[int, ...]]:
+def _refuse_constant(name: str) -> object:
+    """JSON has no NaN or Infinity; Python's parser would read them as floats."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _signature_entry(entry: object, what: str) -> tuple[str, tuple[int, ...]]:
     if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)):
-        raise CheckpointError(f"model_signature[{index}] must be [name, [dims]], got {entry!r}")
+        raise CheckpointError(f"{what} must be [name, [dims]], got {entry!r}")
     return entry[0], tuple(entry[1])
+
+
+def _parsed(kind: type[_Record], entry: object, what: str) -> _Record:
+    """A record from its JSON object; an error names the field as ``what.field``."""
+    try:
+        return kind(**_record(entry, kind, what))
+    except CheckpointError as error:
+        if str(error).startswith(what):
+            raise
+        raise CheckpointError(f"{what}.{error}") from None
 
 
 def _record(entry: object, kind: type, what: str) -> dict[str, Any]:
@@ -237,7 +272,7 @@ def _check_name(name: object) -> None:
         or name.endswith(TEMP_SUFFIX)
     ):
         raise CheckpointError(
-            f"file {name!r} is not a valid payload file name (one path component, not "
+            f"name {name!r} is not a valid payload file name (one path component, not "
             f"{MANIFEST_NAME!r}, not ending in {TEMP_SUFFIX!r})"
         )
 
@@ -260,41 +295,34 @@ def _validate_manifest(m: Manifest) -> None:
     if not isinstance(m.model_signature, tuple):
         raise CheckpointError("model_signature must be a tuple of (name, shape)")
     for index, entry in enumerate(m.model_signature):
-        if not (
-            isinstance(entry, tuple)
-            and len(entry) == 2
-            and isinstance(entry[0], str)
-            and isinstance(entry[1], tuple)
-            and all(is_int(d) and d >= 0 for d in entry[1])
-        ):
-            raise CheckpointError(f"model_signature[{index}] must be (name, shape), got {entry!r}")
+        where = f"model_signature[{index}]"
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise CheckpointError(f"{where} must be (name, shape), got {entry!r}")
+        name, shape = entry
+        if not isinstance(name, str):
+            raise CheckpointError(f"{where} name must be a string, got {name!r}")
+        if not (isinstance(shape, tuple) and all(is_int(d) and d >= 0 for d in shape)):
+            raise CheckpointError(f"{where} ({name!r}) shape must be a list of integers >= 0, got {_shown(shape)}")
     if not isinstance(m.layout, LayoutRecord):
         raise CheckpointError(f"layout must be a LayoutRecord, got {type(m.layout).__name__}")
 
     if not isinstance(m.files, tuple) or not all(isinstance(f, FileRecord) for f in m.files):
         raise CheckpointError("files must be a tuple of FileRecord")
     names: set[str] = set()
-    for record in m.files:
-        _check_name(record.name)
+    for index, record in enumerate(m.files):
         if record.name in names:
-            raise CheckpointError(f"file {record.name!r} is listed twice")
+            raise CheckpointError(f"files[{index}]: file {record.name!r} is listed twice")
         names.add(record.name)
-        if not is_int(record.nbytes) or record.nbytes < 0:
-            raise CheckpointError(f"file {record.name!r}: nbytes must be an integer >= 0, got {record.nbytes!r}")
-        if not is_int(record.crc32c) or not 0 <= record.crc32c < 1 << 32:
-            raise CheckpointError(f"file {record.name!r}: crc32c must be a 32-bit unsigned integer")
 
     if not isinstance(m.shards, tuple) or not all(isinstance(s, SegmentRecord) for s in m.shards):
         raise CheckpointError("shards must be a tuple of SegmentRecord")
-    for shard in m.shards:
-        where = f"shard {shard.segment_id!r}"
-        if not all(is_int(v) for v in (shard.segment_id, shard.start, shard.stop, shard.step)):
-            raise CheckpointError(f"{where}: segment_id, start, stop and step must be integers")
-        if not 0 <= shard.start < shard.stop <= m.total:
-            raise CheckpointError(f"{where}: range [{shard.start}, {shard.stop}) is empty or outside [0, {m.total})")
+    for index, shard in enumerate(m.shards):
+        where = f"shards[{index}] (segment {shard.segment_id})"
+        if shard.stop > m.total:
+            raise CheckpointError(f"{where}: range [{shard.start}, {shard.stop}) leaves [0, {m.total})")
         if shard.step != m.step:
             raise CheckpointError(f"{where} is at step {shard.step}, the checkpoint at step {m.step}")
-        if not isinstance(shard.file, str) or shard.file not in names:
+        if shard.file not in names:
             raise CheckpointError(f"{where}: its file {shard.file!r} is not listed in files")
     holders = Counter(shard.file for shard in m.shards)
     for record in m.files:
