@@ -153,7 +153,7 @@ def main() -> None:
             step=3,
             updates=updates,
             run_id="bench",
-            config_hash="",
+            config={},
             model_signature=flat,
             layout=layout_record(build_layout(flat, num_workers=1, num_servers=1)),
             total=numel,

@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_CONFIG
     try:
         return _train(config)
+    except ConfigError as error:  # found once the run meets its checkpoint or nodes
+        print(f"cargohold: bad configuration: {error}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
     except CargoholdError as error:
         print(f"cargohold: training failed: {error}", file=sys.stderr)
         return EXIT_FAILURE

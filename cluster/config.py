@@ -6,8 +6,6 @@ with the full dotted key in the message.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import re
 import types
@@ -375,7 +373,9 @@ class CheckpointConfig:
     keep_last: int = 3
     """Complete checkpoints kept; older ones are deleted after a new one lands."""
     resume: str | None = None
-    """Start from "latest" (in dir) or from a checkpoint folder; None starts fresh."""
+    """Start from "latest" (in dir) or from a checkpoint folder; None starts fresh. Keys
+    of the checkpoint's config that give its state its meaning (model shape, Adam betas,
+    seed and data) must be unchanged; other changed keys are logged as a warning."""
     max_failures: int = 0
     """Actor failures to recover from (restart everything from the latest checkpoint)
     before the run gives up."""
@@ -533,12 +533,6 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 def to_dict(config: Any) -> dict[str, Any]:
     """Plain data (for YAML/JSON output); ``from_dict(type(c), to_dict(c)) == c``."""
     return dataclasses.asdict(config)
-
-
-def config_hash(config: TrainConfig) -> str:
-    """A short stable digest of the configuration."""
-    text = json.dumps(to_dict(config), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _coerce(hint: Any, value: Any, key: str) -> Any:

@@ -20,9 +20,10 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cargohold.cluster.config import TrainConfig, config_hash
+from cargohold.cluster.config import TrainConfig, to_dict
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
-from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest, check_compatible
+from cargohold.cluster.resume import check_resume
+from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
 from cargohold.services.errors import ConfigError, TrainingError
 from cargohold.services.model_setup import model_layout
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
@@ -103,6 +104,7 @@ class TrainingSession:
 
     def _start(self) -> None:
         cfg = self.config
+        manifest = check_resume(self.resume, cfg, self.layout) if self.resume is not None else None
         self._owns_ray = connect_ray(cfg)
         timeout = cfg.cluster.startup_timeout_s
         worker_bundle = {"CPU": cfg.worker.cpus, "GPU": cfg.worker.gpus, **cfg.worker.resources}
@@ -146,8 +148,8 @@ class TrainingSession:
         server_nodes = _get([s.node_id.remote() for s in self.servers], timeout, "starting state servers")
 
         update = 0
-        if self.resume is not None:
-            update, self.step_count = self._restore(self.resume, timeout)
+        if self.resume is not None and manifest is not None:
+            update, self.step_count = self._restore(self.resume, manifest, timeout)
 
         worker_cls = ray.remote(TrainingWorker)
         first_worker_bundle = cfg.state_server.num_servers
@@ -190,14 +192,11 @@ class TrainingSession:
         if cfg.metrics.file_sd_path:
             write_file_sd(cfg.metrics.file_sd_path, self.run_id, targets)
 
-    def _restore(self, directory: Path, timeout: float) -> tuple[int, int]:
-        """Restore every server's segments from a checkpoint, whatever layout saved it;
+    def _restore(self, directory: Path, manifest: Manifest, timeout: float) -> tuple[int, int]:
+        """Restore every server's segments from a checkpoint (checked by
+        :func:`~cargohold.cluster.resume.check_resume`), whatever layout saved it;
         returns (updates, data step)."""
-        manifest = CheckpointDir(directory.parent).load(directory)
         saved = saved_layout(manifest, str(directory / MANIFEST_NAME))
-        check_compatible(
-            manifest, model_signature=[(p.name, p.shape) for p in self.layout.params], align=self.layout.align
-        )
         _get(
             [
                 server.restore.remote(
@@ -247,7 +246,7 @@ class TrainingSession:
             step=pending.step,
             updates=pending.updates,
             run_id=self.run_id,
-            config_hash=config_hash(self.config),
+            config=to_dict(self.config),
             model_signature=tuple((p.name, p.shape) for p in self.layout.params),
             layout=layout_record(self.layout),
             total=self.layout.total,

@@ -19,6 +19,7 @@ from pathlib import Path
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.export import export_weights, master_weights
 from cargohold.cluster.launcher import PendingCheckpoint, TrainingSession
+from cargohold.cluster.resume import resolve_resume
 from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.errors import CheckpointError, TrainingError
 from cargohold.services.metrics import LauncherMetrics
@@ -74,7 +75,7 @@ def train(
 def _train(config: TrainConfig, on_step: Callable[[StepReport], None] | None, metrics: LauncherMetrics) -> TrainResult:
     ckpt = config.checkpoint
     store = CheckpointDir(Path(ckpt.dir), keep_last=ckpt.keep_last) if ckpt.dir else None
-    resume = _resolve_resume(ckpt.resume, store)
+    resume = resolve_resume(ckpt.resume, store)
     result = TrainResult(run_id="")
     while True:
         try:
@@ -177,11 +178,3 @@ def _is_save_error(error: BaseException | None) -> bool:
             return True
         error = getattr(error, "cause", None) or error.__cause__
     return False
-
-
-def _resolve_resume(spec: str | None, store: CheckpointDir | None) -> Path | None:
-    if spec is None:
-        return None
-    if spec == "latest":
-        return store.resolve("latest") if store is not None else None
-    return CheckpointDir(Path(spec).parent).resolve(spec)

@@ -92,3 +92,11 @@ class CheckpointError(CargoholdError):
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint file is torn, corrupted or not the file its manifest describes."""
+
+
+class ResumeRefusedError(CheckpointError, ConfigError):
+    """``checkpoint.resume`` names a checkpoint this run cannot resume from: none is
+    there, its manifest or files are bad, it is of another model, or it was saved with a
+    configuration that would give its state another meaning. A ConfigError too: like a
+    bad value, it is refused before training starts (exit status 2), naming the file,
+    field or keys."""

@@ -70,7 +70,7 @@ def flat_manifest(step: int, updates: int, total: int, records: Records) -> Mani
         step=step,
         updates=updates,
         run_id="run-test",
-        config_hash="cfg-0",
+        config={},
         model_signature=(("flat", (total,)),),
         layout=flat_layout(total),
         total=total,
@@ -109,9 +109,11 @@ def group_layout(workers: int, servers: int) -> Layout:
     return build_layout(SHAPES, num_workers=workers, num_servers=servers, **GROUPS)
 
 
-def save_layout(store: CheckpointDir, step: int, layout: Layout, data: dict[str, torch.Tensor]) -> Path:
+def save_layout(
+    store: CheckpointDir, step: int, layout: Layout, data: dict[str, torch.Tensor], config: dict | None = None
+) -> Path:
     """Save the way state servers and the launcher do: each server its segments, the
-    layout recorded in the manifest."""
+    layout (and ``config``, a config as plain data) recorded in the manifest."""
     directory = store.begin(step)
     records = []
     for server in range(layout.num_servers):
@@ -121,7 +123,7 @@ def save_layout(store: CheckpointDir, step: int, layout: Layout, data: dict[str,
         step=step,
         updates=step,
         run_id=RUN,
-        config_hash="cfg",
+        config=config or {},
         model_signature=tuple((p.name, p.shape) for p in layout.params),
         layout=layout_record(layout),
         total=layout.total,

@@ -64,22 +64,26 @@ def test_a_file_holds_exactly_one_shard(tmp_path: Path) -> None:
 
 
 def test_a_checkpoint_of_an_earlier_format_is_refused(tmp_path: Path) -> None:
-    """Manifests before version 3 kept the update count and the layout in ``extra``
-    (version 1 and 2 with the worker-major layout, earlier ones with none: the former
-    parameter-ordered flat space). They are refused naming the manifest, never deleted."""
+    """Manifests before version 4 held only a hash of the saving run's config; before
+    version 3 they kept the update count and the layout in ``extra`` (version 1 and 2 with
+    the worker-major layout, earlier ones with none: the former parameter-ordered flat
+    space). They are refused naming the manifest, never deleted."""
     store = CheckpointDir(tmp_path)
     layout = group_layout(2, 1)
     path = save_layout(store, 3, layout, random_data(layout.total, 3))
     body = json.loads((path / MANIFEST_NAME).read_text())
-    layout_body = body.pop("layout")
-    body["extra"] = {"updates": body.pop("updates"), "layout": layout_body.pop("kind"), **layout_body}
-    for version in (2, 1):
+    del body["config"]
+    body["config_hash"] = "0123456789abcdef"
+    for version in (3, 2, 1):
+        if version == 2:
+            layout_body = body.pop("layout")
+            body["extra"] = {"updates": body.pop("updates"), "layout": layout_body.pop("kind"), **layout_body}
         body["format_version"] = version
         (path / MANIFEST_NAME).write_text(json.dumps(body))
         with pytest.raises(
             CheckpointError,
             match=rf"{path / MANIFEST_NAME}: format version {version} is no longer "
-            "readable: this build reads version 3 only",
+            rf"readable: this build reads version {FORMAT_VERSION} only",
         ):
             restore(path, layout, 0, SegmentRegistry(TieredStorage(None)))
         assert store.latest() is None
@@ -139,6 +143,9 @@ BAD_FIELDS = {
     "layout missing": ("layout", None, r"missing \['layout'\]"),
     "layout not an object": ("layout", [], r"layout must be an object with fields \['align', 'group_names', "),
     "layout field missing": ("layout.align", None, r"layout must be an object with fields \['align', "),
+    "config not an object": ("config", [], r"config must be an object, got \[\]"),
+    "config too deep": ("config.a", [[[[[[[[1]]]]]]]], r"config\.a(\[0\]){7} is nested deeper than 8 levels"),
+    "config not finite": ("config.optim", {"lr": 1e400}, r"not a valid manifest \(JSON: Infinity is not a JSON number"),
     "step not a number": ("step", float("nan"), r"not a valid manifest \(JSON: NaN is not a JSON number"),
     "segment negative": ("shards.0.segment_id", -1, r"shards\[0\]\.segment_id must be an integer >= 0, got -1"),
     "shard start a string": ("shards.1.start", "500", r"shards\[1\]\.start must be an integer >= 0, got '500'"),
@@ -184,10 +191,11 @@ def test_a_bad_manifest_is_refused_naming_it(tmp_path: Path, damage: str) -> Non
         text = json.dumps(body)
     else:
         if damage == "version":
-            body["format_version"], reason = FORMAT_VERSION + 1, "format version 4; this build reads version 3"
+            body["format_version"] = FORMAT_VERSION + 1
+            reason = f"format version {FORMAT_VERSION + 1}; this build reads version {FORMAT_VERSION}"
         elif damage == "missing field":
-            del body["config_hash"]
-            reason = r"missing \['config_hash'\]"
+            del body["config"]
+            reason = r"missing \['config'\]"
         else:
             body["shards"][1]["start"], reason = 400, "overlap"
         text = json.dumps(body)
@@ -243,7 +251,7 @@ def test_errors_are_cargohold_errors() -> None:
             step=1,
             updates=1,
             run_id="r",
-            config_hash="c",
+            config={},
             model_signature=(),
             layout=flat_layout(10),
             total=10,

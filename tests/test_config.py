@@ -22,7 +22,6 @@ from cargohold.cluster.config import (
     StateServerConfig,
     TrainConfig,
     WorkerConfig,
-    config_hash,
     from_dict,
     load_config,
     to_dict,
@@ -364,16 +363,6 @@ def test_from_dict_of_to_dict_round_trips(tmp_path: Path, overrides: list[str]) 
     # ... and through a YAML file, the documented channel.
     dumped = _write(tmp_path, yaml.safe_dump(to_dict(config)), "dumped.yaml")
     assert load_config(dumped) == config
-
-
-def test_config_hash_is_stable_and_tracks_values() -> None:
-    first, second = load_config(DEMO), load_config(DEMO)
-    assert first is not second
-    assert config_hash(first) == config_hash(second) == config_hash(from_dict(TrainConfig, to_dict(first)))
-    assert re.fullmatch(r"[0-9a-f]{16}", config_hash(first))
-    assert config_hash(load_config(DEMO, ["steps=51"])) != config_hash(first)
-    assert config_hash(load_config(DEMO, ["optim.beta2=0.99"])) != config_hash(first)
-    assert config_hash(load_config(DEMO, ["worker.resources={a: 1}"])) != config_hash(first)
 
 
 # --- the frozen surface and the generated reference ---------------------------------------

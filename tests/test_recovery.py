@@ -21,7 +21,7 @@ from system import mounted_tmpfs
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.cluster.supervise import train
 from cargohold.services.checkpoint import CheckpointDir, read_flat_range
-from cargohold.services.errors import CheckpointError, TrainingError
+from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
 from cargohold.services.layout import gather_params, scatter_params
 from cargohold.services.metrics import LauncherMetrics
 from cargohold.services.reshard import saved_layout
@@ -214,11 +214,23 @@ def test_failures_beyond_the_limit_stop_the_run(ray_local, tmp_path, monkeypatch
         train(config)
 
 
-def test_a_checkpoint_of_another_model_is_refused(ray_local, tmp_path) -> None:
+def test_a_checkpoint_of_another_model_or_config_is_refused_or_warned(ray_local, tmp_path, caplog) -> None:
+    """The manifest holds the saving run's config: a resume that changes a key giving the
+    saved state another meaning is refused naming it before any actor starts (the model's
+    width; its head count, which keeps every parameter's shape), a key that does not (the
+    learning rate) is warned about and the run trains on from the checkpoint."""
     train(tiny_config(steps=2, checkpoint__dir=str(tmp_path)))
-    other = tiny_config(steps=4, model__n_embd=32, checkpoint__dir=str(tmp_path), checkpoint__resume="latest")
-    with pytest.raises(CheckpointError, match="another model"):
-        train(other)
+    for key, saved, now in (("n_embd", 64, 32), ("n_head", 2, 4)):
+        other = tiny_config(
+            steps=4, checkpoint__dir=str(tmp_path), checkpoint__resume="latest", **{f"model__{key}": now}
+        )
+        with pytest.raises(ConfigError, match=rf"model\.{key} is {saved} there and {now} here \(another model"):
+            train(other)
+    faster = tiny_config(steps=4, optim__lr=0.02, checkpoint__dir=str(tmp_path), checkpoint__resume="latest")
+    with caplog.at_level("WARNING", logger="cargohold.cluster.resume"):
+        resumed = train(faster)
+    assert resumed.first_step == 2 and len(resumed.losses) == 2
+    assert "config keys changed" in caplog.text and "optim.lr: 0.01 -> 0.02" in caplog.text
 
 
 def test_a_flipped_byte_is_named_on_resume(ray_local, tmp_path) -> None:

@@ -28,7 +28,7 @@ def _manifest(layout: Layout) -> Manifest:
         step=1,
         updates=1,
         run_id="r",
-        config_hash="c",
+        config={},
         model_signature=tuple((p.name, p.shape) for p in layout.params),
         layout=layout_record(layout),
         total=layout.total,

@@ -163,7 +163,7 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         checkpointer.begin("rss", str(store.begin(1)), 1)
         records = checkpointer.wait()
         flat = (("flat", (N,)),)
-        path = store.commit(1, Manifest(step=1, updates=1, run_id="rss", config_hash="", model_signature=flat,
+        path = store.commit(1, Manifest(step=1, updates=1, run_id="rss", config={}, model_signature=flat,
                                         layout=layout_record(build_layout(flat, num_workers=1, num_servers=1)),
                                         total=N, shards=tuple(r for r, _ in records),
                                         files=tuple(f for _, f in records)))

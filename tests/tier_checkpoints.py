@@ -113,7 +113,7 @@ def save_checkpoint(store: CheckpointDir, registry: SegmentRegistry, step: int) 
         step=step,
         updates=update,
         run_id=RUN,
-        config_hash="cfg",
+        config={},
         model_signature=FLAT,
         layout=layout_record(build_layout(FLAT, num_workers=1, num_servers=1, align=1)),
         total=TOTAL,

@@ -12,6 +12,7 @@ the field and the file, before anything of it is used.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,11 +21,15 @@ from typing import Any, TypeVar
 from cargohold.services.durable import TEMP_SUFFIX
 from cargohold.services.errors import CheckpointError
 
-FORMAT_VERSION = 3
-"""Of the manifest. Version 3 replaced the untyped ``extra`` object by the typed fields
-``updates`` and ``layout``, and made every payload file a partition file (versions 1 and 2
-also had shard files, ``files[].format``); manifests of earlier versions are refused."""
+FORMAT_VERSION = 4
+"""Of the manifest. Version 4 records the saving run's whole configuration (``config``)
+where version 3 had only its hash, so that a resume can name the keys that differ.
+Version 3 replaced the untyped ``extra`` object by the typed fields ``updates`` and
+``layout``, and made every payload file a partition file (versions 1 and 2 also had shard
+files, ``files[].format``). Manifests of earlier versions are refused."""
 MANIFEST_NAME = "manifest.json"
+CONFIG_DEPTH = 8
+"""Deepest nesting of objects and lists ``config`` may hold (the schema's is 3)."""
 _Record = TypeVar("_Record", "FileRecord", "SegmentRecord")
 LAYOUT_KIND = "worker-major-v1"
 """``layout.kind`` of a checkpoint whose flat space is worker-major
@@ -139,7 +144,10 @@ class Manifest:
     """Optimizer updates applied: ``step`` less the steps skipped for non-finite
     gradients. Every payload file holds the state after this many updates."""
     run_id: str
-    config_hash: str
+    config: dict[str, Any]
+    """The configuration of the run that saved it, as plain data
+    (:func:`cargohold.cluster.config.to_dict`): a resume compares it with its own
+    (:mod:`cargohold.cluster.resume`). Checked here only as JSON data."""
     model_signature: tuple[tuple[str, tuple[int, ...]], ...]
     """Parameter names and shapes, in layout order."""
     layout: LayoutRecord
@@ -157,7 +165,7 @@ class Manifest:
             "step": self.step,
             "updates": self.updates,
             "run_id": self.run_id,
-            "config_hash": self.config_hash,
+            "config": self.config,
             "model_signature": [[name, list(shape)] for name, shape in self.model_signature],
             "layout": self.layout.to_body(),
             "total": self.total,
@@ -206,7 +214,7 @@ class Manifest:
             step=body["step"],
             updates=body["updates"],
             run_id=body["run_id"],
-            config_hash=body["config_hash"],
+            config=body["config"],
             model_signature=tuple(
                 _signature_entry(entry, f"model_signature[{i}]") for i, entry in enumerate(signature)
             ),
@@ -289,9 +297,11 @@ def _validate_manifest(m: Manifest) -> None:
             f"updates must be an integer from 0 to step ({m.step}), the optimizer updates of those data steps; "
             f"got {m.updates!r}"
         )
-    for name in ("run_id", "config_hash"):
-        if not isinstance(getattr(m, name), str):
-            raise CheckpointError(f"{name} must be a string, got {getattr(m, name)!r}")
+    if not isinstance(m.run_id, str):
+        raise CheckpointError(f"run_id must be a string, got {m.run_id!r}")
+    if not isinstance(m.config, dict):
+        raise CheckpointError(f"config must be an object, got {_shown(m.config)}")
+    _check_json(m.config, "config", 0)
     if not isinstance(m.model_signature, tuple):
         raise CheckpointError("model_signature must be a tuple of (name, shape)")
     for index, entry in enumerate(m.model_signature):
@@ -337,6 +347,26 @@ def _validate_manifest(m: Manifest) -> None:
                 f"shards {left.segment_id} [{left.start}, {left.stop}) and {right.segment_id} "
                 f"[{right.start}, {right.stop}) overlap"
             )
+
+
+def _check_json(value: object, where: str, depth: int) -> None:
+    """``value`` is JSON data: objects with string keys, lists, strings, finite numbers,
+    booleans and null, nested at most :data:`CONFIG_DEPTH` deep."""
+    if isinstance(value, (dict, list)):
+        if depth >= CONFIG_DEPTH:
+            raise CheckpointError(f"{where} is nested deeper than {CONFIG_DEPTH} levels")
+        if isinstance(value, list):
+            for index, item in enumerate(value):
+                _check_json(item, f"{where}[{index}]", depth + 1)
+            return
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise CheckpointError(f"{where} has the key {key!r}, not a string")
+            _check_json(item, f"{where}.{key}", depth + 1)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise CheckpointError(f"{where} must be a finite number, got {value!r}")
+    elif not (value is None or isinstance(value, (bool, int, float, str))):
+        raise CheckpointError(f"{where} must be JSON data, got {type(value).__name__}")
 
 
 def gaps(shards: Iterable[SegmentRecord], start: int, stop: int) -> list[tuple[int, int]]:

@@ -1,0 +1,147 @@
+"""What a run resumes from, and whether it may.
+
+``checkpoint.resume`` names a checkpoint folder, a folder of them, or ``latest`` in
+``checkpoint.dir``: :func:`resolve_resume` finds the complete checkpoint it means.
+:func:`check_resume` then reads its manifest and checks, before any actor starts, that
+the configuration it was saved with (the manifest holds it whole) differs from this
+run's only where a resume may change it, and that it is of this model. Every refusal is
+a :class:`ResumeRefusedError` (exit status 2) naming the file, field or keys.
+
+Every key is compared but ``checkpoint.resume`` (how a run starts, not what it is):
+
+* **refused** where the difference would give the saved state another meaning
+  (:data:`REFUSED`): the model's shape (``model.*`` but ``dropout``), the rates the
+  saved Adam moments were averaged with (``optim.beta1``, ``optim.beta2``: their bias
+  correction at the saved update count assumes them), and the data stream the saved
+  step is a position in (``seed``, ``data.seed``, ``data.corpus_path``,
+  ``data.corpus_bytes``: batches and dropout's draws are a function of them and the
+  step, so a resume that promises to continue the run bitwise could not);
+* **warned about** otherwise, in one line: the learning-rate schedule and the other
+  optimizer settings, ``steps``, batch size, worker and server counts, dtypes, tiers,
+  paths, metrics, logging. The saved state keeps its meaning and the run goes on from it
+  as now configured; with other numbers than the saved run's, it is no longer bitwise
+  that run's continuation. ``hf.*`` are paths, compared as such: another model behind
+  them is refused by its parameters (:func:`check_compatible`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cargohold.cluster.config import TrainConfig, to_dict
+from cargohold.services.checkpoint import CheckpointDir, Manifest, check_compatible
+from cargohold.services.errors import CheckpointError, ResumeRefusedError
+from cargohold.services.layout import Layout
+
+logger = logging.getLogger(__name__)
+
+NOT_COMPARED = frozenset({"checkpoint.resume"})
+_MODEL = "another model than the one the saved weights are of"
+_MOMENTS = "the saved Adam moments were averaged at the checkpoint's rate"
+_DATA = "another data stream than the one the saved step is a position in"
+REFUSED: dict[str, str] = {
+    **dict.fromkeys(
+        ("model.vocab_size", "model.block_size", "model.n_layer", "model.n_head", "model.n_embd", "model.bias"), _MODEL
+    ),
+    **dict.fromkeys(("optim.beta1", "optim.beta2"), _MOMENTS),
+    **dict.fromkeys(("seed", "data.seed", "data.corpus_path", "data.corpus_bytes"), _DATA),
+}
+"""The keys a resume may not change, and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A key whose value differs between the checkpoint's config and this run's (JSON
+    text; ``absent`` where one of them lacks the key, e.g. one added since)."""
+
+    key: str
+    saved: str
+    current: str
+
+
+def resolve_resume(spec: str | None, store: CheckpointDir | None) -> Path | None:
+    """The complete checkpoint folder ``checkpoint.resume`` means (None: start fresh)."""
+    if spec is None:
+        return None
+    try:
+        if spec == "latest":
+            return store.resolve("latest") if store is not None else None
+        return CheckpointDir(Path(spec).parent).resolve(spec)
+    except CheckpointError as error:
+        raise ResumeRefusedError(f"checkpoint.resume {spec!r}: {error}") from error
+
+
+def check_resume(directory: Path, config: TrainConfig, layout: Layout) -> Manifest:
+    """The manifest of the checkpoint at ``directory`` once it is found to fit this run:
+    refused keys raise, the other changed keys are logged as a warning."""
+    try:
+        manifest = CheckpointDir(directory.parent).load(directory)
+    except CheckpointError as error:
+        raise ResumeRefusedError(f"checkpoint.resume: {error}") from error
+    changes = config_changes(manifest.config, config)
+    refused = [c for c in changes if c.key in REFUSED]
+    if refused:
+        raise ResumeRefusedError(
+            f"checkpoint.resume: {directory} was saved with a configuration this run cannot resume from: "
+            + "; ".join(f"{c.key} is {c.saved} there and {c.current} here ({REFUSED[c.key]})" for c in refused)
+            + ". Resume with the checkpoint's values, or start a new run"
+        )
+    try:
+        check_compatible(manifest, model_signature=[(p.name, p.shape) for p in layout.params], align=layout.align)
+    except CheckpointError as error:
+        raise ResumeRefusedError(f"checkpoint.resume: {directory}: {error}") from error
+    if changes:
+        logger.warning(
+            "resuming from %s with config keys changed (the saved state keeps its meaning; the run goes on "
+            "from it as now configured): %s",
+            directory,
+            "; ".join(f"{c.key}: {c.saved} -> {c.current}" for c in changes),
+        )
+    return manifest
+
+
+def config_changes(saved: dict[str, Any], config: TrainConfig) -> list[Change]:
+    """Every key (dotted, as in overrides) whose value in ``saved`` (a config as plain
+    data, as a manifest holds it) differs from ``config``'s, in key order."""
+    current = json.loads(json.dumps(to_dict(config)))  # the form a manifest holds it in
+    sections = _sections(config)
+    theirs, ours = _flatten(saved, sections), _flatten(current, sections)
+    changes = []
+    for key in sorted(theirs.keys() | ours.keys()):
+        before, after = (_shown(side, key) for side in (theirs, ours))
+        if before != after and key not in NOT_COMPARED:
+            changes.append(Change(key, before, after))
+    return changes
+
+
+def _sections(node: object, prefix: str = "") -> frozenset[str]:
+    """Dotted names of the config's sections (its nested dataclasses)."""
+    found: set[str] = set()
+    for field in dataclasses.fields(node):  # type: ignore[arg-type]
+        value = getattr(node, field.name)
+        if dataclasses.is_dataclass(value):
+            found |= {prefix + field.name, *_sections(value, f"{prefix}{field.name}.")}
+    return frozenset(found)
+
+
+def _flatten(data: dict[str, Any], sections: frozenset[str], prefix: str = "") -> dict[str, Any]:
+    """Keys to values, descending only into sections: a mapping-valued key
+    (``worker.resources``) is one value."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = prefix + key
+        if dotted in sections and isinstance(value, dict):
+            flat.update(_flatten(value, sections, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def _shown(flat: dict[str, Any], key: str) -> str:
+    """The value as JSON text, which tells 1, 1.0, true and "1" apart."""
+    return json.dumps(flat[key], sort_keys=True) if key in flat else "absent"

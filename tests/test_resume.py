@@ -1,0 +1,118 @@
+"""Resuming compares the configuration a checkpoint was saved with (its manifest holds it
+whole) with the run's own, before any actor starts: a key that would give the saved state
+another meaning is refused naming it and both values (exit status 2), any other changed
+key is warned about in one line. Real checkpoints on disk; no Ray starts."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import ray
+import yaml
+from checkpoints import random_data, save_layout
+from reference import tiny_config
+
+from cargohold.cluster import cli
+from cargohold.cluster.config import to_dict
+from cargohold.cluster.resume import REFUSED, Change, check_resume, config_changes
+from cargohold.services.checkpoint import CheckpointDir
+from cargohold.services.errors import ConfigError, ResumeRefusedError
+from cargohold.services.model_setup import model_layout
+
+pytestmark = pytest.mark.timeout(120)
+BASE = {"steps": 8, "metrics__enabled": False}
+
+
+def _saved(root: Path, **overrides) -> Path:
+    """A checkpoint of step 2 of the tiny model, its manifest holding the config."""
+    config = tiny_config(**{**BASE, **overrides})
+    _, _, layout = model_layout(config)
+    return save_layout(CheckpointDir(root), 2, layout, random_data(layout.total, 2), to_dict(config))
+
+
+def _check(path: Path, **overrides):
+    config = tiny_config(**{**BASE, "checkpoint__resume": str(path), **overrides})
+    return check_resume(path, config, model_layout(config)[2])
+
+
+REFUSALS = {
+    "model.n_head": ({"model__n_head": 4}, "2", "4"),  # the same shapes: only the config tells
+    "model.n_embd": ({"model__n_embd": 32}, "64", "32"),
+    "optim.beta2": ({"optim__beta2": 0.99}, "0.999", "0.99"),
+    "data.seed": ({"data__seed": 5}, "1234", "5"),
+    "seed": ({"seed": 8}, "7", "8"),
+}
+
+
+@pytest.mark.parametrize("key", REFUSALS)
+def test_a_key_that_changes_what_the_state_means_is_refused(tmp_path: Path, key: str) -> None:
+    path = _saved(tmp_path)
+    overrides, saved, now = REFUSALS[key]
+    with pytest.raises(ResumeRefusedError) as refused:
+        _check(path, **overrides)
+    assert isinstance(refused.value, ConfigError)
+    message = str(refused.value)
+    assert message.startswith(f"checkpoint.resume: {path} was saved with a configuration this run cannot resume")
+    assert f"{key} is {saved} there and {now} here ({REFUSED[key]})" in message
+
+
+def test_the_command_exits_2_naming_the_key_before_anything_starts(tmp_path: Path, capsys) -> None:
+    path = _saved(tmp_path / "ckpt")
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(to_dict(tiny_config(**BASE))))
+    status = cli.main(["train", "--config", str(config_file), "--resume", str(path), "--set", "model.n_head=4"])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "bad configuration: checkpoint.resume:" in err and "model.n_head is 2 there and 4 here" in err
+    assert not ray.is_initialized()
+
+
+def test_other_changed_keys_are_warned_about_in_one_line(tmp_path: Path, caplog) -> None:
+    path = _saved(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="cargohold.cluster.resume"):
+        assert _check(path).step == 2
+    assert not caplog.records, "an unchanged config (but checkpoint.resume) resumes silently"
+    changed = {
+        "steps": 16,
+        "optim__lr": 0.02,
+        "optim__schedule": "constant",
+        "worker__num_workers": 1,
+        "state_server__num_servers": 3,
+        "worker__compute_dtype": "bfloat16",
+        "model__dropout": 0.1,
+    }
+    with caplog.at_level(logging.WARNING, logger="cargohold.cluster.resume"):
+        assert _check(path, **changed).step == 2
+    (record,) = caplog.records
+    assert record.levelname == "WARNING"
+    assert record.getMessage().count(" -> ") == len(changed)
+    for shown in (
+        "steps: 8 -> 16",
+        "optim.lr: 0.01 -> 0.02",
+        'optim.schedule: "cosine" -> "constant"',
+        "worker.num_workers: 2 -> 1",
+        "state_server.num_servers: 1 -> 3",
+        'worker.compute_dtype: "float32" -> "bfloat16"',
+        "model.dropout: 0.0 -> 0.1",
+    ):
+        assert shown in record.getMessage()
+    assert "checkpoint.resume" not in record.getMessage()
+
+
+def test_keys_compare_as_json_values_and_sections_only_are_descended() -> None:
+    """1, 1.0, true and "1" differ; a mapping-valued key (worker.resources) is one value; a
+    key only one side knows (removed or added since) is listed as absent there."""
+    config = tiny_config(**BASE)
+    saved = to_dict(config)
+    saved["model"]["bias"] = 1
+    saved["worker"]["resources"] = {"cargohold_gpu": 1}
+    saved["optim"]["retired_key"] = 0.5
+    del saved["metrics"]["file_sd_path"]
+    assert config_changes(saved, config) == [
+        Change("metrics.file_sd_path", "absent", "null"),
+        Change("model.bias", "1", "true"),
+        Change("optim.retired_key", "0.5", "absent"),
+        Change("worker.resources", '{"cargohold_gpu": 1}', "{}"),
+    ]
