@@ -377,11 +377,12 @@ class CheckpointConfig:
     of the checkpoint's config that give its state its meaning (model shape, Adam betas,
     seed and data) must be unchanged; other changed keys are logged as a warning."""
     max_failures: int = 0
-    """Actor failures to recover from (restart everything from the latest checkpoint)
-    before the run gives up."""
+    """Actor failures to recover from (restart everything from the run's latest
+    checkpoint, or from where it started when none has landed) before the run gives up."""
     on_save_error: Literal["stop", "continue"] = "stop"
-    """A checkpoint that cannot be written (disk full, unwritable): stop the run with the
-    reason, or log it and keep training (earlier checkpoints stay intact either way)."""
+    """A checkpoint that cannot be written (its folder cannot be created, disk full,
+    unwritable): stop the run with the reason (max_failures does not restart it), or log
+    it and keep training (earlier checkpoints stay intact either way)."""
 
     def __post_init__(self) -> None:
         _non_negative("checkpoint.every_steps", self.every_steps)

@@ -24,7 +24,7 @@ from cargohold.cluster.config import TrainConfig, to_dict
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.cluster.resume import check_resume
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
-from cargohold.services.errors import ConfigError, TrainingError
+from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
 from cargohold.services.model_setup import model_layout
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.state_port import segment_spec
@@ -219,41 +219,52 @@ class TrainingSession:
 
     def checkpoint_begin(self, store: CheckpointDir) -> PendingCheckpoint:
         """Snapshot every server's state as of the current step; the files are written
-        in the background (RAM tier) while training goes on."""
+        in the background (RAM tier) while training goes on. On failure nothing of the
+        checkpoint is left: whatever a server began has ended, the folder is gone."""
         started = time.perf_counter()
         step = self.step_count
         directory = store.begin(step)
-        _get([w.settle.remote() for w in self.workers], None, "settling before a checkpoint")
-        updates = set(
-            _get(
-                [s.checkpoint_begin.remote(self.run_id, str(directory), step) for s in self.servers],
-                None,
-                f"checkpointing step {step}",
-            )
-        )
-        if len(updates) != 1:
-            store.abort(step)
-            raise TrainingError(f"servers are at different updates {sorted(updates)} at step {step}")
+        begun = []
+        try:
+            _get([w.settle.remote() for w in self.workers], None, "settling before a checkpoint")
+            begun = [s.checkpoint_begin.remote(self.run_id, str(directory), step) for s in self.servers]
+            updates = set(_get(begun, None, f"checkpointing step {step}"))
+            if len(updates) != 1:
+                raise TrainingError(f"servers are at different updates {sorted(updates)} at step {step}")
+        except (CheckpointError, TrainingError):
+            if begun:
+                self._ignore_outcomes(begun + [s.checkpoint_wait.remote() for s in self.servers])
+            _discard(store, step)
+            raise
         return PendingCheckpoint(
             step=step, updates=updates.pop(), started=started, stall_seconds=time.perf_counter() - started
         )
 
-    def checkpoint_finish(self, store: CheckpointDir, pending: PendingCheckpoint) -> SavedCheckpoint:
-        """Wait for the servers' files, then write the manifest: the checkpoint is complete."""
-        waited = _get([s.checkpoint_wait.remote() for s in self.servers], None, f"writing checkpoint {pending.step}")
-        records = [r for rs, _ in waited for r in rs]
-        manifest = Manifest(
-            step=pending.step,
-            updates=pending.updates,
-            run_id=self.run_id,
-            config=to_dict(self.config),
-            model_signature=tuple((p.name, p.shape) for p in self.layout.params),
-            layout=layout_record(self.layout),
-            total=self.layout.total,
-            shards=tuple(sorted((shard for shard, _ in records), key=lambda r: r.start)),
-            files=tuple(file for _, file in records),
-        )
-        path = store.commit(pending.step, manifest)
+    def checkpoint_finish(
+        self, store: CheckpointDir, pending: PendingCheckpoint, *, timeout: float | None = None
+    ) -> SavedCheckpoint:
+        """Wait for the servers' files (up to ``timeout`` seconds), then write the
+        manifest: the checkpoint is complete. On failure its folder is gone."""
+        waits = [s.checkpoint_wait.remote() for s in self.servers]
+        try:
+            waited = _get(waits, timeout, f"writing checkpoint {pending.step}")
+            records = [r for rs, _ in waited for r in rs]
+            manifest = Manifest(
+                step=pending.step,
+                updates=pending.updates,
+                run_id=self.run_id,
+                config=to_dict(self.config),
+                model_signature=tuple((p.name, p.shape) for p in self.layout.params),
+                layout=layout_record(self.layout),
+                total=self.layout.total,
+                shards=tuple(sorted((shard for shard, _ in records), key=lambda r: r.start)),
+                files=tuple(file for _, file in records),
+            )
+            path = store.commit(pending.step, manifest)
+        except (CheckpointError, TrainingError):
+            self._ignore_outcomes(waits)  # no server still writes into the folder
+            _discard(store, pending.step)
+            raise
         linked = sum(n for _, n in waited)
         total = sum(f.nbytes for f in manifest.files)
         logger.info(
@@ -264,6 +275,17 @@ class TrainingSession:
             linked,
         )
         return SavedCheckpoint(path=path, written_bytes=total - linked, linked_bytes=linked)
+
+    def _ignore_outcomes(self, refs: list) -> None:
+        """Wait (up to ``state_server.rpc_timeout_s``) for calls of a checkpoint being
+        given up to end; their errors are expected (a dead server, a failed save, nothing
+        begun) and dropped."""
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.state_server.rpc_timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as error:  # the checkpoint is given up either way
+                logger.debug("a call of a checkpoint being given up failed: %s", error)
 
     def step(self) -> StepReport:
         """Run the next step on every worker; returns rank 0's report."""
@@ -338,6 +360,15 @@ class TrainingSession:
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
+
+
+def _discard(store: CheckpointDir, step: int) -> None:
+    """Remove the partial folder of a checkpoint that will not be committed; a failure
+    only warns (the folder is never read, and the next commit removes it)."""
+    try:
+        store.abort(step)
+    except CheckpointError as error:
+        logger.warning("%s", error)
 
 
 def resolve_auth_token(env_name: str | None) -> str | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.export import export_weights, master_weights
-from cargohold.cluster.launcher import PendingCheckpoint, TrainingSession
+from cargohold.cluster.launcher import PendingCheckpoint, SavedCheckpoint, TrainingSession
 from cargohold.cluster.resume import resolve_resume
 from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.errors import CheckpointError, TrainingError
@@ -75,7 +75,8 @@ def train(
 def _train(config: TrainConfig, on_step: Callable[[StepReport], None] | None, metrics: LauncherMetrics) -> TrainResult:
     ckpt = config.checkpoint
     store = CheckpointDir(Path(ckpt.dir), keep_last=ckpt.keep_last) if ckpt.dir else None
-    resume = resolve_resume(ckpt.resume, store)
+    start = resolve_resume(ckpt.resume, store)
+    resume = start
     result = TrainResult(run_id="")
     while True:
         try:
@@ -83,14 +84,30 @@ def _train(config: TrainConfig, on_step: Callable[[StepReport], None] | None, me
             return result
         except TrainingError as error:
             metrics.record_failure()
-            latest = store.latest() if store is not None else None
-            if result.restarts >= ckpt.max_failures or latest is None:
+            if result.restarts >= ckpt.max_failures:
                 raise
             result.restarts += 1
+            resume = _restart_point(store, result, start)
             logger.warning(
-                "run failed (%s); restart %d of %d from %s", error, result.restarts, ckpt.max_failures, latest
+                "run failed (%s); restart %d of %d from %s",
+                error,
+                result.restarts,
+                ckpt.max_failures,
+                resume or "the initial state (no checkpoint of this run has landed)",
             )
-            resume = latest
+
+
+def _restart_point(store: CheckpointDir | None, result: TrainResult, start: Path | None) -> Path | None:
+    """Where a restart resumes: the newest checkpoint this run committed that is still
+    complete, else where the run started (None: the initial state, step 0). Never a
+    checkpoint of another run that happens to share ``checkpoint.dir``."""
+    if store is not None:
+        for path in reversed(result.checkpoints):
+            try:
+                return store.resolve(str(path))
+            except CheckpointError as error:
+                logger.warning("not restarting from %s: %s", path, error)
+    return start
 
 
 def _train_session(
@@ -103,24 +120,6 @@ def _train_session(
 ) -> None:
     every = config.checkpoint.every_steps
     recovering = time.perf_counter()
-
-    def finish(pending: PendingCheckpoint) -> None:
-        assert store is not None, "checkpoints are only taken with checkpoint.dir set"
-        try:
-            saved = session.checkpoint_finish(store, pending)
-        except (CheckpointError, TrainingError) as error:
-            if not _is_save_error(error):
-                raise
-            store.abort(pending.step)  # earlier checkpoints stay as they were
-            if config.checkpoint.on_save_error == "stop":
-                raise
-            logger.warning("checkpoint of step %d not written, training goes on: %s", pending.step, error)
-            return
-        metrics.observe_checkpoint(
-            pending.stall_seconds, time.perf_counter() - pending.started, saved.written_bytes, saved.linked_bytes
-        )
-        result.checkpoints.append(saved.path)
-
     with TrainingSession(config, resume=resume) as session:
         if result.restarts:
             result.recovery_seconds.append(time.perf_counter() - recovering)
@@ -133,27 +132,101 @@ def _train_session(
             result.first_step = session.step_count
         done = session.step_count - result.first_step  # a recovery repeats what came after
         del result.losses[done:], result.step_seconds[done:]
-        pending = None
-        while session.step_count < config.steps:
-            report = session.step()
-            result.losses.append(report.loss)
-            result.step_seconds.append(report.seconds)
-            if on_step is not None:
-                on_step(report)
-            if pending is not None:  # its files were written while this step ran
-                finish(pending)
-                pending = None
-            if store is not None and (
-                session.step_count == config.steps or _take_request() or (every and session.step_count % every == 0)
-            ):
-                pending = session.checkpoint_begin(store)
-                result.checkpoint_stall_seconds.append(pending.stall_seconds)
-        if pending is not None:
-            finish(pending)
+        saves = _Saves(session, store, config, result, metrics)
+        try:
+            while session.step_count < config.steps:
+                report = session.step()
+                result.losses.append(report.loss)
+                result.step_seconds.append(report.seconds)
+                if on_step is not None:
+                    on_step(report)
+                saves.finish()  # a pending checkpoint's files were written while this step ran
+                if store is not None and (
+                    session.step_count == config.steps or _take_request() or (every and session.step_count % every == 0)
+                ):
+                    saves.begin()
+            saves.finish()
+        except TrainingError:
+            saves.recover()
+            raise
         if config.export_dir is not None:
             export_weights(
                 config, session.layout, master_weights(session.layout, session.server_masters()), config.export_dir
             )
+
+
+class _Saves:
+    """A session's checkpoints under ``checkpoint.on_save_error``; at most one is pending
+    (begun, its files written while the next step runs).
+
+    A save that fails, whether starting it (its folder cannot be created) or finishing it,
+    leaves no folder behind and then either stops the run with a CheckpointError (``stop``:
+    not an actor failure, so ``max_failures`` does not restart it) or is logged while
+    training goes on (``continue``). After an actor failure :meth:`recover` finishes the
+    pending checkpoint where every server still has its files, else discards it, so a
+    restart never meets a half-written one.
+    """
+
+    def __init__(
+        self,
+        session: TrainingSession,
+        store: CheckpointDir | None,
+        config: TrainConfig,
+        result: TrainResult,
+        metrics: LauncherMetrics,
+    ) -> None:
+        self._session, self._store, self._config = session, store, config
+        self._result, self._metrics = result, metrics
+        self._pending: PendingCheckpoint | None = None
+
+    def begin(self) -> None:
+        assert self._store is not None, "checkpoints are only taken with checkpoint.dir set"
+        step = self._session.step_count
+        try:
+            self._pending = self._session.checkpoint_begin(self._store)
+        except (CheckpointError, TrainingError) as error:
+            self._failed(step, error)
+            return
+        self._result.checkpoint_stall_seconds.append(self._pending.stall_seconds)
+
+    def finish(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None or self._store is None:
+            return
+        try:
+            saved = self._session.checkpoint_finish(self._store, pending)
+        except (CheckpointError, TrainingError) as error:
+            self._failed(pending.step, error)
+            return
+        self._landed(pending, saved)
+
+    def recover(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None or self._store is None:
+            return
+        timeout = self._config.state_server.rpc_timeout_s
+        try:
+            saved = self._session.checkpoint_finish(self._store, pending, timeout=timeout)
+        except (CheckpointError, TrainingError) as error:
+            logger.warning("the checkpoint of step %d, begun before the failure, is discarded: %s", pending.step, error)
+            return
+        logger.info("the checkpoint of step %d, begun before the failure, is complete", pending.step)
+        self._landed(pending, saved)
+
+    def _landed(self, pending: PendingCheckpoint, saved: SavedCheckpoint) -> None:
+        seconds = time.perf_counter() - pending.started
+        self._metrics.observe_checkpoint(pending.stall_seconds, seconds, saved.written_bytes, saved.linked_bytes)
+        self._result.checkpoints.append(saved.path)
+
+    def _failed(self, step: int, error: CheckpointError | TrainingError) -> None:
+        """Apply the save policy to ``error``; an actor failure is raised as it is."""
+        if not _is_save_error(error):
+            raise error
+        if self._config.checkpoint.on_save_error == "stop":
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"checkpoint of step {step} not written: {error}") from error
+        logger.warning("checkpoint of step %d not written, training goes on: %s", step, error)
 
 
 _checkpoint_requested = threading.Event()

@@ -17,12 +17,14 @@ TESTS = Path(__file__).resolve().parent
 
 
 @contextmanager
-def mounted_tmpfs(mount: Path, size: str) -> Iterator[Path]:
-    """A real tmpfs of ``size`` (mount's syntax, e.g. "1024k") at ``mount``, created here
-    and unmounted after; skips the test where mounting is not allowed."""
+def mounted_tmpfs(mount: Path, size: str, *, inodes: int | None = None) -> Iterator[Path]:
+    """A real tmpfs of ``size`` (mount's syntax, e.g. "1024k") and at most ``inodes``
+    files and folders (its root is one) at ``mount``, created here and unmounted after;
+    skips the test where mounting is not allowed."""
     mount.mkdir()
+    options = f"size={size}" + (f",nr_inodes={inodes}" if inodes is not None else "")
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True, text=True, timeout=30
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True, text=True, timeout=30
     )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")

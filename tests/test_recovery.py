@@ -51,11 +51,17 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_local, tmp_path_factory) -> dict[str, torch.Tensor]:
+def uninterrupted_root(ray_local, tmp_path_factory) -> Path:
+    """The checkpoints of a run of STEPS steps, uninterrupted: one, of the last step."""
     root = tmp_path_factory.mktemp("uninterrupted")
     result = train(tiny_config(steps=STEPS, state_server__num_servers=2, checkpoint__dir=str(root)))
     assert len(result.checkpoints) == 1 and result.restarts == 0
-    return _final_state(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_root) -> dict[str, torch.Tensor]:
+    return _final_state(uninterrupted_root)
 
 
 @pytest.mark.parametrize("resume_servers", [2, 1, 3])
@@ -200,6 +206,64 @@ def test_a_killed_actor_is_recovered_from_the_last_checkpoint(
     assert scraped["cargohold_checkpoint_stall_seconds_count"] == scraped["cargohold_checkpoints_total"]
 
 
+@pytest.mark.parametrize(("victim", "earlier_run"), [("state-server", False), ("state-server", True), ("worker", True)])
+def test_a_failure_before_the_first_checkpoint_lands_is_recovered_leaving_nothing_behind(
+    uninterrupted, uninterrupted_root, tmp_path, monkeypatch, victim: str, earlier_run: bool
+) -> None:
+    """An actor dies while the first checkpoint is being written (begun after step 2, its
+    manifest not yet landed). With a server killed its files are incomplete: the
+    checkpoint is discarded and the run restarts from the initial state, never from a
+    checkpoint of an earlier run sharing the folder; with a worker killed the servers
+    still finish it, and the run restarts from it. Either way the run ends bitwise where
+    the uninterrupted one does, and the restart finds nothing of the dead attempt: no
+    tier folder (the killed server's too), no partial checkpoint, no actor."""
+    checkpoints, nvme = tmp_path / "checkpoints", tmp_path / "nvme"
+    if earlier_run:  # an identical earlier run's last checkpoint, later than any of this run's
+        shutil.copytree(uninterrupted_root / "step-0000000008", checkpoints / "step-0000000008")
+    original_start, original_step = TrainingSession._start, TrainingSession.step
+    starts: list[dict] = []
+
+    def observed_start(session: TrainingSession) -> None:
+        starts.append(
+            {
+                "run_id": session.run_id,
+                "resume": session.resume,
+                "tier": sorted(str(p.relative_to(nvme)) for p in nvme.rglob("*")) if nvme.exists() else [],
+                "partial": sorted(p.name for p in checkpoints.glob("*.partial")),
+                "actors": sorted(ray.util.list_named_actors()),
+            }
+        )
+        original_start(session)
+
+    def step_with_fault(session: TrainingSession):
+        if len(starts) == 1 and session.step_count == 2:  # the checkpoint of step 2 is pending
+            _kill(session.servers[1] if victim == "state-server" else session.workers[1])
+        return original_step(session)
+
+    monkeypatch.setattr(TrainingSession, "_start", observed_start)
+    monkeypatch.setattr(TrainingSession, "step", step_with_fault)
+    config = tiny_config(
+        steps=STEPS,
+        state_server__num_servers=2,
+        state_server__tier=_tier(tmp_path, 64),
+        checkpoint__dir=str(checkpoints),
+        checkpoint__every_steps=2,
+        checkpoint__max_failures=1,
+    )
+    result = train(config)
+    assert result.restarts == 1 and len(starts) == 2
+    first, restart = starts
+    expected = None if victim == "state-server" else checkpoints / "step-0000000002"
+    assert restart["resume"] == expected
+    assert restart["tier"] == [], "the dead attempt's tier folders are swept before the restart"
+    assert restart["partial"] == [], "the pending checkpoint is completed or discarded before the restart"
+    assert not [a for a in restart["actors"] if a.startswith(first["run_id"])]
+    assert result.first_step == 0 and len(result.losses) == STEPS
+    assert [p.name for p in result.checkpoints] == [f"step-{s:010d}" for s in (2, 4, 6, 8)]
+    _assert_same(_final_state(checkpoints), uninterrupted)
+    assert not list(checkpoints.glob("*.partial")) and not list(nvme.iterdir())
+
+
 def test_failures_beyond_the_limit_stop_the_run(ray_local, tmp_path, monkeypatch) -> None:
     original_step = TrainingSession.step
 
@@ -286,6 +350,25 @@ def small_disk(tmp_path):
     """A real 2.5 MiB filesystem: room for one checkpoint of the tiny model, not two."""
     with mounted_tmpfs(tmp_path / "small", "2560k") as mount:
         yield mount
+
+
+@pytest.mark.parametrize("policy", ["continue", "stop"])
+def test_a_checkpoint_folder_that_cannot_be_created_follows_the_policy(ray_local, tmp_path, policy: str) -> None:
+    """On a filesystem with no inode left, a checkpoint's folder cannot be created: the
+    save policy covers that too, stopping the run naming the folder or training on."""
+    with mounted_tmpfs(tmp_path / "no-inodes", "1m", inodes=1) as full:
+        config = tiny_config(
+            steps=4, checkpoint__dir=str(full), checkpoint__every_steps=2, checkpoint__on_save_error=policy
+        )
+        if policy == "continue":
+            result = train(config)
+            assert len(result.losses) == 4 and result.checkpoints == []
+        else:
+            with pytest.raises(
+                CheckpointError, match=rf"creating checkpoint directory {full}/step-0000000002\.partial"
+            ):
+                train(config)
+        assert list(full.iterdir()) == []
 
 
 @pytest.mark.parametrize("policy", ["continue", "stop"])
