@@ -92,3 +92,9 @@ class CheckpointError(CargoholdError):
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint file is torn, corrupted or not the file its manifest describes."""
+
+
+class OptimizerError(CargoholdError, ValueError):
+    """What :class:`cargohold.OffloadedAdamW` was given does not fit: its parameters and
+    groups, a step without gradients, a state dict of another model. Raised before any
+    state changes; the message names the parameter or the group."""
