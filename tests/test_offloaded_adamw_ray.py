@@ -1,9 +1,11 @@
 """OffloadedAdamW on state servers that start_state_servers starts as Ray actors, their
 state spilled to an NVMe tier: a state_dict saved part-way through the tier (its files
-hard-linked) and resumed on other actors continues bit for bit."""
+hard-linked) and resumed on other actors continues bit for bit; and the loop of
+docs/api.md runs as written."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ from cargohold.cluster.config import StateServerConfig, TierConfig
 from cargohold.services.transport.grpc_client import StateServerClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 
 
 def on_nvme(tmp_path: Path, num_servers: int) -> StateServerConfig:
@@ -52,3 +56,11 @@ def test_ray_servers_on_an_nvme_tier_save_and_resume_bitwise(ray_local, tmp_path
         train(resumed, optimizer, scheduler, range(3, STEPS))
         optimizer.close()
     assert_same_bits(resumed, reference())
+
+
+def test_the_loop_of_the_docs_runs_as_written(ray_local, tmp_path: Path) -> None:
+    code = re.search(r"```python\n(.*?)```", DOC.read_text(), re.S)
+    assert code is not None, "docs/api.md has no python example"
+    exec(compile(code.group(1).replace("/tmp/", f"{tmp_path}/"), "docs/api.md", "exec"), {})
+    assert (tmp_path / "run.pt").is_file()
+    assert len(list((tmp_path / "cargohold-checkpoints").glob("step-*"))) == 1
