@@ -3,7 +3,7 @@
 Saving: every state server puts its segments' partition files into
 ``<root>/step-<updates>.partial`` (hard links from an NVMe tier, RAM partitions written
 out), then the manifest is written last and the folder renamed: a checkpoint exists
-complete or not at all, and ``keep_last`` of them are kept. Loading: the manifest is
+complete or not at all, and the store keeps its ``keep_last``. Loading: the manifest is
 read and checked against the optimizer's parameters, then each server restores its new
 segments from the saved flat ranges that hold them, whatever number of servers saved
 them (:mod:`cargohold.services.reshard`).
@@ -25,13 +25,10 @@ from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.segment_state import SegmentSpec
 
 
-def save_checkpoint(
-    servers: StateServers, layout: Layout, *, root: Path, keep_last: int, updates: int, options: Any
-) -> Path:
+def save_checkpoint(servers: StateServers, layout: Layout, store: CheckpointDir, *, updates: int, options: Any) -> Path:
     """Write the servers' state after ``updates`` updates as checkpoint ``step-<updates>``
-    under ``root``; returns its folder. ``options``: the groups' hyper-parameters as JSON
+    of ``store``; returns its folder. ``options``: the groups' hyper-parameters as JSON
     data, hashed into the manifest."""
-    store = CheckpointDir(root, keep_last=keep_last)
     directory = store.begin(updates)
     count = len(servers.addresses)
     try:

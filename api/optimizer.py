@@ -24,6 +24,7 @@ from cargohold.api.groups import (
 )
 from cargohold.api.remote import RemoteSegments
 from cargohold.api.servers import StateServers
+from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.errors import OptimizerError
 from cargohold.services.layout import Layout, Segment, scatter_params
 from cargohold.services.segment_state import SegmentSpec
@@ -100,8 +101,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             len(servers.addresses),
         )
         self._servers = servers
-        self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self._keep_checkpoints = keep_checkpoints
+        self._store = (
+            CheckpointDir(Path(checkpoint_dir), keep_last=keep_checkpoints) if checkpoint_dir is not None else None
+        )
         self._updates: int | None = None
         """Updates the servers applied; None until they hold the segments."""
         self._held: list[tuple[Any, ...]] = []
@@ -163,7 +165,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Write a checkpoint of the servers' state under ``checkpoint_dir`` and return a
         small dict: ``checkpoint`` (its folder) and ``param_groups`` (each group's options,
         its ``params`` by name). ``torch.save`` it; the folder must stay where it is."""
-        if self._checkpoint_dir is None:
+        if self._store is None:
             raise OptimizerError(
                 "state_dict() writes a checkpoint of the state servers' state: build OffloadedAdamW with checkpoint_dir"
             )
@@ -171,8 +173,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         path = save_checkpoint(
             self._servers,
             self._require_layout(),
-            root=self._checkpoint_dir,
-            keep_last=self._keep_checkpoints,
+            self._store,
             updates=updates,
             options=[dict(zip(HELD_OPTIONS, held)) for held in self._held],
         )
