@@ -30,6 +30,7 @@ lint: install-test
 	mkdir -p $(TYPECHECK)
 	ln -sfn ../../proto/cargohold/__init__.py $(TYPECHECK)/__init__.py
 	ln -sfn ../../proto/cargohold/v1 $(TYPECHECK)/v1
+	ln -sfn ../../api $(TYPECHECK)/api
 	ln -sfn ../../services $(TYPECHECK)/services
 	ln -sfn ../../cluster $(TYPECHECK)/cluster
 	$(BIN)/ruff check .

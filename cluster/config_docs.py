@@ -108,7 +108,7 @@ def _is_section(hint: Any) -> bool:
 
 
 def _render_section(title: str, prefix: str, cls: type) -> str:
-    class_doc, field_docs = _docstrings(cls)
+    class_doc, field_docs = class_docstrings(cls)
     lines = [f"## {title}", ""]
     lines.append(f"Class `{cls.__module__}.{cls.__qualname__}`." + (f" {_one_line(class_doc)}" if class_doc else ""))
     lines += ["", "| Key | Type | Default | Description |", "| --- | --- | --- | --- |"]
@@ -169,7 +169,7 @@ def _format_default(value: Any) -> str:
 
 
 @functools.cache
-def _docstrings(cls: type) -> tuple[str, dict[str, str]]:
+def class_docstrings(cls: type) -> tuple[str, dict[str, str]]:
     """The class docstring and each field's attribute docstring, read from the source."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)

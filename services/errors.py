@@ -100,3 +100,9 @@ class ResumeRefusedError(CheckpointError, ConfigError):
     configuration that would give its state another meaning. A ConfigError too: like a
     bad value, it is refused before training starts (exit status 2), naming the file,
     field or keys."""
+
+
+class OptimizerError(CargoholdError, ValueError):
+    """What :class:`cargohold.OffloadedAdamW` was given does not fit: its parameters and
+    groups, a step without gradients, a state dict of another model. Raised before any
+    state changes; the message names the parameter or the group."""

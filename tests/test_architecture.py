@@ -1,8 +1,9 @@
 """Which module may import which: the core (layout, partitions, planner, optim, file
 format, errors) imports neither Ray nor gRPC, the config schema imports only the core,
-the gRPC client shares types with the server instead of importing it, and no module-level
-import cycle exists. Checked on the source (every module's top-level imports) and in a
-fresh interpreter (what importing a module really loads)."""
+nothing below the Python API imports it, the gRPC client shares types with the server
+instead of importing it, and no module-level import cycle exists. Checked on the source
+(every module's top-level imports) and in a fresh interpreter (what importing a module
+really loads)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"cargohold.services": ROOT / "services", "cargohold.cluster": ROOT / "cluster"}
+PACKAGES = {
+    "cargohold.api": ROOT / "api",
+    "cargohold.services": ROOT / "services",
+    "cargohold.cluster": ROOT / "cluster",
+}
 CORE = frozenset(
     {
         "cargohold.services.wire",
@@ -118,6 +123,18 @@ def test_services_import_nothing_from_cluster_but_the_config_schema() -> None:
         if module.startswith("cargohold.services.")
     }
     assert not {m: t for m, t in wrong.items() if t}
+
+
+def test_nothing_below_the_api_imports_it() -> None:
+    """The Python API (cargohold.api) is the top layer: services and cluster stand without it."""
+    wrong = {m: sorted(t for t in targets if t.startswith("cargohold.api")) for m, targets in GRAPH.items()}
+    assert not {m: t for m, t in wrong.items() if t and not m.startswith("cargohold.api")}
+
+
+def test_importing_the_package_root_loads_no_runtime() -> None:
+    """``import cargohold`` is light: the API's names load torch, gRPC and Ray on first use."""
+    loaded = _loaded_by("cargohold")
+    assert not sorted(m for m in loaded if m.split(".")[0] in (*RUNTIMES, "torch"))
 
 
 def test_the_client_does_not_import_the_server_or_its_storage() -> None:

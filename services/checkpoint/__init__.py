@@ -13,7 +13,7 @@ A checkpoint is one directory under a root, named after its step::
 Modules, one job each: :mod:`.manifest` (schema, JSON, validation), :mod:`.compat`
 (does a checkpoint fit this model), :mod:`.payload` (the payload files and their
 verification), :mod:`.files` (opening them: regular files in the folder only),
-:mod:`.reader` (any flat range, whatever cut the files), :mod:`.store`
+:mod:`.reader` (any flat range, whatever cut the files), :mod:`.directory`
 (build, commit, prune, find the checkpoints under a root) and :mod:`.writer` (a state
 server's side: save its shards, restore them). Files are written with
 :func:`cargohold.services.durable.replace_durably`.

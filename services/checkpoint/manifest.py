@@ -1,8 +1,8 @@
 """The manifest of a checkpoint: its schema, JSON form and validation.
 
-The manifest is written last into a checkpoint's directory (:mod:`.store`) and holds
+The manifest is written last into a checkpoint's directory (:mod:`.directory`) and holds
 everything needed to find, verify and place the payload, and to resume from it: the data
-step and the update count, the run id, the config hash, the model signature, the layout
+step and the update count, the run id, the saving run's config, the model signature, the layout
 that saved the flat space, its padded length, the shard records (which flat range each
 payload file holds) and the size and header CRC-32C of every payload file. Every field
 is typed and validated on construction, so a manifest read from disk is refused, naming

@@ -1,0 +1,8 @@
+"""The Python API: ways into cargohold from a user's own training code.
+
+:class:`~cargohold.api.optimizer.OffloadedAdamW` is a ``torch.optim.Optimizer`` whose
+AdamW state lives on state servers; :func:`~cargohold.api.servers.start_state_servers`
+and :func:`~cargohold.api.servers.connect_state_servers` give it servers. The package
+root re-exports them (``cargohold.OffloadedAdamW``). This layer sits on top: it imports
+``cargohold.services`` and ``cargohold.cluster``, and nothing there imports it.
+"""
