@@ -11,6 +11,7 @@ them (:mod:`cargohold.services.reshard`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ def save_checkpoint(servers: StateServers, layout: Layout, store: CheckpointDir,
         step=updates,
         updates=updates,
         run_id=servers.run_id,
-        config={"param_groups": options},
+        config={"param_groups": json.loads(json.dumps(options))},  # tuples become lists
         model_signature=tuple((p.name, p.shape) for p in layout.params),
         layout=layout_record(layout),
         total=layout.total,
