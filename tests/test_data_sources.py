@@ -21,7 +21,7 @@ from reference import tiny_config  # noqa: E402
 
 from cargohold.cluster import cli  # noqa: E402
 from cargohold.cluster.config import load_config  # noqa: E402
-from cargohold.services.data import tokenize  # noqa: E402
+from cargohold.services.data import tokenization  # noqa: E402
 from cargohold.services.data.blocks import TokenBlocks  # noqa: E402
 from cargohold.services.data.sources import open_source  # noqa: E402
 from cargohold.services.errors import ConfigError  # noqa: E402
@@ -223,7 +223,7 @@ def test_a_second_run_reads_the_cache_and_a_change_invalidates_it(
         raise AssertionError("tokenized again")
 
     with monkeypatch.context() as patch:
-        patch.setattr(tokenize, "_pieces", no_tokenizing)
+        patch.setattr(tokenization, "_pieces", no_tokenizing)
         assert np.array_equal(_stream(open_source(config)), first)
 
     write_chat(path, 21)  # new content: a new entry

@@ -15,7 +15,7 @@ from cargohold.cluster.config import TrainConfig
 from cargohold.services.data.batches import BatchShape, DataSource
 from cargohold.services.data.blocks import TokenBlocks
 from cargohold.services.data.corpus import ByteCorpus, load_tokens
-from cargohold.services.data.tokenize import tokenized_stream
+from cargohold.services.data.tokenization import tokenized_stream
 from cargohold.services.data.tokens import check_dtype_holds_vocab, open_token_file
 from cargohold.services.models.dimensions import check_model_fits_data, sequence_length, vocab_size
 
