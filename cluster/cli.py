@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
             from cargohold.cluster.plan.command import plan_command
 
             return plan_command(config, args)  # 0 fits, 3 does not; a bad cluster is a ConfigError
+        from cargohold.services.data.sources import open_source
+
+        open_source(config)  # bad data (a missing file, a bad line) is a bad configuration too
     except ConfigError as error:
         print(f"cargohold: bad configuration: {error}", file=sys.stderr)
         return EXIT_BAD_CONFIG

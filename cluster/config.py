@@ -72,8 +72,9 @@ class GPTConfig:
 @dataclass(kw_only=True, slots=True)
 class HFModelConfig:
     """Train a Hugging Face transformers causal LM instead of the built-in GPT (needs the
-    `hf` extra). Set one of the two paths; `model.block_size` stays the training sequence
-    length and the other `model.*` keys are ignored. Paths are local; nothing is downloaded."""
+    `hf` extra). Set one of the two paths; the model's config gives its vocabulary and
+    context length, and the `model.*` keys are ignored (`data.block_size` is the training
+    sequence length). Paths are local; nothing is downloaded."""
 
     config_path: str | None = None
     """A local folder holding a causal-LM `config.json` (or the file itself); the model is
@@ -114,20 +115,78 @@ class HFModelConfig:
         return path
 
 
+DataFormat = Literal["bytes", "tokens", "text", "jsonl", "chat", "hf_dataset"]
+TEXT_FIELDS = {"jsonl": "text", "hf_dataset": "text", "chat": "messages"}
+"""The record field each format reads when ``data.field`` is not set."""
+
+
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
+    """What the model trains on (docs/data.md). Every file is local; nothing is downloaded."""
+
+    format: DataFormat = "bytes"
+    """bytes: byte-level text (ids 0-255; the demo). tokens: a pre-tokenized `.bin`
+    (raw `data.token_dtype`) or `.npy` file, memory-mapped. text: a text file, or a folder
+    of `*.txt` files, one document each. jsonl: one JSON object a line, its `data.field` a
+    document. chat: one JSON object a line, its `data.field` a list of messages rendered
+    with the tokenizer's chat template; the loss counts the assistant's tokens only.
+    hf_dataset: a Hugging Face `datasets` folder (`save_to_disk`), or `.parquet`/`.arrow`
+    files (needs the `datasets` extra). text, jsonl, chat and hf_dataset are tokenized
+    with `data.tokenizer` and packed, an EOS token after each document."""
+    path: str | None = None
+    """The file or folder `data.format` reads (every format but bytes)."""
     corpus_path: str | None = None
-    """A text file to train on (byte-level); None generates the built-in corpus."""
+    """bytes only: a text file to train on; None generates the built-in corpus."""
     corpus_bytes: int = 2_000_000
-    """Size of the generated corpus when ``corpus_path`` is None."""
+    """bytes only: size of the generated corpus when ``corpus_path`` is None."""
     batch_size: int = 8
     """Sequences per worker per step; the global batch is this times num_workers."""
+    block_size: int | None = None
+    """Tokens per training sequence; None takes the model's context length (`model.block_size`,
+    or an `hf` model's `max_position_embeddings`)."""
     seed: int = 1234
     """Seeds which sequences each step draws (a pure function of seed and step)."""
+    tokenizer: str | None = None
+    """A local folder with the tokenizer files (`save_pretrained` output) for text, jsonl, chat
+    and hf_dataset; None takes `hf.checkpoint_dir`, else the folder of `hf.config_path`."""
+    field: str | None = None
+    """The record field that holds a document (jsonl, hf_dataset; default "text") or a
+    conversation (chat; default "messages")."""
+    split: str = "train"
+    """hf_dataset: the split to read when the folder holds several (a `DatasetDict`)."""
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    """tokens: the dtype of a `.bin` file's ids (a `.npy` file states its own); uint16 holds
+    a vocabulary of up to 65536 ids."""
+    cache_dir: str | None = None
+    """Where tokenized data is kept, keyed by the data's content, the tokenizer's files and
+    these settings, so that another run does not tokenize again; None: ~/.cache/cargohold/data."""
 
     def __post_init__(self) -> None:
         _positive("data.corpus_bytes", self.corpus_bytes)
         _positive("data.batch_size", self.batch_size)
+        if self.block_size is not None:
+            _positive("data.block_size", self.block_size)
+        if self.format == "bytes":
+            if self.path is not None:
+                raise ConfigError("data.path is not read with data.format=bytes; name a text file in data.corpus_path")
+        else:
+            if self.corpus_path is not None:
+                raise ConfigError(f"data.corpus_path is for data.format=bytes; with {self.format} set data.path")
+            if self.path is None:
+                raise ConfigError(f"data.path must name the data to read with data.format={self.format}")
+            if not Path(self.path).expanduser().exists():
+                raise ConfigError(f"data.path {self.path!r} does not exist (a local file or folder)")
+        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
+            raise ConfigError(f"data.tokenizer {self.tokenizer!r} is not a folder (a local save_pretrained output)")
+        if self.field == "":
+            raise ConfigError("data.field must be a field name or null, got an empty string")
+        if self.cache_dir:
+            _check_output_folder("data.cache_dir", self.cache_dir)
+
+    @property
+    def record_field(self) -> str:
+        """The field jsonl, chat and hf_dataset records are read from."""
+        return self.field or TEXT_FIELDS.get(self.format, "text")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -490,7 +549,21 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     data: dict[str, Any] = read_yaml_mapping(path, "config file") if path is not None else {}
     for override in overrides:
         _apply_override(data, override)
-    return from_dict(TrainConfig, data)
+    config = from_dict(TrainConfig, data)
+    _check_hf_block_size(data, config)
+    return config
+
+
+def _check_hf_block_size(data: dict[str, Any], config: TrainConfig) -> None:
+    """An `hf` model's context length comes from its config and ``data.block_size`` sets
+    the sequence length: a ``model.block_size`` written for it (as it once had to be) is
+    refused rather than silently ignored."""
+    model = data.get("model")
+    if config.hf.enabled and isinstance(model, dict) and "block_size" in model:
+        raise ConfigError(
+            "model.block_size is the built-in GPT's and is not read for an hf model; set data.block_size "
+            "(the training sequence length; default: the model's max_position_embeddings)"
+        )
 
 
 def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:

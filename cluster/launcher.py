@@ -24,6 +24,7 @@ from cargohold.cluster.config import TrainConfig, to_dict
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.cluster.resume import check_resume
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
+from cargohold.services.data.sources import open_source
 from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
 from cargohold.services.model_setup import model_layout
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
@@ -79,6 +80,7 @@ class TrainingSession:
         self.config = config
         self.resume = resume
         _, _, self.layout = model_layout(config)
+        open_source(config)  # refuses bad data before any actor starts; fills the cache the workers read
         self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.step_count = 0
         self.servers: list = []

@@ -49,7 +49,22 @@ REFUSED: dict[str, str] = {
         ("model.vocab_size", "model.block_size", "model.n_layer", "model.n_head", "model.n_embd", "model.bias"), _MODEL
     ),
     **dict.fromkeys(("optim.beta1", "optim.beta2"), _MOMENTS),
-    **dict.fromkeys(("seed", "data.seed", "data.corpus_path", "data.corpus_bytes"), _DATA),
+    **dict.fromkeys(
+        (
+            "seed",
+            "data.seed",
+            "data.format",
+            "data.path",
+            "data.corpus_path",
+            "data.corpus_bytes",
+            "data.block_size",
+            "data.tokenizer",
+            "data.field",
+            "data.split",
+            "data.token_dtype",
+        ),
+        _DATA,
+    ),
 }
 """The keys a resume may not change, and why."""
 

@@ -75,7 +75,7 @@ class StepReport:
     rank: int
     step: int
     loss: float
-    """Mean loss over all workers' batches (identical on every rank)."""
+    """Mean loss over the step's counted tokens, all workers' batches (identical on every rank)."""
     global_grad_norm: float
     seconds: float
     phases: dict[str, float] = field(default_factory=dict)
@@ -165,8 +165,12 @@ class ShardedStep:
         self._wait(self._pool.submit(self._settle_unit, group, self.updates) for group in self._by_group)
 
     # --- the step -----------------------------------------------------------------
-    def run(self, step: int, inputs: torch.Tensor, targets: torch.Tensor, lr: float) -> StepReport:
-        """One step on this worker's batch of data step ``step``."""
+    def run(
+        self, step: int, inputs: torch.Tensor, targets: torch.Tensor, lr: float, *, loss_weight: float = 1.0
+    ) -> StepReport:
+        """One step on this worker's batch of data step ``step``. ``loss_weight`` scales
+        the batch's mean loss (:attr:`cargohold.services.data.batches.Batch.weight`), so
+        that the ranks' mean is the step's mean over its counted tokens."""
         phases: dict[str, float] = {}
         started = mark = time.perf_counter()
 
@@ -181,6 +185,8 @@ class ShardedStep:
         self._context = (update, lr, policy.staged, not policy.staged and not delayed)
         self._sum_squares, self._transfers = 0.0, []
         _, loss = self.model(inputs.to(self.device), targets.to(self.device))
+        if loss_weight != 1.0:  # 1.0 leaves the graph (and every bit) as it was
+            loss = loss * loss_weight
         loss.backward()
         lap("compute")
 

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from cargohold.cluster.config import TrainConfig
-from cargohold.services.data import batch_for_step, dropout_seed, load_tokens
+from cargohold.services.data.seeds import dropout_seed
+from cargohold.services.data.sources import open_source
 from cargohold.services.errors import TrainingError
 from cargohold.services.layout import Layout
 from cargohold.services.metrics import WorkerMetrics
@@ -62,9 +63,7 @@ class TrainingWorker:
         self._server_addresses = server_addresses
         self._server_node_ids = server_node_ids
         self._auth_token = auth_token
-        self.tokens = load_tokens(
-            config.data.corpus_path, config.data.corpus_bytes, config.data.seed, seq_len=config.model.block_size
-        )
+        self.data = open_source(config)
         self.metrics = WorkerMetrics(rank)
         if config.metrics.enabled:
             self.metrics.start(host=node_ip(), port=config.metrics.port_for("worker", rank, config))
@@ -158,18 +157,11 @@ class TrainingWorker:
     def train_step(self, step: int) -> StepReport:
         """One step on the batch of data step ``step``."""
         config = self.config
-        x, y = batch_for_step(
-            self.tokens,
-            step=step,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=config.data.batch_size,
-            seq_len=config.model.block_size,
-            seed=config.data.seed,
-        )
+        batch = self.data.batch(step, self.rank)
         torch.manual_seed(dropout_seed(config.seed, step, self.rank))  # CPU and every GPU
         started = time.perf_counter()
-        report = self._step().run(step, x, y, config.optim.lr_at(step, config.steps))
+        lr = config.optim.lr_at(step, config.steps)
+        report = self._step().run(step, batch.inputs, batch.targets, lr, loss_weight=batch.weight)
         for phase, seconds in report.phases.items():
             self.metrics.add_phase(phase, seconds)
         self.metrics.observe_step(time.perf_counter() - started, report.loss)

@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cargohold.cluster.config import TrainConfig, from_dict
-from cargohold.services.data import batch_for_step, dropout_seed, load_tokens
+from cargohold.services.data import dropout_seed
+from cargohold.services.data.sources import open_source
 from cargohold.services.layout import Layout, scatter_params
 from cargohold.services.model_setup import model_layout
 from cargohold.services.models.blocks import transformer_blocks
@@ -85,9 +86,7 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
     optimizer = torch.optim.AdamW(
         masters, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
     )
-    tokens = load_tokens(
-        config.data.corpus_path, config.data.corpus_bytes, config.data.seed, seq_len=config.model.block_size
-    )
+    data = open_source(config)
     losses = []
     for step in range(1, steps + 1):
         with torch.no_grad():
@@ -97,18 +96,12 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
         summed: list[torch.Tensor] | None = None
         step_loss = 0.0
         for rank in range(world):
-            x, y = batch_for_step(
-                tokens,
-                step=step,
-                rank=rank,
-                world_size=world,
-                batch_size=config.data.batch_size,
-                seq_len=config.model.block_size,
-                seed=config.data.seed,
-            )
+            batch = data.batch(step, rank)
             torch.manual_seed(dropout_seed(config.seed, step, rank))
             model.zero_grad(set_to_none=True)
-            _, loss = model(x, y)
+            _, loss = model(batch.inputs, batch.targets)
+            if batch.weight != 1.0:  # as the workers do: the step's mean over counted tokens
+                loss = loss * batch.weight
             loss.backward()
             step_loss += float(loss.detach())
             grads = [p.grad.to(wire) for p in model.parameters()]
@@ -167,22 +160,14 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
         optimizer = torch.optim.AdamW(
             params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
         )
-        tokens = load_tokens(
-            config.data.corpus_path, config.data.corpus_bytes, config.data.seed, seq_len=config.model.block_size
-        )
+        data = open_source(config)
         losses = []
         for step in range(1, steps + 1):
-            x, y = batch_for_step(
-                tokens,
-                step=step,
-                rank=rank,
-                world_size=world,
-                batch_size=config.data.batch_size,
-                seq_len=config.model.block_size,
-                seed=config.data.seed,
-            )
+            batch = data.batch(step, rank)
             torch.manual_seed(dropout_seed(config.seed, step, rank))
-            _, loss = model(x, y)
+            _, loss = model(batch.inputs, batch.targets)
+            if batch.weight != 1.0:
+                loss = loss * batch.weight
             loss.backward()
             total = loss.detach().to(torch.float64)
             dist.all_reduce(total)

@@ -171,9 +171,9 @@ def _write_config(path: Path, **overrides) -> str:
 
 
 def test_config_keys_load_from_yaml_and_overrides(tmp_path: Path, llama_dir: Path) -> None:
-    config = load_config(None, [f"hf.config_path={llama_dir}", "model.block_size=64", f"export_dir={tmp_path}"])
+    config = load_config(None, [f"hf.config_path={llama_dir}", "data.block_size=64", f"export_dir={tmp_path}"])
     assert config.hf.config_path == str(llama_dir) and config.hf.enabled and config.export_dir == str(tmp_path)
-    file_itself = load_config(None, [f"hf.config_path={llama_dir / 'config.json'}", "model.block_size=64"])
+    file_itself = load_config(None, [f"hf.config_path={llama_dir / 'config.json'}"])
     assert file_itself.hf.enabled and build_model(file_itself).hf.config.vocab_size == LLAMA["vocab_size"]
     assert not load_config().hf.enabled
 
@@ -186,7 +186,8 @@ def test_config_keys_load_from_yaml_and_overrides(tmp_path: Path, llama_dir: Pat
         ("checkpoint-is-a-file", ["hf.checkpoint_dir"]),
         ("both", ["hf.config_path", "hf.checkpoint_dir"]),
         ("small-vocab", ["hf.config_path", "vocab_size"]),
-        ("block-too-long", ["model.block_size", "max_position_embeddings"]),
+        ("block-too-long", ["data.block_size", "max_position_embeddings"]),
+        ("gpt-block-size", ["model.block_size", "data.block_size"]),
         ("not-a-causal-lm", ["hf.config_path"]),
         ("not-json", ["hf.config_path"]),
         ("empty-export-dir", ["export_dir"]),
@@ -199,7 +200,9 @@ def test_bad_inputs_are_refused_naming_the_key(tmp_path: Path, llama_dir: Path, 
         "checkpoint-is-a-file": lambda: [f"hf.checkpoint_dir={llama_dir / 'config.json'}"],
         "both": lambda: [f"hf.config_path={llama_dir}", f"hf.checkpoint_dir={llama_dir}"],
         "small-vocab": lambda: [f"hf.config_path={_write_config(tmp_path, vocab_size=200)}"],
-        "block-too-long": lambda: [f"hf.config_path={llama_dir}", "model.block_size=65"],
+        "block-too-long": lambda: [f"hf.config_path={llama_dir}", "data.block_size=65"],
+        # the context comes from the model's config; the GPT's key is refused, not ignored
+        "gpt-block-size": lambda: [f"hf.config_path={llama_dir}", "model.block_size=64"],
         "not-a-causal-lm": lambda: [f"hf.config_path={_vit(tmp_path)}"],
         "not-json": lambda: [f"hf.config_path={_garbage(tmp_path)}"],
         "empty-export-dir": lambda: ["export_dir=''"],

@@ -220,7 +220,7 @@ def test_activations_follow_an_hf_models_mlp(tmp_path: Path) -> None:
     transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=3, n_head=4, n_positions=64).save_pretrained(gpt2)
     tokens = 4 * 32
     for path, intermediate, up in ((llama, 176, 2), (gpt2, 4 * 64, 1)):
-        plan = plan_run(tiny_config(hf__config_path=str(path)))
+        plan = plan_run(tiny_config(hf__config_path=str(path), data__block_size=32))
         assert plan.worker.blocks == 3
         per_layer = tokens * (18 * 64 + 4 * up * intermediate) * 4 // 2
         assert plan.worker.activation_bytes == 3 * per_layer + tokens * 300 * (4 + 8), path.name

@@ -12,6 +12,7 @@ import torch
 from reference import fsdp_reference_train, reference_train, tiny_config
 
 from cargohold.cluster.launcher import TrainingSession
+from cargohold.services.data.sources import open_source
 from cargohold.services.layout import Layout
 from cargohold.services.model_setup import model_layout
 from cargohold.services.tiers.partitions import elements_per_partition
@@ -112,6 +113,33 @@ def test_matches_fsdp2_with_torch_adamw_bitwise(ray_local, overrides: dict) -> N
     config = tiny_config(steps=8, state_server__num_servers=2, **overrides)
     layout, losses, weights, server = _run(config)
     _assert_matches_reference(config, layout, losses, weights, server, fsdp_reference_train(config, config.steps))
+
+
+def test_masked_chat_loss_matches_torch_adamw_bitwise(ray_local, tmp_path) -> None:
+    """Chat data counts the assistant's tokens only, so ranks count different numbers of
+    them: each rank's mean loss is weighted by its share (Batch.weight), so the step's
+    loss and gradient are the mean over every counted token of the global batch, and the
+    run still equals the reference bitwise (which weighs the same way; that the weights
+    give the global token mean is tests/test_data_batches.py's)."""
+    pytest.importorskip("transformers")
+    from data_fixtures import make_tokenizer, write_chat
+
+    data = {
+        "format": "chat",
+        "path": str(write_chat(tmp_path / "chat.jsonl", 200)),
+        "tokenizer": str(make_tokenizer(tmp_path / "tokenizer")),
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    config = tiny_config(
+        state_server__num_servers=2, model__vocab_size=384, **{f"data__{key}": value for key, value in data.items()}
+    )
+    source = open_source(config)
+    shares = [source.batch(step, rank).weight for step in range(1, config.steps + 1) for rank in range(2)]
+    assert all(share != 1.0 for share in shares), "ranks count different numbers of tokens"
+    layout, losses, weights, server = _run(config)
+    _assert_matches_reference(config, layout, losses, weights, server)
+    _assert_matches_reference(config, layout, losses, weights, server, fsdp_reference_train(config, config.steps))
+    assert losses[-1] < losses[0] - 0.5, "the loss should fall visibly in 20 steps"
 
 
 def _partition_files(root) -> list:

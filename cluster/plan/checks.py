@@ -64,7 +64,7 @@ def check_cluster(
             *(["worker.activation_checkpointing=blocks"] if settings.activation_checkpointing == "off" else []),
             *(["worker.compute_dtype=bfloat16"] if settings.compute_dtype == "float32" else []),
             "add workers",
-            "lower data.batch_size or model.block_size",
+            "lower data.batch_size or data.block_size",
         ]
         checks.append(
             _check(

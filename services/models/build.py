@@ -20,8 +20,9 @@ from torch import nn
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.errors import ConfigError
+from cargohold.services.models.dimensions import check_model_fits_data
 from cargohold.services.models.gpt import GPT
-from cargohold.services.models.hf import build_hf_model, check_hf_model, hf_name
+from cargohold.services.models.hf import build_hf_model, hf_name
 from cargohold.services.models.init import Rule, init_order, init_rule, initial_values, initialize, module_seed
 from cargohold.services.models.weights import checkpoint_tensors, tensor_files
 
@@ -32,8 +33,7 @@ def build_model(config: TrainConfig) -> nn.Module:
     under ``torch.device("meta")`` shapes only (nothing drawn, nothing read). The caller's
     RNG state is left as it was."""
     on_meta = torch.get_default_device().type == "meta"
-    if config.hf.enabled:
-        check_hf_model(config.hf, config.model.block_size)
+    check_model_fits_data(config)
     with torch.random.fork_rng(devices=[]):  # construction draws torch's default inits
         model = build_hf_model(config.hf) if config.hf.enabled else GPT(config.model)
     if not on_meta and config.hf.checkpoint_dir is None:

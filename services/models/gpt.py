@@ -26,6 +26,7 @@ from torch import nn
 
 from cargohold.cluster.config import GPTConfig
 from cargohold.services.errors import ConfigError
+from cargohold.services.models.loss import mean_token_loss
 
 
 class CausalSelfAttention(nn.Module):
@@ -117,9 +118,8 @@ class GPT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``[B, T, vocab_size]`` for token ids ``idx`` ``[B, T]``.
 
-        With ``targets`` (same shape as ``idx``) also returns the mean cross-entropy. The
-        loss is computed in fp32 whatever the model's dtype, as autocast would do: a bf16
-        log-softmax over the vocabulary loses the small differences the loss is made of.
+        With ``targets`` (same shape as ``idx``) also returns the mean cross-entropy over
+        the counted targets, in fp32 (:func:`~cargohold.services.models.loss.mean_token_loss`).
         """
         seq = idx.shape[1]
         if seq > self.config.block_size:
@@ -131,8 +131,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        return logits, loss
+        return logits, mean_token_loss(logits, targets)
 
 
 def num_parameters(model: nn.Module) -> int:

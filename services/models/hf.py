@@ -18,7 +18,8 @@ equals single-process AdamW bitwise):
 
 * **Loss.** HF's own loss shifts the labels by one; cargohold's batches are already
   ``y = x`` shifted, so the wrapper computes the mean cross-entropy of the logits against
-  ``targets`` itself, in fp32, exactly as :class:`~cargohold.services.models.gpt.GPT` does.
+  ``targets`` itself, in fp32, exactly as :class:`~cargohold.services.models.gpt.GPT` does
+  (:func:`~cargohold.services.models.loss.mean_token_loss`).
 * **No dropout.** The inner model always runs in eval mode, whatever ``train()`` says:
   dropout would draw different masks on each rank and in the reference. (transformers
   models change nothing else between the two modes that training here uses.)
@@ -41,37 +42,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cargohold.cluster.config import HFModelConfig
 from cargohold.services.errors import ConfigError
+from cargohold.services.models.loss import mean_token_loss
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 PREFIX = "hf."
 """What :class:`HFCausalLM` adds in front of the transformers parameter names."""
-
-BYTE_VOCAB = 256
-"""cargohold's data is byte-level: token ids 0..255."""
-
-
-def check_hf_model(config: HFModelConfig, block_size: int) -> None:
-    """Refuse a model the byte-level data of ``block_size`` tokens cannot train."""
-    loaded = pretrained_config(config)
-    vocab = getattr(loaded, "vocab_size", None)
-    if not isinstance(vocab, int) or vocab < BYTE_VOCAB:
-        raise ConfigError(
-            f"the model at {config.key}={config.path!r} has vocab_size {vocab}; cargohold's "
-            f"data is byte-level and needs vocab_size >= {BYTE_VOCAB}"
-        )
-    positions = getattr(loaded, "max_position_embeddings", None)
-    if isinstance(positions, int) and block_size > positions:
-        raise ConfigError(
-            f"model.block_size ({block_size}) exceeds max_position_embeddings "
-            f"({positions}) of the model at {config.key}={config.path!r}; lower model.block_size"
-        )
 
 
 class HFCausalLM(nn.Module):
@@ -98,13 +79,12 @@ class HFCausalLM(nn.Module):
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``[B, T, vocab_size]`` for token ids ``idx`` ``[B, T]`` and, with
-        ``targets``, the mean cross-entropy computed in fp32 (no label shift)."""
+        ``targets``, the mean cross-entropy over the counted targets, in fp32 (no label shift)."""
         self._place_buffers(idx.device)
         logits = self.hf(input_ids=idx, use_cache=False).logits
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        return logits, loss
+        return logits, mean_token_loss(logits, targets)
 
     def set_buffers(self, values: dict[str, torch.Tensor]) -> None:
         """Give a model built on the meta device its buffers as built (fp32, by qualified

@@ -12,14 +12,18 @@ sampler state to checkpoint.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import re
 
 import torch
 
+from cargohold.services.data.batches import Batch, BatchShape
+from cargohold.services.data.seeds import stable_seed
 from cargohold.services.errors import ConfigError
+
+BYTE_VOCAB = 256
+"""Token ids of byte-level data: 0..255."""
 
 _NAMES = "Anna Ben Clara David Eva Felix Grace Hugo Iris Jonas".split()
 _NOUNS = (
@@ -115,24 +119,6 @@ def load_tokens(path: str | None, num_bytes: int, seed: int, *, seq_len: int = 1
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def stable_seed(*parts: object) -> int:
-    """A 63-bit generator seed from ``parts`` (e.g. seed and step), stable across
-    processes and versions.
-
-    Python's ``hash`` of a tuple is not guaranteed stable across versions or platforms,
-    and ``seed + step`` would make run (seed, step + 1) repeat run (seed + 1, step).
-    """
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-def dropout_seed(seed: int, step: int, rank: int) -> int:
-    """The seed of the random draws (dropout) rank ``rank`` makes in step ``step``: a
-    function of the step, not of how many steps the process has run, so a resumed run
-    draws what the uninterrupted one did."""
-    return stable_seed("dropout", seed, step, rank)
-
-
 def batch_for_step(
     tokens: torch.Tensor,
     *,
@@ -170,3 +156,26 @@ def batch_for_step(
     mine = starts[rank * batch_size : (rank + 1) * batch_size].to(tokens.device)
     windows = tokens[mine[:, None] + torch.arange(seq_len + 1, device=tokens.device)].long()
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+class ByteCorpus:
+    """Byte-level tokens as a :class:`~cargohold.services.data.batches.DataSource`: the
+    windows of :func:`batch_for_step`, micro-batch m of rank r being rank
+    ``m * world_size + r`` of a world ``micro_batches`` times as large."""
+
+    def __init__(self, tokens: torch.Tensor, shape: BatchShape, *, seed: int) -> None:
+        self.tokens, self.shape, self.seed = tokens, shape, seed
+
+    def batch(self, step: int, rank: int, micro: int = 0) -> Batch:
+        shape = self.shape
+        rows = shape.rows_of(rank, micro)
+        inputs, targets = batch_for_step(
+            self.tokens,
+            step=step,
+            rank=rows.start // shape.batch_size,
+            world_size=shape.world_size * shape.micro_batches,
+            batch_size=shape.batch_size,
+            seq_len=shape.seq_len,
+            seed=self.seed,
+        )
+        return Batch(inputs, targets)

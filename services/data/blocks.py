@@ -1,0 +1,73 @@
+"""A token stream read as training sequences: :class:`TokenBlocks`.
+
+Block ``b`` is the ``seq_len + 1`` tokens from ``b * seq_len``: inputs are its first
+``seq_len``, targets its last ``seq_len``, so consecutive blocks share one token and every
+token but the first is a target of exactly one block. Only the blocks a batch needs are
+read: the stream may be a memory-mapped file far larger than memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cargohold.services.data.batches import Batch, BatchShape, loss_weight
+from cargohold.services.data.sampling import step_blocks
+from cargohold.services.errors import ConfigError
+from cargohold.services.models.loss import IGNORE_INDEX
+
+
+class TokenBlocks:
+    """Batches of a token stream (a :class:`~cargohold.services.data.batches.DataSource`).
+
+    ``counted`` (same length as ``tokens``; nonzero where the token is a target the loss
+    counts) masks the others with IGNORE_INDEX; None counts every token. ``name`` says where
+    the tokens come from, for messages.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        counted: np.ndarray | None,
+        shape: BatchShape,
+        *,
+        seed: int,
+        vocab_size: int,
+        name: str,
+    ) -> None:
+        if tokens.ndim != 1:
+            raise ConfigError(f"{name} must hold a 1-D sequence of token ids, got shape {tokens.shape}")
+        if counted is not None and counted.shape != tokens.shape:
+            raise ConfigError(f"{name}: {counted.shape[0]} counted flags for {tokens.shape[0]} tokens")
+        self.num_blocks = (tokens.shape[0] - 1) // shape.seq_len
+        if self.num_blocks == 0:
+            raise ConfigError(
+                f"{name} holds {tokens.shape[0]} tokens, fewer than one sequence of data.block_size + 1 = "
+                f"{shape.seq_len + 1}"
+            )
+        self.tokens, self.counted, self.shape = tokens, counted, shape
+        self.seed, self.vocab_size, self.name = seed, vocab_size, name
+
+    def batch(self, step: int, rank: int, micro: int = 0) -> Batch:
+        blocks = step_blocks(self.num_blocks, step, self.shape.rows, self.seed)
+        mine = blocks[self.shape.rows_of(rank, micro)]
+        windows = torch.from_numpy(self._windows(self.tokens, mine).astype(np.int64))
+        outside = (windows < 0) | (windows >= self.vocab_size)
+        if outside.any():
+            row = int(outside.any(dim=1).nonzero()[0])
+            raise ConfigError(
+                f"{self.name} holds token id {int(windows[row][outside[row]][0])} (in block {int(mine[row])}), "
+                f"outside the model's vocabulary of {self.vocab_size} ids"
+            )
+        inputs, targets = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        if self.counted is None:
+            return Batch(inputs, targets)
+        counted = torch.from_numpy(self._windows(self.counted, mine)[:, 1:] != 0)
+        targets[~counted] = IGNORE_INDEX
+        in_step = int((self._windows(self.counted, blocks)[:, 1:] != 0).sum())
+        return Batch(inputs, targets, loss_weight(int(counted.sum()), in_step, self.shape))
+
+    def _windows(self, stream: np.ndarray, blocks: torch.Tensor) -> np.ndarray:
+        """``[len(blocks), seq_len + 1]`` of ``stream``: each block's tokens (or flags)."""
+        length = self.shape.seq_len
+        return np.stack([stream[b * length : b * length + length + 1] for b in blocks.tolist()])

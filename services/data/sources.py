@@ -1,0 +1,51 @@
+"""The data a run trains on, as ``data.*`` names it: :func:`open_source` gives a
+:class:`~cargohold.services.data.batches.DataSource` whose batches are a pure function of
+(step, rank, micro-batch).
+
+The launcher opens it once before any actor starts, so bad data is refused first and the
+tokenization cache is filled once; each worker then opens it again (a cache hit) and
+reads only its own rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cargohold.cluster.config import TrainConfig
+from cargohold.services.data.batches import BatchShape, DataSource
+from cargohold.services.data.blocks import TokenBlocks
+from cargohold.services.data.corpus import ByteCorpus, load_tokens
+from cargohold.services.data.tokenization import tokenized_stream
+from cargohold.services.data.tokens import check_dtype_holds_vocab, open_token_file
+from cargohold.services.models.dimensions import check_model_fits_data, sequence_length, vocab_size
+
+
+def batch_shape(config: TrainConfig, micro_batches: int = 1) -> BatchShape:
+    """The global batch of a step of ``config``."""
+    return BatchShape(
+        world_size=config.worker.num_workers,
+        batch_size=config.data.batch_size,
+        seq_len=sequence_length(config),
+        micro_batches=micro_batches,
+    )
+
+
+def open_source(config: TrainConfig) -> DataSource:
+    """The batches of ``config.data``, checked against the model: its vocabulary numbers
+    every token id, its context covers ``data.block_size``. ConfigError names what is wrong
+    (key, file, line) before anything trains."""
+    data = config.data
+    check_model_fits_data(config)
+    shape = batch_shape(config)
+    if data.format == "bytes":
+        tokens = load_tokens(data.corpus_path, data.corpus_bytes, data.seed, seq_len=shape.seq_len)
+        return ByteCorpus(tokens, shape, seed=data.seed)
+    vocab = vocab_size(config)
+    if data.format == "tokens":
+        path = Path(data.path or "").expanduser()
+        ids = open_token_file(path, data.token_dtype)
+        check_dtype_holds_vocab(ids.dtype, vocab, f"data.path {str(path)!r}")
+        return TokenBlocks(ids, None, shape, seed=data.seed, vocab_size=vocab, name=f"data.path {str(path)!r}")
+    stream = tokenized_stream(config, vocab)
+    name = f"data.path {data.path!r} (tokenized)"
+    return TokenBlocks(stream.tokens, stream.counted, shape, seed=data.seed, vocab_size=vocab, name=name)

@@ -1,0 +1,87 @@
+"""Tokenizing what ``data.*`` names with the model's tokenizer, through the cache: text
+files, JSON lines, chat conversations and Hugging Face datasets become one packed token
+stream (:mod:`.packing`), written once to the tokenization cache (:mod:`.cache`) and
+memory-mapped from there by every process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from itertools import islice
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cargohold.cluster.config import TrainConfig
+from cargohold.services.data.cache import CachedStream, TokenCache, cache_key, content_digest
+from cargohold.services.data.chat import check_chat_tokenizer, conversation, render_conversation
+from cargohold.services.data.documents import Record, dataset_records, jsonl_records, text_pieces
+from cargohold.services.data.packing import Document, pack, stream_dtype
+from cargohold.services.data.tokenizer import load_tokenizer, tokenizer_digest, tokenizer_folder
+from cargohold.services.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE_DIR = "~/.cache/cargohold/data"
+DOCUMENTS_PER_PIECE = 256
+"""Documents tokenized in one call (the fast tokenizers batch them across threads)."""
+Piece = tuple[np.ndarray, np.ndarray | None]
+
+
+def tokenized_stream(config: TrainConfig, vocab_size: int) -> CachedStream:
+    """The packed stream of ``config.data``: read from the cache, or tokenized into it."""
+    data = config.data
+    folder, key = tokenizer_folder(config)
+    tokenizer = load_tokenizer(folder, key, vocab_size)
+    if data.format == "chat":
+        check_chat_tokenizer(tokenizer, key, str(folder))
+    path = Path(data.path or "").expanduser().resolve()
+    settings = {"format": data.format, "field": data.record_field, "split": data.split}
+    root = Path(data.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+    entry = TokenCache(root / cache_key(content_digest(path), tokenizer_digest(folder), settings))
+    cached = entry.read()
+    if cached is not None:
+        return cached
+    logger.info("tokenizing %s with the tokenizer at %s into %s", path, folder, entry.folder)
+    dtype = stream_dtype(len(tokenizer))
+    pieces = _pieces(config, tokenizer, path, dtype)
+    return entry.write(pieces, dtype, {"source": str(path), "tokenizer": str(folder), **settings})
+
+
+def _pieces(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, path: Path, dtype: np.dtype) -> Iterator[Piece]:
+    data = config.data
+    eos = tokenizer.eos_token_id
+    assert isinstance(eos, int), "load_tokenizer refuses a tokenizer without EOS"
+    if data.format == "text":
+        yield from _text(tokenizer, path, eos, dtype)
+        return
+    if data.format == "hf_dataset":
+        records = dataset_records(path, data.record_field, data.split)
+    else:
+        records = jsonl_records(path, data.record_field)
+    while batch := list(islice(records, DOCUMENTS_PER_PIECE)):
+        documents: list[Document]
+        if data.format == "chat":
+            documents = [render_conversation(tokenizer, conversation(r.value, r.where), r.where) for r in batch]
+        else:
+            ids = tokenizer([_text_of(r) for r in batch], add_special_tokens=False)["input_ids"]
+            documents = [(document, None) for document in ids]
+        yield pack(documents, eos, dtype)
+
+
+def _text(tokenizer: PreTrainedTokenizerBase, path: Path, eos: int, dtype: np.dtype) -> Iterator[Piece]:
+    """Text files: a document's pieces back to back, EOS after its last."""
+    for piece, ends_document in text_pieces(path):
+        ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+        yield np.asarray(ids + [eos] if ends_document else ids, dtype=dtype), None
+
+
+def _text_of(record: Record) -> str:
+    if not isinstance(record.value, str):
+        raise ConfigError(f"{record.where}: data.field holds a {type(record.value).__name__}, not text")
+    return record.value
