@@ -15,7 +15,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from cargohold.cluster.config import load_config
+from cargohold.cluster.config_io import load_config
 from cargohold.cluster.launcher import TrainingSession
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"

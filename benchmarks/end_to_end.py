@@ -43,7 +43,8 @@ import ray
 import torch
 from process_memory import RayProcessWatch
 
-from cargohold.cluster.config import TrainConfig, load_config
+from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.config_io import load_config
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.services.data import batch_for_step, load_tokens
 from cargohold.services.models.build import build_model

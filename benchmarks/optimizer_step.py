@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from timing import timed
 
-from cargohold.cluster.config import GPTConfig
+from cargohold.cluster.config_model import GPTConfig
 from cargohold.services.layout import build_layout
 from cargohold.services.models.gpt import GPT, num_parameters
 from cargohold.services.optim import AdamWHyperParams, AdamWState, fused_adamw_

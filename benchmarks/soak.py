@@ -42,7 +42,8 @@ from pathlib import Path
 import ray
 import torch
 
-from cargohold.cluster.config import TrainConfig, from_dict
+from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.config_io import from_dict
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.cluster.supervise import TrainResult, train
 from cargohold.services.checkpoint.directory import CheckpointDir

@@ -35,7 +35,7 @@ def trace_rank(rank: int, world: int, port: int, n_layer: int, width: int, wire:
     phase, the peak reset in between (``/proc/self/clear_refs``)."""
     import torch.distributed as dist
 
-    from cargohold.cluster.config import load_config
+    from cargohold.cluster.config_io import load_config
     from cargohold.services.data import batch_for_step, load_tokens
     from cargohold.services.model_setup import exchange_buffers, sharded_model, step_policy
     from cargohold.services.models.build import build_model, parameter_values

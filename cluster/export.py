@@ -28,7 +28,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from cargohold.cluster.config import GPTConfig, TrainConfig
+from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.config_model import GPTConfig
 from cargohold.services.durable import replace_durably
 from cargohold.services.errors import ConfigError, ExportError
 from cargohold.services.layout import Layout, gather_params

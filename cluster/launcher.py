@@ -20,7 +20,8 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cargohold.cluster.config import TrainConfig, to_dict
+from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.config_io import to_dict
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.cluster.resume import check_resume
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cargohold.cluster.config import TrainConfig, to_dict
+from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.config_io import to_dict
 from cargohold.services.checkpoint import CheckpointDir, Manifest, check_compatible
 from cargohold.services.errors import CheckpointError, ResumeRefusedError
 from cargohold.services.layout import Layout

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cargohold.cluster.config import TrainConfig, from_dict
+from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.config_io import from_dict
 from cargohold.services.data import dropout_seed
 from cargohold.services.data.sources import open_source
 from cargohold.services.layout import Layout, scatter_params

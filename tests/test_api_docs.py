@@ -11,7 +11,7 @@ import pytest
 
 import cargohold
 from cargohold.api import reference
-from cargohold.cluster.config import load_config
+from cargohold.cluster.config_io import load_config
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 

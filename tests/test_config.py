@@ -16,17 +16,15 @@ from cargohold.cluster import cli, config_docs
 from cargohold.cluster.config import (
     ClusterConfig,
     DataConfig,
-    GPTConfig,
     MetricsConfig,
     OptimConfig,
     StateServerConfig,
     TrainConfig,
     WorkerConfig,
-    from_dict,
-    load_config,
-    to_dict,
 )
 from cargohold.cluster.config_docs import REGENERATE, render_reference, type_name
+from cargohold.cluster.config_io import from_dict, load_config, to_dict
+from cargohold.cluster.config_model import GPTConfig
 from cargohold.services.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)

@@ -20,7 +20,8 @@ import promql_parser
 import pytest
 import yaml
 
-from cargohold.cluster.config import SecurityConfig, load_config
+from cargohold.cluster.config import SecurityConfig
+from cargohold.cluster.config_io import load_config
 from cargohold.services.metrics import METRIC_NAMES, LauncherMetrics, StateServerMetrics, WorkerMetrics
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from reference import reference_train, tiny_config  # noqa: E402
 
-from cargohold.cluster.config import load_config  # noqa: E402
+from cargohold.cluster.config_io import load_config  # noqa: E402
 from cargohold.cluster.export import (  # noqa: E402
     GPT_CONFIG_FILE,
     WEIGHTS_FILE,

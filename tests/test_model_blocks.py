@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from cargohold.cluster.config import GPTConfig
+from cargohold.cluster.config_model import GPTConfig
 from cargohold.services.errors import ConfigError
 from cargohold.services.models.blocks import apply_activation_checkpointing, transformer_blocks
 from cargohold.services.models.gpt import GPT

@@ -15,7 +15,7 @@ from checkpoints import random_data, save_layout
 from reference import tiny_config
 
 from cargohold.cluster import cli
-from cargohold.cluster.config import to_dict
+from cargohold.cluster.config_io import to_dict
 from cargohold.cluster.resume import REFUSED, Change, check_resume, config_changes
 from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.errors import ConfigError, ResumeRefusedError

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cargohold.cluster.config import TrainConfig, read_yaml_mapping
+from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.config_io import read_yaml_mapping
 from cargohold.cluster.sizes import parse_size
 from cargohold.services.errors import ConfigError
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cargohold.cluster.config import GPTConfig
+from cargohold.cluster.config_model import GPTConfig
 from cargohold.services.errors import ConfigError
 from cargohold.services.models.loss import mean_token_loss
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from cargohold.cluster.config import HFModelConfig
+from cargohold.cluster.config_model import HFModelConfig
 from cargohold.services.errors import ConfigError
 from cargohold.services.models.loss import mean_token_loss
 
