@@ -5,8 +5,11 @@
 
 In one run, on the disk under ``--path``:
 
-1. **Raw disk.** Sequential O_DIRECT write (then fsync) and read of a ``--raw-mib`` file in
-   ``--block-mib`` requests, ``--io-threads`` in flight: the bandwidth the disk offers.
+1. **Raw disk.** Sequential O_DIRECT write (then fsync) and read of a ``--raw-mib`` file,
+   three ways (benchmarks/disk_baselines.py): ``--block-mib`` requests from ``--io-threads``
+   threads, and fio with libaio and with io_uring at ``--fio-depth`` requests of each of
+   ``--fio-block-kib`` in flight (``apt-get install fio``). The best write and the best
+   read are the bandwidth the disk offers.
 2. **Tier.** One shard of ``--state-mib`` of optimizer state (fp32 master, exp_avg,
    exp_avg_sq) on a state server with a ``--budget-mib`` RAM budget, so most partitions
    live on disk; ``--steps`` optimizer steps (SegmentState.push, as a PushGradient ends
@@ -16,7 +19,7 @@ In one run, on the disk under ``--path``:
    over the measured step time, 1.0 when the tier moves data as fast as the disk can.
 3. **RAM.** The same shard and steps with all state in RAM: the step's compute alone.
 
-Ratios printed: tier throughput / raw disk bandwidth (goal >= 0.85) and step(NVMe) /
+Ratios printed: tier throughput / raw disk bandwidth (goal >= 0.9) and step(NVMe) /
 step(RAM). When the update itself is slower than the disk, the step cannot be shorter
 than the RAM step, and the best the tier can do is hide its I/O behind it; the line
 ``overlap`` says how much of that it achieves. Weights are checked bitwise between the
@@ -27,16 +30,16 @@ files are deleted at the end.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import platform
 import shutil
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
+from disk_baselines import best, fio_bandwidth, thread_bandwidth
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.optim import AdamWHyperParams
@@ -44,41 +47,6 @@ from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
 from cargohold.services.tiers.storage import TieredStorage
 
 MIB = 1 << 20
-
-
-def raw_bandwidth(directory: str, nbytes: int, block: int, threads: int) -> tuple[float, float, bool]:
-    """(write, read) bytes/s of a sequential O_DIRECT file; falls back to buffered I/O
-    (then says so) where the filesystem refuses O_DIRECT."""
-    path = os.path.join(directory, "raw-bandwidth.bin")
-    buffer = mmap.mmap(-1, block)
-    buffer.write(os.urandom(block))
-    view = memoryview(buffer)
-    offsets = range(0, nbytes, block)
-    direct = True
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_DIRECT, 0o600)
-    except OSError:
-        direct = False
-        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-    try:
-        with ThreadPoolExecutor(threads) as pool:
-            started = time.perf_counter()
-            list(pool.map(lambda offset: os.pwritev(fd, [view], offset), offsets))
-            os.fsync(fd)
-            write = nbytes / (time.perf_counter() - started)
-        os.close(fd)
-        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-        if not direct:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        reads = [mmap.mmap(-1, block) for _ in range(threads)]
-        with ThreadPoolExecutor(threads) as pool:
-            started = time.perf_counter()
-            list(pool.map(lambda i: os.preadv(fd, [reads[i % threads]], offsets[i]), range(len(offsets))))
-            read = nbytes / (time.perf_counter() - started)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return write, read, direct
 
 
 class Counter:
@@ -151,6 +119,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--raw-mib", type=int, default=1024)
     parser.add_argument("--block-mib", type=int, default=64)
+    parser.add_argument("--fio-depth", type=int, default=32)
+    parser.add_argument("--fio-block-kib", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for Adam")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -164,12 +134,19 @@ def main() -> None:
     )
     print(f"disk: {base} ({shutil.disk_usage(base).free / 2**30:.0f} GiB free)")
     try:
-        write, read, direct = raw_bandwidth(base, args.raw_mib * MIB, args.block_mib * MIB, args.io_threads)
-        print(
-            f"raw disk ({'O_DIRECT' if direct else 'buffered'}, {args.block_mib} MiB blocks, "
-            f"{args.io_threads} in flight, {args.raw_mib} MiB): write {write / 1e9:.2f} GB/s, "
-            f"read {read / 1e9:.2f} GB/s"
-        )
+        baselines = [thread_bandwidth(base, args.raw_mib * MIB, args.block_mib * MIB, args.io_threads)]
+        for engine in ("libaio", "io_uring"):
+            for block_kib in args.fio_block_kib:
+                found = fio_bandwidth(base, args.raw_mib * MIB, block_kib << 10, engine, args.fio_depth)
+                if found is None:
+                    print(f"fio {engine}: not run (fio missing or the engine unavailable: apt-get install fio)")
+                    break
+                baselines.append(replace(found, engine=f"{found.engine}, {block_kib} KiB"))
+        for baseline in baselines:
+            print(f"raw disk, {baseline.describe()}")
+        raw = best(baselines)
+        write, read = raw.write, raw.read
+        print(f"raw disk, {raw.describe()}")
 
         tier = TierConfig(
             nvme_paths=[os.path.join(base, "tier")],
@@ -204,7 +181,7 @@ def main() -> None:
         f"total {(read_b + write_b) / step_nvme / 1e9:.2f} GB/s"
     )
     print(f"step: NVMe {step_nvme:.3f} s, RAM {step_ram:.3f} s; disk time at raw bandwidth {ideal_io:.3f} s")
-    print(f"ratio tier / raw disk bandwidth: {ideal_io / step_nvme:.3f}   (goal >= 0.85)")
+    print(f"ratio tier / raw disk bandwidth: {ideal_io / step_nvme:.3f}   (goal >= 0.9)")
     print(f"ratio step(NVMe) / step(RAM): {step_nvme / step_ram:.3f}")
     print(
         f"overlap: step(NVMe) / max(step(RAM), raw disk time) = {step_nvme / max(step_ram, ideal_io):.3f}   "

@@ -1,6 +1,6 @@
 """Streaming one shard's update over its partitions: while partition k is updated, the
-following ones are read in (as far ahead as free staging buffers allow) and k-1 is
-written back behind it. The number of buffers therefore sets the depth: two give double
+following ones are read in (as far ahead as free staging buffers allow, and as soon as a
+write-back frees one) and k-1 is written back behind it. The number of buffers therefore sets the depth: two give double
 buffering, three let a read, an update and a write overlap.
 
 Tier-agnostic: it asks each partition's :class:`Tier` to stage it, runs ``update``
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from cargohold.services.tiers.residency import Residency
@@ -85,6 +85,11 @@ def stream_update(
                 observer.record_prefetch(hit)
             waited = time.perf_counter()
             try:
+                while not current.ready.done():
+                    # A write-back that ends meanwhile frees a buffer: read ahead into it at
+                    # once, so the disk is not left idle until this read and update are over.
+                    wait([current.ready, *(w for w in writes if not w.done())], return_when=FIRST_COMPLETED)
+                    prefetch()
                 current.ready.result()
             except BaseException:
                 store.discard(current, intact=False)
