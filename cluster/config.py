@@ -182,8 +182,9 @@ class WorkerConfig:
     x (wire + compute dtype) bytes. Backward waits when all are in use."""
     shared_memory: Literal["auto", "off"] = "auto"
     """auto: exchange gradients and weights with state servers on the same node through
-    shared memory (a sealed memfd the server maps) instead of gRPC streams (CPU workers);
-    off: always stream over gRPC."""
+    shared memory (a sealed memfd the server maps) instead of gRPC streams; a GPU worker
+    page-locks it, so its copies to and from the device are DMA; off: always stream over
+    gRPC."""
     cpus: float = 1.0
     """Ray CPUs reserved per worker."""
     gpus: float = 0.0

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cargohold.services.errors import CargoholdError, ConfigError
 from cargohold.services.metrics_http import MetricsHTTPServer
+from cargohold.services.page_lock import REASONS
 
 # Metric names, as a Prometheus user queries them: counters with their `_total` suffix,
 # histograms by their base name (a query adds `_bucket`, `_sum` or `_count`).
@@ -37,6 +38,7 @@ WORKER_PHASE_SECONDS = "cargohold_worker_phase_seconds_total"
 WORKER_STEPS = "cargohold_worker_steps_total"
 WORKER_LOSS = "cargohold_worker_loss"
 WORKER_RESIDENT_BYTES = "cargohold_worker_resident_bytes"
+WORKER_PAGE_LOCK_FALLBACKS = "cargohold_worker_page_lock_fallbacks_total"
 TIER_READ_BYTES = "cargohold_tier_read_bytes_total"
 TIER_WRITE_BYTES = "cargohold_tier_write_bytes_total"
 TIER_IO_SECONDS = "cargohold_tier_io_seconds_total"
@@ -67,6 +69,7 @@ METRIC_NAMES: tuple[str, ...] = (
     WORKER_STEPS,
     WORKER_LOSS,
     WORKER_RESIDENT_BYTES,
+    WORKER_PAGE_LOCK_FALLBACKS,
     TIER_READ_BYTES,
     TIER_WRITE_BYTES,
     TIER_IO_SECONDS,
@@ -95,6 +98,7 @@ TIER_OPS: frozenset[str] = frozenset({"read", "write"})
 PREFETCH_RESULTS: frozenset[str] = frozenset({"hit", "miss"})
 PHASES: frozenset[str] = frozenset({"compute", "reduce", "update"})
 WORKER_MEMORY_KINDS: frozenset[str] = frozenset({"weights", "exchange"})
+PAGE_LOCK_REASONS: frozenset[str] = frozenset(REASONS)
 
 # One shard update on a state server runs from ~100 us (a small shard in RAM) to tens of
 # seconds (a large shard paged in from NVMe under contention); roughly 1-2.5-5 per decade.
@@ -371,6 +375,12 @@ class WorkerMetrics(MetricsEndpoint):
             ["rank", "kind"],
             registry=self.registry,
         )
+        self._page_lock_fallbacks = Counter(
+            WORKER_PAGE_LOCK_FALLBACKS,
+            "Exchange buffers a GPU worker could not page-lock and uses pageable, by reason.",
+            ["rank", "reason"],
+            registry=self.registry,
+        )
 
     def observe_step(self, seconds: float, loss: float) -> None:
         """Record one completed training step: its duration and its loss."""
@@ -396,6 +406,11 @@ class WorkerMetrics(MetricsEndpoint):
     def record_received(self, rpc: str, nbytes: int) -> None:
         """Count `nbytes` of payload received by `rpc`."""
         self._transport.received(rpc, nbytes)
+
+    def record_page_lock_fallback(self, reason: str) -> None:
+        """Count exchange buffers left pageable, for `reason` (services/page_lock.py REASONS)."""
+        _check_label("reason", reason, PAGE_LOCK_REASONS)
+        self._page_lock_fallbacks.labels(rank=self._rank, reason=reason).inc()
 
 
 # Checkpoint and recovery times: a snapshot takes milliseconds, a write or a restart of a

@@ -20,6 +20,7 @@ import torch
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.layout import Segment
 from cargohold.services.metrics import WorkerMetrics
+from cargohold.services.page_lock import PageLock, PageLockRefused, page_lock, pinned_empty
 from cargohold.services.segment_state import GradientStaging, SegmentRegistry, SegmentSpec
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.shm import SharedRegion
@@ -68,14 +69,25 @@ class ExchangeBuffers:
     ``slots`` unit-sized slots are taken by a unit's transfers and given back when its
     weights are in FSDP2's shards, so the buffers do not grow with the model. With the
     delayed update, ``held`` is the whole range's weights too: they arrive during the
-    next step's compute and are adopted only after its backward."""
+    next step's compute and are adopted only after its backward.
+
+    For a GPU worker they are page-locked (services/page_lock.py), shared or not; where
+    that was refused, ``pin_refused`` says why and they are pageable."""
 
     def __init__(
-        self, slots: list[ExchangeSlot], held: torch.Tensor | None = None, region: SharedRegion | None = None
+        self,
+        slots: list[ExchangeSlot],
+        held: torch.Tensor | None = None,
+        region: SharedRegion | None = None,
+        *,
+        lock: PageLock | None = None,
+        pin_refused: PageLockRefused | None = None,
     ) -> None:
         self.slots = slots
         self.held = held
         self.region = region
+        self.lock = lock
+        self.pin_refused = pin_refused
         self._free: queue.SimpleQueue[ExchangeSlot] = queue.SimpleQueue()
         for slot in slots:
             self._free.put(slot)
@@ -93,17 +105,26 @@ class ExchangeBuffers:
         pin: bool = False,
     ) -> ExchangeBuffers:
         """``slots`` slots of ``slot_numel`` elements and ``held_numel`` held weights, in
-        shared memory named after ``shared_name``, else in (pinned with ``pin``) host memory."""
+        shared memory named after ``shared_name``, else in host memory; page-locked with
+        ``pin`` where that can be done."""
         slot_numel = _slot_numel(slot_numel)
         slot_bytes = slot_numel * (grad_dtype.itemsize + weight_dtype.itemsize)
         total = exchange_nbytes(
             slot_numel, grad_dtype.itemsize, weight_dtype.itemsize, slots=slots, held_numel=held_numel
         )
-        if shared_name is None:
-            memory, region = torch.empty(total, dtype=torch.uint8, pin_memory=pin), None
-        else:
+        region, lock, refused = None, None, None
+        if shared_name is not None:
             region = SharedRegion.create(f"{shared_name}-{uuid.uuid4().hex[:8]}", total)
             memory = region.bytes
+        try:
+            if shared_name is None:
+                memory = pinned_empty(total) if pin else torch.empty(total, dtype=torch.uint8)
+            elif pin:
+                lock = page_lock(memory)
+        except PageLockRefused as error:
+            refused = error
+            if shared_name is None:
+                memory = torch.empty(total, dtype=torch.uint8)
 
         def view(dtype: torch.dtype, at: int, numel: int) -> torch.Tensor:
             return memory[at : at + numel * dtype.itemsize].view(dtype)
@@ -117,7 +138,7 @@ class ExchangeBuffers:
             for i in range(slots)
         ]
         held = view(weight_dtype, slots * slot_bytes, held_numel) if held_numel else None
-        return cls(made, held, region)
+        return cls(made, held, region, lock=lock, pin_refused=refused)
 
     def acquire(self) -> ExchangeSlot:
         """A free slot; waits while every slot is in use."""
@@ -137,6 +158,8 @@ class ExchangeBuffers:
         return sum(t.numel() * t.element_size() for t in tensors + ([self.held] if self.held is not None else []))
 
     def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()  # CUDA lets go of the pages before they are unmapped
         if self.region is not None:
             self.region.close()
 

@@ -27,7 +27,7 @@ from cargohold.services.model_setup import exchange_buffers, resolve_device, sha
 from cargohold.services.models.build import build_model, parameter_values
 from cargohold.services.node import node_ip
 from cargohold.services.sharding import local_tensors
-from cargohold.services.state_port import RemotePort
+from cargohold.services.state_port import ExchangeBuffers, RemotePort
 from cargohold.services.step import ShardedStep, StepReport
 from cargohold.services.transport import shm
 from cargohold.services.transport.auth import tls_files
@@ -96,6 +96,7 @@ class TrainingWorker:
             shared_name=f"{self.run_id}-rank{self.rank}" if shared else None,
             pin=self.device.type == "cuda",
         )
+        report_pageable(buffers, self.rank, self.metrics)
         clients = [
             StateServerClient(
                 address,
@@ -183,14 +184,22 @@ class TrainingWorker:
         return self.step
 
     def _colocated_servers(self, server_node_ids: list[str] | None) -> set[int]:
-        if (
-            self.config.worker.shared_memory == "off"
-            or not server_node_ids
-            or self.device.type != "cpu"
-            or not shm.available()
-        ):
+        if self.config.worker.shared_memory == "off" or not server_node_ids or not shm.available():
             return set()
         import ray
 
         here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         return {index for index, node in enumerate(server_node_ids) if node == here}
+
+
+def report_pageable(buffers: ExchangeBuffers, rank: int, metrics: WorkerMetrics) -> None:
+    """Warn (once: buffers are made once per worker) and count exchange buffers that a GPU
+    worker asked to page-lock and could not: it still trains, its copies are synchronous."""
+    if buffers.pin_refused is None:
+        return
+    logger.warning(
+        "worker %d: exchange buffers left pageable, so copies to and from the GPU are synchronous: %s",
+        rank,
+        buffers.pin_refused,
+    )
+    metrics.record_page_lock_fallback(buffers.pin_refused.reason)

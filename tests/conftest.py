@@ -20,6 +20,18 @@ os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 SHM = Path("/dev/shm")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` run where torch sees a CUDA device, and are skipped elsewhere."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def leaves_no_shared_memory():
     """Every test module leaves /dev/shm as it found it: nothing of cargohold's, even from

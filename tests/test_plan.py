@@ -144,12 +144,15 @@ def test_exchange_slots_are_the_size_of_the_largest_unit() -> None:
     assert plan_run(config).worker.buffers["exchange"] == 5 * (-(-largest // 64) * 64) * 8
 
 
-def test_a_gpu_worker_pins_its_exchange_buffers() -> None:
+def test_a_gpu_worker_pins_its_exchange_buffers_shared_with_its_server() -> None:
     config = tiny_config(worker__device="auto", worker__compute_dtype="bfloat16")
     plan = plan_run(config, ClusterDescription(device_memory_bytes=1 << 30))
     w = plan.worker
-    assert w.device == "cuda" and plan.transport == "grpc" and w.shared_memory_bytes == 0
-    assert w.buffers["exchange"] == _exchange(_layout(config), 4 + 2) == w.pinned_bytes
+    assert w.device == "cuda" and plan.transport == "shared_memory"
+    assert w.buffers["exchange"] == _exchange(_layout(config), 4 + 2) == w.pinned_bytes == w.shared_memory_bytes
+    unshared = plan_run(tiny_config(worker__device="cuda", worker__shared_memory="off"))
+    assert unshared.transport == "grpc" and unshared.worker.shared_memory_bytes == 0
+    assert unshared.worker.pinned_bytes == unshared.worker.buffers["exchange"]
     assert w.device_bytes == w.buffers["weights"]
     assert w.host_bytes == w.buffers["exchange"] + w.corpus_bytes
     on_cpu = plan_run(config)

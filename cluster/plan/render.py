@@ -37,7 +37,7 @@ def render(plan: RunPlan) -> str:
         ("activations (estimate)", w.activation_bytes, on),
         ("= compute device total", w.device_peak_bytes, on),
         *([("weight shards (offloaded)", w.buffers["weights"], host)] if w.offload else []),
-        ("exchange buffers", w.buffers["exchange"], "host RAM, shared" if w.shared_memory_bytes else host),
+        ("exchange buffers", w.buffers["exchange"], f"{host}, shared" if w.shared_memory_bytes else host),
         *([("offload: gradient copies", w.host_transient_bytes, "host RAM")] if w.offload else []),
         ("corpus", w.corpus_bytes, "host RAM"),
         ("while training", w.host_bytes, "host RAM"),

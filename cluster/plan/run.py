@@ -70,7 +70,7 @@ def plan_run(config: TrainConfig, cluster: ClusterDescription | None = None) -> 
     model, units, layout = _layout(config)
     device = _worker_device(config, cluster)
     groups = cluster.groups(config)
-    transport = _transport(config, device, groups)
+    transport = _transport(config, groups)
     worker = plan_worker(config, layout, model, device, transport, activation_bytes_estimate(config, model))
     servers = tuple(plan_server(config, layout, s, transport) for s in range(layout.num_servers))
     checks = check_cluster(config, cluster, groups, worker, servers)
@@ -119,9 +119,10 @@ def _worker_device(config: TrainConfig, cluster: ClusterDescription) -> str:
     return requested
 
 
-def _transport(config: TrainConfig, device: str, groups: Sequence[NodeGroup]) -> str:
-    """Shared memory where a CPU worker and a state server share a node (worker.shared_memory)."""
-    if device != "cpu" or config.worker.shared_memory == "off":
+def _transport(config: TrainConfig, groups: Sequence[NodeGroup]) -> str:
+    """Shared memory where a worker and a state server share a node (worker.shared_memory);
+    a GPU worker's is page-locked too."""
+    if config.worker.shared_memory == "off":
         return "grpc"
     if len(groups) == 1 and groups[0].count == 1:
         return "shared_memory"

@@ -1,0 +1,99 @@
+"""Exchange buffers a GPU worker page-locks in place: the shared memory its co-located
+server reads the gradients from and writes the weights into (one path for CPU and GPU
+workers). Where memory cannot be page-locked the buffers stay pageable, with one warning
+naming the reason and a metric; the GPU-only parts run where CUDA is (make gpu-check)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cargohold.services.metrics import WORKER_PAGE_LOCK_FALLBACKS, WorkerMetrics
+from cargohold.services.page_lock import PageLockRefused, page_lock
+from cargohold.services.state_port import ExchangeBuffers
+from cargohold.services.transport.shm import RegionCache
+from cargohold.services.worker import report_pageable
+
+RUN = "pagelock-run"
+SLOT = 4096
+
+
+def _allocate(*, shared: bool, pin: bool) -> ExchangeBuffers:
+    return ExchangeBuffers.allocate(
+        SLOT, torch.float32, torch.bfloat16, slots=2, shared_name=f"{RUN}-rank0" if shared else None, pin=pin
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="here the buffers are page-locked (the gpu tests)")
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "private"])
+def test_buffers_that_cannot_be_page_locked_stay_pageable_and_work(shared: bool) -> None:
+    buffers = _allocate(shared=shared, pin=True)
+    cache = RegionCache()
+    try:
+        assert buffers.lock is None and buffers.pin_refused is not None
+        assert buffers.pin_refused.reason == "no_cuda"
+        assert (buffers.region is not None) == shared
+        slot = buffers.slots[1]
+        slot.grads.copy_(torch.arange(SLOT, dtype=torch.float32))
+        if shared:  # the server sees the gradient where the worker put it, and writes back
+            path, offset = buffers.shared_ref(slot.grads)
+            region = cache.open(path, RUN)
+            assert torch.equal(region.tensor(torch.float32, offset, SLOT), slot.grads)
+            path, offset = buffers.shared_ref(slot.weights)
+            region.tensor(torch.bfloat16, offset, SLOT).fill_(1.5)
+            assert torch.equal(slot.weights, torch.full((SLOT,), 1.5, dtype=torch.bfloat16))
+    finally:
+        cache.close()
+        buffers.close()
+
+
+def test_buffers_not_asked_to_pin_are_not() -> None:
+    buffers = _allocate(shared=True, pin=False)
+    try:
+        assert buffers.lock is None and buffers.pin_refused is None
+    finally:
+        buffers.close()
+
+
+def test_a_refusal_is_warned_once_naming_the_reason_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    metrics = WorkerMetrics(rank=3)
+    refused = ExchangeBuffers([], pin_refused=PageLockRefused("cuda_error", "cudaHostRegister failed with error 2"))
+    with caplog.at_level(logging.WARNING, logger="cargohold.services.worker"):
+        report_pageable(refused, 3, metrics)
+        report_pageable(ExchangeBuffers([]), 3, metrics)  # pinned (or not asked): silent
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "worker 3" in warnings[0] and "cudaHostRegister failed" in warnings[0]
+    sample = metrics.registry.get_sample_value(WORKER_PAGE_LOCK_FALLBACKS, {"rank": "3", "reason": "cuda_error"})
+    assert sample == 1.0
+
+
+def test_page_lock_refuses_without_cuda_naming_why() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    with pytest.raises(PageLockRefused, match="no CUDA device"):
+        page_lock(torch.empty(4096, dtype=torch.uint8))
+
+
+@pytest.mark.gpu
+def test_a_gpu_workers_shared_buffers_are_page_locked_in_place_and_copied_by_dma() -> None:
+    buffers = _allocate(shared=True, pin=True)
+    cache = RegionCache()
+    try:
+        assert buffers.pin_refused is None and buffers.lock is not None
+        slot = buffers.slots[0]
+        assert slot.grads.is_pinned() and slot.weights.is_pinned()
+        gradient = torch.randn(SLOT, device="cuda")
+        slot.grads.copy_(gradient, non_blocking=True)  # device to host, straight into the region
+        torch.cuda.current_stream().synchronize()
+        path, offset = buffers.shared_ref(slot.grads)
+        region = cache.open(path, RUN)  # what the co-located server maps
+        assert torch.equal(region.tensor(torch.float32, offset, SLOT), gradient.cpu())
+        path, offset = buffers.shared_ref(slot.weights)
+        region.tensor(torch.bfloat16, offset, SLOT).fill_(2.0)
+        back = slot.weights.to("cuda", non_blocking=True)
+        assert torch.equal(back.cpu(), torch.full((SLOT,), 2.0, dtype=torch.bfloat16))
+    finally:
+        cache.close()
+        buffers.close()
