@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint install install-test
+.PHONY: demo test lint install install-test gpu-wheels gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,3 +39,18 @@ lint: install-test
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# GPU checks (docs/benchmarks.md, "GPU"). A borrowed GPU machine has python3 with CUDA torch
+# and no network: `make gpu-wheels` fetches here, into $(WHEELS) (ignored by git), what it
+# lacks and cargohold's own wheel; there `make gpu-check` installs them beside that torch
+# and runs the checks (<= 8 minutes).
+GPU_PYTHON ?= python3
+WHEELS ?= .whl
+GPU_SITE ?= /tmp/cargohold-site
+
+gpu-wheels: install
+	$(BIN)/python benchmarks/gpu_wheels.py $(WHEELS)
+
+gpu-check:
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) $(WHEELS)/*.whl
+	PYTHONPATH=$(GPU_SITE) $(GPU_PYTHON) benchmarks/gpu_check.py

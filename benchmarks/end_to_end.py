@@ -48,6 +48,7 @@ from cargohold.cluster.config_io import load_config
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.services.data import batch_for_step, load_tokens
 from cargohold.services.models.build import build_model
+from cargohold.services.wire import WIRE_DTYPES
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 PHASES = ("compute", "reduce", "update")
@@ -73,12 +74,14 @@ def run_cargohold(config: TrainConfig, warmup: int) -> dict[str, float]:
     return result
 
 
-def run_in_memory(config: TrainConfig, warmup: int, threads: int) -> float:
-    """Mean step seconds of plain single-process training on the same global batch."""
+def run_in_memory(config: TrainConfig, warmup: int, threads: int, device: torch.device) -> float:
+    """Mean step seconds of plain single-process training on the same global batch, all
+    on ``device`` (the optimizer state too: all-on-GPU AdamW where that is a GPU)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = build_model(config).train()
+        model = build_model(config).to(device).train()
+        compute = WIRE_DTYPES[config.worker.compute_dtype]
         o = config.optim
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
@@ -102,16 +105,20 @@ def run_in_memory(config: TrainConfig, warmup: int, threads: int) -> float:
                 )
                 for r in range(world)
             ]
-            x = torch.cat([b[0] for b in batches])
-            y = torch.cat([b[1] for b in batches])
+            x = torch.cat([b[0] for b in batches]).to(device)
+            y = torch.cat([b[1] for b in batches]).to(device)
             optimizer.zero_grad(set_to_none=True)
-            _, loss = model(x, y)
+            # fp32 masters, compute in the workers' dtype: the usual mixed-precision loop.
+            with torch.autocast(device.type, dtype=compute, enabled=compute != torch.float32):
+                _, loss = model(x, y)
             loss.backward()
             if o.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), o.max_grad_norm)
             for group in optimizer.param_groups:
                 group["lr"] = o.lr_at(step, config.steps)
             optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - started)
         return statistics.mean(times[warmup:])
     finally:
@@ -161,7 +168,12 @@ def main() -> None:
     finally:
         if owns_ray:
             ray.shutdown()
-    in_memory = {threads: run_in_memory(config, args.warmup, threads) for threads in sorted({1, cores})}
+    if config.worker.device == "cuda":
+        in_memory = {cores: run_in_memory(config, args.warmup, cores, torch.device("cuda"))}
+    else:
+        in_memory = {
+            threads: run_in_memory(config, args.warmup, threads, torch.device("cpu")) for threads in sorted({1, cores})
+        }
 
     m, w = config.model, config.worker
     print(
@@ -180,7 +192,8 @@ def main() -> None:
             + f" {100 * r['update'] / r['step']:6.1f}% {r['peak'] / 2**30:5.2f} GiB"
         )
     for threads, seconds in in_memory.items():
-        print(f"{f'in-memory AdamW, {threads} thread(s)':28} {seconds:7.3f}")
+        where = "on the GPU" if config.worker.device == "cuda" else f"{threads} thread(s)"
+        print(f"{f'in-memory AdamW, {where}':28} {seconds:7.3f}")
     best = min(in_memory.values())
     for name, r in results.items():
         print(f"RATIO cargohold {name} / in-memory (best) = {r['step'] / best:.2f}")

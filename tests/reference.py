@@ -60,24 +60,26 @@ class FlatReference:
         return self.flats[which]
 
 
-def reference_train(config: TrainConfig, steps: int, *, threads: int = 1) -> ReferenceResult:
-    """Train ``steps`` steps in this process; ``threads`` should equal the workers'."""
+def reference_train(config: TrainConfig, steps: int, *, threads: int = 1, device: str = "cpu") -> ReferenceResult:
+    """Train ``steps`` steps in this process; ``threads`` should equal the workers'.
+    ``device`` computes forward and backward there (as GPU workers do); the masters and
+    AdamW stay on the CPU, as on the state servers."""
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _train(config, steps)
+        return _train(config, steps, torch.device(device))
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _train(config: TrainConfig, steps: int) -> ReferenceResult:
+def _train(config: TrainConfig, steps: int, device: torch.device) -> ReferenceResult:
     world = config.worker.num_workers
     compute = WIRE_DTYPES[config.worker.compute_dtype]
     wire = WIRE_DTYPES[config.worker.grad_wire_dtype]
     master_model = build_model(config)
     names = [name for name, _ in master_model.named_parameters()]
     masters = list(master_model.parameters())
-    model = copy.deepcopy(master_model).to(compute)
+    model = copy.deepcopy(master_model).to(device=device, dtype=compute)
     # Weights after each update (index 0: the initial ones). Step t computes on those of
     # update t-1, or of t-2 with the delayed parameter update once past its warm-up (the
     # first delayed step still computes on t-1: nothing was in flight before it).
@@ -100,12 +102,12 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
             batch = data.batch(step, rank)
             torch.manual_seed(dropout_seed(config.seed, step, rank))
             model.zero_grad(set_to_none=True)
-            _, loss = model(batch.inputs, batch.targets)
+            _, loss = model(batch.inputs.to(device), batch.targets.to(device))
             if batch.weight != 1.0:  # as the workers do: the step's mean over counted tokens
                 loss = loss * batch.weight
             loss.backward()
             step_loss += float(loss.detach())
-            grads = [p.grad.to(wire) for p in model.parameters()]
+            grads = [p.grad.to(device="cpu", dtype=wire) for p in model.parameters()]
             summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
         losses.append(step_loss / world)
         for master, grad in zip(masters, summed):
