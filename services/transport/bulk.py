@@ -22,9 +22,9 @@ The server reads nothing past the hello before the ticket and its MAC check out;
 receiver of a body writes it into a buffer of exactly the granted size, allocated before
 the first byte, and uses none of it before every checksum matched. The bytes go in one
 ``sendall`` straight from the tensor and arrive by ``recv_into`` straight into it, as raw
-TCP would move them; the sender's checksums run on a helper thread meanwhile (``crc32c``
-releases the GIL), the receiver's on each chunk as it lands, still in cache. Measured in
-docs/benchmarks.md (Transport) against other framings.
+TCP would move them; the checksums run on helper threads meanwhile (``crc32c`` releases
+the GIL): the sender's over the whole tensor, the receiver's on each chunk as it lands.
+Measured in docs/benchmarks.md (Transport) against other framings.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import socket
 import ssl
 import struct
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from cargohold.services.errors import TransportError
 from cargohold.services.tiers.fileformat import crc32c
@@ -120,24 +120,33 @@ def _chunk_checksums(data: memoryview, chunk_bytes: int) -> list[int]:
 
 def receive_tensor(sock: socket.socket, data: memoryview, chunk_bytes: int, *, what: str) -> None:
     """Fill ``data`` with a body :func:`send_tensor` sent. Each chunk's CRC-32C is computed
-    as soon as it has arrived, while it is still in cache; ChecksumError names the first
-    that does not match, once the sender's checksums are in. PeerGoneError when the
-    connection ends or stalls first."""
-    computed = []
+    on a helper thread as soon as the chunk has arrived, while the next ones arrive;
+    ChecksumError names the first that does not match the sender's. PeerGoneError when
+    the connection ends or stalls first."""
+    computed: list[Future[int]] = []
     got = checked = 0
     try:
         while got < len(data):
             got += _receive_some(sock, data[got : got + RECEIVE_BYTES])
             while checked < got and (checked + chunk_bytes <= got or got == len(data)):
-                computed.append(crc32c(data[checked : checked + chunk_bytes]))
+                computed.append(_CHECKSUMS.submit(crc32c, data[checked : checked + chunk_bytes]))
                 checked += chunk_bytes
         trailer = bytearray(_CRC.size * len(computed))
         receive_exactly(sock, memoryview(trailer))
+        for index, ((sent,), crc) in enumerate(zip(_CRC.iter_unpack(trailer), computed)):
+            if sent != crc.result():
+                raise ChecksumError(f"{what}: CRC-32C mismatch in the chunk at byte {index * chunk_bytes}")
     except PeerGoneError as error:
-        raise PeerGoneError(f"{what}: {error} after {got} of {len(data)} bytes") from error
-    for index, ((sent,), crc) in enumerate(zip(_CRC.iter_unpack(trailer), computed)):
-        if sent != crc:
-            raise ChecksumError(f"{what}: CRC-32C mismatch in the chunk at byte {index * chunk_bytes}")
+        raise PeerGoneError(f"{error} after {got} of {len(data)} bytes") from error
+    finally:
+        _settle(computed)
+
+
+def _settle(futures: list[Future[int]]) -> None:
+    """Cancel checksums not started and wait for the rest: none reads the buffer after."""
+    for future in futures:
+        if not future.cancel():
+            future.exception()
 
 
 def receive_exactly(sock: socket.socket, view: memoryview) -> None:

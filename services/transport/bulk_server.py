@@ -293,7 +293,7 @@ class BulkServer:
                     grant.job.recycle(weights)
                 self._count(grant.direction, grant.nbytes)
         except PeerGoneError as error:  # nothing was applied: a push is applied only once whole and intact
-            logger.warning("%s failed: %s", what, error)
+            logger.warning("%s failed, nothing applied: %s", what, error)
             self._metrics.record_error(rpc, grpc.StatusCode.UNAVAILABLE.name)
         except CargoholdError as error:
             code = status_of(error)

@@ -215,15 +215,11 @@ class StateServerServicer(pb_grpc.StateServerServicer):
 
     def count_bulk(self, direction: Direction, nbytes: int) -> None:
         """Account a transfer the bulk socket completed."""
+        pushed = direction is Direction.PUSH
         with self._counts:
-            if direction is Direction.PUSH:
-                self.received_bytes += nbytes
-            else:
-                self.sent_bytes += nbytes
-        if direction is Direction.PUSH:
-            self._metrics.record_received(RPC_OF[direction], nbytes)
-        else:
-            self._metrics.record_sent(RPC_OF[direction], nbytes)
+            self.received_bytes += nbytes if pushed else 0
+            self.sent_bytes += 0 if pushed else nbytes
+        (self._metrics.record_received if pushed else self._metrics.record_sent)(RPC_OF[direction], nbytes)
 
     def CommitStep(self, request: pb.CommitStepRequest, context: grpc.ServicerContext) -> pb.PushGradientResponse:
         def handle() -> pb.PushGradientResponse:
