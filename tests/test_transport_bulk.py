@@ -7,6 +7,7 @@ hand-made hellos and bodies for what the client would never send."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -46,6 +47,7 @@ from transport_server import (
 
 from cargohold.services.errors import TransportError
 from cargohold.services.metrics import TRANSPORT_RECEIVED_BYTES, TRANSPORT_SENT_BYTES
+from cargohold.services.segment_state import SegmentState
 from cargohold.services.transport.bulk import OUTCOME, Direction, receive_tensor, send_tensor
 from cargohold.services.transport.bulk_server import BufferPool
 from cargohold.services.transport.codec import ChecksumError, raw_bytes
@@ -97,6 +99,39 @@ def test_any_chunk_size_and_a_bf16_gradient_arrive_intact(chunk_bytes: int) -> N
         assert client.push(RUN, 0, 1, gradient, global_norm=GLOBAL_NORM, lr=LR).applied
         expected = local_state(spec, [gradient]).weights(1, "float32")
         assert_bitwise_equal(client.fetch(RUN, 0, 1, "float32", NUMEL), expected)
+
+
+def test_concurrent_pushes_of_segments_of_several_sizes_apply_once_each() -> None:
+    """Eight pushes at once over the bulk socket: two of each of four segments of other
+    sizes (the receive buffers are pooled across them), one applied per segment."""
+    sizes = {segment: NUMEL // (segment + 1) for segment in range(4)}
+    specs = {segment: make_spec(segment, numel=n, fragments=((0, n),)) for segment, n in sizes.items()}
+    gradients = {segment: randn(10 + segment, n) for segment, n in sizes.items()}
+    with serving(bulk=True) as s, bulk(s) as client:
+        for spec in specs.values():
+            client.register(spec, randn(0, spec.numel))
+        for step in (1, 2):
+            jobs = [segment for segment in specs for _ in range(2)]
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                outcomes = list(
+                    pool.map(
+                        lambda segment, step=step: client.push(
+                            RUN, segment, step, gradients[segment], global_norm=GLOBAL_NORM, lr=LR
+                        ),
+                        jobs,
+                    )
+                )
+            assert sorted(o.applied for o in outcomes) == [False] * 4 + [True] * 4
+        for segment, spec in specs.items():
+            expected = SegmentState(spec, randn(0, spec.numel))
+            for step in (1, 2):
+                expected.apply_gradient(step, gradients[segment], global_norm=GLOBAL_NORM, lr=LR)
+            got = client.fetch(RUN, segment, 2, "float32", spec.numel)
+            assert_bitwise_equal(got, expected.weights(2, "float32"))
+        deadline = time.monotonic() + DEADLINE_S
+        while s.server.servicer.bulk.connections and time.monotonic() < deadline:
+            time.sleep(0.01)  # a connection's thread ends just after its last status
+        assert s.server.servicer.bulk.connections == 0
 
 
 def test_a_repeated_push_is_acknowledged_and_ignored_as_over_grpc(bulk_served: Served) -> None:
@@ -339,13 +374,14 @@ def test_connections_beyond_the_cap_are_refused_at_once() -> None:
 
 def test_the_buffer_pool_keeps_at_most_its_limit_and_hands_out_the_smallest_that_fits() -> None:
     pool = BufferPool(2)
-    buffers = [pool.take(n, "float32", what="t") for n in (10, 20, 30)]
-    assert [b.numel() for b in buffers] == [40, 80, 120]
+    buffers = [pool.take(n, "float32", what="t") for n in (30, 10, 20)]
+    assert [b.numel() for b in buffers] == [120, 40, 80]
     for b in buffers:
         pool.give(b)
-    assert pool.take(15, "float32", what="t") is buffers[1]  # 80 bytes: the smallest of the two kept
-    assert pool.take(5, "bfloat16", what="t") is buffers[2]
-    assert pool.take(5, "float32", what="t") is not buffers[0]  # the smallest was let go
+    assert pool.take(25, "float32", what="t") is buffers[0]  # 100 bytes: only the 120 fits
+    assert pool.take(5, "bfloat16", what="t") is buffers[2]  # the 40 was let go: the limit is 2
+    fresh = pool.take(5, "float32", what="t")
+    assert all(fresh is not b for b in buffers)
 
 
 def read_outcome(sock) -> tuple[grpc.StatusCode, bytes]:

@@ -123,8 +123,8 @@ def receive_tensor(sock: socket.socket, data: memoryview, chunk_bytes: int, *, w
     """Fill ``data`` with a body :func:`send_tensor` sent; ChecksumError names the first
     chunk whose bytes do not match the sender's CRC-32C, PeerGoneError says how far it got
     when the connection ends or stalls first. Received a ``RECEIVE_BYTES`` piece at a
-    time, each checksummed at once while it is still in cache (measured: a third less CPU
-    than checksumming the chunks afterwards, on a helper thread or not)."""
+    time, each checksummed at once while it is still in cache (measured: 15-25% less CPU
+    on this side than checksumming whole chunks afterwards on a helper thread)."""
     computed = []
     got = 0
     try:

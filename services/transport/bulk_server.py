@@ -83,19 +83,18 @@ class BufferPool:
         """Bytes (uint8) for at least ``numel`` x ``dtype``."""
         nbytes = numel * WIRE_DTYPES[dtype].itemsize
         with self._lock:
-            fits = [b for b in self._idle if b.numel() >= nbytes]
-            if fits:
-                buffer = min(fits, key=torch.Tensor.numel)
-                self._idle.remove(buffer)
-                return buffer
+            for index, buffer in enumerate(self._idle):  # smallest first
+                if buffer.numel() >= nbytes:
+                    return self._idle.pop(index)
         return new_buffer(numel, dtype, what=what).view(torch.uint8)
 
     def give(self, buffer: torch.Tensor) -> None:
         """Hand back what :meth:`take` returned, once nothing reads it."""
         with self._lock:
             self._idle.append(buffer)
+            self._idle.sort(key=torch.Tensor.numel)
             if len(self._idle) > self._limit:
-                self._idle.remove(min(self._idle, key=torch.Tensor.numel))
+                del self._idle[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +190,8 @@ class BulkServer:
         """Close the listener and every connection; their transfers fail, changing nothing."""
         _shut(self._listener)
         self._listener.close()
-        self._acceptor.join()
+        if self._acceptor.is_alive():
+            self._acceptor.join()
         with self._lock:
             live = list(self._connections.items())
         for conn, _ in live:
@@ -292,8 +292,8 @@ class BulkServer:
                 finally:
                     grant.job.recycle(weights)
                 self._count(grant.direction, grant.nbytes)
-        except PeerGoneError as error:  # nothing was applied: a push is applied only once whole and intact
-            logger.warning("%s failed, nothing applied: %s", what, error)
+        except PeerGoneError as error:  # a push is applied only once whole and intact
+            logger.warning("%s failed%s: %s", what, ", nothing applied" if rpc == RPC_OF[Direction.PUSH] else "", error)
             self._metrics.record_error(rpc, grpc.StatusCode.UNAVAILABLE.name)
         except CargoholdError as error:
             code = status_of(error)
@@ -314,9 +314,6 @@ class BulkServer:
                 self._pool.give(buffer)
         self._count(grant.direction, grant.nbytes)
         send_status(sock, 0, OUTCOME.pack(outcome.updates, outcome.applied, outcome.seconds))
-
-    def __repr__(self) -> str:
-        return f"BulkServer(port={self.port})"
 
 
 def _shut(sock: socket.socket) -> None:

@@ -81,7 +81,8 @@ class StateServerClient:
     ) -> None:
         """``bulk``: push and fetch over the server's bulk socket (a transfer negotiated
         with OpenBulk, its bytes on a socket of their own: services/transport/bulk.py)
-        rather than in gRPC streams; shared memory, when a call names it, still wins."""
+        rather than in gRPC streams; shared memory, when a call names it, still wins.
+        There ``timeout_s`` bounds each wait for the peer's progress, not the whole call."""
         check_chunk_bytes(chunk_bytes)  # now, not at the first push
         self.address = address
         self.chunk_bytes = chunk_bytes
