@@ -274,7 +274,14 @@ class StateServerConfig:
     rpc_threads: int = 8
     """gRPC handler threads per state server."""
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    """Bytes per streamed message; between 4 KiB and 32 MiB."""
+    """Bytes per streamed message, or per checksummed chunk on the bulk socket; between 4
+    KiB and 32 MiB."""
+    data_plane: Literal["socket", "grpc"] = "socket"
+    """How gradients and weights travel between workers and state servers on other nodes:
+    `socket`, over a TCP socket each server opens beside its gRPC port (a port of its own,
+    on the same host, chosen free), each transfer granted over gRPC with the same token,
+    TLS and limits; `grpc`, in chunks of gRPC streams (about half as fast). Workers on a
+    server's own node use shared memory either way."""
     rpc_timeout_s: float = 300.0
     """Deadline of each call from a worker."""
     max_concurrent_calls: int = 1024

@@ -47,6 +47,11 @@ class TransportError(CargoholdError):
     """A remote call failed; the message carries the server's status and detail."""
 
 
+class ServerBusyError(CargoholdError):
+    """A state server is at one of its limits (bulk transfers granted and not yet made);
+    the caller may try again later."""
+
+
 class TrainingError(CargoholdError):
     """The training run failed; raised by the launcher with the cause."""
 

@@ -220,9 +220,8 @@ class RemotePort:
             shm=shm,
             prepare=self.config.worker.compute_dtype,
         )
-        self.metrics.record_sent(
-            "PushGradient.shm" if shm else "PushGradient", gradient.numel() * gradient.element_size()
-        )
+        rpc = _path_label("PushGradient", shm is not None, self.clients[segment.server])
+        self.metrics.record_sent(rpc, gradient.numel() * gradient.element_size())
         return outcome.applied and not defer
 
     def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float) -> bool:
@@ -245,13 +244,20 @@ class RemotePort:
         weights = self.clients[segment.server].fetch(
             self.run_id, segment.segment_id, update, dtype, segment.numel, shm=shm, out=out if shm is None else None
         )
-        self.metrics.record_received("FetchWeights.shm" if shm else "FetchWeights", segment.numel * out.element_size())
+        rpc = _path_label("FetchWeights", shm is not None, self.clients[segment.server])
+        self.metrics.record_received(rpc, segment.numel * out.element_size())
         if weights is not None and weights.data_ptr() != out.data_ptr():
             out.copy_(weights)
 
     def close(self) -> None:
         for client in self.clients:
             client.close()
+
+
+def _path_label(rpc: str, shm: bool, client: StateServerClient) -> str:
+    """The transport counters' label: the call, and the path its bytes took (as the
+    server counts them)."""
+    return f"{rpc}.shm" if shm else f"{rpc}.bulk" if client.bulk else rpc
 
 
 class LocalPort:

@@ -62,6 +62,7 @@ class StateServer:
             auth_token=auth_token,
             tls=tls,
             limits=CallLimits(max_calls=config.max_concurrent_calls, message_timeout_s=config.message_timeout_s),
+            bulk=config.data_plane == "socket",
         )
         self._grpc.start()
         self._checkpointer = ShardCheckpointer(self.registry, server_index)

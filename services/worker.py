@@ -104,6 +104,7 @@ class TrainingWorker:
                 timeout_s=config.state_server.rpc_timeout_s,
                 auth_token=self._auth_token,
                 tls=tls_files(config.security),
+                bulk=config.state_server.data_plane == "socket",
             )
             for address in self._server_addresses
         ]

@@ -4,6 +4,8 @@ CA signed cannot even connect. Health checks stay open for orchestrators' probes
 
 from __future__ import annotations
 
+import socket
+import ssl
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from bulk_peers import closed_by_peer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transport_server import DEADLINE_S, G1, GLOBAL_NORM, LR, NUMEL, RUN, W0, assert_bitwise_equal, make_spec
 
@@ -68,7 +71,7 @@ def test_calls_without_or_with_a_wrong_token_are_refused_and_change_nothing() ->
         assert good.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR).applied
 
 
-METHODS = ("RegisterShard", "DescribeShard", "PushGradient", "CommitStep", "FetchWeights", "GetStats")
+METHODS = ("RegisterShard", "DescribeShard", "PushGradient", "CommitStep", "FetchWeights", "GetStats", "OpenBulk")
 
 
 def _held_back(release: threading.Event, sent: list[bytes]) -> Iterator[bytes]:
@@ -189,6 +192,36 @@ def test_mutual_tls_admits_only_certificates_of_the_ca(pki) -> None:
         with StateServerClient(s.address, timeout_s=10, auth_token=TOKEN, tls=pki["ca"]) as good:
             assert good.describe(RUN, 0)[1] == 1
             assert_bitwise_equal(good.fetch(RUN, 0, 1, "float32", NUMEL), weights)
+
+
+def test_the_bulk_socket_speaks_mutual_tls_with_the_same_certificates(pki) -> None:
+    with server(auth_token=TOKEN, tls=pki["ca"], bulk=True) as s:
+        with StateServerClient(s.address, timeout_s=10, auth_token=TOKEN, tls=pki["ca"], bulk=True) as good:
+            good.register(make_spec(), W0)
+            assert good.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR).applied
+            over_bulk = good.fetch(RUN, 0, 1, "float32", NUMEL)
+            grant = good._call("OpenBulk", good._stub.OpenBulk, _fetch_bulk(1))
+        with StateServerClient(s.address, timeout_s=10, auth_token=TOKEN, tls=pki["ca"]) as over_grpc:
+            assert_bitwise_equal(over_bulk, over_grpc.fetch(RUN, 0, 1, "float32", NUMEL))
+        host = s.address.rpartition(":")[0]
+        with socket.create_connection((host, grant.port), timeout=10) as plaintext:
+            plaintext.sendall(bytes(56))  # a hello, not a TLS handshake: dropped unread
+            assert closed_by_peer(plaintext)
+        rogue = pki["rogue"].client_context()
+        with pytest.raises(ssl.SSLError):
+            with socket.create_connection((host, grant.port), timeout=10) as raw:
+                with rogue.wrap_socket(raw, server_hostname=host) as wrapped:
+                    wrapped.sendall(bytes(56))
+                    wrapped.recv(64)
+        with StateServerClient(s.address, timeout_s=10, auth_token=TOKEN, tls=pki["ca"]) as good:
+            assert good.describe(RUN, 0)[1] == 1
+
+
+def _fetch_bulk(step: int):
+    from cargohold.v1 import state_server_pb2 as pb
+
+    fetch = pb.FetchWeightsRequest(key=pb.ShardKey(run_id=RUN, shard_id=0), step=step, dtype=pb.DTYPE_FLOAT32)
+    return pb.OpenBulkRequest(fetch=fetch)
 
 
 def test_missing_tls_files_are_a_config_error(tmp_path: Path) -> None:

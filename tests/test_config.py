@@ -94,6 +94,7 @@ CONFIG_SURFACE = [
     "state_server.allow_wildcard_bind",
     "state_server.rpc_threads",
     "state_server.chunk_bytes",
+    "state_server.data_plane",
     "state_server.rpc_timeout_s",
     "state_server.max_concurrent_calls",
     "state_server.message_timeout_s",

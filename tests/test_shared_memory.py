@@ -196,15 +196,17 @@ def _received_by_rpc(address: str) -> dict[str, float]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("mode", ["auto", "off"])
-def test_a_colocated_run_uses_shared_memory_unless_off(ray_local, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "plane"), [("auto", "socket"), ("off", "socket"), ("off", "grpc")])
+def test_a_colocated_run_uses_shared_memory_unless_off(ray_local, mode: str, plane: str) -> None:
+    """Off, the bytes take the data plane a server on another node would get."""
     before = set(Path("/dev/shm").glob("*")) if Path("/dev/shm").is_dir() else set()
-    config = tiny_config(steps=2, worker__shared_memory=mode)
+    config = tiny_config(steps=2, worker__shared_memory=mode, state_server__data_plane=plane)
     with TrainingSession(config) as session:
         session.step()
         session.step()
         received = _received_by_rpc(session.metrics_addresses()[0])
-    streamed, shared = received.get("PushGradient", 0), received.get("PushGradient.shm", 0)
-    assert (shared > 0 and streamed == 0) if mode == "auto" else (streamed > 0 and shared == 0)
+    paths = {rpc: received.get(rpc, 0) > 0 for rpc in ("PushGradient", "PushGradient.bulk", "PushGradient.shm")}
+    used = "PushGradient.shm" if mode == "auto" else "PushGradient.bulk" if plane == "socket" else "PushGradient"
+    assert paths == {rpc: rpc == used for rpc in paths}, received
     after = set(Path("/dev/shm").glob("*")) if Path("/dev/shm").is_dir() else set()
     assert not {p for p in after - before if session.run_id in p.name}, "no file is ever made for the buffers"

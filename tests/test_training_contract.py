@@ -62,10 +62,17 @@ def _run(config):
 
 CASES = {
     # Workers and servers share the node, so payloads go through shared memory unless
-    # worker.shared_memory is off (then they stream over gRPC, as across hosts).
+    # worker.shared_memory is off (then they take state_server.data_plane, as across
+    # hosts: the bulk socket by default, or gRPC streams).
     # Clipping configured (inactive): gradients staged, then CommitStep.
     "1-server-fp32": dict(state_server__num_servers=1),
-    "2-servers-fp32-grpc": dict(state_server__num_servers=2, worker__shared_memory="off"),
+    "2-servers-fp32-socket": dict(state_server__num_servers=2, worker__shared_memory="off"),
+    "2-servers-bf16-grpc": dict(
+        state_server__num_servers=2,
+        worker__compute_dtype="bfloat16",
+        worker__shared_memory="off",
+        state_server__data_plane="grpc",
+    ),
     # No clipping: each unit's segments are applied as they arrive, weights fetched during backward.
     "3-servers-fp32-no-clip": dict(state_server__num_servers=3, optim__max_grad_norm=0.0, optim__nonfinite="ignore"),
     # The one-step delayed update: step t computes on the weights of update t-2.

@@ -9,6 +9,7 @@ A call without the token is refused before gRPC reads any of its body (see
 from __future__ import annotations
 
 import hmac
+import ssl
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,6 +51,28 @@ class TlsFiles:
     def channel_credentials(self) -> grpc.ChannelCredentials:
         cert, key, ca = self.read()
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+    def server_context(self) -> ssl.SSLContext:
+        """The bulk socket's side of mutual TLS: as :meth:`server_credentials`."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self._load(context)
+        context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def client_context(self) -> ssl.SSLContext:
+        """A bulk connection's side of mutual TLS: the server's certificate must be the
+        CA's and name the host dialled, as gRPC checks it."""
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        self._load(context)
+        return context
+
+    def _load(self, context: ssl.SSLContext) -> None:
+        self.read()  # a missing file is a ConfigError naming it, as for gRPC
+        try:
+            context.load_cert_chain(self.cert_file, self.key_file)
+            context.load_verify_locations(cafile=self.ca_file)
+        except ssl.SSLError as error:
+            raise ConfigError(f"TLS files {self.cert_file}, {self.key_file}, {self.ca_file}: {error}") from error
 
 
 def tls_files(security: SecurityConfig) -> TlsFiles | None:

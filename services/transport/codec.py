@@ -78,6 +78,39 @@ def fill_chunk(chunk: pb.TensorChunk, byte_offset: int, data: bytes) -> None:
     chunk.crc32c = google_crc32c.value(data)  # reads the bytes object in place, no copy
 
 
+def new_buffer(numel: int, dtype: str, *, what: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Where a tensor of ``numel`` x ``dtype`` is received: ``out`` when given (checked to
+    be a contiguous CPU tensor of that size and dtype), else a new tensor."""
+    if dtype not in WIRE_DTYPES:
+        raise InvalidTensorError(f"{what}: dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
+    if out is not None:
+        if (
+            out.dtype != WIRE_DTYPES[dtype]
+            or out.shape != (numel,)
+            or out.device.type != "cpu"
+            or not out.is_contiguous()
+        ):
+            raise InvalidTensorError(
+                f"{what}: the output tensor must be a contiguous CPU tensor of {numel} x {dtype}, "
+                f"got {tuple(out.shape)} x {out.dtype} on {out.device}"
+            )
+        return out
+    try:
+        return torch.empty(numel, dtype=WIRE_DTYPES[dtype])
+    except (RuntimeError, TypeError, OverflowError, MemoryError) as error:
+        # The size comes from the sender (any uint64): one this host cannot hold is a
+        # bad request (INVALID_ARGUMENT), not a server bug (INTERNAL).
+        raise InvalidTensorError(
+            f"{what}: cannot hold {numel} x {dtype} elements on this host "
+            f"({type(error).__name__}: {str(error).splitlines()[0]})"
+        ) from error
+
+
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The memory of a contiguous CPU tensor, as writable bytes (no copy)."""
+    return tensor.detach().view(torch.uint8).numpy().data
+
+
 class TensorAssembler:
     """Receives the chunks of one tensor in order into a preallocated buffer: a new one,
     or ``out`` (a 1-D contiguous CPU tensor of that dtype and size, e.g. the caller's own
@@ -85,31 +118,8 @@ class TensorAssembler:
     last chunk may be smaller than MIN_CHUNK_BYTES."""
 
     def __init__(self, numel: int, dtype: str, *, what: str, out: torch.Tensor | None = None) -> None:
-        if dtype not in WIRE_DTYPES:
-            raise InvalidTensorError(f"{what}: dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
         self.what = what
-        if out is not None:
-            if (
-                out.dtype != WIRE_DTYPES[dtype]
-                or out.shape != (numel,)
-                or out.device.type != "cpu"
-                or not out.is_contiguous()
-            ):
-                raise InvalidTensorError(
-                    f"{what}: the output tensor must be a contiguous CPU tensor of {numel} x {dtype}, "
-                    f"got {tuple(out.shape)} x {out.dtype} on {out.device}"
-                )
-            self.tensor = out
-        else:
-            try:
-                self.tensor = torch.empty(numel, dtype=WIRE_DTYPES[dtype])
-            except (RuntimeError, TypeError, OverflowError, MemoryError) as error:
-                # The size comes from the sender (any uint64): one this host cannot hold is a
-                # bad request (INVALID_ARGUMENT), not a server bug (INTERNAL).
-                raise InvalidTensorError(
-                    f"{what}: cannot hold {numel} x {dtype} elements on this host "
-                    f"({type(error).__name__}: {str(error).splitlines()[0]})"
-                ) from error
+        self.tensor = new_buffer(numel, dtype, what=what, out=out)
         self._raw = self.tensor.detach().view(torch.uint8).numpy()
         self._received = 0
 

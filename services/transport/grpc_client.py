@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -12,7 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cargohold.services.errors import TransportError
 from cargohold.services.segment_state import SegmentSpec, UpdateOutcome
 from cargohold.services.tiers.report import PartitionRow, TierSummary
+from cargohold.services.transport import bulk_client
 from cargohold.services.transport.auth import TlsFiles, bearer
+from cargohold.services.transport.bulk import Direction, PeerGoneError, receive_tensor
 from cargohold.services.transport.codec import (
     MAX_MESSAGE_BYTES,
     SERVICE_NAME,
@@ -22,12 +26,14 @@ from cargohold.services.transport.codec import (
     dtype_from_proto,
     dtype_to_proto,
     fill_chunk,
+    new_buffer,
     partition_row_from_proto,
+    raw_bytes,
     spec_from_proto,
     spec_to_proto,
     tier_summary_from_proto,
 )
-from cargohold.services.wire import DEFAULT_CHUNK_BYTES, DTYPE_NAMES
+from cargohold.services.wire import DEFAULT_CHUNK_BYTES, DTYPE_NAMES, WIRE_DTYPES
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
 
@@ -71,11 +77,19 @@ class StateServerClient:
         timeout_s: float = 120.0,
         auth_token: str | None = None,
         tls: TlsFiles | None = None,
+        bulk: bool = False,
     ) -> None:
+        """``bulk``: push and fetch over the server's bulk socket (a transfer negotiated
+        with OpenBulk, its bytes on a socket of their own: services/transport/bulk.py)
+        rather than in gRPC streams; shared memory, when a call names it, still wins.
+        There ``timeout_s`` bounds each wait for the peer's progress, not the whole call."""
         check_chunk_bytes(chunk_bytes)  # now, not at the first push
         self.address = address
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
+        self.bulk = bulk
+        self._token = auth_token
+        self._bulk_tls = tls.client_context() if bulk and tls is not None else None
         self._metadata = bearer(auth_token) if auth_token is not None else ()
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -166,6 +180,8 @@ class StateServerClient:
             shm=_shm_ref(shm),
             prepare_dtype=_prepare_to_proto(prepare),
         )
+        if self.bulk and shm is None:
+            return self._push_bulk(header, gradient)
 
         def requests() -> Iterator[pb.PushGradientRequest]:
             yield pb.PushGradientRequest(header=header)
@@ -230,6 +246,8 @@ class StateServerClient:
             if len(reply) != 1 or reply[0].numel != numel or reply[0].step != step:
                 raise TransportError(f"FetchWeights to shared memory from {self.address}: unexpected reply")
             return None
+        if self.bulk:
+            return self._fetch_bulk(request, numel, dtype, out)
         assembler = TensorAssembler(numel, dtype, what=f"shard {segment_id} weights from {self.address}", out=out)
         try:
             for message in self._stub.FetchWeights(request, timeout=self.timeout_s, metadata=self._metadata):
@@ -243,6 +261,61 @@ class StateServerClient:
         except grpc.RpcError as error:
             raise self._error("FetchWeights", error) from error
         return assembler.finish()
+
+    def _push_bulk(self, header: pb.PushHeader, gradient: torch.Tensor) -> UpdateOutcome:
+        data = raw_bytes(gradient.contiguous())
+        request = pb.OpenBulkRequest(push=header, chunk_bytes=self.chunk_bytes)
+        grant = self._call("OpenBulk", self._stub.OpenBulk, request)
+        if grant.nbytes != len(data):
+            raise TransportError(f"OpenBulk to {self.address} granted {grant.nbytes} bytes for a {len(data)}-byte push")
+        with self._bulk_call("PushGradient"):
+            with self._open_transfer(grant, Direction.PUSH, header.key, header.step) as sock:
+                updates, applied, seconds = bulk_client.push(sock, data, grant.chunk_bytes)
+        return UpdateOutcome(applied=applied, updates=updates, seconds=seconds)
+
+    def _fetch_bulk(
+        self, request: pb.FetchWeightsRequest, numel: int, dtype: str, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        grant = self._call(
+            "OpenBulk", self._stub.OpenBulk, pb.OpenBulkRequest(fetch=request, chunk_bytes=self.chunk_bytes)
+        )
+        expected = numel * WIRE_DTYPES[dtype].itemsize
+        if grant.nbytes != expected:  # refused before anything is allocated or read
+            raise TransportError(
+                f"FetchWeights from {self.address}: the server offers {grant.nbytes} bytes, "
+                f"expected {numel} x {dtype} ({expected} bytes)"
+            )
+        what = f"shard {request.key.shard_id} weights from {self.address}"
+        weights = new_buffer(numel, dtype, what=what, out=out)
+        with self._bulk_call("FetchWeights"):
+            with self._open_transfer(grant, Direction.FETCH, request.key, request.step) as sock:
+                receive_tensor(sock, raw_bytes(weights), grant.chunk_bytes, what=what)
+        return weights
+
+    def _open_transfer(
+        self, grant: pb.OpenBulkResponse, direction: Direction, key: pb.ShardKey, step: int
+    ) -> socket.socket:
+        host = self.address.rpartition(":")[0].strip("[]")
+        return bulk_client.open_transfer(
+            host,
+            grant,
+            direction=direction,
+            key=key,
+            step=step,
+            token=self._token,
+            tls=self._bulk_tls,
+            timeout_s=self.timeout_s,
+        )
+
+    @contextmanager
+    def _bulk_call(self, rpc: str) -> Iterator[None]:
+        """The errors of a transfer on the bulk socket, as those of the gRPC call it replaces."""
+        try:
+            yield
+        except bulk_client.StatusError as error:
+            raise RemoteError(rpc, self.address, error.code, error.details) from None
+        except (PeerGoneError, OSError) as error:  # OSError: a refused connection, a failed TLS handshake
+            raise TransportError(f"{rpc} with {self.address} over the bulk socket failed: {error}") from error
 
     def stats(self, run_id: str = "") -> ServerStats:
         reply = self._call("GetStats", self._stub.GetStats, pb.GetStatsRequest(run_id=run_id))

@@ -15,23 +15,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cargohold.services.errors import (
     CargoholdError,
-    CorruptPartitionError,
     ForeignRunError,
-    IncompleteStepError,
     InvalidTensorError,
-    ShardConflictError,
-    StepMismatchError,
-    TierError,
-    TierSpaceError,
     UnknownShardError,
 )
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.segment_state import GradientStaging, SegmentRegistry, SegmentState, UpdateOutcome
 from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
+from cargohold.services.transport.bulk import Direction
+from cargohold.services.transport.bulk_server import RPC_OF, BulkServer, FetchJob, PushJob
 from cargohold.services.transport.codec import (
     MAX_MESSAGE_BYTES,
     SERVICE_NAME,
-    ChecksumError,
     TensorAssembler,
     byte_chunks,
     check_chunk_bytes,
@@ -51,26 +46,13 @@ from cargohold.services.transport.limits import (
     StalledCallError,
 )
 from cargohold.services.transport.shm import RegionCache
+from cargohold.services.transport.status import status_of
 from cargohold.services.wire import DEFAULT_CHUNK_BYTES, WIRE_DTYPES
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-
-_STATUS_OF_ERROR: tuple[tuple[type[CargoholdError], grpc.StatusCode], ...] = (
-    (ChecksumError, grpc.StatusCode.DATA_LOSS),
-    (CorruptPartitionError, grpc.StatusCode.DATA_LOSS),
-    (TierSpaceError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (IncompleteStepError, grpc.StatusCode.FAILED_PRECONDITION),
-    (TierError, grpc.StatusCode.UNAVAILABLE),
-    (UnknownShardError, grpc.StatusCode.NOT_FOUND),
-    (ShardConflictError, grpc.StatusCode.ALREADY_EXISTS),
-    (StepMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
-    (InvalidTensorError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ForeignRunError, grpc.StatusCode.PERMISSION_DENIED),
-    (CargoholdError, grpc.StatusCode.INVALID_ARGUMENT),
-)
 
 T = TypeVar("T")
 
@@ -83,6 +65,8 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         self._metrics = metrics
         self._staging = GradientStaging()
         self._regions = RegionCache()
+        self.bulk: BulkServer | None = None
+        """The bulk socket OpenBulk grants transfers on; None when not served."""
         # RPCs run on a thread pool and `+=` on an attribute is not atomic: guard the counters.
         self._counts = threading.Lock()
         self.duplicate_pushes = 0
@@ -135,14 +119,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             if first is None or first.WhichOneof("part") != "header":
                 raise InvalidTensorError("PushGradient: the first message must carry the header")
             header = first.header
-            self._admit(header.key.run_id)
-            state = self._registry.get(header.key.run_id, header.key.shard_id)
-            dtype = dtype_from_proto(header.dtype)
-            if header.numel != state.spec.numel or dtype != state.spec.grad_dtype:
-                raise InvalidTensorError(
-                    f"shard {state.spec.segment_id}: gradient must be {state.spec.numel} x "
-                    f"{state.spec.grad_dtype}, got {header.numel} x {dtype}"
-                )
+            state, dtype = self._push_target(header)
             if header.HasField("shm"):
                 if next(request_iterator, None) is not None:
                     raise InvalidTensorError("PushGradient: no chunks may follow a shared-memory header")
@@ -160,25 +137,89 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                     "PushGradient",
                 )
                 owned = True  # assembled for this call alone: clipping may scale it in place
-            if header.defer_update:
-                # Staged, it may be applied more than once (a commit retried after a failed
-                # write), so the commit leaves it unscaled: see GradientStaging.commit.
-                outcome = self._staging.stage(state, header.step, gradient, borrowed=not owned)
-            else:
-                outcome = state.apply_gradient(
-                    header.step,
-                    gradient,
-                    global_norm=header.global_grad_norm,
-                    lr=header.lr,
-                    owned=owned,
-                    prepare=prepare_dtype_from_proto(header.prepare_dtype),
-                )
-                self._count(outcome)
+            outcome = self._complete_push(header, state, gradient, owned=owned)
             return pb.PushGradientResponse(
                 step=outcome.updates, applied=outcome.applied, update_seconds=outcome.seconds
             )
 
         return self._guard("PushGradient", context, handle)
+
+    def _push_target(self, header: pb.PushHeader) -> tuple[SegmentState, str]:
+        """The shard a push header names and its gradient dtype, once the header fits it."""
+        self._admit(header.key.run_id)
+        state = self._registry.get(header.key.run_id, header.key.shard_id)
+        dtype = dtype_from_proto(header.dtype)
+        if header.numel != state.spec.numel or dtype != state.spec.grad_dtype:
+            raise InvalidTensorError(
+                f"shard {state.spec.segment_id}: gradient must be {state.spec.numel} x "
+                f"{state.spec.grad_dtype}, got {header.numel} x {dtype}"
+            )
+        return state, dtype
+
+    def _complete_push(
+        self, header: pb.PushHeader, state: SegmentState, gradient: torch.Tensor, *, owned: bool
+    ) -> UpdateOutcome:
+        """Stage or apply a pushed gradient, whichever way it came."""
+        if header.defer_update:
+            # Staged, it may be applied more than once (a commit retried after a failed
+            # write), so the commit leaves it unscaled: see GradientStaging.commit.
+            return self._staging.stage(state, header.step, gradient, borrowed=not owned)
+        outcome = state.apply_gradient(
+            header.step,
+            gradient,
+            global_norm=header.global_grad_norm,
+            lr=header.lr,
+            owned=owned,
+            prepare=prepare_dtype_from_proto(header.prepare_dtype),
+        )
+        self._count(outcome)
+        return outcome
+
+    def OpenBulk(self, request: pb.OpenBulkRequest, context: grpc.ServicerContext) -> pb.OpenBulkResponse:
+        bulk = self.bulk
+        if bulk is None:
+            self._metrics.record_error("OpenBulk", grpc.StatusCode.UNIMPLEMENTED.name)
+            context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "this state server serves no bulk socket (state_server.data_plane: grpc); push and fetch over gRPC",
+            )
+
+        def handle() -> pb.OpenBulkResponse:
+            assert bulk is not None
+            chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES  # 0: the server's choice
+            check_chunk_bytes(chunk_bytes)
+            transfer = request.WhichOneof("transfer")
+            if transfer not in ("push", "fetch") or getattr(request, transfer).HasField("shm"):
+                raise InvalidTensorError("OpenBulk: name a push or a fetch, without shared memory")
+            if transfer == "push":
+                header = request.push
+                state, dtype = self._push_target(header)
+                direction, key, step = Direction.PUSH, header.key, header.step
+
+                def apply(gradient: torch.Tensor) -> UpdateOutcome:
+                    return self._complete_push(header, state, gradient, owned=True)
+
+                job: PushJob | FetchJob = PushJob(header.numel, dtype, apply, keeps=header.defer_update)
+            else:
+                fetch = request.fetch
+                self._admit(fetch.key.run_id)
+                state = self._registry.get(fetch.key.run_id, fetch.key.shard_id)
+                dtype = dtype_from_proto(fetch.dtype)
+                direction, key, step = Direction.FETCH, fetch.key, fetch.step
+                job = FetchJob(lambda: state.weights(fetch.step, dtype), state.recycle)
+            nbytes = state.spec.numel * WIRE_DTYPES[dtype].itemsize
+            ticket = bulk.grant(direction, key.run_id, key.shard_id, step, nbytes, chunk_bytes, job)
+            return pb.OpenBulkResponse(ticket=ticket, port=bulk.port, nbytes=nbytes, chunk_bytes=chunk_bytes)
+
+        return self._guard("OpenBulk", context, handle)
+
+    def count_bulk(self, direction: Direction, nbytes: int) -> None:
+        """Account a transfer the bulk socket completed."""
+        pushed = direction is Direction.PUSH
+        with self._counts:
+            self.received_bytes += nbytes if pushed else 0
+            self.sent_bytes += 0 if pushed else nbytes
+        (self._metrics.record_received if pushed else self._metrics.record_sent)(RPC_OF[direction], nbytes)
 
     def CommitStep(self, request: pb.CommitStepRequest, context: grpc.ServicerContext) -> pb.PushGradientResponse:
         def handle() -> pb.PushGradientResponse:
@@ -316,7 +357,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         except StalledCallError as error:  # the call limits cancelled the call, and counted it
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
         except CargoholdError as error:
-            code = next(c for kind, c in _STATUS_OF_ERROR if isinstance(error, kind))
+            code = status_of(error)
             self._metrics.record_error(rpc, code.name)
             context.abort(code, str(error))
         except Exception as error:
@@ -346,12 +387,15 @@ class GrpcStateServer:
         auth_token: str | None = None,
         tls: TlsFiles | None = None,
         limits: CallLimits | None = None,
+        bulk: bool = False,
     ) -> None:
         """``run_id``: the one run it serves (its token is that run's); ``auth_token``:
         calls must carry it (health checks excepted); ``tls``: serve mutual TLS only.
         ``max_workers`` threads run the state-server calls, as many as ``limits`` (the
         defaults when None) admits at once; health checks and refusals run on threads of
-        their own, so that a probe is answered while all are busy."""
+        their own, so that a probe is answered while all are busy. ``bulk``: serve the
+        bulk socket too (on ``host``, a port of its own; OpenBulk names it), under the
+        same token, TLS and limits."""
         limits = limits or CallLimits()
         self.servicer = StateServerServicer(registry, metrics, run_id)
         self._quick = futures.ThreadPoolExecutor(max_workers=QUICK_THREADS, thread_name_prefix="state-server-quick")
@@ -383,6 +427,18 @@ class GrpcStateServer:
         if bound == 0:
             raise CargoholdError(f"state server could not bind {host}:{port}")
         self.address = f"{host}:{bound}"
+        if bulk:
+            self.servicer.bulk = BulkServer(
+                host,
+                metrics=metrics,
+                count=self.servicer.count_bulk,
+                token=auth_token,
+                tls=tls.server_context() if tls is not None else None,
+                timeout_s=limits.message_timeout_s,
+                max_tickets=limits.max_calls,
+                max_connections=limits.max_calls,
+                max_transfers=max_workers,
+            )
 
     @property
     def calls_in_flight(self) -> int:
@@ -392,6 +448,8 @@ class GrpcStateServer:
     def start(self) -> None:
         self._limiter.start()
         self._server.start()
+        if self.servicer.bulk is not None:
+            self.servicer.bulk.start()
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         logger.info("state server listening on %s", self.address)
@@ -399,6 +457,8 @@ class GrpcStateServer:
     def stop(self, grace: float = 1.0) -> None:
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        if self.servicer.bulk is not None:
+            self.servicer.bulk.stop()
         self._limiter.stop()
         self._quick.shutdown()
         self.servicer.close()

@@ -199,6 +199,28 @@ class WeightsChunk(_message.Message):
     chunk: TensorChunk
     def __init__(self, step: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
+class OpenBulkRequest(_message.Message):
+    __slots__ = ("push", "fetch", "chunk_bytes")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    push: PushHeader
+    fetch: FetchWeightsRequest
+    chunk_bytes: int
+    def __init__(self, push: _Optional[_Union[PushHeader, _Mapping]] = ..., fetch: _Optional[_Union[FetchWeightsRequest, _Mapping]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class OpenBulkResponse(_message.Message):
+    __slots__ = ("ticket", "port", "nbytes", "chunk_bytes")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    port: int
+    nbytes: int
+    chunk_bytes: int
+    def __init__(self, ticket: _Optional[bytes] = ..., port: _Optional[int] = ..., nbytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ("run_id",)
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class StateServerStub:
                 request_serializer=cargohold_dot_v1_dot_state__server__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=cargohold_dot_v1_dot_state__server__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.OpenBulk = channel.unary_unary(
+                '/cargohold.v1.StateServer/OpenBulk',
+                request_serializer=cargohold_dot_v1_dot_state__server__pb2.OpenBulkRequest.SerializeToString,
+                response_deserializer=cargohold_dot_v1_dot_state__server__pb2.OpenBulkResponse.FromString,
+                _registered_method=True)
 
 
 class StateServerServicer:
@@ -105,6 +110,12 @@ class StateServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenBulk(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StateServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +148,11 @@ def add_StateServerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=cargohold_dot_v1_dot_state__server__pb2.GetStatsRequest.FromString,
                     response_serializer=cargohold_dot_v1_dot_state__server__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'OpenBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBulk,
+                    request_deserializer=cargohold_dot_v1_dot_state__server__pb2.OpenBulkRequest.FromString,
+                    response_serializer=cargohold_dot_v1_dot_state__server__pb2.OpenBulkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +317,33 @@ class StateServer:
             '/cargohold.v1.StateServer/GetStats',
             cargohold_dot_v1_dot_state__server__pb2.GetStatsRequest.SerializeToString,
             cargohold_dot_v1_dot_state__server__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cargohold.v1.StateServer/OpenBulk',
+            cargohold_dot_v1_dot_state__server__pb2.OpenBulkRequest.SerializeToString,
+            cargohold_dot_v1_dot_state__server__pb2.OpenBulkResponse.FromString,
             options,
             channel_credentials,
             insecure,
