@@ -155,13 +155,14 @@ class TrainingWorker:
 
     # --- the step ------------------------------------------------------------------
     def train_step(self, step: int) -> StepReport:
-        """One step on the batch of data step ``step``."""
+        """One step on the micro-batches of data step ``step``."""
         config = self.config
-        batch = self.data.batch(step, self.rank)
-        torch.manual_seed(dropout_seed(config.seed, step, self.rank))  # CPU and every GPU
+        micros = range(config.data.micro_batches)
+        batches = [self.data.batch(step, self.rank, micro) for micro in micros]
+        seeds = [dropout_seed(config.seed, step, self.rank, micro) for micro in micros]
         started = time.perf_counter()
         lr = config.optim.lr_at(step, config.steps)
-        report = self._step().run(step, batch.inputs, batch.targets, lr, loss_weight=batch.weight)
+        report = self._step().run(step, batches, lr, dropout_seeds=seeds)
         for phase, seconds in report.phases.items():
             self.metrics.add_phase(phase, seconds)
         self.metrics.observe_step(time.perf_counter() - started, report.loss)

@@ -4,7 +4,9 @@ under FSDP2 at the same world size.
 :func:`reference_train` — one process. It sees exactly the data the workers see (rank r's
 batch of each step), averages the per-rank gradients, clips with
 torch.nn.utils.clip_grad_norm_ and steps torch.optim.AdamW(fused=True) on fp32 master
-weights. With a bf16 compute dtype it computes on the bf16 copy of the masters.
+weights. With ``data.micro_batches`` it accumulates each micro-batch's averaged gradient,
+cast to fp32, in micro-batch order, as FSDP2 accumulates into fp32 ``.grad``. With a
+bf16 compute dtype it computes on the bf16 copy of the masters.
 
 :func:`fsdp_reference_train` — what a user would run instead of cargohold: the same model
 ``fully_shard``-ed per block and at the root (fp32 parameters, MixedPrecisionPolicy with
@@ -71,7 +73,7 @@ def reference_train(config: TrainConfig, steps: int, *, threads: int = 1) -> Ref
 
 
 def _train(config: TrainConfig, steps: int) -> ReferenceResult:
-    world = config.worker.num_workers
+    world, micro_batches = config.worker.num_workers, config.data.micro_batches
     compute = WIRE_DTYPES[config.worker.compute_dtype]
     wire = WIRE_DTYPES[config.worker.grad_wire_dtype]
     master_model = build_model(config)
@@ -94,22 +96,29 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
             lag = 2 if config.worker.delayed_update and step > warm_up + 1 else 1
             for low, weights in zip(model.parameters(), history[max(step - lag, 0)]):
                 low.copy_(weights)
-        summed: list[torch.Tensor] | None = None
-        step_loss = 0.0
-        for rank in range(world):
-            batch = data.batch(step, rank)
-            torch.manual_seed(dropout_seed(config.seed, step, rank))
-            model.zero_grad(set_to_none=True)
-            _, loss = model(batch.inputs, batch.targets)
-            if batch.weight != 1.0:  # as the workers do: the step's mean over counted tokens
-                loss = loss * batch.weight
-            loss.backward()
-            step_loss += float(loss.detach())
-            grads = [p.grad.to(wire) for p in model.parameters()]
-            summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
-        losses.append(step_loss / world)
-        for master, grad in zip(masters, summed):
-            master.grad = (grad / world).to(torch.float32)
+        accumulated: list[torch.Tensor] | None = None
+        rank_losses = [0.0] * world
+        for micro in range(micro_batches):
+            summed: list[torch.Tensor] | None = None
+            for rank in range(world):
+                batch = data.batch(step, rank, micro)
+                torch.manual_seed(dropout_seed(config.seed, step, rank, micro))
+                model.zero_grad(set_to_none=True)
+                _, loss = model(batch.inputs, batch.targets)
+                scale = batch.weight / micro_batches  # as the workers do: the step's mean over counted tokens
+                if scale != 1.0:
+                    loss = loss * scale
+                loss.backward()
+                rank_losses[rank] += float(loss.detach())
+                grads = [p.grad.to(wire) for p in model.parameters()]
+                summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
+            assert summed is not None
+            reduced = [(grad / world).to(torch.float32) for grad in summed]  # FSDP2's reduce-scatter, cast
+            accumulated = reduced if accumulated is None else [a + r for a, r in zip(accumulated, reduced)]
+        losses.append(sum(rank_losses) / world)
+        assert accumulated is not None
+        for master, grad in zip(masters, accumulated):
+            master.grad = grad
         if o.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(masters, o.max_grad_norm)
         for group in optimizer.param_groups:
@@ -163,14 +172,19 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
         )
         data = open_source(config)
         losses = []
+        micro_batches = config.data.micro_batches
         for step in range(1, steps + 1):
-            batch = data.batch(step, rank)
-            torch.manual_seed(dropout_seed(config.seed, step, rank))
-            _, loss = model(batch.inputs, batch.targets)
-            if batch.weight != 1.0:
-                loss = loss * batch.weight
-            loss.backward()
-            total = loss.detach().to(torch.float64)
+            step_loss = 0.0
+            for micro in range(micro_batches):  # FSDP2 sums the micro-batches' reduced gradients
+                batch = data.batch(step, rank, micro)
+                torch.manual_seed(dropout_seed(config.seed, step, rank, micro))
+                _, loss = model(batch.inputs, batch.targets)
+                scale = batch.weight / micro_batches
+                if scale != 1.0:
+                    loss = loss * scale
+                loss.backward()
+                step_loss += float(loss.detach())
+            total = torch.tensor(step_loss, dtype=torch.float64)
             dist.all_reduce(total)
             losses.append(float(total) / world)
             if o.max_grad_norm > 0:
