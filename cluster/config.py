@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from cargohold.cluster.config_eval import EvalConfig
 from cargohold.cluster.config_model import GPTConfig, HFModelConfig
 from cargohold.services.errors import ConfigError
 from cargohold.services.optim import AdamWHyperParams
@@ -437,6 +438,7 @@ class TrainConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     hf: HFModelConfig = field(default_factory=HFModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     state_server: StateServerConfig = field(default_factory=StateServerConfig)
@@ -460,6 +462,7 @@ class TrainConfig:
         if self.export_dir is not None:
             _check_output_folder("export_dir", self.export_dir)
         _check_run_id(self.run_id)
+        self.eval.check_format(self.data.format)
         last_port = self.metrics.port + self.state_server.num_servers + self.worker.num_workers
         if self.metrics.port and last_port > 65535:
             raise ConfigError(f"metrics.port {self.metrics.port} leaves no room for every actor (up to {last_port})")

@@ -79,6 +79,24 @@ class StepPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class EvalReport:
+    """A validation after data step ``step``: the mean loss over the held-out set's
+    counted tokens and its perplexity, ``exp(loss)``."""
+
+    step: int
+    loss: float
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(loss) if (loss := self.loss) < EXP_LIMIT else math.inf
+
+
+EXP_LIMIT = 709.0
+"""math.exp overflows a float beyond ~709.78."""
+
+
+@dataclass(frozen=True, slots=True)
 class StepReport:
     """What one worker did in one step; the launcher aggregates these."""
 
@@ -265,6 +283,28 @@ class ShardedStep:
             applied=applied,
             skipped=skipped,
         )
+
+    def evaluate(self, batches: Iterable[Batch], count: int) -> float:
+        """The mean loss over ``count`` held-out batches (forward only, dropout off, on the
+        weights the next step computes on), identical on every rank. It is averaged as a
+        step of ``count`` micro-batches is: each batch's mean loss scaled by its weight
+        over ``count``, summed, all-reduced over the ranks and divided by W, so that it
+        is the mean over the held-out set's counted tokens."""
+        total = 0.0
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    _, loss = self.model(batch.inputs.to(self.device), batch.targets.to(self.device))
+                    scale = batch.weight / count
+                    if scale != 1.0:
+                        loss = loss * scale
+                    total += float(loss)
+        finally:
+            self.model.train()
+        summed = torch.tensor([total], dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        return float(summed[0]) / self.world_size
 
     def _on_reduced(self, group: int) -> Callable[[torch.Tensor], None]:
         """FSDP2's hook after unit ``group``'s reduce-scatter: ``reduced`` holds this

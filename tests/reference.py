@@ -20,6 +20,7 @@ import copy
 import os
 import socket
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ import torch.multiprocessing as mp
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_io import from_dict
 from cargohold.services.data import dropout_seed
+from cargohold.services.data.evaluation import open_eval_set
 from cargohold.services.data.sources import open_source
 from cargohold.services.layout import Layout, scatter_params
 from cargohold.services.model_setup import model_layout
@@ -46,6 +48,8 @@ class ReferenceResult:
     state: dict[str, dict[str, torch.Tensor]]
     """masters / exp_avg / exp_avg_sq, each by parameter name."""
     losses: list[float]
+    evals: dict[int, float]
+    """Held-out mean loss after each step asked for (``eval.*``)."""
 
     def flat(self, layout: Layout, which: str = "masters") -> torch.Tensor:
         """The tensors of ``which`` laid out in the flat space (zeros in padding)."""
@@ -62,17 +66,42 @@ class FlatReference:
         return self.flats[which]
 
 
-def reference_train(config: TrainConfig, steps: int, *, threads: int = 1) -> ReferenceResult:
-    """Train ``steps`` steps in this process; ``threads`` should equal the workers'."""
+def reference_train(
+    config: TrainConfig, steps: int, *, threads: int = 1, eval_steps: Iterable[int] = ()
+) -> ReferenceResult:
+    """Train ``steps`` steps in this process; ``threads`` should equal the workers'.
+    After each of ``eval_steps``, the mean loss over the held-out set (``eval.*``)."""
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _train(config, steps)
+        return _train(config, steps, set(eval_steps))
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _train(config: TrainConfig, steps: int) -> ReferenceResult:
+def _evaluate(config: TrainConfig, model: torch.nn.Module, weights: list[torch.Tensor]) -> float:
+    """The held-out loss on ``weights``, summed as the workers sum it: each rank's batches
+    in order (each mean scaled by its weight over the number of batches), then the ranks."""
+    held_out = open_eval_set(config)
+    assert held_out is not None
+    count, world = held_out.num_batches, config.worker.num_workers
+    with torch.no_grad():
+        for low, weight in zip(model.parameters(), weights):
+            low.copy_(weight)
+    model.eval()
+    rank_losses = [0.0] * world
+    with torch.no_grad():
+        for rank in range(world):
+            for index in range(count):
+                batch = held_out.batch(index, rank)
+                _, loss = model(batch.inputs, batch.targets)
+                scale = batch.weight / count
+                rank_losses[rank] += float(loss * scale if scale != 1.0 else loss)
+    model.train()
+    return sum(rank_losses) / world
+
+
+def _train(config: TrainConfig, steps: int, eval_steps: set[int]) -> ReferenceResult:
     world, micro_batches = config.worker.num_workers, config.data.micro_batches
     compute = WIRE_DTYPES[config.worker.compute_dtype]
     wire = WIRE_DTYPES[config.worker.grad_wire_dtype]
@@ -91,6 +120,7 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
     )
     data = open_source(config)
     losses = []
+    evals: dict[int, float] = {}
     for step in range(1, steps + 1):
         with torch.no_grad():
             lag = 2 if config.worker.delayed_update and step > warm_up + 1 else 1
@@ -125,6 +155,9 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
             group["lr"] = o.lr_at(step, config.steps)
         optimizer.step()
         history.append([m.detach().clone() for m in masters])
+        if step in eval_steps:
+            assert not config.worker.delayed_update, "evaluates on the newest weights only"
+            evals[step] = _evaluate(config, model, history[-1])
     state = [optimizer.state[p] for p in masters]
     return ReferenceResult(
         state={
@@ -133,6 +166,7 @@ def _train(config: TrainConfig, steps: int) -> ReferenceResult:
             "exp_avg_sq": {n: s["exp_avg_sq"].clone() for n, s in zip(names, state)},
         },
         losses=losses,
+        evals=evals,
     )
 
 
