@@ -37,6 +37,7 @@ def trace_rank(rank: int, world: int, port: int, n_layer: int, width: int, wire:
 
     from cargohold.cluster.config_io import load_config
     from cargohold.services.data import batch_for_step, load_tokens
+    from cargohold.services.data.batches import Batch
     from cargohold.services.model_setup import exchange_buffers, sharded_model, step_policy
     from cargohold.services.models.build import build_model, parameter_values
     from cargohold.services.step import ShardedStep
@@ -67,7 +68,7 @@ def trace_rank(rank: int, world: int, port: int, n_layer: int, width: int, wire:
     tokens = load_tokens(None, config.data.corpus_bytes, 0, seq_len=BLOCK)
     for number in range(1, steps + 1):
         x, y = batch_for_step(tokens, step=number, rank=rank, world_size=world, batch_size=1, seq_len=BLOCK, seed=0)
-        step.run(number, x, y, 1e-4)
+        step.run(number, [Batch(x, y)], 1e-4)
         mark(f"step {number}")
     step.close()
     dist.destroy_process_group()

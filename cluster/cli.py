@@ -43,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
             from cargohold.cluster.plan.command import plan_command
 
             return plan_command(config, args)  # 0 fits, 3 does not; a bad cluster is a ConfigError
+        from cargohold.services.data.evaluation import open_eval_set
         from cargohold.services.data.sources import open_source
 
         open_source(config)  # bad data (a missing file, a bad line) is a bad configuration too
+        open_eval_set(config)
     except ConfigError as error:
         print(f"cargohold: bad configuration: {error}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -66,20 +68,31 @@ def _train(config: TrainConfig) -> int:
 
     bar = tqdm(total=config.steps, desc="train", unit="step", disable=not config.progress, file=sys.stderr)
 
+    shown: dict[str, str] = {}
+
     def on_step(report) -> None:
         bar.update(1)
-        bar.set_postfix(loss=f"{report.loss:.4f}", step_s=f"{report.seconds:.2f}")
+        shown.update(loss=f"{report.loss:.4f}", step_s=f"{report.seconds:.2f}")
+        bar.set_postfix(shown)
         if not config.progress:
             print(f"step {report.step} loss {report.loss:.4f} step_s {report.seconds:.3f}", flush=True)
 
+    def on_eval(report) -> None:
+        shown.update(eval_loss=f"{report.loss:.4f}", eval_ppl=f"{report.perplexity:.2f}")
+        bar.set_postfix(shown)
+        if not config.progress:
+            print(f"eval step {report.step} loss {report.loss:.4f} ppl {report.perplexity:.4f}", flush=True)
+
     try:
-        result = train(config, on_step=on_step)
+        result = train(config, on_step=on_step, on_eval=on_eval)
     finally:
         bar.close()
     first, last = result.losses[0], result.losses[-1]
     mean_step = sum(result.step_seconds) / len(result.step_seconds)
+    held_out = f", eval loss {result.evals[-1].loss:.4f} ppl {result.evals[-1].perplexity:.2f}" if result.evals else ""
     print(
-        f"run {result.run_id}: {len(result.losses)} steps, loss {first:.4f} -> {last:.4f}, mean step {mean_step:.2f}s",
+        f"run {result.run_id}: {len(result.losses)} steps, loss {first:.4f} -> {last:.4f}{held_out}, "
+        f"mean step {mean_step:.2f}s",
         flush=True,
     )
     return 0

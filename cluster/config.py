@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from cargohold.cluster.config_eval import EvalConfig
 from cargohold.cluster.config_model import GPTConfig, HFModelConfig
 from cargohold.services.errors import ConfigError
 from cargohold.services.optim import AdamWHyperParams
@@ -46,7 +47,12 @@ class DataConfig:
     corpus_bytes: int = 2_000_000
     """bytes only: size of the generated corpus when ``corpus_path`` is None."""
     batch_size: int = 8
-    """Sequences per worker per step; the global batch is this times num_workers."""
+    """Sequences per worker per micro-batch; a step's global batch is this times
+    `worker.num_workers` times `data.micro_batches`."""
+    micro_batches: int = 1
+    """Micro-batches each worker runs forward and backward per step, their gradients summed
+    (gradient accumulation) before the one push to the state servers and the one update:
+    a larger global batch in the activation memory of one micro-batch."""
     block_size: int | None = None
     """Tokens per training sequence; None takes the model's context length (`model.block_size`,
     or an `hf` model's `max_position_embeddings`)."""
@@ -70,6 +76,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         _positive("data.corpus_bytes", self.corpus_bytes)
         _positive("data.batch_size", self.batch_size)
+        if self.micro_batches < 1:
+            raise ConfigError(f"data.micro_batches must be an integer >= 1, got {self.micro_batches}")
         if self.block_size is not None:
             _positive("data.block_size", self.block_size)
         if self.format == "bytes":
@@ -438,6 +446,7 @@ class TrainConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     hf: HFModelConfig = field(default_factory=HFModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     state_server: StateServerConfig = field(default_factory=StateServerConfig)
@@ -446,6 +455,14 @@ class TrainConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
+    @property
+    def push_dtype(self) -> DType:
+        """The dtype gradients go to the state servers in: `worker.grad_wire_dtype`, or
+        float32 when micro-batches are accumulated, since their sum is kept in fp32 (as
+        FSDP2 sums gradients into fp32 parameters' `.grad`) and rounding it to the wire
+        dtype would lose what the accumulation added."""
+        return "float32" if self.data.micro_batches > 1 else self.worker.grad_wire_dtype
+
     def __post_init__(self) -> None:
         _positive("steps", self.steps)
         if self.export_dir == "":
@@ -453,6 +470,7 @@ class TrainConfig:
         if self.export_dir is not None:
             _check_output_folder("export_dir", self.export_dir)
         _check_run_id(self.run_id)
+        self.eval.check_format(self.data.format)
         last_port = self.metrics.port + self.state_server.num_servers + self.worker.num_workers
         if self.metrics.port and last_port > 65535:
             raise ConfigError(f"metrics.port {self.metrics.port} leaves no room for every actor (up to {last_port})")

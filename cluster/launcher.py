@@ -25,13 +25,14 @@ from cargohold.cluster.config_io import to_dict
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.cluster.resume import check_resume
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
+from cargohold.services.data.evaluation import open_eval_set
 from cargohold.services.data.sources import open_source
 from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
 from cargohold.services.model_setup import model_layout
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.state_port import segment_spec
 from cargohold.services.state_server import StateServer
-from cargohold.services.step import StepReport
+from cargohold.services.step import EvalReport, StepReport
 from cargohold.services.tiers.nvme import remove_server_folders
 from cargohold.services.transport.auth import tls_files
 from cargohold.services.worker import TrainingWorker
@@ -82,6 +83,7 @@ class TrainingSession:
         self.resume = resume
         _, _, self.layout = model_layout(config)
         open_source(config)  # refuses bad data before any actor starts; fills the cache the workers read
+        open_eval_set(config)  # the same for held-out data
         self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.step_count = 0
         self.servers: list = []
@@ -295,6 +297,15 @@ class TrainingSession:
         step = self.step_count + 1
         reports: list[StepReport] = _get([w.train_step.remote(step) for w in self.workers], None, f"step {step}")
         self.step_count = step
+        return reports[0]
+
+    def evaluate(self) -> EvalReport:
+        """Validate every worker's model on the held-out set after the current step;
+        returns rank 0's report (the loss is the same on every rank)."""
+        step = self.step_count
+        reports: list[EvalReport] = _get(
+            [w.evaluate.remote(step) for w in self.workers], None, f"evaluating step {step}"
+        )
         return reports[0]
 
     def worker_weights(self, rank: int = 0) -> torch.Tensor:

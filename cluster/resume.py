@@ -20,7 +20,9 @@ Every key is compared but ``checkpoint.resume`` (how a run starts, not what it i
   optimizer settings, ``steps``, batch size, worker and server counts, dtypes, tiers,
   paths, metrics, logging. The saved state keeps its meaning and the run goes on from it
   as now configured; with other numbers than the saved run's, it is no longer bitwise
-  that run's continuation. ``hf.*`` are paths, compared as such: another model behind
+  that run's continuation. ``data.micro_batches`` is one of these, as ``data.batch_size``
+  is (the global batch is their product), and so is ``eval.*`` (validation reads no
+  state). ``hf.*`` are paths, compared as such: another model behind
   them is refused by its parameters (:func:`check_compatible`).
 """
 

@@ -24,7 +24,7 @@ from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.errors import CheckpointError, TrainingError
 from cargohold.services.metrics import LauncherMetrics
 from cargohold.services.node import node_ip
-from cargohold.services.step import StepReport
+from cargohold.services.step import EvalReport, StepReport
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +47,25 @@ class TrainResult:
     restarts: int = 0
     recovery_seconds: list[float] = field(default_factory=list)
     """From each failure's restart to training again."""
+    evals: list[EvalReport] = field(default_factory=list)
+    """Validations on the held-out set (``eval.*``), in step order; the last is after the
+    last step."""
 
 
 def train(
-    config: TrainConfig, on_step: Callable[[StepReport], None] | None = None, *, metrics: LauncherMetrics | None = None
+    config: TrainConfig,
+    on_step: Callable[[StepReport], None] | None = None,
+    *,
+    on_eval: Callable[[EvalReport], None] | None = None,
+    metrics: LauncherMetrics | None = None,
 ) -> TrainResult:
-    """Run ``config.steps`` steps, taking checkpoints as configured; on an actor failure
-    restart everything from the latest checkpoint, up to ``checkpoint.max_failures``.
+    """Run ``config.steps`` steps, taking checkpoints and validating as configured; on an
+    actor failure restart everything from the latest checkpoint, up to
+    ``checkpoint.max_failures``.
 
-    ``metrics``: where to count checkpoints, failures and recoveries; by default the run
-    serves its own (when metrics are enabled) until it ends."""
+    ``metrics``: where to count checkpoints, failures and recoveries and show the
+    validation loss; by default the run serves its own (when metrics are enabled) until
+    it ends."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGUSR1, _request_checkpoint)
     own_metrics = metrics is None
@@ -66,13 +75,19 @@ def train(
             metrics.start(host=node_ip(), port=config.metrics.port_for("launcher", config.worker.num_workers, config))
             logger.info("launcher metrics on %s", metrics.address)
     try:
-        return _train(config, on_step, metrics)
+        return _train(config, _Callbacks(on_step, on_eval), metrics)
     finally:
         if own_metrics:
             metrics.stop()
 
 
-def _train(config: TrainConfig, on_step: Callable[[StepReport], None] | None, metrics: LauncherMetrics) -> TrainResult:
+@dataclass(frozen=True, slots=True)
+class _Callbacks:
+    on_step: Callable[[StepReport], None] | None
+    on_eval: Callable[[EvalReport], None] | None
+
+
+def _train(config: TrainConfig, callbacks: _Callbacks, metrics: LauncherMetrics) -> TrainResult:
     ckpt = config.checkpoint
     store = CheckpointDir(Path(ckpt.dir), keep_last=ckpt.keep_last) if ckpt.dir else None
     start = resolve_resume(ckpt.resume, store)
@@ -80,7 +95,7 @@ def _train(config: TrainConfig, on_step: Callable[[StepReport], None] | None, me
     result = TrainResult(run_id="")
     while True:
         try:
-            _train_session(config, store, resume, result, on_step, metrics)
+            _train_session(config, store, resume, result, callbacks, metrics)
             return result
         except TrainingError as error:
             metrics.record_failure()
@@ -115,7 +130,7 @@ def _train_session(
     store: CheckpointDir | None,
     resume: Path | None,
     result: TrainResult,
-    on_step: Callable[[StepReport], None] | None,
+    callbacks: _Callbacks,
     metrics: LauncherMetrics,
 ) -> None:
     every = config.checkpoint.every_steps
@@ -132,14 +147,21 @@ def _train_session(
             result.first_step = session.step_count
         done = session.step_count - result.first_step  # a recovery repeats what came after
         del result.losses[done:], result.step_seconds[done:]
+        result.evals = [e for e in result.evals if e.step <= session.step_count]
         saves = _Saves(session, store, config, result, metrics)
         try:
             while session.step_count < config.steps:
                 report = session.step()
                 result.losses.append(report.loss)
                 result.step_seconds.append(report.seconds)
-                if on_step is not None:
-                    on_step(report)
+                if callbacks.on_step is not None:
+                    callbacks.on_step(report)
+                if _evaluates(config, session.step_count):
+                    evaluation = session.evaluate()
+                    result.evals.append(evaluation)
+                    metrics.observe_eval(evaluation.step, evaluation.loss, evaluation.perplexity)
+                    if callbacks.on_eval is not None:
+                        callbacks.on_eval(evaluation)
                 saves.finish()  # a pending checkpoint's files were written while this step ran
                 if store is not None and (
                     session.step_count == config.steps or _take_request() or (every and session.step_count % every == 0)
@@ -153,6 +175,13 @@ def _train_session(
             export_weights(
                 config, session.layout, master_weights(session.layout, session.server_masters()), config.export_dir
             )
+
+
+def _evaluates(config: TrainConfig, step: int) -> bool:
+    """Whether validation runs after data step ``step``: every ``eval.every_steps`` and
+    after the last."""
+    every = config.eval.every_steps
+    return config.eval.enabled and (step == config.steps or (every > 0 and step % every == 0))
 
 
 class _Saves:

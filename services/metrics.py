@@ -55,6 +55,9 @@ CHECKPOINTS = "cargohold_checkpoints_total"
 FAILURES = "cargohold_failures_total"
 RESTARTS = "cargohold_restarts_total"
 RECOVERY_SECONDS = "cargohold_recovery_seconds"
+EVAL_LOSS = "cargohold_eval_loss"
+EVAL_PERPLEXITY = "cargohold_eval_perplexity"
+EVAL_STEP = "cargohold_eval_step"
 
 METRIC_NAMES: tuple[str, ...] = (
     TRANSPORT_RECEIVED_BYTES,
@@ -86,6 +89,9 @@ METRIC_NAMES: tuple[str, ...] = (
     FAILURES,
     RESTARTS,
     RECOVERY_SECONDS,
+    EVAL_LOSS,
+    EVAL_PERPLEXITY,
+    EVAL_STEP,
 )
 """Every metric family cargohold exports; dashboards may use no other `cargohold_` name.
 
@@ -421,7 +427,8 @@ _LAUNCHER_BUCKETS = (
 
 
 class LauncherMetrics(MetricsEndpoint):
-    """Metrics of the driver: checkpoints, failures and recoveries of a run."""
+    """Metrics of the driver: checkpoints, failures and recoveries of a run, and its
+    validations."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -454,6 +461,23 @@ class LauncherMetrics(MetricsEndpoint):
             buckets=_LAUNCHER_BUCKETS,
             registry=self.registry,
         )
+
+        self._eval_loss = Gauge(
+            EVAL_LOSS,
+            "Mean loss over the held-out set's counted tokens, at the last validation.",
+            registry=self.registry,
+        )
+        self._eval_perplexity = Gauge(
+            EVAL_PERPLEXITY,
+            "Perplexity (exp of the loss) of the held-out set, at the last validation.",
+            registry=self.registry,
+        )
+        self._eval_step = Gauge(EVAL_STEP, "The data step the last validation followed.", registry=self.registry)
+
+    def observe_eval(self, step: int, loss: float, perplexity: float) -> None:
+        self._eval_loss.set(loss)
+        self._eval_perplexity.set(perplexity)
+        self._eval_step.set(step)
 
     def observe_checkpoint(
         self, stall_seconds: float, write_seconds: float, nbytes: int, linked_bytes: int = 0

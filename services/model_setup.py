@@ -99,7 +99,7 @@ def exchange_buffers(
     worker = config.worker
     return ExchangeBuffers.allocate(
         layout.largest_group,
-        WIRE_DTYPES[worker.grad_wire_dtype],
+        WIRE_DTYPES[config.push_dtype],
         WIRE_DTYPES[worker.compute_dtype],
         slots=worker.exchange_slots,
         held_numel=layout.worker_size if worker.delayed_update else 0,

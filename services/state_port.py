@@ -34,7 +34,7 @@ def segment_spec(config: TrainConfig, run_id: str, segment: Segment) -> SegmentS
         start=segment.start,
         numel=segment.numel,
         fragments=tuple((f.segment_start, f.length) for f in segment.fragments),
-        grad_dtype=config.worker.grad_wire_dtype,
+        grad_dtype=config.push_dtype,
         hyper=config.optim.hyper_params(),
     )
 

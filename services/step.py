@@ -9,6 +9,14 @@ The shape of a step:
    dtype): it is copied into the exchange buffer and its segments are pushed at once,
    while backward goes on. FSDP2's own sharded gradients are dropped as they appear: the
    state servers hold the optimizer, so nothing on the worker needs them.
+   With several micro-batches (gradient accumulation) every micro-batch's backward still
+   reduce-scatters, but the hook adds the reduced chunks into :class:`Accumulator`, an
+   fp32 buffer of the worker's range in host memory, as FSDP2 would add them into fp32
+   parameters' ``.grad``; only the last micro-batch's hook pushes, the sum, in fp32. So a
+   step makes one push per segment whatever the micro-batches, and the worker holds 1/W
+   of the gradient between them. (FSDP2's ``set_requires_gradient_sync(False)`` would
+   skip the reduce-scatters instead, at the price of every unit's unsharded gradient, the
+   whole model's, held on every worker until the last micro-batch.)
    The exchange buffer is one of a few unit-sized slots (:class:`ExchangeBuffers`): a
    unit's transfers hold it until its weights are back in FSDP2's shards, so what the
    worker holds besides its shards does not grow with the model.
@@ -31,7 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import cast
@@ -41,6 +49,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from cargohold.services.accumulation import Accumulator
+from cargohold.services.data.batches import Batch
 from cargohold.services.errors import TrainingError
 from cargohold.services.layout import Layout, ParamSlot, Segment
 from cargohold.services.optim import global_norm_from_squares, sum_of_squares
@@ -66,6 +76,24 @@ class StepPolicy:
 
     def delayed(self, step: int) -> bool:
         return self.delayed_after is not None and step > self.delayed_after
+
+
+@dataclass(frozen=True, slots=True)
+class EvalReport:
+    """A validation after data step ``step``: the mean loss over the held-out set's
+    counted tokens and its perplexity, ``exp(loss)``."""
+
+    step: int
+    loss: float
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(loss) if (loss := self.loss) < EXP_LIMIT else math.inf
+
+
+EXP_LIMIT = 709.0
+"""math.exp overflows a float beyond ~709.78."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +154,10 @@ class ShardedStep:
         self._sum_squares = 0.0
         self._context: tuple[int, float, bool, bool] = (0, 0.0, False, False)
         """(update, lr, defer, fetch) of the step in progress, for the hooks."""
+        self._micro = (0, 1)
+        """(micro-batch, micro-batches) of the backward in progress, for the hooks."""
+        self._accumulator: Accumulator | None = None
+        """The micro-batches' summed gradients; allocated by the first step that has several."""
         for group, unit in enumerate(units):
             cast(FSDPModule, unit.module).set_all_reduce_hook(self._on_reduced(group))
         for param in model.parameters():
@@ -166,11 +198,18 @@ class ShardedStep:
 
     # --- the step -----------------------------------------------------------------
     def run(
-        self, step: int, inputs: torch.Tensor, targets: torch.Tensor, lr: float, *, loss_weight: float = 1.0
+        self, step: int, batches: Sequence[Batch], lr: float, *, dropout_seeds: Sequence[int] | None = None
     ) -> StepReport:
-        """One step on this worker's batch of data step ``step``. ``loss_weight`` scales
-        the batch's mean loss (:attr:`cargohold.services.data.batches.Batch.weight`), so
-        that the ranks' mean is the step's mean over its counted tokens."""
+        """One step on this worker's micro-batches of data step ``step``, their gradients
+        summed into one update. Each micro-batch's mean loss is scaled by its
+        :attr:`~cargohold.services.data.batches.Batch.weight` over the number of
+        micro-batches, so that the ranks' mean of the sum is the step's mean over its
+        counted tokens (one micro-batch of weight 1.0 is not scaled at all).
+        ``dropout_seeds``: torch's seed before each micro-batch's forward."""
+        if not batches:
+            raise TrainingError(f"step {step}: no micro-batch to train on")
+        if dropout_seeds is not None and len(dropout_seeds) != len(batches):
+            raise TrainingError(f"step {step}: {len(dropout_seeds)} dropout seeds for {len(batches)} micro-batches")
         phases: dict[str, float] = {}
         started = mark = time.perf_counter()
 
@@ -184,14 +223,23 @@ class ShardedStep:
         update, delayed = self.updates + 1, policy.delayed(step)
         self._context = (update, lr, policy.staged, not policy.staged and not delayed)
         self._sum_squares, self._transfers = 0.0, []
-        _, loss = self.model(inputs.to(self.device), targets.to(self.device))
-        if loss_weight != 1.0:  # 1.0 leaves the graph (and every bit) as it was
-            loss = loss * loss_weight
-        loss.backward()
+        count, step_loss = len(batches), 0.0
+        if count > 1 and self._accumulator is None:
+            self._accumulator = Accumulator(self.layout.worker_size, pin=self.device.type == "cuda")
+        for micro, batch in enumerate(batches):
+            self._micro = (micro, count)
+            if dropout_seeds is not None:
+                torch.manual_seed(dropout_seeds[micro])  # CPU and every GPU
+            _, loss = self.model(batch.inputs.to(self.device), batch.targets.to(self.device))
+            scale = batch.weight / count
+            if scale != 1.0:  # 1.0 leaves the graph (and every bit) as it was
+                loss = loss * scale
+            loss.backward()
+            step_loss += float(loss.detach())
         lap("compute")
 
         applied = sum(self._wait(self._transfers))
-        totals = torch.tensor([self._sum_squares, float(loss.detach())], dtype=torch.float64, device=self.device)
+        totals = torch.tensor([self._sum_squares, step_loss], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
         global_norm = global_norm_from_squares(float(totals[0]))
         mean_loss = float(totals[1]) / self.world_size
@@ -236,13 +284,35 @@ class ShardedStep:
             skipped=skipped,
         )
 
+    def evaluate(self, batches: Iterable[Batch], count: int) -> float:
+        """The mean loss over ``count`` held-out batches (forward only, dropout off, on the
+        weights the next step computes on), identical on every rank. It is averaged as a
+        step of ``count`` micro-batches is: each batch's mean loss scaled by its weight
+        over ``count``, summed, all-reduced over the ranks and divided by W, so that it
+        is the mean over the held-out set's counted tokens."""
+        total = 0.0
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    _, loss = self.model(batch.inputs.to(self.device), batch.targets.to(self.device))
+                    scale = batch.weight / count
+                    if scale != 1.0:
+                        loss = loss * scale
+                    total += float(loss)
+        finally:
+            self.model.train()
+        summed = torch.tensor([total], dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        return float(summed[0]) / self.world_size
+
     def _on_reduced(self, group: int) -> Callable[[torch.Tensor], None]:
         """FSDP2's hook after unit ``group``'s reduce-scatter: ``reduced`` holds this
         worker's padded chunk of each of the unit's parameters, back to back."""
         slots = self.layout.group_params(group)
         expected = sum(slot.slot_numel for slot in slots)
-        base = self.layout.groups[group].start
-        gaps = _gaps(slots, base, self.layout.groups[group].stop)
+        base, stop = self.layout.groups[group].start, self.layout.groups[group].stop
+        gaps = _gaps(slots, base, stop)
 
         def hook(reduced: torch.Tensor) -> None:
             if reduced.numel() != expected:
@@ -250,17 +320,26 @@ class ShardedStep:
                     f"unit {self.units[group].name or '<root>'!r}: FSDP2 reduced {reduced.numel()} "
                     f"gradient elements, the layout expects {expected}"
                 )
+            micro, count = self._micro
+            if micro < count - 1:
+                assert self._accumulator is not None
+                self._accumulator.add(slots, reduced, first=micro == 0)
+                return
             slot = self.buffers.acquire()
             try:
-                at = 0
-                for param in slots:
-                    slot.grads[param.offset - base : param.offset - base + param.slot_numel].copy_(
-                        reduced[at : at + param.slot_numel], non_blocking=True
-                    )
-                    at += param.slot_numel
+                if count > 1:
+                    assert self._accumulator is not None
+                    self._accumulator.total_into(slots, reduced, slot.grads, base)
+                else:
+                    at = 0
+                    for param in slots:
+                        slot.grads[param.offset - base : param.offset - base + param.slot_numel].copy_(
+                            reduced[at : at + param.slot_numel], non_blocking=True
+                        )
+                        at += param.slot_numel
                 for lo, hi in gaps:
                     slot.grads[lo:hi].zero_()
-                self._sum_squares += sum_of_squares(reduced)
+                self._sum_squares += sum_of_squares(reduced if count == 1 else slot.grads[: stop - base])
                 ready = _ready_event(self.device)
                 update, lr, defer, fetch = self._context
                 self._transfers.append(self._pool.submit(self._exchange, group, slot, update, lr, defer, fetch, ready))

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cargohold.cluster.config import TrainConfig
+from cargohold.services.data.evaluation import open_eval_set
 from cargohold.services.data.seeds import dropout_seed
 from cargohold.services.data.sources import open_source
 from cargohold.services.errors import TrainingError
@@ -28,7 +29,7 @@ from cargohold.services.models.build import build_model, parameter_values
 from cargohold.services.node import node_ip
 from cargohold.services.sharding import local_tensors
 from cargohold.services.state_port import ExchangeBuffers, RemotePort
-from cargohold.services.step import ShardedStep, StepReport
+from cargohold.services.step import EvalReport, ShardedStep, StepReport
 from cargohold.services.transport import shm
 from cargohold.services.transport.auth import tls_files
 from cargohold.services.transport.grpc_client import StateServerClient
@@ -64,6 +65,7 @@ class TrainingWorker:
         self._server_node_ids = server_node_ids
         self._auth_token = auth_token
         self.data = open_source(config)
+        self.eval_set = open_eval_set(config)
         self.metrics = WorkerMetrics(rank)
         if config.metrics.enabled:
             self.metrics.start(host=node_ip(), port=config.metrics.port_for("worker", rank, config))
@@ -157,17 +159,28 @@ class TrainingWorker:
 
     # --- the step ------------------------------------------------------------------
     def train_step(self, step: int) -> StepReport:
-        """One step on the batch of data step ``step``."""
+        """One step on the micro-batches of data step ``step``."""
         config = self.config
-        batch = self.data.batch(step, self.rank)
-        torch.manual_seed(dropout_seed(config.seed, step, self.rank))  # CPU and every GPU
+        micros = range(config.data.micro_batches)
+        batches = [self.data.batch(step, self.rank, micro) for micro in micros]
+        seeds = [dropout_seed(config.seed, step, self.rank, micro) for micro in micros]
         started = time.perf_counter()
         lr = config.optim.lr_at(step, config.steps)
-        report = self._step().run(step, batch.inputs, batch.targets, lr, loss_weight=batch.weight)
+        report = self._step().run(step, batches, lr, dropout_seeds=seeds)
         for phase, seconds in report.phases.items():
             self.metrics.add_phase(phase, seconds)
         self.metrics.observe_step(time.perf_counter() - started, report.loss)
         return report
+
+    def evaluate(self, step: int) -> EvalReport:
+        """Validate on the held-out set (``eval.*``) after data step ``step``."""
+        held_out = self.eval_set
+        if held_out is None:
+            raise TrainingError("evaluate was called but eval.path and eval.split are not set")
+        started = time.perf_counter()
+        batches = (held_out.batch(index, self.rank) for index in range(held_out.num_batches))
+        loss = self._step().evaluate(batches, held_out.num_batches)
+        return EvalReport(step=step, loss=loss, seconds=time.perf_counter() - started)
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of the buffers this worker holds for training between steps, by kind."""

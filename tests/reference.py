@@ -4,7 +4,9 @@ under FSDP2 at the same world size.
 :func:`reference_train` — one process. It sees exactly the data the workers see (rank r's
 batch of each step), averages the per-rank gradients, clips with
 torch.nn.utils.clip_grad_norm_ and steps torch.optim.AdamW(fused=True) on fp32 master
-weights. With a bf16 compute dtype it computes on the bf16 copy of the masters.
+weights. With ``data.micro_batches`` it accumulates each micro-batch's averaged gradient,
+cast to fp32, in micro-batch order, as FSDP2 accumulates into fp32 ``.grad``. With a
+bf16 compute dtype it computes on the bf16 copy of the masters.
 
 :func:`fsdp_reference_train` — what a user would run instead of cargohold: the same model
 ``fully_shard``-ed per block and at the root (fp32 parameters, MixedPrecisionPolicy with
@@ -18,6 +20,7 @@ import copy
 import os
 import socket
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,7 @@ import torch.multiprocessing as mp
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_io import from_dict
 from cargohold.services.data import dropout_seed
+from cargohold.services.data.evaluation import open_eval_set
 from cargohold.services.data.sources import open_source
 from cargohold.services.layout import Layout, scatter_params
 from cargohold.services.model_setup import model_layout
@@ -44,6 +48,8 @@ class ReferenceResult:
     state: dict[str, dict[str, torch.Tensor]]
     """masters / exp_avg / exp_avg_sq, each by parameter name."""
     losses: list[float]
+    evals: dict[int, float]
+    """Held-out mean loss after each step asked for (``eval.*``)."""
 
     def flat(self, layout: Layout, which: str = "masters") -> torch.Tensor:
         """The tensors of ``which`` laid out in the flat space (zeros in padding)."""
@@ -60,20 +66,46 @@ class FlatReference:
         return self.flats[which]
 
 
-def reference_train(config: TrainConfig, steps: int, *, threads: int = 1, device: str = "cpu") -> ReferenceResult:
+def reference_train(
+    config: TrainConfig, steps: int, *, threads: int = 1, eval_steps: Iterable[int] = (), device: str = "cpu"
+) -> ReferenceResult:
     """Train ``steps`` steps in this process; ``threads`` should equal the workers'.
+    After each of ``eval_steps``, the mean loss over the held-out set (``eval.*``).
     ``device`` computes forward and backward there (as GPU workers do); the masters and
     AdamW stay on the CPU, as on the state servers."""
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _train(config, steps, torch.device(device))
+        return _train(config, steps, set(eval_steps), torch.device(device))
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _train(config: TrainConfig, steps: int, device: torch.device) -> ReferenceResult:
-    world = config.worker.num_workers
+def _evaluate(config: TrainConfig, model: torch.nn.Module, weights: list[torch.Tensor]) -> float:
+    """The held-out loss on ``weights``, summed as the workers sum it: each rank's batches
+    in order (each mean scaled by its weight over the number of batches), then the ranks."""
+    held_out = open_eval_set(config)
+    assert held_out is not None
+    count, world = held_out.num_batches, config.worker.num_workers
+    with torch.no_grad():
+        for low, weight in zip(model.parameters(), weights):
+            low.copy_(weight)
+    model.eval()
+    rank_losses = [0.0] * world
+    with torch.no_grad():
+        for rank in range(world):
+            for index in range(count):
+                batch = held_out.batch(index, rank)
+                device = next(model.parameters()).device
+                _, loss = model(batch.inputs.to(device), batch.targets.to(device))
+                scale = batch.weight / count
+                rank_losses[rank] += float(loss * scale if scale != 1.0 else loss)
+    model.train()
+    return sum(rank_losses) / world
+
+
+def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.device) -> ReferenceResult:
+    world, micro_batches = config.worker.num_workers, config.data.micro_batches
     compute = WIRE_DTYPES[config.worker.compute_dtype]
     wire = WIRE_DTYPES[config.worker.grad_wire_dtype]
     master_model = build_model(config)
@@ -91,33 +123,44 @@ def _train(config: TrainConfig, steps: int, device: torch.device) -> ReferenceRe
     )
     data = open_source(config)
     losses = []
+    evals: dict[int, float] = {}
     for step in range(1, steps + 1):
         with torch.no_grad():
             lag = 2 if config.worker.delayed_update and step > warm_up + 1 else 1
             for low, weights in zip(model.parameters(), history[max(step - lag, 0)]):
                 low.copy_(weights)
-        summed: list[torch.Tensor] | None = None
-        step_loss = 0.0
-        for rank in range(world):
-            batch = data.batch(step, rank)
-            torch.manual_seed(dropout_seed(config.seed, step, rank))
-            model.zero_grad(set_to_none=True)
-            _, loss = model(batch.inputs.to(device), batch.targets.to(device))
-            if batch.weight != 1.0:  # as the workers do: the step's mean over counted tokens
-                loss = loss * batch.weight
-            loss.backward()
-            step_loss += float(loss.detach())
-            grads = [p.grad.to(device="cpu", dtype=wire) for p in model.parameters()]
-            summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
-        losses.append(step_loss / world)
-        for master, grad in zip(masters, summed):
-            master.grad = (grad / world).to(torch.float32)
+        accumulated: list[torch.Tensor] | None = None
+        rank_losses = [0.0] * world
+        for micro in range(micro_batches):
+            summed: list[torch.Tensor] | None = None
+            for rank in range(world):
+                batch = data.batch(step, rank, micro)
+                torch.manual_seed(dropout_seed(config.seed, step, rank, micro))
+                model.zero_grad(set_to_none=True)
+                _, loss = model(batch.inputs.to(device), batch.targets.to(device))
+                scale = batch.weight / micro_batches  # as the workers do: the step's mean over counted tokens
+                if scale != 1.0:
+                    loss = loss * scale
+                loss.backward()
+                rank_losses[rank] += float(loss.detach())
+                grads = [p.grad.to(device="cpu", dtype=wire) for p in model.parameters()]
+                summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
+            assert summed is not None
+            reduced = [(grad / world).to(torch.float32) for grad in summed]  # FSDP2's reduce-scatter, cast
+            accumulated = reduced if accumulated is None else [a + r for a, r in zip(accumulated, reduced)]
+        losses.append(sum(rank_losses) / world)
+        assert accumulated is not None
+        for master, grad in zip(masters, accumulated):
+            master.grad = grad
         if o.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(masters, o.max_grad_norm)
         for group in optimizer.param_groups:
             group["lr"] = o.lr_at(step, config.steps)
         optimizer.step()
         history.append([m.detach().clone() for m in masters])
+        if step in eval_steps:
+            assert not config.worker.delayed_update, "evaluates on the newest weights only"
+            evals[step] = _evaluate(config, model, history[-1])
     state = [optimizer.state[p] for p in masters]
     return ReferenceResult(
         state={
@@ -126,6 +169,7 @@ def _train(config: TrainConfig, steps: int, device: torch.device) -> ReferenceRe
             "exp_avg_sq": {n: s["exp_avg_sq"].clone() for n, s in zip(names, state)},
         },
         losses=losses,
+        evals=evals,
     )
 
 
@@ -165,14 +209,19 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
         )
         data = open_source(config)
         losses = []
+        micro_batches = config.data.micro_batches
         for step in range(1, steps + 1):
-            batch = data.batch(step, rank)
-            torch.manual_seed(dropout_seed(config.seed, step, rank))
-            _, loss = model(batch.inputs, batch.targets)
-            if batch.weight != 1.0:
-                loss = loss * batch.weight
-            loss.backward()
-            total = loss.detach().to(torch.float64)
+            step_loss = 0.0
+            for micro in range(micro_batches):  # FSDP2 sums the micro-batches' reduced gradients
+                batch = data.batch(step, rank, micro)
+                torch.manual_seed(dropout_seed(config.seed, step, rank, micro))
+                _, loss = model(batch.inputs.to(device), batch.targets.to(device))
+                scale = batch.weight / micro_batches
+                if scale != 1.0:
+                    loss = loss * scale
+                loss.backward()
+                step_loss += float(loss.detach())
+            total = torch.tensor(step_loss, dtype=torch.float64)
             dist.all_reduce(total)
             losses.append(float(total) / world)
             if o.max_grad_norm > 0:

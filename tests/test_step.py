@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from reference import _free_port, reference_train, tiny_config
 
-from cargohold.services.data import batch_for_step, dropout_seed, load_tokens
+from cargohold.services.data import dropout_seed
+from cargohold.services.data.sources import open_source
 from cargohold.services.model_setup import exchange_buffers, model_layout, sharded_model, step_policy
 from cargohold.services.models.build import build_model, parameter_values
 from cargohold.services.state_port import ExchangeBuffers, LocalPort
@@ -24,6 +25,12 @@ STRATEGIES = {
     "staged": dict(),
     "immediate": dict(optim__max_grad_norm=0.0, optim__nonfinite="ignore", worker__exchange_slots=1),
     "delayed": dict(worker__delayed_update=True, worker__delayed_update_after_steps=2),
+    # Gradient accumulation: three micro-batches summed in fp32, one push per step.
+    "accumulated": dict(data__micro_batches=3),
+    "accumulated-immediate-bf16-wire": dict(
+        data__micro_batches=2, optim__max_grad_norm=0.0, optim__nonfinite="ignore", worker__grad_wire_dtype="bfloat16"
+    ),
+    "accumulated-delayed": dict(data__micro_batches=2, worker__delayed_update=True),
 }
 
 
@@ -41,7 +48,6 @@ def _train_all(rank: int, world: int, port: int, folder: str) -> None:
 
 def _train(rank: int, config, folder: Path) -> None:
     """Shard, register with an in-process registry, train, save this rank's state."""
-    world = config.worker.num_workers
     device = torch.device("cpu")
     model, units, layout = sharded_model(config, device)
     buffers = exchange_buffers(config, layout)
@@ -50,20 +56,13 @@ def _train(rank: int, config, folder: Path) -> None:
     with torch.device("meta"):
         shapes = build_model(config)
     assert step.register(lambda names: parameter_values(config, shapes, names)) == 0
-    tokens = load_tokens(None, config.data.corpus_bytes, config.data.seed, seq_len=config.model.block_size)
+    data = open_source(config)
+    micros = range(config.data.micro_batches)
     losses = []
     for number in range(1, config.steps + 1):
-        x, y = batch_for_step(
-            tokens,
-            step=number,
-            rank=rank,
-            world_size=world,
-            batch_size=config.data.batch_size,
-            seq_len=config.model.block_size,
-            seed=config.data.seed,
-        )
-        torch.manual_seed(dropout_seed(config.seed, number, rank))
-        losses.append(step.run(number, x, y, config.optim.lr_at(number, config.steps)).loss)
+        batches = [data.batch(number, rank, micro) for micro in micros]
+        seeds = [dropout_seed(config.seed, number, rank, micro) for micro in micros]
+        losses.append(step.run(number, batches, config.optim.lr_at(number, config.steps), dropout_seeds=seeds).loss)
     weights = step.newest_weights()
     step.close()
     masters = torch.zeros(layout.worker_size)

@@ -90,7 +90,7 @@ def plan_server(config: TrainConfig, layout: Layout, index: int, transport: str)
     ``TieredStorage`` places them, and what it holds and moves with ``transport``."""
     tier = config.state_server.tier
     compute = DTYPE_BYTES[config.worker.compute_dtype]
-    wire = DTYPE_BYTES[config.worker.grad_wire_dtype]
+    wire = DTYPE_BYTES[config.push_dtype]  # what workers push: fp32 when they accumulate micro-batches
     budget = tier.ram_budget_bytes
     max_elements = elements_per_partition(tier.partition_bytes) if budget is not None else None
     run_id = config.run_id or "plan"

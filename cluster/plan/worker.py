@@ -147,6 +147,7 @@ def plan_worker(
     settings = config.worker
     compute = DTYPE_BYTES[settings.compute_dtype]
     wire = DTYPE_BYTES[settings.grad_wire_dtype]
+    push = DTYPE_BYTES[config.push_dtype]  # fp32 when micro-batches are accumulated
     world = layout.num_workers
     offload = settings.offload_params and device == "cuda"
     # FSDP2's local shards, in the compute dtype; rank 0 holds the most (the last ranks'
@@ -154,7 +155,7 @@ def plan_worker(
     weights = sum(slot.local_numel(0) for slot in layout.params) * compute
     exchange = exchange_nbytes(
         layout.largest_group,
-        wire,
+        push,
         compute,
         slots=settings.exchange_slots,
         held_numel=layout.worker_size if settings.delayed_update else 0,
@@ -207,7 +208,7 @@ def plan_worker(
         traffic=WorkerTraffic(
             reduce_scatter_bytes=(world - 1) * sum(u.chunk for u in units) * wire,
             all_gather_bytes=(world - 1) * gathers * compute,
-            push_bytes=layout.worker_size * wire,
+            push_bytes=layout.worker_size * push,
             fetch_bytes=layout.worker_size * compute,
         ),
     )

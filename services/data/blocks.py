@@ -49,7 +49,11 @@ class TokenBlocks:
         self.seed, self.vocab_size, self.name = seed, vocab_size, name
 
     def batch(self, step: int, rank: int, micro: int = 0) -> Batch:
-        blocks = step_blocks(self.num_blocks, step, self.shape.rows, self.seed)
+        return self.rows_of(step_blocks(self.num_blocks, step, self.shape.rows, self.seed), rank, micro)
+
+    def rows_of(self, blocks: torch.Tensor, rank: int, micro: int, counted_in_step: int | None = None) -> Batch:
+        """Micro-batch ``micro`` of rank ``rank`` of the global batch of ``blocks`` (row
+        order); ``counted_in_step``: the tokens all of ``blocks`` count, when known."""
         mine = blocks[self.shape.rows_of(rank, micro)]
         windows = torch.from_numpy(self._windows(self.tokens, mine).astype(np.int64))
         outside = (windows < 0) | (windows >= self.vocab_size)
@@ -64,8 +68,14 @@ class TokenBlocks:
             return Batch(inputs, targets)
         counted = torch.from_numpy(self._windows(self.counted, mine)[:, 1:] != 0)
         targets[~counted] = IGNORE_INDEX
-        in_step = int((self._windows(self.counted, blocks)[:, 1:] != 0).sum())
+        in_step = self.counted_in(blocks) if counted_in_step is None else counted_in_step
         return Batch(inputs, targets, loss_weight(int(counted.sum()), in_step, self.shape))
+
+    def counted_in(self, blocks: torch.Tensor) -> int:
+        """Targets of ``blocks`` that the loss counts."""
+        if self.counted is None:
+            return len(blocks) * self.shape.seq_len
+        return int((self._windows(self.counted, blocks)[:, 1:] != 0).sum())
 
     def _windows(self, stream: np.ndarray, blocks: torch.Tensor) -> np.ndarray:
         """``[len(blocks), seq_len + 1]`` of ``stream``: each block's tokens (or flags)."""

@@ -92,11 +92,14 @@ def generate_corpus(num_bytes: int, seed: int) -> bytes:
     return "".join(parts).encode("ascii")[:num_bytes]
 
 
-def load_tokens(path: str | None, num_bytes: int, seed: int, *, seq_len: int = 1) -> torch.Tensor:
+def load_tokens(
+    path: str | None, num_bytes: int, seed: int, *, seq_len: int = 1, key: str = "data.corpus_path"
+) -> torch.Tensor:
     """Byte-level tokens (uint8, vocabulary 256) of a file, or of the generated corpus.
 
     ``num_bytes`` is the corpus size: the generated length, or a cap on how much of the
-    file is read. ``seed`` only matters for the generated corpus. The corpus must hold at
+    file is read; ``key`` is the setting that named the file, for messages. ``seed`` only
+    matters for the generated corpus. The corpus must hold at
     least one training sequence, ``seq_len + 1`` bytes, else ConfigError.
     """
     if num_bytes <= 0:
@@ -108,12 +111,12 @@ def load_tokens(path: str | None, num_bytes: int, seed: int, *, seq_len: int = 1
         source = f"the generated corpus (data.corpus_bytes={num_bytes})"
     else:
         if not os.path.isfile(path):
-            raise ConfigError(f"data.corpus_path {path!r} does not exist or is not a file")
+            raise ConfigError(f"{key} {path!r} does not exist or is not a file")
         with open(path, "rb") as f:
             data = f.read(num_bytes)
         if not data:
-            raise ConfigError(f"data.corpus_path {path!r} is empty")
-        source = f"data.corpus_path {path!r}"
+            raise ConfigError(f"{key} {path!r} is empty")
+        source = f"{key} {path!r}"
     if len(data) < seq_len + 1:
         raise ConfigError(f"{source} holds {len(data)} bytes, fewer than one sequence of seq_len + 1 = {seq_len + 1}")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -1,6 +1,8 @@
 """Reading the documents of local files, before tokenization: text files, JSON lines, and
 Hugging Face ``datasets`` folders or arrow/parquet files. Each record carries where it
-came from (file and line, or row) so that a bad one is refused by name."""
+came from (file and line, or row) so that a bad one is refused by name. ``section`` is
+the config section whose ``path`` (and ``split``) named the data, for messages: ``data``,
+or ``eval`` for held-out data."""
 
 from __future__ import annotations
 
@@ -26,12 +28,12 @@ class Record:
     """``file:line`` or ``folder row N``, for messages."""
 
 
-def text_pieces(path: Path) -> Iterator[tuple[str, bool]]:
+def text_pieces(path: Path, section: str = "data") -> Iterator[tuple[str, bool]]:
     """``(piece, ends_document)`` of a text file (one document), or of every ``*.txt`` file
     under a folder, in name order (one document each)."""
     files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
     if not files:
-        raise ConfigError(f"data.path {str(path)!r} is a folder without *.txt files")
+        raise ConfigError(f"{section}.path {str(path)!r} is a folder without *.txt files")
     for file in files:
         try:
             with file.open(encoding="utf-8") as handle:
@@ -45,13 +47,13 @@ def text_pieces(path: Path) -> Iterator[tuple[str, bool]]:
                         piece, size = [], 0
                 yield "".join(piece), True
         except UnicodeDecodeError as error:
-            raise ConfigError(f"data.path: {file} is not UTF-8 text: {error}") from error
+            raise ConfigError(f"{section}.path: {file} is not UTF-8 text: {error}") from error
 
 
-def jsonl_records(path: Path, field: str) -> Iterator[Record]:
+def jsonl_records(path: Path, field: str, section: str = "data") -> Iterator[Record]:
     """The ``field`` of each JSON object line of ``path`` (blank lines skipped)."""
     if not path.is_file():
-        raise ConfigError(f"data.path {str(path)!r} is not a file (JSON lines)")
+        raise ConfigError(f"{section}.path {str(path)!r} is not a file (JSON lines)")
     with path.open(encoding="utf-8") as handle:
         try:
             for number, line in enumerate(handle, 1):
@@ -68,10 +70,10 @@ def jsonl_records(path: Path, field: str) -> Iterator[Record]:
                     raise ConfigError(f"{where} has no field {field!r} (data.field); its fields: {sorted(record)}")
                 yield Record(record[field], where)
         except UnicodeDecodeError as error:
-            raise ConfigError(f"data.path {str(path)!r} is not UTF-8 text: {error}") from error
+            raise ConfigError(f"{section}.path {str(path)!r} is not UTF-8 text: {error}") from error
 
 
-def dataset_records(path: Path, field: str, split: str) -> Iterator[Record]:
+def dataset_records(path: Path, field: str, split: str, section: str = "data") -> Iterator[Record]:
     """Column ``field`` of a ``datasets`` folder (``save_to_disk``; split ``split`` of a
     DatasetDict), or of ``.arrow`` / ``.parquet`` files (a file, or a folder of them)."""
     _datasets()  # pyarrow, which reads parquet, comes with it
@@ -79,23 +81,23 @@ def dataset_records(path: Path, field: str, split: str) -> Iterator[Record]:
         files = sorted(path.glob("*.parquet")) or sorted(path.glob("*.arrow"))
         if not files:
             raise ConfigError(
-                f"data.path {str(path)!r} is neither a datasets folder (save_to_disk) nor a folder of "
+                f"{section}.path {str(path)!r} is neither a datasets folder (save_to_disk) nor a folder of "
                 ".parquet or .arrow files"
             )
     else:
         files = [path]
     for file in files:
         if file.suffix == ".parquet":
-            yield from _parquet_records(file, field)
+            yield from _parquet_records(file, field, section)
         else:
-            yield from _dataset_records(file, field, split)
+            yield from _dataset_records(file, field, split, section)
 
 
-def _parquet_records(path: Path, field: str) -> Iterator[Record]:
+def _parquet_records(path: Path, field: str, section: str) -> Iterator[Record]:
     import pyarrow.parquet as parquet  # comes with datasets
 
     table = parquet.ParquetFile(path)
-    _check_column(path, field, table.schema_arrow.names)
+    _check_column(path, field, table.schema_arrow.names, section)
     row = 0
     for batch in table.iter_batches(batch_size=DATASET_BATCH_ROWS, columns=[field]):
         for value in batch.column(0).to_pylist():
@@ -103,19 +105,23 @@ def _parquet_records(path: Path, field: str) -> Iterator[Record]:
             row += 1
 
 
-def _dataset_records(path: Path, field: str, split: str) -> Iterator[Record]:
+def _dataset_records(path: Path, field: str, split: str, section: str) -> Iterator[Record]:
     datasets = _datasets()
     if path.is_dir():
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise ConfigError(f"data.split {split!r} is not a split of data.path {str(path)!r}: {sorted(loaded)}")
+                raise ConfigError(
+                    f"{section}.split {split!r} is not a split of {section}.path {str(path)!r}: {sorted(loaded)}"
+                )
             loaded = loaded[split]
     elif path.suffix == ".arrow":
         loaded = datasets.Dataset.from_file(str(path))
     else:
-        raise ConfigError(f"data.path {str(path)!r}: data.format=hf_dataset reads a folder, .arrow or .parquet files")
-    _check_column(path, field, loaded.column_names)
+        raise ConfigError(
+            f"{section}.path {str(path)!r}: data.format=hf_dataset reads a folder, .arrow or .parquet files"
+        )
+    _check_column(path, field, loaded.column_names, section)
     row = 0
     for batch in loaded.select_columns([field]).iter(batch_size=DATASET_BATCH_ROWS):
         for value in batch[field]:
@@ -123,9 +129,11 @@ def _dataset_records(path: Path, field: str, split: str) -> Iterator[Record]:
             row += 1
 
 
-def _check_column(path: Path, field: str, columns: list[str]) -> None:
+def _check_column(path: Path, field: str, columns: list[str], section: str) -> None:
     if field not in columns:
-        raise ConfigError(f"data.field {field!r} is not a column of data.path {str(path)!r}; its columns: {columns}")
+        raise ConfigError(
+            f"data.field {field!r} is not a column of {section}.path {str(path)!r}; its columns: {columns}"
+        )
 
 
 def _datasets() -> Any:

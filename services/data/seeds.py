@@ -17,8 +17,11 @@ def stable_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def dropout_seed(seed: int, step: int, rank: int) -> int:
-    """The seed of the random draws (dropout) rank ``rank`` makes in step ``step``: a
-    function of the step, not of how many steps the process has run, so a resumed run
-    draws what the uninterrupted one did."""
-    return stable_seed("dropout", seed, step, rank)
+def dropout_seed(seed: int, step: int, rank: int, micro: int = 0) -> int:
+    """The seed of the random draws (dropout) rank ``rank`` makes in micro-batch ``micro``
+    of step ``step``: a function of the step, not of how many steps the process has run,
+    so a resumed run draws what the uninterrupted one did. (Micro-batch 0 keeps the seed
+    it had before accumulation existed.)"""
+    if micro == 0:
+        return stable_seed("dropout", seed, step, rank)
+    return stable_seed("dropout", seed, step, rank, micro)

@@ -20,13 +20,13 @@ from cargohold.services.data.tokens import check_dtype_holds_vocab, open_token_f
 from cargohold.services.models.dimensions import check_model_fits_data, sequence_length, vocab_size
 
 
-def batch_shape(config: TrainConfig, micro_batches: int = 1) -> BatchShape:
+def batch_shape(config: TrainConfig) -> BatchShape:
     """The global batch of a step of ``config``."""
     return BatchShape(
         world_size=config.worker.num_workers,
         batch_size=config.data.batch_size,
         seq_len=sequence_length(config),
-        micro_batches=micro_batches,
+        micro_batches=config.data.micro_batches,
     )
 
 

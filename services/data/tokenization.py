@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.config import DataConfig, TrainConfig
 from cargohold.services.data.cache import CachedStream, TokenCache, cache_key, content_digest
 from cargohold.services.data.chat import check_chat_tokenizer, conversation, render_conversation
 from cargohold.services.data.documents import Record, dataset_records, jsonl_records, text_pieces
@@ -33,9 +33,12 @@ DOCUMENTS_PER_PIECE = 256
 Piece = tuple[np.ndarray, np.ndarray | None]
 
 
-def tokenized_stream(config: TrainConfig, vocab_size: int) -> CachedStream:
-    """The packed stream of ``config.data``: read from the cache, or tokenized into it."""
-    data = config.data
+def tokenized_stream(
+    config: TrainConfig, vocab_size: int, data: DataConfig | None = None, section: str = "data"
+) -> CachedStream:
+    """The packed stream of ``data`` (default ``config.data``): read from the cache, or
+    tokenized into it. Held-out data passes its own, ``section`` naming its keys (eval)."""
+    data = data or config.data
     folder, key = tokenizer_folder(config)
     tokenizer = load_tokenizer(folder, key, vocab_size)
     if data.format == "chat":
@@ -49,21 +52,22 @@ def tokenized_stream(config: TrainConfig, vocab_size: int) -> CachedStream:
         return cached
     logger.info("tokenizing %s with the tokenizer at %s into %s", path, folder, entry.folder)
     dtype = stream_dtype(len(tokenizer))
-    pieces = _pieces(config, tokenizer, path, dtype)
+    pieces = _pieces(data, section, tokenizer, path, dtype)
     return entry.write(pieces, dtype, {"source": str(path), "tokenizer": str(folder), **settings})
 
 
-def _pieces(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, path: Path, dtype: np.dtype) -> Iterator[Piece]:
-    data = config.data
+def _pieces(
+    data: DataConfig, section: str, tokenizer: PreTrainedTokenizerBase, path: Path, dtype: np.dtype
+) -> Iterator[Piece]:
     eos = tokenizer.eos_token_id
     assert isinstance(eos, int), "load_tokenizer refuses a tokenizer without EOS"
     if data.format == "text":
-        yield from _text(tokenizer, path, eos, dtype)
+        yield from _text(tokenizer, path, eos, dtype, section)
         return
     if data.format == "hf_dataset":
-        records = dataset_records(path, data.record_field, data.split)
+        records = dataset_records(path, data.record_field, data.split, section)
     else:
-        records = jsonl_records(path, data.record_field)
+        records = jsonl_records(path, data.record_field, section)
     while batch := list(islice(records, DOCUMENTS_PER_PIECE)):
         documents: list[Document]
         if data.format == "chat":
@@ -74,9 +78,9 @@ def _pieces(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, path: Path,
         yield pack(documents, eos, dtype)
 
 
-def _text(tokenizer: PreTrainedTokenizerBase, path: Path, eos: int, dtype: np.dtype) -> Iterator[Piece]:
+def _text(tokenizer: PreTrainedTokenizerBase, path: Path, eos: int, dtype: np.dtype, section: str) -> Iterator[Piece]:
     """Text files: a document's pieces back to back, EOS after its last."""
-    for piece, ends_document in text_pieces(path):
+    for piece, ends_document in text_pieces(path, section):
         ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
         yield np.asarray(ids + [eos] if ends_document else ids, dtype=dtype), None
 

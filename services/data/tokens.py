@@ -14,32 +14,33 @@ from cargohold.services.errors import ConfigError
 BIN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
 
 
-def open_token_file(path: Path, bin_dtype: str) -> np.ndarray:
-    """The ids of a ``.bin`` (of ``bin_dtype``) or ``.npy`` file, memory-mapped read-only."""
+def open_token_file(path: Path, bin_dtype: str, section: str = "data") -> np.ndarray:
+    """The ids of a ``.bin`` (of ``bin_dtype``) or ``.npy`` file, memory-mapped read-only;
+    ``section`` (data, eval) names the key that named it in messages."""
     if not path.is_file():
-        raise ConfigError(f"data.path {str(path)!r} is not a file (a .bin or .npy of token ids)")
+        raise ConfigError(f"{section}.path {str(path)!r} is not a file (a .bin or .npy of token ids)")
     if path.suffix == ".npy":
         try:
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)
         except ValueError as error:
-            raise ConfigError(f"data.path {str(path)!r} is not a readable .npy file: {error}") from error
+            raise ConfigError(f"{section}.path {str(path)!r} is not a readable .npy file: {error}") from error
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise ConfigError(
-                f"data.path {str(path)!r} holds {tokens.dtype} of shape {tokens.shape}; "
+                f"{section}.path {str(path)!r} holds {tokens.dtype} of shape {tokens.shape}; "
                 "token ids are a 1-D array of integers"
             )
         return tokens
     if path.suffix != ".bin":
-        raise ConfigError(f"data.path {str(path)!r}: data.format=tokens reads .bin or .npy files")
+        raise ConfigError(f"{section}.path {str(path)!r}: data.format=tokens reads .bin or .npy files")
     dtype = BIN_DTYPES[bin_dtype]
     size = path.stat().st_size
     if size % dtype.itemsize:
         raise ConfigError(
-            f"data.path {str(path)!r} has {size} bytes, not a whole number of {bin_dtype} ids; "
+            f"{section}.path {str(path)!r} has {size} bytes, not a whole number of {bin_dtype} ids; "
             "is data.token_dtype right?"
         )
     if size == 0:
-        raise ConfigError(f"data.path {str(path)!r} is empty")
+        raise ConfigError(f"{section}.path {str(path)!r} is empty")
     return np.memmap(path, dtype=dtype, mode="r")
 
 
