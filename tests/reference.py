@@ -215,7 +215,7 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
             for micro in range(micro_batches):  # FSDP2 sums the micro-batches' reduced gradients
                 batch = data.batch(step, rank, micro)
                 torch.manual_seed(dropout_seed(config.seed, step, rank, micro))
-                _, loss = model(batch.inputs.to(device), batch.targets.to(device))
+                _, loss = model(batch.inputs, batch.targets)
                 scale = batch.weight / micro_batches
                 if scale != 1.0:
                     loss = loss * scale
