@@ -440,9 +440,10 @@ class TrainConfig:
     """Show a progress bar with loss and step time."""
     export_dir: str | None = None
     """Write the trained fp32 weights here as safetensors at the end of the run: for an `hf`
-    model a folder `transformers.AutoModelForCausalLM.from_pretrained` loads, for the built-in
-    GPT `model.safetensors` and `cargohold_gpt.json`
-    (`cargohold.cluster.export.load_exported_gpt` loads them). None exports nothing."""
+    model a folder `transformers.AutoModelForCausalLM.from_pretrained` loads, with its
+    generation config, for the built-in GPT `model.safetensors` and `cargohold_gpt.json`
+    (`cargohold.cluster.export.load_exported_gpt` loads them); beside them the tokenizer the
+    data was tokenized with (`AutoTokenizer.from_pretrained` loads it). None exports nothing."""
     model: GPTConfig = field(default_factory=GPTConfig)
     hf: HFModelConfig = field(default_factory=HFModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -9,20 +9,33 @@ weights from the state servers (not a worker's compute-dtype copy) and calls
   tied weights (stored once, re-tied on load) and sharding are what transformers expects::
 
       model = transformers.AutoModelForCausalLM.from_pretrained(export_dir)
+      tokenizer = transformers.AutoTokenizer.from_pretrained(export_dir)
 
 * the built-in GPT becomes ``model.safetensors`` (its ``named_parameters()`` names) and
   ``cargohold_gpt.json`` (the ``model`` config section)::
 
       model = cargohold.cluster.export.load_exported_gpt(export_dir)
 
-Token ids are bytes (0..255) in both cases; there is no tokenizer to export.
+Beside the weights goes the tokenizer the run's data was tokenized with
+(:func:`exported_tokenizer`), written by its own ``save_pretrained`` (``tokenizer.json``,
+``tokenizer_config.json``, the chat template), so the folder is what
+``save_pretrained`` of a model and its tokenizer gives. Byte-level data (ids 0..255)
+has no tokenizer to export.
+
+The generation config is the model folder's ``generation_config.json`` when it has one
+(the model author's: kept as it is); otherwise transformers derives it from the model's
+config, and the tokenizer's BOS, EOS and pad ids fill in what that leaves unset. EOS
+matters most: it ends each packed document and each chat turn the model learned, so it is
+where ``generate`` should stop.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -30,17 +43,25 @@ from safetensors.torch import load_file, save_file
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_model import GPTConfig
+from cargohold.services.data.tokenizer import TOKENIZER_FILES, load_tokenizer, tokenizer_folder
 from cargohold.services.durable import replace_durably
 from cargohold.services.errors import ConfigError, ExportError
 from cargohold.services.layout import Layout, gather_params
 from cargohold.services.models.build import build_model
+from cargohold.services.models.dimensions import vocab_size
 from cargohold.services.models.gpt import GPT
-from cargohold.services.models.hf import HFCausalLM, hf_name
+from cargohold.services.models.hf import HFCausalLM, hf_name, model_folder
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 WEIGHTS_FILE = "model.safetensors"
 GPT_CONFIG_FILE = "cargohold_gpt.json"
 GPT_FORMAT = "cargohold-gpt"
 GPT_FORMAT_VERSION = 1
+GENERATION_CONFIG_FILE = "generation_config.json"
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+"""The generation config's ids that a tokenizer defines too."""
 
 
 def master_weights(layout: Layout, masters: list[dict[int, torch.Tensor]]) -> torch.Tensor:
@@ -77,15 +98,37 @@ def export_weights(config: TrainConfig, layout: Layout, flat: torch.Tensor, out_
     out = Path(out_dir)
     gathered = gather_params(layout, flat.cpu())
     weights = {name: gathered[name] for name in expected}  # the model's order, not the layout's groups
+    tokenizer = exported_tokenizer(config)
     try:
         out.mkdir(parents=True, exist_ok=True)
         if isinstance(model, HFCausalLM):
+            model.hf.generation_config = _generation_config(config, model.hf, tokenizer)
             model.hf.save_pretrained(out, state_dict={hf_name(n): w for n, w in weights.items()})
         else:
             _save_gpt(config.model, weights, out)
-    except OSError as error:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+    except (OSError, ValueError) as error:  # ValueError: transformers refuses an invalid generation config
         raise ExportError(f"cannot write the export to export_dir={str(out)!r}: {error}") from error
     return out
+
+
+def exported_tokenizer(config: TrainConfig) -> PreTrainedTokenizerBase | None:
+    """The tokenizer an export of ``config``'s run carries: the one its data was tokenized
+    with (``data.tokenizer``, else the ``hf`` model's folder), or for pre-tokenized data
+    the one found there; None for byte-level data, or when no folder holds one."""
+    if config.data.format == "bytes":
+        return None
+    try:
+        folder, key = tokenizer_folder(config)
+    except ConfigError:  # pre-tokenized data, and neither data.tokenizer nor an hf model
+        return None
+    if config.data.format == "tokens" and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    try:
+        return load_tokenizer(folder, key, vocab_size(config))
+    except ConfigError as error:
+        raise ExportError(f"cannot export the tokenizer: {error}") from error
 
 
 def load_exported_gpt(directory: str | Path) -> GPT:
@@ -107,6 +150,26 @@ def load_exported_gpt(directory: str | Path) -> GPT:
     except RuntimeError as error:
         raise ExportError(f"{weights_file} does not hold the weights of {spec_file}'s model: {error}") from error
     return model.eval()
+
+
+def _generation_config(
+    config: TrainConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None
+) -> GenerationConfig:
+    """The model folder's generation config as it is, else the model's own with the
+    tokenizer's special ids where it has none (see the module docstring)."""
+    from transformers import GenerationConfig
+
+    folder = model_folder(config.hf)
+    if (folder / GENERATION_CONFIG_FILE).is_file():
+        try:
+            return GenerationConfig.from_pretrained(folder, local_files_only=True)
+        except (OSError, ValueError) as error:
+            raise ExportError(f"cannot read {folder / GENERATION_CONFIG_FILE}: {error}") from error
+    generation = copy.deepcopy(model.generation_config)
+    for name in SPECIAL_IDS if tokenizer is not None else ():
+        if getattr(generation, name, None) is None and getattr(tokenizer, name, None) is not None:
+            setattr(generation, name, getattr(tokenizer, name))
+    return generation
 
 
 def _save_gpt(config: GPTConfig, weights: dict[str, torch.Tensor], out: Path) -> None:

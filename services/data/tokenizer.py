@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.errors import ConfigError
+from cargohold.services.models.hf import model_folder
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -39,11 +40,8 @@ def tokenizer_folder(config: TrainConfig) -> tuple[Path, str]:
     """The tokenizer's folder and the key that named it, for messages."""
     if config.data.tokenizer is not None:
         return Path(config.data.tokenizer).expanduser().resolve(), "data.tokenizer"
-    if config.hf.checkpoint_dir is not None:
-        return Path(config.hf.checkpoint_dir).expanduser().resolve(), "hf.checkpoint_dir"
-    if config.hf.config_path is not None:
-        path = Path(config.hf.config_path).expanduser().resolve()
-        return (path if path.is_dir() else path.parent), "hf.config_path"
+    if config.hf.enabled:
+        return model_folder(config.hf), config.hf.key
     raise ConfigError(
         f"data.format={config.data.format} is tokenized: set data.tokenizer to a local tokenizer folder "
         "(or train an hf model whose folder holds its tokenizer)"

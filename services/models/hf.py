@@ -142,6 +142,13 @@ def pretrained_config(config: HFModelConfig) -> PretrainedConfig:
     return loaded
 
 
+def model_folder(config: HFModelConfig) -> Path:
+    """The folder of the model ``config`` names: the checkpoint folder, or the folder of
+    the config (where ``save_pretrained`` puts the tokenizer and generation config too)."""
+    path = _local(config.path)
+    return path if path.is_dir() else path.parent
+
+
 def hf_name(name: str) -> str:
     """The transformers name of a parameter of :class:`HFCausalLM`."""
     return name.removeprefix(PREFIX)

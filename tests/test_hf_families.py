@@ -1,0 +1,121 @@
+"""Decoder-only transformers families train bitwise against the reference (issue 14).
+
+Each family's tiny config is written to a temporary folder (nothing is downloaded) and
+trained for a few steps through real Ray actors (2 FSDP2 workers, 1 state server); the
+losses and the state servers' fp32 masters must equal single-process
+torch.optim.AdamW(fused=True)'s bitwise (tests/reference.py). Llama and GPT-2 have their
+own tests in tests/test_hf_models.py. Each family picks a shape the others do not cover;
+the ``slow`` ones (``pytest -m slow tests/test_hf_families.py``) add little beyond them.
+docs/models.md lists the results and the families that do not fit, and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from reference import reference_train, tiny_config  # noqa: E402
+
+from cargohold.cluster.export import master_weights  # noqa: E402
+from cargohold.cluster.launcher import TrainingSession  # noqa: E402
+from cargohold.services.errors import ConfigError  # noqa: E402
+from cargohold.services.model_setup import model_layout  # noqa: E402
+from cargohold.services.models.build import buffer_values, build_model, parameter_values  # noqa: E402
+
+T = transformers
+STEPS = 3
+SHAPE = dict(
+    vocab_size=320,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    max_position_embeddings=64,
+)
+GQA = dict(SHAPE, num_key_value_heads=1)
+
+FAMILIES: dict[str, Callable[[], object]] = {
+    "qwen3": lambda: T.Qwen3Config(**GQA, head_dim=16),  # RMSNorm on queries and keys
+    "gemma2": lambda: T.Gemma2Config(**GQA, head_dim=16),  # logit soft-capping, sliding window, tied, scaled embedding
+    "phi": lambda: T.PhiConfig(**SHAPE),  # partial rotary, LayerNorm, biases, parallel attention and MLP
+    "gpt_neox": lambda: T.GPTNeoXConfig(**SHAPE),  # fused QKV, parallel residual
+    "opt": lambda: T.OPTConfig(**SHAPE, ffn_dim=64, word_embed_proj_dim=32),  # learned positions with an offset
+    "falcon": lambda: T.FalconConfig(**{k: v for k, v in SHAPE.items() if k != "intermediate_size"}),  # multi-query
+    "mixtral": lambda: T.MixtralConfig(**GQA, num_local_experts=4, num_experts_per_tok=2),  # experts as 3-D params
+    "bloom": lambda: T.BloomConfig(vocab_size=320, hidden_size=32, n_layer=2, n_head=2),  # ALiBi, no position limit
+}
+SLOW_FAMILIES: dict[str, Callable[[], object]] = {
+    "qwen2": lambda: T.Qwen2Config(**GQA),
+    "mistral": lambda: T.MistralConfig(**GQA),
+    "qwen3_moe": lambda: T.Qwen3MoeConfig(
+        **GQA, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    ),
+    "gemma": lambda: T.GemmaConfig(**GQA, head_dim=16),
+    "gemma3_text": lambda: T.Gemma3TextConfig(**GQA, head_dim=16),
+    "phi3": lambda: T.Phi3Config(**SHAPE, pad_token_id=0),
+    "gptj": lambda: T.GPTJConfig(vocab_size=320, n_positions=64, n_embd=32, n_layer=2, n_head=2, rotary_dim=8),
+    "stablelm": lambda: T.StableLmConfig(**GQA),
+    "olmo": lambda: T.OlmoConfig(**GQA),
+    "olmo2": lambda: T.Olmo2Config(**GQA),
+    "granite": lambda: T.GraniteConfig(**GQA),
+    "cohere": lambda: T.CohereConfig(**GQA),
+    "starcoder2": lambda: T.Starcoder2Config(**GQA),
+    "gpt_bigcode": lambda: T.GPTBigCodeConfig(vocab_size=320, n_positions=64, n_embd=32, n_layer=2, n_head=2),
+}
+NO_CONTEXT = {"bloom"}
+"""Families whose config states no context length: data.block_size is set instead."""
+
+PARAMS = [
+    *(pytest.param(name, make, id=name) for name, make in FAMILIES.items()),
+    *(pytest.param(name, make, id=name, marks=pytest.mark.slow) for name, make in SLOW_FAMILIES.items()),
+]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("family", "make"), PARAMS)
+def test_family_trains_bitwise(ray_local, tmp_path: Path, family: str, make: Callable[[], object]) -> None:
+    make().save_pretrained(tmp_path)
+    extra = {"data__block_size": 32} if family in NO_CONTEXT else {}
+    config = tiny_config(hf__config_path=str(tmp_path), steps=STEPS, **extra)
+    assert build_model(config).hf.config.model_type == family
+    _, _, layout = model_layout(config)
+    with TrainingSession(config) as session:
+        losses = [session.step().loss for _ in range(config.steps)]
+        masters = master_weights(layout, session.server_masters())
+    reference = reference_train(config, config.steps)
+    assert losses == reference.losses
+    expected = reference.flat(layout)
+    assert torch.equal(masters, expected), f"masters differ by {(masters - expected).abs().max():.3e}"
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        # xIELU's learnable alpha_p/alpha_n are set in the activation's constructor, not by _init_weights.
+        (lambda: T.ApertusConfig(**GQA), "act_fn.alpha_p"),
+        # mup_vector is a buffer the constructor computes and _init_weights does not.
+        (lambda: T.FalconH1Config(**GQA, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8), "mup_vector"),
+    ],
+    ids=["apertus", "falcon_h1"],
+)
+def test_families_whose_initialisation_is_outside_init_weights_are_refused(
+    tmp_path: Path, make: Callable[[], object], named: str
+) -> None:
+    """Workers build the model on the meta device and draw each module's values by its
+    ``_init_weights``: what a constructor sets by itself cannot be drawn that way, so a
+    fresh model of such a family is refused, naming the tensor (a checkpoint_dir, whose
+    values are read, is not concerned)."""
+    make().save_pretrained(tmp_path)
+    config = tiny_config(hf__config_path=str(tmp_path))
+    with torch.device("meta"):
+        model = build_model(config)
+    with pytest.raises(ConfigError, match=named):
+        list(parameter_values(config, model))
+        list(buffer_values(config, model))
