@@ -183,7 +183,21 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Write a checkpoint of the servers' state under ``checkpoint_dir`` and return a
         small dict: ``checkpoint`` (its folder) and ``param_groups`` (each group's options,
-        its ``params`` by name). ``torch.save`` it; the folder must stay where it is."""
+        its ``params`` by name). ``torch.save`` it; the folder must stay where it is.
+
+        Before the first step the servers hold no state of this optimizer, as torch's
+        AdamW holds none: ``checkpoint`` is None and nothing is written (so a
+        ``load_state_dict(state_dict())`` round trip, which accelerate makes when it
+        prepares an optimizer, changes nothing)."""
+        groups = [
+            {
+                **{k: v for k, v in group.items() if k not in ("params", "param_names")},
+                "params": self._group_names(group),
+            }
+            for group in self.param_groups
+        ]
+        if self._updates is None:
+            return {"checkpoint": None, "param_groups": groups}
         store = self._store
         if store is None:
             raise OptimizerError(
@@ -199,26 +213,20 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 options=[dict(zip(HELD_OPTIONS, held)) for held in self._held],
             )
         )
-        groups = [
-            {
-                **{k: v for k, v in group.items() if k not in ("params", "param_names")},
-                "params": self._group_names(group),
-            }
-            for group in self.param_groups
-        ]
         return {"checkpoint": str(path.resolve()), "param_groups": groups}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`: the groups' options, and the servers' state from
         its checkpoint, onto any number of servers; the parameters are set to its weights.
 
-        Before the first step only (the servers hold no state of this optimizer yet).
-        Every check runs before anything changes: another model's state dict is refused,
+        Before the first step only (the servers hold no state of this optimizer yet); one
+        saved before its first step sets only the options. Every check runs before
+        anything changes: another model's state dict is refused,
         naming the parameter or the group that differs.
         """
         if self._updates is not None:
             raise OptimizerError(
-                "load_state_dict() must come before the first step() or state_dict(): from then on the state "
+                "load_state_dict() must come before the first step(): from then on the state "
                 "servers hold this optimizer's state; load into a new OffloadedAdamW with servers of its own"
             )
         if not isinstance(state_dict, Mapping) or not {"checkpoint", "param_groups"} <= state_dict.keys():
@@ -235,10 +243,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
             _check_same_params(index, self._group_names(ours), list(theirs["params"]))
             group_hyper(index, {**ours, **theirs})
         layout = self._require_layout()
-        path = Path(state_dict["checkpoint"])
-        manifest = read_checkpoint(path, layout)
+        checkpoint = state_dict["checkpoint"]
+        manifest = read_checkpoint(Path(checkpoint), layout) if checkpoint is not None else None
         for ours, theirs in zip(self.param_groups, saved):
             ours.update({k: v for k, v in theirs.items() if k != "params"})
+        if manifest is None:  # saved before its first step: the options are all there is
+            return
+        path = Path(checkpoint)
         specs = self._specs()
         self._on_rank_0(lambda: restore_checkpoint(self._servers, layout, self._shares, specs, path, manifest))
         self._updates = manifest.updates
