@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cargohold.api.ranks import Shares
 from cargohold.api.servers import StateServers
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest, check_compatible
 from cargohold.services.errors import CheckpointError
@@ -63,7 +64,12 @@ def read_checkpoint(path: Path, layout: Layout) -> Manifest:
 
 
 def restore_checkpoint(
-    servers: StateServers, layout: Layout, specs: Sequence[SegmentSpec], path: Path, manifest: Manifest
+    servers: StateServers,
+    layout: Layout,
+    shares: Shares,
+    specs: Sequence[SegmentSpec],
+    path: Path,
+    manifest: Manifest,
 ) -> None:
     """Create every segment of ``layout`` (``specs`` by segment id) on its server from the
     checkpoint at ``path``; the servers must hold none of them yet."""
@@ -74,7 +80,11 @@ def restore_checkpoint(
             (
                 str(path),
                 manifest.to_json(),
-                [(specs[s.segment_id], segment_runs(saved, layout, s)) for s in layout.segments_of_server(server)],
+                [
+                    (specs[s.segment_id], segment_runs(saved, layout, s))
+                    for s in layout.segments
+                    if shares.server(s) == server
+                ],
             )
             for server in range(len(servers.addresses))
         ],

@@ -84,18 +84,22 @@ def check_held(index: int, group: Mapping[str, Any], held: tuple[Any, ...]) -> N
             )
 
 
-def group_layout(groups: Sequence[NamedShapes], num_servers: int) -> Layout:
-    """The flat space of the groups' parameters (name, shape), in group order."""
+def group_layout(groups: Sequence[NamedShapes], num_servers: int, ranks: int = 1) -> Layout:
+    """The flat space of the groups' parameters (name, shape), in group order, cut over
+    ``num_servers x ranks`` pieces: with ranks, each server's range in one piece per rank
+    (:class:`~cargohold.api.ranks.Shares`)."""
     try:
         return build_layout(
             [entry for group in groups for entry in group],
             num_workers=1,
-            num_servers=num_servers,
+            num_servers=num_servers * ranks,
             group_sizes=[len(group) for group in groups],
             group_names=[group_name(i) for i in range(len(groups))],
         )
     except LayoutError as error:
-        raise OptimizerError(f"cannot place the parameters on {num_servers} state servers: {error}") from error
+        raise OptimizerError(
+            f"cannot place the parameters on {num_servers} state servers x {ranks} ranks: {error}"
+        ) from error
 
 
 def _plain(value: Any) -> Any:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import ParamsT
 
@@ -22,6 +23,7 @@ from cargohold.api.groups import (
     group_name,
     held_options,
 )
+from cargohold.api.ranks import Shares, share_weights
 from cargohold.api.remote import RemoteSegments
 from cargohold.api.servers import StateServers
 from cargohold.services.checkpoint import CheckpointDir
@@ -29,6 +31,8 @@ from cargohold.services.errors import OptimizerError
 from cargohold.services.layout import Layout, Segment, scatter_params
 from cargohold.services.segment_state import SegmentSpec
 from cargohold.services.wire import DTYPE_NAMES
+
+T = TypeVar("T")
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -65,6 +69,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
     answer within ``connect_timeout_s`` (else the constructor raises, naming it) and
     each call within ``timeout_s``. ``checkpoint_dir``: where :meth:`state_dict` writes
     checkpoints, ``keep_checkpoints`` of which are kept.
+
+    ``process_group``: with several ranks (``torchrun``), each holding the whole model
+    with the same gradients (DDP's), every rank builds the optimizer with this group
+    and the servers from :func:`~cargohold.share_state_servers`. Each rank then pushes
+    and fetches 1/W of the state and receives the rest by broadcast;
+    :meth:`state_dict` and :meth:`load_state_dict` are called on every rank, and rank 0
+    has the servers write or read the checkpoint.
     """
 
     def __init__(
@@ -81,6 +92,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         keep_checkpoints: int = 3,
         timeout_s: float = 300.0,
         connect_timeout_s: float = 30.0,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         self._names = {id(p): name for name, p in model.named_parameters()}
         self._group_of: dict[int, int] = {}
@@ -96,9 +108,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._params: list[torch.Tensor] = [p for group in self.param_groups for p in group["params"]]
         """In layout order: group by group."""
         self._dtypes = [_group_dtype(i, group, self._names) for i, group in enumerate(self.param_groups)]
+        self._group = process_group
+        self._shares = Shares(
+            ranks=dist.get_world_size(process_group) if process_group is not None else 1,
+            rank=dist.get_rank(process_group) if process_group is not None else 0,
+        )
         self._layout = group_layout(
             [[(self._names[id(p)], tuple(p.shape)) for p in group["params"]] for group in self.param_groups],
             len(servers.addresses),
+            self._shares.ranks,
         )
         self._servers = servers
         self._store = (
@@ -108,7 +126,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Updates the servers applied; None until they hold the segments."""
         self._held: list[tuple[Any, ...]] = []
         self._exchange = Exchange(self._layout, self._params, self._dtypes)
-        self._remote = RemoteSegments(servers, timeout_s=timeout_s)
+        self._remote = RemoteSegments(servers, self._shares, timeout_s=timeout_s)
         try:
             self._remote.check_reachable(connect_timeout_s)
         except BaseException:
@@ -151,32 +169,26 @@ class OffloadedAdamW(torch.optim.Optimizer):
         updates = self._start()
         self._exchange.gather_grads()
         self._remote.update(
-            self._segments,
+            self._own,
             updates + 1,
             lr_of=lambda segment: lrs[segment.group],
             gradient=self._exchange.gradient,
             weights=self._exchange.weights_of,
         )
         self._updates = updates + 1
+        self._share_weights()
         self._exchange.scatter_weights()
         return loss
 
     def state_dict(self) -> dict[str, Any]:
         """Write a checkpoint of the servers' state under ``checkpoint_dir`` and return a
         small dict: ``checkpoint`` (its folder) and ``param_groups`` (each group's options,
-        its ``params`` by name). ``torch.save`` it; the folder must stay where it is."""
-        if self._store is None:
-            raise OptimizerError(
-                "state_dict() writes a checkpoint of the state servers' state: build OffloadedAdamW with checkpoint_dir"
-            )
-        updates = self._start()
-        path = save_checkpoint(
-            self._servers,
-            self._require_layout(),
-            self._store,
-            updates=updates,
-            options=[dict(zip(HELD_OPTIONS, held)) for held in self._held],
-        )
+        its ``params`` by name). ``torch.save`` it; the folder must stay where it is.
+
+        Before the first step the servers hold no state of this optimizer, as torch's
+        AdamW holds none: ``checkpoint`` is None and nothing is written (so a
+        ``load_state_dict(state_dict())`` round trip, which accelerate makes when it
+        prepares an optimizer, changes nothing)."""
         groups = [
             {
                 **{k: v for k, v in group.items() if k not in ("params", "param_names")},
@@ -184,19 +196,37 @@ class OffloadedAdamW(torch.optim.Optimizer):
             }
             for group in self.param_groups
         ]
+        if self._updates is None:
+            return {"checkpoint": None, "param_groups": groups}
+        store = self._store
+        if store is None:
+            raise OptimizerError(
+                "state_dict() writes a checkpoint of the state servers' state: build OffloadedAdamW with checkpoint_dir"
+            )
+        updates = self._start()
+        path = self._on_rank_0(
+            lambda: save_checkpoint(
+                self._servers,
+                self._require_layout(),
+                store,
+                updates=updates,
+                options=[dict(zip(HELD_OPTIONS, held)) for held in self._held],
+            )
+        )
         return {"checkpoint": str(path.resolve()), "param_groups": groups}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`: the groups' options, and the servers' state from
         its checkpoint, onto any number of servers; the parameters are set to its weights.
 
-        Before the first step only (the servers hold no state of this optimizer yet).
-        Every check runs before anything changes: another model's state dict is refused,
+        Before the first step only (the servers hold no state of this optimizer yet); one
+        saved before its first step sets only the options. Every check runs before
+        anything changes: another model's state dict is refused,
         naming the parameter or the group that differs.
         """
         if self._updates is not None:
             raise OptimizerError(
-                "load_state_dict() must come before the first step() or state_dict(): from then on the state "
+                "load_state_dict() must come before the first step(): from then on the state "
                 "servers hold this optimizer's state; load into a new OffloadedAdamW with servers of its own"
             )
         if not isinstance(state_dict, Mapping) or not {"checkpoint", "param_groups"} <= state_dict.keys():
@@ -213,13 +243,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
             _check_same_params(index, self._group_names(ours), list(theirs["params"]))
             group_hyper(index, {**ours, **theirs})
         layout = self._require_layout()
-        path = Path(state_dict["checkpoint"])
-        manifest = read_checkpoint(path, layout)
+        checkpoint = state_dict["checkpoint"]
+        manifest = read_checkpoint(Path(checkpoint), layout) if checkpoint is not None else None
         for ours, theirs in zip(self.param_groups, saved):
             ours.update({k: v for k, v in theirs.items() if k != "params"})
-        restore_checkpoint(self._servers, layout, self._specs(), path, manifest)
+        if manifest is None:  # saved before its first step: the options are all there is
+            return
+        path = Path(checkpoint)
+        specs = self._specs()
+        self._on_rank_0(lambda: restore_checkpoint(self._servers, layout, self._shares, specs, path, manifest))
         self._updates = manifest.updates
-        self._remote.fetch(self._segments, manifest.updates, self._exchange.weights_of)
+        self._remote.fetch(self._own, manifest.updates, self._exchange.weights_of)
+        self._share_weights()
         self._exchange.scatter_weights()
 
     def close(self) -> None:
@@ -230,13 +265,34 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _segments(self) -> tuple[Segment, ...]:
         return self._require_layout().segments
 
+    @property
+    def _own(self) -> tuple[Segment, ...]:
+        """The segments this process pushes and fetches: its rank's (all, alone)."""
+        return tuple(s for s in self._segments if self._shares.rank_of(s) == self._shares.rank)
+
+    def _share_weights(self) -> None:
+        """With a process group, every rank receives the weights the others fetched."""
+        if self._shares.ranks > 1:
+            share_weights(self._segments, self._shares, self._exchange.weights_of, self._group)
+
+    def _on_rank_0(self, action: Callable[[], T]) -> T:
+        """``action()`` here, or with a process group on its rank 0 only (the one that
+        started the servers and so may order checkpoints), its result sent to every rank
+        after it ended."""
+        if self._shares.ranks == 1:
+            return action()
+        result: list[object] = [action() if self._shares.rank == 0 else None]
+        dist.broadcast_object_list(result, group=self._group, group_src=0)
+        return result[0]  # type: ignore[return-value]
+
     def _start(self) -> int:
         """The update count, registering the segments with the parameters' current values
         first if the servers hold none yet; refuses a group whose held options changed."""
         if self._updates is None:
             specs = self._specs()
             initial = scatter_params(self._require_layout(), [p.detach() for p in self._params])
-            self._remote.register(specs, [s.server for s in self._segments], initial)
+            own = self._own
+            self._remote.register([specs[s.segment_id] for s in own], [self._shares.server(s) for s in own], initial)
             self._updates = 0
         for index, group in enumerate(self.param_groups):
             check_held(index, group, self._held[index])

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from cargohold.api.ranks import Shares
 from cargohold.api.servers import StateServers
 from cargohold.services.errors import OptimizerError, TransportError
 from cargohold.services.layout import Segment
@@ -23,8 +24,9 @@ MAX_CALLS = 16
 class RemoteSegments:
     """The clients of one optimizer's servers, and its segments' calls on them."""
 
-    def __init__(self, servers: StateServers, *, timeout_s: float) -> None:
+    def __init__(self, servers: StateServers, shares: Shares, *, timeout_s: float) -> None:
         self.servers = servers
+        self._shares = shares
         self.clients = [
             StateServerClient(address, timeout_s=timeout_s, auth_token=servers.token, tls=servers.tls)
             for address in servers.addresses
@@ -72,7 +74,7 @@ class RemoteSegments:
         run_id = self.servers.run_id
 
         def step(segment: Segment) -> None:
-            client, out = self.clients[segment.server], weights(segment)
+            client, out = self.clients[self._shares.server(segment)], weights(segment)
             dtype = DTYPE_NAMES[out.dtype]
             client.push(run_id, segment.segment_id, update, gradient(segment), lr=lr_of(segment), prepare=dtype)
             client.fetch(run_id, segment.segment_id, update, dtype, segment.numel, out=out)
@@ -84,7 +86,7 @@ class RemoteSegments:
 
         def fetch(segment: Segment) -> None:
             out = weights(segment)
-            self.clients[segment.server].fetch(
+            self.clients[self._shares.server(segment)].fetch(
                 self.servers.run_id, segment.segment_id, update, DTYPE_NAMES[out.dtype], segment.numel, out=out
             )
 

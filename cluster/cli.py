@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
 
         open_source(config)  # bad data (a missing file, a bad line) is a bad configuration too
         open_eval_set(config)
+        if config.optim.param_groups:  # their patterns meet the model's parameter names
+            from cargohold.services.model_setup import model_layout
+            from cargohold.services.param_groups import resolve_param_groups
+
+            resolve_param_groups(config.optim, model_layout(config)[2].params)
     except ConfigError as error:
         print(f"cargohold: bad configuration: {error}", file=sys.stderr)
         return EXIT_BAD_CONFIG

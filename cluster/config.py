@@ -13,8 +13,8 @@ from typing import Literal
 
 from cargohold.cluster.config_eval import EvalConfig
 from cargohold.cluster.config_model import GPTConfig, HFModelConfig
+from cargohold.cluster.config_optim import OptimConfig
 from cargohold.services.errors import ConfigError
-from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import elements_per_partition
 from cargohold.services.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
@@ -101,57 +101,6 @@ class DataConfig:
     def record_field(self) -> str:
         """The field jsonl, chat and hf_dataset records are read from."""
         return self.field or TEXT_FIELDS.get(self.format, "text")
-
-
-@dataclass(kw_only=True, slots=True)
-class OptimConfig:
-    lr: float = 1e-3
-    """Peak learning rate."""
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    """Decoupled (AdamW) weight decay, applied to every parameter."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient L2 norm to this; 0 disables clipping."""
-    warmup_steps: int = 0
-    """Linear warm-up from lr/warmup_steps to lr over this many steps."""
-    schedule: Literal["constant", "cosine"] = "constant"
-    """After warm-up: keep lr, or decay it along a cosine to lr * min_lr_ratio."""
-    min_lr_ratio: float = 0.1
-    nonfinite: Literal["skip", "fail", "ignore"] = "skip"
-    """A step whose global gradient norm is NaN or Inf: skip its update (logged, counted in
-    cargohold_worker_skipped_steps_total), fail the run, or apply it unchecked. With
-    "ignore" and no clipping, servers apply each unit's gradients while backward still runs."""
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ConfigError(f"optim.lr must be a finite number > 0, got {self.lr}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        self.hyper_params()  # validates betas, eps, weight decay and clipping
-
-    def hyper_params(self) -> AdamWHyperParams:
-        return AdamWHyperParams(
-            beta1=self.beta1,
-            beta2=self.beta2,
-            eps=self.eps,
-            weight_decay=self.weight_decay,
-            max_grad_norm=self.max_grad_norm,
-        )
-
-    def lr_at(self, step: int, total_steps: int) -> float:
-        """Learning rate for ``step`` (1-based) of a run of ``total_steps``."""
-        if self.warmup_steps and step <= self.warmup_steps:
-            return self.lr * step / self.warmup_steps
-        if self.schedule == "constant":
-            return self.lr
-        span = max(1, total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        floor = self.lr * self.min_lr_ratio
-        return floor + 0.5 * (self.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass(kw_only=True, slots=True)

@@ -100,11 +100,17 @@ def _sections(cls: type, prefix: str) -> list[tuple[str, str, type]]:
     for f in dataclasses.fields(cls):
         if f.init and _is_section(hints[f.name]):
             found.extend(_sections(hints[f.name], f"{prefix}{f.name}."))
+        elif f.init and _is_list_of_sections(hints[f.name]):  # its items' keys: `optim.param_groups[].name`
+            found.extend(_sections(typing.get_args(hints[f.name])[0], f"{prefix}{f.name}[]."))
     return found
 
 
 def _is_section(hint: Any) -> bool:
     return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+def _is_list_of_sections(hint: Any) -> bool:
+    return typing.get_origin(hint) is list and _is_section(typing.get_args(hint)[0])
 
 
 def _render_section(title: str, prefix: str, cls: type) -> str:

@@ -29,6 +29,7 @@ from cargohold.services.data.evaluation import open_eval_set
 from cargohold.services.data.sources import open_source
 from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
 from cargohold.services.model_setup import model_layout
+from cargohold.services.param_groups import resolve_param_groups
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.state_port import segment_spec
 from cargohold.services.state_server import StateServer
@@ -82,6 +83,7 @@ class TrainingSession:
         self.config = config
         self.resume = resume
         _, _, self.layout = model_layout(config)
+        self.param_groups = resolve_param_groups(config.optim, self.layout.params)  # bad patterns: before any actor
         open_source(config)  # refuses bad data before any actor starts; fills the cache the workers read
         open_eval_set(config)  # the same for held-out data
         self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -208,7 +210,10 @@ class TrainingSession:
                     str(directory),
                     manifest.to_json(),
                     [
-                        (segment_spec(self.config, self.run_id, seg), segment_runs(saved, self.layout, seg))
+                        (
+                            segment_spec(self.config, self.run_id, seg, self.param_groups),
+                            segment_runs(saved, self.layout, seg),
+                        )
                         for seg in self.layout.segments_of_server(i)
                     ],
                 )

@@ -17,7 +17,8 @@ Every key is compared but ``checkpoint.resume`` (how a run starts, not what it i
   ``data.corpus_bytes``: batches and dropout's draws are a function of them and the
   step, so a resume that promises to continue the run bitwise could not);
 * **warned about** otherwise, in one line: the learning-rate schedule and the other
-  optimizer settings, ``steps``, batch size, worker and server counts, dtypes, tiers,
+  optimizer settings (weight decay and param groups too: the saved moments are per
+  element, whatever group updates them), ``steps``, batch size, worker and server counts, dtypes, tiers,
   paths, metrics, logging. The saved state keeps its meaning and the run goes on from it
   as now configured; with other numbers than the saved run's, it is no longer bitwise
   that run's continuation. ``data.micro_batches`` is one of these, as ``data.batch_size``

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,6 +41,53 @@ class AdamWHyperParams:
             raise ConfigError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         if not self.max_grad_norm >= 0.0:
             raise ConfigError(f"optim.max_grad_norm must be >= 0, got {self.max_grad_norm}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateGroup:
+    """What sets a param group's update apart inside a segment: its weight decay, and its
+    learning rate as a multiple of the one each step brings (the CLI's
+    ``optim.param_groups``, ``lr_mult``)."""
+
+    weight_decay: float
+    lr_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0.0):
+            raise ConfigError(f"a param group's weight_decay must be finite and >= 0, got {self.weight_decay}")
+        if not (math.isfinite(self.lr_scale) and self.lr_scale >= 0.0):
+            raise ConfigError(f"a param group's lr multiplier must be finite and >= 0, got {self.lr_scale}")
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentGroup:
+    """Fragments updated by one call of the fused kernel, as ``torch.optim.AdamW`` makes
+    one per param group: ``(offset, length)`` runs with the group's constants."""
+
+    fragments: tuple[tuple[int, int], ...]
+    hyper: AdamWHyperParams
+    lr_scale: float = 1.0
+
+
+def fragment_groups(
+    fragments: Sequence[tuple[int, int]],
+    hyper: AdamWHyperParams,
+    groups: Sequence[UpdateGroup] = (),
+    fragment_group: Sequence[int] = (),
+) -> tuple[FragmentGroup, ...]:
+    """A segment's fragments sorted into kernel calls: by ``fragment_group`` (each
+    fragment's index in ``groups``), each group with ``hyper`` but its own weight decay;
+    without groups, all of them in one call with ``hyper``."""
+    if not groups:
+        return (FragmentGroup(tuple(fragments), hyper),)
+    return tuple(
+        FragmentGroup(
+            tuple(f for f, g in zip(fragments, fragment_group) if g == index),
+            replace(hyper, weight_decay=group.weight_decay),
+            group.lr_scale,
+        )
+        for index, group in enumerate(groups)
+    )
 
 
 @dataclass(slots=True)
@@ -94,36 +141,43 @@ def apply_update(
     master: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    fragments: Sequence[tuple[int, int]],
+    groups: Sequence[FragmentGroup],
     gradient: torch.Tensor,
     *,
     step: torch.Tensor,
     coefficient: torch.Tensor | None,
     lr: float,
-    hyper: AdamWHyperParams,
     owned: bool,
 ) -> None:
     """The state server's update of one piece of a shard: AdamW at ``step`` over the real
-    elements (``(offset, length)`` ``fragments``) of ``master`` and the moments, with
-    ``gradient`` (parallel to them, in the wire dtype) clipped by ``coefficient``.
+    elements (the ``groups``' fragments) of ``master`` and the moments, with ``gradient``
+    (parallel to them, in the wire dtype) clipped by ``coefficient``; one kernel call per
+    group, at ``lr`` times its ``lr_scale``.
 
     A bf16 gradient is cast to fp32 (a new tensor, scaled in place). An fp32 one is read in
     place: scaled in place when ``owned`` (the caller hands it over), else clipped into new
     tensors, so that it stays exactly as it was and a retried update can pass it again.
     """
-
-    def views(t: torch.Tensor) -> list[torch.Tensor]:
-        return [t[offset : offset + length] for offset, length in fragments]
-
     if gradient.dtype != torch.float32:
-        grads = views(gradient.to(torch.float32))
-        clip_(grads, coefficient)
-    elif owned:
+        gradient, owned = gradient.to(torch.float32), True
+    for group in groups:
+
+        def views(t: torch.Tensor, fragments: Sequence[tuple[int, int]] = group.fragments) -> list[torch.Tensor]:
+            return [t[offset : offset + length] for offset, length in fragments]
+
         grads = views(gradient)
-        clip_(grads, coefficient)
-    else:
-        grads = clipped(views(gradient), coefficient)
-    fused_adamw_(AdamWState(views(master), views(exp_avg), views(exp_avg_sq), step), grads, lr=lr, hyper=hyper)
+        if owned:
+            clip_(grads, coefficient)
+        else:
+            grads = clipped(grads, coefficient)
+        state = AdamWState(views(master), views(exp_avg), views(exp_avg_sq), step)
+        fused_adamw_(state, grads, lr=group_lr(lr, group.lr_scale), hyper=group.hyper)
+
+
+def group_lr(lr: float, lr_scale: float) -> float:
+    """A param group's learning rate: the step's times the group's multiplier, in double
+    precision as torch's param group holds it (so ``base * mult`` there is the same number)."""
+    return lr * lr_scale
 
 
 def clip_(gradients: Sequence[torch.Tensor], coefficient: torch.Tensor | None) -> None:

@@ -22,7 +22,7 @@ from cargohold.services.errors import (
     StepMismatchError,
     UnknownShardError,
 )
-from cargohold.services.optim import AdamWHyperParams, clip_coefficient
+from cargohold.services.optim import AdamWHyperParams, FragmentGroup, UpdateGroup, clip_coefficient, fragment_groups
 from cargohold.services.tiers.preserve import PreservedPartition
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.source import StateSource, tensor_source
@@ -43,6 +43,11 @@ class SegmentSpec:
     """(offset, length) of each run of real parameter elements inside the segment."""
     grad_dtype: str
     hyper: AdamWHyperParams
+    groups: tuple[UpdateGroup, ...] = ()
+    """The param groups among the fragments, each with its weight decay and lr multiplier;
+    empty: one, with ``hyper.weight_decay`` at the pushed lr."""
+    fragment_group: tuple[int, ...] = ()
+    """Each fragment's index in ``groups`` (empty with them)."""
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -61,6 +66,17 @@ class SegmentSpec:
                     f"or leaves the segment of {self.numel} elements"
                 )
             end = offset + length
+        if len(self.fragment_group) != (len(self.fragments) if self.groups else 0) or any(
+            not 0 <= g < len(self.groups) for g in self.fragment_group
+        ):
+            raise InvalidTensorError(
+                f"shard {self.segment_id}: fragment groups {self.fragment_group} do not name one of the "
+                f"{len(self.groups)} param groups for each of the {len(self.fragments)} fragments"
+            )
+
+    def fragment_groups(self) -> tuple[FragmentGroup, ...]:
+        """The fragments as the update's kernel calls, one per param group."""
+        return fragment_groups(self.fragments, self.hyper, self.groups, self.fragment_group)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +129,7 @@ class SegmentState:
         self._storage = storage if storage is not None else TieredStorage()
         self._storage.add_shard(spec.run_id, spec.segment_id, spec.numel, spec.fragments, source, step=updates)
         self._updates = updates
+        self._groups = spec.fragment_groups()
         self._prepared: tuple[int, str, torch.Tensor] | None = None
         """(update, dtype, weights) that the latest update prepared, until fetched once."""
         self._spare: torch.Tensor | None = None
@@ -180,7 +197,7 @@ class SegmentState:
                     gradient,
                     coefficient=clip_coefficient(global_norm, self.spec.hyper.max_grad_norm),
                     lr=lr,
-                    hyper=self.spec.hyper,
+                    groups=self._groups,
                     gradient_owned=owned,
                     weights_dtype=WIRE_DTYPES[prepare] if prepare is not None else None,
                     weights_out=spare,

@@ -21,13 +21,15 @@ from cargohold.cluster.config import TrainConfig
 from cargohold.services.layout import Segment
 from cargohold.services.metrics import WorkerMetrics
 from cargohold.services.page_lock import PageLock, PageLockRefused, page_lock, pinned_empty
+from cargohold.services.param_groups import ParamGroups
 from cargohold.services.segment_state import GradientStaging, SegmentRegistry, SegmentSpec
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.shm import SharedRegion
 
 
-def segment_spec(config: TrainConfig, run_id: str, segment: Segment) -> SegmentSpec:
+def segment_spec(config: TrainConfig, run_id: str, segment: Segment, param_groups: ParamGroups) -> SegmentSpec:
     """What a state server is told about one segment it owns."""
+    groups, fragment_group = param_groups.of_segment(segment)
     return SegmentSpec(
         run_id=run_id,
         segment_id=segment.segment_id,
@@ -36,6 +38,8 @@ def segment_spec(config: TrainConfig, run_id: str, segment: Segment) -> SegmentS
         fragments=tuple((f.segment_start, f.length) for f in segment.fragments),
         grad_dtype=config.push_dtype,
         hyper=config.optim.hyper_params(),
+        groups=groups,
+        fragment_group=fragment_group,
     )
 
 
@@ -195,9 +199,11 @@ class RemotePort:
         buffers: ExchangeBuffers,
         shared: set[int],
         metrics: WorkerMetrics,
+        param_groups: ParamGroups,
     ) -> None:
         self.config = config
         self.run_id = run_id
+        self.param_groups = param_groups
         self.clients = clients
         self.buffers = buffers
         self.shared = shared if buffers.region is not None else set()
@@ -205,7 +211,9 @@ class RemotePort:
 
     def register(self, segment: Segment, initial: torch.Tensor) -> int:
         self.clients[segment.server].wait_ready()
-        step, _ = self.clients[segment.server].register(segment_spec(self.config, self.run_id, segment), initial)
+        step, _ = self.clients[segment.server].register(
+            segment_spec(self.config, self.run_id, segment, self.param_groups), initial
+        )
         return step
 
     def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
@@ -263,14 +271,19 @@ def _path_label(rpc: str, shm: bool, client: StateServerClient) -> str:
 class LocalPort:
     """State in this process: the same registry and staging a state server runs."""
 
-    def __init__(self, config: TrainConfig, run_id: str, registry: SegmentRegistry | None = None) -> None:
+    def __init__(
+        self, config: TrainConfig, run_id: str, param_groups: ParamGroups, registry: SegmentRegistry | None = None
+    ) -> None:
         self.config = config
         self.run_id = run_id
+        self.param_groups = param_groups
         self.registry = registry if registry is not None else SegmentRegistry()
         self._staging = GradientStaging()
 
     def register(self, segment: Segment, initial: torch.Tensor) -> int:
-        return self.registry.register(segment_spec(self.config, self.run_id, segment), initial.clone()).updates
+        return self.registry.register(
+            segment_spec(self.config, self.run_id, segment, self.param_groups), initial.clone()
+        ).updates
 
     def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
         state = self.registry.get(self.run_id, segment.segment_id)

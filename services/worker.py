@@ -27,6 +27,7 @@ from cargohold.services.metrics import WorkerMetrics
 from cargohold.services.model_setup import exchange_buffers, resolve_device, sharded_model, step_policy
 from cargohold.services.models.build import build_model, parameter_values
 from cargohold.services.node import node_ip
+from cargohold.services.param_groups import resolve_param_groups
 from cargohold.services.sharding import local_tensors
 from cargohold.services.state_port import ExchangeBuffers, RemotePort
 from cargohold.services.step import EvalReport, ShardedStep, StepReport
@@ -110,7 +111,15 @@ class TrainingWorker:
             )
             for address in self._server_addresses
         ]
-        state_port = RemotePort(config, self.run_id, clients, buffers, shared, self.metrics)
+        state_port = RemotePort(
+            config,
+            self.run_id,
+            clients,
+            buffers,
+            shared,
+            self.metrics,
+            resolve_param_groups(config.optim, layout.params),
+        )
         self.step = ShardedStep(
             model, units, layout, self.rank, state_port, buffers, step_policy(config), device=self.device
         )

@@ -37,6 +37,7 @@ from cargohold.services.layout import Layout, scatter_params
 from cargohold.services.model_setup import model_layout
 from cargohold.services.models.blocks import transformer_blocks
 from cargohold.services.models.build import build_model
+from cargohold.services.param_groups import resolve_param_groups
 from cargohold.services.sharding import local_tensors, params_to_range, units_of
 from cargohold.services.wire import WIRE_DTYPES
 
@@ -118,9 +119,7 @@ def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.
     history = [[m.detach().clone() for m in masters]]
     warm_up = config.worker.delayed_update_after_steps
     o = config.optim
-    optimizer = torch.optim.AdamW(
-        masters, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
-    )
+    optimizer = torch_adamw(config, dict(zip(names, masters)))
     data = open_source(config)
     losses = []
     evals: dict[int, float] = {}
@@ -154,8 +153,7 @@ def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.
             master.grad = grad
         if o.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(masters, o.max_grad_norm)
-        for group in optimizer.param_groups:
-            group["lr"] = o.lr_at(step, config.steps)
+        set_lr(optimizer, o.lr_at(step, config.steps))
         optimizer.step()
         history.append([m.detach().clone() for m in masters])
         if step in eval_steps:
@@ -171,6 +169,30 @@ def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.
         losses=losses,
         evals=evals,
     )
+
+
+def torch_adamw(config: TrainConfig, params: dict[str, torch.nn.Parameter]) -> torch.optim.AdamW:
+    """torch's AdamW(fused=True) over ``params`` (by name) with the param groups the config
+    gives them (``optim.no_decay``, ``optim.param_groups``): each group's weight decay,
+    and its lr multiplier kept as ``lr_mult`` for :func:`set_lr`."""
+    o = config.optim
+    layout = model_layout(config)[2]
+    resolved = resolve_param_groups(o, layout.params)
+    groups = [
+        {
+            "params": [params[name] for name in resolved.members(index, layout)],
+            "weight_decay": group.weight_decay,
+            "lr_mult": group.lr_scale,
+        }
+        for index, group in enumerate(resolved.groups)
+    ]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Each group's lr for the step: the schedule's times the group's multiplier."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group["lr_mult"]
 
 
 def fsdp_reference_train(config: TrainConfig, steps: int) -> FlatReference:
@@ -204,9 +226,7 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
         fully_shard(model, mp_policy=policy, reshard_after_forward=False)
         o = config.optim
         params = [dict(model.named_parameters())[slot.name] for slot in layout.params]
-        optimizer = torch.optim.AdamW(
-            params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
-        )
+        optimizer = torch_adamw(config, dict(model.named_parameters()))
         data = open_source(config)
         losses = []
         micro_batches = config.data.micro_batches
@@ -226,8 +246,7 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
             losses.append(float(total) / world)
             if o.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm)
-            for group in optimizer.param_groups:
-                group["lr"] = o.lr_at(step, config.steps)
+            set_lr(optimizer, o.lr_at(step, config.steps))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         state = [optimizer.state[p] for p in params]

@@ -1,5 +1,5 @@
 """docs/api.md: its reference is what the docstrings of the public names render to now,
-and its launcher example is a valid config (its OffloadedAdamW loop runs in
+and its launcher example is a valid config whose param groups match the model (its OffloadedAdamW loop runs in
 test_offloaded_adamw_ray.py)."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import pytest
 import cargohold
 from cargohold.api import reference
 from cargohold.cluster.config_io import load_config
+from cargohold.services.model_setup import model_layout
+from cargohold.services.param_groups import resolve_param_groups
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 
@@ -46,3 +48,5 @@ def test_the_launcher_example_is_a_valid_config(tmp_path: Path) -> None:
     (tmp_path / "run.yaml").write_text(match.group(1))
     config = load_config(str(tmp_path / "run.yaml"), [])
     assert config.state_server.num_servers == 2 and config.checkpoint.every_steps == 50
+    groups = resolve_param_groups(config.optim, model_layout(config)[2].params)  # its patterns match
+    assert len(groups.groups) == 3  # the head (no decay, lr x 1) shares the biases and norms' kernel call

@@ -112,7 +112,14 @@ def test_the_core_imports_only_the_core() -> None:
     assert not outside, f"core modules importing beyond the core: {outside}"
 
 
-SCHEMA = frozenset({"cargohold.cluster.config", "cargohold.cluster.config_model", "cargohold.cluster.config_eval"})
+SCHEMA = frozenset(
+    {
+        "cargohold.cluster.config",
+        "cargohold.cluster.config_model",
+        "cargohold.cluster.config_eval",
+        "cargohold.cluster.config_optim",
+    }
+)
 """The config schema: its dataclasses, which services may read."""
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,6 @@ from cargohold.cluster.config import (
     ClusterConfig,
     DataConfig,
     MetricsConfig,
-    OptimConfig,
     StateServerConfig,
     TrainConfig,
     WorkerConfig,
@@ -25,6 +25,7 @@ from cargohold.cluster.config import (
 from cargohold.cluster.config_docs import REGENERATE, render_reference, type_name
 from cargohold.cluster.config_io import from_dict, load_config, to_dict
 from cargohold.cluster.config_model import GPTConfig
+from cargohold.cluster.config_optim import OptimConfig
 from cargohold.services.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
@@ -73,6 +74,12 @@ CONFIG_SURFACE = [
     "optim.beta2",
     "optim.eps",
     "optim.weight_decay",
+    "optim.no_decay",
+    "optim.param_groups",
+    "optim.param_groups[].name",
+    "optim.param_groups[].params",
+    "optim.param_groups[].lr_mult",
+    "optim.param_groups[].weight_decay",
     "optim.max_grad_norm",
     "optim.warmup_steps",
     "optim.schedule",
@@ -144,13 +151,18 @@ def _assert_names(error: pytest.ExceptionInfo[ConfigError], key: str) -> None:
 
 
 def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every key of ``cls``; a list of sections is a key, and its items' keys follow it
+    (``optim.param_groups``, then ``optim.param_groups[].name``)."""
     keys = []
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if dataclasses.is_dataclass(default):
-            keys += _dotted_keys(type(default), f"{prefix}{f.name}.")
-        else:
-            keys.append(prefix + f.name)
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys += _dotted_keys(hint, f"{prefix}{f.name}.")
+            continue
+        keys.append(prefix + f.name)
+        if typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+            keys += _dotted_keys(typing.get_args(hint)[0], f"{prefix}{f.name}[].")
     return keys
 
 

@@ -93,10 +93,15 @@ def test_held_options_may_not_change_after_the_first_step(servers) -> None:
 
 
 def _saved(tmp_path: Path, model: nn.Module, groups: list[dict]) -> dict:
+    """A state dict of ``model`` after one step (its checkpoint holds the servers' state)."""
     with local_servers(1) as servers:
         optimizer = OffloadedAdamW(groups, lr=LR, model=model, servers=servers, checkpoint_dir=tmp_path)
+        first = next(model.parameters())
+        model(torch.randn(2, first.shape[1])).sum().backward()
+        optimizer.step()
         state = optimizer.state_dict()
         optimizer.close()
+    assert state["checkpoint"] is not None
     return state
 
 
@@ -117,6 +122,20 @@ def test_a_state_dict_of_another_model_is_refused_naming_the_parameter(servers, 
     with pytest.raises(OptimizerError, match="not a state dict of OffloadedAdamW"):
         optimizer.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
     assert_same_bits(model, TinyMLP())  # nothing was loaded
+    optimizer.close()
+
+
+def test_a_state_dict_before_the_first_step_holds_only_the_options(servers) -> None:
+    """As torch's AdamW's: nothing is written, no checkpoint_dir is needed, and loading it
+    back (accelerate's round trip when it prepares an optimizer) sets only the options."""
+    model = TinyMLP()
+    optimizer = offloaded(model, servers)
+    state = optimizer.state_dict()
+    assert state["checkpoint"] is None
+    state["param_groups"][0]["lr"] = 0.5
+    optimizer.load_state_dict(state)
+    assert optimizer.param_groups[0]["lr"] == 0.5
+    assert_same_bits(model, TinyMLP())
     optimizer.close()
 
 

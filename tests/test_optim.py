@@ -24,7 +24,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cargohold.services.layout import build_layout
-from cargohold.services.optim import AdamWHyperParams, AdamWState, apply_update, clip_coefficient
+from cargohold.services.optim import (
+    AdamWHyperParams,
+    AdamWState,
+    FragmentGroup,
+    UpdateGroup,
+    apply_update,
+    clip_coefficient,
+    fragment_groups,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -214,12 +222,11 @@ def test_the_servers_update_of_a_piece_equals_adamw_step_and_keeps_a_borrowed_gr
         given = gradient.clone()
         apply_update(
             *arrays,
-            fragments,
+            [FragmentGroup(fragments, HYPER)],
             given,
             step=torch.tensor(1.0),
             coefficient=coefficient,
             lr=1e-2,
-            hyper=HYPER,
             owned=owned,
         )
         if not owned:
@@ -242,3 +249,48 @@ def test_the_servers_update_of_a_piece_equals_adamw_step_and_keeps_a_borrowed_gr
         global_norm=10.0,
     )
     assert all(torch.equal(v(results[0][0]), m) for v, m in zip(views, state.master))
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
+def test_param_groups_in_one_piece_equal_torch_adamw_with_the_same_groups(wire: torch.dtype) -> None:
+    """Fragments of two param groups interleaved in one piece (no decay and half the lr
+    for the second, as the CLI's optim.param_groups make them) update as
+    torch.optim.AdamW(fused=True) with those two param groups, bit for bit, over 5 steps
+    with a changing lr; the padding between them stays as it was."""
+    torch.manual_seed(1)
+    fragments = ((0, 64), (64, 70), (192, 128), (320, 3))
+    tagged = (0, 1, 0, 1)
+    hyper = AdamWHyperParams(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
+    groups = fragment_groups(
+        fragments, hyper, (UpdateGroup(weight_decay=0.1), UpdateGroup(weight_decay=0.0, lr_scale=0.5)), tagged
+    )
+    master = torch.randn(384)
+    arrays = (master.clone(), torch.zeros(384), torch.zeros(384))
+    params = [torch.nn.Parameter(master[o : o + n].clone()) for o, n in fragments]
+    reference = torch.optim.AdamW(
+        [
+            {"params": [p for p, g in zip(params, tagged) if g == index], "weight_decay": decay}
+            for index, decay in enumerate((0.1, 0.0))
+        ],
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=True,
+    )
+    for step in range(1, 6):
+        lr = 1e-2 / step
+        gradient = torch.randn(384).to(wire)
+        coefficient = clip_coefficient(
+            float(torch.cat([gradient[o : o + n].float() for o, n in fragments]).norm()), 1.0
+        )
+        apply_update(
+            *arrays, groups, gradient, step=torch.tensor(float(step)), coefficient=coefficient, lr=lr, owned=False
+        )
+        for param, (offset, length) in zip(params, fragments):
+            param.grad = gradient[offset : offset + length].float() * coefficient  # clip_grad_norm_'s product
+        for group, scale in zip(reference.param_groups, (1.0, 0.5)):
+            group["lr"] = lr * scale
+        reference.step()
+    for param, (offset, length) in zip(params, fragments):
+        assert torch.equal(arrays[0][offset : offset + length], param.detach())
+        assert torch.equal(arrays[2][offset : offset + length], reference.state[param]["exp_avg_sq"])
+    assert torch.equal(arrays[0][134:192], master[134:192])

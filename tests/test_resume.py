@@ -82,6 +82,8 @@ def test_other_changed_keys_are_warned_about_in_one_line(tmp_path: Path, caplog)
         "state_server__num_servers": 3,
         "worker__compute_dtype": "bfloat16",
         "model__dropout": 0.1,
+        "optim__no_decay": "biases_and_norms",
+        "optim__param_groups": [{"name": "emb", "params": ["wte.*"], "lr_mult": 0.5}],
     }
     with caplog.at_level(logging.WARNING, logger="cargohold.cluster.resume"):
         assert _check(path, **changed).step == 2
@@ -96,6 +98,8 @@ def test_other_changed_keys_are_warned_about_in_one_line(tmp_path: Path, caplog)
         "state_server.num_servers: 1 -> 3",
         'worker.compute_dtype: "float32" -> "bfloat16"',
         "model.dropout: 0.0 -> 0.1",
+        'optim.no_decay: "none" -> "biases_and_norms"',
+        'optim.param_groups: [] -> [{"lr_mult": 0.5, "name": "emb", "params": ["wte.*"], "weight_decay": null}]',
     ):
         assert shown in record.getMessage()
     assert "checkpoint.resume" not in record.getMessage()

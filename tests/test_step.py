@@ -18,6 +18,7 @@ from cargohold.services.data import dropout_seed
 from cargohold.services.data.sources import open_source
 from cargohold.services.model_setup import exchange_buffers, model_layout, sharded_model, step_policy
 from cargohold.services.models.build import build_model, parameter_values
+from cargohold.services.param_groups import resolve_param_groups
 from cargohold.services.state_port import ExchangeBuffers, LocalPort
 from cargohold.services.step import ShardedStep
 
@@ -51,7 +52,7 @@ def _train(rank: int, config, folder: Path) -> None:
     device = torch.device("cpu")
     model, units, layout = sharded_model(config, device)
     buffers = exchange_buffers(config, layout)
-    port_ = LocalPort(config, "run")
+    port_ = LocalPort(config, "run", resolve_param_groups(config.optim, layout.params))
     step = ShardedStep(model, units, layout, rank, port_, buffers, step_policy(config), device=device)
     with torch.device("meta"):
         shapes = build_model(config)

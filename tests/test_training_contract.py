@@ -60,6 +60,14 @@ def _run(config):
     return layout, losses, weights, server
 
 
+PARAM_GROUPS = [
+    {"name": "embeddings", "params": ["wte.*", "wpe.*"], "lr_mult": 0.5},
+    {"name": "head", "params": ["lm_head.weight"], "lr_mult": 2.0, "weight_decay": 0.3},
+    {"name": "last-block-norms", "params": ["blocks.1.ln_*"], "lr_mult": 0.25},
+]
+"""Groups over the tiny GPT's parameters: a group decaying per the rule, one with its own
+decay, one of norms (so no decay) at a quarter of the lr."""
+
 CASES = {
     # Workers and servers share the node, so payloads go through shared memory unless
     # worker.shared_memory is off (then they take state_server.data_plane, as across
@@ -93,6 +101,11 @@ CASES = {
     "2-servers-bf16-offload-params": dict(
         state_server__num_servers=2, worker__compute_dtype="bfloat16", worker__offload_params=True
     ),
+    # Param groups: biases and norms without decay, lr multipliers; every segment holds
+    # fragments of several groups, one kernel call each (torch: one AdamW param group each).
+    "2-servers-param-groups": dict(
+        state_server__num_servers=2, optim__no_decay="biases_and_norms", optim__param_groups=PARAM_GROUPS
+    ),
 }
 
 
@@ -110,6 +123,12 @@ FSDP_CASES = {
     # Three workers: rows that do not divide evenly. Against one process this cannot be
     # bitwise (gloo sums three gradients in another order than a + b + c).
     "3-workers-bf16": dict(worker__num_workers=3, worker__compute_dtype="bfloat16"),
+    "3-workers-bf16-param-groups": dict(
+        worker__num_workers=3,
+        worker__compute_dtype="bfloat16",
+        optim__no_decay="biases_and_norms",
+        optim__param_groups=PARAM_GROUPS,
+    ),
 }
 
 
@@ -153,11 +172,16 @@ def _partition_files(root) -> list:
     return sorted(root.rglob("*.bin"))
 
 
-@pytest.mark.parametrize("num_servers", [1, 2], ids=["1-server-nvme", "2-servers-nvme"])
-def test_nvme_tier_matches_torch_adamw_bitwise(ray_local, tmp_path, num_servers: int) -> None:
+@pytest.mark.parametrize(
+    "num_servers, optim",
+    [(1, {}), (2, {"no_decay": "biases_and_norms", "param_groups": PARAM_GROUPS})],
+    ids=["1-server-nvme", "2-servers-nvme-param-groups"],
+)
+def test_nvme_tier_matches_torch_adamw_bitwise(ray_local, tmp_path, num_servers: int, optim: dict) -> None:
     """The same contract with most of the state on disk: a RAM budget of 320 KiB against
     ~1.6 MiB of state in 64 KiB partitions leaves a few partitions per server in RAM; the
-    rest streams through three staging buffers from two paths."""
+    rest streams through three staging buffers from two paths. With param groups, a
+    partition's fragments are cut out of each group's."""
     tier = {
         "nvme_paths": [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")],
         "ram_budget_bytes": 320 << 10,
@@ -165,7 +189,9 @@ def test_nvme_tier_matches_torch_adamw_bitwise(ray_local, tmp_path, num_servers:
         "buffer_count": 3,
         "io_threads": 2,
     }
-    config = tiny_config(state_server__num_servers=num_servers, state_server__tier=tier)
+    config = tiny_config(
+        state_server__num_servers=num_servers, state_server__tier=tier, **{f"optim__{k}": v for k, v in optim.items()}
+    )
     layout = _layout(config)
     with TrainingSession(config) as session:
         losses = [session.step().loss for _ in range(config.steps)]

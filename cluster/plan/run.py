@@ -105,11 +105,14 @@ def _layout(config: TrainConfig) -> tuple[torch.nn.Module, list[Unit], Layout]:
     """The meta-device model, its FSDP2 units and the layout every worker computes
     (shapes only; nothing allocated, nothing read)."""
     from cargohold.services.model_setup import model_layout
+    from cargohold.services.param_groups import resolve_param_groups
 
     try:
-        return model_layout(config)
+        model, units, layout = model_layout(config)
     except LayoutError as error:
         raise ConfigError(f"the model cannot be laid out: {error}") from error
+    resolve_param_groups(config.optim, layout.params)  # a pattern matching nothing is refused here too
+    return model, units, layout
 
 
 def _worker_device(config: TrainConfig, cluster: ClusterDescription) -> str:

@@ -21,12 +21,21 @@ _PUBLIC = {
     "OffloadedAdamW": "cargohold.api.optimizer",
     "StateServers": "cargohold.api.servers",
     "connect_state_servers": "cargohold.api.servers",
+    "share_state_servers": "cargohold.api.ranks",
     "start_state_servers": "cargohold.api.servers",
 }
-__all__ = ["OffloadedAdamW", "StateServers", "__version__", "connect_state_servers", "start_state_servers"]
+__all__ = [
+    "OffloadedAdamW",
+    "StateServers",
+    "__version__",
+    "connect_state_servers",
+    "share_state_servers",
+    "start_state_servers",
+]
 
 if TYPE_CHECKING:
     from cargohold.api.optimizer import OffloadedAdamW
+    from cargohold.api.ranks import share_state_servers
     from cargohold.api.servers import StateServers, connect_state_servers, start_state_servers
 
 

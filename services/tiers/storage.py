@@ -26,11 +26,11 @@ import torch
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.errors import IncompleteStepError
-from cargohold.services.optim import AdamWHyperParams, apply_update
+from cargohold.services.optim import FragmentGroup, apply_update
 from cargohold.services.tiers.fileformat import ARRAYS, FileLayout
 from cargohold.services.tiers.io_pool import BufferPool, IoPool
 from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path
-from cargohold.services.tiers.partitions import elements_per_partition, split_segment
+from cargohold.services.tiers.partitions import clip_fragments, elements_per_partition, split_segment
 from cargohold.services.tiers.pipeline import StreamReport, stream_update
 from cargohold.services.tiers.planner import PartitionDemand, TierPlan, plan_tiers, stream_order
 from cargohold.services.tiers.preserve import PendingCopy, PendingWrite, PreservedPartition, link_or_pin
@@ -179,13 +179,14 @@ class TieredStorage:
         *,
         coefficient: torch.Tensor | None,
         lr: float,
-        hyper: AdamWHyperParams,
+        groups: Sequence[FragmentGroup],
         gradient_owned: bool = False,
         weights_dtype: torch.dtype | None = None,
         weights_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, StreamReport]:
         """Apply the (already validated) gradient of ``step`` to every partition not yet
-        at ``step``, clipping by ``coefficient``. Returns the updated master weights in
+        at ``step``, clipping by ``coefficient``, each param group of ``groups`` (the
+        segment's fragments by group) with its constants. Returns the updated master weights in
         ``weights_dtype`` when asked (None if the update resumed an interrupted one),
         written into ``weights_out`` when given (a spare buffer of that dtype and size).
 
@@ -222,12 +223,14 @@ class TieredStorage:
                     arrays.master,
                     arrays.exp_avg,
                     arrays.exp_avg_sq,
-                    span.fragments,
+                    [
+                        FragmentGroup(clip_fragments(g.fragments, span.start, span.stop), g.hyper, g.lr_scale)
+                        for g in groups
+                    ],
                     gradient[span.start : span.stop],
                     step=step_tensor,
                     coefficient=coefficient,
                     lr=lr,
-                    hyper=hyper,
                     owned=gradient_owned,
                 )
             if weights is not None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from cargohold.services.errors import InvalidTensorError
-from cargohold.services.optim import AdamWHyperParams
+from cargohold.services.optim import AdamWHyperParams, UpdateGroup
 from cargohold.services.segment_state import SegmentSpec
 from cargohold.services.tiers.planner import Bandwidth
 from cargohold.services.tiers.report import PartitionRow, TierSummary
@@ -163,7 +163,10 @@ def spec_to_proto(spec: SegmentSpec) -> pb.ShardSpec:
         key=pb.ShardKey(run_id=spec.run_id, shard_id=spec.segment_id),
         start=spec.start,
         numel=spec.numel,
-        fragments=[pb.Fragment(offset=o, length=n) for o, n in spec.fragments],
+        fragments=[
+            pb.Fragment(offset=o, length=n, group=spec.fragment_group[i] if spec.groups else 0)
+            for i, (o, n) in enumerate(spec.fragments)
+        ],
         grad_dtype=dtype_to_proto(spec.grad_dtype),
         hyper=pb.AdamWHyperParams(
             beta1=h.beta1,
@@ -172,6 +175,7 @@ def spec_to_proto(spec: SegmentSpec) -> pb.ShardSpec:
             weight_decay=h.weight_decay,
             max_grad_norm=h.max_grad_norm,
         ),
+        groups=[pb.UpdateGroup(weight_decay=g.weight_decay, lr_scale=g.lr_scale) for g in spec.groups],
     )
 
 
@@ -192,6 +196,8 @@ def spec_from_proto(message: pb.ShardSpec) -> SegmentSpec:
             weight_decay=h.weight_decay,
             max_grad_norm=h.max_grad_norm,
         ),
+        groups=tuple(UpdateGroup(weight_decay=g.weight_decay, lr_scale=g.lr_scale) for g in message.groups),
+        fragment_group=tuple(f.group for f in message.fragments) if message.groups else (),
     )
 
 

@@ -48,28 +48,40 @@ class AdamWHyperParams(_message.Message):
     def __init__(self, beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
 class Fragment(_message.Message):
-    __slots__ = ("offset", "length")
+    __slots__ = ("offset", "length", "group")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     offset: int
     length: int
-    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    group: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., group: _Optional[int] = ...) -> None: ...
+
+class UpdateGroup(_message.Message):
+    __slots__ = ("weight_decay", "lr_scale")
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    LR_SCALE_FIELD_NUMBER: _ClassVar[int]
+    weight_decay: float
+    lr_scale: float
+    def __init__(self, weight_decay: _Optional[float] = ..., lr_scale: _Optional[float] = ...) -> None: ...
 
 class ShardSpec(_message.Message):
-    __slots__ = ("key", "start", "numel", "fragments", "grad_dtype", "hyper")
+    __slots__ = ("key", "start", "numel", "fragments", "grad_dtype", "hyper", "groups")
     KEY_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     GRAD_DTYPE_FIELD_NUMBER: _ClassVar[int]
     HYPER_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     start: int
     numel: int
     fragments: _containers.RepeatedCompositeFieldContainer[Fragment]
     grad_dtype: DType
     hyper: AdamWHyperParams
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., start: _Optional[int] = ..., numel: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., grad_dtype: _Optional[_Union[DType, str]] = ..., hyper: _Optional[_Union[AdamWHyperParams, _Mapping]] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[UpdateGroup]
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., start: _Optional[int] = ..., numel: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., grad_dtype: _Optional[_Union[DType, str]] = ..., hyper: _Optional[_Union[AdamWHyperParams, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[UpdateGroup, _Mapping]]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("byte_offset", "data", "crc32c")

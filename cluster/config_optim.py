@@ -1,0 +1,106 @@
+"""The optimizer's section of the configuration: AdamW's constants, the learning-rate
+schedule, and which parameters decay and at which lr multiple (``optim.no_decay``,
+``optim.param_groups``). Patterns are checked against the model's parameter names by
+:mod:`cargohold.services.param_groups`, before anything starts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from cargohold.services.errors import ConfigError
+from cargohold.services.optim import AdamWHyperParams
+
+
+@dataclass(kw_only=True, slots=True)
+class ParamGroupConfig:
+    """Parameters, matched by name, updated with their own learning-rate multiplier and
+    weight decay: a param group of torch's AdamW."""
+
+    name: str
+    """Names the group in messages and logs."""
+    params: list[str] = field(default_factory=list)
+    """Patterns over the model's parameter names as `named_parameters()` gives them, with
+    shell wildcards (`*` matches dots too): e.g. `tok_emb.*`, `*.attn.*`, `*.bias`. Each
+    must match a parameter, and no parameter may match two groups."""
+    lr_mult: float = 1.0
+    """The group's learning rate: the schedule's at each step (`optim.lr`, warm-up and
+    decay) times this."""
+    weight_decay: float | None = None
+    """The group's weight decay; null gives each of its parameters what `optim.weight_decay`
+    and `optim.no_decay` give it."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("optim.param_groups: a group's name must not be empty")
+        where = f"optim.param_groups {self.name!r}"
+        if not self.params or any(not pattern for pattern in self.params):
+            raise ConfigError(f"{where}: params must list one or more non-empty name patterns, got {self.params}")
+        if not (math.isfinite(self.lr_mult) and self.lr_mult >= 0.0):
+            raise ConfigError(f"{where}: lr_mult must be a finite number >= 0, got {self.lr_mult}")
+        if self.weight_decay is not None and not (math.isfinite(self.weight_decay) and self.weight_decay >= 0.0):
+            raise ConfigError(f"{where}: weight_decay must be a finite number >= 0, got {self.weight_decay}")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    """Decoupled (AdamW) weight decay of every parameter that `optim.no_decay` does not
+    exempt and no group of `optim.param_groups` gives its own."""
+    no_decay: Literal["none", "biases_and_norms"] = "none"
+    """Parameters exempt from `optim.weight_decay`: none, or biases_and_norms, every
+    parameter of fewer than 2 dimensions (biases, LayerNorm and RMSNorm weights), the
+    usual rule (GPT-2, nanoGPT, minGPT); embeddings and matrices still decay."""
+    param_groups: list[ParamGroupConfig] = field(default_factory=list)
+    """Groups of parameters with their own lr multiplier and weight decay (keys below);
+    parameters in no group follow `optim.lr`'s schedule and the two keys above."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient L2 norm to this; 0 disables clipping."""
+    warmup_steps: int = 0
+    """Linear warm-up from lr/warmup_steps to lr over this many steps."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: keep lr, or decay it along a cosine to lr * min_lr_ratio."""
+    min_lr_ratio: float = 0.1
+    nonfinite: Literal["skip", "fail", "ignore"] = "skip"
+    """A step whose global gradient norm is NaN or Inf: skip its update (logged, counted in
+    cargohold_worker_skipped_steps_total), fail the run, or apply it unchecked. With
+    "ignore" and no clipping, servers apply each unit's gradients while backward still runs."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"optim.lr must be a finite number > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        self.hyper_params()  # validates betas, eps, weight decay and clipping
+        names = [group.name for group in self.param_groups]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ConfigError(f"optim.param_groups: two groups are named {twice[0]!r}; give each its own name")
+
+    def hyper_params(self) -> AdamWHyperParams:
+        return AdamWHyperParams(
+            beta1=self.beta1,
+            beta2=self.beta2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            max_grad_norm=self.max_grad_norm,
+        )
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Learning rate for ``step`` (1-based) of a run of ``total_steps``."""
+        if self.warmup_steps and step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if self.schedule == "constant":
+            return self.lr
+        span = max(1, total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        floor = self.lr * self.min_lr_ratio
+        return floor + 0.5 * (self.lr - floor) * (1.0 + math.cos(math.pi * progress))
