@@ -28,7 +28,7 @@ class RemoteSegments:
         self.servers = servers
         self._shares = shares
         self.clients = [
-            StateServerClient(address, timeout_s=timeout_s, auth_token=servers.token, tls=servers.tls)
+            StateServerClient(address, timeout_s=timeout_s, auth_token=servers.token, tls=servers.tls, bulk=True)
             for address in servers.addresses
         ]
         self._pool = ThreadPoolExecutor(max_workers=MAX_CALLS, thread_name_prefix="offloaded-adamw")

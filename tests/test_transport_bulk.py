@@ -191,10 +191,17 @@ def test_open_bulk_refuses_what_push_or_fetch_would_and_grants_nothing(
     assert got == code and words in details, details
 
 
-def test_a_server_without_the_bulk_socket_says_so(stepped: Served) -> None:
-    with bulk(stepped) as client:
-        code, details = status(lambda: client.push(RUN, 0, 2, G2, global_norm=GLOBAL_NORM, lr=LR))
+def test_a_server_without_the_bulk_socket_says_so_and_its_clients_stream_over_grpc(stepped: Served) -> None:
+    s = stepped
+    header = pb.PushHeader(key=pb.ShardKey(run_id=RUN, shard_id=0), step=2)
+    code, details = status(lambda: s.stub.OpenBulk(pb.OpenBulkRequest(push=header), timeout=DEADLINE_S))
     assert code == Code.UNIMPLEMENTED and "state_server.data_plane" in details
+    with bulk(s) as client:
+        outcome = client.push(RUN, 0, 2, G2, global_norm=GLOBAL_NORM, lr=LR)
+        assert not client.bulk  # asked once; gRPC streams from then on
+        weights = client.fetch(RUN, 0, 2, "float32", NUMEL)
+    assert outcome.applied and outcome.updates == 2
+    assert torch.equal(weights, s.client.fetch(RUN, 0, 2, "float32", NUMEL))
 
 
 def test_a_step_the_shard_is_not_at_is_refused_as_over_grpc(bulk_served: Served) -> None:

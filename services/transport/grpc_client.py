@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +37,8 @@ from cargohold.services.transport.codec import (
 from cargohold.services.wire import DEFAULT_CHUNK_BYTES, DTYPE_NAMES, WIRE_DTYPES
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
 
 
 class RemoteError(TransportError):
@@ -81,8 +84,10 @@ class StateServerClient:
     ) -> None:
         """``bulk``: push and fetch over the server's bulk socket (a transfer negotiated
         with OpenBulk, its bytes on a socket of their own: services/transport/bulk.py)
-        rather than in gRPC streams; shared memory, when a call names it, still wins.
-        There ``timeout_s`` bounds each wait for the peer's progress, not the whole call."""
+        rather than in gRPC streams; shared memory, when a call names it, still wins. A
+        server that serves no bulk socket answers the first OpenBulk with UNIMPLEMENTED, and
+        the client streams over gRPC from then on. There ``timeout_s`` bounds each wait for
+        the peer's progress, not the whole call."""
         check_chunk_bytes(chunk_bytes)  # now, not at the first push
         self.address = address
         self.chunk_bytes = chunk_bytes
@@ -181,7 +186,9 @@ class StateServerClient:
             prepare_dtype=_prepare_to_proto(prepare),
         )
         if self.bulk and shm is None:
-            return self._push_bulk(header, gradient)
+            pushed = self._push_bulk(header, gradient)
+            if pushed is not None:
+                return pushed
 
         def requests() -> Iterator[pb.PushGradientRequest]:
             yield pb.PushGradientRequest(header=header)
@@ -247,7 +254,9 @@ class StateServerClient:
                 raise TransportError(f"FetchWeights to shared memory from {self.address}: unexpected reply")
             return None
         if self.bulk:
-            return self._fetch_bulk(request, numel, dtype, out)
+            fetched = self._fetch_bulk(request, numel, dtype, out)
+            if fetched is not None:
+                return fetched
         assembler = TensorAssembler(numel, dtype, what=f"shard {segment_id} weights from {self.address}", out=out)
         try:
             for message in self._stub.FetchWeights(request, timeout=self.timeout_s, metadata=self._metadata):
@@ -262,10 +271,23 @@ class StateServerClient:
             raise self._error("FetchWeights", error) from error
         return assembler.finish()
 
-    def _push_bulk(self, header: pb.PushHeader, gradient: torch.Tensor) -> UpdateOutcome:
+    def _open_bulk(self, request: pb.OpenBulkRequest) -> pb.OpenBulkResponse | None:
+        """The server's grant of a bulk transfer; None (and gRPC streams from now on) when
+        the server serves no bulk socket (``state_server.data_plane: grpc``)."""
+        try:
+            return self._call("OpenBulk", self._stub.OpenBulk, request)
+        except RemoteError as error:
+            if error.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            logger.info("%s serves no bulk socket: pushing and fetching over gRPC streams", self.address)
+            self.bulk = False
+            return None
+
+    def _push_bulk(self, header: pb.PushHeader, gradient: torch.Tensor) -> UpdateOutcome | None:
         data = raw_bytes(gradient.contiguous())
-        request = pb.OpenBulkRequest(push=header, chunk_bytes=self.chunk_bytes)
-        grant = self._call("OpenBulk", self._stub.OpenBulk, request)
+        grant = self._open_bulk(pb.OpenBulkRequest(push=header, chunk_bytes=self.chunk_bytes))
+        if grant is None:
+            return None
         if grant.nbytes != len(data):
             raise TransportError(f"OpenBulk to {self.address} granted {grant.nbytes} bytes for a {len(data)}-byte push")
         with self._bulk_call("PushGradient"):
@@ -275,10 +297,10 @@ class StateServerClient:
 
     def _fetch_bulk(
         self, request: pb.FetchWeightsRequest, numel: int, dtype: str, out: torch.Tensor | None
-    ) -> torch.Tensor:
-        grant = self._call(
-            "OpenBulk", self._stub.OpenBulk, pb.OpenBulkRequest(fetch=request, chunk_bytes=self.chunk_bytes)
-        )
+    ) -> torch.Tensor | None:
+        grant = self._open_bulk(pb.OpenBulkRequest(fetch=request, chunk_bytes=self.chunk_bytes))
+        if grant is None:
+            return None
         expected = numel * WIRE_DTYPES[dtype].itemsize
         if grant.nbytes != expected:  # refused before anything is allocated or read
             raise TransportError(
