@@ -39,6 +39,11 @@ class InvalidTensorError(ShardError, ValueError):
     """A tensor payload has the wrong size, dtype or checksum."""
 
 
+class TruncatedStreamError(InvalidTensorError):
+    """A tensor's stream ended before all its bytes arrived. gRPC reports a call the
+    client cancelled mid-stream this way too, a moment before it marks the call inactive."""
+
+
 class ForeignRunError(CargoholdError):
     """A call names a run other than the one its state server serves."""
 

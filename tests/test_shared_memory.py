@@ -169,16 +169,23 @@ def test_a_cancelled_call_is_counted_as_cancelled_not_as_a_server_error(caplog) 
     with caplog.at_level(logging.INFO, logger="cargohold.services.transport.grpc_server"), serving() as s:
         s.client.register(make_spec(), W0)
         call = s.stub.PushGradient.future(requests(), timeout=30)
-        time.sleep(0.5)
+        admitted = time.monotonic() + 10  # a call cancelled before the server sees it is never counted
+        while time.monotonic() < admitted and s.server.calls_in_flight == 0:
+            time.sleep(0.05)
+        assert s.server.calls_in_flight == 1, "the server never admitted the push"
         call.cancel()
-        release.set()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not total(
-            scrape(s.metrics.address), "cargohold_rpc_errors_total", rpc="PushGradient", code="CANCELLED"
-        ):
-            time.sleep(0.1)
-        samples = scrape(s.metrics.address)
-    assert total(samples, "cargohold_rpc_errors_total", rpc="PushGradient", code="CANCELLED") == 1
+        try:  # the request generator stays blocked, so the client cannot half-close the stream first
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not total(
+                scrape(s.metrics.address), "cargohold_rpc_errors_total", rpc="PushGradient", code="CANCELLED"
+            ):
+                time.sleep(0.1)
+            samples = scrape(s.metrics.address)
+        finally:
+            release.set()
+    assert total(samples, "cargohold_rpc_errors_total", rpc="PushGradient", code="CANCELLED") == 1, [
+        k for k in samples if k[0] == "cargohold_rpc_errors_total"
+    ]
     assert total(samples, "cargohold_rpc_errors_total", rpc="PushGradient", code="INTERNAL") == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 

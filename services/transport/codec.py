@@ -17,7 +17,7 @@ import google_crc32c
 import numpy as np
 import torch
 
-from cargohold.services.errors import InvalidTensorError
+from cargohold.services.errors import InvalidTensorError, TruncatedStreamError
 from cargohold.services.optim import AdamWHyperParams, UpdateGroup
 from cargohold.services.segment_state import SegmentSpec
 from cargohold.services.tiers.planner import Bandwidth
@@ -153,7 +153,7 @@ class TensorAssembler:
 
     def finish(self) -> torch.Tensor:
         if self._received != self._raw.size:
-            raise InvalidTensorError(f"{self.what}: stream ended after {self._received} of {self._raw.size} bytes")
+            raise TruncatedStreamError(f"{self.what}: stream ended after {self._received} of {self._raw.size} bytes")
         return self.tensor
 
 

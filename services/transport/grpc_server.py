@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import TypeVar
@@ -17,6 +18,7 @@ from cargohold.services.errors import (
     CargoholdError,
     ForeignRunError,
     InvalidTensorError,
+    TruncatedStreamError,
     UnknownShardError,
 )
 from cargohold.services.metrics import StateServerMetrics
@@ -357,19 +359,35 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         except StalledCallError as error:  # the call limits cancelled the call, and counted it
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
         except CargoholdError as error:
+            if isinstance(error, TruncatedStreamError) and _cancelled_soon(context):
+                self._abort_cancelled(rpc, context, error)
             code = status_of(error)
             self._metrics.record_error(rpc, code.name)
             context.abort(code, str(error))
         except Exception as error:
             if not context.is_active():  # the client cancelled, or its deadline passed: not our failure
-                logger.info("%s: the call ended on the client's side (%s)", rpc, type(error).__name__)
-                self._metrics.record_error(rpc, grpc.StatusCode.CANCELLED.name)
-                context.abort(grpc.StatusCode.CANCELLED, f"{rpc}: cancelled")
+                self._abort_cancelled(rpc, context, error)
             # a bug: report it, keep serving
             logger.exception("%s failed", rpc)
             self._metrics.record_error(rpc, grpc.StatusCode.INTERNAL.name)
             context.abort(grpc.StatusCode.INTERNAL, f"{rpc}: {type(error).__name__}: {error}")
         raise AssertionError("context.abort returned")  # pragma: no cover
+
+    def _abort_cancelled(self, rpc: str, context: grpc.ServicerContext, error: Exception) -> None:
+        logger.info("%s: the call ended on the client's side (%s)", rpc, type(error).__name__)
+        self._metrics.record_error(rpc, grpc.StatusCode.CANCELLED.name)
+        context.abort(grpc.StatusCode.CANCELLED, f"{rpc}: cancelled")
+
+
+def _cancelled_soon(context: grpc.ServicerContext, wait_s: float = 0.5) -> bool:
+    """Whether gRPC marks the call inactive within ``wait_s``: a stream cut short by the
+    client's cancellation ends first and is marked cancelled a moment later."""
+    deadline = time.monotonic() + wait_s
+    while context.is_active():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 class GrpcStateServer:
