@@ -25,8 +25,16 @@ from cargohold.cluster.config_docs import class_docstrings
 DOC = Path("docs/api.md")
 REGENERATE = "python -m cargohold.api.reference"
 MARKER = f"<!-- Generated below from the docstrings by `{REGENERATE}`; do not edit by hand. -->"
-PUBLIC = ("start_state_servers", "connect_state_servers", "share_state_servers", "StateServers", "OffloadedAdamW")
-"""In the order the reference lists them: how servers come, then what uses them."""
+PUBLIC = (
+    "Trainer",
+    "start_state_servers",
+    "connect_state_servers",
+    "share_state_servers",
+    "StateServers",
+    "OffloadedAdamW",
+)
+"""In the order the reference lists them: the whole run, then how servers come for a loop
+of one's own, then what uses them."""
 
 _ROLE = re.compile(r":[a-z]+:`~?([\w.]+)`")
 

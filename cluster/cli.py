@@ -67,31 +67,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(config: TrainConfig) -> int:
-    from tqdm import tqdm
+    from cargohold.api.trainer import Trainer  # the CLI is a thin layer over the Python API
 
-    from cargohold.cluster.supervise import train
-
-    bar = tqdm(total=config.steps, desc="train", unit="step", disable=not config.progress, file=sys.stderr)
-
-    shown: dict[str, str] = {}
-
-    def on_step(report) -> None:
-        bar.update(1)
-        shown.update(loss=f"{report.loss:.4f}", step_s=f"{report.seconds:.2f}")
-        bar.set_postfix(shown)
-        if not config.progress:
-            print(f"step {report.step} loss {report.loss:.4f} step_s {report.seconds:.3f}", flush=True)
-
-    def on_eval(report) -> None:
-        shown.update(eval_loss=f"{report.loss:.4f}", eval_ppl=f"{report.perplexity:.2f}")
-        bar.set_postfix(shown)
-        if not config.progress:
-            print(f"eval step {report.step} loss {report.loss:.4f} ppl {report.perplexity:.4f}", flush=True)
-
-    try:
-        result = train(config, on_step=on_step, on_eval=on_eval)
-    finally:
-        bar.close()
+    result = Trainer(config=config).fit()
     first, last = result.losses[0], result.losses[-1]
     mean_step = sum(result.step_seconds) / len(result.step_seconds)
     held_out = f", eval loss {result.evals[-1].loss:.4f} ppl {result.evals[-1].perplexity:.2f}" if result.evals else ""

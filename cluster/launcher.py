@@ -25,8 +25,6 @@ from cargohold.cluster.config_io import to_dict
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.cluster.resume import check_resume
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
-from cargohold.services.data.evaluation import open_eval_set
-from cargohold.services.data.sources import open_source
 from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
 from cargohold.services.model_setup import model_layout
 from cargohold.services.param_groups import resolve_param_groups
@@ -34,6 +32,7 @@ from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.state_port import segment_spec
 from cargohold.services.state_server import StateServer
 from cargohold.services.step import EvalReport, StepReport
+from cargohold.services.task import ConfigTask, TrainingTask
 from cargohold.services.tiers.nvme import remove_server_folders
 from cargohold.services.transport.auth import tls_files
 from cargohold.services.worker import TrainingWorker
@@ -78,14 +77,16 @@ class TrainingSession:
     between steps.
     """
 
-    def __init__(self, config: TrainConfig, *, resume: Path | None = None) -> None:
-        """``resume``: a complete checkpoint folder to restore the servers' state from."""
+    def __init__(self, config: TrainConfig, *, resume: Path | None = None, task: TrainingTask | None = None) -> None:
+        """``resume``: a complete checkpoint folder to restore the servers' state from.
+        ``task``: what to train (by default the model and data the config names)."""
         self.config = config
         self.resume = resume
-        _, _, self.layout = model_layout(config)
+        self.task = task or ConfigTask(config)
+        _, _, self.layout = model_layout(config, self.task)
         self.param_groups = resolve_param_groups(config.optim, self.layout.params)  # bad patterns: before any actor
-        open_source(config)  # refuses bad data before any actor starts; fills the cache the workers read
-        open_eval_set(config)  # the same for held-out data
+        self.task.open_data()  # refuses bad data before any actor starts; fills the cache the workers read
+        self.validates = self.task.open_eval() is not None  # the same for held-out data
         self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.step_count = 0
         self.servers: list = []
@@ -175,6 +176,7 @@ class TrainingSession:
                 server_addresses=self.server_addresses,
                 server_node_ids=server_nodes,
                 auth_token=self._auth_token,
+                task=self.task,
             )
             for rank in range(cfg.worker.num_workers)
         ]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cargohold.cluster.config import TrainConfig
-from cargohold.cluster.export import export_weights, master_weights
+from cargohold.cluster.export import master_weights
 from cargohold.cluster.launcher import PendingCheckpoint, SavedCheckpoint, TrainingSession
 from cargohold.cluster.resume import resolve_resume
 from cargohold.services.checkpoint import CheckpointDir
@@ -25,6 +25,7 @@ from cargohold.services.errors import CheckpointError, TrainingError
 from cargohold.services.metrics import LauncherMetrics
 from cargohold.services.node import node_ip
 from cargohold.services.step import EvalReport, StepReport
+from cargohold.services.task import ConfigTask, TrainingTask
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,17 @@ def train(
     on_step: Callable[[StepReport], None] | None = None,
     *,
     on_eval: Callable[[EvalReport], None] | None = None,
+    on_checkpoint: Callable[[Path], None] | None = None,
     metrics: LauncherMetrics | None = None,
+    task: TrainingTask | None = None,
 ) -> TrainResult:
     """Run ``config.steps`` steps, taking checkpoints and validating as configured; on an
     actor failure restart everything from the latest checkpoint, up to
     ``checkpoint.max_failures``.
+
+    ``on_step``, ``on_eval`` and ``on_checkpoint`` are called after each step, each
+    validation, and each checkpoint that is complete (with its folder). ``task``: what to
+    train, by default the model and data the config names.
 
     ``metrics``: where to count checkpoints, failures and recoveries and show the
     validation loss; by default the run serves its own (when metrics are enabled) until
@@ -75,7 +82,7 @@ def train(
             metrics.start(host=node_ip(), port=config.metrics.port_for("launcher", config.worker.num_workers, config))
             logger.info("launcher metrics on %s", metrics.address)
     try:
-        return _train(config, _Callbacks(on_step, on_eval), metrics)
+        return _train(config, _Callbacks(on_step, on_eval, on_checkpoint), metrics, task or ConfigTask(config))
     finally:
         if own_metrics:
             metrics.stop()
@@ -85,9 +92,10 @@ def train(
 class _Callbacks:
     on_step: Callable[[StepReport], None] | None
     on_eval: Callable[[EvalReport], None] | None
+    on_checkpoint: Callable[[Path], None] | None
 
 
-def _train(config: TrainConfig, callbacks: _Callbacks, metrics: LauncherMetrics) -> TrainResult:
+def _train(config: TrainConfig, callbacks: _Callbacks, metrics: LauncherMetrics, task: TrainingTask) -> TrainResult:
     ckpt = config.checkpoint
     store = CheckpointDir(Path(ckpt.dir), keep_last=ckpt.keep_last) if ckpt.dir else None
     start = resolve_resume(ckpt.resume, store)
@@ -95,7 +103,7 @@ def _train(config: TrainConfig, callbacks: _Callbacks, metrics: LauncherMetrics)
     result = TrainResult(run_id="")
     while True:
         try:
-            _train_session(config, store, resume, result, callbacks, metrics)
+            _train_session(config, task, store, resume, result, callbacks, metrics)
             return result
         except TrainingError as error:
             metrics.record_failure()
@@ -127,6 +135,7 @@ def _restart_point(store: CheckpointDir | None, result: TrainResult, start: Path
 
 def _train_session(
     config: TrainConfig,
+    task: TrainingTask,
     store: CheckpointDir | None,
     resume: Path | None,
     result: TrainResult,
@@ -135,7 +144,7 @@ def _train_session(
 ) -> None:
     every = config.checkpoint.every_steps
     recovering = time.perf_counter()
-    with TrainingSession(config, resume=resume) as session:
+    with TrainingSession(config, resume=resume, task=task) as session:
         if result.restarts:
             result.recovery_seconds.append(time.perf_counter() - recovering)
             metrics.observe_recovery(result.recovery_seconds[-1])
@@ -148,7 +157,7 @@ def _train_session(
         done = session.step_count - result.first_step  # a recovery repeats what came after
         del result.losses[done:], result.step_seconds[done:]
         result.evals = [e for e in result.evals if e.step <= session.step_count]
-        saves = _Saves(session, store, config, result, metrics)
+        saves = _Saves(session, store, config, result, metrics, callbacks.on_checkpoint)
         try:
             while session.step_count < config.steps:
                 report = session.step()
@@ -156,7 +165,7 @@ def _train_session(
                 result.step_seconds.append(report.seconds)
                 if callbacks.on_step is not None:
                     callbacks.on_step(report)
-                if _evaluates(config, session.step_count):
+                if _evaluates(config, session):
                     evaluation = session.evaluate()
                     result.evals.append(evaluation)
                     metrics.observe_eval(evaluation.step, evaluation.loss, evaluation.perplexity)
@@ -172,16 +181,16 @@ def _train_session(
             saves.recover()
             raise
         if config.export_dir is not None:
-            export_weights(
-                config, session.layout, master_weights(session.layout, session.server_masters()), config.export_dir
+            task.export(
+                session.layout, master_weights(session.layout, session.server_masters()), Path(config.export_dir)
             )
 
 
-def _evaluates(config: TrainConfig, step: int) -> bool:
-    """Whether validation runs after data step ``step``: every ``eval.every_steps`` and
-    after the last."""
-    every = config.eval.every_steps
-    return config.eval.enabled and (step == config.steps or (every > 0 and step % every == 0))
+def _evaluates(config: TrainConfig, session: TrainingSession) -> bool:
+    """Whether validation runs after the session's step: every ``eval_every_steps`` of
+    the task (``eval.every_steps``) and after the last, when the task has held-out data."""
+    step, every = session.step_count, session.task.eval_every_steps
+    return session.validates and (step == config.steps or (every > 0 and step % every == 0))
 
 
 class _Saves:
@@ -203,9 +212,11 @@ class _Saves:
         config: TrainConfig,
         result: TrainResult,
         metrics: LauncherMetrics,
+        on_checkpoint: Callable[[Path], None] | None = None,
     ) -> None:
         self._session, self._store, self._config = session, store, config
         self._result, self._metrics = result, metrics
+        self._on_checkpoint = on_checkpoint
         self._pending: PendingCheckpoint | None = None
 
     def begin(self) -> None:
@@ -246,6 +257,8 @@ class _Saves:
         seconds = time.perf_counter() - pending.started
         self._metrics.observe_checkpoint(pending.stall_seconds, seconds, saved.written_bytes, saved.linked_bytes)
         self._result.checkpoints.append(saved.path)
+        if self._on_checkpoint is not None:
+            self._on_checkpoint(saved.path)
 
     def _failed(self, step: int, error: CheckpointError | TrainingError) -> None:
         """Apply the save policy to ``error``; an actor failure is raised as it is."""

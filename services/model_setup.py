@@ -12,12 +12,12 @@ from torch import nn
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.errors import ConfigError, TrainingError
 from cargohold.services.layout import Layout
-from cargohold.services.models.blocks import apply_activation_checkpointing, transformer_blocks
-from cargohold.services.models.build import buffer_values, build_model
+from cargohold.services.models.blocks import apply_activation_checkpointing
 from cargohold.services.models.hf import HFCausalLM
 from cargohold.services.sharding import Unit, check_unit_order, layout_for_units, shard_units, units_of
 from cargohold.services.state_port import ExchangeBuffers
 from cargohold.services.step import StepPolicy
+from cargohold.services.task import ConfigTask, TrainingTask
 from cargohold.services.wire import WIRE_DTYPES
 
 
@@ -30,22 +30,27 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
-def model_layout(config: TrainConfig) -> tuple[nn.Module, list[Unit], Layout]:
+def model_layout(config: TrainConfig, task: TrainingTask | None = None) -> tuple[nn.Module, list[Unit], Layout]:
     """The meta-device model, its FSDP2 units and the layout every process derives from
-    the config (workers, launcher, plan, tests)."""
+    the config and the task (by default the model the config names): workers, launcher,
+    plan, tests."""
+    task = task or ConfigTask(config)
     with torch.device("meta"):
-        model = build_model(config)
-    units = units_of(model, transformer_blocks(model))
+        model = task.build()
+    units = units_of(model, task.blocks(model))
     layout = layout_for_units(
         model, units, num_workers=config.worker.num_workers, num_servers=config.state_server.num_servers
     )
     return model, units, layout
 
 
-def sharded_model(config: TrainConfig, device: torch.device) -> tuple[nn.Module, list[Unit], Layout]:
+def sharded_model(
+    config: TrainConfig, device: torch.device, task: TrainingTask | None = None
+) -> tuple[nn.Module, list[Unit], Layout]:
     """The model sharded with FSDP2 (the process group must exist), local shards
     allocated on ``device`` (host memory when offloaded) but not yet filled."""
-    model, units, layout = model_layout(config)
+    task = task or ConfigTask(config)
+    model, units, layout = model_layout(config, task)
     worker = config.worker
     if worker.offload_params and device.type == "cuda":
         _check_pinned_memory()
@@ -61,7 +66,7 @@ def sharded_model(config: TrainConfig, device: torch.device) -> tuple[nn.Module,
         pin_memory=device.type == "cuda",
     )
     model.to_empty(device="cpu" if worker.offload_params else device)
-    _set_buffers(config, model)
+    _set_buffers(task, model)
     check_unit_order(model, units)
     return model.train(), units, layout
 
@@ -77,12 +82,14 @@ def _check_pinned_memory() -> None:
         ) from error
 
 
-def _set_buffers(config: TrainConfig, model: nn.Module) -> None:
+def _set_buffers(task: TrainingTask, model: nn.Module) -> None:
     """Buffers made at construction (Llama's rotary frequencies) are garbage after
-    ``to_empty``: recompute them as ``build_model`` would."""
+    ``to_empty``: recompute them as the task's build would."""
     with torch.device("meta"):
-        shapes = build_model(config)
-    values = dict(buffer_values(config, shapes))
+        shapes = task.build()
+    if not any(True for _ in shapes.buffers()):
+        return
+    values = dict(task.buffer_values(shapes))
     if isinstance(model, HFCausalLM):
         model.set_buffers(values)
         return

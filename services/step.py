@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,16 @@ from cargohold.services.sharding import Unit, copy_range_into_params, local_tens
 from cargohold.services.state_port import ExchangeBuffers, ExchangeSlot, StatePort
 
 logger = logging.getLogger(__name__)
+
+BatchLoss = Callable[[nn.Module, Any, torch.device], torch.Tensor]
+"""The scalar loss of one micro-batch: ``(model, batch, device)``; it moves the batch."""
+
+
+def model_loss(model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
+    """The loss the config's models compute themselves: ``model(inputs, targets)[1]``."""
+    _, loss = model(batch.inputs.to(device), batch.targets.to(device))
+    return loss
+
 
 ParameterValues = Callable[[Iterable[str]], Iterator[tuple[str, torch.Tensor]]]
 """Full fp32 initial values of the named parameters, one at a time."""
@@ -127,7 +137,9 @@ class ShardedStep:
         policy: StepPolicy,
         *,
         device: torch.device,
+        loss: BatchLoss = model_loss,
     ) -> None:
+        """``loss``: the scalar loss of one micro-batch (the model's own by default)."""
         if policy.delayed_after is not None and buffers.held is None:
             raise TrainingError("the delayed update needs exchange buffers with the held weights of the whole range")
         self.model = model
@@ -138,6 +150,7 @@ class ShardedStep:
         self.buffers = buffers
         self.policy = policy
         self.device = device
+        self.loss = loss
         self.world_size = layout.num_workers
         self.updates = 0
         """Updates the servers applied; set by :meth:`register`."""
@@ -198,7 +211,7 @@ class ShardedStep:
 
     # --- the step -----------------------------------------------------------------
     def run(
-        self, step: int, batches: Sequence[Batch], lr: float, *, dropout_seeds: Sequence[int] | None = None
+        self, step: int, batches: Sequence[Any], lr: float, *, dropout_seeds: Sequence[int] | None = None
     ) -> StepReport:
         """One step on this worker's micro-batches of data step ``step``, their gradients
         summed into one update. Each micro-batch's mean loss is scaled by its
@@ -230,7 +243,7 @@ class ShardedStep:
             self._micro = (micro, count)
             if dropout_seeds is not None:
                 torch.manual_seed(dropout_seeds[micro])  # CPU and every GPU
-            _, loss = self.model(batch.inputs.to(self.device), batch.targets.to(self.device))
+            loss = self._loss_of(batch, step)
             scale = batch.weight / count
             if scale != 1.0:  # 1.0 leaves the graph (and every bit) as it was
                 loss = loss * scale
@@ -284,7 +297,7 @@ class ShardedStep:
             skipped=skipped,
         )
 
-    def evaluate(self, batches: Iterable[Batch], count: int) -> float:
+    def evaluate(self, batches: Iterable[Any], count: int) -> float:
         """The mean loss over ``count`` held-out batches (forward only, dropout off, on the
         weights the next step computes on), identical on every rank. It is averaged as a
         step of ``count`` micro-batches is: each batch's mean loss scaled by its weight
@@ -295,7 +308,7 @@ class ShardedStep:
         try:
             with torch.no_grad():
                 for batch in batches:
-                    _, loss = self.model(batch.inputs.to(self.device), batch.targets.to(self.device))
+                    loss = self._loss_of(batch, None)
                     scale = batch.weight / count
                     if scale != 1.0:
                         loss = loss * scale
@@ -305,6 +318,18 @@ class ShardedStep:
         summed = torch.tensor([total], dtype=torch.float64, device=self.device)
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         return float(summed[0]) / self.world_size
+
+    def _loss_of(self, batch: Any, step: int | None) -> torch.Tensor:
+        loss = self.loss(self.model, batch, self.device)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            what = f"step {step}" if step is not None else "evaluation"
+            got = (
+                f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+                if isinstance(loss, torch.Tensor)
+                else type(loss).__name__
+            )
+            raise TrainingError(f"{what}: the loss function must return a floating-point scalar tensor, got {got}")
+        return loss.reshape(())
 
     def _on_reduced(self, group: int) -> Callable[[torch.Tensor], None]:
         """FSDP2's hook after unit ``group``'s reduce-scatter: ``reduced`` holds this

@@ -18,19 +18,17 @@ import torch
 import torch.distributed as dist
 
 from cargohold.cluster.config import TrainConfig
-from cargohold.services.data.evaluation import open_eval_set
 from cargohold.services.data.seeds import dropout_seed
-from cargohold.services.data.sources import open_source
 from cargohold.services.errors import TrainingError
 from cargohold.services.layout import Layout
 from cargohold.services.metrics import WorkerMetrics
 from cargohold.services.model_setup import exchange_buffers, resolve_device, sharded_model, step_policy
-from cargohold.services.models.build import build_model, parameter_values
 from cargohold.services.node import node_ip
 from cargohold.services.param_groups import resolve_param_groups
 from cargohold.services.sharding import local_tensors
 from cargohold.services.state_port import ExchangeBuffers, RemotePort
 from cargohold.services.step import EvalReport, ShardedStep, StepReport
+from cargohold.services.task import ConfigTask, TrainingTask
 from cargohold.services.transport import shm
 from cargohold.services.transport.auth import tls_files
 from cargohold.services.transport.grpc_client import StateServerClient
@@ -50,7 +48,9 @@ class TrainingWorker:
         server_addresses: list[str],
         server_node_ids: list[str] | None = None,
         auth_token: str | None = None,
+        task: TrainingTask | None = None,
     ) -> None:
+        """``task``: what to train (by default the model and data the config names)."""
         torch.set_num_threads(config.worker.torch_threads)
         if len(server_addresses) != config.state_server.num_servers:
             raise TrainingError(
@@ -65,8 +65,9 @@ class TrainingWorker:
         self._server_addresses = server_addresses
         self._server_node_ids = server_node_ids
         self._auth_token = auth_token
-        self.data = open_source(config)
-        self.eval_set = open_eval_set(config)
+        self.task = task or ConfigTask(config)
+        self.data = self.task.open_data()
+        self.eval_set = self.task.open_eval()
         self.metrics = WorkerMetrics(rank)
         if config.metrics.enabled:
             self.metrics.start(host=node_ip(), port=config.metrics.port_for("worker", rank, config))
@@ -90,7 +91,7 @@ class TrainingWorker:
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        model, units, layout = sharded_model(self.config, self.device)
+        model, units, layout = sharded_model(self.config, self.device, self.task)
         config = self.config
         shared = self._colocated_servers(self._server_node_ids)
         buffers = exchange_buffers(
@@ -121,7 +122,15 @@ class TrainingWorker:
             resolve_param_groups(config.optim, layout.params),
         )
         self.step = ShardedStep(
-            model, units, layout, self.rank, state_port, buffers, step_policy(config), device=self.device
+            model,
+            units,
+            layout,
+            self.rank,
+            state_port,
+            buffers,
+            step_policy(config),
+            device=self.device,
+            loss=self.task.loss,
         )
         self._report_resident_bytes()
 
@@ -133,8 +142,8 @@ class TrainingWorker:
         """Fill the local shards with the initial values and register this worker's
         segments with their servers; returns the common update count."""
         with torch.device("meta"):
-            shapes = build_model(self.config)
-        return self._step().register(lambda names: parameter_values(self.config, shapes, names))
+            shapes = self.task.build()
+        return self._step().register(self.task.initial_values(shapes))
 
     def metrics_address(self) -> str:
         return self.metrics.address if self.metrics.serving else ""

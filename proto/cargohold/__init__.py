@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "OffloadedAdamW": "cargohold.api.optimizer",
     "StateServers": "cargohold.api.servers",
+    "Trainer": "cargohold.api.trainer",
     "connect_state_servers": "cargohold.api.servers",
     "share_state_servers": "cargohold.api.ranks",
     "start_state_servers": "cargohold.api.servers",
@@ -27,6 +28,7 @@ _PUBLIC = {
 __all__ = [
     "OffloadedAdamW",
     "StateServers",
+    "Trainer",
     "__version__",
     "connect_state_servers",
     "share_state_servers",
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from cargohold.api.optimizer import OffloadedAdamW
     from cargohold.api.ranks import share_state_servers
     from cargohold.api.servers import StateServers, connect_state_servers, start_state_servers
+    from cargohold.api.trainer import Trainer
 
 
 def __getattr__(name: str) -> Any:

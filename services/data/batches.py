@@ -15,7 +15,7 @@ counted token of the step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -72,8 +72,10 @@ class DataSource(Protocol):
 
     shape: BatchShape
 
-    def batch(self, step: int, rank: int, micro: int = 0) -> Batch:
-        """Micro-batch ``micro`` of rank ``rank`` in step ``step`` (1-based)."""
+    def batch(self, step: int, rank: int, micro: int = 0) -> Any:
+        """Micro-batch ``micro`` of rank ``rank`` in step ``step`` (1-based): a
+        :class:`Batch` for the config's data; whatever a user's loss takes otherwise,
+        with a ``weight`` (see the module docstring)."""
         ...
 
 

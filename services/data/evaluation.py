@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -25,6 +26,16 @@ from cargohold.services.data.tokenization import tokenized_stream
 from cargohold.services.data.tokens import check_dtype_holds_vocab, open_token_file
 from cargohold.services.errors import ConfigError
 from cargohold.services.models.dimensions import sequence_length, vocab_size
+
+
+class EvalSource(Protocol):
+    """Held-out batches: ``num_batches`` for each rank, the same every evaluation."""
+
+    num_batches: int
+
+    def batch(self, index: int, rank: int) -> Any:
+        """Batch ``index`` (0-based) of rank ``rank``; its ``weight`` scales its mean loss."""
+        ...
 
 
 class EvalSet:
