@@ -6,6 +6,7 @@ run equal to an uninterrupted one; and the refusals before anything starts."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -222,3 +223,16 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path, argume
     with pytest.raises(ConfigError, match=message):
         cargohold.Trainer(config=_config(tmp_path), **given).fit()
     assert not ray.is_initialized()
+
+
+def test_the_trainer_example_of_the_docs_runs_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    code = next((c[1] for c in re.finditer(r"```python\n(.*?)```", doc, re.S) if "cargohold.Trainer(" in c[1]), None)
+    assert code is not None, "docs/api.md has no Trainer example"
+    namespace: dict = {"__name__": "__main__"}  # its classes travel to the workers by value, as a script's
+    exec(compile(code.replace("/tmp/", f"{tmp_path}/"), "docs/api.md", "exec"), namespace)
+    result = namespace["result"]
+    assert len(result.losses) == 20 and result.losses[-1] < result.losses[0]
+    assert [e.step for e in result.evals] == [10, 20]
+    assert capsys.readouterr().out.count(f"{tmp_path}/own/step-") == 2  # on_checkpoint=print
+    assert (tmp_path / "own" / "model" / "model.safetensors").is_file()
