@@ -259,6 +259,7 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
             ):
                 out[which] = params_to_range(layout, rank, tensors, torch.empty(layout.worker_size))
         torch.save(out, Path(folder) / f"rank{rank}.pt")
+        dist.barrier()  # rank 0 hosts the store: no rank may leave while another still uses it
     finally:
         dist.destroy_process_group()
 

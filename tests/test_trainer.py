@@ -232,7 +232,7 @@ def test_the_trainer_example_of_the_docs_runs_as_written(tmp_path: Path, capsys:
     namespace: dict = {"__name__": "__main__"}  # its classes travel to the workers by value, as a script's
     exec(compile(code.replace("/tmp/", f"{tmp_path}/"), "docs/api.md", "exec"), namespace)
     result = namespace["result"]
-    assert len(result.losses) == 20 and result.losses[-1] < result.losses[0]
+    assert len(result.losses) == 20 and result.evals[-1].loss < result.evals[0].loss < result.losses[0], result.evals
     assert [e.step for e in result.evals] == [10, 20]
     assert capsys.readouterr().out.count(f"{tmp_path}/own/step-") == 2  # on_checkpoint=print
     assert (tmp_path / "own" / "model" / "model.safetensors").is_file()
