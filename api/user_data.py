@@ -76,21 +76,29 @@ def open_user_data(data: Any, shape: BatchShape, *, seed: int, collate: Collate 
     )
 
 
+def _first_row(shape: BatchShape, step: int, rank: int, micro: int) -> int:
+    """The first of the rows, numbered across all steps, that ``(step, rank, micro)`` takes."""
+    return (step - 1) * shape.rows + shape.rows_of(rank, micro).start
+
+
+def _check_fills_a_step(holds: str, count: int, shape: BatchShape) -> None:
+    if count < shape.rows:
+        raise ConfigError(
+            f"{holds}, fewer than one step's global batch: micro_batches {shape.micro_batches} x workers "
+            f"{shape.world_size} x batch_size {shape.batch_size} = {shape.rows}"
+        )
+
+
 class MapStyleBatches:
     def __init__(self, dataset: Any, shape: BatchShape, *, seed: int, collate: Collate) -> None:
         self.shape = shape
         self._dataset, self._seed, self._collate = dataset, seed, collate
         self._size = len(dataset)
-        if self._size < shape.rows:
-            raise ConfigError(
-                f"the dataset holds {self._size} items, fewer than one step's global batch: micro_batches "
-                f"{shape.micro_batches} x workers {shape.world_size} x batch_size {shape.batch_size} = {shape.rows}"
-            )
+        _check_fills_a_step(f"the dataset holds {self._size} items", self._size, shape)
         self._epoch: tuple[int, torch.Tensor] | None = None
 
     def batch(self, step: int, rank: int, micro: int = 0) -> UserBatch:
-        rows = self.shape.rows_of(rank, micro)
-        first = (step - 1) * self.shape.rows + rows.start
+        first = _first_row(self.shape, step, rank, micro)
         items = [self._dataset[self._index(row)] for row in range(first, first + self.shape.batch_size)]
         return UserBatch(self._collate(items))
 
@@ -110,15 +118,10 @@ class IterableBatches:
         self._position = 0
         """The row the stream yields next."""
         available = sum(1 for _ in zip(range(shape.rows), iter(dataset), strict=False))
-        if available < shape.rows:
-            raise ConfigError(
-                f"the iterable dataset yields {available} items, fewer than one step's global batch: micro_batches "
-                f"{shape.micro_batches} x workers {shape.world_size} x batch_size {shape.batch_size} = {shape.rows}"
-            )
+        _check_fills_a_step(f"the iterable dataset yields {available} items", available, shape)
 
     def batch(self, step: int, rank: int, micro: int = 0) -> UserBatch:
-        rows = self.shape.rows_of(rank, micro)
-        first = (step - 1) * self.shape.rows + rows.start
+        first = _first_row(self.shape, step, rank, micro)
         if self._stream is None or first < self._position:
             self._stream, self._position = iter(self._dataset), 0
         for _ in range(first - self._position):

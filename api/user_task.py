@@ -108,10 +108,7 @@ class UserTask:
     def _initial_model(self) -> nn.Module:
         with torch.device("cpu"), torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.seed)
-            model = self.model_fn()
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"model_fn must return a torch.nn.Module, got {type(model).__name__}")
-        return model
+            return self.build()
 
 
 def batch_shape_of(config: TrainConfig) -> BatchShape:

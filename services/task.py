@@ -30,6 +30,9 @@ class TrainingTask(Protocol):
     """The model, loss and data of a run. Every method is called in every process that
     needs it (the launcher to check and lay out, each worker to train its share)."""
 
+    eval_every_steps: int
+    """Validate every this many steps, and after the last; 0: after the last only."""
+
     def build(self) -> nn.Module:
         """The model in fp32; under ``torch.device("meta")`` shapes only."""
         ...
@@ -42,9 +45,6 @@ class TrainingTask(Protocol):
         """Full fp32 initial values of named parameters, the same in every process; what
         it holds is let go once the worker's shards are registered."""
         ...
-
-    eval_every_steps: int
-    """Validate every this many steps, and after the last; 0: after the last only."""
 
     def buffer_values(self, model_on_meta: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """Every buffer's value, which a model built on the meta device lacks."""
