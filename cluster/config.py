@@ -15,7 +15,7 @@ from cargohold.cluster.config_eval import EvalConfig
 from cargohold.cluster.config_model import GPTConfig, HFModelConfig
 from cargohold.cluster.config_optim import OptimConfig
 from cargohold.services.errors import ConfigError
-from cargohold.services.tiers.fileformat import FileLayout
+from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
 from cargohold.services.tiers.partitions import elements_per_partition
 from cargohold.services.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
@@ -210,8 +210,10 @@ class TierConfig:
             )
 
     def staging_bytes(self) -> int:
-        """Memory of the staging buffers: ``buffer_count`` partitions in their file layout."""
-        return self.buffer_count * FileLayout(elements_per_partition(self.partition_bytes)).file_bytes
+        """Memory of the staging buffers: ``buffer_count`` partitions in their file layout,
+        and as many buffers for a partition's staged gradient (fp32 at most)."""
+        elements = elements_per_partition(self.partition_bytes)
+        return self.buffer_count * (FileLayout(elements).file_bytes + gradient_file_bytes(elements, 4))
 
 
 @dataclass(kw_only=True, slots=True)

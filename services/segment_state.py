@@ -1,6 +1,6 @@
 """What a state server knows about its segments, without any transport: registration,
-idempotent updates keyed by (run, segment, update number), weight reads, and the
-gradients staged until the step's global norm is known (:class:`GradientStaging`).
+idempotent updates keyed by (run, segment, update number), gradients staged until the
+step's global norm is known (kept by the tiers, :mod:`.tiers.gradients`), and weight reads.
 
 Every request is validated completely before any state changes, so a rejected request
 leaves the shard exactly as it was.
@@ -27,6 +27,7 @@ from cargohold.services.tiers.preserve import PreservedPartition
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.source import StateSource, tensor_source
 from cargohold.services.tiers.storage import TieredStorage
+from cargohold.services.weight_buffers import WeightBuffers
 from cargohold.services.wire import WIRE_DTYPES
 
 
@@ -95,6 +96,11 @@ class SegmentState:
     The arrays live in a :class:`TieredStorage` (the server's, or a private all-RAM one),
     split into partitions there when a RAM budget is set. The clip coefficient and the
     update count are per segment: computed once per update, whatever the partitions.
+
+    An update comes one of two ways: :meth:`apply_gradient` at once (no clipping, no
+    non-finite check), or :meth:`stage_gradient` during backward and :meth:`commit` with
+    the step's global norm; either way the AdamW call is ``TieredStorage.update`` →
+    :func:`~cargohold.services.optim.apply_update`, one partition at a time.
     """
 
     def __init__(
@@ -103,6 +109,7 @@ class SegmentState:
         initial_weights: torch.Tensor | None = None,
         *,
         storage: TieredStorage | None = None,
+        buffers: WeightBuffers | None = None,
         moments: tuple[torch.Tensor, torch.Tensor] | None = None,
         updates: int = 0,
         source: StateSource | None = None,
@@ -110,7 +117,8 @@ class SegmentState:
         """Starts from ``initial_weights``, or from ``source`` (a checkpoint read a
         partition at a time, so a restore fits the tiers' memory). ``moments``
         (exp_avg, exp_avg_sq) or a source, with ``updates``, restore a checkpointed
-        segment; without them it starts fresh with no update applied."""
+        segment; without them it starts fresh with no update applied. ``buffers``: where
+        prepared weights are drawn from (the server's, shared by its segments)."""
         if (initial_weights is None) == (source is None):
             raise InvalidTensorError(f"shard {spec.segment_id}: give initial weights or a source, not both or neither")
         if source is None:
@@ -127,14 +135,23 @@ class SegmentState:
         self.spec = spec
         self.lock = threading.Lock()
         self._storage = storage if storage is not None else TieredStorage()
-        self._storage.add_shard(spec.run_id, spec.segment_id, spec.numel, spec.fragments, source, step=updates)
+        self._buffers = buffers if buffers is not None else WeightBuffers()
+        self._storage.add_shard(
+            spec.run_id,
+            spec.segment_id,
+            spec.numel,
+            spec.fragments,
+            source,
+            step=updates,
+            gradient_itemsize=WIRE_DTYPES[spec.grad_dtype].itemsize,
+        )
         self._updates = updates
+        self._staged = 0
+        """The update whose gradient :meth:`stage_gradient` kept (0: none)."""
         self._groups = spec.fragment_groups()
         self._prepared: tuple[int, str, torch.Tensor] | None = None
-        """(update, dtype, weights) that the latest update prepared, until fetched once."""
-        self._spare: torch.Tensor | None = None
-        """A weights buffer a fetch has finished with (:meth:`recycle`): the next update or
-        read writes into it instead of faulting in a new one. Held by nobody else."""
+        """(update, dtype, weights) that the latest update prepared, until fetched once;
+        the weights are a buffer taken from ``_buffers``."""
 
     @property
     def updates(self) -> int:
@@ -174,44 +191,82 @@ class SegmentState:
         again finishes the partitions that had not been updated.
         """
         _check_tensor(self.spec, gradient, WIRE_DTYPES[self.spec.grad_dtype], "gradient")
-        if not (math.isfinite(lr) and lr >= 0.0):
-            raise InvalidTensorError(f"shard {self.spec.segment_id}: lr must be finite and >= 0, got {lr}")
-        if not (math.isfinite(global_norm) and global_norm >= 0.0):
-            raise InvalidTensorError(
-                f"shard {self.spec.segment_id}: global gradient norm must be finite and >= 0, got {global_norm}"
-            )
-        if prepare is not None and prepare not in WIRE_DTYPES:
-            raise InvalidTensorError(f"weight dtype {prepare!r} is not one of {sorted(WIRE_DTYPES)}")
+        _check_update_args(self.spec, global_norm, lr, prepare)
+        with self.lock:
+            if repeats_last_update(self.spec, self._updates, update, verb="accepts"):
+                return UpdateOutcome(applied=False, updates=self._updates, seconds=0.0)
+            return self._update(update, gradient, global_norm=global_norm, lr=lr, owned=owned, prepare=prepare)
+
+    def stage_gradient(self, update: int, gradient: torch.Tensor) -> UpdateOutcome:
+        """Keep the gradient of update ``update`` (its partitions' pieces where their state
+        is) until :meth:`commit`; one for the already applied update is ignored. The
+        caller may reuse ``gradient`` once this returns."""
+        _check_tensor(self.spec, gradient, WIRE_DTYPES[self.spec.grad_dtype], "gradient")
         with self.lock:
             current = self._updates
-            if repeats_last_update(self.spec, current, update, verb="accepts"):
+            if repeats_last_update(self.spec, current, update, verb="stages"):
                 return UpdateOutcome(applied=False, updates=current, seconds=0.0)
-            started = time.perf_counter()
-            self._prepared = None
-            spare = self._take_spare(prepare)
-            try:
-                weights, _ = self._storage.update(
-                    self.spec.run_id,
-                    self.spec.segment_id,
-                    update,
-                    gradient,
-                    coefficient=clip_coefficient(global_norm, self.spec.hyper.max_grad_norm),
-                    lr=lr,
-                    groups=self._groups,
-                    gradient_owned=owned,
-                    weights_dtype=WIRE_DTYPES[prepare] if prepare is not None else None,
-                    weights_out=spare,
+            self._staged = 0
+            self._storage.stage_gradient(self.spec.run_id, self.spec.segment_id, update, gradient)
+            self._staged = update
+            return UpdateOutcome(applied=False, updates=update, seconds=0.0)
+
+    def commit(self, update: int, *, global_norm: float, lr: float, prepare: str | None = None) -> UpdateOutcome:
+        """Apply the gradient staged for ``update``; repeating a commit is harmless, and a
+        commit that failed part-way (a failed write) finishes when repeated. ``prepare``
+        as in :meth:`apply_gradient`."""
+        _check_update_args(self.spec, global_norm, lr, prepare)
+        with self.lock:
+            if update == self._updates and update > 0:
+                return UpdateOutcome(applied=False, updates=update, seconds=0.0)
+            if self._staged != update or update != self._updates + 1:
+                raise StepMismatchError(
+                    f"shard {self.spec.segment_id} of run {self.spec.run_id!r} has no gradient staged for step "
+                    f"{update} (it is at step {self._updates}); push it with defer_update first"
                 )
-            except BaseException:
-                if spare is not None:  # scratch either way: keep it for the retry
-                    self._spare = spare
-                raise
-            if spare is not None and weights is not spare:  # a resumed update makes no weights
-                self._spare = spare
-            self._updates = update
-            if weights is not None and prepare is not None:
-                self._prepared = (update, prepare, weights)
-            return UpdateOutcome(applied=True, updates=update, seconds=time.perf_counter() - started)
+            outcome = self._update(update, None, global_norm=global_norm, lr=lr, owned=False, prepare=prepare)
+            self._staged = 0
+            return outcome
+
+    def _update(
+        self,
+        update: int,
+        gradient: torch.Tensor | None,
+        *,
+        global_norm: float,
+        lr: float,
+        owned: bool,
+        prepare: str | None,
+    ) -> UpdateOutcome:
+        """The update itself, under the lock; ``gradient`` None: the staged one."""
+        started = time.perf_counter()
+        if self._prepared is not None:  # never fetched: its buffer goes back
+            self._buffers.give(self._prepared[2])
+            self._prepared = None
+        out = self._buffers.take(WIRE_DTYPES[prepare], self.spec.numel) if prepare is not None else None
+        try:
+            weights, _ = self._storage.update(
+                self.spec.run_id,
+                self.spec.segment_id,
+                update,
+                gradient,
+                coefficient=clip_coefficient(global_norm, self.spec.hyper.max_grad_norm),
+                lr=lr,
+                groups=self._groups,
+                gradient_owned=owned,
+                weights_dtype=out.dtype if out is not None else None,
+                weights_out=out,
+            )
+        except BaseException:
+            if out is not None:
+                self._buffers.give(out)
+            raise
+        self._updates = update
+        if weights is not None and prepare is not None:
+            self._prepared = (update, prepare, weights)
+        elif out is not None:  # a resumed update makes no weights
+            self._buffers.give(out)
+        return UpdateOutcome(applied=True, updates=update, seconds=time.perf_counter() - started)
 
     def weights(self, update: int, dtype: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of the master weights after update ``update``, in a wire dtype; the
@@ -228,51 +283,36 @@ class SegmentState:
                     f"of step {current}, not of step {update}"
                 )
             prepared, self._prepared = self._prepared, None
-            if prepared is not None and prepared[:2] == (update, dtype):
+            if prepared is not None and prepared[:2] != (update, dtype):
+                self._buffers.give(prepared[2])
+                prepared = None
+            if prepared is not None:
                 if out is None:
                     return prepared[2]
                 out.copy_(prepared[2])
-                if self._spare is None:
-                    self._spare = prepared[2]
+                self._buffers.give(prepared[2])
                 return out
             if out is not None:
                 _check_tensor(self.spec, out, WIRE_DTYPES[dtype], "weights destination")
                 return self._storage.read_weights(
                     self.spec.run_id, self.spec.segment_id, update, WIRE_DTYPES[dtype], out=out
                 )
-            spare = self._take_spare(dtype)
+            buffer = self._buffers.take(WIRE_DTYPES[dtype], self.spec.numel)
             try:
                 return self._storage.read_weights(
-                    self.spec.run_id, self.spec.segment_id, update, WIRE_DTYPES[dtype], out=spare
+                    self.spec.run_id, self.spec.segment_id, update, WIRE_DTYPES[dtype], out=buffer
                 )
             except BaseException:
-                if spare is not None:
-                    self._spare = spare
+                if buffer is not None:
+                    self._buffers.give(buffer)
                 raise
 
     def recycle(self, weights: torch.Tensor) -> None:
         """Hand back a tensor :meth:`weights` returned, once nothing reads it any more
-        (the server, after the last chunk of a fetch is built): the next push or read
-        writes into it rather than into a new allocation, whose page faults cost as much
-        as the cast itself. Each buffer has one holder at a time, so concurrent fetches
-        never share one; a buffer never handed back is simply freed."""
-        with self.lock:
-            if (
-                self._spare is None
-                and weights.dim() == 1
-                and weights.numel() == self.spec.numel
-                and weights.dtype in WIRE_DTYPES.values()
-                and weights.is_contiguous()
-            ):
-                self._spare = weights
-
-    def _take_spare(self, dtype: str | None) -> torch.Tensor | None:
-        """The recycled buffer if it is in ``dtype`` (the caller now holds it); under the lock."""
-        spare = self._spare
-        if spare is None or dtype is None or spare.dtype != WIRE_DTYPES[dtype]:
-            return None
-        self._spare = None
-        return spare
+        (the server, after the last chunk of a fetch is built), for the next update or
+        read to write into; a tensor that is not one of the server's buffers is left
+        alone (simply freed)."""
+        self._buffers.give(weights)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of master, exp_avg and exp_avg_sq (for tests and checkpoints)."""
@@ -294,15 +334,17 @@ class SegmentState:
 
 
 class SegmentRegistry:
-    """All shards a server owns, keyed by (run id, shard id), over one tiered storage."""
+    """All shards a server owns, keyed by (run id, shard id), over one tiered storage and
+    one bounded set of weight buffers."""
 
-    def __init__(self, storage: TieredStorage | None = None) -> None:
+    def __init__(self, storage: TieredStorage | None = None, buffers: WeightBuffers | None = None) -> None:
         self._lock = threading.Lock()
         self._registering = threading.Lock()
         """Serialises registrations, which may write partition files, without holding
         ``_lock`` (and so every other shard's lookups) meanwhile."""
         self._shards: dict[tuple[str, int], SegmentState] = {}
         self.storage = storage if storage is not None else TieredStorage()
+        self.buffers = buffers if buffers is not None else WeightBuffers()
 
     def register(self, spec: SegmentSpec, initial_weights: torch.Tensor) -> SegmentState:
         """Create the shard, or return it unchanged if registered with the same spec."""
@@ -317,7 +359,7 @@ class SegmentRegistry:
                         "with a different specification"
                     )
                 return existing
-            state = SegmentState(spec, initial_weights, storage=self.storage)
+            state = SegmentState(spec, initial_weights, storage=self.storage, buffers=self.buffers)
             with self._lock:
                 self._shards[key] = state
             return state
@@ -333,7 +375,7 @@ class SegmentRegistry:
                         f"shard {spec.segment_id} of run {spec.run_id!r} is already registered; "
                         "restore into a fresh state server"
                     )
-            state = SegmentState(spec, storage=self.storage, source=source, updates=updates)
+            state = SegmentState(spec, storage=self.storage, buffers=self.buffers, source=source, updates=updates)
             with self._lock:
                 self._shards[key] = state
             return state
@@ -376,6 +418,17 @@ def repeats_last_update(spec: SegmentSpec, current: int, update: int, *, verb: s
     return False
 
 
+def _check_update_args(spec: SegmentSpec, global_norm: float, lr: float, prepare: str | None) -> None:
+    if not (math.isfinite(lr) and lr >= 0.0):
+        raise InvalidTensorError(f"shard {spec.segment_id}: lr must be finite and >= 0, got {lr}")
+    if not (math.isfinite(global_norm) and global_norm >= 0.0):
+        raise InvalidTensorError(
+            f"shard {spec.segment_id}: global gradient norm must be finite and >= 0, got {global_norm}"
+        )
+    if prepare is not None and prepare not in WIRE_DTYPES:
+        raise InvalidTensorError(f"weight dtype {prepare!r} is not one of {sorted(WIRE_DTYPES)}")
+
+
 def _check_tensor(spec: SegmentSpec, tensor: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     if tensor.dtype != dtype:
         raise InvalidTensorError(f"shard {spec.segment_id}: {what} must be {dtype}, got {tensor.dtype}")
@@ -383,72 +436,3 @@ def _check_tensor(spec: SegmentSpec, tensor: torch.Tensor, dtype: torch.dtype, w
         raise InvalidTensorError(
             f"shard {spec.segment_id}: {what} must have {spec.numel} elements, got shape {tuple(tensor.shape)}"
         )
-
-
-class GradientStaging:
-    """Gradients that arrived before the step's global norm, held until CommitStep.
-
-    Workers ship each unit's gradient while backward still runs; with clipping on, no
-    update can start before every segment's contribution to the global norm is known.
-    At most one gradient per segment waits here, validated: the one for its next update,
-    applied exactly once."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._staged: dict[tuple[str, int], tuple[int, torch.Tensor]] = {}
-        self._spares: dict[tuple[str, int], torch.Tensor] = {}
-        """Per shard that stages borrowed gradients: last step's copy, reused for the next
-        (a fresh allocation's page faults cost as much as the copy itself)."""
-
-    def stage(
-        self, state: SegmentState, update: int, gradient: torch.Tensor, *, borrowed: bool = False
-    ) -> UpdateOutcome:
-        """Hold ``gradient`` for update ``update``; one for the already applied update is ignored.
-        ``borrowed``: the caller's buffer (shared memory the worker reuses), so keep a copy."""
-        spec = state.spec
-        if gradient.dtype != WIRE_DTYPES[spec.grad_dtype] or gradient.numel() != spec.numel:
-            raise InvalidTensorError(
-                f"shard {spec.segment_id}: gradient must be {spec.numel} x {spec.grad_dtype}, "
-                f"got {gradient.numel()} x {gradient.dtype}"
-            )
-        current = state.updates
-        if repeats_last_update(spec, current, update, verb="stages"):
-            return UpdateOutcome(applied=False, updates=current, seconds=0.0)
-        key = (spec.run_id, spec.segment_id)
-        if borrowed:
-            with self._lock:
-                spare = self._spares.pop(key, None)
-            if spare is None or spare.dtype != gradient.dtype or spare.numel() != gradient.numel():
-                spare = torch.empty_like(gradient)
-            gradient = spare.copy_(gradient)
-        with self._lock:
-            self._staged[key] = (update, gradient)
-            if borrowed:
-                self._spares.setdefault(key, torch.empty(0))  # marks the shard as reusing
-        return UpdateOutcome(applied=False, updates=update, seconds=0.0)
-
-    def commit(
-        self, state: SegmentState, update: int, *, global_norm: float, lr: float, prepare: str | None = None
-    ) -> UpdateOutcome:
-        """Apply the gradient staged for ``update``; repeating a commit is harmless.
-        ``prepare`` as in :meth:`SegmentState.apply_gradient`."""
-        spec = state.spec
-        key = (spec.run_id, spec.segment_id)
-        with self._lock:
-            staged = self._staged.get(key)
-        if staged is None or staged[0] != update:
-            if update == state.updates and update > 0:
-                return UpdateOutcome(applied=False, updates=update, seconds=0.0)
-            raise StepMismatchError(
-                f"shard {spec.segment_id} of run {spec.run_id!r} has no gradient staged for step "
-                f"{update} (it is at step {state.updates}); push it with defer_update first"
-            )
-        # Not handed over (owned=False): a commit retried after a failed write passes the
-        # same tensor again, so clipping must not scale it in place.
-        outcome = state.apply_gradient(update, staged[1], global_norm=global_norm, lr=lr, prepare=prepare)
-        with self._lock:
-            if self._staged.get(key, (None,))[0] == update:
-                del self._staged[key]
-                if key in self._spares:
-                    self._spares[key] = staged[1]
-        return outcome

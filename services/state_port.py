@@ -22,7 +22,7 @@ from cargohold.services.layout import Segment
 from cargohold.services.metrics import WorkerMetrics
 from cargohold.services.page_lock import PageLock, PageLockRefused, page_lock, pinned_empty
 from cargohold.services.param_groups import ParamGroups
-from cargohold.services.segment_state import GradientStaging, SegmentRegistry, SegmentSpec
+from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.shm import SharedRegion
 
@@ -269,7 +269,7 @@ def _path_label(rpc: str, shm: bool, client: StateServerClient) -> str:
 
 
 class LocalPort:
-    """State in this process: the same registry and staging a state server runs."""
+    """State in this process: the same registry a state server runs."""
 
     def __init__(
         self, config: TrainConfig, run_id: str, param_groups: ParamGroups, registry: SegmentRegistry | None = None
@@ -278,7 +278,6 @@ class LocalPort:
         self.run_id = run_id
         self.param_groups = param_groups
         self.registry = registry if registry is not None else SegmentRegistry()
-        self._staging = GradientStaging()
 
     def register(self, segment: Segment, initial: torch.Tensor) -> int:
         return self.registry.register(
@@ -288,7 +287,7 @@ class LocalPort:
     def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
         state = self.registry.get(self.run_id, segment.segment_id)
         if defer:
-            self._staging.stage(state, update, gradient, borrowed=True)
+            state.stage_gradient(update, gradient)
             return False
         prepare = self.config.worker.compute_dtype
         return state.apply_gradient(update, gradient, global_norm=0.0, lr=lr, prepare=prepare).applied
@@ -296,7 +295,7 @@ class LocalPort:
     def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float) -> bool:
         state = self.registry.get(self.run_id, segment.segment_id)
         prepare = self.config.worker.compute_dtype
-        return self._staging.commit(state, update, global_norm=global_norm, lr=lr, prepare=prepare).applied
+        return state.commit(update, global_norm=global_norm, lr=lr, prepare=prepare).applied
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
         dtype = self.config.worker.compute_dtype

@@ -23,6 +23,7 @@ from cargohold.services.tiers.storage import TieredStorage
 from cargohold.services.transport.auth import TlsFiles
 from cargohold.services.transport.grpc_server import GrpcStateServer
 from cargohold.services.transport.limits import CallLimits
+from cargohold.services.weight_buffers import WeightBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,11 @@ class StateServer:
             )
         self.server_index = server_index
         self.metrics = StateServerMetrics(f"state-server-{server_index}")
-        self.registry = SegmentRegistry(TieredStorage(config.tier, server_index=server_index, observer=self.metrics))
+        # Prepared weights wait for fetches, which at most rpc_threads calls serve at once.
+        self.registry = SegmentRegistry(
+            TieredStorage(config.tier, server_index=server_index, observer=self.metrics),
+            WeightBuffers(2 * config.rpc_threads),
+        )
         if metrics_enabled:
             self.metrics.start(host=host, port=metrics_port)
         self._grpc = GrpcStateServer(

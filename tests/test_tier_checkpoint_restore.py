@@ -49,7 +49,7 @@ def test_a_tier_checkpoint_restores_and_continues_bitwise(tmp_path: Path, target
 
     tier = {
         "same-partitions": tier_config(tmp_path / "b"),
-        "other-partitions": tier_config(tmp_path / "b", partition_bytes=40 << 10, ram_budget_bytes=4 * (40 << 10)),
+        "other-partitions": tier_config(tmp_path / "b", partition_bytes=40 << 10, ram_budget_bytes=6 * (40 << 10)),
         "all-in-ram": None,
     }[target]
     restored = SegmentRegistry(TieredStorage(tier))

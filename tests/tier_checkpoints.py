@@ -18,7 +18,7 @@ from cargohold.services.layout import build_layout
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.reshard import layout_record
 from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
-from cargohold.services.tiers.fileformat import ARRAYS, FileLayout
+from cargohold.services.tiers.fileformat import ARRAYS, FileLayout, gradient_file_bytes
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.storage import TieredStorage
 
@@ -29,7 +29,9 @@ NUMEL = 10 * PER_PARTITION + 320  # 11 partitions, the last one short
 FRAGMENTS = ((0, 5000), (5056, 6000), (11072, 2688))
 SHARDS = 2
 TOTAL = SHARDS * NUMEL
-BUFFER_BYTES = FileLayout(PER_PARTITION).file_bytes
+BUFFER_BYTES = FileLayout(PER_PARTITION).file_bytes + gradient_file_bytes(PER_PARTITION, 4)
+"""A partition in its file layout with its staged fp32 gradient: what a staging buffer or a
+resident partition costs the budget."""
 LR = 1e-2
 NORM = 2.0  # > max_grad_norm: clipping is active
 FLAT = (("flat", (TOTAL,)),)

@@ -15,7 +15,7 @@ import torch
 from cargohold.cluster.config import TierConfig
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.segment_state import SegmentSpec, SegmentState
-from cargohold.services.tiers.fileformat import FileLayout
+from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
 from cargohold.services.tiers.residency import Residency
 from cargohold.services.tiers.storage import TieredStorage
 
@@ -24,9 +24,11 @@ PARTITION_BYTES = 16 << 10  # 1344 elements a partition
 PER_PARTITION = 1344
 NUMEL = 10 * PER_PARTITION + 320  # 11 partitions, the last one short
 FRAGMENTS = ((0, 5000), (5056, 6000), (11072, 2688))  # cut at multiples of 64; padding between
-BUFFER_BYTES = FileLayout(PER_PARTITION).file_bytes
+GRADIENT_BYTES = gradient_file_bytes(PER_PARTITION, 4)  # a partition's staged fp32 gradient
+BUFFER_BYTES = FileLayout(PER_PARTITION).file_bytes + GRADIENT_BYTES  # a staging buffer and its gradient's
+RESIDENT_BYTES = FileLayout(PER_PARTITION).file_bytes + GRADIENT_BYTES  # a resident partition and its gradient
 BUFFERS = 3
-BUDGET = BUFFERS * BUFFER_BYTES + 2 * BUFFER_BYTES  # staging plus two resident partitions
+BUDGET = BUFFERS * BUFFER_BYTES + 2 * RESIDENT_BYTES  # staging plus two resident partitions
 LR = 1e-2
 NORM = 2.0  # > max_grad_norm: clipping is active
 

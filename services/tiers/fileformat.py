@@ -48,6 +48,12 @@ def round_up(value: int, multiple: int = BLOCK) -> int:
     return -(-value // multiple) * multiple
 
 
+def gradient_file_bytes(numel: int, itemsize: int) -> int:
+    """Bytes of one partition's staged gradient (``numel`` elements of ``itemsize`` bytes)
+    in memory or in its scratch file, 4 KiB aligned for O_DIRECT (:mod:`.gradients`)."""
+    return round_up(numel * itemsize)
+
+
 @dataclass(frozen=True, slots=True)
 class FileLayout:
     """Byte offsets of a partition of ``numel`` elements, in its file and its buffer."""

@@ -98,11 +98,11 @@ def probe_path(root: str, direct_io: str, probe_bytes: int = PROBE_BYTES) -> Tie
         while True:
             try:
                 started = time.perf_counter()
-                _write_file(probe, buffer.view, direct)
+                write_file(probe, buffer.view, direct)
                 fsync_file(probe, drop_cache=not direct)
                 written = time.perf_counter() - started
                 started = time.perf_counter()
-                got = _read_into(probe, buffer.view, direct)
+                got = read_file_into(probe, buffer.view, direct)
                 read = time.perf_counter() - started
                 break
             except OSError as error:
@@ -349,12 +349,12 @@ class NvmeTier:
         try:
             check_size(os.stat(path).st_size, path=path, key=partition.key, numel=partition.span.numel)
             try:
-                got = _read_into(path, buffer.view[:nbytes], tier_path.direct)
+                got = read_file_into(path, buffer.view[:nbytes], tier_path.direct)
             except OSError as error:
                 if not (tier_path.direct and error.errno == errno.EINVAL):
                     raise
                 self._fall_back(tier_path, error)
-                got = _read_into(path, buffer.view[:nbytes], False)
+                got = read_file_into(path, buffer.view[:nbytes], False)
         except FileNotFoundError as error:
             raise corrupt_error(path, partition.key, "the file is missing") from error
         except OSError as error:
@@ -404,11 +404,11 @@ def write_partition_file(
     header = PartitionHeader(key=key, numel=numel, step=step, checksums=checksums)
     buffer.view[:HEADER_BYTES] = header.pack()
     with replace_durably(target, drop_cache=not direct) as temporary:
-        _write_file(temporary, buffer.view[: layout.file_bytes], direct)
+        write_file(temporary, buffer.view[: layout.file_bytes], direct)
     return header
 
 
-def _write_file(path: str, view: memoryview, direct: bool) -> None:
+def write_file(path: str, view: memoryview, direct: bool) -> None:
     """Write ``view`` as the whole of a new file (the caller makes it durable)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     fd = os.open(path, flags, 0o600)
@@ -423,7 +423,7 @@ def _write_file(path: str, view: memoryview, direct: bool) -> None:
         os.close(fd)
 
 
-def _read_into(path: str, view: memoryview, direct: bool) -> int:
+def read_file_into(path: str, view: memoryview, direct: bool) -> int:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
     try:
         offset = 0

@@ -37,6 +37,13 @@ class PartitionDemand:
 
     key: PartitionKey
     state_bytes: int
+    gradient_bytes: int = 0
+    """Bytes of the gradient staged for it between a push and its commit, which take
+    RAM only while the partition is resident (a disk partition's go beside its file)."""
+
+    @property
+    def ram_bytes(self) -> int:
+        return self.state_bytes + self.gradient_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +65,7 @@ class TierPlan:
     staging_bytes: int = 0
     """Part of the budget set aside for the NVMe tier's staging buffers."""
     ram_bytes: int = 0
-    """State bytes planned resident in RAM."""
+    """Bytes planned resident in RAM: the partitions' states and the gradients staged for them."""
     nvme_bytes: int = 0
     """State bytes planned on disk."""
     predicted_io_seconds: float = 0.0
@@ -88,7 +95,7 @@ def plan_tiers(
     if ram_budget_bytes is None:
         return TierPlan(
             residency={d.key: Residency.RAM for d in demands},
-            ram_bytes=sum(d.state_bytes for d in demands),
+            ram_bytes=sum(d.ram_bytes for d in demands),
         )
     if num_paths < 1:
         raise ValueError("a RAM budget needs at least one NVMe path")
@@ -100,9 +107,9 @@ def plan_tiers(
     residency: dict[PartitionKey, Residency] = {d.key: Residency.NVME for d in demands}
     ram_bytes = 0
     for demand in sorted(demands, key=lambda d: (d.key.index, d.key.run_id, d.key.segment_id)):
-        if ram_bytes + demand.state_bytes <= capacity:
+        if ram_bytes + demand.ram_bytes <= capacity:
             residency[demand.key] = Residency.RAM
-            ram_bytes += demand.state_bytes
+            ram_bytes += demand.ram_bytes
     path_index = {d.key: path_of(d.key, num_paths) for d in demands}
     on_disk = [d for d in demands if residency[d.key] is Residency.NVME]
     return TierPlan(

@@ -7,10 +7,10 @@ Without ``ram_budget_bytes`` every shard is one partition in RAM, and an update 
 same single kernel call over the whole shard as without tiers.
 
 The RAM budget is a hard limit on the memory this store holds: resident partitions
-(in their 4 KiB-aligned file layout) plus the staging buffers are never more than it.
-Not counted: the gradient a push brings and the weights a fetch returns (a shard's
-size in the wire dtype each; the shard keeps the latter between steps to reuse it, see
-``SegmentState.recycle``), which belong to the transport.
+(in their 4 KiB-aligned file layout), the gradients staged for them (:mod:`.gradients`)
+and the staging buffers are never more than it. Not counted: the gradient a push brings
+and the weights a fetch returns (a segment's size in the wire dtype each, bounded by the
+calls in flight), which belong to the transport.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 from cargohold.cluster.config import TierConfig
 from cargohold.services.errors import IncompleteStepError
 from cargohold.services.optim import FragmentGroup, apply_update
-from cargohold.services.tiers.fileformat import ARRAYS, FileLayout
+from cargohold.services.tiers.fileformat import ARRAYS, FileLayout, gradient_file_bytes
+from cargohold.services.tiers.gradients import StagedGradients
 from cargohold.services.tiers.io_pool import BufferPool, IoPool
 from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path
 from cargohold.services.tiers.partitions import clip_fragments, elements_per_partition, split_segment
@@ -62,6 +63,8 @@ class TieredStorage:
         self._observer = observer or NullObserver()
         self._lock = threading.Lock()
         self._shards: dict[tuple[str, int], list[Partition]] = {}
+        self._gradient_itemsize: dict[tuple[str, int], int] = {}
+        """Bytes per element of each shard's staged gradients (its wire dtype)."""
         self._plan = TierPlan()
         budget = self.config.ram_budget_bytes
         self._nvme: NvmeTier | None = None
@@ -71,16 +74,22 @@ class TieredStorage:
             self._max_elements: int | None = None
             self.staging_bytes = 0
             self._ram = RamTier(None)
+            self._gradients = StagedGradients(None, None, None)
             return
         self._max_elements = elements_per_partition(self.config.partition_bytes)
         buffer_bytes = FileLayout(self._max_elements).file_bytes
-        self.staging_bytes = self.config.buffer_count * buffer_bytes
+        self.staging_bytes = self.config.staging_bytes()
         self._ram = RamTier(budget - self.staging_bytes)
         paths = [probe_path(p, self.config.direct_io, min(PROBE_BYTES, buffer_bytes)) for p in self.config.nvme_paths]
         self._io = IoPool(self.config.io_threads, self._observer)
         self._buffers = BufferPool(self.config.buffer_count, buffer_bytes)
         self._nvme = NvmeTier(
             paths, server_index=server_index, io=self._io, buffers=self._buffers, observer=self._observer
+        )
+        self._gradients = StagedGradients(
+            self._nvme,
+            self._io,
+            BufferPool(self.config.buffer_count, gradient_file_bytes(self._max_elements, torch.float32.itemsize)),
         )
 
     @property
@@ -98,17 +107,20 @@ class TieredStorage:
         source: StateSource,
         *,
         step: int = 0,
+        gradient_itemsize: int = 0,
     ) -> None:
         """Create a shard's partitions from ``source`` — fp32 weights with zero moments
         at step 0, or a checkpoint's state at ``step`` — re-planning every partition of
         the server. The source is asked for one partition at a time, so a restore never
-        holds more than a partition beyond the tiers' own memory. All or nothing."""
+        holds more than a partition beyond the tiers' own memory. All or nothing.
+        ``gradient_itemsize``: bytes per element of the gradients the shard may stage
+        (:meth:`stage_gradient`), which the plan counts where they are kept."""
         spans = split_segment(numel, fragments, self._max_elements)
         with self._lock:
             if self._nvme is not None:
                 self._nvme.prepare_run(run_id)
             parts = [Partition(PartitionKey(run_id, segment_id, s.index), s, Residency.RAM, step=step) for s in spans]
-            plan = self._replan(parts)
+            plan = self._replan(parts, gradient_itemsize)
             to_disk: list[Partition] = []
             resident: dict[PartitionKey, PartitionArrays] = {}
             for part in parts:
@@ -125,7 +137,14 @@ class TieredStorage:
                 if to_disk:
                     assert self._nvme is not None  # no budget means no limit on RAM
                     self._nvme.check_space(
-                        ((p.path_index, FileLayout(p.span.numel).file_bytes) for p in to_disk),
+                        (
+                            (
+                                p.path_index,
+                                FileLayout(p.span.numel).file_bytes
+                                + gradient_file_bytes(p.span.numel, gradient_itemsize),
+                            )
+                            for p in to_disk
+                        ),
                         f"shard {segment_id} of run {run_id!r}",
                     )
                 created: list[Future[None]] = []
@@ -151,13 +170,17 @@ class TieredStorage:
                     self._store_of(part).drop(part)
                 raise
             self._shards[(run_id, segment_id)] = parts
+            self._gradient_itemsize[(run_id, segment_id)] = gradient_itemsize
             self._plan = plan
         self._report_plan(plan)
 
-    def _replan(self, new: Sequence[Partition] = ()) -> TierPlan:
+    def _replan(self, new: Sequence[Partition] = (), new_itemsize: int = 0) -> TierPlan:
+        shards = [(parts, self._gradient_itemsize[key]) for key, parts in self._shards.items()]
         demands = [
-            PartitionDemand(p.key, FileLayout(p.span.numel).file_bytes)
-            for parts in [*self._shards.values(), new]
+            PartitionDemand(
+                p.key, FileLayout(p.span.numel).file_bytes, gradient_bytes=gradient_file_bytes(p.span.numel, itemsize)
+            )
+            for parts, itemsize in [*shards, (new, new_itemsize)]
             for p in parts
         ]
         nvme = self._nvme
@@ -170,12 +193,22 @@ class TieredStorage:
         )
 
     # --- the update ---------------------------------------------------------------------
+    def stage_gradient(self, run_id: str, segment_id: int, step: int, gradient: torch.Tensor) -> None:
+        """Keep the (already validated) gradient of ``step`` for the partitions not yet at
+        ``step``, each where its state is, until :meth:`update` is called without one."""
+        parts = self._shards[(run_id, segment_id)]
+        pending = [p for p in parts if p.step != step]
+        for part in pending:
+            if part.step != step - 1:
+                raise IncompleteStepError(f"{part.key} is at step {part.step}; cannot stage step {step}")
+        self._gradients.stage(pending, step, gradient)
+
     def update(
         self,
         run_id: str,
         segment_id: int,
         step: int,
-        gradient: torch.Tensor,
+        gradient: torch.Tensor | None,
         *,
         coefficient: torch.Tensor | None,
         lr: float,
@@ -186,7 +219,8 @@ class TieredStorage:
     ) -> tuple[torch.Tensor | None, StreamReport]:
         """Apply the (already validated) gradient of ``step`` to every partition not yet
         at ``step``, clipping by ``coefficient``, each param group of ``groups`` (the
-        segment's fragments by group) with its constants. Returns the updated master weights in
+        segment's fragments by group) with its constants; ``gradient`` None: the one
+        :meth:`stage_gradient` kept, read back a partition at a time. Returns the updated master weights in
         ``weights_dtype`` when asked (None if the update resumed an interrupted one),
         written into ``weights_out`` when given (a spare buffer of that dtype and size).
 
@@ -211,6 +245,8 @@ class TieredStorage:
                 else torch.empty(numel, dtype=weights_dtype)
             )
 
+        pieces = self._gradients.reader(order, step) if gradient is None else None
+
         def update(part: Partition, arrays: PartitionArrays) -> None:
             if part.saving is not None:  # a checkpoint is still writing this partition out
                 waited = time.perf_counter()
@@ -218,6 +254,11 @@ class TieredStorage:
                 part.saving = None
                 self._observer.add_tier_io_wait(time.perf_counter() - waited)
             span = part.span
+            if pieces is None:
+                assert gradient is not None
+                piece, owned = gradient[span.start : span.stop], gradient_owned
+            else:
+                piece, owned = pieces.take(part)
             if span.fragments:
                 apply_update(
                     arrays.master,
@@ -227,19 +268,29 @@ class TieredStorage:
                         FragmentGroup(clip_fragments(g.fragments, span.start, span.stop), g.hyper, g.lr_scale)
                         for g in groups
                     ],
-                    gradient[span.start : span.stop],
+                    piece,
                     step=step_tensor,
                     coefficient=coefficient,
                     lr=lr,
-                    owned=gradient_owned,
+                    owned=owned,
                 )
+            if pieces is not None:
+                pieces.release(part)
             if weights is not None:
                 weights[span.start : span.stop].copy_(arrays.master)
 
         def finish(part: Partition, staged: Staged) -> Future[None]:
             return self._finish(part, staged, step, plan.of(part.key))
 
-        report = stream_update(order, store_of=self._store_of, update=update, finish=finish, observer=self._observer)
+        try:
+            report = stream_update(
+                order, store_of=self._store_of, update=update, finish=finish, observer=self._observer
+            )
+        finally:
+            if pieces is not None:
+                pieces.close()
+        if pieces is not None:
+            self._gradients.consumed(parts, step)
         return weights, report
 
     def _finish(self, part: Partition, staged: Staged, step: int, planned: Residency) -> Future[None]:
@@ -432,7 +483,7 @@ class TieredStorage:
             ram_budget_bytes=self.config.ram_budget_bytes or 0,
             staging_bytes=self.staging_bytes,
             buffer_count=self.config.buffer_count if nvme is not None else 0,
-            ram_used_bytes=self._ram.used_bytes + buffers,
+            ram_used_bytes=self._ram.used_bytes + buffers + self._gradients.ram_bytes,
             planned_ram_bytes=plan.ram_bytes,
             planned_nvme_bytes=plan.nvme_bytes,
             predicted_io_seconds=plan.predicted_io_seconds,

@@ -22,7 +22,7 @@ from cargohold.services.errors import (
     UnknownShardError,
 )
 from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.segment_state import GradientStaging, SegmentRegistry, SegmentState, UpdateOutcome
+from cargohold.services.segment_state import SegmentRegistry, SegmentState, UpdateOutcome
 from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
 from cargohold.services.transport.bulk import Direction
 from cargohold.services.transport.bulk_server import RPC_OF, BulkServer, FetchJob, PushJob
@@ -65,7 +65,6 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         """The one run this server serves: calls naming another are refused."""
         self._registry = registry
         self._metrics = metrics
-        self._staging = GradientStaging()
         self._regions = RegionCache()
         self.bulk: BulkServer | None = None
         """The bulk socket OpenBulk grants transfers on; None when not served."""
@@ -163,9 +162,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
     ) -> UpdateOutcome:
         """Stage or apply a pushed gradient, whichever way it came."""
         if header.defer_update:
-            # Staged, it may be applied more than once (a commit retried after a failed
-            # write), so the commit leaves it unscaled: see GradientStaging.commit.
-            return self._staging.stage(state, header.step, gradient, borrowed=not owned)
+            return state.stage_gradient(header.step, gradient)
         outcome = state.apply_gradient(
             header.step,
             gradient,
@@ -227,8 +224,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         def handle() -> pb.PushGradientResponse:
             self._admit(request.key.run_id)
             state = self._registry.get(request.key.run_id, request.key.shard_id)
-            outcome = self._staging.commit(
-                state,
+            outcome = state.commit(
                 request.step,
                 global_norm=request.global_grad_norm,
                 lr=request.lr,
