@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-NVME_TIER = {"ram_budget_bytes": 320 << 10, "partition_bytes": 64 << 10, "buffer_count": 3, "io_threads": 2}
+NVME_TIER = {"ram_budget_bytes": 400 << 10, "partition_bytes": 64 << 10, "buffer_count": 3, "io_threads": 2}
 """The bitwise NVMe contract test's tier: ~1.6 MiB of state, most of it on disk."""
 
 

@@ -21,7 +21,7 @@ from cargohold.cluster.plan.render import render
 from cargohold.cluster.plan.run import plan_run
 from cargohold.services.layout import Layout
 from cargohold.services.model_setup import model_layout
-from cargohold.services.tiers.fileformat import FileLayout
+from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT
 from cargohold.services.tiers.source import tensor_source
 from cargohold.services.tiers.storage import TieredStorage
@@ -240,8 +240,11 @@ def test_all_state_in_ram_without_a_budget() -> None:
         assert server.nvme_state_bytes == server.nvme_file_bytes == server.staging_bytes == 0
         segments = layout.segments_of_server(server.index)
         assert server.partitions == len(segments)  # one partition per segment
-        assert server.ram_resident_bytes == sum(FileLayout(s.numel).file_bytes for s in segments)
-        assert server.gradient_bytes == 4 * server.elements  # clipping on: every gradient is staged
+        # clipping on: every gradient is staged beside its partition, fp32 here
+        assert server.ram_resident_bytes == sum(
+            FileLayout(s.numel).file_bytes + gradient_file_bytes(s.numel, 4) for s in segments
+        )
+        assert server.gradient_bytes == 4 * min(server.elements, sum(s.numel for s in segments))
 
 
 def test_nvme_holds_the_state_not_kept_in_ram(tmp_path: Path) -> None:
@@ -253,9 +256,10 @@ def test_nvme_holds_the_state_not_kept_in_ram(tmp_path: Path) -> None:
         assert 0 < server.nvme_state_bytes and 0 < server.ram_state_bytes
         assert server.staging_bytes == tier.staging_bytes()
         assert server.ram_bytes <= tier.ram_budget_bytes  # resident partitions + staging within the budget
-        # Files are the state in its file layout: a 4 KiB header and each array padded to 4 KiB.
-        on_disk = server.partitions_on_nvme
-        assert server.nvme_state_bytes < server.nvme_file_bytes <= server.nvme_state_bytes + on_disk * 4 * 4096
+        # Files are the state in its file layout (a 4 KiB header and each array padded to
+        # 4 KiB) and, clipping on, each disk partition's staged fp32 gradient (padded likewise).
+        on_disk, with_gradients = server.partitions_on_nvme, server.nvme_state_bytes * 16 // 12
+        assert with_gradients < server.nvme_file_bytes <= with_gradients + on_disk * 5 * 4096
         assert sum(server.nvme_bytes_by_path.values()) == server.nvme_file_bytes
         assert set(server.nvme_bytes_by_path) == set(tier.nvme_paths)
         assert server.nvme_need_bytes == server.nvme_file_bytes + server.staging_bytes
@@ -280,13 +284,15 @@ def test_the_plan_is_the_tier_storages_own(tmp_path: Path) -> None:
                 segment.numel,
                 [(f.segment_start, f.length) for f in segment.fragments],
                 tensor_source(torch.zeros(segment.numel)),
+                gradient_itemsize=4,  # fp32 pushes, as SegmentState registers them
             )
         summary = storage.summary()
     finally:
         storage.close()
     server = plan.servers[0]
     assert summary.planned_ram_bytes == server.ram_resident_bytes
-    assert summary.planned_nvme_bytes == server.nvme_file_bytes
+    assert 0 < server.nvme_gradient_bytes < summary.planned_nvme_bytes
+    assert summary.planned_nvme_bytes + server.nvme_gradient_bytes == server.nvme_file_bytes
     assert summary.staging_bytes == server.staging_bytes
 
 
@@ -305,7 +311,7 @@ def test_checkpoints_are_planned_per_tier(tmp_path: Path) -> None:
     disk = tiered.servers[0]
     assert disk.checkpoint_snapshot_bytes == 0
     assert disk.checkpoint_written_bytes > 0
-    assert disk.checkpoint_bytes - disk.checkpoint_written_bytes == disk.nvme_file_bytes
+    assert disk.checkpoint_bytes - disk.checkpoint_written_bytes == disk.nvme_file_bytes - disk.nvme_gradient_bytes
     assert off.servers[0].checkpoint_bytes == 0 and "Per checkpoint" not in render(off)
     text = render(ram)
     assert "RAM: checkpoint snapshot" in text and "holds up to 3 while one is saved" in text

@@ -153,7 +153,9 @@ def test_stats_and_metrics_count_the_bulk_bytes(bulk_served: Served) -> None:
     s = bulk_served
     with bulk(s) as client:
         client.fetch(RUN, 0, 1, "float32", NUMEL)
-    stats = s.client.stats()
+    deadline = time.monotonic() + DEADLINE_S
+    while (stats := s.client.stats()).sent_bytes == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the server counts a fetch once its last byte is sent, as the client reads it
     registered_over_grpc = NBYTES
     assert stats.received_bytes == registered_over_grpc + NBYTES
     assert stats.sent_bytes == NBYTES

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.itemsize import DTYPE_BYTES, FP32_BYTES
 from cargohold.services.layout import Layout
-from cargohold.services.tiers.fileformat import FileLayout
+from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT, elements_per_partition, split_segment
 from cargohold.services.tiers.planner import PartitionDemand, TierPlan, plan_tiers
 from cargohold.services.tiers.residency import PartitionKey, Residency
@@ -43,19 +43,23 @@ class ServerPlan:
     nvme_state_bytes: int
     """State planned on NVMe: ``cargohold_state_resident_bytes{tier="nvme"}``."""
     ram_resident_bytes: int
-    """Memory the resident partitions occupy (their 4 KiB-aligned file layout)."""
+    """Memory the resident partitions occupy (their 4 KiB-aligned file layout) with room
+    for the gradients staged for them."""
     staging_bytes: int
-    """Staging buffers of the NVMe tier (0 without one)."""
+    """Staging buffers of the NVMe tier, for states and staged gradients (0 without one)."""
     gradient_bytes: int
-    """Gradients held during a step: staged until CommitStep when clipping or checking the
-    norm, else those in flight (upper bound)."""
+    """Gradients of the pushes in flight, as the transport assembles them (upper bound);
+    staged ones wait beside their partitions (in ``ram_resident_bytes`` or on disk)."""
     update_temp_bytes: int
     """fp32 copies of the gradient of the partitions being updated at once (upper bound)."""
     weights_bytes: int
-    """Updated weights in the compute dtype waiting for their fetch, plus the streamed
-    copies of those being fetched (upper bound)."""
+    """Updated weights in the compute dtype waiting for their fetch (the server's weight
+    buffers: 2 x ``rpc_threads`` segments at most), plus the streamed copies of those being
+    fetched (upper bound)."""
     nvme_file_bytes: int
-    """Partition files on disk."""
+    """Partition files on disk, with the staged gradients' files beside them."""
+    nvme_gradient_bytes: int
+    """Of those, the staged gradients' files (clipping or the non-finite check on)."""
     nvme_need_bytes: int
     """Files plus room for the writes in flight (what start-up checks against free space)."""
     nvme_bytes_by_path: dict[str, int]
@@ -103,7 +107,10 @@ def plan_server(config: TrainConfig, layout: Layout, index: int, transport: str)
     numel = {PartitionKey(run_id, sid, span.index): span.numel for sid, parts in spans.items() for span in parts}
     staging = tier.staging_bytes() if budget is not None else 0
     plan: TierPlan = plan_tiers(
-        [PartitionDemand(key, FileLayout(n).file_bytes) for key, n in numel.items()],
+        [
+            PartitionDemand(key, FileLayout(n).file_bytes, gradient_bytes=gradient_file_bytes(n, wire))
+            for key, n in numel.items()
+        ],
         ram_budget_bytes=budget,
         staging_bytes=staging,
         num_paths=max(1, len(tier.nvme_paths)),
@@ -115,17 +122,20 @@ def plan_server(config: TrainConfig, layout: Layout, index: int, transport: str)
         checkpoint_bytes = sum(FileLayout(n).file_bytes for n in numel.values())
         checkpoint_written = checkpoint_bytes - sum(FileLayout(numel[k]).file_bytes for k in on_disk)
         snapshot = checkpoint_bytes if budget is None else 0
+    defer = config.optim.max_grad_norm > 0 or config.optim.nonfinite != "ignore"
     by_path: dict[str, int] = {}
     for key in on_disk:
         path = tier.nvme_paths[plan.path_index[key]]
-        by_path[path] = by_path.get(path, 0) + FileLayout(numel[key]).file_bytes
+        staged = gradient_file_bytes(numel[key], wire) if defer else 0
+        by_path[path] = by_path.get(path, 0) + FileLayout(numel[key]).file_bytes + staged
     nvme_state = sum(numel[k] for k in on_disk) * STATE_BYTES_PER_ELEMENT
     elements = sum(s.numel for s in segments)
 
     threads = config.state_server.rpc_threads  # requests a server handles at once
-    defer = config.optim.max_grad_norm > 0 or config.optim.nonfinite != "ignore"
     sizes = sorted((s.numel for s in segments), reverse=True)
     busiest = sum(sizes[:threads])
+    gradient_files = sum(gradient_file_bytes(numel[k], wire) for k in on_disk)  # start-up reserves their room
+    staged_on_disk = gradient_files if defer else 0
     largest_partition = sorted((max(p.numel for p in parts) for parts in spans.values()), reverse=True)
     return ServerPlan(
         index=index,
@@ -137,17 +147,18 @@ def plan_server(config: TrainConfig, layout: Layout, index: int, transport: str)
         nvme_state_bytes=nvme_state,
         ram_resident_bytes=plan.ram_bytes,
         staging_bytes=staging,
-        gradient_bytes=(elements if defer else busiest) * wire,
+        gradient_bytes=busiest * wire,
         update_temp_bytes=sum(largest_partition[:threads]) * FP32_BYTES,
-        weights_bytes=(elements + (0 if transport == "shared_memory" else busiest)) * compute,
-        nvme_file_bytes=plan.nvme_bytes,
-        nvme_need_bytes=plan.nvme_bytes + staging if on_disk else 0,
+        weights_bytes=(sum(sizes[: 2 * threads]) + (0 if transport == "shared_memory" else busiest)) * compute,
+        nvme_file_bytes=plan.nvme_bytes + staged_on_disk,
+        nvme_gradient_bytes=staged_on_disk,
+        nvme_need_bytes=plan.nvme_bytes + gradient_files + staging if on_disk else 0,
         nvme_bytes_by_path=by_path,
         traffic=ServerTraffic(
             push_bytes=elements * wire,
             fetch_bytes=elements * compute,
-            nvme_write_bytes=plan.nvme_bytes,
-            nvme_read_bytes=plan.nvme_bytes,
+            nvme_write_bytes=plan.nvme_bytes + staged_on_disk,
+            nvme_read_bytes=plan.nvme_bytes + staged_on_disk,
         ),
         checkpoint_bytes=checkpoint_bytes,
         checkpoint_written_bytes=checkpoint_written,

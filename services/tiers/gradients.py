@@ -64,9 +64,10 @@ class StagedGradients:
         """Aligned buffers a piece moves to and from its file through."""
         self._lock = threading.Lock()
         self._pieces: dict[PartitionKey, _Piece] = {}
-        self._ram: dict[PartitionKey, torch.Tensor] = {}
-        """Each resident partition's piece buffer, kept from step to step: the budget pays
-        for it, and a fresh allocation's page faults would cost as much as the copy."""
+        self._ram: dict[PartitionKey, AlignedBuffer] = {}
+        """Each resident partition's piece buffer (4 KiB aligned, as the plan counts it),
+        kept from step to step: the budget pays for it, and a fresh allocation's page
+        faults would cost as much as the copy."""
 
     def stage(self, parts: Sequence[Partition], update: int, gradient: torch.Tensor) -> None:
         """Keep ``gradient``'s piece of each partition in ``parts`` for ``update``: resident
@@ -89,13 +90,15 @@ class StagedGradients:
 
     def _stage_in_ram(self, part: Partition, update: int, piece: torch.Tensor) -> None:
         key = part.key
+        nbytes = gradient_file_bytes(piece.numel(), piece.element_size())
         with self._lock:
-            held = self._ram.get(key)
-        if held is None or held.dtype != piece.dtype or held.numel() != piece.numel():
-            held = torch.empty_like(piece)
+            buffer = self._ram.get(key)
+        if buffer is None or buffer.nbytes != nbytes:
+            buffer = AlignedBuffer(nbytes)
+        held = buffer.tensor[: piece.numel() * piece.element_size()].view(piece.dtype)
         held.copy_(piece)
         with self._lock:
-            self._ram[key] = held
+            self._ram[key] = buffer
             self._pieces[key] = _Piece(update, piece.dtype, piece.numel(), ram=held)
 
     def _stage_on_disk(self, part: Partition, update: int, piece: torch.Tensor) -> Future[None]:
@@ -157,7 +160,7 @@ class StagedGradients:
     def ram_bytes(self) -> int:
         """Memory the resident partitions' pieces and the piece buffers hold."""
         with self._lock:
-            pieces = sum(t.numel() * t.element_size() for t in self._ram.values())
+            pieces = sum(buffer.nbytes for buffer in self._ram.values())
         return pieces + (self._buffers.allocated_bytes if self._buffers is not None else 0)
 
     # --- reading back (used by PieceReader) -------------------------------------------
