@@ -83,7 +83,7 @@ def test_plan_matches_a_real_run(ray_local, tmp_path: Path, tiered: bool) -> Non
     assert by_tier.get("nvme", 0) == server_plan.nvme_state_bytes
     # Memory the tiers hold: resident partitions in file layout plus the staging buffers.
     assert summary.ram_used_bytes == server_plan.ram_bytes
-    assert summary.planned_nvme_bytes == server_plan.nvme_file_bytes
+    assert summary.planned_nvme_bytes + server_plan.nvme_gradient_bytes == server_plan.nvme_file_bytes
 
     steps, sent, received = 5, "cargohold_transport_sent_bytes_total", "cargohold_transport_received_bytes_total"
     assert _total(worker, sent, rpc="PushGradient") == steps * plan.worker.traffic.push_bytes

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -26,11 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from cargohold.services.errors import TierError, TierSpaceError
-from cargohold.services.tiers.fileformat import corrupt_error, crc32c, gradient_file_bytes
+from cargohold.services.tiers.fileformat import FileLayout, corrupt_error, crc32c, gradient_file_bytes
 from cargohold.services.tiers.io_pool import AlignedBuffer, BufferPool, IoPool
 from cargohold.services.tiers.nvme import NvmeTier, read_file_into, write_file
 from cargohold.services.tiers.residency import PartitionKey, Residency
-from cargohold.services.tiers.tier import Partition
+from cargohold.services.tiers.tier import NullObserver, Partition, Staged, TierObserver
 
 GRADIENT_SUFFIX = ".grad"
 
@@ -57,11 +58,20 @@ class StagedGradients:
     ``nvme`` is None without a disk tier: every piece then stays in RAM.
     """
 
-    def __init__(self, nvme: NvmeTier | None, io: IoPool | None, buffers: BufferPool | None) -> None:
+    def __init__(
+        self,
+        nvme: NvmeTier | None,
+        io: IoPool | None,
+        buffers: BufferPool | None,
+        observer: TierObserver | None = None,
+    ) -> None:
         self._nvme = nvme
+        self._observer = observer or NullObserver()
+        """Where the files' reads and writes are counted, with the state's."""
         self._io = io
         self._buffers = buffers
-        """Aligned buffers a piece moves to and from its file through."""
+        """The NVMe tier's staging buffers (each with room for a piece after the state): a
+        piece is written to its file through one."""
         self._lock = threading.Lock()
         self._pieces: dict[PartitionKey, _Piece] = {}
         self._ram: dict[PartitionKey, AlignedBuffer] = {}
@@ -118,11 +128,13 @@ class StagedGradients:
         def job() -> None:
             try:
                 crc = crc32c(buffer.view[:nbytes])
+                started = time.perf_counter()
                 try:
                     write_file(path, buffer.view[:nbytes], tier_path.direct)
                 except OSError as error:
                     kind = TierSpaceError if error.errno in (errno.ENOSPC, errno.EDQUOT) else TierError
                     raise kind(f"writing the staged gradient {path} ({part.key}) failed: {error.strerror}") from error
+                self._observer.record_tier_io("write", nbytes, time.perf_counter() - started)
                 with self._lock:
                     self._pieces[part.key] = _Piece(update, piece.dtype, piece.numel(), crc=crc)
             finally:
@@ -130,20 +142,20 @@ class StagedGradients:
 
         return self._io.submit(job)
 
-    def reader(self, order: Sequence[Partition], update: int) -> PieceReader:
-        """Reads the staged pieces of ``order``'s partitions, in that order, ahead of need.
-        Raises TierError when one has no piece for ``update``."""
+    def pieces(self, parts: Sequence[Partition], update: int) -> GradientReads:
+        """The staged pieces of ``parts`` for the update that applies them; raises TierError
+        when one has no piece for ``update``."""
         with self._lock:
-            entries = [(p, self._pieces.get(p.key)) for p in order]
-        found = [(p, piece) for p, piece in entries if piece is not None and piece.update == update]
+            entries = [(p, self._pieces.get(p.key)) for p in parts]
+        found = {p.key: piece for p, piece in entries if piece is not None and piece.update == update}
         if len(found) < len(entries):
-            missing = [str(p.key) for p, piece in entries if piece is None or piece.update != update]
+            missing = [str(p.key) for p, _ in entries if p.key not in found]
             raise TierError(
                 f"no gradient is staged for update {update} of {', '.join(missing[:3])}"
                 + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
                 + "; push it with defer_update first"
             )
-        return PieceReader(self, found)
+        return GradientReads(self, found)
 
     def consumed(self, parts: Sequence[Partition], update: int) -> None:
         """Forget the pieces of ``update`` (applied); the resident ones' buffers stay for the
@@ -158,85 +170,113 @@ class StagedGradients:
 
     @property
     def ram_bytes(self) -> int:
-        """Memory the resident partitions' pieces and the piece buffers hold."""
+        """Memory the resident partitions' pieces hold."""
         with self._lock:
-            pieces = sum(buffer.nbytes for buffer in self._ram.values())
-        return pieces + (self._buffers.allocated_bytes if self._buffers is not None else 0)
+            return sum(buffer.nbytes for buffer in self._ram.values())
 
-    # --- reading back (used by PieceReader) -------------------------------------------
-    def _read(self, part: Partition, piece: _Piece, buffer: AlignedBuffer) -> None:
+    # --- reading back -------------------------------------------------------------------
+    def _read(self, part: Partition, piece: _Piece, view: memoryview) -> None:
+        """Read ``part``'s piece from its file into ``view`` (page aligned) and check it."""
         assert self._nvme is not None
         path = gradient_file_of(part)
         nbytes = gradient_file_bytes(piece.numel, piece.dtype.itemsize)
         tier_path = self._nvme.paths[part.path_index]
+        started = time.perf_counter()
         try:
-            got = read_file_into(path, buffer.view[:nbytes], tier_path.direct)
+            got = read_file_into(path, view[:nbytes], tier_path.direct)
         except FileNotFoundError as error:
             raise corrupt_error(path, part.key, "the staged gradient file is missing") from error
         except OSError as error:
             raise TierError(f"reading the staged gradient {path} ({part.key}) failed: {error.strerror}") from error
         if got != nbytes:
             raise corrupt_error(path, part.key, f"read {got} of {nbytes} staged gradient bytes (truncated)")
-        if crc32c(buffer.view[:nbytes]) != piece.crc:
+        if crc32c(view[:nbytes]) != piece.crc:
             raise corrupt_error(path, part.key, "staged gradient checksum mismatch; push the gradient again")
+        self._observer.record_tier_io("read", nbytes, time.perf_counter() - started)
 
 
-class PieceReader:
-    """The staged pieces of one update's partitions, read from disk as far ahead as the
-    piece buffers allow; each is used once, then released (:meth:`release`)."""
+class GradientReads:
+    """One update's staged pieces. A disk partition's piece is read into the tail of the
+    staging buffer its state is read into, in the same prefetch (:meth:`stage`, wrapping
+    the NVMe tier's): no buffer is ever held for a piece apart from its partition's, so a
+    stream waiting for a staging buffer holds nothing another one waits for."""
 
-    def __init__(self, staged: StagedGradients, order: list[tuple[Partition, _Piece]]) -> None:
+    def __init__(self, staged: StagedGradients, pieces: dict[PartitionKey, _Piece]) -> None:
         self._staged = staged
-        self._disk = [(part, piece) for part, piece in order if piece.ram is None]
-        self._ram = {part.key: piece for part, piece in order if piece.ram is not None}
-        self._reads: dict[PartitionKey, tuple[AlignedBuffer, Future[None], _Piece]] = {}
-        self._issued = 0
-        self._issue()
+        self._pieces = pieces
+        self._views: dict[PartitionKey, torch.Tensor] = {}
+        """Pieces read into their partition's staging buffer, until taken."""
 
-    def _read(self, block: bool) -> bool:
-        """Start reading the next disk piece; False when no buffer is free (``block`` False)."""
-        staged = self._staged
-        assert staged._buffers is not None and staged._io is not None
-        got = staged._buffers.acquire(None, block=block)
-        if got is None:
-            return False
-        part, piece = self._disk[self._issued]
-        buffer = got[0]
-        self._reads[part.key] = (buffer, staged._io.submit(lambda: staged._read(part, piece, buffer)), piece)
-        self._issued += 1
-        return True
-
-    def _issue(self) -> None:
-        while self._issued < len(self._disk) and self._read(block=False):
-            pass
+    def stage(self, tier: NvmeTier, partition: Partition, *, block: bool) -> Staged | None:
+        """``tier.stage``, with the partition's piece read beside its state."""
+        staged = tier.stage(partition, block=block)
+        piece = self._pieces[partition.key]
+        if staged is None or piece.ram is not None:
+            return staged
+        assert isinstance(staged.handle, AlignedBuffer) and self._staged._io is not None
+        offset = FileLayout(partition.span.numel).file_bytes
+        view = staged.handle.view[offset:]
+        read = self._staged._io.submit(lambda: self._staged._read(partition, piece, view))
+        nbytes = piece.numel * piece.dtype.itemsize
+        self._views[partition.key] = staged.handle.tensor[offset : offset + nbytes].view(piece.dtype)
+        staged.ready = _both(staged.ready, read)
+        return staged
 
     def take(self, part: Partition) -> tuple[torch.Tensor, bool]:
-        """The piece of ``part`` (taken in the order given) and whether the caller may
-        change it (a read buffer) or not (the RAM piece, which a retried update uses again)."""
-        piece = self._ram.get(part.key)
-        if piece is not None:
-            assert piece.ram is not None
+        """The piece of ``part``, once its staging is ready, and whether the caller may
+        change it (a staging buffer's copy) or not (a RAM piece, which a retried update
+        uses again)."""
+        piece = self._pieces[part.key]
+        if piece.ram is not None:
             return piece.ram, False
-        while part.key not in self._reads:  # every buffer was busy when its turn came
-            self._read(block=True)
-        buffer, future, disk_piece = self._reads[part.key]
-        future.result()
-        nbytes = disk_piece.numel * disk_piece.dtype.itemsize
-        return buffer.tensor[:nbytes].view(disk_piece.dtype), True
+        view = self._views.pop(part.key, None)
+        if view is None:  # a resident partition whose piece went to disk: read it on its own
+            buffer = AlignedBuffer(gradient_file_bytes(piece.numel, piece.dtype.itemsize))
+            self._staged._read(part, piece, buffer.view)
+            view = buffer.tensor[: piece.numel * piece.dtype.itemsize].view(piece.dtype)
+        return view, True
 
-    def release(self, part: Partition) -> None:
-        """Give back the read buffer of ``part`` (after its update) and read further ahead."""
-        held = self._reads.pop(part.key, None)
-        if held is not None:
-            assert self._staged._buffers is not None
-            held[1].exception()  # never hand back a buffer a read still fills
-            self._staged._buffers.release(held[0])
-            self._issue()
 
-    def close(self) -> None:
-        """Release every buffer still held (after a failure part-way)."""
-        for key in list(self._reads):
-            buffer, future, _ = self._reads.pop(key)
-            future.exception()
-            assert self._staged._buffers is not None
-            self._staged._buffers.release(buffer)
+class NvmeWithGradients:
+    """The NVMe tier as an update that applies staged gradients streams it: each
+    partition's piece is read with its state (:meth:`GradientReads.stage`)."""
+
+    residency = Residency.NVME
+
+    def __init__(self, tier: NvmeTier, reads: GradientReads) -> None:
+        self._tier = tier
+        self._reads = reads
+
+    def stage(self, partition: Partition, *, block: bool) -> Staged | None:
+        return self._reads.stage(self._tier, partition, block=block)
+
+    def commit(self, staged: Staged, step: int) -> Future[None]:
+        return self._tier.commit(staged, step)
+
+    def discard(self, staged: Staged, *, intact: bool) -> None:
+        self._tier.discard(staged, intact=intact)
+
+    def drop(self, partition: Partition) -> None:
+        self._tier.drop(partition)
+
+
+def _both(first: Future[None], second: Future[None]) -> Future[None]:
+    """A future done when both are, failing with the first error of the two."""
+    done: Future[None] = Future()
+    remaining = [2]
+    lock = threading.Lock()
+
+    def settle(_: Future[None]) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        error = first.exception() or second.exception()
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(None)
+
+    first.add_done_callback(settle)
+    second.add_done_callback(settle)
+    return done

@@ -28,7 +28,7 @@ from cargohold.cluster.config import TierConfig
 from cargohold.services.errors import IncompleteStepError
 from cargohold.services.optim import FragmentGroup, apply_update
 from cargohold.services.tiers.fileformat import ARRAYS, FileLayout, gradient_file_bytes
-from cargohold.services.tiers.gradients import StagedGradients
+from cargohold.services.tiers.gradients import NvmeWithGradients, StagedGradients
 from cargohold.services.tiers.io_pool import BufferPool, IoPool
 from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path
 from cargohold.services.tiers.partitions import clip_fragments, elements_per_partition, split_segment
@@ -77,7 +77,9 @@ class TieredStorage:
             self._gradients = StagedGradients(None, None, None)
             return
         self._max_elements = elements_per_partition(self.config.partition_bytes)
-        buffer_bytes = FileLayout(self._max_elements).file_bytes
+        # A staging buffer holds a partition in its file layout and, after it, the
+        # partition's staged gradient (fp32 at most): read in with the state.
+        buffer_bytes = FileLayout(self._max_elements).file_bytes + gradient_file_bytes(self._max_elements, 4)
         self.staging_bytes = self.config.staging_bytes()
         self._ram = RamTier(budget - self.staging_bytes)
         paths = [probe_path(p, self.config.direct_io, min(PROBE_BYTES, buffer_bytes)) for p in self.config.nvme_paths]
@@ -86,11 +88,7 @@ class TieredStorage:
         self._nvme = NvmeTier(
             paths, server_index=server_index, io=self._io, buffers=self._buffers, observer=self._observer
         )
-        self._gradients = StagedGradients(
-            self._nvme,
-            self._io,
-            BufferPool(self.config.buffer_count, gradient_file_bytes(self._max_elements, torch.float32.itemsize)),
-        )
+        self._gradients = StagedGradients(self._nvme, self._io, self._buffers, self._observer)
 
     @property
     def enabled(self) -> bool:
@@ -245,7 +243,7 @@ class TieredStorage:
                 else torch.empty(numel, dtype=weights_dtype)
             )
 
-        pieces = self._gradients.reader(order, step) if gradient is None else None
+        pieces = self._gradients.pieces(order, step) if gradient is None else None
 
         def update(part: Partition, arrays: PartitionArrays) -> None:
             if part.saving is not None:  # a checkpoint is still writing this partition out
@@ -274,21 +272,20 @@ class TieredStorage:
                     lr=lr,
                     owned=owned,
                 )
-            if pieces is not None:
-                pieces.release(part)
             if weights is not None:
                 weights[span.start : span.stop].copy_(arrays.master)
 
         def finish(part: Partition, staged: Staged) -> Future[None]:
             return self._finish(part, staged, step, plan.of(part.key))
 
-        try:
-            report = stream_update(
-                order, store_of=self._store_of, update=update, finish=finish, observer=self._observer
-            )
-        finally:
-            if pieces is not None:
-                pieces.close()
+        store_of = self._store_of
+        if pieces is not None and self._nvme is not None:
+            with_gradients = NvmeWithGradients(self._nvme, pieces)
+
+            def store_of(part: Partition) -> Tier:
+                return with_gradients if part.residency is Residency.NVME else self._ram
+
+        report = stream_update(order, store_of=store_of, update=update, finish=finish, observer=self._observer)
         if pieces is not None:
             self._gradients.consumed(parts, step)
         return weights, report
