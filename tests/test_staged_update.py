@@ -7,6 +7,7 @@ gradients wait for the norm; prepared weights bounded by the server's weight buf
 from __future__ import annotations
 
 import textwrap
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,27 @@ def test_a_resident_partitions_staged_gradient_counts_in_the_budget(tmp_path: Pa
         with open_storage(tier_config(tmp_path / str(budget), ram_budget_bytes=budget)) as storage:
             SegmentRegistry(storage).register(shard_spec(), seeded_randn(0))
             assert [r.key.index for r in storage.rows() if r.actual is Residency.RAM] == resident
+
+
+def test_concurrent_commits_share_the_staging_buffers_without_deadlock(tmp_path: Path) -> None:
+    """Four segments commit at once over three staging buffers, as a server's RPC threads
+    do; each stream holds buffers while it waits for more, so a piece that needed a buffer
+    of its own (a second pool) deadlocked here."""
+    with open_storage(tier_config(tmp_path)) as storage:
+        registry = SegmentRegistry(storage)
+        tiered = [registry.register(shard_spec(i), seeded_randn(i)) for i in range(4)]
+        ram = [SegmentState(shard_spec(i), seeded_randn(i)) for i in range(4)]
+        for step in (1, 2, 3):
+            for i, (a, b) in enumerate(zip(tiered, ram)):
+                a.stage_gradient(step, seeded_randn(10 * step + i))
+                b.stage_gradient(step, seeded_randn(10 * step + i))
+            pool = ThreadPoolExecutor(max_workers=4)
+            commits = [pool.submit(s.commit, step, global_norm=CLIPPED, lr=LR) for s in tiered]
+            done, _ = wait(commits, timeout=60)
+            pool.shutdown(wait=len(done) == 4)  # a deadlocked pool is left behind, failing below
+            assert len(done) == 4, "the commits deadlocked"
+            assert all(c.result().applied for c in commits)
+            for state in ram:
+                state.commit(step, global_norm=CLIPPED, lr=LR)
+        for a, b in zip(tiered, ram):
+            assert_same_segment(a, b)
