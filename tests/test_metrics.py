@@ -5,8 +5,8 @@ from __future__ import annotations
 import gc
 import socket
 import threading
-import urllib.request
 import time
+import urllib.request
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
