@@ -45,7 +45,7 @@ pytestmark = pytest.mark.skipif(not shm.available(), reason="no sealed memfds on
 
 @pytest.fixture
 def region():
-    shared = SharedRegion.create(f"{RUN}-test-{uuid.uuid4().hex}", NUMEL * 8)
+    shared = SharedRegion.create(shm.region_name(RUN, f"test-{uuid.uuid4().hex}"), NUMEL * 8)
     yield shared
     shared.close()
 
@@ -91,7 +91,7 @@ def test_bad_shared_memory_references_are_refused_and_change_nothing(region, cas
     """Each refused with INVALID_ARGUMENT naming why; the shard keeps its state."""
     with tempfile.TemporaryFile() as regular:
         regular.truncate(NUMEL * 8)
-        unsealed = _memfd(f"cargohold-{RUN}-unsealed", NUMEL * 8, sealed=False)
+        unsealed = _memfd(f"cargohold-{RUN}:unsealed", NUMEL * 8, sealed=False)
         foreign = _memfd("cargohold-another-run-rank0", NUMEL * 8, sealed=True)
         try:
             path, offset = {
@@ -142,7 +142,7 @@ def test_a_region_is_checked_again_when_its_path_names_another_file(region: Shar
     refused, not served from the mapping of the first."""
     with serving() as s:
         s.client.register(make_spec(), W0)
-        first = _memfd(f"cargohold-{RUN}-first", NUMEL * 8, sealed=True)
+        first = _memfd(f"cargohold-{RUN}:first", NUMEL * 8, sealed=True)
         path = f"/proc/{os.getpid()}/fd/{first}"
         s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR, shm=(path, 0))
         foreign = _memfd("cargohold-another-run-x", NUMEL * 8, sealed=True)
