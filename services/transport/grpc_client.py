@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -333,23 +334,24 @@ class StateServerClient:
         refused it or closed it before the hello checked out (the call then streams over
         gRPC: a stranger must not fail it)."""
         host = self.address.rpartition(":")[0].strip("[]")
-        try:
-            return bulk_client.open_transfer(
-                host,
-                grant,
-                direction=direction,
-                key=key,
-                step=step,
-                token=self._token,
-                tls=self._bulk_tls,
-                timeout_s=self.timeout_s,
-            )
-        except bulk_client.StatusError as error:
-            if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise RemoteError(rpc, self.address, error.code, error.details) from None
-            reason = error.details
-        except (PeerGoneError, OSError) as error:  # refused, reset or closed before any body
-            reason = str(error)
+        with self._bulk_call(rpc):  # any other failure: as the gRPC call's
+            try:
+                return bulk_client.open_transfer(
+                    host,
+                    grant,
+                    direction=direction,
+                    key=key,
+                    step=step,
+                    token=self._token,
+                    tls=self._bulk_tls,
+                    timeout_s=self.timeout_s,
+                )
+            except bulk_client.StatusError as error:
+                if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                reason = error.details
+            except (PeerGoneError, ConnectionError, TimeoutError, ssl.SSLEOFError) as error:
+                reason = str(error) or type(error).__name__  # refused, reset, closed, silent: not a bad certificate
         logger.info("%s: the bulk socket refused a transfer (%s); it streams over gRPC", self.address, reason)
         return None
 
