@@ -351,7 +351,7 @@ def test_a_request_trickled_past_the_timeout_is_closed_however_often_bytes_come(
         with _trickling(metrics, 1, every_s=0.1) as (slow,):
             assert slow.recv(1) == b""  # closed by the server, within _IDLE_BOUND_S
             seconds = time.monotonic() - started
-        assert timeout_s <= seconds < timeout_s + 1.5
+        assert timeout_s <= seconds < timeout_s + 2.0  # the accept loop looks every 0.5 s
     finally:
         metrics.stop()
 

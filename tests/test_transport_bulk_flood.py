@@ -120,7 +120,7 @@ def test_a_hello_trickled_a_byte_at_a_time_is_closed_at_its_deadline() -> None:
                     closed = True
             seconds = time.monotonic() - started
         assert closed, "the server kept a trickling connection past its hello deadline"
-        assert hello_timeout_s <= seconds < hello_timeout_s + 1.0
+        assert hello_timeout_s <= seconds < hello_timeout_s + 2.0  # not the 60 s message timeout
         _wait_for(lambda: s.server.servicer.bulk.connections == 0, "the connection is gone")
         errors = total(scrape(s.metrics.address), "cargohold_rpc_errors_total", rpc="bulk", code="DEADLINE_EXCEEDED")
         assert errors == 1

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cargohold.services.errors import InvalidTensorError, ServerBusyError
+from cargohold.services.errors import ConfigError, InvalidTensorError, ServerBusyError
 
 MEMFD_PREFIX = "cargohold-"
 RUN_END = ":"
@@ -85,7 +85,7 @@ class MappingLimits:
     def __post_init__(self) -> None:
         for name in ("region_bytes", "client_bytes", "total_bytes", "client_regions", "total_regions"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"mapping limit {name} must be positive, got {getattr(self, name)!r}")
+                raise ConfigError(f"mapping limit {name} must be positive, got {getattr(self, name)!r}")
 
     @classmethod
     def for_host(cls) -> MappingLimits:
