@@ -132,8 +132,8 @@ class _Connection:
     """What to shut to end it: the TLS socket once wrapped."""
     hello_by: float
     """When its hello must be whole (``time.monotonic()``)."""
-    dropped: str = ""
-    """Why the server closed it before its hello checked out ("" while it has not)."""
+    dropped: tuple[grpc.StatusCode, str] | None = None
+    """How it is counted and why the server closed it before its hello checked out."""
     authenticated: bool = False
     thread: threading.Thread = field(init=False)
 
@@ -246,16 +246,20 @@ class BulkServer:
             )
             with self._lock:
                 if len(self._waiting) >= self._max_unauthenticated:
-                    self._drop(next(iter(self._waiting)), "dropped for a newer connection: too many without a hello")
+                    self._drop(
+                        next(iter(self._waiting)),
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "dropped for a newer connection: too many without a hello",
+                    )
                 self._connections.add(connection)
                 self._waiting[connection] = None
                 self._hello_due.notify()
             connection.thread.start()
 
-    def _drop(self, connection: _Connection, why: str) -> None:
+    def _drop(self, connection: _Connection, code: grpc.StatusCode, why: str) -> None:
         """Close a connection whose hello has not checked out (holding the lock); its
-        thread then counts it."""
-        connection.dropped = why
+        thread then counts it as ``code``."""
+        connection.dropped = (code, why)
         del self._waiting[connection]
         _shut(connection.sock)
 
@@ -265,7 +269,9 @@ class BulkServer:
             while not self._stopping:
                 now = time.monotonic()
                 while self._waiting and (oldest := next(iter(self._waiting))).hello_by <= now:
-                    self._drop(oldest, f"no whole hello within {self._hello_timeout_s:g} s")
+                    self._drop(
+                        oldest, grpc.StatusCode.DEADLINE_EXCEEDED, f"no whole hello within {self._hello_timeout_s:g} s"
+                    )
                 timeout = next(iter(self._waiting)).hello_by - now if self._waiting else None
                 self._hello_due.wait(timeout)
 
@@ -280,7 +286,7 @@ class BulkServer:
                 with self._lock:
                     connection.sock = sock  # what the hello watch shuts from now on
                     if connection.dropped:  # while the socket changed hands
-                        raise PeerGoneError(connection.dropped)
+                        raise PeerGoneError(connection.dropped[1])
                 sock.do_handshake()
             grant = self._redeem(connection, peer)
             if grant is not None:
@@ -300,12 +306,8 @@ class BulkServer:
 
     def _count_failure(self, connection: _Connection, peer: str, error: Exception) -> None:
         if connection.dropped:  # a stranger's, most likely: one line each would flood the log
-            logger.debug("bulk connection from %s %s", peer, connection.dropped)
-            code = (
-                grpc.StatusCode.DEADLINE_EXCEEDED
-                if connection.dropped.startswith("no whole hello")
-                else grpc.StatusCode.RESOURCE_EXHAUSTED
-            )
+            code, why = connection.dropped
+            logger.debug("bulk connection from %s %s", peer, why)
         else:
             logger.warning("bulk connection from %s: %s", peer, error)
             code = grpc.StatusCode.UNAVAILABLE
@@ -320,7 +322,7 @@ class BulkServer:
         receive_exactly(sock, memoryview(hello))
         with self._lock:
             if connection.dropped:  # the watch closed it as the last bytes came
-                raise PeerGoneError(connection.dropped)
+                raise PeerGoneError(connection.dropped[1])
             del self._waiting[connection]
         parsed = unpack_hello(bytes(hello))
         grant = None
