@@ -195,25 +195,17 @@ class RegionCache:
             with self._lock:
                 self._forget_released()
                 cached = self._regions.get(key)
-                if cached is None:
-                    self._admit(pid, size, path)
-        except BaseException:
-            os.close(fd)
-            raise
-        if cached is not None:
-            os.close(fd)
-            return cached[1]
-        try:
-            region = SharedRegion(fd, path, owner=False)  # maps it, then closes ``fd``
-        except BaseException:
-            os.close(fd)
-            raise
-        with self._lock:
-            cached = self._regions.setdefault(key, (pid, region))
-            self._watch()
-        if cached[1] is not region:  # another call mapped it meanwhile
-            region.close()
-        return cached[1]
+                if cached is not None:
+                    return cached[1]
+                self._admit(pid, size, path)
+                region = SharedRegion(fd, path, owner=False)
+                fd = -1  # closed by the region once mapped
+                self._regions[key] = (pid, region)
+                self._watch()
+                return region
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def _check(self, fd: int, path: str, run_id: str) -> tuple[tuple[int, int], int]:
         """(key, size) of a region the server may map."""
