@@ -6,11 +6,11 @@ times one out, so every connection a peer opens and leaves idle holds a thread (
 socket) for as long as the peer likes. Here ``threads`` threads serve connections; while
 all are busy, new connections wait in the kernel's listen backlog (no thread, no Python
 memory). A connection is closed ``timeout_s`` after it was accepted, however its bytes
-trickle in or out (the accept loop looks every ``_ACCEPT_POLL_S``). And while a
-connection waits for a thread, the one that has been sending its request the longest
-(at least ``SLOW_REQUEST_S``) is closed to free one: peers trickling a request a byte at
-a time cannot keep a scrape waiting for more than about that. The application is still
-prometheus_client's (``make_wsgi_app``).
+trickle in or out (the accept loop looks at least every half second, ``serve_forever``'s
+poll interval). And while a connection waits for a thread, the one that has been sending
+its request the longest (at least ``SLOW_REQUEST_S``) is closed to free one: peers
+trickling a request a byte at a time cannot keep a scrape waiting for more than about
+that. The application is still prometheus_client's (``make_wsgi_app``).
 """
 
 from __future__ import annotations
