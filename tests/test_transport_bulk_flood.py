@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
+import pytest
 import torch
 from bulk_peers import grant_for, host_of, push_request
 from transport_server import (
@@ -37,6 +38,8 @@ from cargohold.services.transport.codec import raw_bytes
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.limits import CallLimits
 from cargohold.v1 import state_server_pb2 as pb
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 TOKEN = "the-run-token"
 FLOOD_EXTRA = 6
