@@ -292,7 +292,7 @@ class BulkServer:
             if grant is not None:
                 with self._transfers:
                     self._transfer(connection.sock, grant, peer)
-        except (PeerGoneError, OSError) as error:  # no hello in time, a failed TLS handshake
+        except (PeerGoneError, OSError) as error:  # before the hello checked out (or a status to a peer gone)
             self._count_failure(connection, peer, error)
         except Exception:  # a bug: report it, keep serving
             logger.exception("bulk connection from %s failed", peer)
@@ -305,12 +305,12 @@ class BulkServer:
             connection.sock.close()
 
     def _count_failure(self, connection: _Connection, peer: str, error: Exception) -> None:
-        if connection.dropped:  # a stranger's, most likely: one line each would flood the log
-            code, why = connection.dropped
-            logger.debug("bulk connection from %s %s", peer, why)
-        else:
-            logger.warning("bulk connection from %s: %s", peer, error)
-            code = grpc.StatusCode.UNAVAILABLE
+        """Count a connection that failed before its hello checked out: closed by the
+        server (``dropped``), or by its peer, a failed TLS handshake. Logged at DEBUG only:
+        a stranger's flood would otherwise be a line per connection (the metrics count
+        them, and a worker sees its own failure)."""
+        code, why = connection.dropped or (grpc.StatusCode.UNAVAILABLE, str(error))
+        logger.debug("bulk connection from %s: %s", peer, why)
         self._metrics.record_error("bulk", code.name)
 
     def _redeem(self, connection: _Connection, peer: str) -> Grant | None:
