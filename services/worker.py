@@ -97,7 +97,7 @@ class TrainingWorker:
         buffers = exchange_buffers(
             config,
             layout,
-            shared_name=f"{self.run_id}-rank{self.rank}" if shared else None,
+            shared_name=shm.region_name(self.run_id, f"rank{self.rank}") if shared else None,
             pin=self.device.type == "cuda",
         )
         report_pageable(buffers, self.rank, self.metrics)

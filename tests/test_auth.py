@@ -8,6 +8,7 @@ import socket
 import ssl
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +26,7 @@ from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
 from cargohold.services.transport.codec import SERVICE_NAME
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
 from cargohold.services.transport.grpc_server import GrpcStateServer
+from cargohold.services.transport.limits import CallLimits
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 TOKEN = "s3cret-token"
@@ -215,6 +217,23 @@ def test_the_bulk_socket_speaks_mutual_tls_with_the_same_certificates(pki) -> No
                     wrapped.recv(64)
         with StateServerClient(s.address, timeout_s=10, auth_token=TOKEN, tls=pki["ca"]) as good:
             assert good.describe(RUN, 0)[1] == 1
+
+
+def test_a_bulk_tls_handshake_that_never_completes_is_closed_at_the_hello_deadline(pki) -> None:
+    """The hello deadline covers the TLS handshake: a stranger who connects and sends no
+    ClientHello (or trickles one) is closed after ``hello_timeout_s``, not after the 60 s
+    stall timeout of each read."""
+    hello_timeout_s = 1.0
+    limits = CallLimits(hello_timeout_s=hello_timeout_s)
+    with server(auth_token=TOKEN, tls=pki["ca"], bulk=True, limits=limits) as s:
+        port = s.servicer.bulk.port
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S) as stranger:
+            assert closed_by_peer(stranger)
+        assert hello_timeout_s <= time.monotonic() - started < hello_timeout_s + 2.0
+        with StateServerClient(s.address, timeout_s=10, auth_token=TOKEN, tls=pki["ca"], bulk=True) as good:
+            good.register(make_spec(), W0)
+            assert good.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR).applied
 
 
 def _fetch_bulk(step: int):

@@ -5,15 +5,18 @@ from __future__ import annotations
 import gc
 import socket
 import threading
+import time
 import urllib.request
 import warnings
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cargohold.services.errors import ConfigError
 from cargohold.services.metrics import (
+    HTTP_THREADS,
     METRIC_NAMES,
     LauncherMetrics,
     MetricsEndpoint,
@@ -287,6 +290,69 @@ def test_idle_connections_are_closed_and_hold_no_more_threads_than_the_pool() ->
     finally:
         for connection in idle:
             connection.close()
+        metrics.stop()
+
+
+@contextmanager
+def _trickling(endpoint: MetricsEndpoint, count: int, every_s: float) -> Iterator[list[socket.socket]]:
+    """``count`` connections that send a request a byte every ``every_s`` (never whole)
+    while the block runs."""
+    host, port = endpoint.address.rsplit(":", 1)
+    stop = threading.Event()
+    slow = [socket.create_connection((host, int(port)), timeout=_IDLE_BOUND_S) for _ in range(count)]
+
+    def trickle(connection: socket.socket) -> None:
+        request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X" * 10_000
+        for byte in request:
+            if stop.wait(every_s):
+                return
+            try:
+                connection.sendall(bytes([byte]))
+            except OSError:  # the server closed it
+                return
+
+    senders = [threading.Thread(target=trickle, args=(c,), daemon=True) for c in slow]
+    for sender in senders:
+        sender.start()
+    try:
+        yield slow
+    finally:
+        stop.set()
+        for sender in senders:
+            sender.join(_IDLE_BOUND_S)
+        for connection in slow:
+            connection.close()
+
+
+def test_a_scrape_is_served_while_slow_clients_trickle_on_every_thread() -> None:
+    """Before: four connections trickling a byte every few seconds held the four threads
+    (each read within the 10 s timeout) and no scrape was served while they kept on."""
+    metrics = WorkerMetrics(0)
+    metrics.start()  # the defaults: HTTP_THREADS threads, HTTP_TIMEOUT_S
+    try:
+        with _trickling(metrics, HTTP_THREADS, every_s=1.0):
+            time.sleep(0.2)  # each has its thread
+            started = time.monotonic()
+            families = {f.name for f in text_string_to_metric_families(_fetch(metrics, timeout_s=4.0))}
+            assert "cargohold_worker_steps" in families
+            assert time.monotonic() - started < 4.0
+    finally:
+        metrics.stop()
+
+
+def test_a_request_trickled_past_the_timeout_is_closed_however_often_bytes_come() -> None:
+    """Before: every byte reset the per-read timeout; now the connection has ``timeout_s``
+    in all."""
+    timeout_s = 1.0
+    metrics = WorkerMetrics(0)
+    metrics.start(timeout_s=timeout_s)
+    try:
+        started = time.monotonic()
+        with _trickling(metrics, 1, every_s=0.1) as (slow,):
+            assert slow.recv(1) == b""  # closed by the server, within _IDLE_BOUND_S
+            seconds = time.monotonic() - started
+        assert timeout_s <= seconds < timeout_s + 2.0  # the accept loop looks every 0.5 s
+    finally:
         metrics.stop()
 
 

@@ -13,7 +13,7 @@ import torch
 from cargohold.services.metrics import WORKER_PAGE_LOCK_FALLBACKS, WorkerMetrics
 from cargohold.services.page_lock import PageLockRefused, page_lock
 from cargohold.services.state_port import ExchangeBuffers
-from cargohold.services.transport.shm import RegionCache
+from cargohold.services.transport.shm import RegionCache, region_name
 from cargohold.services.worker import report_pageable
 
 RUN = "pagelock-run"
@@ -22,7 +22,7 @@ SLOT = 4096
 
 def _allocate(*, shared: bool, pin: bool) -> ExchangeBuffers:
     return ExchangeBuffers.allocate(
-        SLOT, torch.float32, torch.bfloat16, slots=2, shared_name=f"{RUN}-rank0" if shared else None, pin=pin
+        SLOT, torch.float32, torch.bfloat16, slots=2, shared_name=region_name(RUN, "rank0") if shared else None, pin=pin
     )
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -37,6 +39,7 @@ from transport_server import (
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.services.transport import shm
 from cargohold.services.transport.grpc_client import RemoteError
+from cargohold.services.transport.limits import CallLimits
 from cargohold.services.transport.shm import SharedRegion
 from cargohold.v1 import state_server_pb2 as pb
 
@@ -45,7 +48,7 @@ pytestmark = pytest.mark.skipif(not shm.available(), reason="no sealed memfds on
 
 @pytest.fixture
 def region():
-    shared = SharedRegion.create(f"{RUN}-test-{uuid.uuid4().hex}", NUMEL * 8)
+    shared = SharedRegion.create(shm.region_name(RUN, f"test-{uuid.uuid4().hex}"), NUMEL * 8)
     yield shared
     shared.close()
 
@@ -91,7 +94,7 @@ def test_bad_shared_memory_references_are_refused_and_change_nothing(region, cas
     """Each refused with INVALID_ARGUMENT naming why; the shard keeps its state."""
     with tempfile.TemporaryFile() as regular:
         regular.truncate(NUMEL * 8)
-        unsealed = _memfd(f"cargohold-{RUN}-unsealed", NUMEL * 8, sealed=False)
+        unsealed = _memfd(f"cargohold-{RUN}:unsealed", NUMEL * 8, sealed=False)
         foreign = _memfd("cargohold-another-run-rank0", NUMEL * 8, sealed=True)
         try:
             path, offset = {
@@ -142,7 +145,7 @@ def test_a_region_is_checked_again_when_its_path_names_another_file(region: Shar
     refused, not served from the mapping of the first."""
     with serving() as s:
         s.client.register(make_spec(), W0)
-        first = _memfd(f"cargohold-{RUN}-first", NUMEL * 8, sealed=True)
+        first = _memfd(f"cargohold-{RUN}:first", NUMEL * 8, sealed=True)
         path = f"/proc/{os.getpid()}/fd/{first}"
         s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR, shm=(path, 0))
         foreign = _memfd("cargohold-another-run-x", NUMEL * 8, sealed=True)
@@ -217,3 +220,139 @@ def test_a_colocated_run_uses_shared_memory_unless_off(ray_local, mode: str, pla
     assert paths == {rpc: rpc == used for rpc in paths}, received
     after = set(Path("/dev/shm").glob("*")) if Path("/dev/shm").is_dir() else set()
     assert not {p for p in after - before if session.run_id in p.name}, "no file is ever made for the buffers"
+
+
+# --- issue 27: run ids that are prefixes of each other, what a client may map ---------
+
+
+def _maps(name: str) -> int:
+    """How many of this process's mappings are of memfds called ``name``."""
+    with open("/proc/self/maps") as maps:
+        return sum(f"/memfd:{name} " in line or line.rstrip().endswith(f"/memfd:{name}") for line in maps)
+
+
+def _refusal(s, path: str) -> RemoteError:
+    with pytest.raises(RemoteError) as error:
+        s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR, shm=(path, 0))
+    return error.value
+
+
+@pytest.mark.parametrize("name", [f"cargohold-{RUN}-2-rank0-0123abcd", f"cargohold-{RUN}-2:rank0"])
+def test_a_run_does_not_accept_the_buffers_of_a_run_its_id_is_a_prefix_of(name: str) -> None:
+    """Runs ``run-a`` and ``run-a-2``, in the old naming and in the new: before, run-a's
+    server accepted run-a-2's buffer (its name started with ``cargohold-run-a-``)."""
+    fd = _memfd(name, NUMEL * 8, sealed=True)
+    try:
+        with serving() as s:
+            s.client.register(make_spec(), W0)
+            error = _refusal(s, f"/proc/{os.getpid()}/fd/{fd}")
+            assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "does not belong to run" in error.details
+            assert s.client.describe(RUN, 0)[1] == 0
+    finally:
+        os.close(fd)
+
+
+def test_a_huge_sparse_region_is_refused_before_it_is_mapped() -> None:
+    """Before: a 1 TiB memfd (no memory behind it) was mapped; a few filled the server's
+    address space and later allocations failed for everyone."""
+    name = f"cargohold-{RUN}:huge"
+    fd = _memfd(name, 1 << 40, sealed=True)
+    try:
+        with serving() as s:
+            s.client.register(make_spec(), W0)
+            error = _refusal(s, f"/proc/{os.getpid()}/fd/{fd}")
+            assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "a region may have at most" in error.details
+            assert _maps(name) == 0
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(
+    "limits, refused",
+    [
+        (dict(region_bytes=1 << 20, client_bytes=1 << 30, total_bytes=1 << 30, client_regions=2), "process"),
+        (dict(region_bytes=1 << 20, client_bytes=1 << 30, total_bytes=2 * NUMEL * 8), "this state server"),
+    ],
+    ids=["per client", "in all"],
+)
+def test_a_client_maps_no_more_than_its_bound_nor_the_server_more_than_its_own(limits: dict, refused: str) -> None:
+    names = [f"cargohold-{RUN}:bounded-{i}" for i in range(3)]
+    fds = [_memfd(name, NUMEL * 8, sealed=True) for name in names]
+    try:
+        with serving(limits=CallLimits(mapping=shm.MappingLimits(**limits))) as s:
+            s.client.register(make_spec(), W0)
+            for fd in fds[:2]:
+                s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR, shm=(f"/proc/{os.getpid()}/fd/{fd}", 0))
+            error = _refusal(s, f"/proc/{os.getpid()}/fd/{fds[2]}")
+            assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"{refused}" in error.details
+            assert _maps(names[2]) == 0
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+_HOLDER = """
+import fcntl, os, sys
+fd = os.memfd_create(sys.argv[1], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, int(sys.argv[2]))
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+print(f"/proc/{os.getpid()}/fd/{fd}", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_an_exited_clients_region_is_unmapped_without_another_call() -> None:
+    """Before: the mapping (and its memory) stayed until the server's next shared-memory call."""
+    name = f"cargohold-{RUN}:exiting-{uuid.uuid4().hex[:8]}"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, name, str(NUMEL * 8)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None
+        path = holder.stdout.readline().strip()
+        with serving() as s:
+            s.client.register(make_spec(), W0)
+            assert s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR, shm=(path, 0)).applied
+            assert _maps(name) == 1
+            holder.kill()
+            holder.wait(10)
+            deadline = time.monotonic() + 3 * shm.WATCH_INTERVAL_S + 1
+            while _maps(name) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _maps(name) == 0
+            assert s.server.servicer._regions.mapped == 0
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
+def _hugetlb(name: str) -> int:
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
+    except OSError as error:
+        pytest.skip(f"no hugetlb memfds here: {error}")
+    os.ftruncate(fd, os.fstat(fd).st_blksize)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, shm.SEALS)
+    return fd
+
+
+@pytest.mark.parametrize("kind", ["write-sealed", "hugetlb"])
+def test_a_memfd_the_server_cannot_use_is_invalid_argument_not_internal(kind: str, caplog) -> None:
+    """Before: INTERNAL, with a traceback in the server's log (mmap failed)."""
+    name = f"cargohold-{RUN}:{kind}"
+    if kind == "hugetlb":
+        fd = _hugetlb(name)
+    else:
+        fd = _memfd(name, NUMEL * 8, sealed=True)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    try:
+        with caplog.at_level(logging.INFO), serving() as s:
+            s.client.register(make_spec(), W0)
+            error = _refusal(s, f"/proc/{os.getpid()}/fd/{fd}")
+            assert error.code == grpc.StatusCode.INVALID_ARGUMENT, error.details
+            samples = scrape(s.metrics.address)
+        assert total(samples, "cargohold_rpc_errors_total", rpc="PushGradient", code="INVALID_ARGUMENT") == 1
+        assert total(samples, "cargohold_rpc_errors_total", rpc="PushGradient", code="INTERNAL") == 0
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    finally:
+        os.close(fd)

@@ -362,25 +362,6 @@ def test_grants_beyond_the_cap_are_refused_until_used() -> None:
         grant_for(client, push_request(1))  # one slot is free again
 
 
-def test_connections_beyond_the_cap_are_refused_at_once() -> None:
-    import socket
-
-    with serving(bulk=True, max_workers=2, limits=CallLimits(max_calls=2)) as s, bulk(s) as client:
-        client.register(make_spec(), W0)
-        grant = grant_for(client, push_request(1))
-        idle = [socket.create_connection(("127.0.0.1", grant.port), timeout=DEADLINE_S) for _ in range(2)]
-        try:
-            deadline = time.monotonic() + DEADLINE_S
-            while s.server.servicer.bulk.connections < 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            with dialled(s.server.address, grant) as third:
-                code, details = status_of(third)
-            assert code == Code.RESOURCE_EXHAUSTED and "2 bulk connections" in details
-        finally:
-            for sock in idle:
-                sock.close()
-
-
 def test_the_buffer_pool_keeps_at_most_its_limit_and_hands_out_the_smallest_that_fits() -> None:
     pool = BufferPool(2)
     buffers = [pool.take(n, "float32", what="t") for n in (30, 10, 20)]

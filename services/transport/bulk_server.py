@@ -6,10 +6,15 @@ What a caller can hold here, as for gRPC calls (docs/operations.md):
 
 - ``max_tickets`` tickets granted and not yet redeemed; the next OpenBulk is refused with
   RESOURCE_EXHAUSTED. A ticket admits one connection, once, within ``timeout_s``.
-- ``max_connections`` connections at once; the next is closed at once (with a
-  RESOURCE_EXHAUSTED status first, unless TLS is on and no handshake happened).
-- a connection that sends no hello, or stalls mid-body, for ``timeout_s`` is closed; a
-  push whose body did not arrive whole and intact changes nothing.
+- ``max_unauthenticated`` connections whose hello has not checked out yet (anyone who
+  can reach the port can open them); a new one drops the oldest of them, the slowest to
+  authenticate, so a flood of strangers cannot keep a worker's connection out. Each has
+  ``hello_timeout_s`` for its whole TLS handshake and hello, however the bytes trickle
+  in (a thread closes it then).
+- ``max_connections`` authenticated connections at once; the next is answered
+  RESOURCE_EXHAUSTED after its hello (the client then streams over gRPC).
+- a connection that stalls mid-body for ``timeout_s`` is closed; a push whose body did
+  not arrive whole and intact changes nothing.
 - ``max_transfers`` transfers hold a buffer and move bytes at once (the gRPC server's
   handler threads); the others wait before their first status, holding none. A push's
   buffer is kept for the next one when its gradient is applied (:class:`BufferPool`).
@@ -25,7 +30,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -119,6 +124,20 @@ class Grant:
     expires: float
 
 
+@dataclass(eq=False, slots=True)
+class _Connection:
+    """One accepted connection, as the acceptor, its thread and the hello watch see it."""
+
+    sock: socket.socket
+    """What to shut to end it: the TLS socket once wrapped."""
+    hello_by: float
+    """When its hello must be whole (``time.monotonic()``)."""
+    dropped: tuple[grpc.StatusCode, str] | None = None
+    """How it is counted and why the server closed it before its hello checked out."""
+    authenticated: bool = False
+    thread: threading.Thread = field(init=False)
+
+
 class BulkServer:
     """The listener and its connections; :meth:`grant` is OpenBulk's half."""
 
@@ -131,8 +150,10 @@ class BulkServer:
         token: str | None,
         tls: ssl.SSLContext | None,
         timeout_s: float,
+        hello_timeout_s: float,
         max_tickets: int,
         max_connections: int,
+        max_unauthenticated: int,
         max_transfers: int,
     ) -> None:
         """``count(direction, nbytes)`` is told of every transfer completed."""
@@ -144,14 +165,23 @@ class BulkServer:
         self._token = token
         self._tls = tls
         self._timeout_s = timeout_s
+        self._hello_timeout_s = hello_timeout_s
         self._max_tickets = max_tickets
         self._max_connections = max_connections
+        self._max_unauthenticated = max_unauthenticated
         self._transfers = threading.BoundedSemaphore(max_transfers)
         self._pool = BufferPool(max_transfers)
         self._lock = threading.Lock()
+        self._hello_due = threading.Condition(self._lock)
+        """Told when a connection starts waiting for its hello, and at stop."""
+        self._stopping = False
         self._tickets: dict[bytes, Grant] = {}
-        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._connections: set[_Connection] = set()
+        self._waiting: dict[_Connection, None] = {}
+        """The connections whose hello has not checked out, oldest first."""
+        self._authenticated = 0
         self._acceptor = threading.Thread(target=self._accept, name="state-server-bulk-accept", daemon=True)
+        self._watch = threading.Thread(target=self._watch_hellos, name="state-server-bulk-hello", daemon=True)
 
     @property
     def connections(self) -> int:
@@ -185,6 +215,7 @@ class BulkServer:
 
     def start(self) -> None:
         self._acceptor.start()
+        self._watch.start()
 
     def stop(self) -> None:
         """Close the listener and every connection; their transfers fail, changing nothing."""
@@ -193,11 +224,15 @@ class BulkServer:
         if self._acceptor.is_alive():
             self._acceptor.join()
         with self._lock:
-            live = list(self._connections.items())
-        for conn, _ in live:
-            _shut(conn)
-        for _, thread in live:
-            thread.join(self._timeout_s)
+            self._stopping = True
+            self._hello_due.notify()
+            live = list(self._connections)
+        if self._watch.is_alive():
+            self._watch.join()
+        for connection in live:
+            _shut(connection.sock)
+        for connection in live:
+            connection.thread.join(self._timeout_s)
 
     def _accept(self) -> None:
         while True:
@@ -205,55 +240,90 @@ class BulkServer:
                 conn, _ = self._listener.accept()
             except OSError:  # the listener was closed: stop
                 return
-            thread = threading.Thread(target=self._serve, args=(conn,), name="state-server-bulk", daemon=True)
+            connection = _Connection(conn, time.monotonic() + self._hello_timeout_s)
+            connection.thread = threading.Thread(
+                target=self._serve, args=(connection,), name="state-server-bulk", daemon=True
+            )
             with self._lock:
-                admitted = len(self._connections) < self._max_connections
-                if admitted:
-                    self._connections[conn] = thread
-            if admitted:
-                thread.start()
-            else:
-                self._refuse_busy(conn)
+                if len(self._waiting) >= self._max_unauthenticated:
+                    self._drop(
+                        next(iter(self._waiting)),
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "dropped for a newer connection: too many without a hello",
+                    )
+                self._connections.add(connection)
+                self._waiting[connection] = None
+                self._hello_due.notify()
+            connection.thread.start()
 
-    def _refuse_busy(self, conn: socket.socket) -> None:
-        self._metrics.record_error("bulk", grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-        try:
-            if self._tls is None:  # a TLS client could not read a status before its handshake
-                configure(conn, 1.0)
-                details = f"this state server already has {self._max_connections} bulk connections; try again later"
-                send_status(conn, status_number(grpc.StatusCode.RESOURCE_EXHAUSTED), details.encode())
-        except PeerGoneError:
-            pass
-        finally:
-            conn.close()
+    def _drop(self, connection: _Connection, code: grpc.StatusCode, why: str) -> None:
+        """Close a connection whose hello has not checked out (holding the lock); its
+        thread then counts it as ``code``."""
+        connection.dropped = (code, why)
+        del self._waiting[connection]
+        _shut(connection.sock)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _watch_hellos(self) -> None:
+        """Close each connection whose hello is not whole by its deadline."""
+        with self._lock:
+            while not self._stopping:
+                now = time.monotonic()
+                while self._waiting and (oldest := next(iter(self._waiting))).hello_by <= now:
+                    self._drop(
+                        oldest, grpc.StatusCode.DEADLINE_EXCEEDED, f"no whole hello within {self._hello_timeout_s:g} s"
+                    )
+                timeout = next(iter(self._waiting)).hello_by - now if self._waiting else None
+                self._hello_due.wait(timeout)
+
+    def _serve(self, connection: _Connection) -> None:
         peer = "?"
         try:
-            host, port = conn.getpeername()[:2]
+            host, port = connection.sock.getpeername()[:2]
             peer = f"{host}:{port}"
-            configure(conn, self._timeout_s)
-            sock = self._tls.wrap_socket(conn, server_side=True) if self._tls is not None else conn
-            grant = self._redeem(sock, peer)
+            configure(connection.sock, self._timeout_s)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(connection.sock, server_side=True, do_handshake_on_connect=False)
+                with self._lock:
+                    connection.sock = sock  # what the hello watch shuts from now on
+                    if connection.dropped:  # while the socket changed hands
+                        raise PeerGoneError(connection.dropped[1])
+                sock.do_handshake()
+            grant = self._redeem(connection, peer)
             if grant is not None:
                 with self._transfers:
-                    self._transfer(sock, grant, peer)
-        except (PeerGoneError, OSError) as error:  # no hello in time, a failed TLS handshake
-            logger.warning("bulk connection from %s: %s", peer, error)
-            self._metrics.record_error("bulk", grpc.StatusCode.UNAVAILABLE.name)
+                    self._transfer(connection.sock, grant, peer)
+        except (PeerGoneError, OSError) as error:  # before the hello checked out (or a status to a peer gone)
+            self._count_failure(connection, peer, error)
         except Exception:  # a bug: report it, keep serving
             logger.exception("bulk connection from %s failed", peer)
             self._metrics.record_error("bulk", grpc.StatusCode.INTERNAL.name)
         finally:
             with self._lock:
-                self._connections.pop(conn, None)
-            conn.close()
+                self._connections.discard(connection)
+                self._waiting.pop(connection, None)
+                self._authenticated -= connection.authenticated
+            connection.sock.close()
 
-    def _redeem(self, sock: socket.socket, peer: str) -> Grant | None:
-        """The grant of a valid hello's ticket (used up); None, after telling the peer why,
-        for anything else. Nothing after the hello is read either way."""
+    def _count_failure(self, connection: _Connection, peer: str, error: Exception) -> None:
+        """Count a connection that failed before its hello checked out: closed by the
+        server (``dropped``), or by its peer, a failed TLS handshake. Logged at DEBUG only:
+        a stranger's flood would otherwise be a line per connection (the metrics count
+        them, and a worker sees its own failure)."""
+        code, why = connection.dropped or (grpc.StatusCode.UNAVAILABLE, str(error))
+        logger.debug("bulk connection from %s: %s", peer, why)
+        self._metrics.record_error("bulk", code.name)
+
+    def _redeem(self, connection: _Connection, peer: str) -> Grant | None:
+        """The grant of a valid hello's ticket (used up) once the connection counts as
+        authenticated; None, after telling the peer why, for anything else. Nothing after
+        the hello is read either way."""
+        sock = connection.sock
         hello = bytearray(HELLO.size)
         receive_exactly(sock, memoryview(hello))
+        with self._lock:
+            if connection.dropped:  # the watch closed it as the last bytes came
+                raise PeerGoneError(connection.dropped[1])
+            del self._waiting[connection]
         parsed = unpack_hello(bytes(hello))
         grant = None
         if parsed is None:
@@ -276,6 +346,15 @@ class BulkServer:
             logger.warning("bulk connection from %s refused: %s", peer, reason)
             self._metrics.record_error("bulk", grpc.StatusCode.UNAUTHENTICATED.name)
             send_status(sock, status_number(grpc.StatusCode.UNAUTHENTICATED), reason.encode())
+            return None
+        with self._lock:
+            connection.authenticated = self._authenticated < self._max_connections
+            self._authenticated += connection.authenticated
+        if not connection.authenticated:
+            self._metrics.record_error("bulk", grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+            details = f"this state server already has {self._max_connections} bulk connections; try again later"
+            send_status(sock, status_number(grpc.StatusCode.RESOURCE_EXHAUSTED), details.encode())
+            return None
         return grant
 
     def _transfer(self, sock: socket.socket, grant: Grant, peer: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -86,8 +87,11 @@ class StateServerClient:
         with OpenBulk, its bytes on a socket of their own: services/transport/bulk.py)
         rather than in gRPC streams; shared memory, when a call names it, still wins. A
         server that serves no bulk socket answers the first OpenBulk with UNIMPLEMENTED, and
-        the client streams over gRPC from then on. There ``timeout_s`` bounds each wait for
-        the peer's progress, not the whole call."""
+        the client streams over gRPC from then on. A transfer the bulk socket refuses
+        before its hello checked out (RESOURCE_EXHAUSTED, or the connection refused or
+        closed: strangers flooding the port can cause that) streams over gRPC instead,
+        that call only. There ``timeout_s`` bounds each wait for the peer's progress, not
+        the whole call."""
         check_chunk_bytes(chunk_bytes)  # now, not at the first push
         self.address = address
         self.chunk_bytes = chunk_bytes
@@ -272,11 +276,16 @@ class StateServerClient:
         return assembler.finish()
 
     def _open_bulk(self, request: pb.OpenBulkRequest) -> pb.OpenBulkResponse | None:
-        """The server's grant of a bulk transfer; None (and gRPC streams from now on) when
-        the server serves no bulk socket (``state_server.data_plane: grpc``)."""
+        """The server's grant of a bulk transfer; None when the call streams over gRPC
+        instead: from now on when the server serves no bulk socket
+        (``state_server.data_plane: grpc``), this call only when it has granted all the
+        transfers it may."""
         try:
             return self._call("OpenBulk", self._stub.OpenBulk, request)
         except RemoteError as error:
+            if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                logger.info("%s: %s; this transfer streams over gRPC", self.address, error.details)
+                return None
             if error.code != grpc.StatusCode.UNIMPLEMENTED:
                 raise
             logger.info("%s serves no bulk socket: pushing and fetching over gRPC streams", self.address)
@@ -290,9 +299,11 @@ class StateServerClient:
             return None
         if grant.nbytes != len(data):
             raise TransportError(f"OpenBulk to {self.address} granted {grant.nbytes} bytes for a {len(data)}-byte push")
-        with self._bulk_call("PushGradient"):
-            with self._open_transfer(grant, Direction.PUSH, header.key, header.step) as sock:
-                updates, applied, seconds = bulk_client.push(sock, data, grant.chunk_bytes)
+        connection = self._open_transfer("PushGradient", grant, Direction.PUSH, header.key, header.step)
+        if connection is None:
+            return None
+        with self._bulk_call("PushGradient"), connection as sock:
+            updates, applied, seconds = bulk_client.push(sock, data, grant.chunk_bytes)
         return UpdateOutcome(applied=applied, updates=updates, seconds=seconds)
 
     def _fetch_bulk(
@@ -307,27 +318,42 @@ class StateServerClient:
                 f"FetchWeights from {self.address}: the server offers {grant.nbytes} bytes, "
                 f"expected {numel} x {dtype} ({expected} bytes)"
             )
+        connection = self._open_transfer("FetchWeights", grant, Direction.FETCH, request.key, request.step)
+        if connection is None:
+            return None
         what = f"shard {request.key.shard_id} weights from {self.address}"
         weights = new_buffer(numel, dtype, what=what, out=out)
-        with self._bulk_call("FetchWeights"):
-            with self._open_transfer(grant, Direction.FETCH, request.key, request.step) as sock:
-                receive_tensor(sock, raw_bytes(weights), grant.chunk_bytes, what=what)
+        with self._bulk_call("FetchWeights"), connection as sock:
+            receive_tensor(sock, raw_bytes(weights), grant.chunk_bytes, what=what)
         return weights
 
     def _open_transfer(
-        self, grant: pb.OpenBulkResponse, direction: Direction, key: pb.ShardKey, step: int
-    ) -> socket.socket:
+        self, rpc: str, grant: pb.OpenBulkResponse, direction: Direction, key: pb.ShardKey, step: int
+    ) -> socket.socket | None:
+        """The connection whose ticket the server accepted; None when the bulk socket
+        refused it or closed it before the hello checked out (the call then streams over
+        gRPC: a stranger must not fail it)."""
         host = self.address.rpartition(":")[0].strip("[]")
-        return bulk_client.open_transfer(
-            host,
-            grant,
-            direction=direction,
-            key=key,
-            step=step,
-            token=self._token,
-            tls=self._bulk_tls,
-            timeout_s=self.timeout_s,
-        )
+        with self._bulk_call(rpc):  # any other failure: as the gRPC call's
+            try:
+                return bulk_client.open_transfer(
+                    host,
+                    grant,
+                    direction=direction,
+                    key=key,
+                    step=step,
+                    token=self._token,
+                    tls=self._bulk_tls,
+                    timeout_s=self.timeout_s,
+                )
+            except bulk_client.StatusError as error:
+                if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                reason = error.details
+            except (PeerGoneError, ConnectionError, TimeoutError, ssl.SSLEOFError) as error:
+                reason = str(error) or type(error).__name__  # refused, reset, closed, silent: not a bad certificate
+        logger.info("%s: the bulk socket refused a transfer (%s); it streams over gRPC", self.address, reason)
+        return None
 
     @contextmanager
     def _bulk_call(self, rpc: str) -> Iterator[None]:

@@ -60,12 +60,14 @@ T = TypeVar("T")
 
 
 class StateServerServicer(pb_grpc.StateServerServicer):
-    def __init__(self, registry: SegmentRegistry, metrics: StateServerMetrics, run_id: str) -> None:
+    def __init__(
+        self, registry: SegmentRegistry, metrics: StateServerMetrics, run_id: str, *, regions: RegionCache
+    ) -> None:
         self.run_id = run_id
         """The one run this server serves: calls naming another are refused."""
         self._registry = registry
         self._metrics = metrics
-        self._regions = RegionCache()
+        self._regions = regions
         self.bulk: BulkServer | None = None
         """The bulk socket OpenBulk grants transfers on; None when not served."""
         # RPCs run on a thread pool and `+=` on an attribute is not atomic: guard the counters.
@@ -411,7 +413,7 @@ class GrpcStateServer:
         bulk socket too (on ``host``, a port of its own; OpenBulk names it), under the
         same token, TLS and limits."""
         limits = limits or CallLimits()
-        self.servicer = StateServerServicer(registry, metrics, run_id)
+        self.servicer = StateServerServicer(registry, metrics, run_id, regions=RegionCache(limits.mapping))
         self._quick = futures.ThreadPoolExecutor(max_workers=QUICK_THREADS, thread_name_prefix="state-server-quick")
         self._limiter = CallLimiter(
             limits, SERVICE_NAME, quick=self._quick, on_limit=lambda rpc, code: metrics.record_error(rpc, code.name)
@@ -449,8 +451,10 @@ class GrpcStateServer:
                 token=auth_token,
                 tls=tls.server_context() if tls is not None else None,
                 timeout_s=limits.message_timeout_s,
+                hello_timeout_s=limits.hello_timeout_s,
                 max_tickets=limits.max_calls,
                 max_connections=limits.max_calls,
+                max_unauthenticated=limits.max_calls,
                 max_transfers=max_workers,
             )
 

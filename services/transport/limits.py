@@ -12,7 +12,12 @@ until the deadline the caller itself chose. So a state server
 - cancels a call whose peer has not sent its next message, or taken the server's, for
   ``message_timeout_s`` (the time the server spends computing does not count);
 - pings idle connections (keepalive) and drops those whose peer no longer answers: a
-  host that died without closing its connection.
+  host that died without closing its connection;
+- on its bulk socket (services/transport/bulk_server.py), gives a connection
+  ``hello_timeout_s`` for its whole hello and holds at most ``max_calls`` connections
+  not yet authenticated, the oldest dropped for a new one;
+- maps at most what ``mapping`` allows of the workers' shared memory
+  (services/transport/shm.py).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 import grpc
 
 from cargohold.services.errors import CargoholdError, ConfigError
+from cargohold.services.transport.shm import MappingLimits
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +52,14 @@ class CallLimits:
     """A connection quiet this long is pinged."""
     keepalive_timeout_s: float = 20.0
     """A ping not answered within this closes the connection, cancelling its calls."""
+    hello_timeout_s: float = 10.0
+    """A bulk socket connection whose TLS handshake and hello are not whole by then is
+    closed, however the bytes trickle in."""
+    mapping: MappingLimits | None = None
+    """What the workers' shared memory may take; None: :meth:`MappingLimits.for_host`."""
 
     def __post_init__(self) -> None:
-        for name in ("max_calls", "message_timeout_s", "keepalive_s", "keepalive_timeout_s"):
+        for name in ("max_calls", "message_timeout_s", "keepalive_s", "keepalive_timeout_s", "hello_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"call limit {name} must be positive, got {getattr(self, name)!r}")
 
