@@ -179,6 +179,7 @@ def main() -> None:
         ray.init(
             address="local",
             num_cpus=max(1, math.ceil(needed)),
+            num_gpus=torch.cuda.device_count(),  # as the launcher's: Ray's NVML detection can see none
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
             log_to_driver=False,
