@@ -189,7 +189,7 @@ def main() -> None:
     finally:
         if owns_ray:
             ray.shutdown()
-    device = torch.device(config.worker.device)
+    device = torch.device("cuda" if config.worker.device == "cuda" else "cpu")
     thread_counts = [cores] if device.type == "cuda" else sorted({1, cores})
     in_memory = {
         (ac, threads): run_in_memory(baseline, args.warmup, threads, device)
@@ -206,16 +206,16 @@ def main() -> None:
         f"{Path('/proc/loadavg').read_text().split()[0]} at the end"
     )
     print(f"mean of steps {args.warmup + 1}..{args.steps}, seconds (rank 0's phases)")
-    print(f"{'run':28} {'step':>7} " + " ".join(f"{p:>7}" for p in PHASES) + f" {'update%':>7} {'peak':>9}")
+    print(f"{'run':40} {'step':>7} " + " ".join(f"{p:>7}" for p in PHASES) + f" {'update%':>7} {'peak':>9}")
     for name, r in results.items():
         print(
-            f"{'cargohold ' + name:28} {r['step']:7.3f} "
+            f"{'cargohold ' + name:40} {r['step']:7.3f} "
             + " ".join(f"{r[p]:7.3f}" for p in PHASES)
             + f" {100 * r['update'] / r['step']:6.1f}% {r['peak'] / 2**30:5.2f} GiB"
         )
     for (ac, threads), seconds in in_memory.items():
         where = "on the GPU" if device.type == "cuda" else f"{threads} thread(s)"
-        print(f"{f'in-memory AdamW, {where}, ac {ac}':28} {seconds:7.3f}")
+        print(f"{f'in-memory AdamW, {where}, ac {ac}':40} {seconds:7.3f}")
     for name, r in results.items():
         ac = variants[name].worker.activation_checkpointing
         best = min(seconds for (other, _), seconds in in_memory.items() if other == ac)
