@@ -130,8 +130,12 @@ def test_end_to_end_runs_only_after_the_gpu_tests_pass() -> None:
     end_to_end = gpu_check.Part("end to end", [python, "-c", "print('RATIO x = 1.00')"], 30, after_tests=True)
     failing = gpu_check.Part("gpu tests", [python, "-c", "print('1 failed, 2 passed'); raise SystemExit(1)"], 30)
     figures, passed = gpu_check.run_parts([failing, end_to_end], 60)
-    assert not passed and "end to end: skipped (the gpu tests failed)" in figures
+    skipped = "end to end: skipped (no gpu test passed, or one failed)"
+    assert not passed and skipped in figures
     assert "gpu tests: 1 failed, 2 passed" in figures and "gpu tests: exit 1" in figures
+    no_cuda = gpu_check.Part("gpu tests", [python, "-c", "print('6 skipped, 6 deselected')"], 30)
+    figures, passed = gpu_check.run_parts([no_cuda, end_to_end], 60)
+    assert not passed and figures == ["gpu tests: 6 skipped, 6 deselected", skipped]
     passing = gpu_check.Part("gpu tests", [python, "-c", "print('2 passed')"], 30)
     figures, passed = gpu_check.run_parts([passing, end_to_end], 60)
     assert passed and figures == ["gpu tests: 2 passed", "end to end: RATIO x = 1.00"]
