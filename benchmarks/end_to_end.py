@@ -23,7 +23,8 @@ the copy of the fetched weights into FSDP2's shards). The peak resident set (VmH
 the largest worker process is read as in ``capacity.py``. The baseline is the same model,
 initialisation, data and optimizer settings in this one process: forward/backward on the
 global batch (num_workers x batch_size sequences at once), clipping and
-``torch.optim.AdamW(fused=True)``, with 1 thread and with every core. The first
+``torch.optim.AdamW(fused=True)``, with 1 thread and with every core (on a GPU: all on it),
+and with the same activation checkpointing as the variant it is compared with. The first
 ``--warmup`` steps of each are left out. Nothing is asserted.
 
 On a CPU-only box every worker and the state server share the same cores, so the ratio
@@ -47,7 +48,9 @@ from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_io import load_config
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.services.data import batch_for_step, load_tokens
+from cargohold.services.models.blocks import apply_activation_checkpointing
 from cargohold.services.models.build import build_model
+from cargohold.services.task import ConfigTask
 from cargohold.services.wire import WIRE_DTYPES
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
@@ -74,13 +77,23 @@ def run_cargohold(config: TrainConfig, warmup: int) -> dict[str, float]:
     return result
 
 
+def baseline_model(config: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """The config's model on ``device`` in fp32, for training in memory, with the workers'
+    activation checkpointing (each block's forward run again in backward) where the config
+    asks for it: like is compared with like."""
+    model = build_model(config).to(device).train()
+    if config.worker.activation_checkpointing == "blocks":
+        apply_activation_checkpointing([block for _, block in ConfigTask(config).blocks(model)])
+    return model
+
+
 def run_in_memory(config: TrainConfig, warmup: int, threads: int, device: torch.device) -> float:
     """Mean step seconds of plain single-process training on the same global batch, all
     on ``device`` (the optimizer state too: all-on-GPU AdamW where that is a GPU)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = build_model(config).to(device).train()
+        model = baseline_model(config, device)
         compute = WIRE_DTYPES[config.worker.compute_dtype]
         o = config.optim
         optimizer = torch.optim.AdamW(
@@ -148,6 +161,13 @@ def main() -> None:
     base = [f"steps={args.steps}", "progress=false", "metrics.enabled=false"]
     variants = {name: load_config(args.config, [*base, *VARIANTS[name], *args.overrides]) for name in names}
     config = load_config(args.config, [*base, *args.overrides])
+    # One baseline per activation checkpointing setting of the variants, each variant's
+    # ratio against the one that recomputes as it does.
+    checkpointing = sorted({cfg.worker.activation_checkpointing for cfg in variants.values()})
+    baselines = {
+        ac: load_config(args.config, [*base, f"worker.activation_checkpointing={ac}", *args.overrides])
+        for ac in checkpointing
+    }
     cores = os.cpu_count() or 1
     print(f"load average {Path('/proc/loadavg').read_text().split()[0]}", flush=True)
 
@@ -159,6 +179,7 @@ def main() -> None:
         ray.init(
             address="local",
             num_cpus=max(1, math.ceil(needed)),
+            num_gpus=torch.cuda.device_count(),  # as the launcher's: Ray's NVML detection can see none
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
             log_to_driver=False,
@@ -168,12 +189,13 @@ def main() -> None:
     finally:
         if owns_ray:
             ray.shutdown()
-    if config.worker.device == "cuda":
-        in_memory = {cores: run_in_memory(config, args.warmup, cores, torch.device("cuda"))}
-    else:
-        in_memory = {
-            threads: run_in_memory(config, args.warmup, threads, torch.device("cpu")) for threads in sorted({1, cores})
-        }
+    device = torch.device("cuda" if config.worker.device == "cuda" else "cpu")
+    thread_counts = [cores] if device.type == "cuda" else sorted({1, cores})
+    in_memory = {
+        (ac, threads): run_in_memory(baseline, args.warmup, threads, device)
+        for ac, baseline in baselines.items()
+        for threads in thread_counts
+    }
 
     m, w = config.model, config.worker
     print(
@@ -184,19 +206,20 @@ def main() -> None:
         f"{Path('/proc/loadavg').read_text().split()[0]} at the end"
     )
     print(f"mean of steps {args.warmup + 1}..{args.steps}, seconds (rank 0's phases)")
-    print(f"{'run':28} {'step':>7} " + " ".join(f"{p:>7}" for p in PHASES) + f" {'update%':>7} {'peak':>9}")
+    print(f"{'run':40} {'step':>7} " + " ".join(f"{p:>7}" for p in PHASES) + f" {'update%':>7} {'peak':>9}")
     for name, r in results.items():
         print(
-            f"{'cargohold ' + name:28} {r['step']:7.3f} "
+            f"{'cargohold ' + name:40} {r['step']:7.3f} "
             + " ".join(f"{r[p]:7.3f}" for p in PHASES)
             + f" {100 * r['update'] / r['step']:6.1f}% {r['peak'] / 2**30:5.2f} GiB"
         )
-    for threads, seconds in in_memory.items():
-        where = "on the GPU" if config.worker.device == "cuda" else f"{threads} thread(s)"
-        print(f"{f'in-memory AdamW, {where}':28} {seconds:7.3f}")
-    best = min(in_memory.values())
+    for (ac, threads), seconds in in_memory.items():
+        where = "on the GPU" if device.type == "cuda" else f"{threads} thread(s)"
+        print(f"{f'in-memory AdamW, {where}, ac {ac}':40} {seconds:7.3f}")
     for name, r in results.items():
-        print(f"RATIO cargohold {name} / in-memory (best) = {r['step'] / best:.2f}")
+        ac = variants[name].worker.activation_checkpointing
+        best = min(seconds for (other, _), seconds in in_memory.items() if other == ac)
+        print(f"RATIO cargohold {name} / in-memory (best, activation checkpointing {ac}) = {r['step'] / best:.2f}")
     for name, r in results.items():
         if name != "zero3" and "zero3" in results:
             print(f"RATIO cargohold {name} / cargohold zero3 = {r['step'] / results['zero3']['step']:.2f}")

@@ -29,6 +29,24 @@ PINS = (
     "referencing==0.37.0",
     "rpds-py==0.30.0",
 )
+GPU_IMAGE = (
+    "torch",
+    "numpy",
+    "pyyaml",
+    "tqdm",
+    "safetensors",
+    "prometheus-client",
+    "pytest",
+    "pytest-timeout",
+    "hypothesis",
+    "transformers",
+    "accelerate",
+    "setuptools",
+    "wheel",
+)
+"""What the GPU image already holds of cargohold's requirements, its test extras and its
+build (device/KINDS.md's package list, 2026-11-17); anything else of them is absent there
+unless PINS carries it (tests/test_gpu_check.py collects the gpu tests without the rest)."""
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
 JAVA_ONLY = "ray/jars/"
 

@@ -405,20 +405,48 @@ def connect_ray(config: TrainConfig) -> bool:
 
     Returns True when this call started Ray (and so must shut it down).
     """
-    if ray.is_initialized():
-        return False
-    if config.cluster.address is not None:
-        ray.init(address=config.cluster.address, log_to_driver=True)
-        return True
+    if ray.is_initialized() or config.cluster.address is not None:
+        owns = not ray.is_initialized()
+        if owns:
+            ray.init(address=config.cluster.address, log_to_driver=True)
+        _warn_if_short_of_gpus(config)
+        return owns
+    # Ray's own GPU detection (NVML) can see none where torch sees them; this process's
+    # count is the node's, and a shortfall fails now rather than after startup_timeout_s.
+    gpus = torch.cuda.device_count()
+    _check_gpus(config, gpus, gpus, "this node (torch.cuda.device_count())")
     needed = config.worker.num_workers * config.worker.cpus + config.state_server.num_servers * config.state_server.cpus
     ray.init(
         address="local",  # a new cluster even when another runs on this machine
         num_cpus=config.cluster.num_cpus or max(1, math.ceil(needed)),
+        num_gpus=gpus,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         log_to_driver=True,
     )
     return True
+
+
+def _check_gpus(config: TrainConfig, largest: float, total: float, where: str) -> None:
+    """ConfigError where no node has ``worker.gpus`` GPUs or all of them together fall
+    short of the workers' (``largest``: the most on one node, ``total``: on all)."""
+    per_worker, workers = config.worker.gpus, config.worker.num_workers
+    if per_worker and (largest < per_worker or total < per_worker * workers):
+        raise ConfigError(
+            f"worker.gpus={per_worker:g} x worker.num_workers={workers} needs {per_worker * workers:g} GPUs, "
+            f"{where} has {total:g} (at most {largest:g} on one node); lower worker.gpus or "
+            "worker.num_workers, or set worker.device=cpu and worker.gpus=0"
+        )
+
+
+def _warn_if_short_of_gpus(config: TrainConfig) -> None:
+    """On a cluster this process joined, nodes may still be joining: warn, and leave the
+    placement group to wait (cluster.startup_timeout_s)."""
+    counts = [node["Resources"].get("GPU", 0.0) for node in ray.nodes() if node["Alive"]]
+    try:
+        _check_gpus(config, max(counts, default=0.0), sum(counts), "the Ray cluster")
+    except ConfigError as short:
+        logger.warning("%s; waiting up to cluster.startup_timeout_s for nodes to join", short)
 
 
 def _get(refs, timeout: float | None, what: str):

@@ -16,9 +16,14 @@ caller warns once and counts it (:class:`PageLockRefused` says why).
 
 from __future__ import annotations
 
+import ctypes
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 REASONS = ("no_cuda", "cuda_error", "pin_failed")
 """Why memory was left pageable; the label of the fallback metric."""
@@ -55,12 +60,37 @@ def page_lock(memory: torch.Tensor) -> PageLock:
     cudart = torch.cuda.cudart()
     status = cudart.cudaHostRegister(pointer, nbytes, 0)  # cudaHostRegisterDefault
     if int(status) != 0:
+        clear_last_cuda_error()
         raise PageLockRefused(
             "cuda_error",
             f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(status)} "
             "(a locked-memory limit, ulimit -l, is the usual cause)",
         )
     return PageLock(pointer, nbytes)
+
+
+def clear_last_cuda_error() -> None:
+    """Reset this thread's last CUDA runtime error after a failure we handled.
+
+    A failed runtime call stays the thread's last error, and torch checks each kernel
+    launch with ``cudaGetLastError``: the next launch would raise the refused
+    registration as its own, misleading, error. torch binds no ``cudaGetLastError``, so
+    it is called here on the libcudart torch loaded (found in this process's mappings:
+    the same library, so the same per-thread state)."""
+    path = cudart_path(Path("/proc/self/maps").read_text())
+    if path is None:
+        logger.warning("no libcudart is mapped in this process: the last CUDA error could not be cleared")
+        return
+    ctypes.CDLL(path).cudaGetLastError()
+
+
+def cudart_path(maps: str) -> str | None:
+    """The CUDA runtime library mapped in a process, from its ``/proc/<pid>/maps``."""
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and Path(fields[5]).name.startswith("libcudart.so"):
+            return fields[5]
+    return None
 
 
 def pinned_empty(nbytes: int) -> torch.Tensor:

@@ -27,7 +27,9 @@ The shape of a step:
    - *staged*: the servers held the pushes until the norm is known; commit, then fetch;
    - *delayed* (ZeRO-Offload's DPU): adopt the weights of the previous update, fetched
      during this step's compute, and leave this update's weights to arrive during the
-     next step.
+     next step. Staged, its commit runs then too: the servers' AdamW overlaps the next
+     step's forward and backward, and a segment's next push waits only for its own
+     commit.
    Fetched weights land in the unit's slot and are copied into FSDP2's local shards at
    once: a unit's shards are not read again in a step after its gradients are reduced.
    Only the delayed update's weights wait for the next backward to end, in the buffers'
@@ -163,6 +165,9 @@ class ShardedStep:
         """Where fetched weights go host-to-device, beside the compute."""
         self._pending: list[Future] = []
         """Fetches of a delayed update, still arriving."""
+        self._commits: dict[int, Future] = {}
+        """A staged delayed update's CommitStep per segment id, still running: a segment's
+        next push waits for it (a server stages one gradient per segment)."""
         self._transfers: list[Future] = []
         self._sum_squares = 0.0
         self._context: tuple[int, float, bool, bool] = (0, 0.0, False, False)
@@ -269,12 +274,14 @@ class ShardedStep:
             applied = self._adopt_pending()  # the staged gradients are replaced by the next push
         elif delayed:
             applied = self._adopt_pending()
-            if policy.staged:
-                self._wait(
-                    self._pool.submit(self.port.commit, s, update, global_norm=global_norm, lr=lr)
+            if policy.staged:  # CommitStep runs during the next step's compute, not inside this one
+                self._commits = {
+                    s.segment_id: self._pool.submit(self.port.commit, s, update, global_norm=global_norm, lr=lr)
                     for s in self.segments
-                )
-            self._pending = [self._pool.submit(self._fetch_held, s, update) for s in self.segments]
+                }
+            self._pending = [
+                self._pool.submit(self._fetch_held, s, update, self._commits.get(s.segment_id)) for s in self.segments
+            ]
             self.updates = update
         else:
             if policy.staged:
@@ -392,6 +399,8 @@ class ShardedStep:
                 ready.synchronize()
             applied = 0
             for segment in self._by_group.get(group, []):
+                if (committing := self._commits.get(segment.segment_id)) is not None:
+                    committing.result()  # submitted before this push: running or done, never queued behind it
                 at = self._in_slot(segment)
                 applied += self.port.push(segment, update, slot.grads[at], lr=lr, defer=defer)
                 if fetch:
@@ -417,8 +426,12 @@ class ShardedStep:
         finally:
             self.buffers.release(slot)
 
-    def _fetch_held(self, segment: Segment, update: int) -> None:
+    def _fetch_held(self, segment: Segment, update: int, committing: Future | None) -> None:
+        """Fetch a delayed update's weights of ``segment`` into the held range, once its
+        CommitStep (``committing``, submitted earlier) is done."""
         assert self.buffers.held is not None
+        if committing is not None:
+            committing.result()
         self.port.fetch(segment, update, self.buffers.held[segment.local_offset : segment.local_offset + segment.numel])
 
     def _in_slot(self, segment: Segment) -> slice:
@@ -447,6 +460,7 @@ class ShardedStep:
             return 0
         pending, self._pending = self._pending, []
         self._wait(pending)
+        self._commits = {}  # each fetch waited for its segment's commit
         assert self.buffers.held is not None
         self._adopt(self.buffers.held)
         return len(pending)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.data.seeds import dropout_seed
-from cargohold.services.errors import TrainingError
+from cargohold.services.errors import ConfigError, TrainingError
 from cargohold.services.layout import Layout
 from cargohold.services.metrics import WorkerMetrics
 from cargohold.services.model_setup import exchange_buffers, resolve_device, sharded_model, step_policy
@@ -83,9 +83,8 @@ class TrainingWorker:
 
     def init_process_group(self, host: str, port: int, timeout_s: float = 300.0) -> None:
         """Join the workers' process group, then shard the model (FSDP2 needs the group)."""
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(
-            backend,
+            process_group_backend(self.device),
             init_method=f"tcp://{host}:{port}",
             rank=self.rank,
             world_size=self.world_size,
@@ -222,6 +221,19 @@ class TrainingWorker:
 
         here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         return {index for index, node in enumerate(server_node_ids) if node == here}
+
+
+def process_group_backend(device: torch.device) -> str:
+    """NCCL between CUDA workers, gloo between CPU ones; where this torch has no NCCL, a
+    clear error now rather than one from deep inside torch.distributed."""
+    if device.type != "cuda":
+        return "gloo"
+    if not dist.is_nccl_available():
+        raise ConfigError(
+            "worker.device=cuda needs NCCL and this torch has none (torch.distributed.is_nccl_available() is "
+            "False); install a CUDA build of torch with NCCL, or set worker.device=cpu"
+        )
+    return "nccl"
 
 
 def report_pageable(buffers: ExchangeBuffers, rank: int, metrics: WorkerMetrics) -> None:

@@ -44,9 +44,18 @@ def leaves_no_shared_memory():
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """A single-node Ray on loopback with enough logical CPUs for several actors."""
+    """A single-node Ray on loopback with enough logical CPUs for several actors, and the
+    GPUs torch sees (Ray's own detection can report none: the gpu tests would wait for
+    their placement groups)."""
+    import torch
+
     ray.init(
-        num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False
+        num_cpus=8,
+        num_gpus=torch.cuda.device_count(),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        configure_logging=False,
     )
     yield
     ray.shutdown()

@@ -37,6 +37,7 @@ from cargohold.services.layout import Layout, scatter_params
 from cargohold.services.model_setup import model_layout
 from cargohold.services.models.blocks import transformer_blocks
 from cargohold.services.models.build import build_model
+from cargohold.services.optim import clip_, clip_coefficient, global_norm_from_squares, sum_of_squares
 from cargohold.services.param_groups import resolve_param_groups
 from cargohold.services.sharding import local_tensors, params_to_range, units_of
 from cargohold.services.wire import WIRE_DTYPES
@@ -68,16 +69,25 @@ class FlatReference:
 
 
 def reference_train(
-    config: TrainConfig, steps: int, *, threads: int = 1, eval_steps: Iterable[int] = (), device: str = "cpu"
+    config: TrainConfig,
+    steps: int,
+    *,
+    threads: int = 1,
+    eval_steps: Iterable[int] = (),
+    device: str = "cpu",
+    norm: str = "torch",
 ) -> ReferenceResult:
     """Train ``steps`` steps in this process; ``threads`` should equal the workers'.
     After each of ``eval_steps``, the mean loss over the held-out set (``eval.*``).
     ``device`` computes forward and backward there (as GPU workers do); the masters and
-    AdamW stay on the CPU, as on the state servers."""
+    AdamW stay on the CPU, as on the state servers. ``norm``: the global gradient norm
+    that clipping divides by, torch's (``clip_grad_norm_``) or, for runs whose clipping
+    scales the updates, the workers' (``"shards"``: the squares summed in fp64, whose
+    last bits can differ from torch's fp32 norm)."""
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _train(config, steps, set(eval_steps), torch.device(device))
+        return _train(config, steps, set(eval_steps), torch.device(device), norm)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -105,7 +115,7 @@ def _evaluate(config: TrainConfig, model: torch.nn.Module, weights: list[torch.T
     return sum(rank_losses) / world
 
 
-def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.device) -> ReferenceResult:
+def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.device, norm: str) -> ReferenceResult:
     world, micro_batches = config.worker.num_workers, config.data.micro_batches
     compute = WIRE_DTYPES[config.worker.compute_dtype]
     wire = WIRE_DTYPES[config.worker.grad_wire_dtype]
@@ -151,7 +161,10 @@ def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.
         assert accumulated is not None
         for master, grad in zip(masters, accumulated):
             master.grad = grad
-        if o.max_grad_norm > 0:
+        if o.max_grad_norm > 0 and norm == "shards":
+            grads = [master.grad for master in masters]
+            clip_(grads, clip_coefficient(global_norm_from_squares(sum(map(sum_of_squares, grads))), o.max_grad_norm))
+        elif o.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(masters, o.max_grad_norm)
         set_lr(optimizer, o.lr_at(step, config.steps))
         optimizer.step()

@@ -35,7 +35,7 @@ def test_unplaceable_run_fails_with_a_clear_message() -> None:
         "--set",
         "steps=1",
         "--set",
-        "worker.gpus=1",
+        "worker.resources={no_such_accelerator: 1}",
         "--set",
         "cluster.startup_timeout_s=5",
         "--set",

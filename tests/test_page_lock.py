@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cargohold.services.metrics import WORKER_PAGE_LOCK_FALLBACKS, WorkerMetrics
-from cargohold.services.page_lock import PageLockRefused, page_lock
+from cargohold.services.page_lock import PageLockRefused, cudart_path, page_lock
 from cargohold.services.state_port import ExchangeBuffers
 from cargohold.services.transport.shm import RegionCache, region_name
 from cargohold.services.worker import report_pageable
@@ -97,3 +97,34 @@ def test_a_gpu_workers_shared_buffers_are_page_locked_in_place_and_copied_by_dma
     finally:
         cache.close()
         buffers.close()
+
+
+MAPS = """\
+7f0000000000-7f0000001000 r--p 00000000 08:01 123 /usr/lib/x86_64-linux-gnu/libc.so.6
+7f0000001000-7f0000002000 rw-p 00000000 00:00 0
+7f0000002000-7f0000003000 r-xp 00001000 08:01 456 /opt/venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcudart.so.13
+7f0000004000-7f0000005000 r--p 00000000 08:01 789 /opt/x/libcudart_static_wrapper (deleted)
+"""
+
+
+def test_the_cuda_runtime_is_found_in_the_process_mappings() -> None:
+    assert cudart_path(MAPS) == "/opt/venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcudart.so.13"
+    assert cudart_path(MAPS.replace("libcudart.so.13", "libcublas.so.13")) is None
+
+
+@pytest.mark.gpu
+def test_a_refused_registration_does_not_fail_the_next_kernel() -> None:
+    """A failed cudaHostRegister stays the thread's last CUDA error until read, and torch's
+    next launch check would raise it: here registering the same memory twice fails."""
+    memory = torch.empty(SLOT, dtype=torch.uint8)
+    locks = []
+    try:
+        with pytest.raises(PageLockRefused, match="cudaHostRegister of"):
+            locks.append(page_lock(memory))  # refused here where nothing can be pinned,
+            locks.append(page_lock(memory))  # else as memory already registered (error 712)
+        values = torch.ones(SLOT, device="cuda").add_(1)  # a kernel launch, checked by torch
+        torch.cuda.synchronize()
+        assert float(values.sum()) == 2 * SLOT
+    finally:
+        for lock in locks:
+            lock.release()

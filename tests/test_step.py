@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,10 @@ STRATEGIES = {
         data__micro_batches=2, optim__max_grad_norm=0.0, optim__nonfinite="ignore", worker__grad_wire_dtype="bfloat16"
     ),
     "accumulated-delayed": dict(data__micro_batches=2, worker__delayed_update=True),
+    # Clipping that scales every update (the norms are ~1): each commit runs during the next step.
+    "delayed-clipped": dict(
+        worker__delayed_update=True, worker__delayed_update_after_steps=1, optim__max_grad_norm=0.05
+    ),
 }
 
 
@@ -59,11 +64,13 @@ def _train(rank: int, config, folder: Path) -> None:
     assert step.register(lambda names: parameter_values(config, shapes, names)) == 0
     data = open_source(config)
     micros = range(config.data.micro_batches)
-    losses = []
+    losses, norms = [], []
     for number in range(1, config.steps + 1):
         batches = [data.batch(number, rank, micro) for micro in micros]
         seeds = [dropout_seed(config.seed, number, rank, micro) for micro in micros]
-        losses.append(step.run(number, batches, config.optim.lr_at(number, config.steps), dropout_seeds=seeds).loss)
+        report = step.run(number, batches, config.optim.lr_at(number, config.steps), dropout_seeds=seeds)
+        losses.append(report.loss)
+        norms.append(report.global_grad_norm)
     weights = step.newest_weights()
     step.close()
     masters = torch.zeros(layout.worker_size)
@@ -72,7 +79,7 @@ def _train(rank: int, config, folder: Path) -> None:
         at = segment.local_offset
         masters[at : at + segment.numel] = state.snapshot()["master"]
     folder.mkdir(exist_ok=True)
-    torch.save({"losses": losses, "weights": weights, "masters": masters}, folder / f"{rank}.pt")
+    torch.save({"losses": losses, "norms": norms, "weights": weights, "masters": masters}, folder / f"{rank}.pt")
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -86,12 +93,112 @@ def test_step_without_ray_matches_adamw_bitwise(world: int) -> None:
     for name, ranks in results.items():
         config = tiny_config(steps=6, worker__num_workers=world, **STRATEGIES[name])
         layout = model_layout(config)[2]
-        reference = reference_train(config, config.steps)
+        clipping = config.optim.max_grad_norm < 1  # scales every update: clipped by the workers' norm
+        reference = reference_train(config, config.steps, norm="shards" if clipping else "torch")
         assert ranks[0]["losses"] == reference.losses, name
+        if clipping:
+            assert min(ranks[0]["norms"]) > config.optim.max_grad_norm, (name, ranks[0]["norms"])
         masters = torch.cat([rank["masters"] for rank in ranks])
         expected = reference.flat(layout)
         assert torch.equal(masters, expected), f"{name}: max abs diff {(masters - expected).abs().max():.3e}"
         assert torch.equal(torch.cat([rank["weights"] for rank in ranks]), expected), name
+
+
+GATE_S = 20.0
+"""How long the gated commit waits for its step to return before going on regardless."""
+
+
+class _GatedPort:
+    """A LocalPort whose CommitStep of update ``gated`` waits until the step that staged it
+    has returned, recording the order of what happened: whether each commit saw the step
+    return first, and whether each push of the next update found its segment committed."""
+
+    def __init__(self, inner: LocalPort, gated: int) -> None:
+        self.inner = inner
+        self.gated = gated
+        self.returned = threading.Event()
+        self.committed: set[int] = set()
+        self.record: list[tuple] = []
+
+    def register(self, segment, initial):
+        return self.inner.register(segment, initial)
+
+    def push(self, segment, update, gradient, *, lr, defer):
+        if update == self.gated + 1:
+            self.record.append(("push", segment.segment_id, segment.segment_id in self.committed))
+        return self.inner.push(segment, update, gradient, lr=lr, defer=defer)
+
+    def commit(self, segment, update, *, global_norm, lr):
+        if update == self.gated:
+            self.record.append(("commit", segment.segment_id, self.returned.wait(timeout=GATE_S)))
+        applied = self.inner.commit(segment, update, global_norm=global_norm, lr=lr)
+        if update == self.gated:
+            self.committed.add(segment.segment_id)
+        return applied
+
+    def fetch(self, segment, update, out):
+        self.inner.fetch(segment, update, out)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _overlap(rank: int, port: int, folder: str) -> None:
+    """Three steps with the delayed update past step 1 and clipping on; the commit of
+    update 2 is held until step 2 has returned."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        config = OVERLAP
+        model, units, layout = sharded_model(config, torch.device("cpu"))
+        gated = _GatedPort(LocalPort(config, "run", resolve_param_groups(config.optim, layout.params)), gated=2)
+        policy = step_policy(config)
+        step = ShardedStep(
+            model, units, layout, 0, gated, exchange_buffers(config, layout), policy, device=torch.device("cpu")
+        )
+        with torch.device("meta"):
+            shapes = build_model(config)
+        step.register(lambda names: parameter_values(config, shapes, names))
+        data = open_source(config)
+        losses = []
+        for number in range(1, config.steps + 1):
+            seeds = [dropout_seed(config.seed, number, 0, 0)]
+            report = step.run(
+                number, [data.batch(number, 0, 0)], config.optim.lr_at(number, config.steps), dropout_seeds=seeds
+            )
+            losses.append(report.loss)
+            gated.record.append(("returned", number))
+            if number == gated.gated:
+                gated.returned.set()
+        step.close()
+        torch.save({"losses": losses, "record": gated.record}, Path(folder) / "overlap.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+OVERLAP = tiny_config(
+    steps=3,
+    worker__num_workers=1,
+    worker__delayed_update=True,
+    worker__delayed_update_after_steps=1,
+    optim__max_grad_norm=0.05,
+)
+
+
+def test_a_delayed_clipped_update_commits_during_the_next_steps_compute() -> None:
+    """With the delayed update and clipping, step t returns before its CommitStep runs
+    (the servers' AdamW overlaps step t+1's forward and backward), a segment's next push
+    waits for its own commit, and the losses still equal the reference."""
+    with tempfile.TemporaryDirectory(prefix="cargohold-step-") as folder:
+        mp.start_processes(_overlap, args=(_free_port(), folder), nprocs=1, start_method="spawn", join=True)
+        result = torch.load(Path(folder) / "overlap.pt")
+    record = result["record"]
+    commits = [entry for entry in record if entry[0] == "commit"]
+    pushes = [entry for entry in record if entry[0] == "push"]
+    assert commits and all(waited for _, _, waited in commits), f"a commit ran inside step 2: {record}"
+    assert pushes and all(committed for _, _, committed in pushes), f"a push overtook its commit: {record}"
+    assert result["losses"] == reference_train(OVERLAP, OVERLAP.steps, norm="shards").losses
 
 
 def test_exchange_buffers_lay_slots_and_held_weights_apart_in_one_shared_region() -> None:
