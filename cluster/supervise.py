@@ -170,6 +170,8 @@ def _train_session(
     every = config.checkpoint.every_steps
     recovering = time.perf_counter()
     with TrainingSession(config, resume=resume, task=task) as session:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _terminated)  # again: ray.init, when the session started Ray, set its own
         if result.restarts:
             result.recovery_seconds.append(time.perf_counter() - recovering)
             metrics.observe_recovery(result.recovery_seconds[-1])
