@@ -73,8 +73,9 @@ def _train(config: TrainConfig) -> int:
     first, last = result.losses[0], result.losses[-1]
     mean_step = sum(result.step_seconds) / len(result.step_seconds)
     held_out = f", eval loss {result.evals[-1].loss:.4f} ppl {result.evals[-1].perplexity:.2f}" if result.evals else ""
+    resumed = f" (resumed run {result.resumed_run_id} at step {result.first_step})" if result.resumed_run_id else ""
     print(
-        f"run {result.run_id}: {len(result.losses)} steps, loss {first:.4f} -> {last:.4f}{held_out}, "
+        f"run {result.run_id}{resumed}: {len(result.losses)} steps, loss {first:.4f} -> {last:.4f}{held_out}, "
         f"mean step {mean_step:.2f}s",
         flush=True,
     )

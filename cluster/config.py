@@ -421,6 +421,7 @@ class TrainConfig:
             raise ConfigError("export_dir must be a folder path or null, got an empty string")
         if self.export_dir is not None:
             _check_output_folder("export_dir", self.export_dir)
+        _check_separate_folders(self)
         _check_run_id(self.run_id)
         self.eval.check_format(self.data.format)
         last_port = self.metrics.port + self.state_server.num_servers + self.worker.num_workers
@@ -449,6 +450,25 @@ def _check_run_id(run_id: str | None) -> None:
             f"run_id {run_id!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter "
             "or digit (it names folders and actors)"
         )
+
+
+def _check_separate_folders(config: TrainConfig) -> None:
+    """Refuse folders of a run that are one another or one inside another: pruning old
+    checkpoints would delete an export inside ``checkpoint.dir``, and the teardown sweep of
+    a tier folder a checkpoint or an export inside it."""
+    folders = [("checkpoint.dir", config.checkpoint.dir), ("export_dir", config.export_dir)] + [
+        (f"state_server.tier.nvme_paths[{i}]", path) for i, path in enumerate(config.state_server.tier.nvme_paths)
+    ]
+    named = [(key, path, Path(path).expanduser().resolve()) for key, path in folders if path]
+    for index, (key, path, where) in enumerate(named):
+        for other_key, other_path, other in named[index + 1 :]:
+            if key.startswith("state_server") and other_key.startswith("state_server"):
+                continue  # tier paths share nothing: each holds its own partition files
+            if where == other or where.is_relative_to(other) or other.is_relative_to(where):
+                raise ConfigError(
+                    f"{key} {path!r} and {other_key} {other_path!r} overlap (one is, or is inside, the other); "
+                    "give each its own folder"
+                )
 
 
 def _check_output_folder(key: str, path: str) -> None:

@@ -243,7 +243,7 @@ class TrainingSession:
             updates = set(_get(begun, None, f"checkpointing step {step}"))
             if len(updates) != 1:
                 raise TrainingError(f"servers are at different updates {sorted(updates)} at step {step}")
-        except (CheckpointError, TrainingError):
+        except BaseException:  # a failure, or Ctrl-C / SIGTERM while the servers begin
             if begun:
                 self._ignore_outcomes(begun + [s.checkpoint_wait.remote() for s in self.servers])
             _discard(store, step)
@@ -273,7 +273,7 @@ class TrainingSession:
                 files=tuple(file for _, file in records),
             )
             path = store.commit(pending.step, manifest)
-        except (CheckpointError, TrainingError):
+        except BaseException:  # a failure, or Ctrl-C / SIGTERM while the files are written
             self._ignore_outcomes(waits)  # no server still writes into the folder
             _discard(store, pending.step)
             raise

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cargohold.cluster.claims import claimed_folders
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.export import master_weights
 from cargohold.cluster.launcher import PendingCheckpoint, SavedCheckpoint, TrainingSession
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class TrainResult:
     run_id: str
+    resumed_run_id: str | None = None
+    """The run whose checkpoint this one resumed (``checkpoint.resume``); None: a fresh start."""
     first_step: int | None = None
     """The step training started after (0, or a resumed checkpoint's); losses[i] is the
     loss of step first_step + i + 1."""
@@ -73,8 +76,10 @@ def train(
     ``metrics``: where to count checkpoints, failures and recoveries and show the
     validation loss; by default the run serves its own (when metrics are enabled) until
     it ends."""
-    if threading.current_thread() is threading.main_thread():
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if on_main_thread:
         signal.signal(signal.SIGUSR1, _request_checkpoint)
+        terminate = signal.signal(signal.SIGTERM, _terminated)
     own_metrics = metrics is None
     if metrics is None:
         metrics = LauncherMetrics()
@@ -86,6 +91,8 @@ def train(
     finally:
         if own_metrics:
             metrics.stop()
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, terminate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +103,19 @@ class _Callbacks:
 
 
 def _train(config: TrainConfig, callbacks: _Callbacks, metrics: LauncherMetrics, task: TrainingTask) -> TrainResult:
+    with claimed_folders(config):  # checkpoint.dir and export_dir are this run's until it ends
+        return _attempts(config, callbacks, metrics, task)
+
+
+def _attempts(config: TrainConfig, callbacks: _Callbacks, metrics: LauncherMetrics, task: TrainingTask) -> TrainResult:
+    """The run's attempts: the first, then a restart after each actor failure."""
     ckpt = config.checkpoint
-    store = CheckpointDir(Path(ckpt.dir), keep_last=ckpt.keep_last) if ckpt.dir else None
+    store = CheckpointDir(Path(ckpt.dir), keep_last=ckpt.keep_last, owners=set()) if ckpt.dir else None
     start = resolve_resume(ckpt.resume, store)
     resume = start
     result = TrainResult(run_id="")
+    if start is not None:
+        result.resumed_run_id = resumed_run(start, store)
     while True:
         try:
             _train_session(config, task, store, resume, result, callbacks, metrics)
@@ -118,6 +133,16 @@ def _train(config: TrainConfig, callbacks: _Callbacks, metrics: LauncherMetrics,
                 ckpt.max_failures,
                 resume or "the initial state (no checkpoint of this run has landed)",
             )
+
+
+def resumed_run(checkpoint: Path, store: CheckpointDir | None) -> str:
+    """The run id of the checkpoint a run resumes, logged; the store counts that run's
+    checkpoints as its own (this run continues it, so it prunes them in turn)."""
+    run_id = CheckpointDir(checkpoint.parent).load(checkpoint).run_id
+    logger.info("resuming run %s from %s", run_id, checkpoint)
+    if store is not None and store.owners is not None and checkpoint.parent.resolve() == store.root.resolve():
+        store.own(run_id)
+    return run_id
 
 
 def _restart_point(store: CheckpointDir | None, result: TrainResult, start: Path | None) -> Path | None:
@@ -145,10 +170,14 @@ def _train_session(
     every = config.checkpoint.every_steps
     recovering = time.perf_counter()
     with TrainingSession(config, resume=resume, task=task) as session:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _terminated)  # again: ray.init, when the session started Ray, set its own
         if result.restarts:
             result.recovery_seconds.append(time.perf_counter() - recovering)
             metrics.observe_recovery(result.recovery_seconds[-1])
         result.run_id = session.run_id
+        if store is not None:
+            store.own(session.run_id)
         result.server_addresses = list(session.server_addresses)
         result.metrics_addresses = session.metrics_addresses() + ([metrics.address] if metrics.serving else [])
         result.worker_resident_bytes = session.worker_resident_bytes()
@@ -177,8 +206,8 @@ def _train_session(
                 ):
                     saves.begin()
             saves.finish()
-        except TrainingError:
-            saves.recover()
+        except BaseException:  # an actor failure, Ctrl-C, SIGTERM, a callback's exception...
+            saves.recover()  # ...leaves no half-written checkpoint: the newest complete one resumes
             raise
         if config.export_dir is not None:
             task.export(
@@ -200,9 +229,10 @@ class _Saves:
     A save that fails, whether starting it (its folder cannot be created) or finishing it,
     leaves no folder behind and then either stops the run with a CheckpointError (``stop``:
     not an actor failure, so ``max_failures`` does not restart it) or is logged while
-    training goes on (``continue``). After an actor failure :meth:`recover` finishes the
-    pending checkpoint where every server still has its files, else discards it, so a
-    restart never meets a half-written one.
+    training goes on (``continue``). However the session ends early (an actor failure,
+    Ctrl-C, SIGTERM, an exception from a callback) :meth:`recover` finishes the pending
+    checkpoint where every server still has its files, else discards it, so neither a
+    restart nor a later resume meets a half-written one.
     """
 
     def __init__(
@@ -276,6 +306,12 @@ _checkpoint_requested = threading.Event()
 
 def _request_checkpoint(signum: int, frame: object) -> None:
     _checkpoint_requested.set()
+
+
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM ends the run the way Ctrl-C does, through every ``finally``: the pending
+    checkpoint is finished or discarded and the actors are stopped (exit status 143)."""
+    raise SystemExit(128 + signum)
 
 
 def _take_request() -> bool:

@@ -30,6 +30,7 @@ worker's local shard (FSDP2's reference) — bitwise equality depends on it.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -275,10 +276,16 @@ def build_layout(
     server_bounds = tuple(align * ((units * s) // num_servers) for s in range(num_servers + 1))
 
     segments: list[Segment] = []
+    placed = [group for group in groups if group.start < group.stop]  # an empty group has no segment
     for worker in range(num_workers):
         base = worker * worker_size
-        for group in groups:
-            for server in range(num_servers):
+        for group in placed:
+            # only the servers whose ranges meet the group's: the loop is as long as its
+            # output, whatever the counts of workers and servers
+            first_server = max(0, bisect.bisect_right(server_bounds, base + group.start) - 1)
+            for server in range(first_server, num_servers):
+                if server_bounds[server] >= base + group.stop:
+                    break
                 start = max(base + group.start, server_bounds[server])
                 stop = min(base + group.stop, server_bounds[server + 1])
                 if start < stop:

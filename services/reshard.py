@@ -14,6 +14,8 @@ run: it restores as zeros.
 
 from __future__ import annotations
 
+import math
+
 from cargohold.services.checkpoint.manifest import LAYOUT_KIND, LayoutRecord, Manifest
 from cargohold.services.errors import CheckpointError, LayoutError
 from cargohold.services.layout import Layout, Segment, build_layout
@@ -39,7 +41,9 @@ def layout_record(layout: Layout) -> LayoutRecord:
 
 def saved_layout(manifest: Manifest, source: str) -> Layout:
     """The layout that wrote the checkpoint of ``manifest`` (read from ``source``, named
-    in errors); refuses a recorded layout that does not rebuild one of ``total`` elements."""
+    in errors); refuses a recorded layout that does not rebuild one of ``total`` elements,
+    checking first (:func:`check_layout_bounds`) what would make rebuilding it costly."""
+    check_layout_bounds(manifest, source)
     record = manifest.layout
     try:
         layout = build_layout(
@@ -58,6 +62,61 @@ def saved_layout(manifest: Manifest, source: str) -> Layout:
             f"{manifest.total}; the manifest is inconsistent"
         )
     return layout
+
+
+def check_layout_bounds(manifest: Manifest, source: str) -> None:
+    """Refuse, naming the field and ``source``, layout values the payload cannot hold,
+    before anything is built from them: a layout of 10**7 workers over a few thousand
+    elements once made a resume loop and grow for minutes.
+
+    The units' padded sizes, laid out for ``num_workers``, must add up to ``total``
+    (arithmetic over the parameters). Every server's range holds at least one
+    ``align``-sized unit of ``total`` and at least one shard record, and so does every
+    worker's range of every non-empty unit (group): a checkpoint has a record for each
+    segment (or more, one per partition), so these counts are bounded by what the
+    manifest lists, and so is the work of rebuilding the layout."""
+    record, total = manifest.layout, manifest.total
+    units, shards = total // record.align, len(manifest.shards)
+    if record.num_servers > min(units, shards):
+        raise CheckpointError(
+            f"{source}: layout.num_servers is {record.num_servers}, more than the payload can hold: its {total} "
+            f"elements hold {units} units of layout.align {record.align}, its shards list has {shards} records, "
+            "and each server needs one of each; the manifest is inconsistent"
+        )
+    sizes = _padded_group_sizes(manifest)
+    if sizes is None:
+        return  # group_sizes do not fit the parameters: the rebuild names that
+    worker_size, active = sum(sizes), sum(1 for size in sizes if size)
+    if record.num_workers * active > shards or record.num_workers > units:
+        raise CheckpointError(
+            f"{source}: layout.num_workers is {record.num_workers}, more than the payload can hold: its "
+            f"{active} non-empty units need a shard record per worker, and its shards list has {shards} records "
+            f"({units} units of layout.align {record.align} in all); the manifest is inconsistent"
+        )
+    if worker_size * record.num_workers != total:
+        raise CheckpointError(
+            f"{source}: the recorded layout spans {worker_size * record.num_workers} elements, the manifest's "
+            f"total is {total}; the manifest is inconsistent"
+        )
+
+
+def _padded_group_sizes(manifest: Manifest) -> list[int] | None:
+    """Elements each group of the saved layout reserves in a worker's range (the sum of
+    its parameters' padded dim-0 chunks); None where ``group_sizes`` does not add up to
+    the parameters."""
+    record = manifest.layout
+    if sum(record.group_sizes) != len(manifest.model_signature):
+        return None
+    slots = []
+    for _, shape in manifest.model_signature:
+        rows, row_numel = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+        slot = -(-rows // record.num_workers) * row_numel
+        slots.append(-(-slot // record.align) * record.align)
+    sizes, first = [], 0
+    for count in record.group_sizes:
+        sizes.append(sum(slots[first : first + count]))
+        first += count
+    return sizes
 
 
 def segment_runs(saved: Layout, new: Layout, segment: Segment) -> tuple[Run, ...]:

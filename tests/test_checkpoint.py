@@ -223,6 +223,25 @@ def test_partial_and_incomplete_directories_are_never_latest(tmp_path: Path) -> 
         shutil.rmtree(fake)
 
 
+def test_pruning_removes_only_the_owners_checkpoints(tmp_path: Path) -> None:
+    """Issue 27 row B: pruning deleted another run's checkpoints in a shared root. A store
+    given its run's ids prunes only checkpoints whose manifests name one of them; an
+    unreadable manifest is nobody's."""
+    data = random_data(640, 0)
+    foreign = save(CheckpointDir(tmp_path), 1, data, [64])
+    manifest = foreign / MANIFEST_NAME
+    manifest.write_text(manifest.read_text().replace('"run_id": "run-test"', '"run_id": "run-other"'))
+    broken = save(CheckpointDir(tmp_path), 2, data, [64])
+    (broken / MANIFEST_NAME).write_text("{")
+    store = CheckpointDir(tmp_path, keep_last=1, owners={"run-test"})
+    for step in (3, 4):
+        save(store, step, data, [64])
+    assert store.complete_steps() == [1, 2, 4]
+    store.own("run-other")  # a run resuming run-other's checkpoint prunes them in turn
+    save(store, 5, data, [64])
+    assert store.complete_steps() == [2, 5]
+
+
 def test_keep_last_prunes_oldest_and_stale_partials(tmp_path: Path) -> None:
     store = CheckpointDir(tmp_path, keep_last=3)
     data = random_data(640, 0)

@@ -514,3 +514,32 @@ def test_a_wildcard_bind_needs_its_opt_in() -> None:
     config = load_config(None, ["state_server.bind_host=0.0.0.0", "state_server.allow_wildcard_bind=true"])
     assert config.state_server.bind_host == "0.0.0.0"
     assert load_config(None, ["run_id=run-2026.12_03"]).run_id == "run-2026.12_03"
+
+
+@pytest.mark.parametrize(
+    ("first", "inner", "keys"),
+    [
+        ("checkpoint.dir", "export_dir", ("checkpoint.dir", "export_dir")),
+        ("export_dir", "checkpoint.dir", ("checkpoint.dir", "export_dir")),
+        ("checkpoint.dir", "state_server.tier.nvme_paths", ("checkpoint.dir", "state_server.tier.nvme_paths[0]")),
+        ("state_server.tier.nvme_paths", "export_dir", ("export_dir", "state_server.tier.nvme_paths[0]")),
+        ("export_dir", "state_server.tier.nvme_paths", ("export_dir", "state_server.tier.nvme_paths[0]")),
+    ],
+)
+def test_overlapping_output_folders_exit_2_before_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_training: None, first: str, inner: str, keys: tuple
+) -> None:
+    """Issue 27 row E: an export inside checkpoint.dir was deleted by pruning; a folder
+    of the run inside another (or the same one) is refused, naming both keys."""
+    outer = tmp_path / "out"
+
+    def value(key: str, path: Path) -> str:
+        return f"{key}=[{path}]" if key.endswith("nvme_paths") else f"{key}={path}"
+
+    assert cli.main(["train", "--set", value(first, outer), "--set", value(inner, outer / "inside")]) == 2
+    err = capsys.readouterr().err
+    assert all(key in err for key in keys) and "overlap" in err, err
+    assert not outer.exists()  # refused before anything was created
+    with pytest.raises(ConfigError, match="overlap"):
+        load_config(None, [value(first, outer), value(inner, outer)])  # the same folder twice too
+    load_config(None, [value(first, outer / "a"), value(inner, outer / "b")])  # siblings are fine

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cargohold.services.checkpoint import Manifest
-from cargohold.services.checkpoint.manifest import LAYOUT_KIND
+from cargohold.services.checkpoint.manifest import LAYOUT_KIND, FileRecord, SegmentRecord
 from cargohold.services.errors import CheckpointError, LayoutError
 from cargohold.services.layout import Layout, build_layout, scatter_params
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
@@ -24,6 +24,7 @@ SHAPES = [("wte", (37, 8)), ("ln_f", (8,)), ("blocks.0.w", (13, 8)), ("blocks.0.
 
 
 def _manifest(layout: Layout) -> Manifest:
+    """A manifest of a checkpoint ``layout`` saved: a shard record (and a file) per segment."""
     return Manifest(
         step=1,
         updates=1,
@@ -32,8 +33,8 @@ def _manifest(layout: Layout) -> Manifest:
         model_signature=tuple((p.name, p.shape) for p in layout.params),
         layout=layout_record(layout),
         total=layout.total,
-        shards=(),
-        files=(),
+        shards=tuple(SegmentRecord(s.segment_id, s.start, s.stop, 1, f"s{s.segment_id}") for s in layout.segments),
+        files=tuple(FileRecord(f"s{s.segment_id}", 0, 0) for s in layout.segments),
     )
 
 
@@ -199,3 +200,37 @@ def test_a_manifest_without_a_usable_layout_is_refused(change: dict, message: st
     changed = dataclasses.replace(manifest, layout=dataclasses.replace(manifest.layout, **change))
     with pytest.raises(CheckpointError, match=rf"m\.json: {message}"):
         saved_layout(changed, "m.json")
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"num_workers": 10**7}, "layout.num_workers"),
+        ({"num_servers": 10**7}, "layout.num_servers"),
+        (
+            {"group_sizes": [0] * 10**5 + [len(SHAPES)], "group_names": ["g"] * (10**5 + 1), "num_workers": 10**5},
+            "layout.num_workers",
+        ),
+    ],
+)
+def test_layout_values_the_payload_cannot_hold_are_refused_at_once(change: dict, field: str) -> None:
+    """Issue 27 row F: a manifest with layout.num_workers = 10**7 passed validation and the
+    resume then built the saved layout for minutes, growing to 2.9 GiB. Values beyond what
+    the payload holds are refused before anything is built, naming the field and file."""
+    body = json.loads(_manifest(build_layout(SHAPES, num_workers=3, num_servers=2, align=1)).to_json())
+    body["layout"].update(change)
+    manifest = Manifest.from_json(json.dumps(body), source="m.json")  # well-typed: passes on load
+    with pytest.raises(CheckpointError, match=rf"m\.json: {field} .*the manifest is inconsistent"):
+        saved_layout(manifest, "m.json")
+
+
+def test_a_layout_consistent_with_a_huge_total_is_refused_by_its_shards() -> None:
+    """10**7 workers whose padded sizes do add up to the manifest's total: the shard
+    records (one per segment the saving layout had) bound them."""
+    layout = build_layout([("w", (10**7, 1))], num_workers=1, num_servers=1, align=1)
+    body = json.loads(_manifest(layout).to_json())
+    body["layout"]["num_workers"] = 10**7
+    manifest = Manifest.from_json(json.dumps(body), source="m.json")
+    with pytest.raises(CheckpointError, match=r"m\.json: layout\.num_workers is 10000000.* 1 records"):
+        saved_layout(manifest, "m.json")

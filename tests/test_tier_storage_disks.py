@@ -35,7 +35,7 @@ from cargohold.cluster.config import StateServerConfig, TierConfig
 from cargohold.services.errors import TierError, TierSpaceError
 from cargohold.services.segment_state import SegmentRegistry
 from cargohold.services.state_server import StateServer
-from cargohold.services.tiers.nvme import check_free_space
+from cargohold.services.tiers.nvme import check_free_space, remove_server_folders
 from cargohold.services.tiers.source import tensor_source
 
 pytestmark = pytest.mark.timeout(60)
@@ -92,6 +92,26 @@ def test_two_live_servers_cannot_share_a_tier_folder(tmp_path: Path) -> None:
     with open_storage(tier_config(tmp_path)) as again:
         SegmentRegistry(again).register(shard_spec(), seeded_randn(2))
     assert not list(tmp_path.rglob("*.bin")) and not list(tmp_path.rglob(".lock"))
+
+
+def test_the_sweep_leaves_a_folder_a_live_server_holds(tmp_path: Path) -> None:
+    """Issue 27 row A: a second run with the live run's run id and tier path is refused,
+    and its teardown sweep (the launcher's, for servers it could not stop) used to delete
+    the live run's folder, which then died with DATA_LOSS. The sweep takes the folder's
+    lock first: a live holder keeps its files; a dead one's folder is removed."""
+    config = tier_config(tmp_path)
+    with open_storage(config) as live:
+        SegmentRegistry(live).register(shard_spec(), seeded_randn(0))
+        files = sorted(tmp_path.rglob("*.bin"))
+        assert files
+        remove_server_folders(config.nvme_paths, "run-t", 0, grace_s=0.3)
+        assert sorted(tmp_path.rglob("*.bin")) == files
+        folder = files[0].parent
+        kept = shutil.copytree(folder, tmp_path.parent / f"{tmp_path.name}-kept")
+    shutil.copytree(kept, folder)  # as a killed server leaves its folder: nobody holds the lock
+    shutil.rmtree(kept)
+    remove_server_folders(config.nvme_paths, "run-t", 0, grace_s=0.3)
+    assert not folder.exists() and not folder.parent.exists()
 
 
 def test_run_ids_that_cannot_name_a_directory_are_refused(tmp_path: Path) -> None:

@@ -5,8 +5,12 @@ A directory named ``step-<step>`` exists only once all its files and its manifes
 durable. A crash at any point leaves earlier checkpoints as they were and, at worst, a
 ``.partial`` directory that is never read and is removed by the next commit. Directories
 that are being deleted or replaced are first renamed out of the ``step-<step>`` namespace
-for the same reason. One writer per root at a time (the launcher); readers may run
-concurrently with it.
+for the same reason. One writer per root at a time (the launcher claims the root for its
+run's life, :mod:`cargohold.cluster.claims`); readers may run concurrently with it.
+
+Runs may follow one another in a root: a store given ``owners`` (the run ids of the run
+writing, and of the run it resumed) prunes only their checkpoints, and leaves every other
+run's (a complete checkpoint of the same step is still replaced by a commit).
 """
 
 from __future__ import annotations
@@ -35,13 +39,32 @@ class CheckpointDir:
     """The checkpoints under one root: build, commit, prune, find.
 
     ``keep_last`` complete checkpoints are kept; the one just committed always is.
+    ``owners``: run ids whose checkpoints this store may prune (by their
+    manifests' ``run_id``); None: every checkpoint under the root. The writer adds each
+    run id it commits under (:meth:`own`).
     """
 
-    def __init__(self, root: Path, *, keep_last: int = 3) -> None:
+    def __init__(self, root: Path, *, keep_last: int = 3, owners: set[str] | None = None) -> None:
         if not is_int(keep_last) or keep_last < 1:
             raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
         self.root = Path(root)
         self.keep_last = keep_last
+        self.owners = owners
+
+    def own(self, run_id: str) -> None:
+        """Count ``run_id``'s checkpoints as this store's writer's (a no-op without owners)."""
+        if self.owners is not None:
+            self.owners.add(run_id)
+
+    def owns(self, path: Path) -> bool:
+        """Whether this store may remove the complete checkpoint at ``path``: no owners
+        were given, or its manifest names one of them (an unreadable one is nobody's)."""
+        if self.owners is None:
+            return True
+        try:
+            return self.load(path).run_id in self.owners
+        except CheckpointError:
+            return False
 
     def final_dir(self, step: int) -> Path:
         return self.root / f"step-{step:010d}"
@@ -189,7 +212,7 @@ class CheckpointDir:
         """Keep ``committed`` and the newest ``keep_last - 1`` others; drop partials of
         older steps and leftovers of interrupted removals. Failures only warn: the
         checkpoint is committed."""
-        others = [s for s in self.complete_steps() if s != committed]
+        others = [s for s in self.complete_steps() if s != committed and self.owns(self.final_dir(s))]
         doomed = [self.final_dir(s) for s in others[: max(0, len(others) - (self.keep_last - 1))]]
         try:
             names = os.listdir(self.root)

@@ -136,25 +136,65 @@ def _buffer_of(staged: Staged) -> AlignedBuffer:
     return staged.handle
 
 
-def remove_server_folders(roots: Sequence[str], run_id: str, server_index: int) -> None:
-    """Delete a state server's partition folders of ``run_id`` under each root, and the
-    run's folder where no other server's files are left in it. The server does this when
-    it stops; the launcher, for a server that was killed."""
+SWEEP_GRACE_S = 10.0
+"""How long the sweep waits for a killed server's process to end (and so release its
+folder's lock) before it takes the folder for another live run's."""
+
+
+def remove_server_folders(
+    roots: Sequence[str], run_id: str, server_index: int, *, grace_s: float = SWEEP_GRACE_S
+) -> None:
+    """The launcher's sweep after a state server of ``run_id`` was killed: delete that
+    server's partition folder under each root, but only once it can take the folder's lock
+    (:data:`LOCK_NAME`), waiting up to ``grace_s`` for a killed server to be gone. A folder
+    a live server holds past that (another run started with the same run id and tier
+    path) is not this run's to delete: it is left, with a warning."""
     for root in roots:
-        shutil.rmtree(os.path.join(root, run_id, f"server-{server_index}"), ignore_errors=True)
+        directory = os.path.join(root, run_id, f"server-{server_index}")
+        fd = _take_for_sweep(directory, grace_s)
+        if fd is None:
+            continue
         try:
-            os.rmdir(os.path.join(root, run_id))
-        except OSError:
-            pass  # another server's files are still there, or it was never made
+            _remove_folder(directory)
+        finally:
+            os.close(fd)
+
+
+def _take_for_sweep(directory: str, grace_s: float) -> int | None:
+    """The descriptor holding ``directory``'s lock, or None: no such folder, or a live
+    server still holds it after ``grace_s``."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            return _lock_folder(directory)
+        except FileNotFoundError:
+            return None  # never made, or already removed
+        except TierError:
+            if time.monotonic() >= deadline:
+                logger.warning("not removing %s: a live state server holds it (another run, same run id)", directory)
+                return None
+            time.sleep(0.1)
+
+
+def _remove_folder(directory: str) -> None:
+    """Delete a server's partition folder, and its run's folder where no other server's
+    files are left in it. The caller holds the folder's lock."""
+    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        os.rmdir(os.path.dirname(directory))
+    except OSError:
+        pass  # another server's files are still there
 
 
 LOCK_NAME = ".lock"
-"""In each of a server's tier folders: held (flock) while the server uses the folder."""
+"""In each of a server's tier folders: held (flock) while the server uses the folder, and
+by the launcher's sweep while it removes one."""
 
 
 def _lock_folder(directory: str) -> int:
     """Take the folder for this process: another live state server using it (two runs
-    with one run id, or two servers with one index) is refused, a dead one's lock is gone."""
+    with one run id, or two servers with one index) is refused, a dead one's lock is gone.
+    FileNotFoundError where ``directory`` does not exist."""
     fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -238,9 +278,11 @@ class NvmeTier:
         with self._lock:
             runs, self._runs = dict(self._runs), {}
         for run_id, locks in runs.items():
-            remove_server_folders([path.root for path in self.paths], run_id, self.server_index)
-            for fd in locks:  # only once the folders it guarded are gone
-                os.close(fd)
+            for index, fd in enumerate(locks):
+                try:
+                    _remove_folder(self.directory(run_id, index))
+                finally:
+                    os.close(fd)  # only once the folder it guarded is gone
 
     # --- Tier ----------------------------------------------------------------------
     def stage(self, partition: Partition, *, block: bool) -> Staged | None:
