@@ -4,7 +4,7 @@ checkpoints, validation and the progress line, as ``cargohold train`` has them. 
 residual MLP learns a noisy function from a map-style dataset; on CPU it runs in seconds.
 
     python examples/own_model.py                                # 2 workers, 2 state servers
-    python examples/own_model.py --steps 40 --checkpoint-dir runs/own --export runs/own/model
+    python examples/own_model.py --steps 40 --checkpoint-dir runs/own/checkpoints --export runs/own/model
 """
 
 from __future__ import annotations

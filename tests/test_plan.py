@@ -301,8 +301,10 @@ def test_checkpoints_are_planned_per_tier(tmp_path: Path) -> None:
     plus headers and padding, of server RAM) and writes all of it; with the NVMe tier it
     writes only the RAM-resident partitions and hard-links the rest, copying nothing in
     RAM."""
-    ram = plan_run(tiny_config(checkpoint__dir=str(tmp_path), checkpoint__keep_last=2))
-    tiered = plan_run(tiny_config(checkpoint__dir=str(tmp_path), state_server__tier=nvme_tier(tmp_path)))
+    ram = plan_run(tiny_config(checkpoint__dir=str(tmp_path / "checkpoints"), checkpoint__keep_last=2))
+    tiered = plan_run(
+        tiny_config(checkpoint__dir=str(tmp_path / "checkpoints"), state_server__tier=nvme_tier(tmp_path))
+    )
     off = plan_run(tiny_config())
     server = ram.servers[0]
     assert server.checkpoint_snapshot_bytes == server.checkpoint_bytes  # the copy is laid out like the files

@@ -234,5 +234,5 @@ def test_the_trainer_example_of_the_docs_runs_as_written(tmp_path: Path, capsys:
     result = namespace["result"]
     assert len(result.losses) == 20 and result.evals[-1].loss < result.evals[0].loss < result.losses[0], result.evals
     assert [e.step for e in result.evals] == [10, 20]
-    assert capsys.readouterr().out.count(f"{tmp_path}/own/step-") == 2  # on_checkpoint=print
+    assert capsys.readouterr().out.count(f"{tmp_path}/own/checkpoints/step-") == 2  # on_checkpoint=print
     assert (tmp_path / "own" / "model" / "model.safetensors").is_file()

@@ -29,7 +29,7 @@ import torch
 from cargohold.services.errors import TierError, TierSpaceError
 from cargohold.services.tiers.fileformat import FileLayout, corrupt_error, crc32c, gradient_file_bytes
 from cargohold.services.tiers.io_pool import AlignedBuffer, BufferPool, IoPool
-from cargohold.services.tiers.nvme import NvmeTier, read_file_into, write_file
+from cargohold.services.tiers.nvme import NvmeTier
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.tier import NullObserver, Partition, Staged, TierObserver
 
@@ -120,7 +120,6 @@ class StagedGradients:
         data.copy_(piece.contiguous().view(torch.uint8))
         buffer.tensor[data.numel() : nbytes].zero_()
         path = gradient_file_of(part)
-        tier_path = nvme.paths[part.path_index]
         with self._lock:  # an earlier version of this piece in RAM is superseded
             self._pieces.pop(part.key, None)
             self._ram.pop(part.key, None)
@@ -130,7 +129,7 @@ class StagedGradients:
                 crc = crc32c(buffer.view[:nbytes])
                 started = time.perf_counter()
                 try:
-                    write_file(path, buffer.view[:nbytes], tier_path.direct)
+                    nvme.write_whole(part.path_index, path, buffer.view[:nbytes])
                 except OSError as error:
                     kind = TierSpaceError if error.errno in (errno.ENOSPC, errno.EDQUOT) else TierError
                     raise kind(f"writing the staged gradient {path} ({part.key}) failed: {error.strerror}") from error
@@ -180,10 +179,9 @@ class StagedGradients:
         assert self._nvme is not None
         path = gradient_file_of(part)
         nbytes = gradient_file_bytes(piece.numel, piece.dtype.itemsize)
-        tier_path = self._nvme.paths[part.path_index]
         started = time.perf_counter()
         try:
-            got = read_file_into(path, view[:nbytes], tier_path.direct)
+            got = self._nvme.read_into(part.path_index, path, view[:nbytes])
         except FileNotFoundError as error:
             raise corrupt_error(path, part.key, "the staged gradient file is missing") from error
         except OSError as error:

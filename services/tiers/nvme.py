@@ -390,13 +390,7 @@ class NvmeTier:
         started = time.perf_counter()
         try:
             check_size(os.stat(path).st_size, path=path, key=partition.key, numel=partition.span.numel)
-            try:
-                got = read_file_into(path, buffer.view[:nbytes], tier_path.direct)
-            except OSError as error:
-                if not (tier_path.direct and error.errno == errno.EINVAL):
-                    raise
-                self._fall_back(tier_path, error)
-                got = read_file_into(path, buffer.view[:nbytes], False)
+            got = self.read_into(partition.path_index, path, buffer.view[:nbytes])
         except FileNotFoundError as error:
             raise corrupt_error(path, partition.key, "the file is missing") from error
         except OSError as error:
@@ -413,6 +407,30 @@ class NvmeTier:
         tier_path.read_bytes += nbytes
         tier_path.read_seconds += seconds
         self._observer.record_tier_io("read", nbytes, seconds)
+
+    def read_into(self, path_index: int, path: str, view: memoryview) -> int:
+        """Read ``path`` (on configured path ``path_index``) into ``view``; where O_DIRECT is
+        refused at run time, from then on buffered. Returns the bytes read."""
+        tier_path = self.paths[path_index]
+        try:
+            return read_file_into(path, view, tier_path.direct)
+        except OSError as error:
+            if not (tier_path.direct and error.errno == errno.EINVAL):
+                raise
+            self._fall_back(tier_path, error)
+            return read_file_into(path, view, False)
+
+    def write_whole(self, path_index: int, path: str, view: memoryview) -> None:
+        """Write ``view`` as the whole of ``path`` (no rename: scratch files), falling back
+        to buffered I/O as :meth:`read_into` does."""
+        tier_path = self.paths[path_index]
+        try:
+            write_file(path, view, tier_path.direct)
+        except OSError as error:
+            if not (tier_path.direct and error.errno == errno.EINVAL):
+                raise
+            self._fall_back(tier_path, error)
+            write_file(path, view, False)
 
     @staticmethod
     def _fall_back(tier_path: TierPath, error: OSError) -> None:
