@@ -133,10 +133,15 @@ class MetricsHTTPServer(WSGIServer):
             self._slots.release()
 
     def close(self) -> None:
-        """Stop :meth:`serve_forever` (from another thread), wait for the connections
-        being served (each ends within the timeout) and release the port."""
+        """Stop :meth:`serve_forever` (from another thread), end the connections being
+        served (a peer in the middle of a request would otherwise hold the close for its
+        whole timeout) and release the port."""
         self._closing.set()
         self.shutdown()
+        with self._lock:
+            served = list(self._served.values())
+        for connection in served:
+            _shut(connection.sock)
         self._pool.shutdown(wait=True)
         self.server_close()
 

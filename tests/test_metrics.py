@@ -270,6 +270,23 @@ def test_stop_frees_the_port_and_is_idempotent() -> None:
         second.stop()
 
 
+def test_stop_ends_a_connection_in_the_middle_of_its_request() -> None:
+    """A peer that sent half a request does not hold stop() for its timeout (60 s here):
+    the connections being served are ended when the endpoint stops."""
+    metrics = StateServerMetrics("s")
+    metrics.start(timeout_s=60.0)
+    host, port = metrics.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=_HTTP_TIMEOUT_S) as peer:
+        peer.sendall(b"GET /met")
+        deadline = time.monotonic() + 10
+        while not metrics._server._served and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.01)  # until a thread serves it
+        stopping = threading.Thread(target=metrics.stop)
+        stopping.start()
+        stopping.join(timeout=30)
+        assert not stopping.is_alive(), "stop() waited for the half-sent request's timeout"
+
+
 def test_idle_connections_are_closed_and_hold_no_more_threads_than_the_pool() -> None:
     """Before: a thread per connection (prometheus_client's server), each held for as long
     as its peer kept the connection open and sent nothing."""
