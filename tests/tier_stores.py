@@ -25,10 +25,11 @@ PER_PARTITION = 1344
 NUMEL = 10 * PER_PARTITION + 320  # 11 partitions, the last one short
 FRAGMENTS = ((0, 5000), (5056, 6000), (11072, 2688))  # cut at multiples of 64; padding between
 GRADIENT_BYTES = gradient_file_bytes(PER_PARTITION, 4)  # a partition's staged fp32 gradient
-BUFFER_BYTES = FileLayout(PER_PARTITION).file_bytes + GRADIENT_BYTES  # a staging buffer and its gradient's
-RESIDENT_BYTES = FileLayout(PER_PARTITION).file_bytes + GRADIENT_BYTES  # a resident partition and its gradient
+BUFFER_BYTES = FileLayout(PER_PARTITION).file_bytes + GRADIENT_BYTES
+"""A partition in its file layout with its staged fp32 gradient: what a staging buffer and
+what a resident partition each cost the budget."""
 BUFFERS = 3
-BUDGET = BUFFERS * BUFFER_BYTES + 2 * RESIDENT_BYTES  # staging plus two resident partitions
+BUDGET = BUFFERS * BUFFER_BYTES + 2 * BUFFER_BYTES  # staging plus two resident partitions
 LR = 1e-2
 NORM = 2.0  # > max_grad_norm: clipping is active
 
