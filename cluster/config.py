@@ -122,6 +122,17 @@ class WorkerConfig:
     each block to the device only for its forward and backward (ZeRO-Infinity's
     offload_param): device memory then holds the blocks in flight and the activations.
     On CPU workers the device is host memory already: nothing moves (the path still runs)."""
+    weights_nvme_path: str | None = None
+    """A folder on NVMe for the weights (ZeRO-Infinity's offload_param: nvme): each block's
+    chunks live in a file under `<path>/<run_id>/worker-<rank>/` and are read into host
+    memory just ahead of the block's forward and again ahead of its backward, and written
+    after its update; host memory holds `weight_window` blocks and the root at a time.
+    null keeps every chunk in host (or device) memory. On GPU workers it implies
+    offload_params."""
+    weight_window: int = 3
+    """With weights_nvme_path: blocks whose chunks may be in host memory at once (the one in
+    use and those read ahead); at least 2, since backward gathers the next block while one
+    computes."""
     activation_checkpointing: Literal["off", "blocks"] = "off"
     """blocks: keep only each transformer block's input in forward and recompute the rest
     in backward (torch's activation checkpointing), trading compute for memory."""
@@ -155,6 +166,10 @@ class WorkerConfig:
         _positive("worker.num_workers", self.num_workers)
         _positive("worker.torch_threads", self.torch_threads)
         _positive("worker.exchange_slots", self.exchange_slots)
+        if self.weight_window < 2:
+            raise ConfigError(f"worker.weight_window must be an integer >= 2, got {self.weight_window}")
+        if self.weights_nvme_path == "":
+            raise ConfigError("worker.weights_nvme_path must name a folder or be null, got an empty string")
         _non_negative("worker.delayed_update_after_steps", self.delayed_update_after_steps)
         _non_negative("worker.cpus", self.cpus)
         _non_negative("worker.gpus", self.gpus)

@@ -33,7 +33,7 @@ from cargohold.services.state_port import segment_spec
 from cargohold.services.state_server import StateServer
 from cargohold.services.step import EvalReport, StepReport
 from cargohold.services.task import ConfigTask, TrainingTask
-from cargohold.services.tiers.nvme import remove_server_folders
+from cargohold.services.tiers.nvme import remove_tier_folders
 from cargohold.services.transport.auth import tls_files
 from cargohold.services.worker import TrainingWorker
 
@@ -346,24 +346,29 @@ class TrainingSession:
         return ray.get(self.workers[0].resident_bytes.remote())
 
     def _sweep_tier_folders(self, placement: PlacementGroup, servers: int) -> None:
-        """What a killed state server could not delete: its NVMe tier folder of this run,
-        removed on its own node (each server's placement bundle) after the actors stop."""
-        roots = list(self.config.state_server.tier.nvme_paths)
-        if not roots:
-            return
-        sweep = ray.remote(num_cpus=0)(remove_server_folders)
+        """What a killed actor could not delete: a state server's NVMe tier folder of this
+        run, a worker's weight files, each removed on its own node (the actor's placement
+        bundle) after the actors stop."""
+        config = self.config
+        server_roots = list(config.state_server.tier.nvme_paths)
+        weight_roots = [config.worker.weights_nvme_path] if config.worker.weights_nvme_path else []
+        folders = [(index, server_roots, f"server-{index}") for index in range(servers)] + [
+            (servers + rank, weight_roots, f"worker-{rank}") for rank in range(config.worker.num_workers)
+        ]
+        sweep = ray.remote(num_cpus=0)(remove_tier_folders)
         refs = [
             sweep.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=placement, placement_group_bundle_index=index
+                    placement_group=placement, placement_group_bundle_index=bundle
                 )
-            ).remote(roots, self.run_id, index)
-            for index in range(servers)
+            ).remote(roots, self.run_id, folder)
+            for bundle, roots, folder in folders
+            if roots
         ]
         try:
             ray.get(refs, timeout=60)
         except Exception as error:  # teardown must go on
-            logger.warning("could not remove the state servers' tier folders of run %s: %s", self.run_id, error)
+            logger.warning("could not remove the tier folders of run %s: %s", self.run_id, error)
 
     def close(self) -> None:
         """Stop actors and release the placement group; shut Ray down if we started it."""

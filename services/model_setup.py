@@ -18,6 +18,8 @@ from cargohold.services.sharding import Unit, check_unit_order, layout_for_units
 from cargohold.services.state_port import ExchangeBuffers
 from cargohold.services.step import StepPolicy
 from cargohold.services.task import ConfigTask, TrainingTask
+from cargohold.services.weight_files import WeightFiles
+from cargohold.services.weight_window import WeightWindow
 from cargohold.services.wire import WIRE_DTYPES
 
 
@@ -52,7 +54,8 @@ def sharded_model(
     task = task or ConfigTask(config)
     model, units, layout = model_layout(config, task)
     worker = config.worker
-    if worker.offload_params and device.type == "cuda":
+    offload = params_in_host_memory(config)
+    if offload and device.type == "cuda":
         _check_pinned_memory()
     model.to(WIRE_DTYPES[worker.compute_dtype])  # FSDP2 keeps the shards in the dtype it finds
     if worker.activation_checkpointing == "blocks":
@@ -62,13 +65,43 @@ def sharded_model(
         compute_dtype=WIRE_DTYPES[worker.compute_dtype],
         reduce_dtype=WIRE_DTYPES[worker.grad_wire_dtype],
         reshard_after_forward=worker.reshard_after_forward,
-        offload=worker.offload_params,
+        offload=offload,
         pin_memory=device.type == "cuda",
     )
-    model.to_empty(device="cpu" if worker.offload_params else device)
+    model.to_empty(device="cpu" if offload else device)
     _set_buffers(task, model)
     check_unit_order(model, units)
     return model.train(), units, layout
+
+
+def params_in_host_memory(config: TrainConfig) -> bool:
+    """The chunks live in host memory (FSDP2's CPU offload): asked for, or implied by
+    weights on NVMe, which are read into host memory."""
+    return config.worker.offload_params or config.worker.weights_nvme_path is not None
+
+
+def weight_window(
+    config: TrainConfig, model: nn.Module, units: list[Unit], layout: Layout, *, rank: int, run_id: str
+) -> WeightWindow | None:
+    """With ``worker.weights_nvme_path``, the window the blocks' weights come into memory
+    through (hooks on the sharded ``model``); None keeps every chunk in memory."""
+    worker = config.worker
+    if worker.weights_nvme_path is None:
+        return None
+    itemsize = WIRE_DTYPES[worker.compute_dtype].itemsize
+    sizes = [(g.stop - g.start) * itemsize for g in layout.groups[1:]]
+    files = WeightFiles(
+        worker.weights_nvme_path, run_id, rank, largest_bytes=max(sizes, default=0), total_bytes=sum(sizes)
+    )
+    return WeightWindow(
+        model,
+        units,
+        layout,
+        rank,
+        files,
+        window=worker.weight_window,
+        backward_gathers=worker.reshard_after_forward,
+    )
 
 
 def _check_pinned_memory() -> None:

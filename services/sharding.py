@@ -116,13 +116,19 @@ def copy_range_into_params(
             targets[index].copy_(source[at : at + numel], non_blocking=True)
 
 
-def params_to_range(layout: Layout, worker: int, sources: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """The local shards ``sources`` laid into a worker-range tensor ``out`` (padding zero)."""
-    out.zero_()
-    for slot, source in zip(layout.params, sources):
+def params_to_range(
+    layout: Layout, worker: int, sources: Sequence[torch.Tensor], out: torch.Tensor, group: int | None = None
+) -> torch.Tensor:
+    """The local shards ``sources`` (layout order) laid into a worker-range tensor ``out``
+    (padding zero); only ``group``'s parameters when given (the rest of ``out`` untouched)."""
+    slots = layout.params if group is None else layout.group_params(group)
+    first = 0 if group is None else layout.groups[group].first_param
+    if group is None:
+        out.zero_()
+    for index, slot in enumerate(slots, start=first):
         numel = slot.local_numel(worker)
         if numel:
-            out[slot.offset : slot.offset + numel].copy_(source)
+            out[slot.offset : slot.offset + numel].copy_(sources[index])
     return out
 
 

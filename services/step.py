@@ -58,6 +58,7 @@ from cargohold.services.layout import Layout, ParamSlot, Segment
 from cargohold.services.optim import global_norm_from_squares, sum_of_squares
 from cargohold.services.sharding import Unit, copy_range_into_params, local_tensors, params_to_range
 from cargohold.services.state_port import ExchangeBuffers, ExchangeSlot, StatePort
+from cargohold.services.weight_window import WeightWindow
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +141,10 @@ class ShardedStep:
         *,
         device: torch.device,
         loss: BatchLoss = model_loss,
+        window: WeightWindow | None = None,
     ) -> None:
-        """``loss``: the scalar loss of one micro-batch (the model's own by default)."""
+        """``loss``: the scalar loss of one micro-batch (the model's own by default);
+        ``window``: the blocks' weights live in files on NVMe and come into memory through it."""
         if policy.delayed_after is not None and buffers.held is None:
             raise TrainingError("the delayed update needs exchange buffers with the held weights of the whole range")
         self.model = model
@@ -153,6 +156,7 @@ class ShardedStep:
         self.policy = policy
         self.device = device
         self.loss = loss
+        self.window = window
         self.world_size = layout.num_workers
         self.updates = 0
         """Updates the servers applied; set by :meth:`register`."""
@@ -201,7 +205,10 @@ class ShardedStep:
                     chunk = value.reshape(slot.rows, -1)[lo:hi].reshape(-1)
                     at = slot.offset - group.start
                     initial[at : at + chunk.numel()] = chunk
-                    targets[index].copy_(chunk)
+                    if not self._on_disk(group.index):
+                        targets[index].copy_(chunk)
+            if self.window is not None and self._on_disk(group.index):
+                self.window.write(group.index, initial.to(targets[0].dtype))
             for segment in self._by_group.get(group.index, []):
                 at = segment.local_offset - group.start
                 updates.add(self.port.register(segment, initial[at : at + segment.numel]))
@@ -248,6 +255,8 @@ class ShardedStep:
             self._micro = (micro, count)
             if dropout_seeds is not None:
                 torch.manual_seed(dropout_seeds[micro])  # CPU and every GPU
+            if self.window is not None:
+                self.window.begin(backward=True)
             loss = self._loss_of(batch, step)
             scale = batch.weight / count
             if scale != 1.0:  # 1.0 leaves the graph (and every bit) as it was
@@ -315,6 +324,8 @@ class ShardedStep:
         try:
             with torch.no_grad():
                 for batch in batches:
+                    if self.window is not None:
+                        self.window.begin(backward=False)
                     loss = self._loss_of(batch, None)
                     scale = batch.weight / count
                     if scale != 1.0:
@@ -352,6 +363,8 @@ class ShardedStep:
                     f"unit {self.units[group].name or '<root>'!r}: FSDP2 reduced {reduced.numel()} "
                     f"gradient elements, the layout expects {expected}"
                 )
+            if self.window is not None:
+                self.window.release_backward(group)
             micro, count = self._micro
             if micro < count - 1:
                 assert self._accumulator is not None
@@ -444,15 +457,26 @@ class ShardedStep:
 
     # --- weights ------------------------------------------------------------------
     def _adopt(self, source: torch.Tensor, group: int | None = None) -> None:
-        """Copy fetched weights into FSDP2's local shards: unit ``group``'s from a slot,
-        or the whole range from the held buffer."""
+        """Put fetched weights where the next step reads them: unit ``group``'s from a
+        slot, or the whole range from the held buffer. A unit's chunks in memory are
+        copied into; a block whose weights live on NVMe has its file written."""
         start = 0 if group is None else self.layout.groups[group].start
-        with torch.no_grad(), torch.cuda.stream(self._copy_stream):
-            copy_range_into_params(
-                self.layout, self.rank, source, local_tensors(self.model, self.layout), group=group, source_start=start
-            )
+        groups = range(len(self.layout.groups)) if group is None else [group]
+        with torch.no_grad():
+            targets = local_tensors(self.model, self.layout)
+        for index in groups:
+            if self.window is not None and self._on_disk(index):
+                g = self.layout.groups[index]
+                self.window.write(index, source[g.start - start : g.stop - start])
+                continue
+            with torch.no_grad(), torch.cuda.stream(self._copy_stream):
+                copy_range_into_params(self.layout, self.rank, source, targets, group=index, source_start=start)
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
+
+    def _on_disk(self, group: int) -> bool:
+        """Whether unit ``group``'s weights live in a file (every block with a weight window)."""
+        return self.window is not None and group > 0
 
     def _adopt_pending(self) -> int:
         """Wait for a delayed update's weights, if one is in flight, and adopt them."""
@@ -474,13 +498,20 @@ class ShardedStep:
     def newest_weights(self) -> torch.Tensor:
         """This worker's range of the newest weights (a delayed update adopted first)."""
         self._adopt_pending()
-        out = torch.empty(self.layout.worker_size, dtype=self.buffers.slots[0].weights.dtype)
+        out = torch.zeros(self.layout.worker_size, dtype=self.buffers.slots[0].weights.dtype)
         with torch.no_grad():
             sources = [t.to("cpu") for t in local_tensors(self.model, self.layout)]
-        return params_to_range(self.layout, self.rank, sources, out)
+            for group in self.layout.groups:
+                if self.window is not None and self._on_disk(group.index):
+                    self.window.read(group.index, out[group.start : group.stop])
+                else:
+                    params_to_range(self.layout, self.rank, sources, out, group=group.index)
+        return out
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self.window is not None:
+            self.window.close()
 
 
 def _gaps(slots: Iterable[ParamSlot], start: int, stop: int) -> list[tuple[int, int]]:

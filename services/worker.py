@@ -22,7 +22,7 @@ from cargohold.services.data.seeds import dropout_seed
 from cargohold.services.errors import ConfigError, TrainingError
 from cargohold.services.layout import Layout
 from cargohold.services.metrics import WorkerMetrics
-from cargohold.services.model_setup import exchange_buffers, resolve_device, sharded_model, step_policy
+from cargohold.services.model_setup import exchange_buffers, resolve_device, sharded_model, step_policy, weight_window
 from cargohold.services.node import node_ip
 from cargohold.services.param_groups import resolve_param_groups
 from cargohold.services.sharding import local_tensors
@@ -130,6 +130,7 @@ class TrainingWorker:
             step_policy(config),
             device=self.device,
             loss=self.task.loss,
+            window=weight_window(config, model, units, layout, rank=self.rank, run_id=self.run_id),
         )
         self._report_resident_bytes()
 
@@ -202,7 +203,12 @@ class TrainingWorker:
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of the buffers this worker holds for training between steps, by kind."""
         step = self._step()
-        weights = sum(t.numel() * t.element_size() for t in local_tensors(step.model, step.layout))
+        tensors = local_tensors(step.model, step.layout)
+        if step.window is not None:  # the root's, and at most the window's blocks and its read buffers
+            tensors = tensors[: len(step.layout.group_params(0))]
+        weights = sum(t.numel() * t.element_size() for t in tensors)
+        if step.window is not None:
+            weights += step.window.host_bytes
         return {"weights": weights, "exchange": step.buffers.nbytes}
 
     def _report_resident_bytes(self) -> None:

@@ -17,12 +17,12 @@ TESTS = Path(__file__).resolve().parent
 
 
 @contextmanager
-def mounted_tmpfs(mount: Path, size: str, *, inodes: int | None = None) -> Iterator[Path]:
+def mounted_tmpfs(mount: Path, size: str, *, inodes: int | None = None, read_only: bool = False) -> Iterator[Path]:
     """A real tmpfs of ``size`` (mount's syntax, e.g. "1024k") and at most ``inodes``
-    files and folders (its root is one) at ``mount``, created here and unmounted after;
-    skips the test where mounting is not allowed."""
+    files and folders (its root is one) at ``mount``, read-only if asked, created here and
+    unmounted after; skips the test where mounting is not allowed."""
     mount.mkdir()
-    options = f"size={size}" + (f",nr_inodes={inodes}" if inodes is not None else "")
+    options = f"size={size}" + (f",nr_inodes={inodes}" if inodes is not None else "") + (",ro" if read_only else "")
     done = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True, text=True, timeout=30
     )

@@ -91,6 +91,8 @@ CONFIG_SURFACE = [
     "worker.grad_wire_dtype",
     "worker.reshard_after_forward",
     "worker.offload_params",
+    "worker.weights_nvme_path",
+    "worker.weight_window",
     "worker.activation_checkpointing",
     "worker.delayed_update",
     "worker.delayed_update_after_steps",

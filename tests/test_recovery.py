@@ -206,6 +206,39 @@ def test_a_killed_actor_is_recovered_from_the_last_checkpoint(
     assert scraped["cargohold_checkpoint_stall_seconds_count"] == scraped["cargohold_checkpoints_total"]
 
 
+def test_weights_on_nvme_with_a_killed_worker_end_where_weights_in_memory_end(
+    uninterrupted, tmp_path, monkeypatch
+) -> None:
+    """Every block's weights in files (the window of 2 blocks), worker 1 SIGKILLed after the
+    checkpoint of step 4: the restarted workers rebuild their files from the servers, the
+    run ends bitwise where the run with the weights in memory ends, and the killed
+    worker's folder is swept."""
+    original_step = TrainingSession.step
+    killed = []
+
+    def step_with_fault(session: TrainingSession):
+        if not killed and session.step_count == 5:
+            killed.append(True)
+            _kill(session.workers[1])
+        return original_step(session)
+
+    monkeypatch.setattr(TrainingSession, "step", step_with_fault)
+    weights = tmp_path / "weights"
+    config = tiny_config(
+        steps=STEPS,
+        state_server__num_servers=2,
+        checkpoint__dir=str(tmp_path / "checkpoints"),
+        checkpoint__every_steps=2,
+        checkpoint__max_failures=1,
+        worker__weights_nvme_path=str(weights),
+        worker__weight_window=2,
+    )
+    result = train(config)
+    assert killed and result.restarts == 1
+    _assert_same(_final_state(tmp_path / "checkpoints"), uninterrupted)
+    assert not any(weights.iterdir()), f"left behind: {sorted(p.name for p in weights.rglob('*'))}"
+
+
 @pytest.mark.parametrize(("victim", "earlier_run"), [("state-server", False), ("state-server", True), ("worker", True)])
 def test_a_failure_before_the_first_checkpoint_lands_is_recovered_leaving_nothing_behind(
     uninterrupted, uninterrupted_root, tmp_path, monkeypatch, victim: str, earlier_run: bool

@@ -35,7 +35,7 @@ from cargohold.cluster.config import StateServerConfig, TierConfig
 from cargohold.services.errors import TierError, TierSpaceError
 from cargohold.services.segment_state import SegmentRegistry
 from cargohold.services.state_server import StateServer
-from cargohold.services.tiers.nvme import check_free_space, remove_server_folders
+from cargohold.services.tiers.nvme import check_free_space, remove_tier_folders
 from cargohold.services.tiers.source import tensor_source
 
 pytestmark = pytest.mark.timeout(60)
@@ -85,7 +85,7 @@ def test_two_live_servers_cannot_share_a_tier_folder(tmp_path: Path) -> None:
         files = sorted(tmp_path.rglob("*.bin"))
         with (
             open_storage(tier_config(tmp_path)) as second,
-            pytest.raises(TierError, match="in use by another state server"),
+            pytest.raises(TierError, match="in use by another live process"),
         ):
             SegmentRegistry(second).register(shard_spec(), seeded_randn(1))
         assert sorted(tmp_path.rglob("*.bin")) == files  # the refused one touched nothing
@@ -104,13 +104,13 @@ def test_the_sweep_leaves_a_folder_a_live_server_holds(tmp_path: Path) -> None:
         SegmentRegistry(live).register(shard_spec(), seeded_randn(0))
         files = sorted(tmp_path.rglob("*.bin"))
         assert files
-        remove_server_folders(config.nvme_paths, "run-t", 0, grace_s=0.3)
+        remove_tier_folders(config.nvme_paths, "run-t", "server-0", grace_s=0.3)
         assert sorted(tmp_path.rglob("*.bin")) == files
         folder = files[0].parent
         kept = shutil.copytree(folder, tmp_path.parent / f"{tmp_path.name}-kept")
     shutil.copytree(kept, folder)  # as a killed server leaves its folder: nobody holds the lock
     shutil.rmtree(kept)
-    remove_server_folders(config.nvme_paths, "run-t", 0, grace_s=0.3)
+    remove_tier_folders(config.nvme_paths, "run-t", "server-0", grace_s=0.3)
     assert not folder.exists() and not folder.parent.exists()
 
 

@@ -129,7 +129,7 @@ class StagedGradients:
                 crc = crc32c(buffer.view[:nbytes])
                 started = time.perf_counter()
                 try:
-                    nvme.write_whole(part.path_index, path, buffer.view[:nbytes])
+                    nvme.paths[part.path_index].write_whole(path, buffer.view[:nbytes])
                 except OSError as error:
                     kind = TierSpaceError if error.errno in (errno.ENOSPC, errno.EDQUOT) else TierError
                     raise kind(f"writing the staged gradient {path} ({part.key}) failed: {error.strerror}") from error
@@ -181,7 +181,7 @@ class StagedGradients:
         nbytes = gradient_file_bytes(piece.numel, piece.dtype.itemsize)
         started = time.perf_counter()
         try:
-            got = self._nvme.read_into(part.path_index, path, view[:nbytes])
+            got = self._nvme.paths[part.path_index].read_into(path, view[:nbytes])
         except FileNotFoundError as error:
             raise corrupt_error(path, part.key, "the staged gradient file is missing") from error
         except OSError as error:

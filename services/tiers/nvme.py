@@ -79,14 +79,45 @@ class TierPath:
         write = self.write_bytes / self.write_seconds if self.write_bytes >= PROBE_BYTES and self.write_seconds else 0.0
         return Bandwidth(read or self.bandwidth.read_bytes_per_s, write or self.bandwidth.write_bytes_per_s)
 
+    def read_into(self, path: str, view: memoryview) -> int:
+        """Read ``path`` (a file under this root) into ``view``; where O_DIRECT is refused
+        at run time, from then on buffered. Returns the bytes read."""
+        try:
+            return read_file_into(path, view, self.direct)
+        except OSError as error:
+            if not self.refused_direct(error):
+                raise
+            return read_file_into(path, view, False)
 
-def probe_path(root: str, direct_io: str, probe_bytes: int = PROBE_BYTES) -> TierPath:
+    def write_whole(self, path: str, view: memoryview) -> None:
+        """Write ``view`` as the whole of ``path`` (no rename: scratch files), falling back
+        to buffered I/O as :meth:`read_into` does."""
+        try:
+            write_file(path, view, self.direct)
+        except OSError as error:
+            if not self.refused_direct(error):
+                raise
+            write_file(path, view, False)
+
+    def refused_direct(self, error: OSError) -> bool:
+        """Whether ``error`` is an O_DIRECT refusal; if so, this path is buffered from now on."""
+        if not (self.direct and error.errno == errno.EINVAL):
+            return False
+        logger.warning("%s refused an O_DIRECT request (%s); using buffered I/O there", self.root, error.strerror)
+        self.direct = False
+        return True
+
+
+def probe_path(
+    root: str, direct_io: str, probe_bytes: int = PROBE_BYTES, *, key: str = "state_server.tier.nvme_paths"
+) -> TierPath:
     """Create ``root`` if needed, check it takes an aligned write and read (O_DIRECT unless
-    ``direct_io`` is "off"), and measure both. Raises TierError naming the path."""
+    ``direct_io`` is "off"), and measure both. Raises TierError naming the path and the
+    config ``key`` that set it."""
     try:
         os.makedirs(root, exist_ok=True)
     except OSError as error:
-        raise TierError(f"state_server.tier.nvme_paths: cannot create {root}: {error.strerror}") from error
+        raise TierError(f"{key}: cannot create {root}: {error.strerror}") from error
     usage = shutil.disk_usage(root)
     if usage.total:  # ramfs and the like report no capacity at all
         probe_bytes = max(BLOCK, min(probe_bytes, usage.free // 4) // BLOCK * BLOCK)  # never fill the disk
@@ -109,16 +140,16 @@ def probe_path(root: str, direct_io: str, probe_bytes: int = PROBE_BYTES) -> Tie
                 if direct and error.errno == errno.EINVAL:
                     if direct_io == "on":
                         raise TierError(
-                            f"state_server.tier.nvme_paths: {root} refuses O_DIRECT ({error.strerror}); "
-                            "set state_server.tier.direct_io to auto or off"
+                            f"{key}: {root} refuses O_DIRECT ({error.strerror}); set "
+                            f"{key.rpartition('.')[0]}.direct_io to auto or off"
                         ) from error
                     logger.info("%s refuses O_DIRECT; using buffered I/O there", root)
                     direct = False
                     continue
                 kind = TierSpaceError if error.errno in _SPACE_ERRNOS else TierError
-                raise kind(f"state_server.tier.nvme_paths: cannot write and read {root}: {error.strerror}") from error
+                raise kind(f"{key}: cannot write and read {root}: {error.strerror}") from error
         if got != probe_bytes:
-            raise TierError(f"state_server.tier.nvme_paths: {root} returned {got} of {probe_bytes} probe bytes")
+            raise TierError(f"{key}: {root} returned {got} of {probe_bytes} probe bytes")
     finally:
         unlink_if_present(probe)
         buffer.close()
@@ -141,21 +172,20 @@ SWEEP_GRACE_S = 10.0
 folder's lock) before it takes the folder for another live run's."""
 
 
-def remove_server_folders(
-    roots: Sequence[str], run_id: str, server_index: int, *, grace_s: float = SWEEP_GRACE_S
-) -> None:
-    """The launcher's sweep after a state server of ``run_id`` was killed: delete that
-    server's partition folder under each root, but only once it can take the folder's lock
-    (:data:`LOCK_NAME`), waiting up to ``grace_s`` for a killed server to be gone. A folder
-    a live server holds past that (another run started with the same run id and tier
-    path) is not this run's to delete: it is left, with a warning."""
+def remove_tier_folders(roots: Sequence[str], run_id: str, folder: str, *, grace_s: float = SWEEP_GRACE_S) -> None:
+    """The launcher's sweep after an actor of ``run_id`` was killed: delete its tier folder
+    (``server-<i>`` for a state server's partitions, ``worker-<r>`` for a worker's weights)
+    under each root, but only once it can take the folder's lock (:data:`LOCK_NAME`),
+    waiting up to ``grace_s`` for a killed actor to be gone. A folder a live actor holds
+    past that (another run started with the same run id and tier path) is not this run's
+    to delete: it is left, with a warning."""
     for root in roots:
-        directory = os.path.join(root, run_id, f"server-{server_index}")
+        directory = os.path.join(root, run_id, folder)
         fd = _take_for_sweep(directory, grace_s)
         if fd is None:
             continue
         try:
-            _remove_folder(directory)
+            remove_folder(directory)
         finally:
             os.close(fd)
 
@@ -166,19 +196,19 @@ def _take_for_sweep(directory: str, grace_s: float) -> int | None:
     deadline = time.monotonic() + grace_s
     while True:
         try:
-            return _lock_folder(directory)
+            return lock_folder(directory)
         except FileNotFoundError:
             return None  # never made, or already removed
         except TierError:
             if time.monotonic() >= deadline:
-                logger.warning("not removing %s: a live state server holds it (another run, same run id)", directory)
+                logger.warning("not removing %s: a live process holds it (another run, same run id)", directory)
                 return None
             time.sleep(0.1)
 
 
-def _remove_folder(directory: str) -> None:
-    """Delete a server's partition folder, and its run's folder where no other server's
-    files are left in it. The caller holds the folder's lock."""
+def remove_folder(directory: str) -> None:
+    """Delete a tier folder (a server's partitions, a worker's weights), and its run's
+    folder where nothing else is left in it. The caller holds the folder's lock."""
     shutil.rmtree(directory, ignore_errors=True)
     try:
         os.rmdir(os.path.dirname(directory))
@@ -187,13 +217,13 @@ def _remove_folder(directory: str) -> None:
 
 
 LOCK_NAME = ".lock"
-"""In each of a server's tier folders: held (flock) while the server uses the folder, and
+"""In each tier folder (a server's, a worker's): held (flock) while its process uses it, and
 by the launcher's sweep while it removes one."""
 
 
-def _lock_folder(directory: str) -> int:
-    """Take the folder for this process: another live state server using it (two runs
-    with one run id, or two servers with one index) is refused, a dead one's lock is gone.
+def lock_folder(directory: str) -> int:
+    """Take the folder for this process: another live process using it (two runs with one
+    run id, or two servers with one index) is refused, a dead one's lock is gone.
     FileNotFoundError where ``directory`` does not exist."""
     fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -201,8 +231,8 @@ def _lock_folder(directory: str) -> int:
     except OSError as error:
         os.close(fd)
         raise TierError(
-            f"{directory} is in use by another state server (two runs with the same run id, or "
-            "two servers with the same index?); give each run its own run_id"
+            f"{directory} is in use by another live process (two runs with the same run id, or "
+            "two servers or workers with the same index?); give each run its own run_id"
         ) from error
     return fd
 
@@ -250,7 +280,7 @@ class NvmeTier:
                         os.makedirs(self.directory(run_id, index), exist_ok=True)
                     except OSError as error:
                         raise TierError(f"cannot create {self.directory(run_id, index)}: {error.strerror}") from error
-                    locks.append(_lock_folder(self.directory(run_id, index)))
+                    locks.append(lock_folder(self.directory(run_id, index)))
             except BaseException:
                 for fd in locks:
                     os.close(fd)
@@ -280,7 +310,7 @@ class NvmeTier:
         for run_id, locks in runs.items():
             for index, fd in enumerate(locks):
                 try:
-                    _remove_folder(self.directory(run_id, index))
+                    remove_folder(self.directory(run_id, index))
                 finally:
                     os.close(fd)  # only once the folder it guarded is gone
 
@@ -365,9 +395,8 @@ class NvmeTier:
             try:
                 write_partition_file(target, buffer, partition.key, partition.span.numel, step, direct=tier_path.direct)
             except OSError as error:
-                if not (tier_path.direct and error.errno == errno.EINVAL):
+                if not tier_path.refused_direct(error):
                     raise
-                self._fall_back(tier_path, error)
                 write_partition_file(target, buffer, partition.key, partition.span.numel, step, direct=False)
         except OSError as error:
             kind = TierSpaceError if error.errno in _SPACE_ERRNOS else TierError
@@ -390,7 +419,7 @@ class NvmeTier:
         started = time.perf_counter()
         try:
             check_size(os.stat(path).st_size, path=path, key=partition.key, numel=partition.span.numel)
-            got = self.read_into(partition.path_index, path, buffer.view[:nbytes])
+            got = tier_path.read_into(path, buffer.view[:nbytes])
         except FileNotFoundError as error:
             raise corrupt_error(path, partition.key, "the file is missing") from error
         except OSError as error:
@@ -407,35 +436,6 @@ class NvmeTier:
         tier_path.read_bytes += nbytes
         tier_path.read_seconds += seconds
         self._observer.record_tier_io("read", nbytes, seconds)
-
-    def read_into(self, path_index: int, path: str, view: memoryview) -> int:
-        """Read ``path`` (on configured path ``path_index``) into ``view``; where O_DIRECT is
-        refused at run time, from then on buffered. Returns the bytes read."""
-        tier_path = self.paths[path_index]
-        try:
-            return read_file_into(path, view, tier_path.direct)
-        except OSError as error:
-            if not (tier_path.direct and error.errno == errno.EINVAL):
-                raise
-            self._fall_back(tier_path, error)
-            return read_file_into(path, view, False)
-
-    def write_whole(self, path_index: int, path: str, view: memoryview) -> None:
-        """Write ``view`` as the whole of ``path`` (no rename: scratch files), falling back
-        to buffered I/O as :meth:`read_into` does."""
-        tier_path = self.paths[path_index]
-        try:
-            write_file(path, view, tier_path.direct)
-        except OSError as error:
-            if not (tier_path.direct and error.errno == errno.EINVAL):
-                raise
-            self._fall_back(tier_path, error)
-            write_file(path, view, False)
-
-    @staticmethod
-    def _fall_back(tier_path: TierPath, error: OSError) -> None:
-        logger.warning("%s refused an O_DIRECT request (%s); using buffered I/O there", tier_path.root, error.strerror)
-        tier_path.direct = False
 
 
 def check_free_space(root: str, need: int, free: int, what: str) -> None:

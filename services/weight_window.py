@@ -1,0 +1,268 @@
+"""Which blocks' chunks are in host memory when the weights live on NVMe
+(``worker.weights_nvme_path``): a bounded window, read ahead in the order FSDP2 uses them.
+
+FSDP2 reads a unit's chunks (its local shards) only when it all-gathers the unit: before
+the unit's forward and, with ``reshard_after_forward``, again before its backward. So a
+block's chunks need host memory only from a little before each gather to just after it.
+Between uses the chunks' storage is freed (``untyped_storage().resize_(0)``, what FSDP2
+does to the gathered weights it reshards) and the block's file (:class:`WeightFiles`)
+holds them; a read brings them back into the same storage objects, so FSDP2's views stay
+valid. The root unit (embeddings, final norm, head) stays in memory.
+
+The order of one micro-batch's uses is known in advance: every block forward, then every
+block backward in reverse. :meth:`WeightWindow.begin` lays it out as a list of entries;
+entries are taken in order while fewer than ``window`` blocks are in memory (a block
+already in memory is taken at no cost), each taking a use of its block and reading the
+block if it is not in memory; a block is freed when its last taken use is released. The
+hooks release a forward use after the block's forward and a backward use in FSDP2's
+reduce hook, after the block's gradients are reduced. Where FSDP2 gathers ahead of a
+hook's reach (in backward it gathers block b-1 while b computes, and the last block from
+the root's pre-backward) the hooks wait for those entries too, taking them out of turn if
+the window has not reached them: prefetch is only a hint, correctness never depends on it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+from cargohold.services.errors import TrainingError
+from cargohold.services.layout import Layout
+from cargohold.services.sharding import Unit, copy_range_into_params, local_tensors
+from cargohold.services.weight_files import WeightFiles
+
+FORWARD, BACKWARD = "forward", "backward"
+Entry = tuple[str, int]
+"""(pass, block's group index) of one gather."""
+
+
+class WeightWindow:
+    """The tiered blocks (every unit but the root) of one worker's sharded model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        units: Sequence[Unit],
+        layout: Layout,
+        rank: int,
+        files: WeightFiles,
+        *,
+        window: int,
+        backward_gathers: bool,
+    ) -> None:
+        """``backward_gathers``: FSDP2 gathers each block again for its backward
+        (``reshard_after_forward``), so each block is read twice per micro-batch."""
+        if window < 2:
+            raise TrainingError(f"worker.weight_window must be >= 2, got {window}")
+        self.layout = layout
+        self.rank = rank
+        self.files = files
+        self.window = window
+        self.backward_gathers = backward_gathers
+        self.blocks = list(range(1, len(units)))
+        with torch.no_grad():
+            self._targets = local_tensors(model, layout)
+        self._storages = {g: self._group_storages(g) for g in self.blocks}
+        self._dtype = self._targets[0].dtype
+        self._lock = threading.RLock()
+        self._entries: list[Entry] = []
+        self._position: dict[Entry, int] = {}
+        self._cursor = 0
+        self._uses: dict[int, int] = {}
+        self._loads: dict[int, Future[None]] = {}
+        self._phase = FORWARD
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-read")
+        self._handles = [h for g in self.blocks for h in self._hook(units[g].module, g)]
+        self._untouched = set(self.blocks)
+        """Blocks whose chunks FSDP2 allocated (``to_empty``: no page touched yet) and no
+        read has filled: freed once FSDP2's lazy initialisation has seen them allocated."""
+        self._handles.append(units[0].module.register_forward_pre_hook(self._after_lazy_init))
+        if backward_gathers and self.blocks:
+            self._handles.append(units[0].module.register_forward_hook(self._after_root_forward, prepend=True))
+
+    # --- sizes ----------------------------------------------------------------------
+    @property
+    def host_bytes(self) -> int:
+        """The most host memory the blocks' weights take: ``window`` blocks in memory and
+        the files' read buffers."""
+        largest = max((sum(nbytes for _, nbytes in self._storages[g]) for g in self.blocks), default=0)
+        return self.window * largest + self.files.buffers.count * self.files.buffers.nbytes
+
+    # --- files ----------------------------------------------------------------------
+    def write(self, group: int, source: torch.Tensor) -> None:
+        """Store block ``group``'s weights, ``source`` laid out as its part of the worker's
+        range (what a fetch brings); the block must not be in memory."""
+        with self._lock:
+            if group in self._loads:
+                raise TrainingError(f"block {group}'s weights were written while the block is in use")
+        self.files.write(group, source[: self.layout.groups[group].stop - self.layout.groups[group].start])
+
+    def read(self, group: int, out: torch.Tensor) -> None:
+        """Block ``group``'s part of the worker's range, from its file, into ``out``."""
+        buffer = self.files.read(group)
+        try:
+            out.copy_(buffer.tensor[: out.numel() * out.element_size()].view(out.dtype))
+        finally:
+            self.files.done(buffer)
+
+    def free_all(self) -> None:
+        """Give back every block's chunks (after start-up, or a pass that did not finish)."""
+        with self._lock:
+            loads, self._loads, self._uses = list(self._loads.values()), {}, {}
+            self._entries, self._position, self._cursor = [], {}, 0
+        for load in loads:
+            load.exception()
+        for group in self.blocks:
+            self._free(group)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self.free_all()
+        self._reader.shutdown(wait=True)
+        self.files.close()
+
+    # --- the window -----------------------------------------------------------------
+    def begin(self, *, backward: bool) -> None:
+        """Lay out the uses of the next micro-batch (its forward, and its backward when
+        there is one) and start reading the first blocks."""
+        entries = [(FORWARD, g) for g in self.blocks]
+        if backward and self.backward_gathers:
+            entries += [(BACKWARD, g) for g in reversed(self.blocks)]
+        with self._lock:
+            leftover = bool(self._loads)
+        if leftover:  # a pass that raised part-way: start clean
+            self.free_all()
+        with self._lock:
+            self._entries, self._cursor, self._phase = entries, 0, FORWARD
+            self._position = {entry: index for index, entry in enumerate(entries)}
+            self._fill()
+
+    def ensure(self, entry: Entry) -> None:
+        """Return once the entry's block is in memory, taking it out of turn if needed."""
+        with self._lock:
+            index = self._position.get(entry)
+            if index is None:
+                raise TrainingError(f"block {entry[1]} was used in {entry[0]} outside the laid-out passes")
+            while self._cursor <= index:
+                self._take(self._cursor)
+            load = self._loads.get(entry[1])
+        if load is None:
+            raise TrainingError(f"block {entry[1]} was used in {entry[0]} after its use was released")
+        load.result()
+
+    def release(self, entry: Entry) -> None:
+        """The entry's gather is done: free the block if no other taken use needs it."""
+        group = entry[1]
+        with self._lock:
+            if self._uses.get(group, 0) == 0:
+                return
+            self._uses[group] -= 1
+            if self._uses[group]:
+                return
+            del self._uses[group]
+            load = self._loads.pop(group)
+        load.exception()  # a failed read leaves nothing to free but must not run beside a new one
+        self._free(group)
+        with self._lock:
+            self._fill()
+
+    def release_backward(self, group: int) -> None:
+        """FSDP2 reduced block ``group``'s gradients: its backward gather is long done."""
+        if group in self._storages and self.backward_gathers:
+            self.release((BACKWARD, group))
+
+    def _fill(self) -> None:
+        while self._cursor < len(self._entries):
+            group = self._entries[self._cursor][1]
+            if group not in self._loads and len(self._loads) >= self.window:
+                return
+            self._take(self._cursor)
+
+    def _take(self, index: int) -> None:
+        group = self._entries[index][1]
+        self._uses[group] = self._uses.get(group, 0) + 1
+        if group not in self._loads:
+            self._loads[group] = self._reader.submit(self._load, group)
+        self._cursor = index + 1
+
+    # --- moving the chunks ----------------------------------------------------------
+    def _group_storages(self, group: int) -> list[tuple[torch.UntypedStorage, int]]:
+        first = self.layout.groups[group].first_param
+        count = len(self.layout.group_params(group))
+        storages = [t.untyped_storage() for t in self._targets[first : first + count]]
+        return [(s, s.nbytes()) for s in storages]
+
+    def _load(self, group: int) -> None:
+        buffer = self.files.read(group)
+        try:
+            for storage, nbytes in self._storages[group]:
+                if storage.nbytes() != nbytes:
+                    storage.resize_(nbytes)
+                torch.empty(0, dtype=torch.uint8).set_(storage).zero_()  # padding included
+            g = self.layout.groups[group]
+            source = buffer.tensor[: (g.stop - g.start) * self._dtype.itemsize].view(self._dtype)
+            with torch.no_grad():
+                copy_range_into_params(self.layout, self.rank, source, self._targets, group=group, source_start=g.start)
+        finally:
+            self.files.done(buffer)
+
+    def _free(self, group: int) -> None:
+        for storage, _ in self._storages[group]:
+            storage.resize_(0)
+
+    # --- hooks ----------------------------------------------------------------------
+    def _hook(self, module: nn.Module, group: int) -> list[Any]:
+        def before(_module: nn.Module, _args: Any) -> None:
+            self.ensure((self._phase, group))
+
+        def after(_module: nn.Module, _args: Any, output: Any) -> None:
+            if self._phase == BACKWARD:
+                return  # activation checkpointing's recompute: the backward use is released later
+            if self.backward_gathers and torch.is_grad_enabled():
+                for tensor in _grad_tensors(output):
+                    tensor.register_hook(self._before_backward(group))
+            self.release((FORWARD, group))
+
+        return [
+            module.register_forward_pre_hook(before, prepend=True),
+            module.register_forward_hook(after, prepend=True),
+        ]
+
+    def _before_backward(self, group: int) -> Callable[[torch.Tensor], None]:
+        """Runs before FSDP2's pre-backward hook of the block (registered earlier on the same
+        tensors), which gathers the block and prefetches the one before it."""
+
+        def hook(_grad: torch.Tensor) -> None:
+            self._phase = BACKWARD
+            self.ensure((BACKWARD, group))
+            if group - 1 in self._storages:
+                self.ensure((BACKWARD, group - 1))
+
+        return hook
+
+    def _after_lazy_init(self, _module: nn.Module, _args: Any) -> None:
+        """After FSDP2's root pre-forward (registered before this hook), whose first run
+        re-pads every chunk, and would copy a freed one: free the allocations no read used."""
+        if not self._untouched:
+            return
+        with self._lock:
+            untouched, self._untouched = self._untouched - set(self._loads), set()
+        for group in untouched:
+            self._free(group)
+
+    def _after_root_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        """FSDP2's root pre-backward prefetches the last block: have it in memory first."""
+        if torch.is_grad_enabled() and self._phase == FORWARD and self._entries:
+            self.ensure((BACKWARD, self.blocks[-1]))
+
+
+def _grad_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors in a module's output that will receive gradients."""
+    leaves, _ = torch.utils._pytree.tree_flatten(output)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
