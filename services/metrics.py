@@ -39,6 +39,8 @@ WORKER_STEPS = "cargohold_worker_steps_total"
 WORKER_LOSS = "cargohold_worker_loss"
 WORKER_RESIDENT_BYTES = "cargohold_worker_resident_bytes"
 WORKER_PAGE_LOCK_FALLBACKS = "cargohold_worker_page_lock_fallbacks_total"
+WORKER_WEIGHT_FILE_BYTES = "cargohold_worker_weight_file_bytes_total"
+WORKER_WEIGHT_WAIT_SECONDS = "cargohold_worker_weight_wait_seconds_total"
 TIER_READ_BYTES = "cargohold_tier_read_bytes_total"
 TIER_WRITE_BYTES = "cargohold_tier_write_bytes_total"
 TIER_IO_SECONDS = "cargohold_tier_io_seconds_total"
@@ -73,6 +75,8 @@ METRIC_NAMES: tuple[str, ...] = (
     WORKER_LOSS,
     WORKER_RESIDENT_BYTES,
     WORKER_PAGE_LOCK_FALLBACKS,
+    WORKER_WEIGHT_FILE_BYTES,
+    WORKER_WEIGHT_WAIT_SECONDS,
     TIER_READ_BYTES,
     TIER_WRITE_BYTES,
     TIER_IO_SECONDS,
@@ -381,12 +385,33 @@ class WorkerMetrics(MetricsEndpoint):
             ["rank", "kind"],
             registry=self.registry,
         )
+        self._weight_file_bytes = Counter(
+            WORKER_WEIGHT_FILE_BYTES,
+            "Bytes of the worker's weight files (worker.weights_nvme_path) read and written.",
+            ["rank", "op"],
+            registry=self.registry,
+        )
+        self._weight_wait = Counter(
+            WORKER_WEIGHT_WAIT_SECONDS,
+            "Seconds forward and backward waited for a block's weights to be read from its file.",
+            labels,
+            registry=self.registry,
+        ).labels(rank=self._rank)
         self._page_lock_fallbacks = Counter(
             WORKER_PAGE_LOCK_FALLBACKS,
             "Exchange buffers a GPU worker could not page-lock and uses pageable, by reason.",
             ["rank", "reason"],
             registry=self.registry,
         )
+
+    def record_weight_io(self, op: str, nbytes: int) -> None:
+        """Count `nbytes` of the worker's weight files read or written (weights on NVMe)."""
+        _check_label("op", op, TIER_OPS)
+        self._weight_file_bytes.labels(rank=self._rank, op=op).inc(nbytes)
+
+    def add_weight_wait(self, seconds: float) -> None:
+        """Add time the step waited for a block's weights to be read (weights on NVMe)."""
+        self._weight_wait.inc(seconds)
 
     def observe_step(self, seconds: float, loss: float) -> None:
         """Record one completed training step: its duration and its loss."""

@@ -18,7 +18,7 @@ from cargohold.services.sharding import Unit, check_unit_order, layout_for_units
 from cargohold.services.state_port import ExchangeBuffers
 from cargohold.services.step import StepPolicy
 from cargohold.services.task import ConfigTask, TrainingTask
-from cargohold.services.weight_files import WeightFiles
+from cargohold.services.weight_files import WeightFiles, WeightObserver
 from cargohold.services.weight_window import WeightWindow
 from cargohold.services.wire import WIRE_DTYPES
 
@@ -81,7 +81,14 @@ def params_in_host_memory(config: TrainConfig) -> bool:
 
 
 def weight_window(
-    config: TrainConfig, model: nn.Module, units: list[Unit], layout: Layout, *, rank: int, run_id: str
+    config: TrainConfig,
+    model: nn.Module,
+    units: list[Unit],
+    layout: Layout,
+    *,
+    rank: int,
+    run_id: str,
+    observer: WeightObserver | None = None,
 ) -> WeightWindow | None:
     """With ``worker.weights_nvme_path``, the window the blocks' weights come into memory
     through (hooks on the sharded ``model``); None keeps every chunk in memory."""
@@ -91,7 +98,12 @@ def weight_window(
     itemsize = WIRE_DTYPES[worker.compute_dtype].itemsize
     sizes = [(g.stop - g.start) * itemsize for g in layout.groups[1:]]
     files = WeightFiles(
-        worker.weights_nvme_path, run_id, rank, largest_bytes=max(sizes, default=0), total_bytes=sum(sizes)
+        worker.weights_nvme_path,
+        run_id,
+        rank,
+        largest_bytes=max(sizes, default=0),
+        total_bytes=sum(sizes),
+        observer=observer,
     )
     return WeightWindow(
         model,

@@ -22,6 +22,7 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -31,11 +32,30 @@ from cargohold.services.tiers.io_pool import AlignedBuffer, BufferPool
 from cargohold.services.tiers.nvme import TierPath, lock_folder, probe_path, remove_folder
 
 WEIGHTS_KEY = "worker.weights_nvme_path"
+READ_BUFFERS = 2
+"""Aligned buffers of the largest file that reads and writes go through: one read while
+another block's update is written."""
 
 
 def worker_folder(root: str, run_id: str, rank: int) -> str:
     """Where worker ``rank`` of ``run_id`` keeps its weight files under ``root``."""
     return os.path.join(root, run_id, f"worker-{rank}")
+
+
+class WeightObserver(Protocol):
+    """Where the weight files and window report (the worker's metrics)."""
+
+    def record_weight_io(self, op: str, nbytes: int) -> None: ...
+
+    def add_weight_wait(self, seconds: float) -> None: ...
+
+
+class NullWeightObserver:
+    def record_weight_io(self, op: str, nbytes: int) -> None:
+        pass
+
+    def add_weight_wait(self, seconds: float) -> None:
+        pass
 
 
 @dataclass(slots=True)
@@ -60,8 +80,9 @@ class WeightFiles:
         *,
         largest_bytes: int,
         total_bytes: int,
-        buffer_count: int = 2,
+        buffer_count: int = READ_BUFFERS,
         direct_io: str = "auto",
+        observer: WeightObserver | None = None,
     ) -> None:
         """``total_bytes``: what all the unit files will take; refused with a
         :class:`TierSpaceError` now when the filesystem has less free."""
@@ -88,6 +109,7 @@ class WeightFiles:
         """Unit -> (bytes, CRC-32C) of its file as last written."""
         self._lock = threading.Lock()
         self.io = WeightIo()
+        self.observer = observer or NullWeightObserver()
 
     def file_of(self, unit: int) -> str:
         return os.path.join(self.folder, f"unit-{unit:05d}.weights")
@@ -112,6 +134,7 @@ class WeightFiles:
                 self._crcs[unit] = (padded, crc)
                 self.io.write_bytes += padded
                 self.io.write_seconds += time.perf_counter() - started
+            self.observer.record_weight_io("write", padded)
         finally:
             self.buffers.release(buffer)
 
@@ -139,6 +162,7 @@ class WeightFiles:
             with self._lock:
                 self.io.read_bytes += nbytes
                 self.io.read_seconds += time.perf_counter() - started
+            self.observer.record_weight_io("read", nbytes)
             return buffer
         except BaseException:
             self.buffers.release(buffer)

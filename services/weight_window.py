@@ -9,21 +9,19 @@ does to the gathered weights it reshards) and the block's file (:class:`WeightFi
 holds them; a read brings them back into the same storage objects, so FSDP2's views stay
 valid. The root unit (embeddings, final norm, head) stays in memory.
 
-The order of one micro-batch's uses is known in advance: every block forward, then every
-block backward in reverse. :meth:`WeightWindow.begin` lays it out as a list of entries;
-entries are taken in order while fewer than ``window`` blocks are in memory (a block
-already in memory is taken at no cost), each taking a use of its block and reading the
-block if it is not in memory; a block is freed when its last taken use is released. The
-hooks release a forward use after the block's forward and a backward use in FSDP2's
-reduce hook, after the block's gradients are reduced. Where FSDP2 gathers ahead of a
-hook's reach (in backward it gathers block b-1 while b computes, and the last block from
-the root's pre-backward) the hooks wait for those entries too, taking them out of turn if
-the window has not reached them: prefetch is only a hint, correctness never depends on it.
+The order of one micro-batch's uses is known in advance; :mod:`.window_schedule` keeps
+the bookkeeping (which blocks are in memory, which to read next). The hooks release a
+forward use after the block's forward and a backward use in FSDP2's reduce hook, after
+the block's gradients are reduced. Where FSDP2 gathers ahead of a hook's reach (in
+backward it gathers block b-1 while b computes, and the last block from the root's
+pre-backward) the hooks ask for those entries too, taking them out of turn if the window
+has not reached them: prefetch is only a hint, correctness never depends on it.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -35,10 +33,7 @@ from cargohold.services.errors import TrainingError
 from cargohold.services.layout import Layout
 from cargohold.services.sharding import Unit, copy_range_into_params, local_tensors
 from cargohold.services.weight_files import WeightFiles
-
-FORWARD, BACKWARD = "forward", "backward"
-Entry = tuple[str, int]
-"""(pass, block's group index) of one gather."""
+from cargohold.services.window_schedule import BACKWARD, FORWARD, Entry, WindowSchedule, pass_entries
 
 
 class WeightWindow:
@@ -57,8 +52,7 @@ class WeightWindow:
     ) -> None:
         """``backward_gathers``: FSDP2 gathers each block again for its backward
         (``reshard_after_forward``), so each block is read twice per micro-batch."""
-        if window < 2:
-            raise TrainingError(f"worker.weight_window must be >= 2, got {window}")
+        self.schedule = WindowSchedule(window)
         self.layout = layout
         self.rank = rank
         self.files = files
@@ -69,13 +63,11 @@ class WeightWindow:
             self._targets = local_tensors(model, layout)
         self._storages = {g: self._group_storages(g) for g in self.blocks}
         self._dtype = self._targets[0].dtype
-        self._lock = threading.RLock()
-        self._entries: list[Entry] = []
-        self._position: dict[Entry, int] = {}
-        self._cursor = 0
-        self._uses: dict[int, int] = {}
+        self._lock = threading.Lock()
         self._loads: dict[int, Future[None]] = {}
+        """The read of every block in memory (done or running), as the schedule's ``resident``."""
         self._phase = FORWARD
+        self._with_backward = False
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-read")
         self._handles = [h for g in self.blocks for h in self._hook(units[g].module, g)]
         self._untouched = set(self.blocks)
@@ -111,10 +103,10 @@ class WeightWindow:
             self.files.done(buffer)
 
     def free_all(self) -> None:
-        """Give back every block's chunks (after start-up, or a pass that did not finish)."""
+        """Give back every block's chunks (after a pass that did not finish)."""
         with self._lock:
-            loads, self._loads, self._uses = list(self._loads.values()), {}, {}
-            self._entries, self._position, self._cursor = [], {}, 0
+            self.schedule.reset()
+            loads, self._loads = list(self._loads.values()), {}
         for load in loads:
             load.exception()
         for group in self.blocks:
@@ -131,65 +123,44 @@ class WeightWindow:
     def begin(self, *, backward: bool) -> None:
         """Lay out the uses of the next micro-batch (its forward, and its backward when
         there is one) and start reading the first blocks."""
-        entries = [(FORWARD, g) for g in self.blocks]
-        if backward and self.backward_gathers:
-            entries += [(BACKWARD, g) for g in reversed(self.blocks)]
         with self._lock:
             leftover = bool(self._loads)
         if leftover:  # a pass that raised part-way: start clean
             self.free_all()
         with self._lock:
-            self._entries, self._cursor, self._phase = entries, 0, FORWARD
-            self._position = {entry: index for index, entry in enumerate(entries)}
-            self._fill()
+            self._phase, self._with_backward = FORWARD, backward and self.backward_gathers
+            self._read(self.schedule.begin(pass_entries(self.blocks, backward=self._with_backward)))
 
     def ensure(self, entry: Entry) -> None:
         """Return once the entry's block is in memory, taking it out of turn if needed."""
         with self._lock:
-            index = self._position.get(entry)
-            if index is None:
-                raise TrainingError(f"block {entry[1]} was used in {entry[0]} outside the laid-out passes")
-            while self._cursor <= index:
-                self._take(self._cursor)
-            load = self._loads.get(entry[1])
-        if load is None:
-            raise TrainingError(f"block {entry[1]} was used in {entry[0]} after its use was released")
+            self._read(self.schedule.ensure(entry))
+            load = self._loads[entry[1]]
+        if not load.done():
+            started = time.perf_counter()
+            load.exception()
+            self.files.observer.add_weight_wait(time.perf_counter() - started)
         load.result()
 
     def release(self, entry: Entry) -> None:
-        """The entry's gather is done: free the block if no other taken use needs it."""
-        group = entry[1]
+        """The entry's gather is done: free the block if no other taken use needs it, and
+        read the next ones into the room made."""
         with self._lock:
-            if self._uses.get(group, 0) == 0:
-                return
-            self._uses[group] -= 1
-            if self._uses[group]:
-                return
-            del self._uses[group]
-            load = self._loads.pop(group)
-        load.exception()  # a failed read leaves nothing to free but must not run beside a new one
-        self._free(group)
-        with self._lock:
-            self._fill()
+            freed, reads = self.schedule.release(entry)
+            if freed is not None:
+                load = self._loads.pop(freed)
+                load.exception()  # a read still running must end before its storage goes
+                self._free(freed)
+            self._read(reads)
 
     def release_backward(self, group: int) -> None:
         """FSDP2 reduced block ``group``'s gradients: its backward gather is long done."""
         if group in self._storages and self.backward_gathers:
             self.release((BACKWARD, group))
 
-    def _fill(self) -> None:
-        while self._cursor < len(self._entries):
-            group = self._entries[self._cursor][1]
-            if group not in self._loads and len(self._loads) >= self.window:
-                return
-            self._take(self._cursor)
-
-    def _take(self, index: int) -> None:
-        group = self._entries[index][1]
-        self._uses[group] = self._uses.get(group, 0) + 1
-        if group not in self._loads:
+    def _read(self, groups: list[int]) -> None:
+        for group in groups:
             self._loads[group] = self._reader.submit(self._load, group)
-        self._cursor = index + 1
 
     # --- moving the chunks ----------------------------------------------------------
     def _group_storages(self, group: int) -> list[tuple[torch.UntypedStorage, int]]:
@@ -258,7 +229,7 @@ class WeightWindow:
 
     def _after_root_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
         """FSDP2's root pre-backward prefetches the last block: have it in memory first."""
-        if torch.is_grad_enabled() and self._phase == FORWARD and self._entries:
+        if torch.is_grad_enabled() and self._phase == FORWARD and self._with_backward:
             self.ensure((BACKWARD, self.blocks[-1]))
 
 

@@ -130,7 +130,9 @@ class TrainingWorker:
             step_policy(config),
             device=self.device,
             loss=self.task.loss,
-            window=weight_window(config, model, units, layout, rank=self.rank, run_id=self.run_id),
+            window=weight_window(
+                config, model, units, layout, rank=self.rank, run_id=self.run_id, observer=self.metrics
+            ),
         )
         self._report_resident_bytes()
 

@@ -178,6 +178,10 @@ def test_worker_values_round_trip(worker: WorkerMetrics) -> None:
     worker.set_resident_bytes("exchange", 125)
     worker.record_sent("PushGradient", 800)
     worker.record_received("FetchWeights", 900)
+    worker.record_weight_io("read", 4096)
+    worker.record_weight_io("read", 8192)
+    worker.record_weight_io("write", 4096)
+    worker.add_weight_wait(0.5)
 
     got = _samples(worker)
     rank = "3"
@@ -191,6 +195,9 @@ def test_worker_values_round_trip(worker: WorkerMetrics) -> None:
     assert got[_key("cargohold_worker_resident_bytes", rank=rank, kind="exchange")] == 125
     assert got[_key("cargohold_transport_sent_bytes_total", rank=rank, rpc="PushGradient")] == 800
     assert got[_key("cargohold_transport_received_bytes_total", rank=rank, rpc="FetchWeights")] == 900
+    assert got[_key("cargohold_worker_weight_file_bytes_total", rank=rank, op="read")] == 12288
+    assert got[_key("cargohold_worker_weight_file_bytes_total", rank=rank, op="write")] == 4096
+    assert got[_key("cargohold_worker_weight_wait_seconds_total", rank=rank)] == 0.5
 
     for (name, labels), _ in got.items():
         if name.startswith("cargohold_"):

@@ -50,7 +50,12 @@ def test_plan_matches_a_real_run(ray_local, tmp_path: Path, tiered: bool) -> Non
     from cargohold.cluster.launcher import TrainingSession
     from cargohold.services.checkpoint import CheckpointDir
 
-    overrides = {"state_server__tier": nvme_tier(tmp_path)} if tiered else {}
+    # Tiered: the optimizer state mostly in partition files, the blocks' weights in files too.
+    overrides = (
+        {"state_server__tier": nvme_tier(tmp_path), "worker__weights_nvme_path": str(tmp_path / "weights")}
+        if tiered
+        else {}
+    )
     config = tiny_config(steps=5, checkpoint__dir=str(tmp_path / "checkpoints"), **overrides)
     plan = plan_run(config)
     server_plan = plan.servers[0]
@@ -84,6 +89,12 @@ def test_plan_matches_a_real_run(ray_local, tmp_path: Path, tiered: bool) -> Non
     # Memory the tiers hold: resident partitions in file layout plus the staging buffers.
     assert summary.ram_used_bytes == server_plan.ram_bytes
     assert summary.planned_nvme_bytes + server_plan.nvme_gradient_bytes == server_plan.nvme_file_bytes
+
+    traffic = plan.worker.traffic
+    assert (plan.worker.nvme_weight_bytes > 0) is tiered
+    assert _total(worker, "cargohold_worker_weight_file_bytes_total", op="read") == 5 * traffic.weight_read_bytes
+    # Written at registration, then after each update.
+    assert _total(worker, "cargohold_worker_weight_file_bytes_total", op="write") == 6 * traffic.weight_write_bytes
 
     steps, sent, received = 5, "cargohold_transport_sent_bytes_total", "cargohold_transport_received_bytes_total"
     assert _total(worker, sent, rpc="PushGradient") == steps * plan.worker.traffic.push_bytes

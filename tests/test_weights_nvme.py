@@ -18,7 +18,7 @@ from system import mounted_tmpfs
 
 from cargohold.services.data import dropout_seed
 from cargohold.services.data.sources import open_source
-from cargohold.services.errors import CorruptPartitionError, TierError, TierSpaceError
+from cargohold.services.errors import CorruptPartitionError, TierError, TierSpaceError, TrainingError
 from cargohold.services.model_setup import exchange_buffers, model_layout, sharded_model, step_policy, weight_window
 from cargohold.services.models.build import build_model, parameter_values
 from cargohold.services.param_groups import resolve_param_groups
@@ -26,6 +26,13 @@ from cargohold.services.sharding import local_tensors
 from cargohold.services.state_port import LocalPort
 from cargohold.services.step import ShardedStep
 from cargohold.services.weight_files import WeightFiles
+from cargohold.services.window_schedule import (
+    BACKWARD,
+    FORWARD,
+    WindowSchedule,
+    pass_entries,
+    reads_per_micro_batch,
+)
 
 NVME = "<nvme>"
 """Replaced by a folder of the test's own."""
@@ -217,3 +224,33 @@ def test_full_and_read_only_disks_are_refused_naming_the_key(tmp_path: Path) -> 
     with mounted_tmpfs(tmp_path / "ro", "1m", read_only=True) as read_only:
         with pytest.raises(TierError, match=r"worker.weights_nvme_path: cannot create .*Read-only file system"):
             _files(read_only)
+
+
+# --- the schedule on its own -------------------------------------------------------------
+
+
+def test_the_schedule_reads_each_block_once_per_gather_unless_the_window_still_holds_it() -> None:
+    blocks = range(1, 9)
+    assert reads_per_micro_batch(blocks, window=3, backward=True) == [1, 2, 3, 4, 5, 6, 7, 8, 5, 4, 3, 2, 1]
+    assert reads_per_micro_batch(blocks, window=2, backward=True) == [1, 2, 3, 4, 5, 6, 7, 8, 6, 5, 4, 3, 2, 1]
+    assert reads_per_micro_batch(blocks, window=8, backward=True) == list(blocks)
+    assert reads_per_micro_batch(blocks, window=2, backward=False) == list(blocks)
+
+
+def test_the_schedule_keeps_within_the_window_unless_a_gather_comes_out_of_turn() -> None:
+    schedule = WindowSchedule(2)
+    assert schedule.begin(pass_entries([1, 2, 3, 4], backward=True)) == [1, 2]
+    assert schedule.ensure((FORWARD, 1)) == [] and schedule.resident == {1, 2}
+    # FSDP2 gathering block 4's backward ahead of time: taken beyond the window.
+    assert schedule.ensure((BACKWARD, 4)) == [3, 4] and schedule.resident == {1, 2, 3, 4}
+    assert schedule.release((FORWARD, 1)) == (1, [])  # the room lets B3 and B2 be taken: both in memory
+    assert schedule.release((FORWARD, 2)) == (None, [])  # its backward use holds it now
+    assert schedule.release((FORWARD, 4)) == (None, [])
+    assert schedule.release((FORWARD, 3)) == (None, []) and schedule.resident == {2, 3, 4}
+    with pytest.raises(TrainingError, match="outside the laid-out passes"):
+        schedule.ensure((FORWARD, 9))
+    with pytest.raises(TrainingError, match="still in memory"):
+        schedule.begin(pass_entries([1], backward=False))
+    assert schedule.reset() == {2, 3, 4} and schedule.resident == set()
+    with pytest.raises(TrainingError, match=">= 2"):
+        WindowSchedule(1)

@@ -24,7 +24,12 @@ def render(plan: RunPlan) -> str:
         f"  FSDP2 units: root + {w.blocks} block{'s' * (w.blocks != 1)}"
         + (", resharded after forward" if w.reshard_after_forward else ", gathered from forward to backward")
         + f"; activation checkpointing {w.activation_checkpointing}"
-        + ("; weight shards offloaded to host RAM" if w.offload else ""),
+        + ("; weight shards offloaded to host RAM" if w.offload and not w.nvme_weight_bytes else "")
+        + (
+            f"; block weights on NVMe ({b(w.nvme_weight_bytes)} of files), {w.weight_window} in host RAM at once"
+            if w.nvme_weight_bytes
+            else ""
+        ),
     ]
     on = "GPU" if w.device == "cuda" else "host RAM"
     host = "pinned host RAM" if w.device == "cuda" else "host RAM"
@@ -72,7 +77,12 @@ def render(plan: RunPlan) -> str:
         "",
         "Per step",
         f"  each worker: reduce-scatter {b(t.reduce_scatter_bytes)}, all-gather {b(t.all_gather_bytes)} "
-        f"(ring), push {b(t.push_bytes)}, fetch {b(t.fetch_bytes)}",
+        f"(ring), push {b(t.push_bytes)}, fetch {b(t.fetch_bytes)}"
+        + (
+            f", weight files: NVMe reads {b(t.weight_read_bytes)}, writes {b(t.weight_write_bytes)}"
+            if t.weight_read_bytes
+            else ""
+        ),
     ]
     lines += [
         f"  server {s.index}: receives {b(s.traffic.push_bytes)}, sends {b(s.traffic.fetch_bytes)}"

@@ -24,6 +24,9 @@ from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.itemsize import DTYPE_BYTES, FP32_BYTES
 from cargohold.services.layout import Layout
 from cargohold.services.state_port import exchange_nbytes
+from cargohold.services.tiers.fileformat import round_up
+from cargohold.services.weight_files import READ_BUFFERS as WEIGHT_READ_BUFFERS
+from cargohold.services.window_schedule import reads_per_micro_batch
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +43,12 @@ class WorkerTraffic:
     """Its range of the gradients, to the state servers, in the wire dtype."""
     fetch_bytes: int
     """Its range of the weights, from the state servers, in the compute dtype."""
+    weight_read_bytes: int = 0
+    """With weights on NVMe: its blocks' files read per step (each block ahead of every
+    micro-batch's forward, and again ahead of its backward when resharded unless the
+    window still holds it: :func:`~cargohold.services.window_schedule.reads_per_micro_batch`)."""
+    weight_write_bytes: int = 0
+    """With weights on NVMe: its blocks' files written per step (once, after the update)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,12 +58,18 @@ class WorkerPlan:
     device: str
     """Where it computes: "cuda" or "cpu" (then its device memory is host memory)."""
     offload: bool
-    """Its weight shards live in host memory (``worker.offload_params`` on a GPU)."""
+    """Its weight shards live in host memory (``worker.offload_params`` or weights on NVMe,
+    on a GPU)."""
     buffers: dict[str, int]
     """What it holds between steps, keyed as ``TrainingWorker.resident_bytes()``: its FSDP2
-    weight shards (compute dtype) and its exchange buffers (slots of the largest unit's
-    gradients in the wire dtype and weights in the compute dtype; with the delayed update
-    also ``range_elements`` weights)."""
+    weight shards (compute dtype; with weights on NVMe the root's, ``worker.weight_window``
+    blocks' and the files' two read buffers) and its exchange buffers (slots of the
+    largest unit's gradients in the wire dtype and weights in the compute dtype; with the
+    delayed update also ``range_elements`` weights)."""
+    nvme_weight_bytes: int = 0
+    """Its blocks' weight files under ``worker.weights_nvme_path`` (0: weights in memory)."""
+    weight_window: int = 0
+    """With weights on NVMe: blocks in host memory at once (``worker.weight_window``)."""
     range_elements: int
     """Elements of its range of the flat space (``layout.worker_size``)."""
     blocks: int
@@ -149,10 +164,19 @@ def plan_worker(
     wire = DTYPE_BYTES[settings.grad_wire_dtype]
     push = DTYPE_BYTES[config.push_dtype]  # fp32 when micro-batches are accumulated
     world = layout.num_workers
-    offload = settings.offload_params and device == "cuda"
+    on_nvme = settings.weights_nvme_path is not None
+    offload = (settings.offload_params or on_nvme) and device == "cuda"
     # FSDP2's local shards, in the compute dtype; rank 0 holds the most (the last ranks'
-    # dim-0 chunks run short or empty).
-    weights = sum(slot.local_numel(0) for slot in layout.params) * compute
+    # dim-0 chunks run short or empty). With weights on NVMe, the root's, a window of
+    # blocks (their padded chunks, as allocated) and the files' read buffers.
+    block_files = [(g.stop - g.start) * compute for g in layout.groups[1:]]
+    if on_nvme:
+        root_weights = sum(slot.local_numel(0) for slot in layout.group_params(0)) * compute
+        largest_block = max(sum(s.slot_numel for s in layout.group_params(g.index)) for g in layout.groups[1:])
+        read_buffers = WEIGHT_READ_BUFFERS * round_up(max(block_files))
+        weights = root_weights + settings.weight_window * largest_block * compute + read_buffers
+    else:
+        weights = sum(slot.local_numel(0) for slot in layout.params) * compute
     exchange = exchange_nbytes(
         layout.largest_group,
         push,
@@ -188,6 +212,9 @@ def plan_worker(
         + max(g.stop - g.start for g in layout.groups) * FP32_BYTES
     )
     gathers = sum(u.chunk for u in units) + (sum(u.chunk for u in blocks) if settings.reshard_after_forward else 0)
+    reads = reads_per_micro_batch(
+        range(1, len(units)), window=settings.weight_window, backward=settings.reshard_after_forward
+    )
     return WorkerPlan(
         device=device,
         offload=offload,
@@ -210,5 +237,11 @@ def plan_worker(
             all_gather_bytes=(world - 1) * gathers * compute,
             push_bytes=layout.worker_size * push,
             fetch_bytes=layout.worker_size * compute,
+            weight_read_bytes=config.data.micro_batches * sum(round_up(block_files[g - 1]) for g in reads)
+            if on_nvme
+            else 0,
+            weight_write_bytes=sum(round_up(n) for n in block_files) if on_nvme else 0,
         ),
+        nvme_weight_bytes=sum(round_up(n) for n in block_files) if on_nvme else 0,
+        weight_window=settings.weight_window if on_nvme else 0,
     )
