@@ -131,7 +131,20 @@ EXAMPLES = {
         8,
         68_976_648_192,
     ),
+    # Weights on NVMe: the same models on nodes with little RAM (issue 23).
+    "examples/llama-13b-1gpu-32gib.yaml": (
+        ["--device-memory", "24GiB", "--host-memory", "32GiB", "--nvme", "1TiB"],
+        1,
+        13_015_864_320,
+    ),
+    "examples/llama-2-70b-8gpu-128gib.yaml": (
+        ["--device-memory", "24GiB", "--host-memory", "128GiB", "--nvme", "1TiB"],
+        8,
+        68_976_648_192,
+    ),
 }
+WEIGHTS_IN_MEMORY = ["--set", "worker.weights_nvme_path=null", "--set", "worker.offload_params=true"]
+"""What the examples with weights on NVMe need without them: the weights in pinned host RAM."""
 
 
 @pytest.fixture
@@ -163,8 +176,14 @@ def test_an_example_plan_fits_24_gib_gpus(
     # The optimizer state: 12 B/param, in part on NVMe.
     assert sum(s.ram_state_bytes + s.nvme_state_bytes for s in plan.servers) == 12 * parameters
     assert all(s.nvme_state_bytes > 0 for s in plan.servers)
+    if w.nvme_weight_bytes:  # without the weights on NVMe, host RAM is too small
+        assert cli.main(["plan", "--config", path, *flags, *WEIGHTS_IN_MEMORY]) == EXIT_DOES_NOT_FIT
+        assert "DOES NOT FIT  host RAM per node" in capsys.readouterr().out
+        without = ["--set", "worker.weights_nvme_path=null"]
+    else:
+        without = ["--set", "worker.offload_params=false"]
     # Each example needs its offload: without it the GPU is too small.
-    assert cli.main(["plan", "--config", path, *flags, "--set", "worker.offload_params=false"]) == EXIT_DOES_NOT_FIT
+    assert cli.main(["plan", "--config", path, *flags, *without]) == EXIT_DOES_NOT_FIT
     assert "DOES NOT FIT  device memory per worker" in capsys.readouterr().out
     # docs/operations.md shows this very output.
     docs = (REPO / "docs" / "operations.md").read_text()
