@@ -24,10 +24,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from cargohold.services.errors import TrainingError
 from cargohold.services.layout import Layout
@@ -59,6 +61,8 @@ class WeightWindow:
         self.window = window
         self.backward_gathers = backward_gathers
         self.blocks = list(range(1, len(units)))
+        for group in self.blocks:
+            resizable_chunks(units[group].module)
         with torch.no_grad():
             self._targets = local_tensors(model, layout)
         self._storages = {g: self._group_storages(g) for g in self.blocks}
@@ -231,6 +235,28 @@ class WeightWindow:
         """FSDP2's root pre-backward prefetches the last block: have it in memory first."""
         if torch.is_grad_enabled() and self._phase == FORWARD and self._with_backward:
             self.ensure((BACKWARD, self.blocks[-1]))
+
+
+def resizable_chunks(unit: nn.Module) -> None:
+    """Give each chunk of a ``fully_shard``-ed ``unit`` a storage the window can free and
+    re-allocate. FSDP2 pins offloaded chunks with ``Tensor.pin_memory()``, whose storage
+    torch makes fixed-size; a chunk whose storage is fixed gets a fresh one of the same
+    kind (``torch.empty(..., pin_memory=...)`` is resizable), with its values, viewed by
+    both of FSDP2's tensors of the chunk (its padded data and the ``DTensor``'s local
+    view). Before FSDP2's lazy initialisation, which then finds them the same storage."""
+    group = cast(FSDPModule, unit)._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return
+    with torch.no_grad():
+        for fsdp_param in group.fsdp_params:
+            data = fsdp_param._sharded_param_data
+            if data.untyped_storage().resizable():
+                continue
+            fresh = torch.empty(data.numel(), dtype=data.dtype, pin_memory=data.is_pinned())
+            fresh.copy_(data)
+            local = cast(DTensor, fsdp_param.sharded_param)._local_tensor
+            data.set_(fresh.untyped_storage(), 0, data.size(), data.stride())
+            local.set_(fresh.untyped_storage(), local.storage_offset(), local.size(), local.stride())
 
 
 def _grad_tensors(output: Any) -> list[torch.Tensor]:

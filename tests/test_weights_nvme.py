@@ -9,6 +9,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -44,6 +45,8 @@ STRATEGIES = {
     "accumulated": dict(data__micro_batches=3),
     "checkpointed-window-2": dict(worker__activation_checkpointing="blocks", worker__weight_window=2),
     "gathered-once": dict(worker__reshard_after_forward=False, optim__max_grad_norm=0.05),
+    # The chunks' storages fixed-size, as FSDP2's pin_memory() leaves them on a GPU node.
+    "fixed-size-chunks": dict(),
 }
 
 
@@ -72,6 +75,8 @@ def _train_all(rank: int, world: int, port: int, folder: str) -> None:
 def _train(rank: int, config, folder: Path) -> None:
     device = torch.device("cpu")
     model, units, layout = sharded_model(config, device)
+    if folder.name == "fixed-size-chunks":
+        _fix_chunk_storages(units[1:])
     window = weight_window(config, model, units, layout, rank=rank, run_id="run")
     assert window is not None
     buffers = exchange_buffers(config, layout)
@@ -107,6 +112,21 @@ def _train(rank: int, config, folder: Path) -> None:
         {"losses": losses, "weights": weights, "masters": masters, "peaks": peaks, "files": files},
         folder / f"{rank}.pt",
     )
+
+
+def _fix_chunk_storages(units) -> None:
+    """Swap each block chunk's storage for a fixed-size one (numpy-backed, like the one
+    Tensor.pin_memory() makes), in both of FSDP2's tensors of the chunk."""
+    with torch.no_grad():
+        for unit in units:
+            for fsdp_param in unit.module._get_fsdp_state()._fsdp_param_group.fsdp_params:
+                data, local = fsdp_param._sharded_param_data, fsdp_param.sharded_param._local_tensor
+                fixed = torch.from_numpy(np.zeros(data.numel() * data.element_size(), dtype=np.uint8))
+                fixed.copy_(data.view(torch.uint8))
+                storage = fixed.untyped_storage()
+                assert not storage.resizable()
+                data.set_(storage, 0, data.size(), data.stride())
+                local.set_(storage, local.storage_offset(), local.size(), local.stride())
 
 
 def _counter(peak: list[int], in_memory):
