@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint install install-test gpu-wheels gpu-check
+.PHONY: demo test test-slow lint install install-test gpu-wheels gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ lint: install-test
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# The long variants (marked slow) that the default run leaves out; each has a fast test
+# of the same behaviour in the default run.
+test-slow: install-test
+	$(BIN)/python -m pytest -q -m slow
 
 # GPU checks (docs/benchmarks.md, "GPU"). A borrowed GPU machine has python3 with CUDA torch
 # and no network: `make gpu-wheels` fetches here, into $(WHEELS) (ignored by git), what it
