@@ -174,7 +174,12 @@ class StagedGradients:
             return sum(buffer.nbytes for buffer in self._ram.values())
 
     # --- reading back -------------------------------------------------------------------
-    def _read(self, part: Partition, piece: _Piece, view: memoryview) -> None:
+    def read_later(self, part: Partition, piece: _Piece, view: memoryview) -> Future[None]:
+        """:meth:`read` on the tier's I/O threads."""
+        assert self._io is not None, "a piece on disk without a disk tier"
+        return self._io.submit(lambda: self.read(part, piece, view))
+
+    def read(self, part: Partition, piece: _Piece, view: memoryview) -> None:
         """Read ``part``'s piece from its file into ``view`` (page aligned) and check it."""
         assert self._nvme is not None
         path = gradient_file_of(part)
@@ -211,10 +216,9 @@ class GradientReads:
         piece = self._pieces[partition.key]
         if staged is None or piece.ram is not None:
             return staged
-        assert isinstance(staged.handle, AlignedBuffer) and self._staged._io is not None
+        assert isinstance(staged.handle, AlignedBuffer)
         offset = FileLayout(partition.span.numel).file_bytes
-        view = staged.handle.view[offset:]
-        read = self._staged._io.submit(lambda: self._staged._read(partition, piece, view))
+        read = self._staged.read_later(partition, piece, staged.handle.view[offset:])
         nbytes = piece.numel * piece.dtype.itemsize
         self._views[partition.key] = staged.handle.tensor[offset : offset + nbytes].view(piece.dtype)
         staged.ready = _both(staged.ready, read)
@@ -230,7 +234,7 @@ class GradientReads:
         view = self._views.pop(part.key, None)
         if view is None:  # a resident partition whose piece went to disk: read it on its own
             buffer = AlignedBuffer(gradient_file_bytes(piece.numel, piece.dtype.itemsize))
-            self._staged._read(part, piece, buffer.view)
+            self._staged.read(part, piece, buffer.view)
             view = buffer.tensor[: piece.numel * piece.dtype.itemsize].view(piece.dtype)
         return view, True
 
