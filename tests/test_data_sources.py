@@ -319,3 +319,21 @@ def test_cargohold_train_exits_2_on_bad_data_before_starting_anything(
     ]
     assert cli.main([*args, "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "model.vocab_size=384"]) == 2
     assert re.search(r"docs.jsonl:6 has no field 'text'", capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("form", ["text", "jsonl", "chat"])
+def test_an_empty_training_file_is_refused_naming_the_key_and_the_file(
+    tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str], form: str
+) -> None:
+    path = tmp_path / f"empty.{'txt' if form == 'text' else 'jsonl'}"
+    path.write_text("")
+    args = ["train", "--set", f"data.format={form}", "--set", f"data.path={path}"]
+    args += ["--set", f"data.tokenizer={tokenizer_dir}", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    if form == "chat":
+        pytest.importorskip("jinja2")
+    code = cli.main([*args, "--set", "model.vocab_size=384"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    # An empty text file is one empty document: its EOS alone.
+    held = r"1 tokens" if form == "text" else r"0 tokens \(it is empty, or every record was skipped\)"
+    assert re.search(rf"data.path '{re.escape(str(path))}'.* holds {held}, fewer than one sequence", err), err

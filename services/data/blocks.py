@@ -39,11 +39,12 @@ class TokenBlocks:
             raise ConfigError(f"{name} must hold a 1-D sequence of token ids, got shape {tokens.shape}")
         if counted is not None and counted.shape != tokens.shape:
             raise ConfigError(f"{name}: {counted.shape[0]} counted flags for {tokens.shape[0]} tokens")
-        self.num_blocks = (tokens.shape[0] - 1) // shape.seq_len
+        self.num_blocks = max(0, (tokens.shape[0] - 1) // shape.seq_len)
         if self.num_blocks == 0:
             raise ConfigError(
-                f"{name} holds {tokens.shape[0]} tokens, fewer than one sequence of data.block_size + 1 = "
-                f"{shape.seq_len + 1}"
+                f"{name} holds {tokens.shape[0]} tokens"
+                + (" (it is empty, or every record was skipped)" if tokens.shape[0] == 0 else "")
+                + f", fewer than one sequence of data.block_size + 1 = {shape.seq_len + 1}"
             )
         self.tokens, self.counted, self.shape = tokens, counted, shape
         self.seed, self.vocab_size, self.name = seed, vocab_size, name
