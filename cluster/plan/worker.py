@@ -23,6 +23,7 @@ import torch
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.itemsize import DTYPE_BYTES, FP32_BYTES
 from cargohold.services.layout import Layout
+from cargohold.services.optim import SQUARES_CHUNK
 from cargohold.services.state_port import exchange_nbytes
 from cargohold.services.tiers.fileformat import round_up
 from cargohold.services.weight_files import READ_BUFFERS as WEIGHT_READ_BUFFERS
@@ -87,9 +88,10 @@ class WorkerPlan:
     reduce-scatter input and output. None persists: reduced gradients are copied to the
     exchange buffer and dropped."""
     transient_bytes: int
-    """Other per-step temporaries on the device (upper bound): the fp64 copy of a unit's
-    reduced gradient for the norm, its cast to the weights' dtype when the wire dtype
-    differs, and with offload the shards of the two units in flight copied in."""
+    """Other per-step temporaries on the device (upper bound): the fp64 cast of a unit's
+    reduced gradient for the norm (``SQUARES_CHUNK`` elements at a time), its cast to the
+    weights' dtype when the wire dtype differs, and with offload the shards of the two
+    units in flight copied in."""
     activation_bytes: int
     """Estimate (see activation_bytes_estimate)."""
     activation_checkpointing: str
@@ -200,7 +202,8 @@ def plan_worker(
         max(u.numel * compute + reduce_scatter(u) for u in blocks), reduce_scatter(root)
     )
     chunk = max(u.chunk for u in units)
-    transient = chunk * 8 + (chunk * compute if wire != compute else 0) + (2 * chunk * compute if offload else 0)
+    squares = min(chunk, SQUARES_CHUNK) * 8  # the norm's fp64 cast, a piece at a time
+    transient = squares + (chunk * compute if wire != compute else 0) + (2 * chunk * compute if offload else 0)
 
     on_host = weights if offload or device == "cpu" else 0
     one_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
