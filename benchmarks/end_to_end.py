@@ -20,7 +20,10 @@ and backward, FSDP2's all-gathers and reduce-scatters, the copies of reduced gra
 into the exchange buffer and the pushes issued meanwhile), reduce (waiting for the pushes,
 and the all-reduce of the gradient norm), update (commit and fetch of every segment, and
 the copy of the fetched weights into FSDP2's shards). The peak resident set (VmHWM) of
-the largest worker process is read as in ``capacity.py``. The baseline is the same model,
+the largest worker process is read once after the steps (a high-water mark needs no
+sampling: an earlier version sampled every process's smaps every 50 ms during the timed
+steps, half of one of two cores, and inflated the step times), and the driver's CPU
+seconds during the timed steps are printed beside it. The baseline is the same model,
 initialisation, data and optimizer settings in this one process: forward/backward on the
 global batch (num_workers x batch_size sequences at once), clipping and
 ``torch.optim.AdamW(fused=True)``, with 1 thread and with every core (on a GPU: all on it),
@@ -64,14 +67,25 @@ VARIANTS = {
 
 
 def run_cargohold(config: TrainConfig, warmup: int) -> dict[str, float]:
-    """Mean step seconds and phase seconds (rank 0) over the steps after the warm-up, and
-    the largest worker's peak resident set."""
+    """Mean step seconds and phase seconds (rank 0) over the steps after the warm-up, the
+    largest worker's peak resident set, and this driver's CPU seconds while the kept steps
+    ran (what the benchmark itself took from the cores the run shares). Memory is read once,
+    after the steps (VmHWM is a high-water mark): no sampler runs beside the timed steps."""
     reports = []
-    with RayProcessWatch() as watch, TrainingSession(config) as session:
-        for _ in range(config.steps):
+    watch = RayProcessWatch()
+    with TrainingSession(config) as session:
+        for number in range(config.steps):
+            if number == warmup:
+                driver_cpu = time.process_time()
             reports.append(session.step())
+        driver_cpu = time.process_time() - driver_cpu
+        watch.sample()
     kept = reports[warmup:]
-    result = {"step": statistics.mean(r.seconds for r in kept), "peak": max(t.hwm for t in watch.by_role("worker"))}
+    result = {
+        "step": statistics.mean(r.seconds for r in kept),
+        "peak": max(t.hwm for t in watch.by_role("worker")),
+        "driver_cpu": driver_cpu / len(kept),
+    }
     for phase in PHASES:
         result[phase] = statistics.mean(r.phases.get(phase, 0.0) for r in kept)
     return result
@@ -206,12 +220,16 @@ def main() -> None:
         f"{Path('/proc/loadavg').read_text().split()[0]} at the end"
     )
     print(f"mean of steps {args.warmup + 1}..{args.steps}, seconds (rank 0's phases)")
-    print(f"{'run':40} {'step':>7} " + " ".join(f"{p:>7}" for p in PHASES) + f" {'update%':>7} {'peak':>9}")
+    print(
+        f"{'run':40} {'step':>7} "
+        + " ".join(f"{p:>7}" for p in PHASES)
+        + f" {'update%':>7} {'peak':>9} {'driver CPU':>10}"
+    )
     for name, r in results.items():
         print(
             f"{'cargohold ' + name:40} {r['step']:7.3f} "
             + " ".join(f"{r[p]:7.3f}" for p in PHASES)
-            + f" {100 * r['update'] / r['step']:6.1f}% {r['peak'] / 2**30:5.2f} GiB"
+            + f" {100 * r['update'] / r['step']:6.1f}% {r['peak'] / 2**30:5.2f} GiB {r['driver_cpu']:9.3f}s"
         )
     for (ac, threads), seconds in in_memory.items():
         where = "on the GPU" if device.type == "cuda" else f"{threads} thread(s)"
@@ -225,8 +243,9 @@ def main() -> None:
             print(f"RATIO cargohold {name} / cargohold zero3 = {r['step'] / results['zero3']['step']:.2f}")
     print(
         "update% = update phase / step: time rank 0 waited for the servers' updates and fetches after its "
-        "own backward. peak = the largest worker's VmHWM. With every process on the same few cores these "
-        "ratios reflect CPU contention, not the offload alone."
+        "own backward. peak = the largest worker's VmHWM, read after the steps. driver CPU = this process's "
+        "CPU seconds per timed step (the benchmark's own cost on the shared cores). With every process on "
+        "the same few cores these ratios reflect CPU contention, not the offload alone."
     )
 
 
