@@ -36,6 +36,7 @@ def _pushed_bytes(session: TrainingSession) -> dict[int, float]:
     return pushed
 
 
+@pytest.mark.slow  # 41 s; tests/test_step.py runs the same strategies without Ray, and bf16 and chat here
 def test_accumulation_matches_references_bitwise_with_one_push_per_step(ray_local) -> None:
     """Three micro-batches a step over two servers, clipping configured (staged pushes):
     weights, moments and losses equal both references'; each worker pushed its range once

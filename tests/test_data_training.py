@@ -71,6 +71,7 @@ def _state(root: Path, step: int) -> dict[str, torch.Tensor]:
     return read_flat_range(path, manifest, 0, manifest.total)
 
 
+@pytest.mark.slow  # 78 s; resume is bitwise in tests/test_recovery.py, chat training in test_training_contract.py
 def test_chat_fine_tuning_resumes_bitwise(tmp_path: Path) -> None:
     model = tiny_llama(make_tokenizer(tmp_path / "model"), vocab_size=384)  # max_position_embeddings 32
     chat = write_chat(tmp_path / "chat.jsonl", 300)

@@ -25,6 +25,7 @@ def _script():
     return module
 
 
+@pytest.mark.slow  # 45 s; the same optimizer under torchrun and the HF Trainer stays in the default run
 def test_ray_train_with_offloaded_adamw_equals_torch_adamw_bitwise(ray_local, tmp_path: Path) -> None:
     script = _script()
     storage = tmp_path / "results"

@@ -134,6 +134,7 @@ def test_an_nvme_tier_checkpoint_links_its_files_and_resumes_bitwise(uninterrupt
     _assert_same(_final_state(checkpoints), uninterrupted)
 
 
+@pytest.mark.slow  # 26 s; resume without dropout is bitwise in the default run
 def test_resume_with_dropout_is_bitwise(ray_local, tmp_path) -> None:
     """Dropout draws random masks every step: they are a function of (seed, step, rank),
     not of how many steps this process has run, so a resumed run draws the same masks."""
@@ -164,7 +165,13 @@ def _kill(actor) -> None:
     os.kill(ray.get(actor.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
 
 
-@pytest.mark.parametrize("victim", ["state-server", "worker"])
+@pytest.mark.parametrize(
+    "victim",
+    [
+        pytest.param("state-server", marks=pytest.mark.slow),
+        "worker",
+    ],  # a killed server: tests/test_faults.py, the soaks
+)
 def test_a_killed_actor_is_recovered_from_the_last_checkpoint(
     uninterrupted, tmp_path, monkeypatch, victim: str
 ) -> None:
@@ -239,7 +246,10 @@ def test_weights_on_nvme_with_a_killed_worker_end_where_weights_in_memory_end(
     assert not any(weights.iterdir()), f"left behind: {sorted(p.name for p in weights.rglob('*'))}"
 
 
-@pytest.mark.parametrize(("victim", "earlier_run"), [("state-server", False), ("state-server", True), ("worker", True)])
+@pytest.mark.parametrize(
+    ("victim", "earlier_run"),
+    [pytest.param("state-server", False, marks=pytest.mark.slow), ("state-server", True), ("worker", True)],
+)
 def test_a_failure_before_the_first_checkpoint_lands_is_recovered_leaving_nothing_behind(
     uninterrupted, uninterrupted_root, tmp_path, monkeypatch, victim: str, earlier_run: bool
 ) -> None:

@@ -144,6 +144,7 @@ def test_a_map_style_dataset_trains_bitwise_with_callbacks_checkpoints_and_valid
     assert seen["eval"][-1][1] == pytest.approx(final, rel=1e-5)
 
 
+@pytest.mark.slow  # 43 s; resume through the launcher is bitwise in tests/test_recovery.py
 def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path: Path) -> None:
     dataset = items()
     whole = _config(tmp_path / "whole")
