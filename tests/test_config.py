@@ -327,6 +327,8 @@ def test_wrong_types_are_refused_naming_the_key(tmp_path: Path, text: str, key: 
         ("state_server:\n  max_concurrent_calls: 4\n", "state_server.max_concurrent_calls"),
         ("state_server:\n  message_timeout_s: 0\n", "state_server.message_timeout_s"),
         ("worker:\n  cpus: .inf\n", "worker.cpus"),
+        ("worker:\n  weight_window: 1\n", "worker.weight_window"),
+        ("worker:\n  weights_nvme_path: ''\n", "worker.weights_nvme_path"),
         ("metrics:\n  port: 1\n", "metrics.port"),
         ("state_server:\n  bind_host: 0.0.0.0\n", "state_server.allow_wildcard_bind"),
         ("state_server:\n  bind_host: '::'\n", "state_server.bind_host"),
