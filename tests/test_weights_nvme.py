@@ -43,6 +43,7 @@ STRATEGIES = {
     "clipped": dict(optim__max_grad_norm=0.05),
     "immediate": dict(optim__max_grad_norm=0.0, optim__nonfinite="ignore"),
     "accumulated": dict(data__micro_batches=3),
+    "delayed": dict(worker__delayed_update=True, worker__delayed_update_after_steps=2),
     "checkpointed-window-2": dict(worker__activation_checkpointing="blocks", worker__weight_window=2),
     "gathered-once": dict(worker__reshard_after_forward=False, optim__max_grad_norm=0.05),
     # The chunks' storages fixed-size, as FSDP2's pin_memory() leaves them on a GPU node.
