@@ -11,17 +11,24 @@ from reference import reference_train, tiny_config
 from test_training_contract import _assert_matches_reference, _run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+NVME = "<a folder of the test's own>"
 
 CASES = {
     "fp32-shared-memory": dict(state_server__num_servers=2),
     "fp32-network": dict(state_server__num_servers=2, worker__shared_memory="off"),
     "bf16-shared-memory-offload-params": dict(worker__compute_dtype="bfloat16", worker__offload_params=True),
     "bf16-delayed-update": dict(worker__compute_dtype="bfloat16", worker__delayed_update=True),
+    # Weights on NVMe: FSDP2 pins the chunks (fixed-size storages), the window frees and
+    # reads them between gathers (issue 23).
+    "bf16-weights-on-nvme": dict(
+        worker__compute_dtype="bfloat16", worker__weights_nvme_path=NVME, worker__weight_window=2
+    ),
 }
 
 
 @pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
-def test_a_cuda_worker_matches_torch_adamw_bitwise(ray_local, overrides: dict) -> None:
+def test_a_cuda_worker_matches_torch_adamw_bitwise(ray_local, tmp_path, overrides: dict) -> None:
+    overrides = {k: str(tmp_path) if v == NVME else v for k, v in overrides.items()}
     # One GPU, one worker: NCCL refuses two ranks on one device.
     config = tiny_config(steps=8, worker__num_workers=1, worker__device="cuda", worker__gpus=1, **overrides)
     layout, losses, weights, server = _run(config)
