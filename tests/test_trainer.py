@@ -157,7 +157,9 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path: Path) -> None:
     _assert_bitwise(_exported(resumed), _exported(whole))
 
 
-@pytest.mark.parametrize("kind", ["iterable", "function"])
+@pytest.mark.parametrize(
+    "kind", ["iterable", pytest.param("function", marks=pytest.mark.slow)]
+)  # one in the default run
 def test_an_iterable_dataset_or_a_batch_function_trains_bitwise_with_accumulation(tmp_path: Path, kind: str) -> None:
     config = _config(tmp_path, data__micro_batches=2, worker__num_workers=2)
     data = Stream(200) if kind == "iterable" else batch_function
