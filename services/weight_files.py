@@ -16,12 +16,9 @@ claimed with the tier folders' ``.lock`` for the worker's life.
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import threading
-import time
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -29,7 +26,7 @@ import torch
 from cargohold.services.errors import TierError, TierSpaceError
 from cargohold.services.tiers.fileformat import BLOCK, corrupt_error, crc32c, round_up
 from cargohold.services.tiers.io_pool import AlignedBuffer, BufferPool
-from cargohold.services.tiers.nvme import TierPath, lock_folder, probe_path, remove_folder
+from cargohold.services.tiers.nvme import SPACE_ERRNOS, TierPath, lock_folder, probe_path, remove_folder
 
 WEIGHTS_KEY = "worker.weights_nvme_path"
 READ_BUFFERS = 2
@@ -56,16 +53,6 @@ class NullWeightObserver:
 
     def add_weight_wait(self, seconds: float) -> None:
         pass
-
-
-@dataclass(slots=True)
-class WeightIo:
-    """Bytes and seconds of the weight files' reads and writes, since start."""
-
-    read_bytes: int = 0
-    read_seconds: float = 0.0
-    write_bytes: int = 0
-    write_seconds: float = 0.0
 
 
 class WeightFiles:
@@ -108,7 +95,6 @@ class WeightFiles:
         self._crcs: dict[int, tuple[int, int]] = {}
         """Unit -> (bytes, CRC-32C) of its file as last written."""
         self._lock = threading.Lock()
-        self.io = WeightIo()
         self.observer = observer or NullWeightObserver()
 
     def file_of(self, unit: int) -> str:
@@ -124,16 +110,13 @@ class WeightFiles:
             buffer.tensor[nbytes:padded].zero_()
             crc = crc32c(buffer.view[:padded])
             path = self.file_of(unit)
-            started = time.perf_counter()
             try:
                 self._path.write_whole(path, buffer.view[:padded])
             except OSError as error:
-                kind = TierSpaceError if error.errno in (errno.ENOSPC, errno.EDQUOT) else TierError
+                kind = TierSpaceError if error.errno in SPACE_ERRNOS else TierError
                 raise kind(f"{WEIGHTS_KEY}: writing the weights file {path} failed: {error.strerror}") from error
             with self._lock:
                 self._crcs[unit] = (padded, crc)
-                self.io.write_bytes += padded
-                self.io.write_seconds += time.perf_counter() - started
             self.observer.record_weight_io("write", padded)
         finally:
             self.buffers.release(buffer)
@@ -148,7 +131,6 @@ class WeightFiles:
         nbytes, crc = expected
         buffer, _ = self.buffers.acquire(None, block=True)
         try:
-            started = time.perf_counter()
             try:
                 got = self._path.read_into(path, buffer.view[:nbytes])
             except FileNotFoundError as error:
@@ -159,9 +141,6 @@ class WeightFiles:
                 raise corrupt_error(path, None, f"read {got} of {nbytes} bytes (truncated)")
             if crc32c(buffer.view[:nbytes]) != crc:
                 raise corrupt_error(path, None, "checksum mismatch (changed on disk since it was written)")
-            with self._lock:
-                self.io.read_bytes += nbytes
-                self.io.read_seconds += time.perf_counter() - started
             self.observer.record_weight_io("read", nbytes)
             return buffer
         except BaseException:

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -36,6 +37,18 @@ from cargohold.services.layout import Layout
 from cargohold.services.sharding import Unit, copy_range_into_params, local_tensors
 from cargohold.services.weight_files import WeightFiles
 from cargohold.services.window_schedule import BACKWARD, FORWARD, Entry, WindowSchedule, pass_entries
+
+
+@dataclass(frozen=True, slots=True)
+class _ChunkStorage:
+    """The storage of one chunk (FSDP2's padded local shard) and its sizes."""
+
+    storage: torch.UntypedStorage
+    nbytes: int
+    """Allocated: the padded chunk."""
+    used: int
+    """Bytes up to the end of the chunk's own elements (FSDP2's local view starts the
+    storage); the rest is padding."""
 
 
 class WeightWindow:
@@ -58,7 +71,6 @@ class WeightWindow:
         self.layout = layout
         self.rank = rank
         self.files = files
-        self.window = window
         self.backward_gathers = backward_gathers
         self.blocks = list(range(1, len(units)))
         for group in self.blocks:
@@ -86,8 +98,8 @@ class WeightWindow:
     def host_bytes(self) -> int:
         """The most host memory the blocks' weights take: ``window`` blocks in memory and
         the files' read buffers."""
-        largest = max((sum(nbytes for _, nbytes in self._storages[g]) for g in self.blocks), default=0)
-        return self.window * largest + self.files.buffers.count * self.files.buffers.nbytes
+        largest = max((sum(c.nbytes for c in self._storages[g]) for g in self.blocks), default=0)
+        return self.schedule.window * largest + self.files.buffers.count * self.files.buffers.nbytes
 
     # --- files ----------------------------------------------------------------------
     def write(self, group: int, source: torch.Tensor) -> None:
@@ -167,19 +179,25 @@ class WeightWindow:
             self._loads[group] = self._reader.submit(self._load, group)
 
     # --- moving the chunks ----------------------------------------------------------
-    def _group_storages(self, group: int) -> list[tuple[torch.UntypedStorage, int]]:
-        first = self.layout.groups[group].first_param
-        count = len(self.layout.group_params(group))
-        storages = [t.untyped_storage() for t in self._targets[first : first + count]]
-        return [(s, s.nbytes()) for s in storages]
+    def _group_storages(self, group: int) -> list[_ChunkStorage]:
+        g = self.layout.groups[group]
+        return [
+            _ChunkStorage(
+                t.untyped_storage(),
+                t.untyped_storage().nbytes(),
+                int(t.storage_offset() + t.numel()) * t.element_size(),
+            )
+            for t in self._targets[g.first_param : g.stop_param]
+        ]
 
     def _load(self, group: int) -> None:
         buffer = self.files.read(group)
         try:
-            for storage, nbytes in self._storages[group]:
-                if storage.nbytes() != nbytes:
-                    storage.resize_(nbytes)
-                torch.empty(0, dtype=torch.uint8).set_(storage).zero_()  # padding included
+            for chunk in self._storages[group]:
+                if chunk.storage.nbytes() != chunk.nbytes:
+                    chunk.storage.resize_(chunk.nbytes)
+                # The chunk's own bytes are copied below; only FSDP2's padding after them is zeroed.
+                torch.empty(0, dtype=torch.uint8).set_(chunk.storage)[chunk.used :].zero_()
             g = self.layout.groups[group]
             source = buffer.tensor[: (g.stop - g.start) * self._dtype.itemsize].view(self._dtype)
             with torch.no_grad():
@@ -188,8 +206,8 @@ class WeightWindow:
             self.files.done(buffer)
 
     def _free(self, group: int) -> None:
-        for storage, _ in self._storages[group]:
-            storage.resize_(0)
+        for chunk in self._storages[group]:
+            chunk.storage.resize_(0)
 
     # --- hooks ----------------------------------------------------------------------
     def _hook(self, module: nn.Module, group: int) -> list[Any]:

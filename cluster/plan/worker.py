@@ -171,11 +171,11 @@ def plan_worker(
     # FSDP2's local shards, in the compute dtype; rank 0 holds the most (the last ranks'
     # dim-0 chunks run short or empty). With weights on NVMe, the root's, a window of
     # blocks (their padded chunks, as allocated) and the files' read buffers.
-    block_files = [(g.stop - g.start) * compute for g in layout.groups[1:]]
+    block_files = [round_up((g.stop - g.start) * compute) for g in layout.groups[1:]]  # as written: whole blocks
     if on_nvme:
         root_weights = sum(slot.local_numel(0) for slot in layout.group_params(0)) * compute
         largest_block = max(sum(s.slot_numel for s in layout.group_params(g.index)) for g in layout.groups[1:])
-        read_buffers = WEIGHT_READ_BUFFERS * round_up(max(block_files))
+        read_buffers = WEIGHT_READ_BUFFERS * max(block_files)
         weights = root_weights + settings.weight_window * largest_block * compute + read_buffers
     else:
         weights = sum(slot.local_numel(0) for slot in layout.params) * compute
@@ -215,9 +215,12 @@ def plan_worker(
         + max(g.stop - g.start for g in layout.groups) * FP32_BYTES
     )
     gathers = sum(u.chunk for u in units) + (sum(u.chunk for u in blocks) if settings.reshard_after_forward else 0)
-    reads = reads_per_micro_batch(
-        range(1, len(units)), window=settings.weight_window, backward=settings.reshard_after_forward
-    )
+    weight_reads = 0
+    if on_nvme:
+        reads = reads_per_micro_batch(
+            range(1, len(units)), window=settings.weight_window, backward=settings.reshard_after_forward
+        )
+        weight_reads = config.data.micro_batches * sum(block_files[g - 1] for g in reads)
     return WorkerPlan(
         device=device,
         offload=offload,
@@ -240,11 +243,9 @@ def plan_worker(
             all_gather_bytes=(world - 1) * gathers * compute,
             push_bytes=layout.worker_size * push,
             fetch_bytes=layout.worker_size * compute,
-            weight_read_bytes=config.data.micro_batches * sum(round_up(block_files[g - 1]) for g in reads)
-            if on_nvme
-            else 0,
-            weight_write_bytes=sum(round_up(n) for n in block_files) if on_nvme else 0,
+            weight_read_bytes=weight_reads,
+            weight_write_bytes=sum(block_files) if on_nvme else 0,  # each file once, after the update
         ),
-        nvme_weight_bytes=sum(round_up(n) for n in block_files) if on_nvme else 0,
+        nvme_weight_bytes=sum(block_files) if on_nvme else 0,
         weight_window=settings.weight_window if on_nvme else 0,
     )

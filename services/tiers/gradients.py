@@ -17,7 +17,6 @@ folder.
 
 from __future__ import annotations
 
-import errno
 import threading
 import time
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ import torch
 from cargohold.services.errors import TierError, TierSpaceError
 from cargohold.services.tiers.fileformat import FileLayout, corrupt_error, crc32c, gradient_file_bytes
 from cargohold.services.tiers.io_pool import AlignedBuffer, BufferPool, IoPool
-from cargohold.services.tiers.nvme import NvmeTier
+from cargohold.services.tiers.nvme import SPACE_ERRNOS, NvmeTier
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.tier import NullObserver, Partition, Staged, TierObserver
 
@@ -131,7 +130,7 @@ class StagedGradients:
                 try:
                     nvme.paths[part.path_index].write_whole(path, buffer.view[:nbytes])
                 except OSError as error:
-                    kind = TierSpaceError if error.errno in (errno.ENOSPC, errno.EDQUOT) else TierError
+                    kind = TierSpaceError if error.errno in SPACE_ERRNOS else TierError
                     raise kind(f"writing the staged gradient {path} ({part.key}) failed: {error.strerror}") from error
                 self._observer.record_tier_io("write", nbytes, time.perf_counter() - started)
                 with self._lock:

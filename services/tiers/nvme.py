@@ -57,7 +57,8 @@ REQUEST_BYTES = 64 << 20
 """Largest single read or write request; a partition moves in few, large, sequential ones."""
 PROBE_BYTES = 8 << 20
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""A write failed because the filesystem (or the user's quota) is full."""
 
 
 @dataclass(slots=True)
@@ -146,7 +147,7 @@ def probe_path(
                     logger.info("%s refuses O_DIRECT; using buffered I/O there", root)
                     direct = False
                     continue
-                kind = TierSpaceError if error.errno in _SPACE_ERRNOS else TierError
+                kind = TierSpaceError if error.errno in SPACE_ERRNOS else TierError
                 raise kind(f"{key}: cannot write and read {root}: {error.strerror}") from error
         if got != probe_bytes:
             raise TierError(f"{key}: {root} returned {got} of {probe_bytes} probe bytes")
@@ -399,7 +400,7 @@ class NvmeTier:
                     raise
                 write_partition_file(target, buffer, partition.key, partition.span.numel, step, direct=False)
         except OSError as error:
-            kind = TierSpaceError if error.errno in _SPACE_ERRNOS else TierError
+            kind = TierSpaceError if error.errno in SPACE_ERRNOS else TierError
             raise kind(
                 f"writing partition file {target} ({partition.key}) at step {step} failed: "
                 f"{error.strerror}; the last good file is kept"
