@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from reference import _free_port, reference_train, tiny_config
+from step_runs import registry_masters, run_ranks
 
 from cargohold.services.data import dropout_seed
 from cargohold.services.data.sources import open_source
@@ -73,11 +74,7 @@ def _train(rank: int, config, folder: Path) -> None:
         norms.append(report.global_grad_norm)
     weights = step.newest_weights()
     step.close()
-    masters = torch.zeros(layout.worker_size)
-    for state in port_.registry.shards("run"):
-        segment = layout.segments[state.spec.segment_id]
-        at = segment.local_offset
-        masters[at : at + segment.numel] = state.snapshot()["master"]
+    masters = registry_masters(port_, layout)
     folder.mkdir(exist_ok=True)
     torch.save({"losses": losses, "norms": norms, "weights": weights, "masters": masters}, folder / f"{rank}.pt")
 
@@ -86,10 +83,7 @@ def _train(rank: int, config, folder: Path) -> None:
 def test_step_without_ray_matches_adamw_bitwise(world: int) -> None:
     """Each strategy (staged, immediate, delayed) equals the single-process reference."""
     with tempfile.TemporaryDirectory(prefix="cargohold-step-") as folder:
-        mp.start_processes(
-            _train_all, args=(world, _free_port(), folder), nprocs=world, start_method="spawn", join=True
-        )
-        results = {name: [torch.load(Path(folder) / name / f"{r}.pt") for r in range(world)] for name in STRATEGIES}
+        results = run_ranks(_train_all, world, folder, STRATEGIES)
     for name, ranks in results.items():
         config = tiny_config(steps=6, worker__num_workers=world, **STRATEGIES[name])
         layout = model_layout(config)[2]

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from reference import _free_port, reference_train, tiny_config
+from reference import reference_train, tiny_config
+from step_runs import registry_masters, run_ranks
 from system import mounted_tmpfs
 
 from cargohold.services.data import dropout_seed
@@ -104,10 +104,7 @@ def _train(rank: int, config, folder: Path) -> None:
     weights = step.newest_weights()
     files = sorted(os.listdir(window.files.folder))
     step.close()
-    masters = torch.zeros(layout.worker_size)
-    for state in port_.registry.shards("run"):
-        segment = layout.segments[state.spec.segment_id]
-        masters[segment.local_offset : segment.local_offset + segment.numel] = state.snapshot()["master"]
+    masters = registry_masters(port_, layout)
     folder.mkdir(exist_ok=True)
     torch.save(
         {"losses": losses, "weights": weights, "masters": masters, "peaks": peaks, "files": files},
@@ -150,10 +147,7 @@ def _blocks_in_memory(step: ShardedStep):
 @pytest.mark.parametrize("world", [1, 2])
 def test_weights_on_nvme_train_bitwise_as_adamw(world: int) -> None:
     with tempfile.TemporaryDirectory(prefix="cargohold-weights-") as folder:
-        mp.start_processes(
-            _train_all, args=(world, _free_port(), folder), nprocs=world, start_method="spawn", join=True
-        )
-        results = {name: [torch.load(Path(folder) / name / f"{r}.pt") for r in range(world)] for name in STRATEGIES}
+        results = run_ranks(_train_all, world, folder, STRATEGIES)
         assert not os.listdir(Path(folder) / "nvme"), "weight files left behind"
     for name, ranks in results.items():
         config = _config(world, "/unused", STRATEGIES[name])
