@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import free_port
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_io import from_dict
@@ -213,7 +213,7 @@ def fsdp_reference_train(config: TrainConfig, steps: int) -> FlatReference:
     world = config.worker.num_workers
     with tempfile.TemporaryDirectory(prefix="cargohold-fsdp-ref-") as folder:
         mp.start_processes(
-            _fsdp_rank, args=(world, _free_port(), config, steps, folder), nprocs=world, start_method="spawn", join=True
+            _fsdp_rank, args=(world, free_port(), config, steps, folder), nprocs=world, start_method="spawn", join=True
         )
         ranks = [torch.load(Path(folder) / f"rank{r}.pt") for r in range(world)]
     flats = {which: torch.cat([rank[which] for rank in ranks]) for which in STATES}
@@ -275,12 +275,6 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
         dist.barrier()  # rank 0 hosts the store: no rank may leave while another still uses it
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def tiny_config(**overrides) -> TrainConfig:

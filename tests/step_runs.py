@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from reference import _free_port
+from ports import free_port
 
 from cargohold.services.layout import Layout
 from cargohold.services.state_port import LocalPort
@@ -18,7 +18,7 @@ from cargohold.services.state_port import LocalPort
 def run_ranks(train_all: Callable[..., None], world: int, folder: str, names: Iterable[str]) -> dict[str, list[dict]]:
     """Spawn ``train_all(rank, world, port, folder)`` on ``world`` ranks; each strategy's
     results, as every rank saved them to ``<folder>/<name>/<rank>.pt``."""
-    mp.start_processes(train_all, args=(world, _free_port(), folder), nprocs=world, start_method="spawn", join=True)
+    mp.start_processes(train_all, args=(world, free_port(), folder), nprocs=world, start_method="spawn", join=True)
     return {name: [torch.load(Path(folder) / name / f"{r}.pt") for r in range(world)] for name in names}
 
 

@@ -5,13 +5,13 @@ checkpointing (alone and under a real 2-process FSDP2 group), and the memory it 
 from __future__ import annotations
 
 import copy
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import free_port
 from torch import nn
 
 from cargohold.cluster.config_model import GPTConfig
@@ -153,12 +153,6 @@ def test_checkpointing_keeps_far_fewer_activations() -> None:
     assert with_ac < without / 4
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _sharded_run(rank: int, port: int, out: Path) -> None:
     """On each rank: the same model with and without checkpointing, both ``fully_shard``ed
     after (per block, then the root), one step on the rank's batch."""
@@ -184,7 +178,7 @@ def _sharded_run(rank: int, port: int, out: Path) -> None:
 
 
 def test_checkpointing_composes_with_fully_shard_applied_after(tmp_path: Path) -> None:
-    mp.spawn(_sharded_run, args=(_free_port(), tmp_path), nprocs=2)
+    mp.spawn(_sharded_run, args=(free_port(), tmp_path), nprocs=2)
     losses = set()
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")

@@ -6,12 +6,12 @@ metrics of every actor for real while the run is up."""
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 
 import pytest
 import ray
 import torch
+from ports import free_port_range
 from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster
 from reference import reference_train, tiny_config
@@ -50,26 +50,8 @@ def _value(samples: dict, family: str, sample: str, **labels: str) -> float:
     )
 
 
-def _free_port_range(count: int) -> int:
-    """A base port whose next ``count`` ports are free now."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range")
-
-
 def test_every_actor_on_its_own_node(four_nodes, tmp_path) -> None:
-    base_port = _free_port_range(4)
+    base_port = free_port_range(4)
     config = tiny_config(
         steps=6,
         state_server__num_servers=2,

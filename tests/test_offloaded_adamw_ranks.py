@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from reference import _free_port
+from ports import free_port
 from torch import nn
 
 import cargohold
@@ -89,7 +89,7 @@ def test_each_rank_handles_about_half_of_the_state() -> None:
 
 def test_a_checkpoint_of_two_ranks_resumes_bitwise_on_two_ranks_and_in_one_process() -> None:
     with tempfile.TemporaryDirectory(prefix="cargohold-ranks-") as folder:
-        mp.start_processes(_rank, args=(2, _free_port(), folder), nprocs=2, start_method="spawn", join=True)
+        mp.start_processes(_rank, args=(2, free_port(), folder), nprocs=2, start_method="spawn", join=True)
         resumed = torch.load(Path(folder) / "resumed.pt")
         with cargohold.start_state_servers(StateServerConfig(num_servers=1), in_process=True) as servers:
             model = _model()

@@ -19,7 +19,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from ports import free_ports
 
 pytestmark = [
     pytest.mark.integration,
@@ -62,17 +62,6 @@ class Head:
         with urllib.request.urlopen(request, timeout=10) as reply:
             body = reply.read().decode()
         return json.loads(body) if reply.headers.get_content_type() == "application/json" else body
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _descendants(root: int) -> set[int]:
@@ -142,7 +131,7 @@ def head() -> Iterator[Head]:
         RAY_AUTH_TOKEN=token,
         RAY_USAGE_STATS_ENABLED="0",
     )
-    gcs, dashboard, client, agent_http, agent_grpc, runtime_env, metrics, node_manager, object_manager = _free_ports(9)
+    gcs, dashboard, client, agent_http, agent_grpc, runtime_env, metrics, node_manager, object_manager = free_ports(9)
     command = [
         RAY,
         "start",

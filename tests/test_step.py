@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from reference import _free_port, reference_train, tiny_config
+from ports import free_port
+from reference import reference_train, tiny_config
 from step_runs import registry_masters, run_ranks
 
 from cargohold.services.data import dropout_seed
@@ -185,7 +186,7 @@ def test_a_delayed_clipped_update_commits_during_the_next_steps_compute() -> Non
     (the servers' AdamW overlaps step t+1's forward and backward), a segment's next push
     waits for its own commit, and the losses still equal the reference."""
     with tempfile.TemporaryDirectory(prefix="cargohold-step-") as folder:
-        mp.start_processes(_overlap, args=(_free_port(), folder), nprocs=1, start_method="spawn", join=True)
+        mp.start_processes(_overlap, args=(free_port(), folder), nprocs=1, start_method="spawn", join=True)
         result = torch.load(Path(folder) / "overlap.pt")
     record = result["record"]
     commits = [entry for entry in record if entry[0] == "commit"]
