@@ -133,6 +133,15 @@ class WorkerConfig:
     """With weights_nvme_path: blocks whose chunks may be in host memory at once (the one in
     use and those read ahead); at least 2, since backward gathers the next block while one
     computes."""
+    max_unit_params: int = 0
+    """0: one FSDP2 unit per transformer block, every other parameter (embeddings, norms,
+    head) in the root unit. Above 0: no unit larger than this many parameters where the
+    model allows it (torchtitan's layout): a block above it is split below (its attention
+    and MLP, or their projections), and the embeddings and the head are units of their
+    own; norms stay in the root. What a step gathers on the device, the gradients it
+    reduces and its temporaries, the exchange slots and the weight window are then sized
+    by the largest unit, not by a block or the root: set it for blocks too large for the
+    device (a 175B block holds 1.8B parameters). Checkpoints resume under any value."""
     activation_checkpointing: Literal["off", "blocks"] = "off"
     """blocks: keep only each transformer block's input in forward and recompute the rest
     in backward (torch's activation checkpointing), trading compute for memory."""
@@ -171,6 +180,7 @@ class WorkerConfig:
         if self.weights_nvme_path == "":
             raise ConfigError("worker.weights_nvme_path must name a folder or be null, got an empty string")
         _non_negative("worker.delayed_update_after_steps", self.delayed_update_after_steps)
+        _non_negative("worker.max_unit_params", self.max_unit_params)
         _non_negative("worker.cpus", self.cpus)
         _non_negative("worker.gpus", self.gpus)
 

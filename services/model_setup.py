@@ -39,7 +39,7 @@ def model_layout(config: TrainConfig, task: TrainingTask | None = None) -> tuple
     task = task or ConfigTask(config)
     with torch.device("meta"):
         model = task.build()
-    units = units_of(model, task.blocks(model))
+    units = units_of(model, task.blocks(model), max_params=config.worker.max_unit_params)
     layout = layout_for_units(
         model, units, num_workers=config.worker.num_workers, num_servers=config.state_server.num_servers
     )
@@ -59,7 +59,7 @@ def sharded_model(
         _check_pinned_memory()
     model.to(WIRE_DTYPES[worker.compute_dtype])  # FSDP2 keeps the shards in the dtype it finds
     if worker.activation_checkpointing == "blocks":
-        apply_activation_checkpointing([unit.module for unit in units[1:]])
+        apply_activation_checkpointing([block for _, block in task.blocks(model)])
     shard_units(
         units,
         compute_dtype=WIRE_DTYPES[worker.compute_dtype],

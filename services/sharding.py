@@ -3,9 +3,13 @@ follows from them, sharding a meta-device model, and moving values between FSDP2
 shards and a worker's range of the flat space.
 
 The units are the model's transformer blocks plus the root (every parameter outside a
-block). Group order in the layout: the root first, then the blocks in forward order; a
-group's parameters in ``named_parameters()`` order, which is the order FSDP2 gives the
-unit's parameters and so the order of its reduce-scatter output.
+block); with ``worker.max_unit_params`` blocks above the bound are split below (attention
+and MLP, or their projections) and the embeddings and head are units of their own, as
+torchtitan does, so that what a step holds on the device is bounded by a unit no larger
+than the bound rather than by a block. Group order in the layout: the root first, then
+the units in forward order; a group's parameters in ``named_parameters()`` order, which
+is the order FSDP2 gives the unit's parameters and so the order of its reduce-scatter
+output.
 """
 
 from __future__ import annotations
@@ -34,20 +38,71 @@ class Unit:
     param_names: tuple[str, ...]
 
 
-def units_of(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> list[Unit]:
-    """The root unit then one unit per block. Tied parameters belong to the first unit
-    that holds them (``named_parameters`` yields a shared parameter once)."""
+def units_of(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, max_params: int = 0) -> list[Unit]:
+    """The root unit, then one unit per block in forward order; with ``max_params`` (> 0)
+    the units :func:`split_modules` finds instead of the blocks. Tied parameters belong to
+    the first unit that holds them (``named_parameters`` yields a shared parameter once)."""
     names = {id(p): name for name, p in model.named_parameters()}
-    in_block: dict[str, str] = {}
+    modules = list(blocks) if max_params <= 0 else split_modules(model, blocks, max_params)
+    in_unit: dict[str, str] = {}
     units = []
-    for block_name, block in blocks:
-        own = tuple(names[id(p)] for p in block.parameters() if names.get(id(p), "").startswith(block_name + "."))
+    for unit_name, module in modules:
+        own = tuple(names[id(p)] for p in module.parameters() if names.get(id(p), "").startswith(unit_name + "."))
         if not own:
-            raise TrainingError(f"block {block_name!r} holds no parameters of its own; FSDP2 cannot shard it")
-        in_block.update(dict.fromkeys(own, block_name))
-        units.append(Unit(block_name, block, own))
-    root = tuple(name for name, _ in model.named_parameters() if name not in in_block)
+            raise TrainingError(f"block {unit_name!r} holds no parameters of its own; FSDP2 cannot shard it")
+        in_unit.update(dict.fromkeys(own, unit_name))
+        units.append(Unit(unit_name, module, own))
+    root = tuple(name for name, _ in model.named_parameters() if name not in in_unit)
     return [Unit(ROOT, model, root), *units]
+
+
+SMALL_UNIT_SHARE = 64
+"""A module holding under ``max_params / SMALL_UNIT_SHARE`` parameters (a norm, a bias)
+is not worth a unit of its own (a collective and hooks each pass): it stays in the root."""
+
+
+def split_modules(
+    model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], max_params: int
+) -> list[tuple[str, nn.Module]]:
+    """The modules to ``fully_shard`` so that no unit holds more than ``max_params``
+    parameters where the model allows it, in definition order (forward order for
+    transformers: embeddings, each block's attention then MLP, head).
+
+    Walking down from the root: a block within the bound is one unit; a module above it is
+    split into its children (a leaf above it stays one unit: the embeddings of a large
+    vocabulary); a module outside the blocks within the bound is a unit of its own (the
+    embeddings, the head) unless it is small (``SMALL_UNIT_SHARE``), when it stays in the
+    root like a block's norms. Never a unit: a module holding the blocks or a container
+    without a forward (``ModuleList``), and a module with a parameter tied to another
+    module (both must be gathered together: they stay in the root)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    block_ids = {id(block) for _, block in blocks}
+    found: list[tuple[str, nn.Module]] = []
+
+    def own_size(module: nn.Module, name: str) -> tuple[int, bool]:
+        own = [p for p in module.parameters() if names.get(id(p), "").startswith(name + ".")]
+        return sum(p.numel() for p in own), any(owners[id(p)] > 1 for p in own)
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for child_name, child in module.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            size, tied = own_size(child, name)
+            if size == 0:
+                continue
+            holds_blocks = any(id(m) in block_ids for m in child.modules() if m is not child)
+            container = isinstance(child, (nn.ModuleList, nn.ModuleDict))
+            divisible = any(True for _ in child.children())
+            if holds_blocks or container or tied or (size > max_params and divisible):
+                visit(child, name)
+            elif id(child) in block_ids or size * SMALL_UNIT_SHARE >= max_params:
+                found.append((name, child))
+
+    visit(model, "")
+    return found
 
 
 def layout_for_units(

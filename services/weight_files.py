@@ -31,7 +31,7 @@ from cargohold.services.tiers.nvme import SPACE_ERRNOS, TierPath, lock_folder, p
 WEIGHTS_KEY = "worker.weights_nvme_path"
 READ_BUFFERS = 2
 """Aligned buffers of the largest file that reads and writes go through: one read while
-another block's update is written."""
+another unit's update is written."""
 
 
 def worker_folder(root: str, run_id: str, rank: int) -> str:

@@ -1,19 +1,19 @@
-"""Which blocks' chunks are in host memory when the weights live on NVMe
+"""Which units' chunks are in host memory when the weights live on NVMe
 (``worker.weights_nvme_path``): a bounded window, read ahead in the order FSDP2 uses them.
 
 FSDP2 reads a unit's chunks (its local shards) only when it all-gathers the unit: before
 the unit's forward and, with ``reshard_after_forward``, again before its backward. So a
-block's chunks need host memory only from a little before each gather to just after it.
+unit's chunks need host memory only from a little before each gather to just after it.
 Between uses the chunks' storage is freed (``untyped_storage().resize_(0)``, what FSDP2
-does to the gathered weights it reshards) and the block's file (:class:`WeightFiles`)
+does to the gathered weights it reshards) and the unit's file (:class:`WeightFiles`)
 holds them; a read brings them back into the same storage objects, so FSDP2's views stay
 valid. The root unit (embeddings, final norm, head) stays in memory.
 
 The order of one micro-batch's uses is known in advance; :mod:`.window_schedule` keeps
-the bookkeeping (which blocks are in memory, which to read next). The hooks release a
-forward use after the block's forward and a backward use in FSDP2's reduce hook, after
-the block's gradients are reduced. Where FSDP2 gathers ahead of a hook's reach (in
-backward it gathers block b-1 while b computes, and the last block from the root's
+the bookkeeping (which units are in memory, which to read next). The hooks release a
+forward use after the unit's forward and a backward use in FSDP2's reduce hook, after
+the unit's gradients are reduced. Where FSDP2 gathers ahead of a hook's reach (in
+backward it gathers unit b-1 while b computes, and the last unit from the root's
 pre-backward) the hooks ask for those entries too, taking them out of turn if the window
 has not reached them: prefetch is only a hint, correctness never depends on it.
 """
@@ -52,7 +52,7 @@ class _ChunkStorage:
 
 
 class WeightWindow:
-    """The tiered blocks (every unit but the root) of one worker's sharded model."""
+    """The tiered units (every unit but the root) of one worker's sharded model."""
 
     def __init__(
         self,
@@ -65,53 +65,53 @@ class WeightWindow:
         window: int,
         backward_gathers: bool,
     ) -> None:
-        """``backward_gathers``: FSDP2 gathers each block again for its backward
-        (``reshard_after_forward``), so each block is read twice per micro-batch."""
+        """``backward_gathers``: FSDP2 gathers each unit again for its backward
+        (``reshard_after_forward``), so each unit is read twice per micro-batch."""
         self.schedule = WindowSchedule(window)
         self.layout = layout
         self.rank = rank
         self.files = files
         self.backward_gathers = backward_gathers
-        self.blocks = list(range(1, len(units)))
-        for group in self.blocks:
+        self.tiered = list(range(1, len(units)))
+        for group in self.tiered:
             resizable_chunks(units[group].module)
         with torch.no_grad():
             self._targets = local_tensors(model, layout)
-        self._storages = {g: self._group_storages(g) for g in self.blocks}
+        self._storages = {g: self._group_storages(g) for g in self.tiered}
         self._dtype = self._targets[0].dtype
         self._lock = threading.Lock()
         self._loads: dict[int, Future[None]] = {}
-        """The read of every block in memory (done or running), as the schedule's ``resident``."""
+        """The read of every unit in memory (done or running), as the schedule's ``resident``."""
         self._phase = FORWARD
         self._with_backward = False
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-read")
-        self._handles = [h for g in self.blocks for h in self._hook(units[g].module, g)]
-        self._untouched = set(self.blocks)
-        """Blocks whose chunks FSDP2 allocated (``to_empty``: no page touched yet) and no
+        self._handles = [h for g in self.tiered for h in self._hook(units[g].module, g)]
+        self._untouched = set(self.tiered)
+        """Units whose chunks FSDP2 allocated (``to_empty``: no page touched yet) and no
         read has filled: freed once FSDP2's lazy initialisation has seen them allocated."""
         self._handles.append(units[0].module.register_forward_pre_hook(self._after_lazy_init))
-        if backward_gathers and self.blocks:
+        if backward_gathers and self.tiered:
             self._handles.append(units[0].module.register_forward_hook(self._after_root_forward, prepend=True))
 
     # --- sizes ----------------------------------------------------------------------
     @property
     def host_bytes(self) -> int:
-        """The most host memory the blocks' weights take: ``window`` blocks in memory and
+        """The most host memory the units' weights take: ``window`` units in memory and
         the files' read buffers."""
-        largest = max((sum(c.nbytes for c in self._storages[g]) for g in self.blocks), default=0)
+        largest = max((sum(c.nbytes for c in self._storages[g]) for g in self.tiered), default=0)
         return self.schedule.window * largest + self.files.buffers.count * self.files.buffers.nbytes
 
     # --- files ----------------------------------------------------------------------
     def write(self, group: int, source: torch.Tensor) -> None:
-        """Store block ``group``'s weights, ``source`` laid out as its part of the worker's
-        range (what a fetch brings); the block must not be in memory."""
+        """Store unit ``group``'s weights, ``source`` laid out as its part of the worker's
+        range (what a fetch brings); the unit must not be in memory."""
         with self._lock:
             if group in self._loads:
-                raise TrainingError(f"block {group}'s weights were written while the block is in use")
+                raise TrainingError(f"unit {group}'s weights were written while the unit is in use")
         self.files.write(group, source[: self.layout.groups[group].stop - self.layout.groups[group].start])
 
     def read(self, group: int, out: torch.Tensor) -> None:
-        """Block ``group``'s part of the worker's range, from its file, into ``out``."""
+        """Unit ``group``'s part of the worker's range, from its file, into ``out``."""
         buffer = self.files.read(group)
         try:
             out.copy_(buffer.tensor[: out.numel() * out.element_size()].view(out.dtype))
@@ -119,13 +119,13 @@ class WeightWindow:
             self.files.done(buffer)
 
     def free_all(self) -> None:
-        """Give back every block's chunks (after a pass that did not finish)."""
+        """Give back every unit's chunks (after a pass that did not finish)."""
         with self._lock:
             self.schedule.reset()
             loads, self._loads = list(self._loads.values()), {}
         for load in loads:
             load.exception()
-        for group in self.blocks:
+        for group in self.tiered:
             self._free(group)
 
     def close(self) -> None:
@@ -138,17 +138,17 @@ class WeightWindow:
     # --- the window -----------------------------------------------------------------
     def begin(self, *, backward: bool) -> None:
         """Lay out the uses of the next micro-batch (its forward, and its backward when
-        there is one) and start reading the first blocks."""
+        there is one) and start reading the first units."""
         with self._lock:
             leftover = bool(self._loads)
         if leftover:  # a pass that raised part-way: start clean
             self.free_all()
         with self._lock:
             self._phase, self._with_backward = FORWARD, backward and self.backward_gathers
-            self._read(self.schedule.begin(pass_entries(self.blocks, backward=self._with_backward)))
+            self._read(self.schedule.begin(pass_entries(self.tiered, backward=self._with_backward)))
 
     def ensure(self, entry: Entry) -> None:
-        """Return once the entry's block is in memory, taking it out of turn if needed."""
+        """Return once the entry's unit is in memory, taking it out of turn if needed."""
         with self._lock:
             self._read(self.schedule.ensure(entry))
             load = self._loads[entry[1]]
@@ -159,7 +159,7 @@ class WeightWindow:
         load.result()
 
     def release(self, entry: Entry) -> None:
-        """The entry's gather is done: free the block if no other taken use needs it, and
+        """The entry's gather is done: free the unit if no other taken use needs it, and
         read the next ones into the room made."""
         with self._lock:
             freed, reads = self.schedule.release(entry)
@@ -170,7 +170,7 @@ class WeightWindow:
             self._read(reads)
 
     def release_backward(self, group: int) -> None:
-        """FSDP2 reduced block ``group``'s gradients: its backward gather is long done."""
+        """FSDP2 reduced unit ``group``'s gradients: its backward gather is long done."""
         if group in self._storages and self.backward_gathers:
             self.release((BACKWARD, group))
 
@@ -228,8 +228,8 @@ class WeightWindow:
         ]
 
     def _before_backward(self, group: int) -> Callable[[torch.Tensor], None]:
-        """Runs before FSDP2's pre-backward hook of the block (registered earlier on the same
-        tensors), which gathers the block and prefetches the one before it."""
+        """Runs before FSDP2's pre-backward hook of the unit (registered earlier on the same
+        tensors), which gathers the unit and prefetches the one before it."""
 
         def hook(_grad: torch.Tensor) -> None:
             self._phase = BACKWARD
@@ -250,9 +250,9 @@ class WeightWindow:
             self._free(group)
 
     def _after_root_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
-        """FSDP2's root pre-backward prefetches the last block: have it in memory first."""
+        """FSDP2's root pre-backward prefetches the last unit: have it in memory first."""
         if torch.is_grad_enabled() and self._phase == FORWARD and self._with_backward:
-            self.ensure((BACKWARD, self.blocks[-1]))
+            self.ensure((BACKWARD, self.tiered[-1]))
 
 
 def resizable_chunks(unit: nn.Module) -> None:

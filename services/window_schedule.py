@@ -1,13 +1,13 @@
 """The weight window's bookkeeping, without I/O: in which order a micro-batch uses the
-blocks' weights, which blocks are in memory, and which to read or free next. The worker's
+units' weights, which units are in memory, and which to read or free next. The worker's
 :class:`~cargohold.services.weight_window.WeightWindow` moves the bytes; the plan replays
 the same schedule to count what a step reads (:func:`reads_per_micro_batch`).
 
-A micro-batch's uses are laid out as entries: every block forward, then (when FSDP2
-gathers again for backward) every block backward in reverse. Entries are taken in order
-while fewer than ``window`` blocks are in memory (a block already in memory is taken at
-no cost, it just gains a use); taking an entry whose block is not in memory starts a
-read. A block is freed when its last taken use is released. An entry can be taken out of
+A micro-batch's uses are laid out as entries: every unit forward, then (when FSDP2
+gathers again for backward) every unit backward in reverse. Entries are taken in order
+while fewer than ``window`` units are in memory (a unit already in memory is taken at
+no cost, it just gains a use); taking an entry whose unit is not in memory starts a
+read. A unit is freed when its last taken use is released. An entry can be taken out of
 turn (``ensure``), beyond the window: the hooks ask for what FSDP2 is about to gather,
 and correctness never waits on the window's reach.
 """
@@ -20,17 +20,17 @@ from cargohold.services.errors import TrainingError
 
 FORWARD, BACKWARD = "forward", "backward"
 Entry = tuple[str, int]
-"""(pass, block's group index) of one gather."""
+"""(pass, unit's group index) of one gather."""
 
 
-def pass_entries(blocks: Sequence[int], *, backward: bool) -> list[Entry]:
-    """The gathers of one micro-batch, in order; ``backward``: FSDP2 gathers each block
+def pass_entries(units: Sequence[int], *, backward: bool) -> list[Entry]:
+    """The gathers of one micro-batch, in order; ``backward``: FSDP2 gathers each unit
     again for its backward."""
-    return [(FORWARD, g) for g in blocks] + ([(BACKWARD, g) for g in reversed(blocks)] if backward else [])
+    return [(FORWARD, g) for g in units] + ([(BACKWARD, g) for g in reversed(units)] if backward else [])
 
 
 class WindowSchedule:
-    """Which blocks are in memory, and the uses taken of each."""
+    """Which units are in memory, and the uses taken of each."""
 
     def __init__(self, window: int) -> None:
         if window < 2:
@@ -43,39 +43,39 @@ class WindowSchedule:
 
     @property
     def resident(self) -> frozenset[int]:
-        """Blocks in memory (or being read)."""
+        """Units in memory (or being read)."""
         return frozenset(self._uses)
 
     def reset(self) -> frozenset[int]:
-        """Forget every use and pass; returns the blocks that were in memory, to free."""
+        """Forget every use and pass; returns the units that were in memory, to free."""
         resident = self.resident
         self._entries, self._position, self._cursor, self._uses = [], {}, 0, {}
         return resident
 
     def begin(self, entries: list[Entry]) -> list[int]:
-        """Lay out a pass; returns the blocks to read now. Nothing may be in memory."""
+        """Lay out a pass; returns the units to read now. Nothing may be in memory."""
         if self._uses:
-            raise TrainingError(f"blocks {sorted(self._uses)} are still in memory at the start of a pass")
+            raise TrainingError(f"units {sorted(self._uses)} are still in memory at the start of a pass")
         self._entries, self._cursor = entries, 0
         self._position = {entry: index for index, entry in enumerate(entries)}
         return self._fill()
 
     def ensure(self, entry: Entry) -> list[int]:
-        """Take every entry up to ``entry`` (beyond the window if need be); returns the blocks
+        """Take every entry up to ``entry`` (beyond the window if need be); returns the units
         to read. Raises for an entry outside the pass or whose use was already released."""
         index = self._position.get(entry)
         if index is None:
-            raise TrainingError(f"block {entry[1]} was used in {entry[0]} outside the laid-out passes")
+            raise TrainingError(f"unit {entry[1]} was used in {entry[0]} outside the laid-out passes")
         reads = []
         while self._cursor <= index:
             reads += self._take()
         if entry[1] not in self._uses:
-            raise TrainingError(f"block {entry[1]} was used in {entry[0]} after its use was released")
+            raise TrainingError(f"unit {entry[1]} was used in {entry[0]} after its use was released")
         return reads
 
     def release(self, entry: Entry) -> tuple[int | None, list[int]]:
-        """The entry's gather is done: (the block to free, or None while another taken use
-        needs it; the blocks to read into the room made)."""
+        """The entry's gather is done: (the unit to free, or None while another taken use
+        needs it; the units to read into the room made)."""
         group = entry[1]
         if self._uses.get(group, 0) == 0:
             return None, []
@@ -102,22 +102,22 @@ class WindowSchedule:
         return [group] if first else []
 
 
-def reads_per_micro_batch(blocks: Sequence[int], *, window: int, backward: bool) -> list[int]:
-    """The blocks read in one training micro-batch (with multiplicity), as the worker's
-    hooks drive the schedule: each block's forward takes its entry and releases it after;
-    after the root's forward the last block's backward entry is taken (FSDP2's root
-    pre-backward gathers it); each block's backward takes its entry and the previous
-    block's (gathered ahead by FSDP2) and releases its own once its gradients are reduced."""
+def reads_per_micro_batch(units: Sequence[int], *, window: int, backward: bool) -> list[int]:
+    """The units read in one training micro-batch (with multiplicity), as the worker's
+    hooks drive the schedule: each unit's forward takes its entry and releases it after;
+    after the root's forward the last unit's backward entry is taken (FSDP2's root
+    pre-backward gathers it); each unit's backward takes its entry and the previous
+    unit's (gathered ahead by FSDP2) and releases its own once its gradients are reduced."""
     schedule = WindowSchedule(window)
-    reads = schedule.begin(pass_entries(blocks, backward=backward))
-    for group in blocks:
+    reads = schedule.begin(pass_entries(units, backward=backward))
+    for group in units:
         reads += schedule.ensure((FORWARD, group))
         reads += schedule.release((FORWARD, group))[1]
-    if backward and blocks:
-        reads += schedule.ensure((BACKWARD, blocks[-1]))
-        for index in range(len(blocks) - 1, -1, -1):
-            reads += schedule.ensure((BACKWARD, blocks[index]))
+    if backward and units:
+        reads += schedule.ensure((BACKWARD, units[-1]))
+        for index in range(len(units) - 1, -1, -1):
+            reads += schedule.ensure((BACKWARD, units[index]))
             if index:
-                reads += schedule.ensure((BACKWARD, blocks[index - 1]))
-            reads += schedule.release((BACKWARD, blocks[index]))[1]
+                reads += schedule.ensure((BACKWARD, units[index - 1]))
+            reads += schedule.release((BACKWARD, units[index]))[1]
     return reads

@@ -229,7 +229,7 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
     try:
         model = build_model(config)
         _, _, layout = model_layout(config)
-        units = units_of(model, transformer_blocks(model))
+        units = units_of(model, transformer_blocks(model), max_params=config.worker.max_unit_params)
         policy = MixedPrecisionPolicy(
             param_dtype=WIRE_DTYPES[config.worker.compute_dtype],
             reduce_dtype=WIRE_DTYPES[config.worker.grad_wire_dtype],

@@ -55,7 +55,7 @@ def test_worker_buffers_follow_the_layout(num_workers: int) -> None:
     shards = sum(slot.local_numel(0) for slot in layout.params)
     assert shards >= max(sum(slot.local_numel(r) for slot in layout.params) for r in range(num_workers))
     assert plan.worker.buffers == {"weights": 4 * shards, "exchange": _exchange(layout, 8)}
-    assert plan.worker.range_elements == layout.worker_size and plan.worker.blocks == 2
+    assert plan.worker.range_elements == layout.worker_size and plan.worker.units == 2
     traffic = plan.worker.traffic
     assert traffic.push_bytes == traffic.fetch_bytes == 4 * layout.worker_size
     chunks = [chunk for _, chunk in _units(layout)]
@@ -224,7 +224,7 @@ def test_activations_follow_an_hf_models_mlp(tmp_path: Path) -> None:
     tokens = 4 * 32
     for path, intermediate, up in ((llama, 176, 2), (gpt2, 4 * 64, 1)):
         plan = plan_run(tiny_config(hf__config_path=str(path), data__block_size=32))
-        assert plan.worker.blocks == 3
+        assert plan.worker.units == 3
         per_layer = tokens * (18 * 64 + 4 * up * intermediate) * 4 // 2
         assert plan.worker.activation_bytes == 3 * per_layer + tokens * 300 * (4 + 8), path.name
 

@@ -142,6 +142,12 @@ EXAMPLES = {
         8,
         68_976_648_192,
     ),
+    # Units below a block (worker.max_unit_params): 175B on one GPU.
+    "examples/llama-175b-1gpu-256gib.yaml": (
+        ["--device-memory", "24GiB", "--host-memory", "256GiB", "--nvme", "4TiB"],
+        1,
+        175_183_663_104,
+    ),
 }
 WEIGHTS_IN_MEMORY = ["--set", "worker.weights_nvme_path=null", "--set", "worker.offload_params=true"]
 """What the examples with weights on NVMe need without them: the weights in pinned host RAM."""
@@ -185,6 +191,9 @@ def test_an_example_plan_fits_24_gib_gpus(
     # Each example needs its offload: without it the GPU is too small.
     assert cli.main(["plan", "--config", path, *flags, *without]) == EXIT_DOES_NOT_FIT
     assert "DOES NOT FIT  device memory per worker" in capsys.readouterr().out
+    if w.max_unit_params:  # and its units below a block
+        assert cli.main(["plan", "--config", path, *flags, "--set", "worker.max_unit_params=0"]) == EXIT_DOES_NOT_FIT
+        assert "DOES NOT FIT  device memory per worker" in capsys.readouterr().out
     # docs/operations.md shows this very output.
     docs = (REPO / "docs" / "operations.md").read_text()
     assert f"$ cargohold plan --config {path} {' '.join(flags)}\n{out.rstrip()}\n```" in docs, (

@@ -39,6 +39,8 @@ STRATEGIES = {
     "delayed-clipped": dict(
         worker__delayed_update=True, worker__delayed_update_after_steps=1, optim__max_grad_norm=0.05
     ),
+    # Units below a block: the embeddings, attention, the MLP's projections and the head apart.
+    "split-units-clipped": dict(worker__max_unit_params=20_000, optim__max_grad_norm=0.05),
 }
 
 

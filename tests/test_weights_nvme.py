@@ -48,6 +48,11 @@ STRATEGIES = {
     "gathered-once": dict(worker__reshard_after_forward=False, optim__max_grad_norm=0.05),
     # The chunks' storages fixed-size, as FSDP2's pin_memory() leaves them on a GPU node.
     "fixed-size-chunks": dict(),
+    # Units below a block (attention, the MLP's two projections, embeddings and head apart),
+    # each in a file of its own, under block-level recomputation, clipping triggered.
+    "split-units-checkpointed": dict(
+        worker__max_unit_params=20_000, worker__activation_checkpointing="blocks", optim__max_grad_norm=0.05
+    ),
 }
 
 
@@ -162,7 +167,10 @@ def test_weights_on_nvme_train_bitwise_as_adamw(world: int) -> None:
         window = config.worker.weight_window
         for r in ranks:
             assert 1 <= max(r["peaks"]) <= window, (name, r["peaks"])
-            assert r["files"] == [".lock"] + [f"unit-{g:05d}.weights" for g in range(1, LAYERS + 1)], r["files"]
+            units = range(1, len(layout.groups))
+            assert r["files"] == [".lock"] + [f"unit-{g:05d}.weights" for g in units], r["files"]
+        if name.startswith("split-units"):
+            assert len(layout.groups) == 1 + 3 + 3 * LAYERS, "wte, wpe, head and 3 units per block"
 
 
 # --- the files on their own: damage between steps, full and read-only disks -----------------

@@ -62,6 +62,7 @@ def check_cluster(
         remedies = [
             *(["set worker.offload_params=true"] if not settings.offload_params else []),
             *(["worker.activation_checkpointing=blocks"] if settings.activation_checkpointing == "off" else []),
+            *(["set worker.max_unit_params (units below a block)"] if settings.max_unit_params == 0 else []),
             *(["worker.compute_dtype=bfloat16"] if settings.compute_dtype == "float32" else []),
             "add workers",
             "lower data.batch_size or data.block_size",
@@ -88,6 +89,19 @@ def check_cluster(
                 "set or lower state_server.tier.ram_budget_bytes, or spread the actors over more nodes",
             )
         )
+    if worker.nvme_weight_bytes:
+        for number, group in enumerate(groups, 1):
+            if group.workers:
+                workers = f"{group.workers} worker{'s' * (group.workers != 1)}"
+                checks.append(
+                    _check(
+                        f"NVMe for weight files per node, node group {number} ({workers})",
+                        group.workers * worker.nvme_weight_bytes,
+                        cluster.nvme_bytes,
+                        "--nvme",
+                        "free space, or put worker.weights_nvme_path on a drive of its own",
+                    )
+                )
     if config.state_server.tier.ram_budget_bytes is not None:
         for server in servers:
             checks.append(

@@ -38,7 +38,8 @@ class ClusterDescription:
     strings like ``80GiB``::
 
         device_memory: 80GiB      # each worker's accelerator; absent: workers run on CPUs
-        nvme: 100GiB              # free NVMe of each state server, all its tier paths together
+        nvme: 100GiB              # free NVMe of each state server (all its tier paths), and of
+                                  # each node's workers' weight files (worker.weights_nvme_path)
         host_memory: 64GiB        # default RAM of a node (for groups that do not say)
         nodes:                    # absent: one node runs every worker and state server
           - {count: 1, workers: 8, servers: 0, host_memory: 480GiB}

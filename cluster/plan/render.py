@@ -21,19 +21,25 @@ def render(plan: RunPlan) -> str:
         f"push/fetch over {plan.transport.replace('_', ' ')}",
         "",
         f"Each worker (rank 0, the largest shards; a {w.range_elements:,}-element range of the flat buffer)",
-        f"  FSDP2 units: root + {w.blocks} block{'s' * (w.blocks != 1)}"
+        f"  FSDP2 units: root + {w.units} {_others(w.units, w.max_unit_params)}"
+        + (
+            f" (at most {w.max_unit_params:,} parameters where the model allows; largest {w.largest_unit:,})"
+            if w.max_unit_params
+            else ""
+        )
         + (", resharded after forward" if w.reshard_after_forward else ", gathered from forward to backward")
         + f"; activation checkpointing {w.activation_checkpointing}"
         + ("; weight shards offloaded to host RAM" if w.offload and not w.nvme_weight_bytes else "")
         + (
-            f"; block weights on NVMe ({b(w.nvme_weight_bytes)} of files), {w.weight_window} in host RAM at once"
+            f"; their weights on NVMe ({b(w.nvme_weight_bytes)} of files), {w.weight_window} units in host RAM at once"
             if w.nvme_weight_bytes
             else ""
         ),
     ]
     on = "GPU" if w.device == "cuda" else "host RAM"
     host = "pinned host RAM" if w.device == "cuda" else "host RAM"
-    gathered = "root + 2 blocks" if w.reshard_after_forward else f"root + {w.blocks} blocks"
+    kind = _others(2, w.max_unit_params)
+    gathered = f"root + 2 {kind}" if w.reshard_after_forward else f"root + {w.units} {kind}"
     rows = [
         *([] if w.offload else [("weight shards", w.buffers["weights"], on)]),
         (f"{gathered} gathered (bound)", w.gathered_bytes, on),
@@ -120,3 +126,9 @@ def render(plan: RunPlan) -> str:
     lines.append("=> fits" if plan.fits else "=> does not fit")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _others(count: int, max_unit_params: int) -> str:
+    """What the units besides the root are called: blocks, or units below a block."""
+    word = "unit" if max_unit_params else "block"
+    return word + "s" * (count != 1)

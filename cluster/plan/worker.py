@@ -4,14 +4,16 @@ and in host memory, and the bytes it moves.
 A worker's memory follows FSDP2 (ZeRO-3): between steps it holds its 1/W shards (on the
 device, or in pinned host memory with ``worker.offload_params``) and its exchange
 buffers (host memory). During a step the device also holds, at most, the root unit
-(embeddings, final norm, head: gathered from forward to backward) and two blocks (the
-one computed and the one FSDP2 prefetches; every block with
+(every parameter outside the other units: gathered from forward to backward) and two
+other units (the one computed and the one FSDP2 prefetches; every unit with
 ``worker.reshard_after_forward: false``) unsharded in the compute dtype, the all-gather
 buffer of the unit arriving, the root's gradients (reduced only when backward ends) and
 one unit's unsharded gradients with FSDP2's reduce-scatter input and output (wire
 dtype), and the activations (all of them, or with ``worker.activation_checkpointing:
 blocks`` each block's input plus one block's recomputed activations; see
-:mod:`.activations`).
+:mod:`.activations`). The other units are the blocks, or with ``worker.max_unit_params``
+the pieces no larger than it (:func:`~cargohold.services.sharding.split_modules`): every
+per-unit figure then follows the largest piece.
 """
 
 from __future__ import annotations
@@ -45,11 +47,11 @@ class WorkerTraffic:
     fetch_bytes: int
     """Its range of the weights, from the state servers, in the compute dtype."""
     weight_read_bytes: int = 0
-    """With weights on NVMe: its blocks' files read per step (each block ahead of every
+    """With weights on NVMe: its units' files read per step (each unit ahead of every
     micro-batch's forward, and again ahead of its backward when resharded unless the
     window still holds it: :func:`~cargohold.services.window_schedule.reads_per_micro_batch`)."""
     weight_write_bytes: int = 0
-    """With weights on NVMe: its blocks' files written per step (once, after the update)."""
+    """With weights on NVMe: its units' files written per step (once, after the update)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,26 +66,31 @@ class WorkerPlan:
     buffers: dict[str, int]
     """What it holds between steps, keyed as ``TrainingWorker.resident_bytes()``: its FSDP2
     weight shards (compute dtype; with weights on NVMe the root's, ``worker.weight_window``
-    blocks' and the files' two read buffers) and its exchange buffers (slots of the
+    units' and the files' two read buffers) and its exchange buffers (slots of the
     largest unit's gradients in the wire dtype and weights in the compute dtype; with the
     delayed update also ``range_elements`` weights)."""
     nvme_weight_bytes: int = 0
-    """Its blocks' weight files under ``worker.weights_nvme_path`` (0: weights in memory)."""
+    """Its units' weight files under ``worker.weights_nvme_path`` (0: weights in memory)."""
     weight_window: int = 0
-    """With weights on NVMe: blocks in host memory at once (``worker.weight_window``)."""
+    """With weights on NVMe: units in host memory at once (``worker.weight_window``)."""
     range_elements: int
     """Elements of its range of the flat space (``layout.worker_size``)."""
-    blocks: int
-    """Transformer blocks, each one FSDP2 unit (the root is one more)."""
+    units: int
+    """FSDP2 units besides the root: the transformer blocks, or the pieces of
+    ``worker.max_unit_params``."""
+    max_unit_params: int
+    """``worker.max_unit_params`` (0: one unit per block)."""
+    largest_unit: int
+    """Parameters of the largest unit besides the root."""
     reshard_after_forward: bool
-    """``worker.reshard_after_forward``: blocks are gathered again for backward."""
+    """``worker.reshard_after_forward``: units are gathered again for backward."""
     gathered_bytes: int
     """Units unsharded at once on the device, in the compute dtype (upper bound): the root,
-    the block computed and the one prefetched (every block without
+    the unit computed and the one prefetched (every unit without
     ``reshard_after_forward``), and the all-gather buffer of the unit arriving."""
     gradient_bytes: int
     """Gradients on the device during backward (upper bound): the root's unsharded
-    gradients (reduced when backward ends) plus the larger of a block's unsharded
+    gradients (reduced when backward ends) plus the larger of a unit's unsharded
     gradients with its reduce-scatter input and output (wire dtype) and the root's
     reduce-scatter input and output. None persists: reduced gradients are copied to the
     exchange buffer and dropped."""
@@ -170,13 +177,13 @@ def plan_worker(
     offload = (settings.offload_params or on_nvme) and device == "cuda"
     # FSDP2's local shards, in the compute dtype; rank 0 holds the most (the last ranks'
     # dim-0 chunks run short or empty). With weights on NVMe, the root's, a window of
-    # blocks (their padded chunks, as allocated) and the files' read buffers.
-    block_files = [round_up((g.stop - g.start) * compute) for g in layout.groups[1:]]  # as written: whole blocks
+    # units (their padded chunks, as allocated) and the files' read buffers.
+    unit_files = [round_up((g.stop - g.start) * compute) for g in layout.groups[1:]]  # as written: whole units
     if on_nvme:
         root_weights = sum(slot.local_numel(0) for slot in layout.group_params(0)) * compute
-        largest_block = max(sum(s.slot_numel for s in layout.group_params(g.index)) for g in layout.groups[1:])
-        read_buffers = WEIGHT_READ_BUFFERS * max(block_files)
-        weights = root_weights + settings.weight_window * largest_block * compute + read_buffers
+        largest_chunks = max(sum(s.slot_numel for s in layout.group_params(g.index)) for g in layout.groups[1:])
+        read_buffers = WEIGHT_READ_BUFFERS * max(unit_files)
+        weights = root_weights + settings.weight_window * largest_chunks * compute + read_buffers
     else:
         weights = sum(slot.local_numel(0) for slot in layout.params) * compute
     exchange = exchange_nbytes(
@@ -187,11 +194,11 @@ def plan_worker(
         held_numel=layout.worker_size if settings.delayed_update else 0,
     )
     units = _unit_sizes(layout)
-    root, blocks = units[0], units[1:]
-    if settings.reshard_after_forward:  # the block computed and the one prefetched
-        in_flight = sum(sorted((u.numel for u in blocks), reverse=True)[:2])
-    else:  # every block stays gathered from its forward to its backward
-        in_flight = sum(u.numel for u in blocks)
+    root, others = units[0], units[1:]
+    if settings.reshard_after_forward:  # the unit computed and the one prefetched
+        in_flight = sum(sorted((u.numel for u in others), reverse=True)[:2])
+    else:  # every unit stays gathered from its forward to its backward
+        in_flight = sum(u.numel for u in others)
     gather_buffer = max(world * u.chunk for u in units) if world > 1 else 0  # none to gather alone
     gathered = (root.numel + in_flight + gather_buffer) * compute
 
@@ -199,7 +206,7 @@ def plan_worker(
         return (world + 1) * unit.chunk * wire
 
     gradients = root.numel * compute + max(
-        max(u.numel * compute + reduce_scatter(u) for u in blocks), reduce_scatter(root)
+        max(u.numel * compute + reduce_scatter(u) for u in others), reduce_scatter(root)
     )
     chunk = max(u.chunk for u in units)
     squares = min(chunk, SQUARES_CHUNK) * 8  # the norm's fp64 cast, a piece at a time
@@ -214,19 +221,21 @@ def plan_worker(
         + one_module * FP32_BYTES
         + max(g.stop - g.start for g in layout.groups) * FP32_BYTES
     )
-    gathers = sum(u.chunk for u in units) + (sum(u.chunk for u in blocks) if settings.reshard_after_forward else 0)
+    gathers = sum(u.chunk for u in units) + (sum(u.chunk for u in others) if settings.reshard_after_forward else 0)
     weight_reads = 0
     if on_nvme:
         reads = reads_per_micro_batch(
             range(1, len(units)), window=settings.weight_window, backward=settings.reshard_after_forward
         )
-        weight_reads = config.data.micro_batches * sum(block_files[g - 1] for g in reads)
+        weight_reads = config.data.micro_batches * sum(unit_files[g - 1] for g in reads)
     return WorkerPlan(
         device=device,
         offload=offload,
         buffers={"weights": weights, "exchange": exchange},
         range_elements=layout.worker_size,
-        blocks=len(blocks),
+        units=len(others),
+        max_unit_params=settings.max_unit_params,
+        largest_unit=max((u.numel for u in others), default=0),
         reshard_after_forward=settings.reshard_after_forward,
         gathered_bytes=gathered,
         gradient_bytes=gradients,
@@ -244,8 +253,8 @@ def plan_worker(
             push_bytes=layout.worker_size * push,
             fetch_bytes=layout.worker_size * compute,
             weight_read_bytes=weight_reads,
-            weight_write_bytes=sum(block_files) if on_nvme else 0,  # each file once, after the update
+            weight_write_bytes=sum(unit_files) if on_nvme else 0,  # each file once, after the update
         ),
-        nvme_weight_bytes=sum(block_files) if on_nvme else 0,
+        nvme_weight_bytes=sum(unit_files) if on_nvme else 0,
         weight_window=settings.weight_window if on_nvme else 0,
     )
