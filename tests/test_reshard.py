@@ -234,3 +234,21 @@ def test_a_layout_consistent_with_a_huge_total_is_refused_by_its_shards() -> Non
     manifest = Manifest.from_json(json.dumps(body), source="m.json")
     with pytest.raises(CheckpointError, match=r"m\.json: layout\.num_workers is 10000000.* 1 records"):
         saved_layout(manifest, "m.json")
+
+
+@pytest.mark.parametrize(("saved_bound", "new_bound"), [(0, 20_000), (20_000, 0), (20_000, 40_000)])
+def test_a_checkpoint_resumes_under_another_unit_bound(saved_bound: int, new_bound: int) -> None:
+    """worker.max_unit_params regroups and reorders the parameters (the root loses the
+    embeddings and head): the runs follow them by name."""
+    from reference import tiny_config
+
+    from cargohold.services.model_setup import model_layout
+
+    def layout(bound: int, workers: int) -> Layout:
+        return model_layout(tiny_config(model__n_layer=3, worker__num_workers=workers, worker__max_unit_params=bound))[
+            2
+        ]
+
+    saved, new = layout(saved_bound, 2), layout(new_bound, 3)
+    assert [g.name for g in saved.groups] != [g.name for g in new.groups]
+    _check_runs(saved, new)
