@@ -50,9 +50,14 @@ def test_plan_matches_a_real_run(ray_local, tmp_path: Path, tiered: bool) -> Non
     from cargohold.cluster.launcher import TrainingSession
     from cargohold.services.checkpoint import CheckpointDir
 
-    # Tiered: the optimizer state mostly in partition files, the blocks' weights in files too.
+    # Tiered: the optimizer state mostly in partition files, the units' weights in files too,
+    # the units below a block (worker.max_unit_params).
     overrides = (
-        {"state_server__tier": nvme_tier(tmp_path), "worker__weights_nvme_path": str(tmp_path / "weights")}
+        {
+            "state_server__tier": nvme_tier(tmp_path),
+            "worker__weights_nvme_path": str(tmp_path / "weights"),
+            "worker__max_unit_params": 20_000,
+        }
         if tiered
         else {}
     )
