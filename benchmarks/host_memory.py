@@ -74,8 +74,10 @@ def llama_folder(folder: Path, hidden: int, layers: int, intermediate: int, head
 
 
 def overrides(model: Path, root: Path, args: argparse.Namespace) -> list[str]:
-    """W=1, S=1, bf16 weights and wire, the blocks' weights in files (a window of 2), the
-    optimizer state in files but for ``--ram-budget-mib``; one sequence per step."""
+    """W=1, S=1, bf16 weights and wire, units no larger than ``--max-unit-params`` (blocks
+    split into attention and MLP projections, the embeddings and head apart) with their
+    weights in files (a window of 2), the optimizer state in files but for
+    ``--ram-budget-mib``; one sequence per step."""
     return [
         f"steps={args.steps}",
         "progress=false",
@@ -92,6 +94,7 @@ def overrides(model: Path, root: Path, args: argparse.Namespace) -> list[str]:
         "worker.activation_checkpointing=blocks",
         f"worker.weights_nvme_path={root / 'weights'}",
         "worker.weight_window=2",
+        f"worker.max_unit_params={args.max_unit_params}",
         "worker.exchange_slots=1",
         "state_server.num_servers=1",
         "state_server.torch_threads=2",
@@ -237,6 +240,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--ram-budget-mib", type=int, default=512)
     parser.add_argument("--partition-mib", type=int, default=64)
+    parser.add_argument(
+        "--max-unit-params",
+        type=int,
+        default=40_000_000,
+        help="worker.max_unit_params (0: a unit per block, the embeddings and head in the root)",
+    )
     parser.add_argument("--budget-gib", type=float, default=3.0, help="the host budget the sums are compared with")
     parser.add_argument("--root", default=None, help="folder for the files (default: a temporary one)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -252,6 +261,7 @@ def main() -> None:
             command = [sys.executable, __file__, "--child", "--size", size, "--root", str(root)]
             command += ["--steps", str(args.steps), "--seq", str(args.seq)]
             command += ["--ram-budget-mib", str(args.ram_budget_mib), "--partition-mib", str(args.partition_mib)]
+            command += ["--max-unit-params", str(args.max_unit_params)]
             done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
             if done.returncode != 0:
                 print(f"size {size}B failed:\n{done.stderr[-4000:]}", file=sys.stderr)
