@@ -313,11 +313,21 @@ class ClusterConfig:
     """Ray placement-group strategy over the worker and state-server bundles."""
     startup_timeout_s: float = 120.0
     """How long to wait for the placement group and every actor to be ready."""
+    host_memory_bytes: int | None = None
+    """Host RAM every process of the run may use together (the driver, the workers, the
+    state servers; each process's runtime counted): one budget the planner splits. Each
+    worker and state server takes what the model and config fix (lowering
+    worker.weight_window and worker.exchange_slots if need be), and what is left becomes
+    the state servers' RAM tier (state_server.tier.ram_budget_bytes, which must then be
+    unset); a run that cannot fit it is refused before it starts. `cargohold plan` prints
+    the split. null: no budget (each part as configured)."""
 
     def __post_init__(self) -> None:
         if self.num_cpus is not None:
             _positive("cluster.num_cpus", self.num_cpus)
         _positive("cluster.startup_timeout_s", self.startup_timeout_s)
+        if self.host_memory_bytes is not None:
+            _positive("cluster.host_memory_bytes", self.host_memory_bytes)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_io import to_dict
+from cargohold.cluster.plan.run import budgeted_config
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.cluster.resume import check_resume
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
@@ -80,9 +81,10 @@ class TrainingSession:
     def __init__(self, config: TrainConfig, *, resume: Path | None = None, task: TrainingTask | None = None) -> None:
         """``resume``: a complete checkpoint folder to restore the servers' state from.
         ``task``: what to train (by default the model and data the config names)."""
+        self.task = task or ConfigTask(config)
+        config = budgeted_config(config, self.task)  # the host budget's split, kept by every process
         self.config = config
         self.resume = resume
-        self.task = task or ConfigTask(config)
         _, _, self.layout = model_layout(config, self.task)
         self.param_groups = resolve_param_groups(config.optim, self.layout.params)  # bad patterns: before any actor
         self.task.open_data()  # refuses bad data before any actor starts; fills the cache the workers read

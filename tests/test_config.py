@@ -125,6 +125,7 @@ CONFIG_SURFACE = [
     "cluster.num_cpus",
     "cluster.placement_strategy",
     "cluster.startup_timeout_s",
+    "cluster.host_memory_bytes",
     "metrics.enabled",
     "metrics.port",
     "metrics.file_sd_path",

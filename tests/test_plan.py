@@ -154,12 +154,15 @@ def test_a_gpu_worker_pins_its_exchange_buffers_shared_with_its_server() -> None
     assert unshared.transport == "grpc" and unshared.worker.shared_memory_bytes == 0
     assert unshared.worker.pinned_bytes == unshared.worker.buffers["exchange"]
     assert w.device_bytes == w.buffers["weights"]
-    assert w.host_bytes == w.buffers["exchange"] + w.corpus_bytes
+    assert w.host_bytes == w.runtime_bytes + w.buffers["exchange"] + w.corpus_bytes
     on_cpu = plan_run(config)
     assert on_cpu.worker.device == "cpu" and on_cpu.worker.pinned_bytes == 0
     assert on_cpu.transport == "shared_memory" and on_cpu.worker.shared_memory_bytes == _exchange(_layout(config), 6)
     assert on_cpu.worker.host_bytes == (
-        on_cpu.worker.device_peak_bytes + on_cpu.worker.buffers["exchange"] + on_cpu.worker.corpus_bytes
+        on_cpu.worker.runtime_bytes
+        + on_cpu.worker.device_peak_bytes
+        + on_cpu.worker.buffers["exchange"]
+        + on_cpu.worker.corpus_bytes
     )
 
 

@@ -73,7 +73,7 @@ def test_host_memory_counts_every_actor_on_a_node() -> None:
     config = tiny_config(worker__num_workers=4, state_server__num_servers=2)
     plan = plan_run(config)
     worker, server = plan.worker.host_peak_bytes, max(s.ram_peak_bytes for s in plan.servers)
-    need = 4 * worker + 2 * server
+    need = 4 * worker + 2 * server + plan.driver_bytes  # the driver runs on the first node
     one_node = plan_run(config, ClusterDescription(nodes=(NodeGroup(workers=4, servers=2, host_memory_bytes=need),)))
     assert one_node.fits
     short = plan_run(config, ClusterDescription(nodes=(NodeGroup(workers=4, servers=2, host_memory_bytes=need - 1),)))
@@ -81,7 +81,7 @@ def test_host_memory_counts_every_actor_on_a_node() -> None:
     spread = ClusterDescription(nodes=(NodeGroup(count=2, workers=2, servers=1),))
     two = plan_run(config, spread)
     assert two.transport == "mixed"  # streams to the other node: the server holds the streamed copies too
-    per_node = 2 * two.worker.host_peak_bytes + max(s.ram_peak_bytes for s in two.servers)
+    per_node = 2 * two.worker.host_peak_bytes + max(s.ram_peak_bytes for s in two.servers) + two.driver_bytes
     assert per_node < need
     fitted = plan_run(
         config, ClusterDescription(nodes=(NodeGroup(count=2, workers=2, servers=1, host_memory_bytes=per_node),))

@@ -1,6 +1,7 @@
 """The verdict per resource: what the plan needs of it against what the cluster has
-(worker and state-server slots, device memory per worker, host RAM per node, NVMe per
-state server), with the shortfall and a remedy when it does not fit."""
+(worker and state-server slots, device memory per worker, the run's host budget, host RAM
+per node, NVMe per state server and for weight files), with the shortfall and a remedy
+when it does not fit."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.plan.budget import HostBudget
 from cargohold.cluster.plan.description import ClusterDescription, NodeGroup
+from cargohold.cluster.plan.runtime import DRIVER_RUNTIME_BYTES
 from cargohold.cluster.plan.server import ServerPlan
 from cargohold.cluster.plan.worker import WorkerPlan
 from cargohold.cluster.sizes import format_bytes
@@ -33,6 +36,7 @@ def check_cluster(
     groups: Sequence[NodeGroup],
     worker: WorkerPlan,
     servers: Sequence[ServerPlan],
+    host_budget: HostBudget | None = None,
 ) -> tuple[Check, ...]:
     """One check per resource: the slots of ``groups`` against the config's counts, the
     worker's device peak, each node group's host RAM, and each server's NVMe (with a RAM
@@ -76,10 +80,27 @@ def check_cluster(
                 ", ".join(remedies[:-1]) + " or " + remedies[-1],
             )
         )
+    if host_budget is not None:
+        checks.append(
+            Check(
+                resource="host budget (cluster.host_memory_bytes), every process of the run",
+                need=host_budget.need_bytes,
+                available=host_budget.budget_bytes,
+                fits=host_budget.fits,
+                reason=(
+                    f"{format_bytes(host_budget.budget_bytes - host_budget.need_bytes)} to spare"
+                    if host_budget.fits
+                    else "even the least exchange slots (and weight window) leave the state servers too little; "
+                    "raise it, or lower data.batch_size, worker.max_unit_params or the worker and server counts"
+                ),
+            )
+        )
     server_peak = max(s.ram_peak_bytes for s in servers)
     for number, group in enumerate(groups, 1):
         name = f"node group {number} ({group.count} x {group.workers} workers + {group.servers} servers)"
         need = group.workers * worker.host_peak_bytes + group.servers * server_peak
+        if number == 1:  # the driver runs on the first node
+            need += DRIVER_RUNTIME_BYTES
         checks.append(
             _check(
                 f"host RAM per node, {name}",

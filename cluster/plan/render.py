@@ -3,6 +3,7 @@ and per checkpoint, and the verdict per resource."""
 
 from __future__ import annotations
 
+from cargohold.cluster.plan.budget import HostBudget
 from cargohold.cluster.plan.run import RunPlan
 from cargohold.cluster.sizes import format_bytes
 
@@ -51,6 +52,7 @@ def render(plan: RunPlan) -> str:
         ("exchange buffers", w.buffers["exchange"], f"{host}, shared" if w.shared_memory_bytes else host),
         *([("offload: gradient copies", w.host_transient_bytes, "host RAM")] if w.offload else []),
         ("corpus", w.corpus_bytes, "host RAM"),
+        ("runtime (Python, torch, Ray)", w.runtime_bytes, "host RAM"),
         ("while training", w.host_bytes, "host RAM"),
         ("while starting", w.startup_host_bytes, "host RAM"),
         ("= host peak", w.host_peak_bytes, "host RAM"),
@@ -68,6 +70,8 @@ def render(plan: RunPlan) -> str:
         ("RAM: update temporaries", lambda s: s.update_temp_bytes),
         ("RAM: weights to fetch", lambda s: s.weights_bytes),
         ("RAM: checkpoint snapshot", lambda s: s.checkpoint_snapshot_bytes),
+        ("RAM: registration (start-up)", lambda s: s.registration_bytes),
+        ("RAM: runtime", lambda s: s.runtime_bytes),
         ("= RAM peak", lambda s: s.ram_peak_bytes),
         ("NVMe files", lambda s: s.nvme_file_bytes),
         ("NVMe + writes in flight", lambda s: s.nvme_need_bytes),
@@ -77,6 +81,9 @@ def render(plan: RunPlan) -> str:
         f"  {'partitions (on NVMe)':<{_LABEL}}"
         + "".join(f"{f'{s.partitions} ({s.partitions_on_nvme})':>12}" for s in plan.servers)
     )
+
+    if plan.host_budget is not None:
+        lines += ["", *_budget_lines(plan.host_budget)]
 
     t = w.traffic
     lines += [
@@ -132,3 +139,30 @@ def _others(count: int, max_unit_params: int) -> str:
     """What the units besides the root are called: blocks, or units below a block."""
     word = "unit" if max_unit_params else "block"
     return word + "s" * (count != 1)
+
+
+def _budget_lines(split: HostBudget) -> list[str]:
+    """How ``cluster.host_memory_bytes`` is split (the plan above is of that split)."""
+    b = format_bytes
+    rows = [
+        ("driver", split.driver_bytes, "its runtime"),
+        (
+            f"{split.num_workers} x worker",
+            split.num_workers * split.worker_bytes,
+            f"{b(split.worker_bytes)} each: weight window {split.weight_window}, exchange slots {split.exchange_slots}",
+        ),
+        (
+            f"{split.num_servers} x state server",
+            split.num_servers * split.server_bytes,
+            f"{b(split.server_bytes)} each: runtime, a step's transfers (or start-up's registration)",
+        ),
+        (
+            f"{split.num_servers} x RAM tier",
+            split.num_servers * split.tier_bytes,
+            f"{b(split.tier_bytes)} each: what is left (state_server.tier.ram_budget_bytes)",
+        ),
+        ("= need", split.need_bytes, f"of {b(split.budget_bytes)}"),
+    ]
+    return [f"Host budget (cluster.host_memory_bytes {b(split.budget_bytes)}, every process of the run)"] + [
+        f"  {name:<{_LABEL}} {b(n):>10}  {note}" for name, n, note in rows
+    ]

@@ -13,8 +13,10 @@ import torch
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.activations import activation_bytes_estimate
+from cargohold.cluster.plan.budget import HostBudget, PlanParts, apply_host_budget, split_host_budget
 from cargohold.cluster.plan.checks import Check, check_cluster
 from cargohold.cluster.plan.description import ClusterDescription, NodeGroup
+from cargohold.cluster.plan.runtime import DRIVER_RUNTIME_BYTES
 from cargohold.cluster.plan.server import ServerPlan, plan_server
 from cargohold.cluster.plan.worker import WorkerPlan, plan_worker
 from cargohold.services.errors import ConfigError, LayoutError
@@ -22,6 +24,7 @@ from cargohold.services.layout import Layout
 
 if TYPE_CHECKING:
     from cargohold.services.sharding import Unit
+    from cargohold.services.task import TrainingTask
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,6 +46,11 @@ class RunPlan:
     checks: tuple[Check, ...]
     checkpoint_keep_last: int = 0
     """``checkpoint.keep_last`` when checkpoints are on (``checkpoint.dir``), else 0."""
+    driver_bytes: int = DRIVER_RUNTIME_BYTES
+    """The driver's host memory (its runtime; it holds no model)."""
+    host_budget: HostBudget | None = None
+    """The split of ``cluster.host_memory_bytes`` when set (the plan is then of the config
+    that keeps it)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -61,26 +69,30 @@ class RunPlan:
         )
         for out, server in zip(data["servers"], self.servers):
             out.update(ram_bytes=server.ram_bytes, ram_peak_bytes=server.ram_peak_bytes)
+        if self.host_budget is not None:
+            data["host_budget"]["need_bytes"] = self.host_budget.need_bytes
         return data
 
 
 def plan_run(config: TrainConfig, cluster: ClusterDescription | None = None) -> RunPlan:
-    """What ``config`` needs of every tier and moves per step, checked against ``cluster``."""
+    """What ``config`` needs of every tier and moves per step, checked against ``cluster``;
+    with ``cluster.host_memory_bytes``, of the config that keeps its split."""
     cluster = cluster or ClusterDescription()
-    model, units, layout = _layout(config)
-    device = _worker_device(config, cluster)
+    layout, parts = plan_parts(config, cluster)
+    host_budget = None
+    if config.cluster.host_memory_bytes is not None:
+        host_budget, config = split_host_budget(config, parts)
+    worker, servers = parts(config)
     groups = cluster.groups(config)
-    transport = _transport(config, groups)
-    worker = plan_worker(config, layout, model, device, transport, activation_bytes_estimate(config, model))
-    servers = tuple(plan_server(config, layout, s, transport) for s in range(layout.num_servers))
-    checks = check_cluster(config, cluster, groups, worker, servers)
+    checks = check_cluster(config, cluster, groups, worker, servers, host_budget)
     notes = [
         "activations are an estimate (fused attention, no s x s score matrix); units in flight, "
         "per-step temporaries and NVMe reads are upper bounds",
-        "not counted: each process's Python/torch/Ray runtime (~0.5-1 GiB), the CUDA context, "
-        "caching allocator and NCCL buffers, Ray's object store",
+        "each process's runtime (Python, torch, Ray) as measured on CPU, a GPU worker's CUDA libraries "
+        "estimated; not counted: the CUDA context's device memory, caching allocator and NCCL buffers, "
+        "Ray's object store",
     ]
-    if config.worker.offload_params and device == "cpu":
+    if config.worker.offload_params and worker.device == "cpu":
         notes.append(
             "worker.offload_params does nothing for CPU workers (their weights are in host memory "
             "anyway); planned without it"
@@ -92,23 +104,42 @@ def plan_run(config: TrainConfig, cluster: ClusterDescription | None = None) -> 
         num_servers=layout.num_servers,
         compute_dtype=config.worker.compute_dtype,
         grad_wire_dtype=config.worker.grad_wire_dtype,
-        transport=transport,
+        transport=_transport(config, groups),
         worker=worker,
         servers=servers,
         checks=checks,
         notes=tuple(notes),
         checkpoint_keep_last=config.checkpoint.keep_last if config.checkpoint.dir is not None else 0,
+        host_budget=host_budget,
     )
 
 
-def _layout(config: TrainConfig) -> tuple[torch.nn.Module, list[Unit], Layout]:
+def plan_parts(
+    config: TrainConfig, cluster: ClusterDescription, task: TrainingTask | None = None
+) -> tuple[Layout, PlanParts]:
+    """The layout of ``config``'s model (or ``task``'s), and the worker's and state servers'
+    plans of any config that differs from it only in sizes the model does not depend on
+    (the weight window, the slots, the RAM tier's budget): the model is built once."""
+    model, _, layout = _layout(config, task)
+    device = _worker_device(config, cluster)
+    transport = _transport(config, cluster.groups(config))
+    activations = activation_bytes_estimate(config, model)
+
+    def parts(variant: TrainConfig) -> tuple[WorkerPlan, tuple[ServerPlan, ...]]:
+        worker = plan_worker(variant, layout, model, device, transport, activations)
+        return worker, tuple(plan_server(variant, layout, s, transport) for s in range(layout.num_servers))
+
+    return layout, parts
+
+
+def _layout(config: TrainConfig, task: TrainingTask | None = None) -> tuple[torch.nn.Module, list[Unit], Layout]:
     """The meta-device model, its FSDP2 units and the layout every worker computes
     (shapes only; nothing allocated, nothing read)."""
     from cargohold.services.model_setup import model_layout
     from cargohold.services.param_groups import resolve_param_groups
 
     try:
-        model, units, layout = model_layout(config)
+        model, units, layout = model_layout(config, task)
     except LayoutError as error:
         raise ConfigError(f"the model cannot be laid out: {error}") from error
     resolve_param_groups(config.optim, layout.params)  # a pattern matching nothing is refused here too
@@ -120,6 +151,18 @@ def _worker_device(config: TrainConfig, cluster: ClusterDescription) -> str:
     if requested == "auto":  # a plan cannot look for GPUs: the cluster description says
         return "cuda" if cluster.device_memory_bytes is not None else "cpu"
     return requested
+
+
+def budgeted_config(config: TrainConfig, task: TrainingTask | None = None) -> TrainConfig:
+    """What a run starts with: ``config`` with the split of ``cluster.host_memory_bytes``
+    applied (unchanged without one; ConfigError when the run cannot fit it). Workers are
+    planned on GPUs when the config asks for them (worker.device cuda, or auto with
+    worker.gpus), on one node with the state servers."""
+    if config.cluster.host_memory_bytes is None:
+        return config
+    on_gpus = config.worker.device == "cuda" or (config.worker.device == "auto" and config.worker.gpus > 0)
+    cluster = ClusterDescription(device_memory_bytes=1 if on_gpus else None)  # the size is not checked here
+    return apply_host_budget(config, plan_parts(config, cluster, task)[1])
 
 
 def _transport(config: TrainConfig, groups: Sequence[NodeGroup]) -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.itemsize import DTYPE_BYTES, FP32_BYTES
+from cargohold.cluster.plan.runtime import SERVER_RUNTIME_BYTES
 from cargohold.services.layout import Layout
 from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT, elements_per_partition, split_segment
@@ -72,6 +73,11 @@ class ServerPlan:
     checkpoint_snapshot_bytes: int = 0
     """RAM a checkpoint copies the state into until written (all-RAM state only): the
     partitions' file layouts, as the RAM tier holds them."""
+    runtime_bytes: int = 0
+    """The process's runtime (Python, torch, Ray, gRPC): measured, :mod:`.runtime`."""
+    registration_bytes: int = 0
+    """While it starts: the fp32 initial values of the segments registered at once (one
+    per worker, up to ``rpc_threads``), as received."""
 
     @property
     def ram_bytes(self) -> int:
@@ -79,14 +85,15 @@ class ServerPlan:
         return self.ram_resident_bytes + self.staging_bytes
 
     @property
+    def step_bytes(self) -> int:
+        """What a step adds to the tiers: transfers in flight, update temporaries, weights
+        to fetch, a checkpoint's snapshot."""
+        return self.gradient_bytes + self.update_temp_bytes + self.weights_bytes + self.checkpoint_snapshot_bytes
+
+    @property
     def ram_peak_bytes(self) -> int:
-        return (
-            self.ram_bytes
-            + self.gradient_bytes
-            + self.update_temp_bytes
-            + self.weights_bytes
-            + self.checkpoint_snapshot_bytes
-        )
+        """The runtime and the tiers, plus the larger of a step's additions and start-up's."""
+        return self.runtime_bytes + self.ram_bytes + max(self.step_bytes, self.registration_bytes)
 
 
 def plan_server(config: TrainConfig, layout: Layout, index: int, transport: str) -> ServerPlan:
@@ -163,4 +170,6 @@ def plan_server(config: TrainConfig, layout: Layout, index: int, transport: str)
         checkpoint_bytes=checkpoint_bytes,
         checkpoint_written_bytes=checkpoint_written,
         checkpoint_snapshot_bytes=snapshot,
+        runtime_bytes=SERVER_RUNTIME_BYTES,
+        registration_bytes=sum(sizes[: min(threads, layout.num_workers)]) * FP32_BYTES,
     )

@@ -24,6 +24,7 @@ import torch
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.itemsize import DTYPE_BYTES, FP32_BYTES
+from cargohold.cluster.plan.runtime import worker_runtime_bytes
 from cargohold.services.layout import Layout
 from cargohold.services.optim import SQUARES_CHUNK
 from cargohold.services.state_port import exchange_nbytes
@@ -113,10 +114,13 @@ class WorkerPlan:
     one unit's reduced gradient (dropped at once)."""
     corpus_bytes: int
     """Training text in host memory (at most data.corpus_bytes)."""
+    runtime_bytes: int
+    """The process's runtime (Python, torch, Ray, gloo; CUDA on a GPU worker): measured,
+    :mod:`.runtime`."""
     startup_host_bytes: int
-    """Host memory while it starts: the buffers held in host memory, one module's full
-    fp32 initial values and one unit's fp32 initial chunk (registered with the servers a
-    unit at a time); the model itself is only ever built on the meta device."""
+    """Host memory while it starts: the runtime, the buffers held in host memory, one
+    module's full fp32 initial values and one unit's fp32 initial chunk (registered with
+    the servers a unit at a time); the model itself is only ever built on the meta device."""
     traffic: WorkerTraffic
 
     @property
@@ -132,11 +136,18 @@ class WorkerPlan:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory while training: the exchange buffers, offloaded shards, temporaries
-        and corpus; on a CPU also everything the device total counts."""
+        """Host memory while training: the runtime, the exchange buffers, offloaded shards,
+        temporaries and corpus; on a CPU also everything the device total counts."""
         on_host = self.device_peak_bytes if self.device == "cpu" else 0
         offloaded = self.buffers["weights"] if self.offload else 0
-        return on_host + self.buffers["exchange"] + offloaded + self.host_transient_bytes + self.corpus_bytes
+        return (
+            self.runtime_bytes
+            + on_host
+            + self.buffers["exchange"]
+            + offloaded
+            + self.host_transient_bytes
+            + self.corpus_bytes
+        )
 
     @property
     def host_peak_bytes(self) -> int:
@@ -214,8 +225,10 @@ def plan_worker(
 
     on_host = weights if offload or device == "cpu" else 0
     one_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    runtime = worker_runtime_bytes(device)
     startup = (
-        exchange
+        runtime
+        + exchange
         + on_host
         + config.data.corpus_bytes
         + one_module * FP32_BYTES
@@ -246,6 +259,7 @@ def plan_worker(
         shared_memory_bytes=exchange if transport != "grpc" else 0,
         host_transient_bytes=chunk * compute if offload else 0,
         corpus_bytes=config.data.corpus_bytes,
+        runtime_bytes=runtime,
         startup_host_bytes=startup,
         traffic=WorkerTraffic(
             reduce_scatter_bytes=(world - 1) * sum(u.chunk for u in units) * wire,

@@ -1,0 +1,152 @@
+"""One host-memory budget for a run (``cluster.host_memory_bytes``): what every process of
+the run may hold in host RAM together, each process's runtime included. The planner
+splits it: the driver and each worker take what they need (their runtime, buffers,
+weight window and exchange slots: fixed by the model and the config), each state server
+its runtime and a step's transfers, and what is left is divided among the state servers
+as their RAM tier (``state_server.tier.ram_budget_bytes``), the rest of the optimizer
+state going to the NVMe tier. Where the fixed part does not fit, the weight window and
+the exchange slots are lowered first (to 2 and 1: reads ahead and overlap are traded for
+memory); where it still does not fit, the run is refused before it starts.
+
+A run applies the split to its config (:func:`apply_host_budget`) before anything starts,
+so the processes keep the sizes the plan printed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.plan.runtime import DRIVER_RUNTIME_BYTES
+from cargohold.cluster.plan.server import ServerPlan
+from cargohold.cluster.plan.worker import WorkerPlan
+from cargohold.cluster.sizes import format_bytes
+from cargohold.services.errors import ConfigError
+
+MiB = 1 << 20
+
+PlanParts = Callable[[TrainConfig], tuple[WorkerPlan, tuple[ServerPlan, ...]]]
+"""The worker's and the state servers' plans of a config (:func:`.run.plan_parts`)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostBudget:
+    """``cluster.host_memory_bytes`` split over the run's processes."""
+
+    budget_bytes: int
+    driver_bytes: int
+    num_workers: int
+    worker_bytes: int
+    """Each worker's host peak (runtime included)."""
+    num_servers: int
+    server_bytes: int
+    """Each state server's host peak besides its RAM tier (runtime, a step's transfers or
+    start-up's registration)."""
+    tier_bytes: int
+    """Each state server's RAM tier: ``state_server.tier.ram_budget_bytes``, or with no
+    NVMe tier the whole state it holds."""
+    weight_window: int
+    exchange_slots: int
+    fits: bool
+
+    @property
+    def need_bytes(self) -> int:
+        return (
+            self.driver_bytes
+            + self.num_workers * self.worker_bytes
+            + self.num_servers * (self.server_bytes + self.tier_bytes)
+        )
+
+
+def split_host_budget(config: TrainConfig, plan_parts: PlanParts) -> tuple[HostBudget, TrainConfig]:
+    """The split of ``config.cluster.host_memory_bytes`` and the config that keeps it (the
+    window, the slots and the RAM tier's budget set); ``fits`` False when even the least
+    window and slots leave the servers' RAM tier too little (the config returned is then
+    the least one, for the plan to show)."""
+    budget = config.cluster.host_memory_bytes
+    if budget is None:
+        raise ConfigError("cluster.host_memory_bytes is not set")
+    tier = config.state_server.tier
+    on_nvme = bool(tier.nvme_paths)
+    least = tier.staging_bytes() if on_nvme else 0
+    split = None
+    for window, slots in _settings(config):
+        trial = _with(config, window=window, slots=slots, ram_budget=least if on_nvme else None)
+        worker, servers = plan_parts(trial)
+        server_fixed = max(s.runtime_bytes + max(s.step_bytes, s.registration_bytes) for s in servers)
+        fixed = DRIVER_RUNTIME_BYTES + config.worker.num_workers * worker.host_peak_bytes
+        fixed += len(servers) * server_fixed
+        if on_nvme:
+            share = (budget - fixed) // len(servers) // MiB * MiB
+            tier_bytes = max(share, least)
+        else:  # every state in RAM: the tier's size is the state's
+            tier_bytes = max(s.ram_bytes for s in servers)
+        split = HostBudget(
+            budget_bytes=budget,
+            driver_bytes=DRIVER_RUNTIME_BYTES,
+            num_workers=config.worker.num_workers,
+            worker_bytes=worker.host_peak_bytes,
+            num_servers=len(servers),
+            server_bytes=server_fixed,
+            tier_bytes=tier_bytes,
+            weight_window=window,
+            exchange_slots=slots,
+            fits=fixed + len(servers) * tier_bytes <= budget,
+        )
+        if split.fits:
+            derived = tier_bytes if on_nvme else None
+            if tier.ram_budget_bytes is not None and tier.ram_budget_bytes != derived:
+                raise ConfigError(
+                    f"state_server.tier.ram_budget_bytes is derived from cluster.host_memory_bytes "
+                    f"({derived} here), but the config sets it to {tier.ram_budget_bytes}; unset one of them"
+                )
+            return split, _with(config, window=window, slots=slots, ram_budget=derived)
+    assert split is not None  # _settings yields at least the configured values
+    return split, _with(config, window=split.weight_window, slots=split.exchange_slots, ram_budget=None)
+
+
+def apply_host_budget(config: TrainConfig, plan_parts: PlanParts) -> TrainConfig:
+    """``config`` with the split of ``cluster.host_memory_bytes`` applied (unchanged when
+    it is not set); raises ConfigError, naming the key and what the run needs, when the
+    run cannot fit it."""
+    if config.cluster.host_memory_bytes is None:
+        return config
+    split, effective = split_host_budget(config, plan_parts)
+    if not split.fits:
+        raise ConfigError(
+            f"cluster.host_memory_bytes={split.budget_bytes} ({format_bytes(split.budget_bytes)}) cannot hold "
+            f"this run: {describe(split)}; raise it, add nvme_paths, or lower data.batch_size, "
+            "worker.max_unit_params or the worker and server counts"
+        )
+    return effective
+
+
+def describe(split: HostBudget) -> str:
+    """The split in one line."""
+    tier = "RAM tier" if split.tier_bytes else "no RAM tier"
+    return (
+        f"driver {format_bytes(split.driver_bytes)} + {split.num_workers} worker(s) x "
+        f"{format_bytes(split.worker_bytes)} (weight window {split.weight_window}, "
+        f"{split.exchange_slots} exchange slot(s)) + {split.num_servers} state server(s) x "
+        f"({format_bytes(split.server_bytes)} + {tier} {format_bytes(split.tier_bytes)}) = "
+        f"{format_bytes(split.need_bytes)}"
+    )
+
+
+def _settings(config: TrainConfig) -> Iterator[tuple[int, int]]:
+    """(weight window, exchange slots) from the configured ones down to (2, 1): the slots
+    first, then the window (only with weights on NVMe)."""
+    worker = config.worker
+    windows = range(worker.weight_window, 1, -1) if worker.weights_nvme_path is not None else [worker.weight_window]
+    for window in windows:
+        for slots in range(worker.exchange_slots, 0, -1):
+            yield window, slots
+
+
+def _with(config: TrainConfig, *, window: int, slots: int, ram_budget: int | None) -> TrainConfig:
+    worker = dataclasses.replace(config.worker, weight_window=window, exchange_slots=slots)
+    tier = dataclasses.replace(config.state_server.tier, ram_budget_bytes=ram_budget)
+    server = dataclasses.replace(config.state_server, tier=tier)
+    return dataclasses.replace(config, worker=worker, state_server=server)

@@ -1,0 +1,25 @@
+"""What each process of a run holds in host memory whatever the model: the Python
+interpreter, torch, Ray's core worker and gRPC, gloo. Measured, not derived: the peak RSS
+(VmHWM) of each role's process in a run of a tiny model on this project's CPU build of
+torch (``benchmarks/host_memory.py --sizes tiny``; docs/benchmarks.md). A GPU worker
+also maps the CUDA libraries and its context's host allocations, estimated apart."""
+
+from __future__ import annotations
+
+MiB = 1 << 20
+
+DRIVER_RUNTIME_BYTES = 450 * MiB
+"""The process that runs ``cargohold train`` (or the Python API): Ray's driver, the config,
+the launcher."""
+WORKER_RUNTIME_BYTES = 480 * MiB
+"""A CPU worker actor before its model: torch, gloo, Ray, gRPC, the data reader."""
+SERVER_RUNTIME_BYTES = 330 * MiB
+"""A state server actor before its state: torch, Ray, the gRPC server and its threads."""
+CUDA_RUNTIME_BYTES = 1024 * MiB
+"""What a GPU worker adds on the host (the CUDA runtime, cuBLAS and NCCL mapped, the
+context's host allocations): an estimate, not measured on this project's machines."""
+
+
+def worker_runtime_bytes(device: str) -> int:
+    """A worker's runtime on ``device`` ("cuda" or "cpu")."""
+    return WORKER_RUNTIME_BYTES + (CUDA_RUNTIME_BYTES if device == "cuda" else 0)
