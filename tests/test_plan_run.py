@@ -57,6 +57,8 @@ def test_plan_matches_a_real_run(ray_local, tmp_path: Path, tiered: bool) -> Non
             "state_server__tier": nvme_tier(tmp_path),
             "worker__weights_nvme_path": str(tmp_path / "weights"),
             "worker__max_unit_params": 20_000,
+            "worker__activation_checkpointing": "blocks",
+            "worker__weight_window": 2,
         }
         if tiered
         else {}
