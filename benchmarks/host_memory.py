@@ -1,10 +1,13 @@
 """Host memory of a whole run against model size, with weights and optimizer state on disk
-(issue 23): bf16 Llama-shaped models of ~0.25B to ~2B parameters each train a few steps
-with one worker and one state server, every block's weights in files
-(``worker.weights_nvme_path``) and the optimizer state in partition files but for a small
-RAM budget. Each process's peak is read from /proc, not from cargohold's counters.
+and one host budget (issue 23): bf16 Llama-shaped models of ~0.25B to ~2B parameters each
+train a few steps with one worker and one state server, every unit's weights in files
+(``worker.weights_nvme_path``) and ``cluster.host_memory_bytes`` for every process of the
+run (the planner gives the state server's RAM tier what the others leave; the rest of the
+optimizer state in partition files). A tiny model measures what each process holds
+whatever the model (its runtime). Each process's peak is read from /proc, not from
+cargohold's counters.
 
-    python benchmarks/host_memory.py                          # 0.25B, 0.5B, 1B, 2B; ~20 min
+    python benchmarks/host_memory.py                          # tiny, 0.25B, 0.5B, 1B, 2B; ~35 min
     python benchmarks/host_memory.py --sizes 0.25 --steps 2   # one size, a quick look
     python benchmarks/host_memory.py --root /mnt/nvme0/bench  # the files on another drive
 
@@ -13,12 +16,13 @@ Each size runs in a fresh driver process (``--child``) that starts its own local
 and summed: peak RSS (``VmHWM`` of /proc/<pid>/status, read once after the steps: a
 high-water mark needs no sampling) and peak PSS (``Pss`` of /proc/<pid>/smaps_rollup,
 sampled once a second by a thread of the driver: the one number here that needs a
-sampler, cheap at that rate; PSS splits the shared-memory exchange buffers between the
-worker and the server that both map them, so the PSS sum counts them once). Ray's own
-daemons (raylet, GCS) are listed apart: they do not grow with the model. Beside the
-measurements, the plan's figures for the same config (``cargohold plan``'s host peak
-of the worker and RAM peak of the server) and the NVMe bytes per step, measured by the
-metrics endpoints and planned. Seconds per step are the mean of the steps after the
+sampler, cheap at that rate, and the driver's CPU time over the steps is printed to show
+it; PSS splits the shared-memory exchange buffers between the worker and the server that
+both map them, so the PSS sum counts them once). Ray's own daemons (raylet, GCS) are
+listed apart: they do not grow with the model. Beside the measurements, the plan's
+figures for the same config (``cargohold plan``'s host peak of the worker, RAM peak of
+the server and the driver's, runtimes included) and the NVMe bytes per step, measured by
+the metrics endpoints and planned. Seconds per step are the mean of the steps after the
 first. Nothing is asserted.
 """
 
@@ -38,12 +42,18 @@ from pathlib import Path
 
 SIZES = {
     # name: (hidden, layers, intermediate, heads) of a Llama with a 32000-token vocabulary
+    "tiny": (128, 2, 344, 4),  # ~8M: what each process holds whatever the model (its runtime)
     "0.25": (1024, 16, 2816, 16),
     "0.5": (1536, 16, 4096, 12),
     "1": (2048, 16, 5632, 16),
     "2": (2048, 36, 5632, 16),
 }
 GiB = 1 << 30
+
+
+def label(size: str) -> str:
+    """A size as the tables name it: "0.25B", "tiny"."""
+    return f"{size}B" if size[0].isdigit() else size
 
 
 def llama_folder(folder: Path, hidden: int, layers: int, intermediate: int, heads: int) -> Path:
@@ -76,8 +86,9 @@ def llama_folder(folder: Path, hidden: int, layers: int, intermediate: int, head
 def overrides(model: Path, root: Path, args: argparse.Namespace) -> list[str]:
     """W=1, S=1, bf16 weights and wire, units no larger than ``--max-unit-params`` (blocks
     split into attention and MLP projections, the embeddings and head apart) with their
-    weights in files (a window of 2), the optimizer state in files but for
-    ``--ram-budget-mib``; one sequence per step."""
+    weights in files (a window of 2), one host budget of ``--budget-gib`` for every process
+    (the planner gives the state server's RAM tier what the others leave; the rest of the
+    optimizer state in files); one sequence per step."""
     return [
         f"steps={args.steps}",
         "progress=false",
@@ -100,7 +111,7 @@ def overrides(model: Path, root: Path, args: argparse.Namespace) -> list[str]:
         "state_server.torch_threads=2",
         "state_server.rpc_threads=1",
         f"state_server.tier.nvme_paths=[{root / 'state'}]",
-        f"state_server.tier.ram_budget_bytes={args.ram_budget_mib << 20}",
+        f"cluster.host_memory_bytes={int(args.budget_gib * GiB)}",
         f"state_server.tier.partition_bytes={args.partition_mib << 20}",
         "state_server.tier.buffer_count=2",
         "cluster.startup_timeout_s=1800",
@@ -187,12 +198,14 @@ def child(args: argparse.Namespace) -> None:
             }
             targets = [t.address for t in session.metrics_targets()]
             pss = PssPeaks(pids)
+            driver_cpu = time.process_time()
             for number in range(args.steps):
                 before = sum(scrape(a, NVME_BYTES) for a in targets) if number == args.steps - 1 else 0.0
                 started = time.perf_counter()
                 session.step()
                 seconds.append(time.perf_counter() - started)
             nvme_step = sum(scrape(a, NVME_BYTES) for a in targets) - before
+            driver_cpu = time.process_time() - driver_cpu  # the sampler's and the launcher's, all steps
             hwm = {name: status_bytes(pid, "VmHWM") for name, pid in pids.items()}
             peaks = pss.stop()
             daemons = {p.name(): p.memory_info().rss for p in _ray_daemons() if p.name() in ("raylet", "gcs_server")}
@@ -208,10 +221,13 @@ def child(args: argparse.Namespace) -> None:
                 "pss": peaks,
                 "daemons": daemons,
                 "seconds": seconds,
+                "driver_cpu_s": driver_cpu,
                 "nvme_step": nvme_step,
+                "tier_budget": session.config.state_server.tier.ram_budget_bytes,
                 "plan": {
                     "worker": w.host_peak_bytes,
                     "server": s.ram_peak_bytes,
+                    "driver": plan.driver_bytes,
                     "nvme_step": w.traffic.weight_read_bytes
                     + w.traffic.weight_write_bytes
                     + s.traffic.nvme_read_bytes
@@ -238,7 +254,6 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {list(SIZES)}")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--ram-budget-mib", type=int, default=512)
     parser.add_argument("--partition-mib", type=int, default=64)
     parser.add_argument(
         "--max-unit-params",
@@ -246,7 +261,9 @@ def main() -> None:
         default=40_000_000,
         help="worker.max_unit_params (0: a unit per block, the embeddings and head in the root)",
     )
-    parser.add_argument("--budget-gib", type=float, default=3.0, help="the host budget the sums are compared with")
+    parser.add_argument(
+        "--budget-gib", type=float, default=3.0, help="cluster.host_memory_bytes: every process of the run together"
+    )
     parser.add_argument("--root", default=None, help="folder for the files (default: a temporary one)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
@@ -260,17 +277,17 @@ def main() -> None:
         try:
             command = [sys.executable, __file__, "--child", "--size", size, "--root", str(root)]
             command += ["--steps", str(args.steps), "--seq", str(args.seq)]
-            command += ["--ram-budget-mib", str(args.ram_budget_mib), "--partition-mib", str(args.partition_mib)]
+            command += ["--budget-gib", str(args.budget_gib), "--partition-mib", str(args.partition_mib)]
             command += ["--max-unit-params", str(args.max_unit_params)]
             done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
             if done.returncode != 0:
-                print(f"size {size}B failed:\n{done.stderr[-4000:]}", file=sys.stderr)
+                print(f"size {label(size)} failed:\n{done.stderr[-4000:]}", file=sys.stderr)
                 continue
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         finally:
             shutil.rmtree(root, ignore_errors=True)
         row = rows[-1]
-        print(f"{size}B done: {json.dumps(row)}", file=sys.stderr)
+        print(f"{label(size)} done: {json.dumps(row)}", file=sys.stderr)
     print(
         "| model | parameters | worker RSS / PSS | server RSS / PSS | driver RSS | sum RSS / PSS (GiB) "
         "| plan worker / server | s/step | NVMe GB/step (plan) |"
@@ -280,7 +297,7 @@ def main() -> None:
         h, p, plan = r["hwm"], r["pss"], r["plan"]
         timed = r["seconds"][1:] or r["seconds"]
         print(
-            f"| {r['size']}B | {r['parameters'] / 1e9:.2f}B | {gib(h['worker'])} / {gib(p['worker'])} "
+            f"| {label(r['size'])} | {r['parameters'] / 1e9:.2f}B | {gib(h['worker'])} / {gib(p['worker'])} "
             f"| {gib(h['server'])} / {gib(p['server'])} | {gib(h['driver'])} "
             f"| {gib(sum(h.values()))} / {gib(sum(p.values()))} | {gib(plan['worker'])} / {gib(plan['server'])} "
             f"| {sum(timed) / len(timed):.1f} | {r['nvme_step'] / 1e9:.1f} ({plan['nvme_step'] / 1e9:.1f}) |"
@@ -289,9 +306,11 @@ def main() -> None:
     for r in rows:
         total = sum(r["pss"].values())
         print(
-            f"RATIO {r['size']}B PSS sum / budget {args.budget_gib:g} GiB = {total / budget:.2f}; "
+            f"RATIO {label(r['size'])} PSS sum / budget {args.budget_gib:g} GiB = {total / budget:.2f}; "
             f"worker RSS / plan = {r['hwm']['worker'] / r['plan']['worker']:.2f}, "
-            f"server RSS / plan = {r['hwm']['server'] / r['plan']['server']:.2f}; "
+            f"server RSS / plan = {r['hwm']['server'] / r['plan']['server']:.2f}, "
+            f"driver RSS / plan = {r['hwm']['driver'] / r['plan']['driver']:.2f}; "
+            f"RAM tier {gib(r['tier_budget'] or 0)} GiB; driver CPU {r['driver_cpu_s']:.2f} s over the steps; "
             f"Ray daemons {', '.join(f'{k} {gib(v)} GiB' for k, v in r['daemons'].items())}"
         )
 
