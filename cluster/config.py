@@ -72,6 +72,18 @@ class DataConfig:
     cache_dir: str | None = None
     """Where tokenized data is kept, keyed by the data's content, the tokenizer's files and
     these settings, so that another run does not tokenize again; None: ~/.cache/cargohold/data."""
+    packing: Literal["auto", "stream", "documents"] = "auto"
+    """How training sequences are made of the documents (text, jsonl, chat, hf_dataset).
+    stream: back to back, sequences cut at any offset (no padding, but a sequence may start
+    inside a document and attend across an EOS into the one before). documents: each
+    sequence holds whole documents (best-fit decreasing), padded, its position ids
+    restarting and attention confined to each document (data.overlong says what happens
+    to one longer than a sequence). auto: documents for chat, stream otherwise."""
+    overlong: Literal["truncate", "drop", "split"] = "truncate"
+    """With whole documents: one longer than data.block_size + 1 tokens is truncated (its
+    start kept), dropped, or split into sequence-sized pieces, each trained as a document;
+    the counts are logged before training. A conversation (or piece) left without a counted
+    target, an assistant token, is dropped and counted."""
 
     def __post_init__(self) -> None:
         _positive("data.corpus_bytes", self.corpus_bytes)
@@ -96,6 +108,16 @@ class DataConfig:
             raise ConfigError("data.field must be a field name or null, got an empty string")
         if self.cache_dir:
             _check_output_folder("data.cache_dir", self.cache_dir)
+        if self.packing == "documents" and self.format in ("bytes", "tokens"):
+            raise ConfigError(
+                f"data.packing=documents needs documents; data.format={self.format} has none (use text, jsonl, "
+                "chat or hf_dataset, or data.packing=stream)"
+            )
+
+    @property
+    def whole_documents(self) -> bool:
+        """Sequences are made of whole documents (data.packing, auto: chat)."""
+        return self.packing == "documents" or (self.packing == "auto" and self.format == "chat")
 
     @property
     def record_field(self) -> str:

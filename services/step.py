@@ -38,6 +38,7 @@ The shape of a step:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -67,8 +68,17 @@ BatchLoss = Callable[[nn.Module, Any, torch.device], torch.Tensor]
 
 
 def model_loss(model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
-    """The loss the config's models compute themselves: ``model(inputs, targets)[1]``."""
-    _, loss = model(batch.inputs.to(device), batch.targets.to(device))
+    """The loss the config's models compute themselves: ``model(inputs, targets)[1]``,
+    with the position ids of rows of whole documents."""
+    if batch.position_ids is None:
+        _, loss = model(batch.inputs.to(device), batch.targets.to(device))
+        return loss
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise TrainingError(
+            f"{type(model).__name__}.forward takes no position_ids, which rows of whole documents need "
+            "(data.packing: documents); add the argument or set data.packing: stream"
+        )
+    _, loss = model(batch.inputs.to(device), batch.targets.to(device), position_ids=batch.position_ids.to(device))
     return loss
 
 

@@ -64,6 +64,8 @@ CONFIG_SURFACE = [
     "data.split",
     "data.token_dtype",
     "data.cache_dir",
+    "data.packing",
+    "data.overlong",
     "eval.path",
     "eval.split",
     "eval.every_steps",

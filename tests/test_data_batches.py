@@ -154,9 +154,10 @@ def test_byte_corpus_keeps_the_byte_path_and_splits_micro_batches_as_ranks() -> 
 
 
 def test_pack_puts_eos_after_each_document_and_does_not_count_it() -> None:
-    tokens, counted = pack([([5, 6], None), ([7], None)], eos_id=1, dtype=np.dtype(np.uint16))
+    tokens, counted, ends = pack([([5, 6], None), ([7], None)], eos_id=1, dtype=np.dtype(np.uint16))
     assert tokens.tolist() == [5, 6, 1, 7, 1] and counted is None and tokens.dtype == np.uint16
-    tokens, counted = pack([([5, 6], [False, True]), ([7], [True])], eos_id=1, dtype=np.dtype(np.uint32))
+    assert ends == [3, 5]  # where each document ends, its EOS included
+    tokens, counted, _ = pack([([5, 6], [False, True]), ([7], [True])], eos_id=1, dtype=np.dtype(np.uint32))
     assert tokens.tolist() == [5, 6, 1, 7, 1] and counted is not None and counted.tolist() == [0, 1, 0, 1, 0]
     with pytest.raises(ValueError, match="counted flags"):
         pack([([5], [True]), ([7], None)], eos_id=1, dtype=np.dtype(np.uint16))
@@ -205,3 +206,17 @@ def test_the_cache_key_changes_with_content_tokenizer_and_settings() -> None:
         )
         == 4
     )
+
+
+def test_masking_the_targets_of_a_single_row_leaves_its_inputs_alone() -> None:
+    """With data.batch_size 1 the inputs and targets were two views of one storage: masking a
+    prompt's targets wrote IGNORE_INDEX into the inputs (the embedding then failed)."""
+    tokens = np.arange(1, 60, dtype=np.uint16)
+    counted = (np.arange(59) % 3 == 0).astype(np.uint8)
+    blocks = TokenBlocks(tokens, counted, BatchShape(1, 1, 8), seed=0, vocab_size=64, name="test")
+    for step in (1, 2, 3):
+        batch = blocks.batch(step, 0)
+        assert (batch.targets == IGNORE_INDEX).any()
+        assert batch.inputs.min() >= 1 and torch.equal(
+            batch.inputs[0, 1:], torch.arange(1, 60)[batch.inputs[0, 1] - 1 :][:7]
+        )

@@ -23,6 +23,7 @@ from cargohold.cluster import cli  # noqa: E402
 from cargohold.cluster.config_io import load_config  # noqa: E402
 from cargohold.services.data import tokenization  # noqa: E402
 from cargohold.services.data.blocks import TokenBlocks  # noqa: E402
+from cargohold.services.data.rows import DocumentRows  # noqa: E402
 from cargohold.services.data.sources import open_source  # noqa: E402
 from cargohold.services.errors import ConfigError  # noqa: E402
 from cargohold.services.models.dimensions import sequence_length  # noqa: E402
@@ -55,7 +56,7 @@ def _config(tmp_path: Path, tokenizer_dir: Path, **data):
 
 
 def _stream(source) -> np.ndarray:
-    assert isinstance(source, TokenBlocks)
+    assert isinstance(source, (TokenBlocks, DocumentRows))
     return np.asarray(source.tokens)
 
 

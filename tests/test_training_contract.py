@@ -165,7 +165,7 @@ def test_masked_chat_loss_matches_torch_adamw_bitwise(ray_local, tmp_path) -> No
     )
     source = open_source(config)
     shares = [source.batch(step, rank).weight for step in range(1, config.steps + 1) for rank in range(2)]
-    assert all(share != 1.0 for share in shares), "ranks count different numbers of tokens"
+    assert sum(share != 1.0 for share in shares) > len(shares) // 2, "ranks count different numbers of tokens"
     layout, losses, weights, server = _run(config)
     _assert_matches_reference(config, layout, losses, weights, server)
     _assert_matches_reference(config, layout, losses, weights, server, fsdp_reference_train(config, config.steps))

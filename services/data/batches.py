@@ -64,6 +64,9 @@ class Batch:
     """The factor of this batch's mean loss (see the module docstring): its counted
     tokens times ``world_size x micro_batches`` over the step's; exactly 1.0 when every
     batch counts as many, 0.0 when it counts none."""
+    position_ids: torch.Tensor | None = None
+    """int64 ``[batch_size, seq_len]``, restarting at 0 at each document of a row of whole
+    documents (:mod:`.rows`): attention stays within a document. None: 0..seq_len-1."""
 
 
 class DataSource(Protocol):

@@ -64,7 +64,9 @@ class TokenBlocks:
                 f"{self.name} holds token id {int(windows[row][outside[row]][0])} (in block {int(mine[row])}), "
                 f"outside the model's vocabulary of {self.vocab_size} ids"
             )
-        inputs, targets = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        # clone: with one row both slices are contiguous views of one storage, and masking the
+        # targets below would write into the inputs
+        inputs, targets = windows[:, :-1].clone(), windows[:, 1:].clone()
         if self.counted is None:
             return Batch(inputs, targets)
         counted = torch.from_numpy(self._windows(self.counted, mine)[:, 1:] != 0)

@@ -3,8 +3,9 @@ data's content, the tokenizer's files and the settings that shape the stream, so
 run of the same data and tokenizer reads it back instead of tokenizing again, and a
 change to any of them makes another key (the old entry is simply no longer read).
 
-An entry is a folder: ``tokens.bin`` (raw ids), ``counted.bin`` (uint8 flags; chat only)
-and ``meta.json``, written last, so an entry without it is incomplete (a crash) and is
+An entry is a folder: ``tokens.bin`` (raw ids), ``counted.bin`` (uint8 flags; chat only),
+``ends.bin`` (uint64: where each document ends in the stream, exclusive) and
+``meta.json``, written last, so an entry without it is incomplete (a crash) and is
 written anew. Each file goes through :func:`~cargohold.services.durable.replace_durably`.
 Writers of one entry (workers of another node missing it at once) take turns on a lock.
 """
@@ -21,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from cargohold.services.data.packing import Piece
 from cargohold.services.durable import replace_durably
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 """Changes when the entries' layout changes, so older entries are not misread."""
 META = "meta.json"
 
@@ -66,6 +68,8 @@ class CachedStream:
 
     tokens: np.ndarray
     counted: np.ndarray | None
+    ends: np.ndarray
+    """Where each document ends in ``tokens`` (exclusive), in order."""
     meta: dict[str, Any]
 
 
@@ -84,45 +88,46 @@ class TokenCache:
         dtype = np.dtype(meta["dtype"])
         tokens = self._map("tokens.bin", dtype, meta["tokens"])
         counted = self._map("counted.bin", np.dtype(np.uint8), meta["tokens"]) if meta["counted"] else None
-        return CachedStream(tokens, counted, meta)
+        ends = self._map("ends.bin", np.dtype(np.uint64), meta["documents"])
+        return CachedStream(tokens, counted, ends, meta)
 
-    def write(
-        self, pieces: Iterable[tuple[np.ndarray, np.ndarray | None]], dtype: np.dtype, meta: Mapping[str, Any]
-    ) -> CachedStream:
+    def write(self, pieces: Iterable[Piece], dtype: np.dtype, meta: Mapping[str, Any]) -> CachedStream:
         """Write the entry from ``pieces`` of the stream (ids of ``dtype``, counted flags or
-        None), unless another process completed it meanwhile; then read it."""
+        None, document ends in the piece), unless another process completed it meanwhile;
+        then read it."""
         self.folder.mkdir(parents=True, exist_ok=True)
         with (self.folder / "lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             done = self.read()
             if done is not None:
                 return done
-            tokens, counted = self._write_pieces(pieces, dtype)
+            tokens, counted, documents = self._write_pieces(pieces, dtype)
+            body = {**meta, "dtype": dtype.name, "tokens": tokens, "counted": counted, "documents": documents}
             with replace_durably(self.folder / META) as temporary:
-                Path(temporary).write_text(
-                    json.dumps({**meta, "dtype": dtype.name, "tokens": tokens, "counted": counted}, indent=1)
-                )
+                Path(temporary).write_text(json.dumps(body, indent=1))
         cached = self.read()
         assert cached is not None, f"{self.folder} was just written"
         return cached
 
-    def _write_pieces(
-        self, pieces: Iterable[tuple[np.ndarray, np.ndarray | None]], dtype: np.dtype
-    ) -> tuple[int, bool]:
-        total, with_counted = 0, False
+    def _write_pieces(self, pieces: Iterable[Piece], dtype: np.dtype) -> tuple[int, bool, int]:
+        total, with_counted, documents = 0, False, 0
         with (
             replace_durably(self.folder / "tokens.bin", sync_directory=False) as tokens_path,
             replace_durably(self.folder / "counted.bin", sync_directory=False) as counted_path,
+            replace_durably(self.folder / "ends.bin", sync_directory=False) as ends_path,
             open(tokens_path, "wb") as tokens_file,
             open(counted_path, "wb") as counted_file,
+            open(ends_path, "wb") as ends_file,
         ):
-            for tokens, counted in pieces:
+            for tokens, counted, ends in pieces:
                 tokens_file.write(np.ascontiguousarray(tokens, dtype=dtype).tobytes())
                 if counted is not None:
                     counted_file.write(np.ascontiguousarray(counted, dtype=np.uint8).tobytes())
                     with_counted = True
+                ends_file.write((np.asarray(ends, dtype=np.uint64) + np.uint64(total)).tobytes())
+                documents += len(ends)
                 total += len(tokens)
-        return total, with_counted
+        return total, with_counted, documents
 
     def _map(self, name: str, dtype: np.dtype, count: int) -> np.ndarray:
         if count == 0:

@@ -22,6 +22,7 @@ from cargohold.cluster.config import TrainConfig
 from cargohold.services.data.batches import Batch, BatchShape
 from cargohold.services.data.blocks import TokenBlocks
 from cargohold.services.data.corpus import load_tokens
+from cargohold.services.data.rows import DocumentRows, Overlong
 from cargohold.services.data.tokenization import tokenized_stream
 from cargohold.services.data.tokens import check_dtype_holds_vocab, open_token_file
 from cargohold.services.errors import ConfigError
@@ -53,9 +54,28 @@ class EvalSet:
         max_batches: int | None,
         vocab_size: int,
         name: str,
+        documents: tuple[np.ndarray, Overlong] | None = None,
     ) -> None:
+        """``documents``: the stream's document ends and ``data.overlong``, to read it as rows
+        of whole documents (:mod:`.rows`) as training data is; None cuts blocks."""
         per_batch = world_size * batch_size
-        available = max(0, tokens.shape[0] - 1) // seq_len // per_batch
+        rows = None
+        if documents is not None:
+            one = BatchShape(world_size=world_size, batch_size=batch_size, seq_len=seq_len)
+            rows = DocumentRows(
+                tokens,
+                counted,
+                documents[0],
+                one,
+                seed=0,
+                vocab_size=vocab_size,
+                name=name,
+                overlong=documents[1],
+                pad_id=0,
+            )
+            available = rows.num_blocks // per_batch
+        else:
+            available = max(0, tokens.shape[0] - 1) // seq_len // per_batch
         if available == 0:
             raise ConfigError(
                 f"{name} holds {tokens.shape[0]} tokens, fewer than one eval batch: worker.num_workers x "
@@ -65,7 +85,12 @@ class EvalSet:
         shape = BatchShape(
             world_size=world_size, batch_size=batch_size, seq_len=seq_len, micro_batches=self.num_batches
         )
-        self._blocks = TokenBlocks(tokens, counted, shape, seed=0, vocab_size=vocab_size, name=name)
+        self._blocks: TokenBlocks | DocumentRows
+        if rows is not None:
+            rows.shape = shape
+            self._blocks = rows
+        else:
+            self._blocks = TokenBlocks(tokens, counted, shape, seed=0, vocab_size=vocab_size, name=name)
         self._order = torch.arange(shape.rows, dtype=torch.int64)
         self._counted = self._blocks.counted_in(self._order)
         if self._counted == 0:
@@ -84,6 +109,7 @@ def open_eval_set(config: TrainConfig) -> EvalSet | None:
         return None
     data, seq_len, vocab = config.data, sequence_length(config), vocab_size(config)
     counted: np.ndarray | None = None
+    documents: tuple[np.ndarray, Overlong] | None = None
     name = f"eval.path {held_out.path!r}"
     if data.format == "bytes":
         tokens = load_tokens(held_out.path, data.corpus_bytes, data.seed, seq_len=seq_len, key="eval.path").numpy()
@@ -95,6 +121,7 @@ def open_eval_set(config: TrainConfig) -> EvalSet | None:
         source = dataclasses.replace(data, path=held_out.path or data.path, split=held_out.split or data.split)
         stream = tokenized_stream(config, vocab, source, "eval")
         tokens, counted = stream.tokens, stream.counted
+        documents = (stream.ends, data.overlong) if data.whole_documents else None
         name = f"eval.path {source.path!r}" + (f" (split {source.split!r})" if data.format == "hf_dataset" else "")
     return EvalSet(
         tokens,
@@ -105,4 +132,5 @@ def open_eval_set(config: TrainConfig) -> EvalSet | None:
         max_batches=held_out.max_batches,
         vocab_size=vocab,
         name=name,
+        documents=documents,
     )

@@ -1,7 +1,8 @@
-"""Documents packed into one token stream: each document's ids, then the tokenizer's EOS.
-Training sequences are then cut from the stream (:mod:`.blocks`) whatever the documents'
-lengths: no padding, and a sequence may hold the end of one document and the start of
-the next, the EOS between them."""
+"""Documents packed into one token stream: each document's ids, then the tokenizer's EOS,
+with where each document ends. Training sequences are then either cut from the stream
+(:mod:`.blocks`, ``data.packing: stream``) whatever the documents' lengths: no padding, a
+sequence may hold the end of one document and the start of the next; or made of whole
+documents (:mod:`.rows`, ``data.packing: documents``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import numpy as np
 
 Document = tuple[Sequence[int], Sequence[bool] | None]
 """A document's ids, and which of them the loss counts (None: all)."""
+Piece = tuple[np.ndarray, np.ndarray | None, list[int]]
+"""A piece of the stream: ids, counted flags (chat) or None, and the offsets in the piece
+where a document ends (exclusive; a document may span pieces: text files)."""
 
 
 def stream_dtype(vocab: int) -> np.dtype:
@@ -18,11 +22,11 @@ def stream_dtype(vocab: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab <= 1 << 16 else np.dtype(np.uint32)
 
 
-def pack(documents: Sequence[Document], eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray | None]:
+def pack(documents: Sequence[Document], eos_id: int, dtype: np.dtype) -> Piece:
     """A piece of the stream: ``documents`` back to back, each followed by ``eos_id``. With
     counted flags (chat), a ``uint8`` array of them too, the EOS separators not counted."""
     if not documents:
-        return np.empty(0, dtype=dtype), None
+        return np.empty(0, dtype=dtype), None, []
     sizes = [len(ids) + 1 for ids, _ in documents]
     tokens = np.empty(sum(sizes), dtype=dtype)
     masked = documents[0][1] is not None
@@ -36,4 +40,4 @@ def pack(documents: Sequence[Document], eos_id: int, dtype: np.dtype) -> tuple[n
         if counted is not None and flags is not None:
             counted[at : at + size - 1] = flags
         at += size
-    return tokens, counted
+    return tokens, counted, list(np.cumsum(sizes).tolist())

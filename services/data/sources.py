@@ -9,15 +9,19 @@ reads only its own rows.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.data.batches import BatchShape, DataSource
 from cargohold.services.data.blocks import TokenBlocks
 from cargohold.services.data.corpus import ByteCorpus, load_tokens
+from cargohold.services.data.rows import DocumentRows
 from cargohold.services.data.tokenization import tokenized_stream
 from cargohold.services.data.tokens import check_dtype_holds_vocab, open_token_file
 from cargohold.services.models.dimensions import check_model_fits_data, sequence_length, vocab_size
+
+logger = logging.getLogger(__name__)
 
 
 def batch_shape(config: TrainConfig) -> BatchShape:
@@ -48,4 +52,27 @@ def open_source(config: TrainConfig) -> DataSource:
         return TokenBlocks(ids, None, shape, seed=data.seed, vocab_size=vocab, name=f"data.path {str(path)!r}")
     stream = tokenized_stream(config, vocab)
     name = f"data.path {data.path!r} (tokenized)"
-    return TokenBlocks(stream.tokens, stream.counted, shape, seed=data.seed, vocab_size=vocab, name=name)
+    if not data.whole_documents:
+        return TokenBlocks(stream.tokens, stream.counted, shape, seed=data.seed, vocab_size=vocab, name=name)
+    rows = DocumentRows(
+        stream.tokens,
+        stream.counted,
+        stream.ends,
+        shape,
+        seed=data.seed,
+        vocab_size=vocab,
+        name=name,
+        overlong=data.overlong,
+        pad_id=0,
+    )
+    logger.info(
+        "%s: %d documents in %d sequences of whole documents (%.1f%% padding); longer than a sequence "
+        "(data.overlong=%s): %s",
+        name,
+        rows.documents,
+        rows.num_blocks,
+        100 * rows.padding / (rows.num_blocks * (shape.seq_len + 1)),
+        data.overlong,
+        rows.overlong.describe(),
+    )
+    return rows

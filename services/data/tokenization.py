@@ -18,7 +18,7 @@ from cargohold.cluster.config import DataConfig, TrainConfig
 from cargohold.services.data.cache import CachedStream, TokenCache, cache_key, content_digest
 from cargohold.services.data.chat import check_chat_tokenizer, conversation, render_conversation
 from cargohold.services.data.documents import Record, dataset_records, jsonl_records, text_pieces
-from cargohold.services.data.packing import Document, pack, stream_dtype
+from cargohold.services.data.packing import Document, Piece, pack, stream_dtype
 from cargohold.services.data.tokenizer import load_tokenizer, tokenizer_digest, tokenizer_folder
 from cargohold.services.errors import ConfigError
 
@@ -30,7 +30,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = "~/.cache/cargohold/data"
 DOCUMENTS_PER_PIECE = 256
 """Documents tokenized in one call (the fast tokenizers batch them across threads)."""
-Piece = tuple[np.ndarray, np.ndarray | None]
 
 
 def tokenized_stream(
@@ -82,7 +81,8 @@ def _text(tokenizer: PreTrainedTokenizerBase, path: Path, eos: int, dtype: np.dt
     """Text files: a document's pieces back to back, EOS after its last."""
     for piece, ends_document in text_pieces(path, section):
         ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
-        yield np.asarray(ids + [eos] if ends_document else ids, dtype=dtype), None
+        tokens = np.asarray(ids + [eos] if ends_document else ids, dtype=dtype)
+        yield tokens, None, [len(tokens)] if ends_document else []
 
 
 def _text_of(record: Record) -> str:

@@ -40,12 +40,14 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: bool ``[B, 1, T, T]``, True where a query may attend (None: causal)."""
         batch, seq, width = x.shape
         q, k, v = self.c_attn(x).split(width, dim=2)
         # [B, T, C] -> [B, n_head, T, head_dim]
         q, k, v = (t.view(batch, seq, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None)
         y = y.transpose(1, 2).contiguous().view(batch, seq, width)
         return self.resid_dropout(self.c_proj(y))
 
@@ -74,8 +76,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -114,24 +116,43 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``[B, T, vocab_size]`` for token ids ``idx`` ``[B, T]``.
 
         With ``targets`` (same shape as ``idx``) also returns the mean cross-entropy over
         the counted targets, in fp32 (:func:`~cargohold.services.models.loss.mean_token_loss`).
+        ``position_ids`` (same shape) restarting at 0 mark packed documents: each position
+        attends only to earlier ones of its own document.
         """
         seq = idx.shape[1]
         if seq > self.config.block_size:
             raise ConfigError(f"sequence length {seq} exceeds model.block_size ({self.config.block_size})")
-        positions = torch.arange(seq, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(positions))
+        if position_ids is None:
+            x = self.drop(self.wte(idx) + self.wpe(torch.arange(seq, device=idx.device)))
+            mask = None
+        else:
+            x = self.drop(self.wte(idx) + self.wpe(position_ids))
+            mask = document_mask(position_ids)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits, None
         return logits, mean_token_loss(logits, targets)
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, 1, T, T]``: query i may attend to key j <= i of its own document, a
+    document starting wherever the position ids do not go up by one (as transformers'
+    ``find_packed_sequence_indices`` reads them)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    document = starts.cumsum(dim=1)
+    same = document[:, :, None] == document[:, None, :]
+    seq = position_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    return (same & causal)[:, None]
 
 
 def num_parameters(model: nn.Module) -> int:

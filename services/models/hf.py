@@ -76,12 +76,14 @@ class HFCausalLM(nn.Module):
         return self
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``[B, T, vocab_size]`` for token ids ``idx`` ``[B, T]`` and, with
-        ``targets``, the mean cross-entropy over the counted targets, in fp32 (no label shift)."""
+        ``targets``, the mean cross-entropy over the counted targets, in fp32 (no label shift).
+        ``position_ids`` restarting within a row mark packed documents: transformers then
+        confines attention to each (``masking_utils.find_packed_sequence_indices``)."""
         self._place_buffers(idx.device)
-        logits = self.hf(input_ids=idx, use_cache=False).logits
+        logits = self.hf(input_ids=idx, position_ids=position_ids, use_cache=False).logits
         if targets is None:
             return logits, None
         return logits, mean_token_loss(logits, targets)

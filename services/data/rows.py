@@ -1,0 +1,211 @@
+"""Training sequences made of whole documents (``data.packing: documents``; chat data by
+default): :class:`DocumentRows`.
+
+Each row holds ``seq_len + 1`` tokens: documents placed whole by best-fit decreasing (as
+TRL's "bfd" packing), padding after them. A document longer than a row follows
+``data.overlong``: ``truncate`` keeps its first ``seq_len + 1`` tokens, ``drop`` leaves it
+out, ``split`` cuts it into row-sized pieces, each placed as a document of its own; a
+document (or piece) left without a counted target (a chat conversation whose assistant
+tokens were all cut) is dropped and counted. Inputs are a row's first ``seq_len`` tokens
+and targets its last ``seq_len``; a target counts only inside the document of its input
+(never across a boundary, never in padding). Position ids restart at 0 at each document
+(and at the padding), which is what confines attention: the built-in GPT and Hugging
+Face models (``transformers.masking_utils`` reads packed sequences from the position ids)
+then attend only within a document.
+
+Rows are visited as a token stream's blocks are (:mod:`.sampling`): epochs of seeded
+permutations, a pure function of the step.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from cargohold.services.data.batches import Batch, BatchShape, loss_weight
+from cargohold.services.data.sampling import step_blocks
+from cargohold.services.errors import ConfigError
+from cargohold.services.models.loss import IGNORE_INDEX
+
+Overlong = Literal["truncate", "drop", "split"]
+
+
+@dataclass(frozen=True, slots=True)
+class OverlongCounts:
+    """What ``data.overlong`` did to documents longer than a row."""
+
+    truncated: int = 0
+    dropped: int = 0
+    split: int = 0
+    without_targets: int = 0
+    """Documents (or pieces) dropped because no counted target was left in them."""
+
+    def describe(self) -> str:
+        parts = [
+            f"{n} {what}"
+            for what, n in (("truncated", self.truncated), ("dropped", self.dropped), ("split", self.split))
+            if n
+        ]
+        if self.without_targets:
+            parts.append(f"{self.without_targets} dropped for having no counted target left")
+        return ", ".join(parts) or "none"
+
+
+def place_documents(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: the indices of ``lengths`` (each <= ``capacity``) grouped into
+    as few rows of ``capacity`` as the heuristic finds, each document into the fullest
+    row that still has room for it, longest first (ties: in order). Rows in the order
+    they were opened; each row's documents in the order placed."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    # Free room of each open row, kept sorted, with the row index: a bisect finds the best fit.
+    free: list[tuple[int, int]] = []
+    for index in order:
+        size = lengths[index]
+        if size > capacity:
+            raise ValueError(f"document {index} holds {size} tokens, more than a row's {capacity}")
+        at = bisect.bisect_left(free, (size, -1))
+        if at == len(free):
+            rows.append([index])
+            bisect.insort(free, (capacity - size, len(rows) - 1))
+            continue
+        room, row = free.pop(at)
+        rows[row].append(index)
+        bisect.insort(free, (room - size, row))
+    return rows
+
+
+class DocumentRows:
+    """Rows of whole documents of a token stream (a
+    :class:`~cargohold.services.data.batches.DataSource`), with the interface of
+    :class:`~cargohold.services.data.blocks.TokenBlocks` (``num_blocks``, ``rows_of``,
+    ``counted_in``), a block being a row.
+
+    ``ends``: where each document of ``tokens`` ends (exclusive); ``counted``: the flags of
+    the targets the loss counts (chat), None counts every target inside a document.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        counted: np.ndarray | None,
+        ends: np.ndarray,
+        shape: BatchShape,
+        *,
+        seed: int,
+        vocab_size: int,
+        name: str,
+        overlong: Overlong,
+        pad_id: int,
+    ) -> None:
+        if counted is not None and counted.shape != tokens.shape:
+            raise ConfigError(f"{name}: {counted.shape[0]} counted flags for {tokens.shape[0]} tokens")
+        capacity = shape.seq_len + 1
+        pieces, self.overlong = _fit(tokens, counted, ends, capacity, overlong)
+        if tokens.shape[0] == 0:
+            raise ConfigError(
+                f"{name} holds 0 tokens (it is empty, or every record was skipped), fewer than one sequence"
+            )
+        if not pieces:
+            raise ConfigError(
+                f"{name} holds no document with a target the loss counts (a chat file without an assistant "
+                f"turn?); longer than a sequence (data.overlong={overlong}): {self.overlong.describe()}"
+            )
+        rows = place_documents([length for _, length in pieces], capacity)
+        self._starts = np.array([pieces[i][0] for row in rows for i in row], dtype=np.int64)
+        self._lengths = np.array([pieces[i][1] for row in rows for i in row], dtype=np.int64)
+        self._row_first = np.cumsum([0, *(len(row) for row in rows)])
+        self.num_blocks = len(rows)
+        self.documents = len(pieces)
+        self.padding = self.num_blocks * capacity - int(self._lengths.sum())
+        """Padding tokens over all rows."""
+        self.tokens, self.counted, self.shape = tokens, counted, shape
+        self.seed, self.vocab_size, self.name, self.pad_id = seed, vocab_size, name, pad_id
+
+    def batch(self, step: int, rank: int, micro: int = 0) -> Batch:
+        return self.rows_of(step_blocks(self.num_blocks, step, self.shape.rows, self.seed), rank, micro)
+
+    def rows_of(self, blocks: torch.Tensor, rank: int, micro: int, counted_in_step: int | None = None) -> Batch:
+        """Micro-batch ``micro`` of rank ``rank`` of the global batch of rows ``blocks``."""
+        mine = blocks[self.shape.rows_of(rank, micro)].tolist()
+        tokens, counts, positions = zip(*(self._row(r) for r in mine), strict=True)
+        windows = torch.from_numpy(np.stack(tokens).astype(np.int64))
+        outside = (windows < 0) | (windows >= self.vocab_size)
+        if outside.any():
+            row = int(outside.any(dim=1).nonzero()[0])
+            raise ConfigError(
+                f"{self.name} holds token id {int(windows[row][outside[row]][0])} (in row {mine[row]}), "
+                f"outside the model's vocabulary of {self.vocab_size} ids"
+            )
+        # clone: with one row both slices are contiguous views of one storage, and masking the
+        # targets below would write into the inputs
+        inputs, targets = windows[:, :-1].clone(), windows[:, 1:].clone()
+        counted = torch.from_numpy(np.stack(counts))
+        targets[~counted] = IGNORE_INDEX
+        position_ids = torch.from_numpy(np.stack(positions).astype(np.int64))
+        in_step = self.counted_in(blocks) if counted_in_step is None else counted_in_step
+        return Batch(inputs, targets, loss_weight(int(counted.sum()), in_step, self.shape), position_ids)
+
+    def counted_in(self, blocks: torch.Tensor) -> int:
+        """Targets of rows ``blocks`` that the loss counts."""
+        return sum(int(self._row(r)[1].sum()) for r in blocks.tolist())
+
+    def _row(self, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Row ``row``: its ``seq_len + 1`` tokens, which of its ``seq_len`` targets count,
+        and its inputs' position ids."""
+        capacity = self.shape.seq_len + 1
+        tokens = np.full(capacity, self.pad_id, dtype=np.int64)
+        counted = np.zeros(capacity, dtype=bool)  # per token: counted as a target (its predecessor in its document)
+        positions = np.empty(capacity, dtype=np.int64)
+        at = 0
+        for doc in range(self._row_first[row], self._row_first[row + 1]):
+            start, length = int(self._starts[doc]), int(self._lengths[doc])
+            tokens[at : at + length] = self.tokens[start : start + length]
+            flags = np.ones(length, dtype=bool) if self.counted is None else self.counted[start : start + length] != 0
+            counted[at + 1 : at + length] = flags[1:]  # a document's first token is no target
+            positions[at : at + length] = np.arange(length)
+            at += length
+        positions[at:] = np.arange(capacity - at)  # the padding: a sequence of its own
+        return tokens, counted[1:], positions[:-1]
+
+
+def _fit(
+    tokens: np.ndarray, counted: np.ndarray | None, ends: np.ndarray, capacity: int, overlong: Overlong
+) -> tuple[list[tuple[int, int]], OverlongCounts]:
+    """The ``(start, length)`` of each document (or piece) to place, after ``overlong``."""
+    truncated = dropped = split = without_targets = 0
+    pieces: list[tuple[int, int]] = []
+    start = 0
+    for end in ends.tolist():
+        length = int(end) - start
+        if length > capacity:
+            if overlong == "drop":
+                dropped += 1
+                start = int(end)
+                continue
+            if overlong == "truncate":
+                truncated += 1
+                candidates = [(start, capacity)]
+            else:
+                split += 1
+                candidates = [(s, min(capacity, int(end) - s)) for s in range(start, int(end), capacity)]
+        else:
+            candidates = [(start, length)]
+        for piece in candidates:
+            if _has_target(counted, *piece):
+                pieces.append(piece)
+            else:
+                without_targets += 1
+        start = int(end)
+    return pieces, OverlongCounts(truncated, dropped, split, without_targets)
+
+
+def _has_target(counted: np.ndarray | None, start: int, length: int) -> bool:
+    """A piece holds a counted target: any token but its first (with flags: a counted one)."""
+    if length < 2:
+        return False
+    return counted is None or bool(counted[start + 1 : start + length].any())
