@@ -26,6 +26,7 @@ from cargohold.cluster.plan.run import budgeted_config
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.cluster.resume import check_resume
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
+from cargohold.services.data.rows import DocumentRows
 from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
 from cargohold.services.model_setup import model_layout
 from cargohold.services.param_groups import resolve_param_groups
@@ -87,7 +88,9 @@ class TrainingSession:
         self.resume = resume
         _, _, self.layout = model_layout(config, self.task)
         self.param_groups = resolve_param_groups(config.optim, self.layout.params)  # bad patterns: before any actor
-        self.task.open_data()  # refuses bad data before any actor starts; fills the cache the workers read
+        data = self.task.open_data()  # refuses bad data before any actor starts; fills the cache the workers read
+        self.data_documents: dict[str, int] = data.summary() if isinstance(data, DocumentRows) else {}
+        """With rows of whole documents: what their placement made of the documents."""
         self.validates = self.task.open_eval() is not None  # the same for held-out data
         self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.step_count = 0

@@ -54,6 +54,10 @@ class TrainResult:
     evals: list[EvalReport] = field(default_factory=list)
     """Validations on the held-out set (``eval.*``), in step order; the last is after the
     last step."""
+    data_documents: dict[str, int] = field(default_factory=dict)
+    """With rows of whole documents (``data.packing``): documents kept, sequences and their
+    padding tokens, and the over-long ones truncated, dropped, split, or dropped for having
+    no counted target left (``data.overlong``)."""
 
 
 def train(
@@ -181,6 +185,8 @@ def _train_session(
         result.server_addresses = list(session.server_addresses)
         result.metrics_addresses = session.metrics_addresses() + ([metrics.address] if metrics.serving else [])
         result.worker_resident_bytes = session.worker_resident_bytes()
+        result.data_documents = dict(session.data_documents)
+        metrics.observe_documents(session.data_documents)
         if result.first_step is None:
             result.first_step = session.step_count
         done = session.step_count - result.first_step  # a recovery repeats what came after

@@ -58,6 +58,7 @@ FAILURES = "cargohold_failures_total"
 RESTARTS = "cargohold_restarts_total"
 RECOVERY_SECONDS = "cargohold_recovery_seconds"
 EVAL_LOSS = "cargohold_eval_loss"
+DATA_DOCUMENTS = "cargohold_data_documents"
 EVAL_PERPLEXITY = "cargohold_eval_perplexity"
 EVAL_STEP = "cargohold_eval_step"
 
@@ -498,6 +499,17 @@ class LauncherMetrics(MetricsEndpoint):
             registry=self.registry,
         )
         self._eval_step = Gauge(EVAL_STEP, "The data step the last validation followed.", registry=self.registry)
+        self._documents = Gauge(
+            DATA_DOCUMENTS,
+            "Rows of whole documents (data.packing): documents kept, sequences, padding tokens, and "
+            "over-long documents truncated, dropped, split or dropped without a counted target (by what).",
+            ["what"],
+            registry=self.registry,
+        )
+
+    def observe_documents(self, summary: dict[str, int]) -> None:
+        for what, count in summary.items():
+            self._documents.labels(what=what).set(count)
 
     def observe_eval(self, step: int, loss: float, perplexity: float) -> None:
         self._eval_loss.set(loss)

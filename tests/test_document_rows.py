@@ -5,6 +5,7 @@ policies; and the loss a packed batch gives against each conversation run alone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -283,3 +284,18 @@ def test_the_step_loss_and_gradient_are_the_token_mean_however_rows_are_split(
     for got, want in zip((p.grad for p in gpt.parameters()), expected_grads):
         assert got is not None
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_run_reports_what_the_placement_made_of_the_documents(ray_local, tmp_path: Path, tokenizer_dir: Path) -> None:
+    """TrainResult.data_documents and the launcher's gauge carry the counts the log prints."""
+    from cargohold.cluster.supervise import train
+    from cargohold.services.metrics import DATA_DOCUMENTS, LauncherMetrics
+
+    config = dataclasses.replace(_chat_config(tmp_path, tokenizer_dir, block_size=24, overlong="split"), steps=2)
+    expected = open_source(config)
+    assert isinstance(expected, DocumentRows) and expected.overlong.split > 0
+    metrics = LauncherMetrics()
+    result = train(config, metrics=metrics)
+    assert result.data_documents == expected.summary()
+    for what, count in expected.summary().items():
+        assert metrics.registry.get_sample_value(DATA_DOCUMENTS, {"what": what}) == count

@@ -126,6 +126,20 @@ class DocumentRows:
         self.tokens, self.counted, self.shape = tokens, counted, shape
         self.seed, self.vocab_size, self.name, self.pad_id = seed, vocab_size, name, pad_id
 
+    def summary(self) -> dict[str, int]:
+        """What the placement made of the documents: kept, over-long ones by outcome, the
+        rows and their padding tokens (``TrainResult.data_documents``, a launcher metric)."""
+        counts = self.overlong
+        return {
+            "documents": self.documents,
+            "sequences": self.num_blocks,
+            "padding_tokens": self.padding,
+            "truncated": counts.truncated,
+            "dropped": counts.dropped,
+            "split": counts.split,
+            "without_targets": counts.without_targets,
+        }
+
     def batch(self, step: int, rank: int, micro: int = 0) -> Batch:
         return self.rows_of(step_blocks(self.num_blocks, step, self.shape.rows, self.seed), rank, micro)
 
