@@ -299,3 +299,28 @@ def test_a_run_reports_what_the_placement_made_of_the_documents(ray_local, tmp_p
     assert result.data_documents == expected.summary()
     for what, count in expected.summary().items():
         assert metrics.registry.get_sample_value(DATA_DOCUMENTS, {"what": what}) == count
+
+
+def test_json_lines_take_whole_documents_as_an_option_and_stream_stays_their_default(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    from data_fixtures import write_jsonl
+
+    from cargohold.services.data.blocks import TokenBlocks
+
+    path = str(write_jsonl(tmp_path / "docs.jsonl", 30))
+    stream = open_source(_chat_config(tmp_path, tokenizer_dir, format="jsonl", path=path))
+    assert isinstance(stream, TokenBlocks)
+    rows = open_source(_chat_config(tmp_path, tokenizer_dir, format="jsonl", path=path, packing="documents"))
+    assert isinstance(rows, DocumentRows) and rows.documents == 30 and rows.overlong == OverlongCounts()
+    eos = transformers.AutoTokenizer.from_pretrained(tokenizer_dir).eos_token_id
+    batch = rows.batch(1, 0)
+    segments = _segments(batch.position_ids)
+    for row in range(batch.inputs.shape[0]):
+        for segment in segments[row].unique().tolist():
+            at = (segments[row] == segment).nonzero().flatten()
+            first, last = int(at[0]), int(at[-1])
+            targets = batch.targets[row, first : last + 1]
+            if batch.inputs[row, last] == eos:  # a whole document: every target inside it counts
+                assert (targets[:-1] != IGNORE_INDEX).all() and targets[-1] == IGNORE_INDEX
+                assert targets[-2] == eos
