@@ -79,6 +79,27 @@ def test_best_fit_decreasing_places_each_document_whole_into_the_fullest_row() -
         place_documents([9], 8)
 
 
+def _best_fit_by_scanning(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing the obvious way: every open row scanned for each document."""
+    rows: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = [(capacity - sum(lengths[j] for j in row), r) for r, row in enumerate(rows)]
+        fits = [(room, r) for room, r in fits if room >= lengths[index]]
+        if fits:
+            rows[min(fits)[1]].append(index)
+        else:
+            rows.append([index])
+    return rows
+
+
+def test_the_fast_placement_is_best_fit_decreasing() -> None:
+    rng = random.Random(1)
+    for _ in range(200):
+        capacity = rng.randint(5, 60)
+        lengths = [rng.randint(1, capacity) for _ in range(rng.randint(1, 80))]
+        assert place_documents(lengths, capacity) == _best_fit_by_scanning(lengths, capacity), (lengths, capacity)
+
+
 def _rows(lengths: list[int], counted_from: list[int] | None, overlong: str, seq_len: int = 7) -> DocumentRows:
     """Documents of ``lengths`` (ids 1..) whose tokens count from ``counted_from[d]`` on."""
     tokens = np.arange(1, sum(lengths) + 1, dtype=np.uint16) % 200

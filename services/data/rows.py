@@ -19,7 +19,7 @@ permutations, a pure function of the step.
 
 from __future__ import annotations
 
-import bisect
+import heapq
 from dataclasses import dataclass
 from typing import Literal
 
@@ -57,26 +57,68 @@ class OverlongCounts:
 
 def place_documents(lengths: list[int], capacity: int) -> list[list[int]]:
     """Best-fit decreasing: the indices of ``lengths`` (each <= ``capacity``) grouped into
-    as few rows of ``capacity`` as the heuristic finds, each document into the fullest
-    row that still has room for it, longest first (ties: in order). Rows in the order
-    they were opened; each row's documents in the order placed."""
+    rows of ``capacity``, longest first (ties: in order), each into the row with the least
+    room that still fits it (ties: the row opened first), a new row when none does. Rows
+    in the order they were opened; each row's documents in the order placed. Rows are
+    kept in buckets by free room, found with a Fenwick tree over the room: O(log capacity)
+    a document, so a million conversations place in seconds."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     rows: list[list[int]] = []
-    # Free room of each open row, kept sorted, with the row index: a bisect finds the best fit.
-    free: list[tuple[int, int]] = []
+    by_room: list[list[int]] = [[] for _ in range(capacity + 1)]  # heaps of row numbers
+    rooms = _Counts(capacity + 1)
     for index in order:
         size = lengths[index]
         if size > capacity:
             raise ValueError(f"document {index} holds {size} tokens, more than a row's {capacity}")
-        at = bisect.bisect_left(free, (size, -1))
-        if at == len(free):
+        room = rooms.first_at_least(size)
+        if room is None:
             rows.append([index])
-            bisect.insort(free, (capacity - size, len(rows) - 1))
-            continue
-        room, row = free.pop(at)
-        rows[row].append(index)
-        bisect.insort(free, (room - size, row))
+            row, left = len(rows) - 1, capacity - size
+        else:
+            row = heapq.heappop(by_room[room])
+            rooms.add(room, -1)
+            rows[row].append(index)
+            left = room - size
+        heapq.heappush(by_room[left], row)
+        rooms.add(left, 1)
     return rows
+
+
+class _Counts:
+    """How many rows have each free room (0..size-1), with the least room >= n in O(log size)."""
+
+    def __init__(self, size: int) -> None:
+        self._tree = [0] * (size + 1)
+        self._total = 0
+        self._top = 1 << size.bit_length()
+
+    def add(self, room: int, delta: int) -> None:
+        self._total += delta
+        at = room + 1
+        while at < len(self._tree):
+            self._tree[at] += delta
+            at += at & -at
+
+    def _before(self, room: int) -> int:
+        """Rows with less room than ``room``."""
+        total, at = 0, room
+        while at > 0:
+            total += self._tree[at]
+            at -= at & -at
+        return total
+
+    def first_at_least(self, room: int) -> int | None:
+        """The least room >= ``room`` some row has, or None."""
+        wanted = self._before(room) + 1  # its rank among the rows, by room
+        if wanted > self._total:
+            return None
+        at, step = 0, self._top
+        while step:
+            if at + step < len(self._tree) and self._tree[at + step] < wanted:
+                at += step
+                wanted -= self._tree[at]
+            step >>= 1
+        return at  # the Fenwick index at + 1 holds it: room at
 
 
 class DocumentRows:
