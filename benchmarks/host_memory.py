@@ -160,12 +160,28 @@ class PssPeaks:
         return self.peaks
 
 
-def scrape(address: str, names: tuple[str, ...]) -> float:
+def scrape(address: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The samples of ``names`` an endpoint serves, by name and ``op`` label."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as reply:
         families = text_string_to_metric_families(reply.read().decode())
-    return sum(s.value for f in families for s in f.samples if s.name in names)
+    found: dict[str, float] = {}
+    for family in families:
+        for sample in family.samples:
+            if sample.name in names:
+                key = sample.name + (f"{{op={sample.labels['op']}}}" if "op" in sample.labels else "")
+                found[key] = found.get(key, 0.0) + sample.value
+    return found
+
+
+def nvme_bytes(targets: list[str]) -> dict[str, float]:
+    """Every endpoint's NVMe byte counters, summed by name."""
+    total: dict[str, float] = {}
+    for address in targets:
+        for key, value in scrape(address, NVME_BYTES).items():
+            total[key] = total.get(key, 0.0) + value
+    return total
 
 
 NVME_BYTES = (
@@ -199,12 +215,16 @@ def child(args: argparse.Namespace) -> None:
             targets = [t.address for t in session.metrics_targets()]
             pss = PssPeaks(pids)
             driver_cpu = time.process_time()
+            before: dict[str, float] = {}
             for number in range(args.steps):
-                before = sum(scrape(a, NVME_BYTES) for a in targets) if number == args.steps - 1 else 0.0
+                if number == args.steps - 1:
+                    before = nvme_bytes(targets)
                 started = time.perf_counter()
                 session.step()
                 seconds.append(time.perf_counter() - started)
-            nvme_step = sum(scrape(a, NVME_BYTES) for a in targets) - before
+            after = nvme_bytes(targets)
+            nvme_by_kind = {key: value - before.get(key, 0.0) for key, value in after.items()}
+            nvme_step = sum(nvme_by_kind.values())
             driver_cpu = time.process_time() - driver_cpu  # the sampler's and the launcher's, all steps
             hwm = {name: status_bytes(pid, "VmHWM") for name, pid in pids.items()}
             peaks = pss.stop()
@@ -223,6 +243,7 @@ def child(args: argparse.Namespace) -> None:
                 "seconds": seconds,
                 "driver_cpu_s": driver_cpu,
                 "nvme_step": nvme_step,
+                "nvme_by_kind": nvme_by_kind,
                 "tier_budget": session.config.state_server.tier.ram_budget_bytes,
                 "plan": {
                     "worker": w.host_peak_bytes,
@@ -232,6 +253,12 @@ def child(args: argparse.Namespace) -> None:
                     + w.traffic.weight_write_bytes
                     + s.traffic.nvme_read_bytes
                     + s.traffic.nvme_write_bytes,
+                    "nvme_by_kind": {
+                        "weight_read": w.traffic.weight_read_bytes,
+                        "weight_write": w.traffic.weight_write_bytes,
+                        "tier_read": s.traffic.nvme_read_bytes,
+                        "tier_write": s.traffic.nvme_write_bytes,
+                    },
                 },
             }
         )
