@@ -249,6 +249,9 @@ def child(args: argparse.Namespace) -> None:
                     "worker": w.host_peak_bytes,
                     "server": s.ram_peak_bytes,
                     "driver": plan.driver_bytes,
+                    # The worker's shared exchange buffers: in the worker's plan, mapped by the
+                    # server too, so they count in both RSS (the PSS splits them).
+                    "server_mapped": w.shared_memory_bytes,
                     "nvme_step": w.traffic.weight_read_bytes
                     + w.traffic.weight_write_bytes
                     + s.traffic.nvme_read_bytes
@@ -335,7 +338,8 @@ def main() -> None:
         print(
             f"RATIO {label(r['size'])} PSS sum / budget {args.budget_gib:g} GiB = {total / budget:.2f}; "
             f"worker RSS / plan = {r['hwm']['worker'] / r['plan']['worker']:.2f}, "
-            f"server RSS / plan = {r['hwm']['server'] / r['plan']['server']:.2f}, "
+            f"server RSS / (plan + mapped exchange) = "
+            f"{r['hwm']['server'] / (r['plan']['server'] + r['plan']['server_mapped']):.2f}, "
             f"driver RSS / plan = {r['hwm']['driver'] / r['plan']['driver']:.2f}; "
             f"RAM tier {gib(r['tier_budget'] or 0)} GiB; driver CPU {r['driver_cpu_s']:.2f} s over the steps; "
             f"Ray daemons {', '.join(f'{k} {gib(v)} GiB' for k, v in r['daemons'].items())}"
