@@ -322,12 +322,16 @@ def test_cargohold_train_exits_2_on_bad_data_before_starting_anything(
     assert re.search(r"docs.jsonl:6 has no field 'text'", capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("form", ["text", "jsonl", "chat"])
+@pytest.mark.parametrize(
+    ("form", "content"),
+    [("text", ""), ("jsonl", ""), ("chat", ""), ("jsonl", "\n  \n\n"), ("chat", "\n\n")],
+    ids=["text", "jsonl", "chat", "jsonl-blank-lines", "chat-blank-lines"],
+)
 def test_an_empty_training_file_is_refused_naming_the_key_and_the_file(
-    tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str], form: str
+    tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str], form: str, content: str
 ) -> None:
     path = tmp_path / f"empty.{'txt' if form == 'text' else 'jsonl'}"
-    path.write_text("")
+    path.write_text(content)
     args = ["train", "--set", f"data.format={form}", "--set", f"data.path={path}"]
     args += ["--set", f"data.tokenizer={tokenizer_dir}", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
     if form == "chat":
