@@ -97,6 +97,7 @@ METRIC_NAMES: tuple[str, ...] = (
     EVAL_LOSS,
     EVAL_PERPLEXITY,
     EVAL_STEP,
+    DATA_DOCUMENTS,
 )
 """Every metric family cargohold exports; dashboards may use no other `cargohold_` name.
 
