@@ -1,8 +1,9 @@
 """Held-out data for validation (``eval.*``): :func:`open_eval_set` gives the
 :class:`EvalSet` every evaluation of a run reads, the same batches each time.
 
-The held-out stream is cut into blocks as training data is (:mod:`.blocks`) but read in
-order, without shuffling: batch i of rank r is blocks ``[(i * W + r) * B, ... + B)``, the
+The held-out stream is cut into blocks as training data is (:mod:`.blocks`), or made into
+rows of whole documents when training data is (:mod:`.rows`), but read in order, without
+shuffling: batch i of rank r is blocks ``[(i * W + r) * B, ... + B)``, the
 set's whole batches and no more (or the first ``eval.max_batches``). The set is weighted
 as one step whose micro-batches are its batches (:class:`~.batches.BatchShape`): each
 batch's :attr:`~.batches.Batch.weight` is its share of the set's counted tokens, so the
