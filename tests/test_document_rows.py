@@ -345,3 +345,24 @@ def test_json_lines_take_whole_documents_as_an_option_and_stream_stays_their_def
             if batch.inputs[row, last] == eos:  # a whole document: every target inside it counts
                 assert (targets[:-1] != IGNORE_INDEX).all() and targets[-1] == IGNORE_INDEX
                 assert targets[-2] == eos
+
+
+def test_a_family_that_would_attend_across_documents_is_refused_for_whole_documents(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    folder = tmp_path / "opt"
+    transformers.OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=SEQ,
+        word_embed_proj_dim=32,
+    ).save_pretrained(folder)
+    config = _chat_config(tmp_path, tokenizer_dir)
+    config = dataclasses.replace(config, hf=dataclasses.replace(config.hf, config_path=str(folder / "config.json")))
+    with pytest.raises(ConfigError, match=r"\(opt\) does not confine attention .* set data.packing: stream"):
+        open_source(config)
+    stream = dataclasses.replace(config, data=dataclasses.replace(config.data, packing="stream"))
+    open_source(stream)  # the old packing stays available

@@ -119,3 +119,25 @@ def test_families_whose_initialisation_is_outside_init_weights_are_refused(
     with pytest.raises(ConfigError, match=named):
         list(parameter_values(config, model))
         list(buffer_values(config, model))
+
+
+@pytest.mark.parametrize(("family", "make"), PARAMS)
+def test_the_families_that_confine_attention_to_each_document_are_the_listed_ones(
+    family: str, make: Callable[[], object]
+) -> None:
+    """Rows of whole documents rely on restarting position ids confining attention: a row of
+    two documents must give each document's logits alone exactly for the families listed
+    in DOCUMENT_MASKING_FAMILIES (which may then train on them), and must not for the others
+    (refused with data.packing: documents)."""
+    from cargohold.services.models.dimensions import DOCUMENT_MASKING_FAMILIES
+
+    config = make()
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 320, (1, 20))
+    positions = torch.cat([torch.arange(12), torch.arange(8)])[None]
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        alone = torch.cat([model(input_ids=part, use_cache=False).logits for part in (ids[:, :12], ids[:, 12:])], dim=1)
+    confined = torch.allclose(packed, alone, atol=1e-5)
+    assert confined == (config.model_type in DOCUMENT_MASKING_FAMILIES), (family, (packed - alone).abs().max())

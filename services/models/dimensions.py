@@ -65,3 +65,42 @@ def check_model_fits_data(config: TrainConfig) -> None:
         raise ConfigError(f"{model_vocab}; data.format=bytes is byte-level and needs vocab_size >= {BYTE_VOCAB}")
     if context is not None and length > context:
         raise ConfigError(f"data.block_size ({length}) exceeds {model_context}; lower data.block_size")
+    if config.hf.enabled and config.data.whole_documents:
+        family = getattr(pretrained_config(config.hf), "model_type", None)
+        if family not in DOCUMENT_MASKING_FAMILIES:
+            raise ConfigError(
+                f"the model at {config.hf.key}={config.hf.path!r} ({family}) does not confine attention to each "
+                f"document from restarting position ids, which rows of whole documents rely on "
+                f"(data.packing={config.data.packing}, data.format={config.data.format}); set data.packing: stream"
+            )
+
+
+DOCUMENT_MASKING_FAMILIES = frozenset(
+    {
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "phi",
+        "phi3",
+        "gpt_neox",
+        "gptj",
+        "stablelm",
+        "olmo",
+        "olmo2",
+        "granite",
+        "cohere",
+        "starcoder2",
+        "gpt_bigcode",
+    }
+)
+"""transformers model types whose causal mask follows restarting position ids
+(``masking_utils``' packed sequences), so a row of whole documents attends only within
+each; checked against each family in tests/test_hf_families.py. Not in it: OPT (positions
+from the attention mask), Falcon and BLOOM (ALiBi from the attention mask), which attend
+across documents with position ids alone."""
