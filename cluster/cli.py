@@ -74,9 +74,17 @@ def _train(config: TrainConfig) -> int:
     mean_step = sum(result.step_seconds) / len(result.step_seconds)
     held_out = f", eval loss {result.evals[-1].loss:.4f} ppl {result.evals[-1].perplexity:.2f}" if result.evals else ""
     resumed = f" (resumed run {result.resumed_run_id} at step {result.first_step})" if result.resumed_run_id else ""
+    documents = result.data_documents
+    placed = (
+        f"; {documents['documents']} documents whole in {documents['sequences']} sequences, over-long: "
+        f"{documents['truncated']} truncated, {documents['dropped']} dropped, {documents['split']} split, "
+        f"{documents['without_targets']} without a counted token"
+        if documents
+        else ""
+    )
     print(
         f"run {result.run_id}{resumed}: {len(result.losses)} steps, loss {first:.4f} -> {last:.4f}{held_out}, "
-        f"mean step {mean_step:.2f}s",
+        f"mean step {mean_step:.2f}s{placed}",
         flush=True,
     )
     return 0

@@ -16,7 +16,7 @@ from cargohold.cluster.config import TrainConfig
 from cargohold.services.data.batches import BatchShape, DataSource
 from cargohold.services.data.blocks import TokenBlocks
 from cargohold.services.data.corpus import ByteCorpus, load_tokens
-from cargohold.services.data.rows import DocumentRows
+from cargohold.services.data.rows import DocumentRows, OverlongCounts
 from cargohold.services.data.tokenization import tokenized_stream
 from cargohold.services.data.tokens import check_dtype_holds_vocab, open_token_file
 from cargohold.services.models.dimensions import check_model_fits_data, sequence_length, vocab_size
@@ -65,7 +65,9 @@ def open_source(config: TrainConfig) -> DataSource:
         overlong=data.overlong,
         pad_id=0,
     )
-    logger.info(
+    # A warning when documents were cut or left out (shown by default), else information.
+    log = logger.warning if rows.overlong != OverlongCounts() else logger.info
+    log(
         "%s: %d documents in %d sequences of whole documents (%.1f%% padding); longer than a sequence "
         "(data.overlong=%s): %s",
         name,
