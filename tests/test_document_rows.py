@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from data_fixtures import conversation, make_tokenizer, write_chat  # noqa: E402
+from data_fixtures import conversation, make_tokenizer, tiny_llama, write_chat  # noqa: E402
 from reference import tiny_config  # noqa: E402
 
 from cargohold.cluster import cli  # noqa: E402
@@ -141,6 +141,7 @@ def test_a_row_counts_targets_only_inside_each_document_and_restarts_positions()
     ignore = IGNORE_INDEX
     assert batch.targets[0].tolist() == [5, 6, 7, ignore, 2, 3, ignore, ignore, ignore]
     assert rows.padding == 3
+    assert rows.counted_in(torch.tensor([0])) == 5  # the step's weights count what the row counts
 
 
 # --- a chat batch, token by token ---------------------------------------------------------
@@ -228,18 +229,9 @@ def test_a_packed_batch_of_a_transformers_llama_gives_each_conversation_alone_s_
 ) -> None:
     config = _chat_config(tmp_path, tokenizer_dir)
     batch = open_source(config).batch(1, 0)
+    folder = tiny_llama(tmp_path / "llama", VOCAB, max_position_embeddings=SEQ)
     torch.manual_seed(0)
-    llama = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=SEQ,
-        )
-    ).eval()
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(folder)).eval()
     with torch.no_grad():
         _, packed = HFCausalLM(llama)(batch.inputs, batch.targets, position_ids=batch.position_ids)
         alone = _alone(llama, batch, lambda ids: llama(input_ids=ids).logits)

@@ -14,6 +14,7 @@ counted token of the step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -89,3 +90,21 @@ def loss_weight(counted: int, counted_in_step: int, shape: BatchShape) -> float:
     if counted_in_step == 0:
         return 0.0
     return counted * shape.world_size * shape.micro_batches / counted_in_step
+
+
+def inputs_and_targets(
+    windows: torch.Tensor, vocab_size: int, name: str, kind: str, ids: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs (every token of each ``seq_len + 1`` window but the last) and targets (all
+    but the first) of int64 ``windows``, refusing an id outside the vocabulary; window i is
+    ``kind`` ``ids[i]`` for the message ("block 7", "row 3"). Separate tensors: with one row
+    both slices are contiguous views of one storage, and masking the targets would write
+    into the inputs."""
+    outside = (windows < 0) | (windows >= vocab_size)
+    if outside.any():
+        row = int(outside.any(dim=1).nonzero()[0])
+        raise ConfigError(
+            f"{name} holds token id {int(windows[row][outside[row]][0])} (in {kind} {ids[row]}), "
+            f"outside the model's vocabulary of {vocab_size} ids"
+        )
+    return windows[:, :-1].clone(), windows[:, 1:].clone()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cargohold.services.data.batches import Batch, BatchShape, loss_weight
+from cargohold.services.data.batches import Batch, BatchShape, inputs_and_targets, loss_weight
 from cargohold.services.data.sampling import step_blocks
 from cargohold.services.errors import ConfigError
 from cargohold.services.models.loss import IGNORE_INDEX
@@ -57,16 +57,7 @@ class TokenBlocks:
         order); ``counted_in_step``: the tokens all of ``blocks`` count, when known."""
         mine = blocks[self.shape.rows_of(rank, micro)]
         windows = torch.from_numpy(self._windows(self.tokens, mine).astype(np.int64))
-        outside = (windows < 0) | (windows >= self.vocab_size)
-        if outside.any():
-            row = int(outside.any(dim=1).nonzero()[0])
-            raise ConfigError(
-                f"{self.name} holds token id {int(windows[row][outside[row]][0])} (in block {int(mine[row])}), "
-                f"outside the model's vocabulary of {self.vocab_size} ids"
-            )
-        # clone: with one row both slices are contiguous views of one storage, and masking the
-        # targets below would write into the inputs
-        inputs, targets = windows[:, :-1].clone(), windows[:, 1:].clone()
+        inputs, targets = inputs_and_targets(windows, self.vocab_size, self.name, "block", mine.tolist())
         if self.counted is None:
             return Batch(inputs, targets)
         counted = torch.from_numpy(self._windows(self.counted, mine)[:, 1:] != 0)

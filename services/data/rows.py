@@ -26,7 +26,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from cargohold.services.data.batches import Batch, BatchShape, loss_weight
+from cargohold.services.data.batches import Batch, BatchShape, inputs_and_targets, loss_weight
 from cargohold.services.data.sampling import step_blocks
 from cargohold.services.errors import ConfigError
 from cargohold.services.models.loss import IGNORE_INDEX
@@ -157,10 +157,12 @@ class DocumentRows:
                 f"{name} holds no document with a target the loss counts (a chat file without an assistant "
                 f"turn?); longer than a sequence (data.overlong={overlong}): {self.overlong.describe()}"
             )
-        rows = place_documents([length for _, length in pieces], capacity)
-        self._starts = np.array([pieces[i][0] for row in rows for i in row], dtype=np.int64)
-        self._lengths = np.array([pieces[i][1] for row in rows for i in row], dtype=np.int64)
+        rows = place_documents([piece.length for piece in pieces], capacity)
+        self._starts = np.array([pieces[i].start for row in rows for i in row], dtype=np.int64)
+        self._lengths = np.array([pieces[i].length for row in rows for i in row], dtype=np.int64)
         self._row_first = np.cumsum([0, *(len(row) for row in rows)])
+        self._row_targets = np.array([sum(pieces[i].targets for i in row) for row in rows], dtype=np.int64)
+        """Counted targets of each row (what ``_row`` counts), for the step's weights."""
         self.num_blocks = len(rows)
         self.documents = len(pieces)
         self.padding = self.num_blocks * capacity - int(self._lengths.sum())
@@ -190,16 +192,7 @@ class DocumentRows:
         mine = blocks[self.shape.rows_of(rank, micro)].tolist()
         tokens, counts, positions = zip(*(self._row(r) for r in mine), strict=True)
         windows = torch.from_numpy(np.stack(tokens).astype(np.int64))
-        outside = (windows < 0) | (windows >= self.vocab_size)
-        if outside.any():
-            row = int(outside.any(dim=1).nonzero()[0])
-            raise ConfigError(
-                f"{self.name} holds token id {int(windows[row][outside[row]][0])} (in row {mine[row]}), "
-                f"outside the model's vocabulary of {self.vocab_size} ids"
-            )
-        # clone: with one row both slices are contiguous views of one storage, and masking the
-        # targets below would write into the inputs
-        inputs, targets = windows[:, :-1].clone(), windows[:, 1:].clone()
+        inputs, targets = inputs_and_targets(windows, self.vocab_size, self.name, "row", mine)
         counted = torch.from_numpy(np.stack(counts))
         targets[~counted] = IGNORE_INDEX
         position_ids = torch.from_numpy(np.stack(positions).astype(np.int64))
@@ -208,7 +201,7 @@ class DocumentRows:
 
     def counted_in(self, blocks: torch.Tensor) -> int:
         """Targets of rows ``blocks`` that the loss counts."""
-        return sum(int(self._row(r)[1].sum()) for r in blocks.tolist())
+        return int(self._row_targets[blocks.numpy()].sum())
 
     def _row(self, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Row ``row``: its ``seq_len + 1`` tokens, which of its ``seq_len`` targets count,
@@ -229,12 +222,21 @@ class DocumentRows:
         return tokens, counted[1:], positions[:-1]
 
 
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """A document (or a piece of one) to place: its span of the stream and its counted targets."""
+
+    start: int
+    length: int
+    targets: int
+
+
 def _fit(
     tokens: np.ndarray, counted: np.ndarray | None, ends: np.ndarray, capacity: int, overlong: Overlong
-) -> tuple[list[tuple[int, int]], OverlongCounts]:
-    """The ``(start, length)`` of each document (or piece) to place, after ``overlong``."""
+) -> tuple[list[_Piece], OverlongCounts]:
+    """Each document (or piece) to place, after ``overlong``, with at least one counted target."""
     truncated = dropped = split = without_targets = 0
-    pieces: list[tuple[int, int]] = []
+    pieces: list[_Piece] = []
     start = 0
     for end in ends.tolist():
         length = int(end) - start
@@ -251,17 +253,18 @@ def _fit(
                 candidates = [(s, min(capacity, int(end) - s)) for s in range(start, int(end), capacity)]
         else:
             candidates = [(start, length)]
-        for piece in candidates:
-            if _has_target(counted, *piece):
-                pieces.append(piece)
+        for piece_start, piece_length in candidates:
+            targets = _targets(counted, piece_start, piece_length)
+            if targets:
+                pieces.append(_Piece(piece_start, piece_length, targets))
             else:
                 without_targets += 1
         start = int(end)
     return pieces, OverlongCounts(truncated, dropped, split, without_targets)
 
 
-def _has_target(counted: np.ndarray | None, start: int, length: int) -> bool:
-    """A piece holds a counted target: any token but its first (with flags: a counted one)."""
+def _targets(counted: np.ndarray | None, start: int, length: int) -> int:
+    """Counted targets of a piece: every token but its first (with flags: the counted ones)."""
     if length < 2:
-        return False
-    return counted is None or bool(counted[start + 1 : start + length].any())
+        return 0
+    return length - 1 if counted is None else int(np.count_nonzero(counted[start + 1 : start + length]))
