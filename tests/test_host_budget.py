@@ -74,6 +74,8 @@ def test_a_tight_budget_lowers_the_slots_then_the_window_before_refusing(tmp_pat
     config = _config(tmp_path, tight - MiB)
     plan = plan_run(config)
     assert not plan.fits and plan.host_budget is not None and not plan.host_budget.fits
+    # The plan printed is of the least split: the servers' RAM tier holds only its staging buffers.
+    assert plan.servers[0].ram_state_bytes == 0 and plan.servers[0].staging_bytes == staging
     with pytest.raises(ConfigError, match=r"cluster.host_memory_bytes=\d+ .* cannot hold this run: driver"):
         budgeted_config(config)
 

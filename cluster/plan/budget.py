@@ -104,7 +104,9 @@ def split_host_budget(config: TrainConfig, plan_parts: PlanParts) -> tuple[HostB
                 )
             return split, _with(config, window=window, slots=slots, ram_budget=derived)
     assert split is not None  # _settings yields at least the configured values
-    return split, _with(config, window=split.weight_window, slots=split.exchange_slots, ram_budget=None)
+    # The least config, as the last trial planned it: the RAM tier at its least (staging only).
+    least_config = _with(config, window=split.weight_window, slots=split.exchange_slots, ram_budget=least or None)
+    return split, least_config
 
 
 def apply_host_budget(config: TrainConfig, plan_parts: PlanParts) -> TrainConfig:
