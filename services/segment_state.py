@@ -362,6 +362,7 @@ class SegmentRegistry:
             state = SegmentState(spec, initial_weights, storage=self.storage, buffers=self.buffers)
             with self._lock:
                 self._shards[key] = state
+            self._settle()
             return state
 
     def restore(self, spec: SegmentSpec, source: StateSource, updates: int) -> SegmentState:
@@ -378,7 +379,19 @@ class SegmentRegistry:
             state = SegmentState(spec, storage=self.storage, buffers=self.buffers, source=source, updates=updates)
             with self._lock:
                 self._shards[key] = state
+            self._settle()
             return state
+
+    def _settle(self) -> None:
+        """Move every partition to the tier the plan wants now that a registration has
+        re-planned the server, demotions first so that promotions find room in RAM; each
+        shard is held still (its lock) while its partitions move."""
+        if not self.storage.enabled:
+            return
+        for into in (Residency.NVME, Residency.RAM):
+            for state in self.shards():
+                with state.lock:
+                    self.storage.settle(state.spec.run_id, state.spec.segment_id, into=into)
 
     def get(self, run_id: str, segment_id: int) -> SegmentState:
         with self._lock:

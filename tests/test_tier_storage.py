@@ -90,12 +90,39 @@ def test_weights_an_update_prepared_are_fetched_without_reading_the_tiers(tmp_pa
             assert (len(recorder.io["read"]) > reads) == reads_file, f"update {step}"
 
 
-def test_a_second_shard_is_planned_in_and_partitions_move_after_updates(tmp_path: Path) -> None:
-    with open_storage(tier_config(tmp_path)) as storage:
+def test_a_registration_moves_partitions_where_the_new_plan_wants_them_at_once(tmp_path: Path) -> None:
+    """A second shard re-plans the server: each shard's head partition in RAM. The
+    registration moves shard 0's second partition out and shard 1's head in before it
+    returns, so every step, the first included, writes exactly the disk partitions (and
+    the state stays bitwise that of the all-RAM store)."""
+    recorder = Recorder()
+    with open_storage(tier_config(tmp_path), recorder) as storage:
         registry = SegmentRegistry(storage)
         a = registry.register(shard_spec(0), seeded_randn(0))
-        assert [r.index for r in [x.key for x in storage.rows()]][:2] == [0, 1]
+        assert [r.key.index for r in storage.rows() if r.actual is Residency.RAM] == [0, 1]
         b = registry.register(shard_spec(1), seeded_randn(1))
+        rows = storage.rows()
+        assert all(r.planned is r.actual for r in rows)
+        assert [(r.key.segment_id, r.key.index) for r in rows if r.actual is Residency.RAM] == [(0, 0), (1, 0)]
+        refs = [SegmentState(shard_spec(0), seeded_randn(0)), SegmentState(shard_spec(1), seeded_randn(1))]
+        disk_partitions = sum(r.actual is Residency.NVME for r in rows)
+        for step in (1, 2):
+            writes = len(recorder.io["write"])
+            for state in (a, b, *refs):
+                state.apply_gradient(step, seeded_randn(step), global_norm=NORM, lr=LR)
+            assert len(recorder.io["write"]) - writes == disk_partitions, f"step {step}"
+        assert all(r.planned is r.actual for r in storage.rows())
+        assert_same_segment(a, refs[0])
+        assert_same_segment(b, refs[1])
+        assert storage.summary().ram_used_bytes <= BUDGET
+
+
+def test_partitions_a_registration_could_not_move_move_after_their_next_update(tmp_path: Path) -> None:
+    """Outside a registry (or when RAM cannot take a partition yet) a partition the plan
+    wants elsewhere moves after its next update, when its state is in memory anyway."""
+    with open_storage(tier_config(tmp_path)) as storage:
+        a = SegmentState(shard_spec(0), seeded_randn(0), storage=storage)
+        b = SegmentState(shard_spec(1), seeded_randn(1), storage=storage)
         rows = {(r.key.segment_id, r.key.index): r for r in storage.rows()}
         # The plan gives each shard its head partition; RAM is still full of shard 0's.
         assert rows[(0, 1)].planned is Residency.NVME and rows[(0, 1)].actual is Residency.RAM

@@ -166,6 +166,16 @@ class StagedGradients:
                 if part.residency is not Residency.RAM:
                     self._ram.pop(part.key, None)
 
+    def holds(self, key: PartitionKey) -> bool:
+        """Whether a gradient is staged for the partition and not yet consumed."""
+        with self._lock:
+            return key in self._pieces
+
+    def left_ram(self, key: PartitionKey) -> None:
+        """Free the piece buffer kept for a partition that is no longer resident."""
+        with self._lock:
+            self._ram.pop(key, None)
+
     @property
     def ram_bytes(self) -> int:
         """Memory the resident partitions' pieces hold."""

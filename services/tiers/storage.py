@@ -25,7 +25,7 @@ from concurrent.futures import Future
 import torch
 
 from cargohold.cluster.config import TierConfig
-from cargohold.services.errors import IncompleteStepError
+from cargohold.services.errors import IncompleteStepError, TierError
 from cargohold.services.optim import FragmentGroup, apply_update
 from cargohold.services.tiers.fileformat import ARRAYS, FileLayout, gradient_file_bytes
 from cargohold.services.tiers.gradients import NvmeWithGradients, StagedGradients
@@ -189,6 +189,51 @@ class TieredStorage:
             bandwidths=[p.measured() for p in nvme.paths] if nvme else (),
             num_paths=len(nvme.paths) if nvme else 1,
         )
+
+    def settle(self, run_id: str, segment_id: int, *, into: Residency) -> int:
+        """Move the shard's partitions that the plan wants in ``into`` there now, instead of
+        after their next update; returns how many moved. Called for every shard once a
+        registration has re-planned the server (demotions first, so that promotions find
+        room in RAM): the first step then reads and writes what the plan says, not the
+        moves as well. A partition with a staged gradient, one RAM cannot take yet, or one
+        whose demotion fails to write (it stays valid in RAM) moves after its next update
+        as before. The caller holds the shard still. Raises TierError when a promoted
+        partition's file cannot be read (as its next update would)."""
+        nvme = self._nvme
+        if nvme is None:
+            return 0
+        plan, moved = self._plan, 0
+        for part in self._shards[(run_id, segment_id)]:
+            if part.residency is into or plan.of(part.key) is not into or self._gradients.holds(part.key):
+                continue
+            if into is Residency.NVME:
+                if part.saving is not None:  # a checkpoint is still writing it out of RAM
+                    part.saving.wait()
+                    part.saving = None
+                try:
+                    nvme.write_from(part, self._ram.buffer(part), part.step).result()
+                except TierError as error:
+                    logger.warning("could not move %s to disk: %s", part.key, error)
+                    continue
+                part.residency = Residency.NVME
+                self._ram.drop(part)
+                self._gradients.left_ram(part.key)
+            else:
+                staged = nvme.stage(part, block=True)
+                assert staged is not None, "stage(block=True) waits for a buffer"
+                try:
+                    staged.ready.result()
+                except BaseException:
+                    nvme.discard(staged, intact=False)
+                    raise
+                if self._ram.admit(part, staged.arrays) is None:
+                    nvme.discard(staged, intact=True)
+                    continue
+                nvme.discard(staged, intact=False)
+                nvme.drop(part)
+                part.residency = Residency.RAM
+            moved += 1
+        return moved
 
     # --- the update ---------------------------------------------------------------------
     def stage_gradient(self, run_id: str, segment_id: int, step: int, gradient: torch.Tensor) -> None:
