@@ -1,13 +1,16 @@
 """What a state server knows about its segments, without any transport: registration,
 idempotent updates keyed by (run, segment, update number), gradients staged until the
-step's global norm is known (kept by the tiers, :mod:`.tiers.gradients`), and weight reads.
+step's global norm is known (kept by the tiers, :mod:`.tiers.gradients`), the AdamW call
+of each update (:meth:`SegmentState._adamw`, one partition at a time as the tiers stream
+them), and weight reads.
 
 Every request is validated completely before any state changes, so a rejected request
-leaves the shard exactly as it was.
+leaves the segment exactly as it was.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -22,11 +25,19 @@ from cargohold.services.errors import (
     StepMismatchError,
     UnknownShardError,
 )
-from cargohold.services.optim import AdamWHyperParams, FragmentGroup, UpdateGroup, clip_coefficient, fragment_groups
+from cargohold.services.optim import (
+    AdamWHyperParams,
+    FragmentGroup,
+    UpdateGroup,
+    apply_update,
+    clip_coefficient,
+    fragment_groups,
+)
+from cargohold.services.tiers.partitions import clip_fragments
 from cargohold.services.tiers.preserve import PreservedPartition
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.source import StateSource, tensor_source
-from cargohold.services.tiers.storage import TieredStorage
+from cargohold.services.tiers.storage import PartitionUpdate, TieredStorage
 from cargohold.services.weight_buffers import WeightBuffers
 from cargohold.services.wire import WIRE_DTYPES
 
@@ -136,13 +147,13 @@ class SegmentState:
         self.lock = threading.Lock()
         self._storage = storage if storage is not None else TieredStorage()
         self._buffers = buffers if buffers is not None else WeightBuffers()
-        self._storage.add_shard(
+        self._storage.add_segment(
             spec.run_id,
             spec.segment_id,
             spec.numel,
             spec.fragments,
             source,
-            step=updates,
+            updates=updates,
             gradient_itemsize=WIRE_DTYPES[spec.grad_dtype].itemsize,
         )
         self._updates = updates
@@ -244,29 +255,61 @@ class SegmentState:
             self._buffers.give(self._prepared[2])
             self._prepared = None
         out = self._buffers.take(WIRE_DTYPES[prepare], self.spec.numel) if prepare is not None else None
+        adamw = functools.partial(
+            self._adamw,
+            step=torch.tensor(float(update), dtype=torch.float32),
+            coefficient=clip_coefficient(global_norm, self.spec.hyper.max_grad_norm),
+            lr=lr,
+            weights_out=out,
+        )
         try:
-            weights, _ = self._storage.update(
-                self.spec.run_id,
-                self.spec.segment_id,
-                update,
-                gradient,
-                coefficient=clip_coefficient(global_norm, self.spec.hyper.max_grad_norm),
-                lr=lr,
-                groups=self._groups,
-                gradient_owned=owned,
-                weights_dtype=out.dtype if out is not None else None,
-                weights_out=out,
+            report = self._storage.update(
+                self.spec.run_id, self.spec.segment_id, update, gradient, gradient_owned=owned, adamw=adamw
             )
         except BaseException:
             if out is not None:
                 self._buffers.give(out)
             raise
         self._updates = update
-        if weights is not None and prepare is not None:
-            self._prepared = (update, prepare, weights)
-        elif out is not None:  # a resumed update makes no weights
+        if out is not None and prepare is not None and not report.resumed:
+            self._prepared = (update, prepare, out)
+        elif out is not None:  # a resumed update wrote only some partitions' weights
             self._buffers.give(out)
         return UpdateOutcome(applied=True, updates=update, seconds=time.perf_counter() - started)
+
+    def _adamw(
+        self,
+        partition: PartitionUpdate,
+        *,
+        step: torch.Tensor,
+        coefficient: torch.Tensor | None,
+        lr: float,
+        weights_out: torch.Tensor | None,
+    ) -> None:
+        """AdamW on one partition of the segment, in place: the gradient piece cast to fp32
+        and clipped by the step's ``coefficient``, then torch's fused AdamW kernel over the
+        partition's fragments, one call per param group
+        (:func:`~cargohold.services.optim.apply_update`). ``step``: the update number, as
+        torch's AdamW counts it. With ``weights_out`` the new master weights are also
+        written there in its dtype while they are in memory (the prepared weights)."""
+        span = partition.span
+        if span.fragments:
+            apply_update(
+                partition.state.master,
+                partition.state.exp_avg,
+                partition.state.exp_avg_sq,
+                [
+                    FragmentGroup(clip_fragments(group.fragments, span.start, span.stop), group.hyper, group.lr_scale)
+                    for group in self._groups
+                ],
+                partition.gradient,
+                step=step,
+                coefficient=coefficient,
+                lr=lr,
+                owned=partition.owned,
+            )
+        if weights_out is not None:
+            weights_out[span.start : span.stop].copy_(partition.state.master)
 
     def weights(self, update: int, dtype: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of the master weights after update ``update``, in a wire dtype; the

@@ -281,7 +281,7 @@ def test_the_plan_is_the_tier_storages_own(tmp_path: Path) -> None:
     storage = TieredStorage(config.state_server.tier, server_index=0)
     try:
         for segment in layout.segments_of_server(0):
-            storage.add_shard(
+            storage.add_segment(
                 "plan",
                 segment.segment_id,
                 segment.numel,

@@ -61,8 +61,8 @@ def test_state_larger_than_the_free_space_is_refused_at_registration(tmp_path: P
         # Nothing fits in RAM, and the size check runs before a tensor is touched: no
         # need for the initial weights of a state that size.
         with pytest.raises(TierSpaceError, match="bytes free") as caught:
-            storage.add_shard("run-t", 0, numel, (), tensor_source(torch.empty(0)))
-        assert "shard 0 of run 'run-t'" in str(caught.value)
+            storage.add_segment("run-t", 0, numel, (), tensor_source(torch.empty(0)))
+        assert "segment 0 of run 'run-t'" in str(caught.value)
         assert storage.rows() == [] and not list(tmp_path.rglob("*.bin"))
 
 

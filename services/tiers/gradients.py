@@ -261,8 +261,8 @@ class NvmeWithGradients:
     def stage(self, partition: Partition, *, block: bool) -> Staged | None:
         return self._reads.stage(self._tier, partition, block=block)
 
-    def commit(self, staged: Staged, step: int) -> Future[None]:
-        return self._tier.commit(staged, step)
+    def commit(self, staged: Staged, update: int) -> Future[None]:
+        return self._tier.commit(staged, update)
 
     def discard(self, staged: Staged, *, intact: bool) -> None:
         self._tier.discard(staged, intact=intact)

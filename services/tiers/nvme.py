@@ -317,26 +317,26 @@ class NvmeTier:
 
     # --- Tier ----------------------------------------------------------------------
     def stage(self, partition: Partition, *, block: bool) -> Staged | None:
-        got = self._buffers.acquire((partition.key, partition.step), block=block)
+        got = self._buffers.acquire((partition.key, partition.updates), block=block)
         if got is None:
             return None
         buffer, warm = got
         arrays = buffer.arrays(partition.span.numel)
         if warm:
             return Staged(partition, arrays, warm=True, handle=buffer)
-        step = partition.step
+        step = partition.updates
         ready = self._io.submit(lambda: self._read(partition, buffer, step, master_only=False))
         return Staged(partition, arrays, ready=ready, handle=buffer)
 
-    def commit(self, staged: Staged, step: int) -> Future[None]:
-        return self._write_async(staged.partition, _buffer_of(staged), step, release=True)
+    def commit(self, staged: Staged, update: int) -> Future[None]:
+        return self._write_async(staged.partition, _buffer_of(staged), update, release=True)
 
     def discard(self, staged: Staged, *, intact: bool) -> None:
         try:
             staged.ready.result()
         except Exception:
             intact = False
-        self._buffers.release(_buffer_of(staged), (staged.partition.key, staged.partition.step) if intact else None)
+        self._buffers.release(_buffer_of(staged), (staged.partition.key, staged.partition.updates) if intact else None)
 
     def drop(self, partition: Partition) -> None:
         self._buffers.forget(partition.key)
@@ -346,7 +346,7 @@ class NvmeTier:
     def create(
         self, partition: Partition, master: torch.Tensor, moments: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> Future[None]:
-        """Write a new partition file at ``partition.step``: ``master`` and the moments
+        """Write a new partition file at ``partition.updates``: ``master`` and the moments
         (zero unless given, as when restoring a checkpoint)."""
         buffer, _ = self._buffers.acquire(None, block=True)
         layout = FileLayout(partition.span.numel)
@@ -356,7 +356,7 @@ class NvmeTier:
         if moments is not None:
             arrays.exp_avg.copy_(moments[0])
             arrays.exp_avg_sq.copy_(moments[1])
-        return self._write_async(partition, buffer, partition.step, release=True)
+        return self._write_async(partition, buffer, partition.updates, release=True)
 
     def write_from(self, partition: Partition, buffer: AlignedBuffer, step: int) -> Future[None]:
         """Write a RAM partition's own buffer as the file of ``step`` (a demotion)."""
@@ -364,15 +364,15 @@ class NvmeTier:
 
     def read_master_into(self, partition: Partition, out: torch.Tensor) -> None:
         """Copy (and cast) the stored master weights into ``out``; a warm buffer saves the read."""
-        buffer, warm = self._buffers.acquire((partition.key, partition.step), block=True)
+        buffer, warm = self._buffers.acquire((partition.key, partition.updates), block=True)
         intact = warm
         try:
             if not warm:
-                step = partition.step
+                step = partition.updates
                 self._io.submit(lambda: self._read(partition, buffer, step, master_only=True)).result()
             out.copy_(buffer.arrays(partition.span.numel).master)
         finally:
-            self._buffers.release(buffer, (partition.key, partition.step) if intact else None)
+            self._buffers.release(buffer, (partition.key, partition.updates) if intact else None)
 
     # --- I/O jobs (run on the I/O pool) -------------------------------------------------
     def _write_async(self, partition: Partition, buffer: AlignedBuffer, step: int, *, release: bool) -> Future[None]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cargohold.services.durable import replace_durably
@@ -42,7 +43,8 @@ from cargohold.services.tiers.fileformat import (
 )
 from cargohold.services.tiers.io_pool import AlignedBuffer
 from cargohold.services.tiers.nvme import unlink_if_present, write_partition_file
-from cargohold.services.tiers.residency import PartitionKey
+from cargohold.services.tiers.residency import PartitionKey, Residency
+from cargohold.services.tiers.tier import Partition
 
 LINK_REFUSED = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP})
 """errnos of ``link`` that mean "not here", answered by copying."""
@@ -188,3 +190,57 @@ class PreservedPartition:
     def how(self) -> str:
         """ "linked", "copied" or "written"."""
         return {type(None): "linked", PendingCopy: "copied", PendingWrite: "written"}[type(self.pending)]
+
+
+def preserve_partitions(
+    parts: Sequence[Partition],
+    ram_buffer: Callable[[Partition], AlignedBuffer],
+    directory: str,
+    name_of: Callable[[PartitionKey], str],
+    *,
+    in_place: bool,
+) -> list[PreservedPartition]:
+    """Put each of ``parts`` into ``directory`` as a partition file named ``name_of(key)``
+    (see :meth:`.storage.TieredStorage.preserve`): a disk partition's file linked or
+    pinned for a copy, a RAM partition (its buffer from ``ram_buffer``) given a
+    :class:`PendingWrite` of the buffer itself when ``in_place`` (its next update waits
+    for it), else of a copy taken now. Raises OSError or a TierError, having cancelled
+    its jobs."""
+    preserved: list[PreservedPartition] = []
+    try:
+        for part in parts:
+            name = name_of(part.key)
+            target = os.path.join(directory, name)
+            numel = part.span.numel
+            checksum: int | None = None
+            pending: PendingCopy | PendingWrite | None = None
+            if part.residency is Residency.RAM and in_place:
+                part.saving = threading.Event()
+                pending = PendingWrite(ram_buffer(part), part.key, numel, part.updates, target, part.saving)
+            elif part.residency is Residency.RAM:
+                pending = PendingWrite(
+                    ram_buffer(part).clone(), part.key, numel, part.updates, target, threading.Event()
+                )
+            else:
+                try:
+                    header, pending = link_or_pin(part.path, target, key=part.key, numel=numel, step=part.updates)
+                except OSError as error:  # name the file whatever call failed
+                    raise OSError(error.errno, error.strerror, target) from error
+                checksum = header.checksum()
+            preserved.append(
+                PreservedPartition(
+                    key=part.key,
+                    name=name,
+                    start=part.span.start,
+                    stop=part.span.stop,
+                    nbytes=FileLayout(numel).file_bytes,
+                    checksum=checksum,
+                    pending=pending,
+                )
+            )
+    except BaseException:
+        for done in preserved:
+            if done.pending is not None:
+                done.pending.cancel()
+        raise
+    return preserved

@@ -58,7 +58,7 @@ class RamTier:
     def stage(self, partition: Partition, *, block: bool) -> Staged:
         return Staged(partition, self.arrays(partition), warm=True)
 
-    def commit(self, staged: Staged, step: int) -> Future[None]:
+    def commit(self, staged: Staged, update: int) -> Future[None]:
         return done_future()  # updated in place; RAM is as durable as it gets
 
     def discard(self, staged: Staged, *, intact: bool) -> None:

@@ -1,10 +1,15 @@
 """A state server's optimizer state, kept in tiers: RAM, and NVMe files when a RAM budget
-is set. It owns the partitions of every shard, re-plans residency when shards register,
-streams each update through the pipeline, and moves a partition to the tier the plan
-wants right after its next update (the data is in memory then anyway).
+is set. It owns the partitions of every segment, re-plans residency when segments
+register (and moves partitions to where the new plan wants them), and streams each
+update through memory: while partition k is updated, the following ones are read in (as
+far ahead as free staging buffers allow, and as soon as a write-back frees one) and k-1
+is written back behind it. The number of buffers sets the depth: two give double
+buffering, three let a read, an update and a write overlap. The AdamW call itself is the
+caller's (:meth:`SegmentState._adamw <cargohold.services.segment_state.SegmentState>`):
+:meth:`TieredStorage.update` hands it each partition's state and gradient in turn.
 
-Without ``ram_budget_bytes`` every shard is one partition in RAM, and an update is the
-same single kernel call over the whole shard as without tiers.
+Without ``ram_budget_bytes`` every segment is one partition in RAM, and an update is the
+same single kernel call over the whole segment as without tiers.
 
 The RAM budget is a hard limit on the memory this store holds: resident partitions
 (in their 4 KiB-aligned file layout), the gradients staged for them (:mod:`.gradients`)
@@ -16,25 +21,23 @@ calls in flight), which belong to the transport.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
 
 import torch
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.errors import IncompleteStepError, TierError
-from cargohold.services.optim import FragmentGroup, apply_update
 from cargohold.services.tiers.fileformat import ARRAYS, FileLayout, gradient_file_bytes
 from cargohold.services.tiers.gradients import NvmeWithGradients, StagedGradients
 from cargohold.services.tiers.io_pool import BufferPool, IoPool
 from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path
-from cargohold.services.tiers.partitions import clip_fragments, elements_per_partition, split_segment
-from cargohold.services.tiers.pipeline import StreamReport, stream_update
+from cargohold.services.tiers.partitions import PartitionSpan, elements_per_partition, split_segment
 from cargohold.services.tiers.planner import PartitionDemand, TierPlan, plan_tiers, stream_order
-from cargohold.services.tiers.preserve import PendingCopy, PendingWrite, PreservedPartition, link_or_pin
+from cargohold.services.tiers.preserve import PreservedPartition, preserve_partitions
 from cargohold.services.tiers.ram import RamTier
 from cargohold.services.tiers.report import PartitionRow, TierSummary
 from cargohold.services.tiers.residency import PartitionKey, Residency
@@ -52,9 +55,37 @@ from cargohold.services.tiers.tier import (
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class PartitionUpdate:
+    """One partition of a segment in memory for its update: what the AdamW call needs."""
+
+    span: PartitionSpan
+    """Where it lies in the segment (elements ``start:stop``) and its fragments there."""
+    state: PartitionArrays
+    """Its fp32 master weights and moments, updated in place."""
+    gradient: torch.Tensor
+    """Its piece of the segment's gradient, in the wire dtype."""
+    owned: bool
+    """The update may scale ``gradient`` in place (no one reads it afterwards)."""
+
+
+@dataclass(slots=True)
+class StreamReport:
+    """What one streamed update did, for metrics and the benchmark."""
+
+    partitions: int = 0
+    prefetch_hits: int = 0
+    """Disk partitions already read (or being read) when the update reached them."""
+    prefetch_misses: int = 0
+    io_wait_seconds: float = 0.0
+    """Time the update stood still waiting for a buffer, a read or the final writes."""
+    resumed: bool = False
+    """Some partitions were already at the update: this finished an interrupted one."""
+
+
 class TieredStorage:
-    """All partitions of one state server. Thread-safe across shards; the caller (the
-    shard) serialises calls about the same shard."""
+    """All partitions of one state server. Thread-safe across segments; the caller (the
+    segment state) serialises calls about the same segment."""
 
     def __init__(
         self, config: TierConfig | None = None, *, server_index: int = 0, observer: TierObserver | None = None
@@ -62,9 +93,9 @@ class TieredStorage:
         self.config = config or TierConfig()
         self._observer = observer or NullObserver()
         self._lock = threading.Lock()
-        self._shards: dict[tuple[str, int], list[Partition]] = {}
+        self._segments: dict[tuple[str, int], list[Partition]] = {}
         self._gradient_itemsize: dict[tuple[str, int], int] = {}
-        """Bytes per element of each shard's staged gradients (its wire dtype)."""
+        """Bytes per element of each segment's staged gradients (its wire dtype)."""
         self._plan = TierPlan()
         budget = self.config.ram_budget_bytes
         self._nvme: NvmeTier | None = None
@@ -96,7 +127,7 @@ class TieredStorage:
         return self._nvme is not None
 
     # --- registration -------------------------------------------------------------------
-    def add_shard(
+    def add_segment(
         self,
         run_id: str,
         segment_id: int,
@@ -104,20 +135,22 @@ class TieredStorage:
         fragments: Sequence[tuple[int, int]],
         source: StateSource,
         *,
-        step: int = 0,
+        updates: int = 0,
         gradient_itemsize: int = 0,
     ) -> None:
-        """Create a shard's partitions from ``source`` — fp32 weights with zero moments
-        at step 0, or a checkpoint's state at ``step`` — re-planning every partition of
+        """Create a segment's partitions from ``source`` — fp32 weights with zero moments,
+        or a checkpoint's state after ``updates`` updates — re-planning every partition of
         the server. The source is asked for one partition at a time, so a restore never
         holds more than a partition beyond the tiers' own memory. All or nothing.
-        ``gradient_itemsize``: bytes per element of the gradients the shard may stage
+        ``gradient_itemsize``: bytes per element of the gradients the segment may stage
         (:meth:`stage_gradient`), which the plan counts where they are kept."""
         spans = split_segment(numel, fragments, self._max_elements)
         with self._lock:
             if self._nvme is not None:
                 self._nvme.prepare_run(run_id)
-            parts = [Partition(PartitionKey(run_id, segment_id, s.index), s, Residency.RAM, step=step) for s in spans]
+            parts = [
+                Partition(PartitionKey(run_id, segment_id, s.index), s, Residency.RAM, updates=updates) for s in spans
+            ]
             plan = self._replan(parts, gradient_itemsize)
             to_disk: list[Partition] = []
             resident: dict[PartitionKey, PartitionArrays] = {}
@@ -143,7 +176,7 @@ class TieredStorage:
                             )
                             for p in to_disk
                         ),
-                        f"shard {segment_id} of run {run_id!r}",
+                        f"segment {segment_id} of run {run_id!r}",
                     )
                 created: list[Future[None]] = []
                 try:
@@ -167,18 +200,18 @@ class TieredStorage:
                 for part in parts:
                     self._store_of(part).drop(part)
                 raise
-            self._shards[(run_id, segment_id)] = parts
+            self._segments[(run_id, segment_id)] = parts
             self._gradient_itemsize[(run_id, segment_id)] = gradient_itemsize
             self._plan = plan
         self._report_plan(plan)
 
     def _replan(self, new: Sequence[Partition] = (), new_itemsize: int = 0) -> TierPlan:
-        shards = [(parts, self._gradient_itemsize[key]) for key, parts in self._shards.items()]
+        segments = [(parts, self._gradient_itemsize[key]) for key, parts in self._segments.items()]
         demands = [
             PartitionDemand(
                 p.key, FileLayout(p.span.numel).file_bytes, gradient_bytes=gradient_file_bytes(p.span.numel, itemsize)
             )
-            for parts, itemsize in [*shards, (new, new_itemsize)]
+            for parts, itemsize in [*segments, (new, new_itemsize)]
             for p in parts
         ]
         nvme = self._nvme
@@ -191,19 +224,19 @@ class TieredStorage:
         )
 
     def settle(self, run_id: str, segment_id: int, *, into: Residency) -> int:
-        """Move the shard's partitions that the plan wants in ``into`` there now, instead of
-        after their next update; returns how many moved. Called for every shard once a
+        """Move the segment's partitions that the plan wants in ``into`` there now, instead of
+        after their next update; returns how many moved. Called for every segment once a
         registration has re-planned the server (demotions first, so that promotions find
-        room in RAM): the first step then reads and writes what the plan says, not the
+        room in RAM): the first update then reads and writes what the plan says, not the
         moves as well. A partition with a staged gradient, one RAM cannot take yet, or one
         whose demotion fails to write (it stays valid in RAM) moves after its next update
-        as before. The caller holds the shard still. Raises TierError when a promoted
+        as before. The caller holds the segment still. Raises TierError when a promoted
         partition's file cannot be read (as its next update would)."""
         nvme = self._nvme
         if nvme is None:
             return 0
         plan, moved = self._plan, 0
-        for part in self._shards[(run_id, segment_id)]:
+        for part in self._segments[(run_id, segment_id)]:
             if part.residency is into or plan.of(part.key) is not into or self._gradients.holds(part.key):
                 continue
             if into is Residency.NVME:
@@ -211,7 +244,7 @@ class TieredStorage:
                     part.saving.wait()
                     part.saving = None
                 try:
-                    nvme.write_from(part, self._ram.buffer(part), part.step).result()
+                    nvme.write_from(part, self._ram.buffer(part), part.updates).result()
                 except TierError as error:
                     logger.warning("could not move %s to disk: %s", part.key, error)
                     continue
@@ -236,109 +269,82 @@ class TieredStorage:
         return moved
 
     # --- the update ---------------------------------------------------------------------
-    def stage_gradient(self, run_id: str, segment_id: int, step: int, gradient: torch.Tensor) -> None:
-        """Keep the (already validated) gradient of ``step`` for the partitions not yet at
-        ``step``, each where its state is, until :meth:`update` is called without one."""
-        parts = self._shards[(run_id, segment_id)]
-        pending = [p for p in parts if p.step != step]
-        for part in pending:
-            if part.step != step - 1:
-                raise IncompleteStepError(f"{part.key} is at step {part.step}; cannot stage step {step}")
-        self._gradients.stage(pending, step, gradient)
+    def stage_gradient(self, run_id: str, segment_id: int, update: int, gradient: torch.Tensor) -> None:
+        """Keep the (already validated) gradient of ``update`` for the partitions not yet
+        there, each where its state is, until :meth:`update` is called without one."""
+        pending = self._pending(run_id, segment_id, update, "stage")
+        self._gradients.stage(pending, update, gradient)
 
     def update(
         self,
         run_id: str,
         segment_id: int,
-        step: int,
+        update: int,
         gradient: torch.Tensor | None,
         *,
-        coefficient: torch.Tensor | None,
-        lr: float,
-        groups: Sequence[FragmentGroup],
-        gradient_owned: bool = False,
-        weights_dtype: torch.dtype | None = None,
-        weights_out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | None, StreamReport]:
-        """Apply the (already validated) gradient of ``step`` to every partition not yet
-        at ``step``, clipping by ``coefficient``, each param group of ``groups`` (the
-        segment's fragments by group) with its constants; ``gradient`` None: the one
-        :meth:`stage_gradient` kept, read back a partition at a time. Returns the updated master weights in
-        ``weights_dtype`` when asked (None if the update resumed an interrupted one),
-        written into ``weights_out`` when given (a spare buffer of that dtype and size).
+        gradient_owned: bool,
+        adamw: Callable[[PartitionUpdate], None],
+    ) -> StreamReport:
+        """Stream every partition of the segment not yet at ``update`` through memory in
+        stream order, calling ``adamw`` on each (it updates the state in place), then keep
+        it in the tier the plan wants. ``gradient``: the (already validated) gradient of
+        the whole segment, or None for the one :meth:`stage_gradient` kept, read back a
+        partition at a time. ``gradient_owned``: ``adamw`` may scale the pieces of
+        ``gradient`` in place.
 
-        Each partition's piece goes through :func:`~cargohold.services.optim.apply_update`
-        (``gradient_owned``: it may scale the gradient in place).
-        """
-        parts = self._shards[(run_id, segment_id)]
-        pending = [p for p in parts if p.step != step]
-        for part in pending:
-            if part.step != step - 1:
-                raise IncompleteStepError(f"{part.key} is at step {part.step}; cannot apply step {step}")
+        Returns once every partition is durable. On the first failure (a corrupt read, a
+        failed write, ``adamw`` raising) it stops, lets the I/O in flight finish and raises
+        that error: partitions already finished keep their new state, the others their old
+        one, and calling again with the same update finishes them."""
+        parts = self._segments[(run_id, segment_id)]
+        pending = self._pending(run_id, segment_id, update, "apply")
         by_index = {p.key.index: p for p in pending}
-        order = [by_index[i] for i in stream_order([(p.key.index, p.residency) for p in pending], step)]
+        order = [by_index[i] for i in stream_order([(p.key.index, p.residency) for p in pending], update)]
         plan = self._plan
-        step_tensor = torch.tensor(float(step), dtype=torch.float32)
-        numel = parts[-1].span.stop
-        weights = None
-        if weights_dtype is not None and len(pending) == len(parts):
-            weights = (
-                weights_out
-                if weights_out is not None and weights_out.dtype == weights_dtype and weights_out.shape == (numel,)
-                else torch.empty(numel, dtype=weights_dtype)
-            )
+        staged_pieces = self._gradients.pieces(order, update) if gradient is None else None
 
-        pieces = self._gradients.pieces(order, step) if gradient is None else None
-
-        def update(part: Partition, arrays: PartitionArrays) -> None:
+        def update_one(part: Partition, arrays: PartitionArrays) -> None:
             if part.saving is not None:  # a checkpoint is still writing this partition out
                 waited = time.perf_counter()
                 part.saving.wait()
                 part.saving = None
                 self._observer.add_tier_io_wait(time.perf_counter() - waited)
             span = part.span
-            if pieces is None:
+            if staged_pieces is None:
                 assert gradient is not None
                 piece, owned = gradient[span.start : span.stop], gradient_owned
             else:
-                piece, owned = pieces.take(part)
-            if span.fragments:
-                apply_update(
-                    arrays.master,
-                    arrays.exp_avg,
-                    arrays.exp_avg_sq,
-                    [
-                        FragmentGroup(clip_fragments(g.fragments, span.start, span.stop), g.hyper, g.lr_scale)
-                        for g in groups
-                    ],
-                    piece,
-                    step=step_tensor,
-                    coefficient=coefficient,
-                    lr=lr,
-                    owned=owned,
-                )
-            if weights is not None:
-                weights[span.start : span.stop].copy_(arrays.master)
+                piece, owned = staged_pieces.take(part)
+            adamw(PartitionUpdate(span, arrays, piece, owned))
 
         def finish(part: Partition, staged: Staged) -> Future[None]:
-            return self._finish(part, staged, step, plan.of(part.key))
+            return self._finish(part, staged, update, plan.of(part.key))
 
         store_of = self._store_of
-        if pieces is not None and self._nvme is not None:
-            with_gradients = NvmeWithGradients(self._nvme, pieces)
+        if staged_pieces is not None and self._nvme is not None:
+            with_gradients = NvmeWithGradients(self._nvme, staged_pieces)
 
             def store_of(part: Partition) -> Tier:
                 return with_gradients if part.residency is Residency.NVME else self._ram
 
-        report = stream_update(order, store_of=store_of, update=update, finish=finish, observer=self._observer)
-        if pieces is not None:
-            self._gradients.consumed(parts, step)
-        return weights, report
+        report = stream_partitions(order, store_of=store_of, update=update_one, finish=finish, observer=self._observer)
+        report.resumed = len(pending) < len(parts)
+        if staged_pieces is not None:
+            self._gradients.consumed(parts, update)
+        return report
 
-    def _finish(self, part: Partition, staged: Staged, step: int, planned: Residency) -> Future[None]:
+    def _pending(self, run_id: str, segment_id: int, update: int, verb: str) -> list[Partition]:
+        """The segment's partitions not yet at ``update``; each must be one update behind."""
+        pending = [p for p in self._segments[(run_id, segment_id)] if p.updates != update]
+        for part in pending:
+            if part.updates != update - 1:
+                raise IncompleteStepError(f"{part.key} is at update {part.updates}; cannot {verb} update {update}")
+        return pending
+
+    def _finish(self, part: Partition, staged: Staged, update: int, planned: Residency) -> Future[None]:
         """Keep an updated partition, moving it to the tier the plan wants if it can."""
         if part.residency is Residency.RAM:
-            part.step = step
+            part.updates = update
             if planned is Residency.RAM or self._nvme is None:
                 return done_future()
 
@@ -349,19 +355,19 @@ class TieredStorage:
                 else:  # it stays in RAM, as valid as before; the budget was already paying for it
                     logger.warning("could not move %s to disk: %s", part.key, error)
 
-            return _then(self._nvme.write_from(part, self._ram.buffer(part), step), demoted, swallow=True)
+            return _then(self._nvme.write_from(part, self._ram.buffer(part), update), demoted, swallow=True)
         assert self._nvme is not None
         if planned is Residency.RAM and self._ram.admit(part, staged.arrays) is not None:
             self._nvme.discard(staged, intact=False)
             self._nvme.drop(part)
-            part.residency, part.step = Residency.RAM, step
+            part.residency, part.updates = Residency.RAM, update
             return done_future()
 
         def committed(error: BaseException | None) -> None:
             if error is None:
-                part.step = step
+                part.updates = update
 
-        return _then(self._nvme.commit(staged, step), committed)
+        return _then(self._nvme.commit(staged, update), committed)
 
     def _store_of(self, part: Partition) -> Tier:
         if part.residency is Residency.RAM:
@@ -371,11 +377,11 @@ class TieredStorage:
 
     # --- reads --------------------------------------------------------------------------
     def read_weights(
-        self, run_id: str, segment_id: int, step: int, dtype: torch.dtype, *, out: torch.Tensor | None = None
+        self, run_id: str, segment_id: int, updates: int, dtype: torch.dtype, *, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The master weights of ``step`` cast to ``dtype``: a new tensor, or ``out`` (a
+        """The master weights after ``updates`` updates cast to ``dtype``: a new tensor, or ``out`` (a
         spare buffer) when it has that dtype and size."""
-        parts = self._consistent(run_id, segment_id, step)
+        parts = self._consistent(run_id, segment_id, updates)
         numel = parts[-1].span.stop
         if out is None or out.dtype != dtype or out.shape != (numel,):
             out = torch.empty(numel, dtype=dtype)
@@ -388,9 +394,9 @@ class TieredStorage:
                 self._nvme.read_master_into(part, view)
         return out
 
-    def snapshot(self, run_id: str, segment_id: int, step: int) -> dict[str, torch.Tensor]:
-        """fp32 copies of master, exp_avg and exp_avg_sq of the whole shard."""
-        parts = self._consistent(run_id, segment_id, step)
+    def snapshot(self, run_id: str, segment_id: int, updates: int) -> dict[str, torch.Tensor]:
+        """fp32 copies of master, exp_avg and exp_avg_sq of the whole segment."""
+        parts = self._consistent(run_id, segment_id, updates)
         numel = parts[-1].span.stop
         out = {name: torch.empty(numel, dtype=torch.float32) for name in ARRAYS}
         for part in parts:
@@ -408,9 +414,9 @@ class TieredStorage:
         return out
 
     def preserve(
-        self, run_id: str, segment_id: int, step: int, directory: str, name_of: Callable[[PartitionKey], str]
+        self, run_id: str, segment_id: int, updates: int, directory: str, name_of: Callable[[PartitionKey], str]
     ) -> list[PreservedPartition]:
-        """Put every partition of a shard at ``step`` into ``directory`` as a partition
+        """Put every partition of a segment after ``updates`` into ``directory`` as a partition
         file named ``name_of(key)``, for a checkpoint. Files on the NVMe tier are
         hard-linked now (their version is immutable), or, on another filesystem, held
         open with a :class:`PendingCopy` to run later. Partitions in RAM get a
@@ -418,74 +424,37 @@ class TieredStorage:
         and its next update waits until the write has run (or was cancelled), since a
         copy would break the budget; without one, of a copy taken now, so training never
         waits for the disk. Every pending job must be run or cancelled. The caller holds
-        the shard still (its lock) until this returns and fsyncs ``directory`` once the
+        the segment still (its lock) until this returns and fsyncs ``directory`` once the
         jobs are done.
 
         Raises OSError or a TierError, having cancelled its jobs; what it already put
         there stays for the caller to remove with the directory."""
-        parts = self._consistent(run_id, segment_id, step)
-        preserved: list[PreservedPartition] = []
-        try:
-            for part in parts:
-                name = name_of(part.key)
-                target = os.path.join(directory, name)
-                numel = part.span.numel
-                checksum: int | None = None
-                pending: PendingCopy | PendingWrite | None = None
-                if part.residency is Residency.RAM and self.enabled:
-                    part.saving = threading.Event()
-                    pending = PendingWrite(self._ram.buffer(part), part.key, numel, part.step, target, part.saving)
-                elif part.residency is Residency.RAM:
-                    pending = PendingWrite(
-                        self._ram.buffer(part).clone(), part.key, numel, part.step, target, threading.Event()
-                    )
-                else:
-                    try:
-                        header, pending = link_or_pin(part.path, target, key=part.key, numel=numel, step=part.step)
-                    except OSError as error:  # name the file whatever call failed
-                        raise OSError(error.errno, error.strerror, target) from error
-                    checksum = header.checksum()
-                preserved.append(
-                    PreservedPartition(
-                        key=part.key,
-                        name=name,
-                        start=part.span.start,
-                        stop=part.span.stop,
-                        nbytes=FileLayout(numel).file_bytes,
-                        checksum=checksum,
-                        pending=pending,
-                    )
-                )
-        except BaseException:
-            for done in preserved:
-                if done.pending is not None:
-                    done.pending.cancel()
-            raise
-        return preserved
+        parts = self._consistent(run_id, segment_id, updates)
+        return preserve_partitions(parts, self._ram.buffer, directory, name_of, in_place=self.enabled)
 
-    def _consistent(self, run_id: str, segment_id: int, step: int) -> list[Partition]:
-        parts = self._shards[(run_id, segment_id)]
-        behind = [p for p in parts if p.step != step]
+    def _consistent(self, run_id: str, segment_id: int, updates: int) -> list[Partition]:
+        parts = self._segments[(run_id, segment_id)]
+        behind = [p for p in parts if p.updates != updates]
         if behind:
-            ahead = max(p.step for p in parts)
+            ahead = max(p.updates for p in parts)
             raise IncompleteStepError(
-                f"shard {segment_id} of run {run_id!r} stopped part-way through step {ahead} "
-                f"({len(parts) - len(behind)} of {len(parts)} partitions at step {step}); "
+                f"segment {segment_id} of run {run_id!r} stopped part-way through update {ahead} "
+                f"({len(parts) - len(behind)} of {len(parts)} partitions after update {updates}); "
                 f"repeat the push of step {ahead} to finish it"
             )
         return parts
 
     # --- accounting and stats -------------------------------------------------------------
     def state_bytes(self, run_id: str | None = None, segment_id: int | None = None) -> dict[Residency, int]:
-        """Bytes of optimizer state (12 per element) in each tier, for a shard or all."""
+        """Bytes of optimizer state (12 per element) in each tier, for a segment or all."""
         totals = {Residency.RAM: 0, Residency.NVME: 0}
         with self._lock:
-            shards = [
+            segments = [
                 (k, v)
-                for k, v in self._shards.items()
+                for k, v in self._segments.items()
                 if run_id is None or (k[0] == run_id and segment_id in (None, k[1]))
             ]
-        for _, parts in shards:
+        for _, parts in segments:
             for part in parts:
                 totals[part.residency] += part.span.state_bytes
         return totals
@@ -493,12 +462,12 @@ class TieredStorage:
     def rows(self, run_id: str | None = None) -> list[PartitionRow]:
         """Every partition with the plan's decision and its place in the next stream."""
         with self._lock:
-            shards = sorted((k, list(v)) for k, v in self._shards.items() if run_id in (None, k[0]))
+            segments = sorted((k, list(v)) for k, v in self._segments.items() if run_id in (None, k[0]))
             plan = self._plan
         rows = []
-        for _, parts in shards:
-            next_step = min(p.step for p in parts) + 1
-            order = stream_order([(p.key.index, p.residency) for p in parts], next_step)
+        for _, parts in segments:
+            next_update = min(p.updates for p in parts) + 1
+            order = stream_order([(p.key.index, p.residency) for p in parts], next_update)
             position = {index: n for n, index in enumerate(order)}
             rows += [
                 PartitionRow(
@@ -508,7 +477,7 @@ class TieredStorage:
                     planned=plan.of(p.key),
                     actual=p.residency,
                     order=position[p.key.index],
-                    step=p.step,
+                    step=p.updates,
                     path=p.path if p.residency is Residency.NVME else "",
                 )
                 for p in parts
@@ -564,3 +533,93 @@ def _then(future: Future[None], then: Callable[[BaseException | None], None], *,
 
     future.add_done_callback(settle)
     return chained
+
+
+def stream_partitions(
+    order: Sequence[Partition],
+    *,
+    store_of: Callable[[Partition], Tier],
+    update: Callable[[Partition, PartitionArrays], None],
+    finish: Callable[[Partition, Staged], Future[None]],
+    observer: TierObserver,
+) -> StreamReport:
+    """Update every partition of ``order`` in that order; returns once all are durable.
+
+    On the first failure (a corrupt read, a failed write) it stops updating, lets the
+    I/O in flight finish, and raises that error: partitions already finished keep their
+    new state, the rest keep their old one.
+    """
+    report = StreamReport()
+    staged: dict[int, Staged] = {}
+    issued = 0
+    writes: list[Future[None]] = []
+    failure: BaseException | None = None
+
+    def prefetch() -> None:
+        nonlocal issued
+        while issued < len(order):
+            partition = order[issued]
+            ahead = store_of(partition).stage(partition, block=False)
+            if ahead is None:
+                return  # no free buffer now; try again after the next update
+            ahead.prefetched = True
+            staged[issued] = ahead
+            issued += 1
+
+    try:
+        for position, partition in enumerate(order):
+            failed = next((w.exception() for w in writes if w.done() and w.exception() is not None), None)
+            if failed is not None:
+                raise failed  # a write-back failed (disk full?): stop updating, keep the rest as it was
+            store = store_of(partition)
+            if position >= issued:
+                # Nothing staged ahead is held now, so waiting for a buffer cannot deadlock:
+                # every buffer in use is being read or written and will come back.
+                waited = time.perf_counter()
+                current = store.stage(partition, block=True)
+                assert current is not None, "stage(block=True) waits for a buffer"
+                report.io_wait_seconds += time.perf_counter() - waited
+                staged[position] = current
+                issued = position + 1
+            prefetch()
+            current = staged.pop(position)
+            if partition.residency is Residency.NVME:
+                hit = current.warm or current.prefetched
+                report.prefetch_hits += hit
+                report.prefetch_misses += not hit
+                observer.record_prefetch(hit)
+            waited = time.perf_counter()
+            try:
+                while not current.ready.done():
+                    # A write-back that ends meanwhile frees a buffer: read ahead into it at
+                    # once, so the disk is not left idle until this read and update are over.
+                    wait([current.ready, *(w for w in writes if not w.done())], return_when=FIRST_COMPLETED)
+                    prefetch()
+                current.ready.result()
+            except BaseException:
+                store.discard(current, intact=False)
+                raise
+            report.io_wait_seconds += time.perf_counter() - waited
+            try:
+                update(partition, current.arrays)
+            except BaseException:
+                store.discard(current, intact=False)
+                raise
+            writes.append(finish(partition, current))
+            report.partitions += 1
+    except BaseException as error:
+        failure = error
+        for ahead in staged.values():
+            store_of(ahead.partition).discard(ahead, intact=True)
+    finally:
+        waited = time.perf_counter()
+        for write in writes:
+            try:
+                write.result()
+            except BaseException as error:
+                failure = failure or error
+        report.io_wait_seconds += time.perf_counter() - waited
+        observer.add_tier_io_wait(report.io_wait_seconds)
+    if failure is not None:
+        raise failure
+    return report

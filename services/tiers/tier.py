@@ -16,14 +16,14 @@ from cargohold.services.tiers.residency import PartitionKey, Residency
 
 @dataclass(slots=True, eq=False)
 class Partition:
-    """What the server knows of one partition: where it is and what step it holds."""
+    """What the server knows of one partition: where it is and how many updates it holds."""
 
     key: PartitionKey
     span: PartitionSpan
     residency: Residency
     """Where it is now; the plan may want it elsewhere (it moves after its next update)."""
-    step: int = 0
-    """The step whose update its stored state includes."""
+    updates: int = 0
+    """The number of updates its stored state includes (its file's header says "step")."""
     path: str = ""
     """Its file when on (or destined for) the NVMe tier; empty without one."""
     path_index: int = 0
@@ -80,8 +80,8 @@ class Tier(Protocol):
         ``block=False`` returns None instead of waiting for memory to stage into."""
         ...
 
-    def commit(self, staged: Staged, step: int) -> Future[None]:
-        """Keep the updated arrays as the state of ``step``; the future completes when they
+    def commit(self, staged: Staged, update: int) -> Future[None]:
+        """Keep the updated arrays as the state after ``update``; the future completes when they
         are durable in this tier. Releases the staging."""
         ...
 
