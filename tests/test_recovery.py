@@ -216,10 +216,11 @@ def test_a_killed_actor_is_recovered_from_the_last_checkpoint(
 def test_weights_on_nvme_with_a_killed_worker_end_where_weights_in_memory_end(
     uninterrupted, tmp_path, monkeypatch
 ) -> None:
-    """Every block's weights in files (the window of 2 blocks), worker 1 SIGKILLed after the
-    checkpoint of step 4: the restarted workers rebuild their files from the servers, the
-    run ends bitwise where the run with the weights in memory ends, and the killed
-    worker's folder is swept."""
+    """Every block's weights in files (the window of 2 blocks) and most of the optimizer
+    state on the NVMe tier (the update streamed through it, gradients staged beside the
+    disk partitions), worker 1 SIGKILLed after the checkpoint of step 4: the restarted
+    workers rebuild their files from the servers, the run ends bitwise where the run with
+    everything in memory ends, and the killed worker's folder and the tier are swept."""
     original_step = TrainingSession.step
     killed = []
 
@@ -239,11 +240,13 @@ def test_weights_on_nvme_with_a_killed_worker_end_where_weights_in_memory_end(
         checkpoint__max_failures=1,
         worker__weights_nvme_path=str(weights),
         worker__weight_window=2,
+        state_server__tier=_tier(tmp_path, partition_kib=64),
     )
     result = train(config)
     assert killed and result.restarts == 1
     _assert_same(_final_state(tmp_path / "checkpoints"), uninterrupted)
     assert not any(weights.iterdir()), f"left behind: {sorted(p.name for p in weights.rglob('*'))}"
+    assert not any((tmp_path / "nvme").iterdir()), "tier files left behind"
 
 
 @pytest.mark.parametrize(
