@@ -1,0 +1,371 @@
+"""cargohold against DeepSpeed ZeRO-Offload and ZeRO-Infinity on the same machine: the same
+model, initial values, data, batch, thread budget and optimizer settings, one run after the
+other in one invocation, so the ratios compare like with like on whatever the box is doing.
+
+    pip install -e '.[bench]'        # DeepSpeed 0.19.8: never in the default or test install
+    python benchmarks/vs_deepspeed.py                        # zero2, zero3, nvme; examples/demo.yaml
+    python benchmarks/vs_deepspeed.py --variants zero3 --steps 10
+    python benchmarks/vs_deepspeed.py --set model.n_layer=12 --set model.n_embd=768
+
+Variants, cargohold / DeepSpeed:
+
+* zero2: ``worker.reshard_after_forward=false`` (each unit gathered once a step), the
+  optimizer state in the state servers' RAM / ZeRO-2 with ``offload_optimizer: cpu``;
+* zero3: ``worker.reshard_after_forward=true`` (gathered for forward and again for
+  backward) / ZeRO-3 with ``offload_optimizer`` and ``offload_param`` on the CPU;
+* nvme: zero3 with the optimizer state on the NVMe tier under a RAM budget of a quarter of
+  it (``state_server.tier``) / ZeRO-3 (ZeRO-Infinity) with ``offload_optimizer: nvme``
+  (libaio, ``aio`` settings below) and ``offload_param: cpu``; both write under ``--root``.
+
+Both sides build the model with ``build_model(config)`` (cargohold's GPT or the config's
+Hugging Face model, the same initial values), train on ``batch_for_step`` of the config's
+corpus (rank r's rows of each step on both), with AdamW (betas, eps, weight decay, the
+scheduled lr of each step), clipping at ``optim.max_grad_norm``, fp32 or the config's compute
+dtype (DeepSpeed's bf16 mode), ``worker.num_workers`` ranks over gloo with
+``worker.torch_threads`` threads each (DeepSpeed's CPU Adam with as many OpenMP threads).
+cargohold's state servers run beside its workers on the same cores: a CPU box shares them,
+and so does DeepSpeed's CPU Adam, which runs in its ranks.
+
+Timed: the steps after ``--warmup``; a step is ``TrainingSession.step()`` for cargohold and
+forward + ``engine.backward`` + ``engine.step`` on each DeepSpeed rank (its slowest rank's
+mean). Per process: CPU seconds per timed step (``/proc/<pid>/stat`` read at the window's
+edges: nothing samples during it) and peak RSS (VmHWM, read once after the steps). The
+driver's own CPU seconds are printed too. Each variant prints
+``RATIO cargohold <v> / deepspeed <v>``. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+VARIANTS = ("zero2", "zero3", "nvme")
+CARGOHOLD_SETTINGS = {
+    "zero2": ["worker.reshard_after_forward=false"],
+    "zero3": ["worker.reshard_after_forward=true"],
+    "nvme": ["worker.reshard_after_forward=true"],
+}
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def peak_rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def load(config_path: str, overrides: list[str]):
+    from cargohold.cluster.config_io import load_config
+
+    return load_config(config_path, overrides)
+
+
+# --- cargohold ------------------------------------------------------------------------------
+def nvme_tier_settings(config, root: Path) -> list[str]:
+    """The state on the NVMe tier under ``root``, a RAM budget of a quarter of it (at least
+    the staging buffers and one resident partition)."""
+    import torch
+
+    from cargohold.cluster.config import TierConfig
+    from cargohold.services.models.build import build_model
+
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in build_model(config).parameters())
+    partition = 1 << 20
+    staging = TierConfig(partition_bytes=partition, buffer_count=3).staging_bytes()
+    per_server = 12 * parameters // config.state_server.num_servers
+    budget = max(per_server // 4, staging + partition)
+    return [
+        f"state_server.tier.nvme_paths=[{root / 'cargohold-nvme'}]",
+        f"state_server.tier.ram_budget_bytes={budget}",
+        f"state_server.tier.partition_bytes={partition}",
+        "state_server.tier.buffer_count=3",
+    ]
+
+
+def run_cargohold(config, warmup: int) -> dict:
+    """Mean step seconds after ``warmup``; each worker's and server's CPU seconds per timed
+    step and peak RSS; the driver's CPU seconds per timed step."""
+    import ray
+
+    from cargohold.cluster.launcher import TrainingSession
+
+    needed = config.worker.num_workers * config.worker.cpus + config.state_server.num_servers * config.state_server.cpus
+    ray.init(
+        address="local",
+        num_cpus=max(1, math.ceil(needed)),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    try:
+        with TrainingSession(config) as session:
+            pids = {
+                f"worker {rank}": ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+                for rank, actor in enumerate(session.workers)
+            }
+            pids |= {
+                f"server {index}": ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+                for index, actor in enumerate(session.servers)
+            }
+            seconds, losses = [], []
+            for number in range(config.steps):
+                if number == warmup:
+                    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                    driver = time.process_time()
+                report = session.step()
+                seconds.append(report.seconds)
+                losses.append(report.loss)
+            kept = config.steps - warmup
+            cpu = {name: (cpu_seconds(pid) - before[name]) / kept for name, pid in pids.items()}
+            driver = (time.process_time() - driver) / kept
+            peaks = {name: peak_rss(pid) for name, pid in pids.items()}
+    finally:
+        ray.shutdown()
+    return {
+        "step": statistics.mean(seconds[warmup:]),
+        "cpu": cpu,
+        "peak": peaks,
+        "driver_cpu": driver,
+        "losses": losses,
+    }
+
+
+# --- DeepSpeed, in a child process: ranks spawned over gloo --------------------------------
+def deepspeed_config(config, variant: str, root: Path) -> dict:
+    o, w = config.optim, config.worker
+    zero: dict = {"overlap_comm": False, "contiguous_gradients": True}
+    if variant == "zero2":
+        zero |= {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+    elif variant == "zero3":
+        zero |= {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": False},
+            "offload_param": {"device": "cpu", "pin_memory": False},
+        }
+    else:
+        zero |= {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(root / "deepspeed-nvme"), "pin_memory": False},
+            "offload_param": {"device": "cpu", "pin_memory": False},
+        }
+    settings = {
+        "train_batch_size": w.num_workers * config.data.batch_size,
+        "train_micro_batch_size_per_gpu": config.data.batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": o.max_grad_norm,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps, "weight_decay": o.weight_decay},
+        },
+        "bf16": {"enabled": w.compute_dtype == "bfloat16"},
+        "fp16": {"enabled": False},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if variant == "nvme":
+        settings["aio"] = {
+            "block_size": 1 << 20,
+            "queue_depth": 8,
+            "thread_count": 1,
+            "single_submit": False,
+            "overlap_events": True,
+        }
+    return settings
+
+
+def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+    world_config = load(args.config, args.overrides)
+    world = world_config.worker.num_workers
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from cargohold.services.data import batch_for_step, load_tokens
+    from cargohold.services.models.build import build_model
+
+    config = world_config
+    torch.set_num_threads(config.worker.torch_threads)
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build_model(config)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=deepspeed_config(config, args.variant, Path(args.root)),
+    )
+    tokens = load_tokens(
+        config.data.corpus_path, config.data.corpus_bytes, config.data.seed, seq_len=config.model.block_size
+    )
+    seconds, losses = [], []
+    for step in range(1, config.steps + 1):
+        x, y = batch_for_step(
+            tokens,
+            step=step,
+            rank=rank,
+            world_size=world,
+            batch_size=config.data.batch_size,
+            seq_len=config.model.block_size,
+            seed=config.data.seed,
+        )
+        if step == args.warmup + 1:
+            dist.barrier()
+            cpu = time.process_time()
+        for group in engine.optimizer.param_groups:
+            group["lr"] = config.optim.lr_at(step, config.steps)
+        started = time.perf_counter()
+        output = engine(x, y)
+        loss = output[1] if isinstance(output, tuple) else output.loss
+        engine.backward(loss)
+        engine.step()
+        seconds.append(time.perf_counter() - started)
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)  # outside the timed region
+        losses.append(mean.item() / world)
+    kept = config.steps - args.warmup
+    result = {
+        "rank": rank,
+        "step": statistics.mean(seconds[args.warmup :]),
+        "cpu": (time.process_time() - cpu) / kept,
+        "peak": peak_rss(os.getpid()),
+        "losses": losses,
+        "optimizer": type(engine.optimizer).__name__,
+    }
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def deepspeed_child(args: argparse.Namespace) -> None:
+    import torch.multiprocessing as mp
+
+    config = load(args.config, args.overrides)
+    mp.spawn(deepspeed_rank, args=(args, args.port, args.out), nprocs=config.worker.num_workers, join=True)
+
+
+def run_deepspeed(args: argparse.Namespace, variant: str, root: Path, port: int) -> dict | str:
+    """The slowest rank's mean step, each rank's CPU seconds per timed step and peak RSS;
+    or why it could not run."""
+    out = root / f"deepspeed-{variant}"
+    out.mkdir()
+    command = [sys.executable, __file__, "--deepspeed-child", "--variant", variant, "--config", args.config]
+    command += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--root", str(root)]
+    command += ["--port", str(port), "--out", str(out)]
+    command += [item for override in args.overrides for item in ("--set", override)]
+    threads = load(args.config, args.overrides).worker.torch_threads
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads))
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
+    ranks = sorted(out.glob("rank-*.json"))
+    if done.returncode != 0 or not ranks:
+        return (done.stderr or done.stdout).strip().splitlines()[-1] if (done.stderr or done.stdout) else "failed"
+    results = [json.loads(path.read_text()) for path in ranks]
+    return {
+        "step": max(r["step"] for r in results),
+        "cpu": {f"rank {r['rank']}": r["cpu"] for r in results},
+        "peak": {f"rank {r['rank']}": r["peak"] for r in results},
+        "losses": results[0]["losses"],
+        "optimizer": results[0]["optimizer"],
+    }
+
+
+# --- the table ------------------------------------------------------------------------------
+def describe(result: dict) -> str:
+    processes = ", ".join(
+        f"{name} {result['cpu'][name]:.2f} CPU-s {result['peak'][name] / 2**30:.2f} GiB" for name in result["cpu"]
+    )
+    return f"{result['step']:7.3f} s/step; per timed step: {processes}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(DEMO))
+    parser.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the means")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--root", default=None, help="folder for the NVMe variants' files (default: a temporary one)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--deepspeed-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.overrides = [f"steps={args.steps}", "progress=false", "metrics.enabled=false", *args.overrides]
+    if args.deepspeed_child:
+        deepspeed_child(args)
+        return
+    if args.steps <= args.warmup:
+        parser.error("--steps must exceed --warmup")
+    names = args.variants.split(",")
+    if unknown := [n for n in names if n not in VARIANTS]:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    with tempfile.TemporaryDirectory(prefix="vs-deepspeed-", dir=args.root) as folder:
+        root = Path(folder)
+        print(f"load average {Path('/proc/loadavg').read_text().split()[0]} at the start", flush=True)
+        results: dict[str, tuple[dict, dict | str]] = {}
+        for number, name in enumerate(names):
+            config = load(args.config, [*args.overrides, *CARGOHOLD_SETTINGS[name]])
+            if name == "nvme":
+                tier = nvme_tier_settings(config, root)
+                config = load(args.config, [*args.overrides, *CARGOHOLD_SETTINGS[name], *tier])
+            ours = run_cargohold(config, args.warmup)
+            theirs = run_deepspeed(args, name, root, port=29600 + number)
+            results[name] = (ours, theirs)
+            print(f"{name}: cargohold {describe(ours)}", flush=True)
+            print(f"{name}: deepspeed {describe(theirs) if isinstance(theirs, dict) else 'did not run: ' + theirs}")
+        config = load(args.config, args.overrides)
+    m, w = config.model, config.worker
+    print(
+        f"\nmodel {m.n_layer} x {m.n_embd}, {w.num_workers} ranks x batch {config.data.batch_size} x "
+        f"{m.block_size} tokens, {w.torch_threads} thread(s) each, compute {w.compute_dtype}; "
+        f"{config.state_server.num_servers} cargohold state server(s); {os.cpu_count()} cores; load average "
+        f"{Path('/proc/loadavg').read_text().split()[0]} at the end; mean of steps {args.warmup + 1}..{args.steps}"
+    )
+    for name, (ours, theirs) in results.items():
+        print(f"cargohold {name:6} {describe(ours)}; driver {ours['driver_cpu']:.3f} CPU-s")
+        if isinstance(theirs, dict):
+            print(f"deepspeed {name:6} {describe(theirs)} ({theirs['optimizer']})")
+            same = "the same" if ours["losses"] == theirs["losses"] else "not the same"
+            print(
+                f"  losses: cargohold {ours['losses'][-1]:.4f}, deepspeed {theirs['losses'][-1]:.4f} at the last "
+                f"step ({same} bits)"
+            )
+    for name, (ours, theirs) in results.items():
+        if isinstance(theirs, dict):
+            print(f"RATIO cargohold {name} / deepspeed {name} = {ours['step'] / theirs['step']:.2f}")
+        else:
+            print(f"RATIO cargohold {name} / deepspeed {name} = n/a (deepspeed did not run: {theirs})")
+
+
+if __name__ == "__main__":
+    main()
