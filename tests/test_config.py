@@ -192,7 +192,9 @@ def test_demo_yaml_loads_the_expected_values() -> None:
         seed=0,
         model=GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=128),
         data=DataConfig(batch_size=8, corpus_bytes=2_000_000),
-        optim=OptimConfig(lr=0.002, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=5, schedule="cosine"),
+        optim=OptimConfig(
+            lr=0.001, beta2=0.95, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=10, schedule="cosine"
+        ),
         worker=WorkerConfig(num_workers=2, torch_threads=1),
         state_server=StateServerConfig(num_servers=1),
         cluster=ClusterConfig(),

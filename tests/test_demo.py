@@ -20,13 +20,43 @@ def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([*CARGOHOLD, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
-def test_demo_trains_and_loss_falls() -> None:
-    result = _run("train", "--config", "examples/demo.yaml", "--set", "steps=8", "--set", "progress=false")
+def _train_demo(steps: int, timeout: float = 600) -> list[float]:
+    """Runs examples/demo.yaml for ``steps`` steps; returns each step's loss."""
+    result = _run(
+        "train", "--config", "examples/demo.yaml", "--set", f"steps={steps}", "--set", "progress=false", timeout=timeout
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)", result.stdout, re.M)]
-    assert len(losses) == 8
-    assert losses[-1] < losses[0] - 0.3, losses
-    assert re.search(r"run \S+: 8 steps, loss [0-9.]+ -> [0-9.]+", result.stdout)
+    assert len(losses) == steps, result.stdout[-3000:]
+    assert re.search(rf"run \S+: {steps} steps, loss [0-9.]+ -> [0-9.]+", result.stdout)
+    return losses
+
+
+# How far a step's loss may rise above the lowest loss before it: a new batch's noise
+# (< 0.1 over the whole demo) passes, a spike does not.
+_NOISE = 0.5
+
+
+def _assert_smooth(losses: list[float]) -> None:
+    assert max(losses[1:]) <= losses[0], f"a loss rose above step 1's: {losses}"
+    rises = [loss - min(losses[:i]) for i, loss in enumerate(losses) if i]
+    assert max(rises) <= _NOISE, f"a loss spiked {max(rises):.2f} above the lowest before it: {losses}"
+
+
+def test_demo_trains_smoothly_and_loss_falls() -> None:
+    """Steps 1-12 cover the warm-up and the step where the former settings (lr 2e-3,
+    beta2 0.999, 5 warm-up steps) jumped from 3.92 to 7.24 (step 4)."""
+    losses = _train_demo(12)
+    _assert_smooth(losses)
+    assert losses[-1] < losses[0] - 2.0, losses
+
+
+@pytest.mark.slow  # the whole demo (50 steps, ~3.5 min on 2 shared cores); the test above covers steps 1-12
+@pytest.mark.timeout(1000)
+def test_whole_demo_trains_smoothly_to_its_documented_loss() -> None:
+    losses = _train_demo(50, timeout=900)
+    _assert_smooth(losses)
+    assert losses[-1] < 2.2, losses  # README: ~2.05
 
 
 def test_unplaceable_run_fails_with_a_clear_message() -> None:
