@@ -32,6 +32,11 @@ mean). Per process: CPU seconds per timed step (``/proc/<pid>/stat`` read at the
 edges: nothing samples during it) and peak RSS (VmHWM, read once after the steps). The
 driver's own CPU seconds are printed too. Each variant prints
 ``RATIO cargohold <v> / deepspeed <v>``. Nothing is asserted.
+
+``--profile`` (a separate run: the sampler takes CPU from what it watches) records
+cargohold's worker 0 and DeepSpeed's rank 0 with py-spy (``pip install py-spy``) over the
+timed steps (threads that run, not those that wait), and prints where each spends them: the
+functions with the most samples under them and the most of their own, per timed step.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,6 +61,8 @@ CARGOHOLD_SETTINGS = {
     "nvme": ["worker.reshard_after_forward=true"],
 }
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PROFILE_RATE = 100
+"""py-spy samples per second with ``--profile``."""
 
 
 def cpu_seconds(pid: int) -> float:
@@ -82,6 +90,59 @@ def load(config_path: str, overrides: list[str]):
     return load_config(config_path, overrides)
 
 
+# --- profiles (py-spy) ----------------------------------------------------------------------
+def start_profile(pid: int, path: Path) -> subprocess.Popen:
+    """py-spy recording ``pid``'s running threads (idle ones left out) into ``path`` until
+    stopped; native code shows as the Python call that entered it."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    command = [py_spy, "record", "--pid", str(pid), "--rate", str(PROFILE_RATE), "--format", "raw"]
+    return subprocess.Popen([*command, "--output", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_profile(recorder: subprocess.Popen) -> None:
+    recorder.send_signal(2)  # SIGINT: py-spy writes what it recorded and exits
+    recorder.wait(timeout=60)
+
+
+def frame_name(frame: str) -> str:
+    """``function (file.py:line)`` -> ``function (file.py)``: lines of one function merge."""
+    name, _, where = frame.partition(" (")
+    return f"{name} ({where.rsplit(':', 1)[0].rsplit('/', 1)[-1].rstrip(')')})" if where else name
+
+
+def summarise_profile(path: Path, steps: int, top: int = 12) -> str:
+    """The functions with the most samples under them (inclusive) and of their own (self),
+    as seconds per timed step, from py-spy's raw (collapsed stacks) output."""
+    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines() if path.exists() else []:
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [frame_name(f) for f in stack.split(";")]
+        for name in set(frames[1:]):  # the first frame names the thread
+            inclusive[name] = inclusive.get(name, 0) + n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+    per_step = 1.0 / PROFILE_RATE / steps
+
+    def rows(counts: dict[str, int]) -> list[str]:
+        ranked = sorted(counts.items(), key=lambda item: -item[1])[:top]
+        return [f"    {n * per_step:7.3f} s  {100 * n / max(total, 1):5.1f}%  {name[:110]}" for name, n in ranked]
+
+    return "\n".join(
+        [
+            f"  {total * per_step:.3f} s of samples per timed step (threads added up)",
+            "  most samples under them:",
+            *rows(inclusive),
+            "  most samples of their own:",
+            *rows(own),
+        ]
+    )
+
+
 # --- cargohold ------------------------------------------------------------------------------
 def nvme_tier_settings(config, root: Path) -> list[str]:
     """The state on the NVMe tier under ``root``, a RAM budget of a quarter of it (at least
@@ -105,7 +166,7 @@ def nvme_tier_settings(config, root: Path) -> list[str]:
     ]
 
 
-def run_cargohold(config, warmup: int) -> dict:
+def run_cargohold(config, warmup: int, profile: Path | None = None) -> dict:
     """Mean step seconds after ``warmup``; each worker's and server's CPU seconds per timed
     step and peak RSS; the driver's CPU seconds per timed step."""
     import ray
@@ -131,13 +192,19 @@ def run_cargohold(config, warmup: int) -> dict:
                 for index, actor in enumerate(session.servers)
             }
             seconds, losses = [], []
+            recorder = None
             for number in range(config.steps):
                 if number == warmup:
+                    if profile is not None:
+                        recorder = start_profile(pids["worker 0"], profile)
+                        time.sleep(1.0)  # py-spy attaches
                     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                     driver = time.process_time()
                 report = session.step()
                 seconds.append(report.seconds)
                 losses.append(report.loss)
+            if recorder is not None:
+                stop_profile(recorder)
             kept = config.steps - warmup
             cpu = {name: (cpu_seconds(pid) - before[name]) / kept for name, pid in pids.items()}
             driver = (time.process_time() - driver) / kept
@@ -240,6 +307,9 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
             seed=config.data.seed,
         )
         if step == args.warmup + 1:
+            if args.profile and rank == 0:
+                recorder = start_profile(os.getpid(), Path(out, "profile.txt"))
+                time.sleep(1.0)  # py-spy attaches
             dist.barrier()
             cpu = time.process_time()
         for group in engine.optimizer.param_groups:
@@ -254,6 +324,8 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
         dist.all_reduce(mean)  # outside the timed region
         losses.append(mean.item() / world)
     kept = config.steps - args.warmup
+    if args.profile and rank == 0:
+        stop_profile(recorder)
     result = {
         "rank": rank,
         "step": statistics.mean(seconds[args.warmup :]),
@@ -281,7 +353,7 @@ def run_deepspeed(args: argparse.Namespace, variant: str, root: Path, port: int)
     out.mkdir()
     command = [sys.executable, __file__, "--deepspeed-child", "--variant", variant, "--config", args.config]
     command += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--root", str(root)]
-    command += ["--port", str(port), "--out", str(out)]
+    command += ["--port", str(port), "--out", str(out)] + (["--profile"] if args.profile else [])
     command += [item for override in args.overrides for item in ("--set", override)]
     threads = load(args.config, args.overrides).worker.torch_threads
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads))
@@ -296,6 +368,7 @@ def run_deepspeed(args: argparse.Namespace, variant: str, root: Path, port: int)
         "peak": {f"rank {r['rank']}": r["peak"] for r in results},
         "losses": results[0]["losses"],
         "optimizer": results[0]["optimizer"],
+        "profile": str(out / "profile.txt"),
     }
 
 
@@ -315,6 +388,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--root", default=None, help="folder for the NVMe variants' files (default: a temporary one)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--profile", action="store_true", help="record worker 0 and rank 0 with py-spy (not timed)")
     parser.add_argument("--deepspeed-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -338,11 +412,17 @@ def main() -> None:
             if name == "nvme":
                 tier = nvme_tier_settings(config, root)
                 config = load(args.config, [*args.overrides, *CARGOHOLD_SETTINGS[name], *tier])
-            ours = run_cargohold(config, args.warmup)
+            profile = root / f"cargohold-{name}.txt" if args.profile else None
+            ours = run_cargohold(config, args.warmup, profile)
             theirs = run_deepspeed(args, name, root, port=29600 + number)
             results[name] = (ours, theirs)
             print(f"{name}: cargohold {describe(ours)}", flush=True)
             print(f"{name}: deepspeed {describe(theirs) if isinstance(theirs, dict) else 'did not run: ' + theirs}")
+            if profile is not None:
+                kept = args.steps - args.warmup
+                print(f"profile of cargohold {name}, worker 0:\n{summarise_profile(profile, kept)}")
+                if isinstance(theirs, dict):
+                    print(f"profile of deepspeed {name}, rank 0:\n{summarise_profile(Path(theirs['profile']), kept)}")
         config = load(args.config, args.overrides)
     m, w = config.model, config.worker
     print(
