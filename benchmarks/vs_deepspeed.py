@@ -28,9 +28,9 @@ and so does DeepSpeed's CPU Adam, which runs in its ranks.
 
 Timed: the steps after ``--warmup``; a step is ``TrainingSession.step()`` for cargohold and
 forward + ``engine.backward`` + ``engine.step`` on each DeepSpeed rank (its slowest rank's
-mean). Per process: CPU seconds per timed step (``/proc/<pid>/stat`` read at the window's
-edges: nothing samples during it) and peak RSS (VmHWM, read once after the steps). The
-driver's own CPU seconds are printed too. Each variant prints
+mean). Per process: CPU seconds per timed step, user and system (``/proc/<pid>/stat`` read
+at the window's edges: nothing samples during it), and peak RSS (VmHWM, read once after the
+steps). The driver's own CPU seconds are printed too. Each variant prints
 ``RATIO cargohold <v> / deepspeed <v>``. Nothing is asserted.
 
 ``--profile`` (a separate run: the sampler takes CPU from what it watches) records
@@ -65,13 +65,13 @@ PROFILE_RATE = 100
 """py-spy samples per second with ``--profile``."""
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (0 once it is gone)."""
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of a process so far (0 once it is gone)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        return 0.0, 0.0
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
 
 def peak_rss(pid: int) -> int:
@@ -206,7 +206,10 @@ def run_cargohold(config, warmup: int, profile: Path | None = None) -> dict:
             if recorder is not None:
                 stop_profile(recorder)
             kept = config.steps - warmup
-            cpu = {name: (cpu_seconds(pid) - before[name]) / kept for name, pid in pids.items()}
+            cpu = {
+                name: tuple((after - then) / kept for after, then in zip(cpu_seconds(pid), before[name]))
+                for name, pid in pids.items()
+            }
             driver = (time.process_time() - driver) / kept
             peaks = {name: peak_rss(pid) for name, pid in pids.items()}
     finally:
@@ -311,7 +314,7 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
                 recorder = start_profile(os.getpid(), Path(out, "profile.txt"))
                 time.sleep(1.0)  # py-spy attaches
             dist.barrier()
-            cpu = time.process_time()
+            cpu = cpu_seconds(os.getpid())
         for group in engine.optimizer.param_groups:
             group["lr"] = config.optim.lr_at(step, config.steps)
         started = time.perf_counter()
@@ -329,7 +332,7 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
     result = {
         "rank": rank,
         "step": statistics.mean(seconds[args.warmup :]),
-        "cpu": (time.process_time() - cpu) / kept,
+        "cpu": [(after - then) / kept for after, then in zip(cpu_seconds(os.getpid()), cpu)],
         "peak": peak_rss(os.getpid()),
         "losses": losses,
         "optimizer": type(engine.optimizer).__name__,
@@ -375,7 +378,9 @@ def run_deepspeed(args: argparse.Namespace, variant: str, root: Path, port: int)
 # --- the table ------------------------------------------------------------------------------
 def describe(result: dict) -> str:
     processes = ", ".join(
-        f"{name} {result['cpu'][name]:.2f} CPU-s {result['peak'][name] / 2**30:.2f} GiB" for name in result["cpu"]
+        f"{name} {sum(result['cpu'][name]):.2f} CPU-s ({result['cpu'][name][1]:.2f} system) "
+        f"{result['peak'][name] / 2**30:.2f} GiB"
+        for name in result["cpu"]
     )
     return f"{result['step']:7.3f} s/step; per timed step: {processes}"
 
