@@ -394,6 +394,7 @@ def main() -> None:
     parser.add_argument("--root", default=None, help="folder for the NVMe variants' files (default: a temporary one)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--profile", action="store_true", help="record worker 0 and rank 0 with py-spy (not timed)")
+    parser.add_argument("--cargohold-only", action="store_true", help="skip DeepSpeed (no ratio): an A/B of settings")
     parser.add_argument("--deepspeed-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -419,7 +420,7 @@ def main() -> None:
                 config = load(args.config, [*args.overrides, *CARGOHOLD_SETTINGS[name], *tier])
             profile = root / f"cargohold-{name}.txt" if args.profile else None
             ours = run_cargohold(config, args.warmup, profile)
-            theirs = run_deepspeed(args, name, root, port=29600 + number)
+            theirs = "skipped" if args.cargohold_only else run_deepspeed(args, name, root, port=29600 + number)
             results[name] = (ours, theirs)
             print(f"{name}: cargohold {describe(ours)}", flush=True)
             print(f"{name}: deepspeed {describe(theirs) if isinstance(theirs, dict) else 'did not run: ' + theirs}")

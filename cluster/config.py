@@ -190,6 +190,11 @@ class WorkerConfig:
     """Ray GPUs reserved per worker (set 1 on GPU nodes)."""
     torch_threads: int = 1
     """Intra-op threads of each worker's torch."""
+    retain_freed_memory: bool = False
+    """Keep the host memory a step frees in the worker's heap for the next step (glibc's
+    malloc: no mapping per large buffer, no trimming), instead of giving it back to the
+    kernel and faulting it in again: less system time per step, a resident set that stays
+    at the step's high-water mark (`services/host_allocator.py`)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Extra Ray custom resources each worker's bundle asks for (pins workers to nodes)."""
 

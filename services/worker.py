@@ -20,6 +20,7 @@ import torch.distributed as dist
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.data.seeds import dropout_seed
 from cargohold.services.errors import ConfigError, TrainingError
+from cargohold.services.host_allocator import retain_freed_memory
 from cargohold.services.layout import Layout
 from cargohold.services.metrics import WorkerMetrics
 from cargohold.services.model_setup import exchange_buffers, resolve_device, sharded_model, step_policy, weight_window
@@ -52,6 +53,8 @@ class TrainingWorker:
     ) -> None:
         """``task``: what to train (by default the model and data the config names)."""
         torch.set_num_threads(config.worker.torch_threads)
+        if config.worker.retain_freed_memory:
+            retain_freed_memory()
         if len(server_addresses) != config.state_server.num_servers:
             raise TrainingError(
                 f"{len(server_addresses)} server addresses for state_server.num_servers="

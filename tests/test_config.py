@@ -104,6 +104,7 @@ CONFIG_SURFACE = [
     "worker.cpus",
     "worker.gpus",
     "worker.torch_threads",
+    "worker.retain_freed_memory",
     "worker.resources",
     "state_server.num_servers",
     "state_server.cpus",
