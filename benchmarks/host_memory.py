@@ -295,11 +295,21 @@ def main() -> None:
         "--budget-gib", type=float, default=3.0, help="cluster.host_memory_bytes: every process of the run together"
     )
     parser.add_argument("--root", default=None, help="folder for the files (default: a temporary one)")
+    parser.add_argument(
+        "--table-from",
+        nargs="+",
+        metavar="LOG",
+        help="print the table of earlier runs from their stderr ('<size> done: {...}' lines) instead of running",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
+        return
+    if args.table_from:
+        done = [line.split(" done: ", 1)[1] for log in args.table_from for line in Path(log).read_text().splitlines()]
+        report([json.loads(row) for row in done if row], args.budget_gib)
         return
     rows = []
     for size in args.sizes.split(","):
@@ -318,6 +328,11 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
         row = rows[-1]
         print(f"{label(size)} done: {json.dumps(row)}", file=sys.stderr)
+    report(rows, args.budget_gib)
+
+
+def report(rows: list[dict], budget_gib: float) -> None:
+    """The table and a RATIO line per size."""
     print(
         "| model | parameters | worker RSS / PSS | server RSS / PSS | driver RSS | sum RSS / PSS (GiB) "
         "| plan worker / server | s/step | NVMe GB/step (plan) |"
@@ -332,11 +347,11 @@ def main() -> None:
             f"| {gib(sum(h.values()))} / {gib(sum(p.values()))} | {gib(plan['worker'])} / {gib(plan['server'])} "
             f"| {sum(timed) / len(timed):.1f} | {r['nvme_step'] / 1e9:.1f} ({plan['nvme_step'] / 1e9:.1f}) |"
         )
-    budget = args.budget_gib * GiB
+    budget = budget_gib * GiB
     for r in rows:
         total = sum(r["pss"].values())
         print(
-            f"RATIO {label(r['size'])} PSS sum / budget {args.budget_gib:g} GiB = {total / budget:.2f}; "
+            f"RATIO {label(r['size'])} PSS sum / budget {budget_gib:g} GiB = {total / budget:.2f}; "
             f"worker RSS / plan = {r['hwm']['worker'] / r['plan']['worker']:.2f}, "
             f"server RSS / (plan + mapped exchange) = "
             f"{r['hwm']['server'] / (r['plan']['server'] + r['plan']['server_mapped']):.2f}, "
