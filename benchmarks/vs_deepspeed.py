@@ -191,7 +191,7 @@ def run_cargohold(config, warmup: int, profile: Path | None = None) -> dict:
                 f"server {index}": ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
                 for index, actor in enumerate(session.servers)
             }
-            seconds, losses = [], []
+            seconds, losses, phases = [], [], []
             recorder = None
             for number in range(config.steps):
                 if number == warmup:
@@ -203,6 +203,7 @@ def run_cargohold(config, warmup: int, profile: Path | None = None) -> dict:
                 report = session.step()
                 seconds.append(report.seconds)
                 losses.append(report.loss)
+                phases.append(report.phases)
             if recorder is not None:
                 stop_profile(recorder)
             kept = config.steps - warmup
@@ -216,6 +217,7 @@ def run_cargohold(config, warmup: int, profile: Path | None = None) -> dict:
         ray.shutdown()
     return {
         "step": statistics.mean(seconds[warmup:]),
+        "phases": {name: statistics.mean(p.get(name, 0.0) for p in phases[warmup:]) for name in phases[-1]},
         "cpu": cpu,
         "peak": peaks,
         "driver_cpu": driver,
@@ -439,6 +441,8 @@ def main() -> None:
     )
     for name, (ours, theirs) in results.items():
         print(f"cargohold {name:6} {describe(ours)}; driver {ours['driver_cpu']:.3f} CPU-s")
+        split = ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in ours["phases"].items())
+        print(f"  cargohold's step by phase (rank 0): {split}")
         if isinstance(theirs, dict):
             print(f"deepspeed {name:6} {describe(theirs)} ({theirs['optimizer']})")
             same = "the same" if ours["losses"] == theirs["losses"] else "not the same"
