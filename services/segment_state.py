@@ -428,11 +428,12 @@ class SegmentRegistry:
     def _settle(self) -> None:
         """Move every partition to the tier the plan wants now that a registration has
         re-planned the server, demotions first so that promotions find room in RAM; each
-        shard is held still (its lock) while its partitions move."""
-        if not self.storage.enabled:
-            return
+        segment with partitions to move is held still (its lock) while they move."""
+        keys = self.storage.unsettled()
+        with self._lock:
+            unsettled = [self._shards[key] for key in keys if key in self._shards]
         for into in (Residency.NVME, Residency.RAM):
-            for state in self.shards():
+            for state in unsettled:
                 with state.lock:
                     self.storage.settle(state.spec.run_id, state.spec.segment_id, into=into)
 

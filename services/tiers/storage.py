@@ -240,17 +240,13 @@ class TieredStorage:
             if part.residency is into or plan.of(part.key) is not into or self._gradients.holds(part.key):
                 continue
             if into is Residency.NVME:
-                if part.saving is not None:  # a checkpoint is still writing it out of RAM
-                    part.saving.wait()
-                    part.saving = None
+                self._wait_saved(part)
                 try:
                     nvme.write_from(part, self._ram.buffer(part), part.updates).result()
                 except TierError as error:
                     logger.warning("could not move %s to disk: %s", part.key, error)
                     continue
-                part.residency = Residency.NVME
-                self._ram.drop(part)
-                self._gradients.left_ram(part.key)
+                self._left_ram(part)
             else:
                 staged = nvme.stage(part, block=True)
                 assert staged is not None, "stage(block=True) waits for a buffer"
@@ -259,14 +255,43 @@ class TieredStorage:
                 except BaseException:
                     nvme.discard(staged, intact=False)
                     raise
-                if self._ram.admit(part, staged.arrays) is None:
+                if not self._into_ram(part, staged):
                     nvme.discard(staged, intact=True)
                     continue
-                nvme.discard(staged, intact=False)
-                nvme.drop(part)
-                part.residency = Residency.RAM
             moved += 1
         return moved
+
+    def unsettled(self) -> list[tuple[str, int]]:
+        """The (run id, segment id) of every segment with a partition outside the tier the
+        plan wants: those :meth:`settle` has work for."""
+        with self._lock:
+            plan, segments = self._plan, list(self._segments.items())
+        return [key for key, parts in segments if any(p.residency is not plan.of(p.key) for p in parts)]
+
+    def _into_ram(self, part: Partition, staged: Staged) -> bool:
+        """Make a staged disk partition resident and forget its file; False, with nothing
+        changed, when RAM cannot take it yet."""
+        assert self._nvme is not None
+        if self._ram.admit(part, staged.arrays) is None:
+            return False
+        self._nvme.discard(staged, intact=False)
+        self._nvme.drop(part)
+        part.residency = Residency.RAM
+        return True
+
+    def _left_ram(self, part: Partition) -> None:
+        """A resident partition whose file now holds its state: free its RAM."""
+        part.residency = Residency.NVME
+        self._ram.drop(part)
+        self._gradients.left_ram(part.key)
+
+    def _wait_saved(self, part: Partition) -> None:
+        """Wait until a checkpoint has written this RAM partition out (it may change then)."""
+        if part.saving is not None:
+            waited = time.perf_counter()
+            part.saving.wait()
+            part.saving = None
+            self._observer.add_tier_io_wait(time.perf_counter() - waited)
 
     # --- the update ---------------------------------------------------------------------
     def stage_gradient(self, run_id: str, segment_id: int, update: int, gradient: torch.Tensor) -> None:
@@ -304,11 +329,7 @@ class TieredStorage:
         staged_pieces = self._gradients.pieces(order, update) if gradient is None else None
 
         def update_one(part: Partition, arrays: PartitionArrays) -> None:
-            if part.saving is not None:  # a checkpoint is still writing this partition out
-                waited = time.perf_counter()
-                part.saving.wait()
-                part.saving = None
-                self._observer.add_tier_io_wait(time.perf_counter() - waited)
+            self._wait_saved(part)
             span = part.span
             if staged_pieces is None:
                 assert gradient is not None
@@ -350,17 +371,14 @@ class TieredStorage:
 
             def demoted(error: BaseException | None) -> None:
                 if error is None:
-                    part.residency = Residency.NVME
-                    self._ram.drop(part)
+                    self._left_ram(part)
                 else:  # it stays in RAM, as valid as before; the budget was already paying for it
                     logger.warning("could not move %s to disk: %s", part.key, error)
 
             return _then(self._nvme.write_from(part, self._ram.buffer(part), update), demoted, swallow=True)
         assert self._nvme is not None
-        if planned is Residency.RAM and self._ram.admit(part, staged.arrays) is not None:
-            self._nvme.discard(staged, intact=False)
-            self._nvme.drop(part)
-            part.residency, part.updates = Residency.RAM, update
+        if planned is Residency.RAM and self._into_ram(part, staged):
+            part.updates = update
             return done_future()
 
         def committed(error: BaseException | None) -> None:
