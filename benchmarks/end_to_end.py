@@ -50,7 +50,7 @@ from process_memory import RayProcessWatch
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_io import load_config
 from cargohold.cluster.launcher import TrainingSession
-from cargohold.services.data import batch_for_step, load_tokens
+from cargohold.services.data.sources import open_source
 from cargohold.services.models.blocks import apply_activation_checkpointing
 from cargohold.services.models.build import build_model
 from cargohold.services.task import ConfigTask
@@ -113,27 +113,14 @@ def run_in_memory(config: TrainConfig, warmup: int, threads: int, device: torch.
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
         )
-        tokens = load_tokens(
-            config.data.corpus_path, config.data.corpus_bytes, config.data.seed, seq_len=config.model.block_size
-        )
+        data = open_source(config)
         world = config.worker.num_workers
         times = []
         for step in range(1, config.steps + 1):
             started = time.perf_counter()
-            batches = [
-                batch_for_step(
-                    tokens,
-                    step=step,
-                    rank=r,
-                    world_size=world,
-                    batch_size=config.data.batch_size,
-                    seq_len=config.model.block_size,
-                    seed=config.data.seed,
-                )
-                for r in range(world)
-            ]
-            x = torch.cat([b[0] for b in batches]).to(device)
-            y = torch.cat([b[1] for b in batches]).to(device)
+            batches = [data.batch(step, r) for r in range(world)]
+            x = torch.cat([b.inputs for b in batches]).to(device)
+            y = torch.cat([b.targets for b in batches]).to(device)
             optimizer.zero_grad(set_to_none=True)
             # fp32 masters, compute in the workers' dtype: the usual mixed-precision loop.
             with torch.autocast(device.type, dtype=compute, enabled=compute != torch.float32):

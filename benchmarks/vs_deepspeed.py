@@ -18,8 +18,8 @@ Variants, cargohold / DeepSpeed:
   (libaio, ``aio`` settings below) and ``offload_param: cpu``; both write under ``--root``.
 
 Both sides build the model with ``build_model(config)`` (cargohold's GPT or the config's
-Hugging Face model, the same initial values), train on ``batch_for_step`` of the config's
-corpus (rank r's rows of each step on both), with AdamW (betas, eps, weight decay, the
+Hugging Face model, the same initial values), train on ``open_source(config)``'s batches
+(rank r's rows of each step on both: what cargohold's workers read), with AdamW (betas, eps, weight decay, the
 scheduled lr of each step), clipping at ``optim.max_grad_norm``, fp32 or the config's compute
 dtype (DeepSpeed's bf16 mode), ``worker.num_workers`` ranks over gloo with
 ``worker.torch_threads`` threads each (DeepSpeed's CPU Adam with as many OpenMP threads).
@@ -285,7 +285,7 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
     import torch
     import torch.distributed as dist
 
-    from cargohold.services.data import batch_for_step, load_tokens
+    from cargohold.services.data.sources import open_source
     from cargohold.services.models.build import build_model
 
     config = world_config
@@ -297,20 +297,11 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
         model_parameters=model.parameters(),
         config=deepspeed_config(config, args.variant, Path(args.root)),
     )
-    tokens = load_tokens(
-        config.data.corpus_path, config.data.corpus_bytes, config.data.seed, seq_len=config.model.block_size
-    )
+    data = open_source(config)
     seconds, losses = [], []
     for step in range(1, config.steps + 1):
-        x, y = batch_for_step(
-            tokens,
-            step=step,
-            rank=rank,
-            world_size=world,
-            batch_size=config.data.batch_size,
-            seq_len=config.model.block_size,
-            seed=config.data.seed,
-        )
+        batch = data.batch(step, rank)
+        x, y = batch.inputs, batch.targets
         if step == args.warmup + 1:
             if args.profile and rank == 0:
                 recorder = start_profile(os.getpid(), Path(out, "profile.txt"))
