@@ -56,10 +56,12 @@ from cargohold.services.accumulation import Accumulator
 from cargohold.services.data.batches import Batch
 from cargohold.services.errors import TrainingError
 from cargohold.services.layout import Layout, ParamSlot, Segment
+from cargohold.services.loss_scale import LossScaleRules, LossScaleState, next_state
 from cargohold.services.optim import global_norm_from_squares, sum_of_squares
 from cargohold.services.sharding import Unit, copy_range_into_params, local_tensors, params_to_range
 from cargohold.services.state_port import ExchangeBuffers, ExchangeSlot, StatePort
 from cargohold.services.weight_window import WeightWindow
+from cargohold.services.wire import DTYPE_NAMES, check_representable
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,8 @@ class StepPolicy:
     """ignore, skip or fail, for a step whose global gradient norm is not finite."""
     delayed_after: int | None = None
     """Data steps past this one use the delayed update; None never does."""
+    loss_scale: LossScaleRules | None = None
+    """fp16 compute: the dynamic loss scale's rules (staged, non-finite steps skipped)."""
 
     def delayed(self, step: int) -> bool:
         return self.delayed_after is not None and step > self.delayed_after
@@ -133,7 +137,10 @@ class StepReport:
     applied: int = 0
     """Segments whose update was applied (not ignored as a repeat)."""
     skipped: bool = False
-    """The gradient norm was not finite and the update was skipped (optim.nonfinite)."""
+    """The gradient norm was not finite and the update was skipped (optim.nonfinite; with
+    fp16, the scaled gradients overflowed)."""
+    loss_scale: float | None = None
+    """fp16 compute: the loss scale this step's gradients were computed with."""
 
 
 class ShardedStep:
@@ -157,6 +164,8 @@ class ShardedStep:
         ``window``: the blocks' weights live in files on NVMe and come into memory through it."""
         if policy.delayed_after is not None and buffers.held is None:
             raise TrainingError("the delayed update needs exchange buffers with the held weights of the whole range")
+        if policy.loss_scale is not None and not (policy.staged and policy.nonfinite == "skip"):
+            raise TrainingError("a dynamic loss scale needs the staged update that skips non-finite steps")
         self.model = model
         self.units = units
         self.layout = layout
@@ -170,6 +179,9 @@ class ShardedStep:
         self.world_size = layout.num_workers
         self.updates = 0
         """Updates the servers applied; set by :meth:`register`."""
+        self.loss_scale = LossScaleState(policy.loss_scale.init_scale) if policy.loss_scale is not None else None
+        """fp16 compute: where the dynamic loss scale stands (the same on every worker);
+        a resume sets it from the checkpoint."""
         self.segments = layout.segments_of_worker(rank)
         self._by_group: dict[int, list[Segment]] = {}
         for segment in self.segments:
@@ -201,6 +213,7 @@ class ShardedStep:
         unit's segments with its fp32 values; returns the servers' update count (non-zero
         after a restore: then :meth:`load_weights` brings their weights)."""
         targets = local_tensors(self.model, self.layout)
+        compute_dtype = DTYPE_NAMES[targets[0].dtype]
         updates = set()
         for group in self.layout.groups:
             initial = torch.zeros(group.stop - group.start, dtype=torch.float32)
@@ -210,6 +223,7 @@ class ShardedStep:
             }
             with torch.no_grad():
                 for name, value in values(slots):
+                    check_representable(name, value, compute_dtype)
                     index, slot = slots[name]
                     lo, hi = slot.local_rows(self.rank)
                     chunk = value.reshape(slot.rows, -1)[lo:hi].reshape(-1)
@@ -255,6 +269,8 @@ class ShardedStep:
             mark = now
 
         policy = self.policy
+        loss_scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
+        scale_tensor = torch.tensor(loss_scale, dtype=torch.float32, device=self.device)
         update, delayed = self.updates + 1, policy.delayed(step)
         self._context = (update, lr, policy.staged, not policy.staged and not delayed)
         self._sum_squares, self._transfers = 0.0, []
@@ -271,19 +287,24 @@ class ShardedStep:
             scale = batch.weight / count
             if scale != 1.0:  # 1.0 leaves the graph (and every bit) as it was
                 loss = loss * scale
-            loss.backward()
+            (loss * scale_tensor if self.loss_scale is not None else loss).backward()  # as GradScaler.scale
             step_loss += float(loss.detach())
         lap("compute")
 
         applied = sum(self._wait(self._transfers))
         totals = torch.tensor([self._sum_squares, step_loss], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        global_norm = global_norm_from_squares(float(totals[0]))
+        global_norm = global_norm_from_squares(float(totals[0])) / loss_scale  # exact: a power of two
         mean_loss = float(totals[1]) / self.world_size
         lap("reduce")
 
         skipped = not math.isfinite(global_norm) and policy.nonfinite != "ignore"
-        if skipped:
+        if self.loss_scale is not None and policy.loss_scale is not None:
+            self.loss_scale = next_state(self.loss_scale, policy.loss_scale, found_inf=skipped)
+        if skipped and self.loss_scale is not None:
+            logger.info("step %d: the scaled gradients overflowed, update skipped, loss scale %s", step, loss_scale)
+            applied = self._adopt_pending()
+        elif skipped:
             if policy.nonfinite == "fail":
                 raise TrainingError(
                     f"the gradient norm of step {step} is {global_norm}; set optim.nonfinite=skip "
@@ -295,7 +316,9 @@ class ShardedStep:
             applied = self._adopt_pending()
             if policy.staged:  # CommitStep runs during the next step's compute, not inside this one
                 self._commits = {
-                    s.segment_id: self._pool.submit(self.port.commit, s, update, global_norm=global_norm, lr=lr)
+                    s.segment_id: self._pool.submit(
+                        self.port.commit, s, update, global_norm=global_norm, lr=lr, loss_scale=loss_scale
+                    )
                     for s in self.segments
                 }
             self._pending = [
@@ -306,7 +329,7 @@ class ShardedStep:
             if policy.staged:
                 applied = sum(
                     self._wait(
-                        self._pool.submit(self._settle_unit, group, update, (global_norm, lr))
+                        self._pool.submit(self._settle_unit, group, update, (global_norm, lr, loss_scale))
                         for group in self._by_group
                     )
                 )
@@ -321,6 +344,7 @@ class ShardedStep:
             phases=phases,
             applied=applied,
             skipped=skipped,
+            loss_scale=loss_scale if self.loss_scale is not None else None,
         )
 
     def evaluate(self, batches: Iterable[Any], count: int) -> float:
@@ -434,15 +458,17 @@ class ShardedStep:
         finally:
             self.buffers.release(slot)
 
-    def _settle_unit(self, group: int, update: int, commit: tuple[float, float] | None = None) -> int:
+    def _settle_unit(self, group: int, update: int, commit: tuple[float, float, float] | None = None) -> int:
         """Fetch unit ``group``'s weights after ``update`` into its local shards; with
-        ``commit`` (global norm, lr), first apply the gradients the servers staged."""
+        ``commit`` (global norm, lr, loss scale), first apply the gradients the servers staged."""
         slot = self.buffers.acquire()
         try:
             applied = 0
             for segment in self._by_group[group]:
                 if commit is not None:
-                    applied += self.port.commit(segment, update, global_norm=commit[0], lr=commit[1])
+                    applied += self.port.commit(
+                        segment, update, global_norm=commit[0], lr=commit[1], loss_scale=commit[2]
+                    )
                 self.port.fetch(segment, update, slot.weights[self._in_slot(segment)])
             self._adopt(slot.weights, group)
             return applied

@@ -125,10 +125,10 @@ class _GatedPort:
             self.record.append(("push", segment.segment_id, segment.segment_id in self.committed))
         return self.inner.push(segment, update, gradient, lr=lr, defer=defer)
 
-    def commit(self, segment, update, *, global_norm, lr):
+    def commit(self, segment, update, *, global_norm, lr, loss_scale=1.0):
         if update == self.gated:
             self.record.append(("commit", segment.segment_id, self.returned.wait(timeout=GATE_S)))
-        applied = self.inner.commit(segment, update, global_norm=global_norm, lr=lr)
+        applied = self.inner.commit(segment, update, global_norm=global_norm, lr=lr, loss_scale=loss_scale)
         if update == self.gated:
             self.committed.add(segment.segment_id)
         return applied
