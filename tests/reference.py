@@ -138,6 +138,7 @@ def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.
     data = open_source(config)
     losses = []
     evals: dict[int, float] = {}
+    scaler = _grad_scaler(config)
     for step in range(1, steps + 1):
         with torch.no_grad():
             lag = 2 if config.worker.delayed_update and step > warm_up + 1 else 1
@@ -155,7 +156,7 @@ def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.
                 scale = batch.weight / micro_batches  # as the workers do: the step's mean over counted tokens
                 if scale != 1.0:
                     loss = loss * scale
-                loss.backward()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
                 rank_losses[rank] += float(loss.detach())
                 grads = [p.grad.to(device="cpu", dtype=wire) for p in model.parameters()]
                 summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
@@ -166,13 +167,19 @@ def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.
         assert accumulated is not None
         for master, grad in zip(masters, accumulated):
             master.grad = grad
-        if o.max_grad_norm > 0 and norm == "shards":
-            grads = [master.grad for master in masters]
-            clip_(grads, clip_coefficient(global_norm_from_squares(sum(map(sum_of_squares, grads))), o.max_grad_norm))
-        elif o.max_grad_norm > 0:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        norm_of_squares = global_norm_from_squares(sum(sum_of_squares(m.grad) for m in masters))
+        if o.max_grad_norm > 0 and norm == "shards" and math.isfinite(norm_of_squares):
+            clip_([master.grad for master in masters], clip_coefficient(norm_of_squares, o.max_grad_norm))
+        elif o.max_grad_norm > 0 and norm != "shards":
             torch.nn.utils.clip_grad_norm_(masters, o.max_grad_norm)
         set_lr(optimizer, o.lr_at(step, config.steps))
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         history.append([m.detach().clone() for m in masters])
         if step in eval_steps:
             assert not config.worker.delayed_update, "evaluates on the newest weights only"
@@ -186,6 +193,20 @@ def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.
         },
         losses=losses,
         evals=evals,
+    )
+
+
+def _grad_scaler(config: TrainConfig) -> torch.amp.GradScaler | None:
+    """torch's GradScaler with the config's ``optim.loss_scale`` for fp16 compute."""
+    if config.worker.compute_dtype != "float16":
+        return None
+    rules = config.optim.loss_scale
+    return torch.amp.GradScaler(
+        "cpu",
+        init_scale=rules.init_scale,
+        growth_factor=rules.growth_factor,
+        backoff_factor=rules.backoff_factor,
+        growth_interval=rules.growth_interval,
     )
 
 
@@ -269,16 +290,7 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
         loss_scales: list[float] = []
         skipped: list[int] = []
         micro_batches = config.data.micro_batches
-        scaler = None
-        if config.worker.compute_dtype == "float16":
-            rules = o.loss_scale
-            scaler = torch.amp.GradScaler(
-                "cpu",
-                init_scale=rules.init_scale,
-                growth_factor=rules.growth_factor,
-                backoff_factor=rules.backoff_factor,
-                growth_interval=rules.growth_interval,
-            )
+        scaler = _grad_scaler(config)
         for step in range(1, steps + 1):
             step_loss = 0.0
             for micro in range(micro_batches):  # FSDP2 sums the micro-batches' reduced gradients

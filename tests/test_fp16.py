@@ -15,9 +15,9 @@ import pytest
 import torch
 from plans import nvme_tier
 from prometheus_client.parser import text_string_to_metric_families
-from reference import fsdp_reference_train, tiny_config
+from reference import fsdp_reference_train, reference_train, tiny_config
 from segment_states import initial_weights, segment_spec, step_gradient
-from test_training_contract import _assert_matches_reference, _layout, _server_state
+from test_training_contract import _assert_matches_reference, _layout, _run, _server_state
 
 from cargohold.api.trainer import ProgressLine
 from cargohold.cluster import cli
@@ -205,6 +205,17 @@ def test_fp16_matches_fsdp2_with_grad_scaler_bitwise(ray_local, tmp_path, case) 
     losses = [r.loss for r in reports]
     _assert_matches_reference(config, layout, losses, weights, server, reference)
     assert scraped == {WORKER_SKIPPED_STEPS: len(skipped), WORKER_LOSS_SCALE: reports[-1].loss_scale}
+
+
+@pytest.mark.integration
+def test_one_fp16_worker_matches_single_process_grad_scaler_bitwise(ray_local) -> None:
+    """One worker against plain AdamW(fused=True) with torch.amp.GradScaler in one
+    process (the reference the GPU contract test compares a CUDA worker with)."""
+    config = tiny_config(steps=6, worker__num_workers=1, optim__max_grad_norm=0.05, **FP16, **OVERFLOWING)
+    layout, losses, weights, server = _run(config)
+    _assert_matches_reference(
+        config, layout, losses, weights, server, reference_train(config, config.steps, norm="shards")
+    )
 
 
 @pytest.mark.integration
