@@ -249,7 +249,7 @@ class TrainingSession:
         directory = store.begin(step)
         begun = []
         try:
-            _get([w.settle.remote() for w in self.workers], None, "settling before a checkpoint")
+            self._settle_workers()
             begun = [s.checkpoint_begin.remote(self.run_id, str(directory), step) for s in self.servers]
             updates = set(_get(begun, None, f"checkpointing step {step}"))
             if len(updates) != 1:
@@ -348,11 +348,18 @@ class TrainingSession:
 
     def server_snapshots(self) -> list[dict[int, dict[str, torch.Tensor]]]:
         """Every server's full fp32 state by shard id (tests: it is 12 bytes a parameter)."""
+        self._settle_workers()
         return ray.get([s.snapshot.remote(self.run_id) for s in self.servers])
 
     def server_masters(self) -> list[dict[int, torch.Tensor]]:
         """Every server's fp32 master weights by shard id (4 bytes a parameter; export)."""
+        self._settle_workers()
         return ray.get([s.masters.remote(self.run_id) for s in self.servers])
+
+    def _settle_workers(self) -> None:
+        """Wait for the updates the workers still have in flight: a step returns before its
+        units' updates end (each unit's next forward waits for its own)."""
+        _get([w.settle.remote() for w in self.workers], None, "settling the updates in flight")
 
     def metrics_targets(self) -> list[Target]:
         """Every actor's metrics endpoint, state servers first."""

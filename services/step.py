@@ -195,6 +195,13 @@ class ShardedStep:
         """A staged delayed update's CommitStep per segment id, still running: a segment's
         next push waits for it (a server stages one gradient per segment)."""
         self._transfers: list[Future] = []
+        self._settling: dict[int, Future] = {}
+        self._waited = 0.0
+        """Seconds this step's forward waited for the previous update's units (its phases
+        count them as update, not compute)."""
+        """The staged update's commit, fetch and adoption of each unit, still running when
+        :meth:`run` returned: the unit's forward in the next step waits for its own (a
+        pre-forward hook), so the update overlaps the units before it, with the same bits."""
         self._sum_squares = 0.0
         self._context: tuple[int, float, bool, bool] = (0, 0.0, False, False)
         """(update, lr, defer, fetch) of the step in progress, for the hooks."""
@@ -202,8 +209,15 @@ class ShardedStep:
         """(micro-batch, micro-batches) of the backward in progress, for the hooks."""
         self._accumulator: Accumulator | None = None
         """The micro-batches' summed gradients; allocated by the first step that has several."""
+        with torch.no_grad():
+            self._targets = local_tensors(model, layout)
+        """Each parameter's local chunk, FSDP2's storage for it (the same tensors for the
+        model's life): looked up once, not per unit and step (a DTensor's ``to_local`` costs
+        Python time, ~50 ms a step on the demo when done per unit)."""
         for group, unit in enumerate(units):
             cast(FSDPModule, unit.module).set_all_reduce_hook(self._on_reduced(group))
+            # Before FSDP2's own pre-forward hook (prepended when it was applied), which gathers the unit.
+            unit.module.register_forward_pre_hook(self._before_forward(group), prepend=True)
         for param in model.parameters():
             param.register_post_accumulate_grad_hook(_drop_grad)
 
@@ -212,7 +226,7 @@ class ShardedStep:
         """Fill the local shards from ``values``, a unit at a time, and register each
         unit's segments with its fp32 values; returns the servers' update count (non-zero
         after a restore: then :meth:`load_weights` brings their weights)."""
-        targets = local_tensors(self.model, self.layout)
+        targets = self._targets
         compute_dtype = DTYPE_NAMES[targets[0].dtype]
         updates = set()
         for group in self.layout.groups:
@@ -273,7 +287,7 @@ class ShardedStep:
         scale_tensor = torch.tensor(loss_scale, dtype=torch.float32, device=self.device)
         update, delayed = self.updates + 1, policy.delayed(step)
         self._context = (update, lr, policy.staged, not policy.staged and not delayed)
-        self._sum_squares, self._transfers = 0.0, []
+        self._sum_squares, self._transfers, self._waited = 0.0, [], 0.0
         count, step_loss = len(batches), 0.0
         if count > 1 and self._accumulator is None:
             self._accumulator = Accumulator(self.layout.worker_size, pin=self.device.type == "cuda")
@@ -289,7 +303,9 @@ class ShardedStep:
                 loss = loss * scale
             (loss * scale_tensor if self.loss_scale is not None else loss).backward()  # as GradScaler.scale
             step_loss += float(loss.detach())
+        self._await_settled()  # a unit no forward reached (none in the models here)
         lap("compute")
+        phases["compute"] -= self._waited
 
         applied = sum(self._wait(self._transfers))
         totals = torch.tensor([self._sum_squares, step_loss], dtype=torch.float64, device=self.device)
@@ -327,14 +343,18 @@ class ShardedStep:
             self.updates = update
         else:
             if policy.staged:
-                applied = sum(
-                    self._wait(
-                        self._pool.submit(self._settle_unit, group, update, (global_norm, lr, loss_scale))
-                        for group in self._by_group
-                    )
-                )
+                settling = {
+                    group: self._pool.submit(self._settle_unit, group, update, (global_norm, lr, loss_scale))
+                    for group in self._by_group
+                }
+                if self.window is None:  # each unit's forward of the next step waits for its own
+                    self._settling = settling
+                    applied = len(self.segments)
+                else:  # the window reads the blocks' files ahead of forward: they must be written first
+                    applied = sum(self._wait(settling.values()))
             self.updates = update
         lap("update")
+        phases["update"] += self._waited
         return StepReport(
             rank=self.rank,
             step=step,
@@ -354,6 +374,7 @@ class ShardedStep:
         over ``count``, summed, all-reduced over the ranks and divided by W, so that it
         is the mean over the held-out set's counted tokens."""
         total = 0.0
+        self._await_settled()
         self.model.eval()
         try:
             with torch.no_grad():
@@ -382,6 +403,20 @@ class ShardedStep:
             )
             raise TrainingError(f"{what}: the loss function must return a floating-point scalar tensor, got {got}")
         return loss.reshape(())
+
+    def _before_forward(self, group: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if (settling := self._settling.pop(group, None)) is not None:
+                waiting = time.perf_counter()
+                settling.result()
+                self._waited += time.perf_counter() - waiting
+
+        return hook
+
+    def _await_settled(self) -> None:
+        """Wait for every unit's overlapped update (before anything reads the weights)."""
+        settling, self._settling = self._settling, {}
+        self._wait(settling.values())
 
     def _on_reduced(self, group: int) -> Callable[[torch.Tensor], None]:
         """FSDP2's hook after unit ``group``'s reduce-scatter: ``reduced`` holds this
@@ -498,8 +533,7 @@ class ShardedStep:
         copied into; a block whose weights live on NVMe has its file written."""
         start = 0 if group is None else self.layout.groups[group].start
         groups = range(len(self.layout.groups)) if group is None else [group]
-        with torch.no_grad():
-            targets = local_tensors(self.model, self.layout)
+        targets = self._targets
         for index in groups:
             if self.window is not None and self._on_disk(index):
                 g = self.layout.groups[index]
@@ -526,17 +560,19 @@ class ShardedStep:
         return len(pending)
 
     def settle(self, timeout: float | None = None) -> None:
-        """Wait for a delayed update still in flight, keeping the weights the next step
-        computes on (before a checkpoint, or shutdown)."""
-        for future in self._pending:
+        """Wait for an update still in flight (the overlapped one, or a delayed one),
+        keeping the weights the next step computes on (before a checkpoint, or shutdown).
+        A failure stays with its future, raised where the weights are used."""
+        for future in [*self._settling.values(), *self._pending]:
             future.exception(timeout=timeout)
 
     def newest_weights(self) -> torch.Tensor:
         """This worker's range of the newest weights (a delayed update adopted first)."""
+        self._await_settled()
         self._adopt_pending()
         out = torch.zeros(self.layout.worker_size, dtype=self.buffers.slots[0].weights.dtype)
         with torch.no_grad():
-            sources = [t.to("cpu") for t in local_tensors(self.model, self.layout)]
+            sources = [t.to("cpu") for t in self._targets]
             for group in self.layout.groups:
                 if self.window is not None and self._on_disk(group.index):
                     self.window.read(group.index, out[group.start : group.stop])

@@ -167,7 +167,7 @@ class TrainingWorker:
         return self._step().loss_scale
 
     def settle(self) -> None:
-        """Wait for a delayed update still in flight (before a checkpoint)."""
+        """Wait for the updates still in flight (before a checkpoint, or reading the servers' state)."""
         self._step().settle()
 
     def local_weights(self) -> torch.Tensor:
