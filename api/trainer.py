@@ -149,13 +149,21 @@ class ProgressLine:
         self._bar = tqdm(total=steps, desc="train", unit="step", disable=not enabled, file=sys.stderr)
         self._enabled = enabled
         self._shown: dict[str, str] = {}
+        self._skipped = 0
 
     def step(self, report: StepReport) -> None:
         self._bar.update(1)
         self._shown.update(loss=f"{report.loss:.4f}", step_s=f"{report.seconds:.2f}")
+        if report.loss_scale is not None:
+            self._shown.update(loss_scale=f"{report.loss_scale:g}")
+        if report.skipped:
+            self._skipped += 1
+            self._shown.update(skipped=str(self._skipped))
         self._bar.set_postfix(self._shown)
         if not self._enabled:
-            print(f"step {report.step} loss {report.loss:.4f} step_s {report.seconds:.3f}", flush=True)
+            scale = f" loss_scale {report.loss_scale:g}" if report.loss_scale is not None else ""
+            skipped = " update skipped" if report.skipped else ""
+            print(f"step {report.step} loss {report.loss:.4f} step_s {report.seconds:.3f}{scale}{skipped}", flush=True)
 
     def eval(self, report: EvalReport) -> None:
         self._shown.update(eval_loss=f"{report.loss:.4f}", eval_ppl=f"{report.perplexity:.2f}")

@@ -82,9 +82,11 @@ def _train(config: TrainConfig) -> int:
         if documents
         else ""
     )
+    skipped = f", {len(result.skipped_steps)} updates skipped" if result.skipped_steps else ""
+    scale = f", loss scale {result.loss_scale:g}" if result.loss_scale is not None else ""
     print(
         f"run {result.run_id}{resumed}: {len(result.losses)} steps, loss {first:.4f} -> {last:.4f}{held_out}, "
-        f"mean step {mean_step:.2f}s{placed}",
+        f"mean step {mean_step:.2f}s{skipped}{scale}{placed}",
         flush=True,
     )
     return 0

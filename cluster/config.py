@@ -19,7 +19,7 @@ from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
 from cargohold.services.tiers.partitions import elements_per_partition
 from cargohold.services.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
-DType = Literal["float32", "bfloat16"]
+DType = Literal["float32", "bfloat16", "float16"]
 
 
 DataFormat = Literal["bytes", "tokens", "text", "jsonl", "chat", "hf_dataset"]
@@ -132,9 +132,12 @@ class WorkerConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA + NCCL when the worker sees a GPU, else CPU + gloo."""
     compute_dtype: DType = "float32"
-    """Dtype of the weights the worker holds and computes in."""
+    """Dtype of the weights the worker holds and computes in. float16 (GPUs without bf16:
+    T4, V100) scales the loss dynamically (`optim.loss_scale`); it needs
+    `optim.nonfinite: skip`, since the steps whose scaled gradients overflow are skipped."""
     grad_wire_dtype: DType = "float32"
-    """Dtype gradients are reduced among workers and pushed to state servers in."""
+    """Dtype gradients are reduced among workers and pushed to state servers in; float16
+    only with `worker.compute_dtype: float16` (the gradients then carry the loss scale)."""
     reshard_after_forward: bool = True
     """Free each block's gathered weights after its forward and gather them again for
     backward (ZeRO-3); false keeps them from forward to backward (ZeRO-2-like: faster,
@@ -486,6 +489,7 @@ class TrainConfig:
         _check_separate_folders(self)
         _check_run_id(self.run_id)
         self.eval.check_format(self.data.format)
+        _check_float16(self)
         last_port = self.metrics.port + self.state_server.num_servers + self.worker.num_workers
         if self.metrics.port and last_port > 65535:
             raise ConfigError(f"metrics.port {self.metrics.port} leaves no room for every actor (up to {last_port})")
@@ -504,6 +508,22 @@ def _non_negative(key: str, value: float) -> None:
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """A run id names folders (NVMe tier, shared memory) and Ray actors: one path component."""
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
+
+
+def _check_float16(config: TrainConfig) -> None:
+    """fp16 compute skips the steps whose scaled gradients overflow, and only gradients
+    computed with a loss scale may travel in fp16 (unscaled ones would underflow there)."""
+    worker, optim = config.worker, config.optim
+    if worker.compute_dtype == "float16" and optim.nonfinite != "skip":
+        raise ConfigError(
+            f"worker.compute_dtype=float16 needs optim.nonfinite=skip, got {optim.nonfinite!r}: dynamic loss "
+            "scaling skips the steps whose scaled gradients overflow and lowers the scale"
+        )
+    if worker.grad_wire_dtype == "float16" and worker.compute_dtype != "float16":
+        raise ConfigError(
+            f"worker.grad_wire_dtype=float16 needs worker.compute_dtype=float16 (got {worker.compute_dtype}): "
+            "only gradients computed with a loss scale keep their small values in fp16"
+        )
 
 
 def _check_run_id(run_id: str | None) -> None:

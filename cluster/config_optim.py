@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from cargohold.services.errors import ConfigError
+from cargohold.services.loss_scale import LossScaleRules
 from cargohold.services.optim import AdamWHyperParams
 
 
@@ -44,6 +45,33 @@ class ParamGroupConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LossScaleConfig:
+    """The dynamic loss scale of `worker.compute_dtype: float16`, with the rules and
+    defaults of torch's `GradScaler` (unused in other dtypes). The scale and factors must
+    be powers of two: taking the scale out of the gradients is then exact."""
+
+    init_scale: float = 65536.0
+    """The scale of the first step (2**16)."""
+    growth_factor: float = 2.0
+    """The scale is multiplied by this after `growth_interval` steps in a row without overflow."""
+    backoff_factor: float = 0.5
+    """The scale is multiplied by this after a step whose scaled gradients overflowed (that
+    step's update is skipped)."""
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        self.rules()
+
+    def rules(self) -> LossScaleRules:
+        return LossScaleRules(
+            init_scale=self.init_scale,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.growth_interval,
+        )
+
+
+@dataclass(kw_only=True, slots=True)
 class OptimConfig:
     lr: float = 1e-3
     """Peak learning rate."""
@@ -71,6 +99,7 @@ class OptimConfig:
     """A step whose global gradient norm is NaN or Inf: skip its update (logged, counted in
     cargohold_worker_skipped_steps_total), fail the run, or apply it unchecked. With
     "ignore" and no clipping, servers apply each unit's gradients while backward still runs."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):

@@ -26,9 +26,11 @@ from cargohold.cluster.plan.run import budgeted_config
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.cluster.resume import check_resume
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
+from cargohold.services.checkpoint.manifest import LossScaleRecord
 from cargohold.services.data.rows import DocumentRows
 from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
-from cargohold.services.model_setup import model_layout
+from cargohold.services.loss_scale import LossScaleState
+from cargohold.services.model_setup import check_compute_dtype, model_layout
 from cargohold.services.param_groups import resolve_param_groups
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.state_port import segment_spec
@@ -61,6 +63,8 @@ class PendingCheckpoint:
     started: float
     """time.perf_counter() when it began."""
     stall_seconds: float
+    loss_scale: LossScaleState | None = None
+    """fp16 compute: the workers' dynamic loss scale at the checkpoint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +90,8 @@ class TrainingSession:
         config = budgeted_config(config, self.task)  # the host budget's split, kept by every process
         self.config = config
         self.resume = resume
-        _, _, self.layout = model_layout(config, self.task)
+        model, _, self.layout = model_layout(config, self.task)
+        check_compute_dtype(config, model)  # before any actor starts
         self.param_groups = resolve_param_groups(config.optim, self.layout.params)  # bad patterns: before any actor
         data = self.task.open_data()  # refuses bad data before any actor starts; fills the cache the workers read
         self.data_documents: dict[str, int] = data.summary() if isinstance(data, DocumentRows) else {}
@@ -193,7 +198,8 @@ class TrainingSession:
         if steps != {update}:
             raise TrainingError(f"workers' shards are at updates {sorted(steps)}, expected {update}")
         if self.resume is not None:
-            _get([w.load_weights.remote() for w in self.workers], timeout, "loading restored weights")
+            scale = restored_loss_scale(manifest)
+            _get([w.load_weights.remote(scale) for w in self.workers], timeout, "loading restored weights")
         logger.info(
             "run %s: %d workers, %d state servers at %s",
             self.run_id,
@@ -243,18 +249,25 @@ class TrainingSession:
         directory = store.begin(step)
         begun = []
         try:
-            _get([w.settle.remote() for w in self.workers], None, "settling before a checkpoint")
+            self._settle_workers()
             begun = [s.checkpoint_begin.remote(self.run_id, str(directory), step) for s in self.servers]
             updates = set(_get(begun, None, f"checkpointing step {step}"))
             if len(updates) != 1:
                 raise TrainingError(f"servers are at different updates {sorted(updates)} at step {step}")
+            scales = set(_get([w.loss_scale.remote() for w in self.workers], None, "reading the loss scale"))
+            if len(scales) != 1:
+                raise TrainingError(f"workers hold different loss scales {sorted(map(str, scales))} at step {step}")
         except BaseException:  # a failure, or Ctrl-C / SIGTERM while the servers begin
             if begun:
                 self._ignore_outcomes(begun + [s.checkpoint_wait.remote() for s in self.servers])
             _discard(store, step)
             raise
         return PendingCheckpoint(
-            step=step, updates=updates.pop(), started=started, stall_seconds=time.perf_counter() - started
+            step=step,
+            updates=updates.pop(),
+            started=started,
+            stall_seconds=time.perf_counter() - started,
+            loss_scale=scales.pop(),
         )
 
     def checkpoint_finish(
@@ -276,6 +289,11 @@ class TrainingSession:
                 total=self.layout.total,
                 shards=tuple(sorted((shard for shard, _ in records), key=lambda r: r.start)),
                 files=tuple(file for _, file in records),
+                loss_scale=(
+                    LossScaleRecord(scale=pending.loss_scale.scale, growth_tracker=pending.loss_scale.growth_tracker)
+                    if pending.loss_scale is not None
+                    else None
+                ),
             )
             path = store.commit(pending.step, manifest)
         except BaseException:  # a failure, or Ctrl-C / SIGTERM while the files are written
@@ -330,11 +348,18 @@ class TrainingSession:
 
     def server_snapshots(self) -> list[dict[int, dict[str, torch.Tensor]]]:
         """Every server's full fp32 state by shard id (tests: it is 12 bytes a parameter)."""
+        self._settle_workers()
         return ray.get([s.snapshot.remote(self.run_id) for s in self.servers])
 
     def server_masters(self) -> list[dict[int, torch.Tensor]]:
         """Every server's fp32 master weights by shard id (4 bytes a parameter; export)."""
+        self._settle_workers()
         return ray.get([s.masters.remote(self.run_id) for s in self.servers])
+
+    def _settle_workers(self) -> None:
+        """Wait for the updates the workers still have in flight: a step returns before its
+        units' updates end (each unit's next forward waits for its own)."""
+        _get([w.settle.remote() for w in self.workers], None, "settling the updates in flight")
 
     def metrics_targets(self) -> list[Target]:
         """Every actor's metrics endpoint, state servers first."""
@@ -391,6 +416,15 @@ class TrainingSession:
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
+
+
+def restored_loss_scale(manifest: Manifest | None) -> LossScaleState | None:
+    """The dynamic loss scale a resume goes on with: the checkpoint's, where it has one
+    (an fp16 run saved it); else None, and an fp16 run starts from
+    ``optim.loss_scale.init_scale``."""
+    if manifest is None or manifest.loss_scale is None:
+        return None
+    return LossScaleState(manifest.loss_scale.scale, manifest.loss_scale.growth_tracker)
 
 
 def _discard(store: CheckpointDir, step: int) -> None:

@@ -41,6 +41,11 @@ class TrainResult:
     loss of step first_step + i + 1."""
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
+    """Steps whose update was skipped: a non-finite gradient norm (``optim.nonfinite:
+    skip``), or with fp16 compute scaled gradients that overflowed."""
+    loss_scale: float | None = None
+    """fp16 compute: the dynamic loss scale of the last step."""
     server_addresses: list[str] = field(default_factory=list)
     metrics_addresses: list[str] = field(default_factory=list)
     worker_resident_bytes: dict[str, int] = field(default_factory=dict)
@@ -191,6 +196,7 @@ def _train_session(
             result.first_step = session.step_count
         done = session.step_count - result.first_step  # a recovery repeats what came after
         del result.losses[done:], result.step_seconds[done:]
+        result.skipped_steps = [step for step in result.skipped_steps if step <= session.step_count]
         result.evals = [e for e in result.evals if e.step <= session.step_count]
         saves = _Saves(session, store, config, result, metrics, callbacks.on_checkpoint)
         try:
@@ -198,6 +204,9 @@ def _train_session(
                 report = session.step()
                 result.losses.append(report.loss)
                 result.step_seconds.append(report.seconds)
+                if report.skipped:
+                    result.skipped_steps.append(report.step)
+                result.loss_scale = report.loss_scale
                 if callbacks.on_step is not None:
                     callbacks.on_step(report)
                 if _evaluates(config, session):

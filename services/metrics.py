@@ -37,6 +37,8 @@ WORKER_STEP_SECONDS = "cargohold_worker_step_seconds"
 WORKER_PHASE_SECONDS = "cargohold_worker_phase_seconds_total"
 WORKER_STEPS = "cargohold_worker_steps_total"
 WORKER_LOSS = "cargohold_worker_loss"
+WORKER_SKIPPED_STEPS = "cargohold_worker_skipped_steps_total"
+WORKER_LOSS_SCALE = "cargohold_worker_loss_scale"
 WORKER_RESIDENT_BYTES = "cargohold_worker_resident_bytes"
 WORKER_PAGE_LOCK_FALLBACKS = "cargohold_worker_page_lock_fallbacks_total"
 WORKER_WEIGHT_FILE_BYTES = "cargohold_worker_weight_file_bytes_total"
@@ -74,6 +76,8 @@ METRIC_NAMES: tuple[str, ...] = (
     WORKER_PHASE_SECONDS,
     WORKER_STEPS,
     WORKER_LOSS,
+    WORKER_SKIPPED_STEPS,
+    WORKER_LOSS_SCALE,
     WORKER_RESIDENT_BYTES,
     WORKER_PAGE_LOCK_FALLBACKS,
     WORKER_WEIGHT_FILE_BYTES,
@@ -381,6 +385,19 @@ class WorkerMetrics(MetricsEndpoint):
             labels,
             registry=self.registry,
         ).labels(rank=self._rank)
+        self._skipped = Counter(
+            WORKER_SKIPPED_STEPS,
+            "Steps whose update was skipped: a non-finite gradient norm (optim.nonfinite: skip), or with "
+            "fp16 compute scaled gradients that overflowed.",
+            labels,
+            registry=self.registry,
+        ).labels(rank=self._rank)
+        self._loss_scale = Gauge(
+            WORKER_LOSS_SCALE,
+            "The dynamic loss scale of the latest step (fp16 compute only).",
+            labels,
+            registry=self.registry,
+        ).labels(rank=self._rank)
         self._resident = Gauge(
             WORKER_RESIDENT_BYTES,
             "Bytes of model data the worker holds, by kind.",
@@ -415,11 +432,18 @@ class WorkerMetrics(MetricsEndpoint):
         """Add time the step waited for a block's weights to be read (weights on NVMe)."""
         self._weight_wait.inc(seconds)
 
-    def observe_step(self, seconds: float, loss: float) -> None:
-        """Record one completed training step: its duration and its loss."""
+    def observe_step(
+        self, seconds: float, loss: float, *, skipped: bool = False, loss_scale: float | None = None
+    ) -> None:
+        """Record one completed training step: its duration and its loss, whether its
+        update was skipped, and the loss scale it computed with (fp16)."""
         self._step_seconds.observe(seconds)
         self._steps.inc()
         self._loss.set(loss)
+        if skipped:
+            self._skipped.inc()
+        if loss_scale is not None:
+            self._loss_scale.set(loss_scale)
 
     def add_phase(self, phase: str, seconds: float) -> None:
         """Add `seconds` to the time spent in `phase`."""

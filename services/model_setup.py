@@ -74,6 +74,20 @@ def sharded_model(
     return model.train(), units, layout
 
 
+def check_compute_dtype(config: TrainConfig, model: nn.Module) -> None:
+    """Refuse fp16 compute for a model that holds bf16 parameters as built: their values
+    may lie beyond fp16's range (65504), and a model made in bf16 was meant for it."""
+    if config.worker.compute_dtype != "float16":
+        return
+    bf16 = [name for name, param in model.named_parameters() if param.dtype == torch.bfloat16]
+    if bf16:
+        more = f" and {len(bf16) - 1} more" if len(bf16) > 1 else ""
+        raise ConfigError(
+            f"worker.compute_dtype=float16, but the model holds bfloat16 parameters ({bf16[0]!r}{more}): "
+            "fp16 cannot hold bf16's range; set worker.compute_dtype=bfloat16"
+        )
+
+
 def params_in_host_memory(config: TrainConfig) -> bool:
     """The chunks live in host memory (FSDP2's CPU offload): asked for, or implied by
     weights on NVMe, which are read into host memory."""
@@ -166,4 +180,5 @@ def step_policy(config: TrainConfig) -> StepPolicy:
         staged=optim.max_grad_norm > 0 or optim.nonfinite != "ignore",
         nonfinite=optim.nonfinite,
         delayed_after=worker.delayed_update_after_steps if worker.delayed_update else None,
+        loss_scale=optim.loss_scale.rules() if worker.compute_dtype == "float16" else None,
     )

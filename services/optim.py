@@ -119,6 +119,26 @@ def clip_coefficient(global_norm: float, max_grad_norm: float) -> torch.Tensor |
     return torch.clamp(coefficient, max=1.0)
 
 
+def inverse_scale(loss_scale: float) -> torch.Tensor | None:
+    """What ``GradScaler.unscale_`` multiplies gradients by: the reciprocal of the loss
+    scale, taken in double precision and rounded to fp32; None for no scale (1.0)."""
+    if loss_scale == 1.0:
+        return None
+    return torch.tensor(loss_scale, dtype=torch.float64).reciprocal().to(torch.float32)
+
+
+def unscale_coefficient(coefficient: torch.Tensor | None, inverse: torch.Tensor | None) -> torch.Tensor | None:
+    """One factor for clipping and taking out the loss scale: ``coefficient`` (a
+    :func:`clip_coefficient`, or None) times ``inverse`` (an :func:`inverse_scale`, or
+    None). The inverse is a power of two, so the product is exact, and one multiplication
+    by it gives the bits GradScaler's unscale and then clip_grad_norm_ give in two."""
+    if inverse is None:
+        return coefficient
+    if coefficient is None:
+        return inverse
+    return coefficient * inverse
+
+
 def global_norm_from_squares(sum_of_squares: float) -> float:
     """The L2 norm from the sum of squared gradient elements over all shards."""
     return math.sqrt(sum_of_squares)

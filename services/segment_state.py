@@ -25,6 +25,7 @@ from cargohold.services.errors import (
     StepMismatchError,
     UnknownShardError,
 )
+from cargohold.services.loss_scale import is_power_of_two
 from cargohold.services.optim import (
     AdamWHyperParams,
     FragmentGroup,
@@ -32,6 +33,8 @@ from cargohold.services.optim import (
     apply_update,
     clip_coefficient,
     fragment_groups,
+    inverse_scale,
+    unscale_coefficient,
 )
 from cargohold.services.tiers.partitions import clip_fragments
 from cargohold.services.tiers.preserve import PreservedPartition
@@ -222,11 +225,16 @@ class SegmentState:
             self._staged = update
             return UpdateOutcome(applied=False, updates=update, seconds=0.0)
 
-    def commit(self, update: int, *, global_norm: float, lr: float, prepare: str | None = None) -> UpdateOutcome:
+    def commit(
+        self, update: int, *, global_norm: float, lr: float, prepare: str | None = None, loss_scale: float = 1.0
+    ) -> UpdateOutcome:
         """Apply the gradient staged for ``update``; repeating a commit is harmless, and a
         commit that failed part-way (a failed write) finishes when repeated. ``prepare``
-        as in :meth:`apply_gradient`."""
+        as in :meth:`apply_gradient`. ``loss_scale``: the dynamic loss scale the staged
+        gradient was computed with (fp16 compute), taken out before clipping;
+        ``global_norm`` is the norm without it."""
         _check_update_args(self.spec, global_norm, lr, prepare)
+        _check_loss_scale(self.spec, loss_scale)
         with self.lock:
             if update == self._updates and update > 0:
                 return UpdateOutcome(applied=False, updates=update, seconds=0.0)
@@ -235,7 +243,9 @@ class SegmentState:
                     f"shard {self.spec.segment_id} of run {self.spec.run_id!r} has no gradient staged for step "
                     f"{update} (it is at step {self._updates}); push it with defer_update first"
                 )
-            outcome = self._update(update, None, global_norm=global_norm, lr=lr, owned=False, prepare=prepare)
+            outcome = self._update(
+                update, None, global_norm=global_norm, lr=lr, owned=False, prepare=prepare, loss_scale=loss_scale
+            )
             self._staged = 0
             return outcome
 
@@ -248,6 +258,7 @@ class SegmentState:
         lr: float,
         owned: bool,
         prepare: str | None,
+        loss_scale: float = 1.0,
     ) -> UpdateOutcome:
         """The update itself, under the lock; ``gradient`` None: the staged one."""
         started = time.perf_counter()
@@ -258,7 +269,9 @@ class SegmentState:
         adamw = functools.partial(
             self._adamw,
             step=torch.tensor(float(update), dtype=torch.float32),
-            coefficient=clip_coefficient(global_norm, self.spec.hyper.max_grad_norm),
+            coefficient=unscale_coefficient(
+                clip_coefficient(global_norm, self.spec.hyper.max_grad_norm), inverse_scale(loss_scale)
+            ),
             lr=lr,
             weights_out=out,
         )
@@ -287,7 +300,8 @@ class SegmentState:
         weights_out: torch.Tensor | None,
     ) -> None:
         """AdamW on one partition of the segment, in place: the gradient piece cast to fp32
-        and clipped by the step's ``coefficient``, then torch's fused AdamW kernel over the
+        and multiplied by the step's ``coefficient`` (clipping, and the inverse of an fp16
+        run's loss scale), then torch's fused AdamW kernel over the
         partition's fragments, one call per param group
         (:func:`~cargohold.services.optim.apply_update`). ``step``: the update number, as
         torch's AdamW counts it. With ``weights_out`` the new master weights are also
@@ -484,6 +498,14 @@ def _check_update_args(spec: SegmentSpec, global_norm: float, lr: float, prepare
         )
     if prepare is not None and prepare not in WIRE_DTYPES:
         raise InvalidTensorError(f"weight dtype {prepare!r} is not one of {sorted(WIRE_DTYPES)}")
+
+
+def _check_loss_scale(spec: SegmentSpec, loss_scale: float) -> None:
+    if not is_power_of_two(loss_scale):
+        raise InvalidTensorError(
+            f"shard {spec.segment_id}: the loss scale must be a power of two (so that taking it out is exact), "
+            f"got {loss_scale}"
+        )
 
 
 def _check_tensor(spec: SegmentSpec, tensor: torch.Tensor, dtype: torch.dtype, what: str) -> None:

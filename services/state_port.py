@@ -178,8 +178,9 @@ class StatePort(Protocol):
         that follows. Returns whether an update was applied (False for a repeat or when
         staged)."""
 
-    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float) -> bool:
-        """Apply the gradient staged for ``update``."""
+    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float, loss_scale: float = 1.0) -> bool:
+        """Apply the gradient staged for ``update``; ``loss_scale``: the scale the staged
+        gradient carries (fp16 compute), ``global_norm`` the norm without it."""
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
         """Write the weights after ``update`` into ``out`` (a view of the exchange buffers)."""
@@ -232,7 +233,7 @@ class RemotePort:
         self.metrics.record_sent(rpc, gradient.numel() * gradient.element_size())
         return outcome.applied and not defer
 
-    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float) -> bool:
+    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float, loss_scale: float = 1.0) -> bool:
         return (
             self.clients[segment.server]
             .commit(
@@ -242,6 +243,7 @@ class RemotePort:
                 global_norm=global_norm,
                 lr=lr,
                 prepare=self.config.worker.compute_dtype,
+                loss_scale=loss_scale,
             )
             .applied
         )
@@ -292,10 +294,10 @@ class LocalPort:
         prepare = self.config.worker.compute_dtype
         return state.apply_gradient(update, gradient, global_norm=0.0, lr=lr, prepare=prepare).applied
 
-    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float) -> bool:
+    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float, loss_scale: float = 1.0) -> bool:
         state = self.registry.get(self.run_id, segment.segment_id)
         prepare = self.config.worker.compute_dtype
-        return state.commit(update, global_norm=global_norm, lr=lr, prepare=prepare).applied
+        return state.commit(update, global_norm=global_norm, lr=lr, prepare=prepare, loss_scale=loss_scale).applied
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
         dtype = self.config.worker.compute_dtype

@@ -56,10 +56,12 @@ from cargohold.services.accumulation import Accumulator
 from cargohold.services.data.batches import Batch
 from cargohold.services.errors import TrainingError
 from cargohold.services.layout import Layout, ParamSlot, Segment
+from cargohold.services.loss_scale import LossScaleRules, LossScaleState, next_state
 from cargohold.services.optim import global_norm_from_squares, sum_of_squares
 from cargohold.services.sharding import Unit, copy_range_into_params, local_tensors, params_to_range
 from cargohold.services.state_port import ExchangeBuffers, ExchangeSlot, StatePort
 from cargohold.services.weight_window import WeightWindow
+from cargohold.services.wire import DTYPE_NAMES, check_representable
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,8 @@ class StepPolicy:
     """ignore, skip or fail, for a step whose global gradient norm is not finite."""
     delayed_after: int | None = None
     """Data steps past this one use the delayed update; None never does."""
+    loss_scale: LossScaleRules | None = None
+    """fp16 compute: the dynamic loss scale's rules (staged, non-finite steps skipped)."""
 
     def delayed(self, step: int) -> bool:
         return self.delayed_after is not None and step > self.delayed_after
@@ -133,7 +137,10 @@ class StepReport:
     applied: int = 0
     """Segments whose update was applied (not ignored as a repeat)."""
     skipped: bool = False
-    """The gradient norm was not finite and the update was skipped (optim.nonfinite)."""
+    """The gradient norm was not finite and the update was skipped (optim.nonfinite; with
+    fp16, the scaled gradients overflowed)."""
+    loss_scale: float | None = None
+    """fp16 compute: the loss scale this step's gradients were computed with."""
 
 
 class ShardedStep:
@@ -157,6 +164,8 @@ class ShardedStep:
         ``window``: the blocks' weights live in files on NVMe and come into memory through it."""
         if policy.delayed_after is not None and buffers.held is None:
             raise TrainingError("the delayed update needs exchange buffers with the held weights of the whole range")
+        if policy.loss_scale is not None and not (policy.staged and policy.nonfinite == "skip"):
+            raise TrainingError("a dynamic loss scale needs the staged update that skips non-finite steps")
         self.model = model
         self.units = units
         self.layout = layout
@@ -170,6 +179,9 @@ class ShardedStep:
         self.world_size = layout.num_workers
         self.updates = 0
         """Updates the servers applied; set by :meth:`register`."""
+        self.loss_scale = LossScaleState(policy.loss_scale.init_scale) if policy.loss_scale is not None else None
+        """fp16 compute: where the dynamic loss scale stands (the same on every worker);
+        a resume sets it from the checkpoint."""
         self.segments = layout.segments_of_worker(rank)
         self._by_group: dict[int, list[Segment]] = {}
         for segment in self.segments:
@@ -183,6 +195,13 @@ class ShardedStep:
         """A staged delayed update's CommitStep per segment id, still running: a segment's
         next push waits for it (a server stages one gradient per segment)."""
         self._transfers: list[Future] = []
+        self._settling: dict[int, Future] = {}
+        self._waited = 0.0
+        """Seconds this step's forward waited for the previous update's units (its phases
+        count them as update, not compute)."""
+        """The staged update's commit, fetch and adoption of each unit, still running when
+        :meth:`run` returned: the unit's forward in the next step waits for its own (a
+        pre-forward hook), so the update overlaps the units before it, with the same bits."""
         self._sum_squares = 0.0
         self._context: tuple[int, float, bool, bool] = (0, 0.0, False, False)
         """(update, lr, defer, fetch) of the step in progress, for the hooks."""
@@ -190,8 +209,15 @@ class ShardedStep:
         """(micro-batch, micro-batches) of the backward in progress, for the hooks."""
         self._accumulator: Accumulator | None = None
         """The micro-batches' summed gradients; allocated by the first step that has several."""
+        with torch.no_grad():
+            self._targets = local_tensors(model, layout)
+        """Each parameter's local chunk, FSDP2's storage for it (the same tensors for the
+        model's life): looked up once, not per unit and step (a DTensor's ``to_local`` costs
+        Python time, ~50 ms a step on the demo when done per unit)."""
         for group, unit in enumerate(units):
             cast(FSDPModule, unit.module).set_all_reduce_hook(self._on_reduced(group))
+            # Before FSDP2's own pre-forward hook (prepended when it was applied), which gathers the unit.
+            unit.module.register_forward_pre_hook(self._before_forward(group), prepend=True)
         for param in model.parameters():
             param.register_post_accumulate_grad_hook(_drop_grad)
 
@@ -200,7 +226,8 @@ class ShardedStep:
         """Fill the local shards from ``values``, a unit at a time, and register each
         unit's segments with its fp32 values; returns the servers' update count (non-zero
         after a restore: then :meth:`load_weights` brings their weights)."""
-        targets = local_tensors(self.model, self.layout)
+        targets = self._targets
+        compute_dtype = DTYPE_NAMES[targets[0].dtype]
         updates = set()
         for group in self.layout.groups:
             initial = torch.zeros(group.stop - group.start, dtype=torch.float32)
@@ -210,6 +237,7 @@ class ShardedStep:
             }
             with torch.no_grad():
                 for name, value in values(slots):
+                    check_representable(name, value, compute_dtype)
                     index, slot = slots[name]
                     lo, hi = slot.local_rows(self.rank)
                     chunk = value.reshape(slot.rows, -1)[lo:hi].reshape(-1)
@@ -255,9 +283,11 @@ class ShardedStep:
             mark = now
 
         policy = self.policy
+        loss_scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
+        scale_tensor = torch.tensor(loss_scale, dtype=torch.float32, device=self.device)
         update, delayed = self.updates + 1, policy.delayed(step)
         self._context = (update, lr, policy.staged, not policy.staged and not delayed)
-        self._sum_squares, self._transfers = 0.0, []
+        self._sum_squares, self._transfers, self._waited = 0.0, [], 0.0
         count, step_loss = len(batches), 0.0
         if count > 1 and self._accumulator is None:
             self._accumulator = Accumulator(self.layout.worker_size, pin=self.device.type == "cuda")
@@ -271,19 +301,26 @@ class ShardedStep:
             scale = batch.weight / count
             if scale != 1.0:  # 1.0 leaves the graph (and every bit) as it was
                 loss = loss * scale
-            loss.backward()
+            (loss * scale_tensor if self.loss_scale is not None else loss).backward()  # as GradScaler.scale
             step_loss += float(loss.detach())
+        self._await_settled()  # a unit no forward reached (none in the models here)
         lap("compute")
+        phases["compute"] -= self._waited
 
         applied = sum(self._wait(self._transfers))
         totals = torch.tensor([self._sum_squares, step_loss], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        global_norm = global_norm_from_squares(float(totals[0]))
+        global_norm = global_norm_from_squares(float(totals[0])) / loss_scale  # exact: a power of two
         mean_loss = float(totals[1]) / self.world_size
         lap("reduce")
 
         skipped = not math.isfinite(global_norm) and policy.nonfinite != "ignore"
-        if skipped:
+        if self.loss_scale is not None and policy.loss_scale is not None:
+            self.loss_scale = next_state(self.loss_scale, policy.loss_scale, found_inf=skipped)
+        if skipped and self.loss_scale is not None:
+            logger.info("step %d: the scaled gradients overflowed, update skipped, loss scale %s", step, loss_scale)
+            applied = self._adopt_pending()
+        elif skipped:
             if policy.nonfinite == "fail":
                 raise TrainingError(
                     f"the gradient norm of step {step} is {global_norm}; set optim.nonfinite=skip "
@@ -295,7 +332,9 @@ class ShardedStep:
             applied = self._adopt_pending()
             if policy.staged:  # CommitStep runs during the next step's compute, not inside this one
                 self._commits = {
-                    s.segment_id: self._pool.submit(self.port.commit, s, update, global_norm=global_norm, lr=lr)
+                    s.segment_id: self._pool.submit(
+                        self.port.commit, s, update, global_norm=global_norm, lr=lr, loss_scale=loss_scale
+                    )
                     for s in self.segments
                 }
             self._pending = [
@@ -304,14 +343,18 @@ class ShardedStep:
             self.updates = update
         else:
             if policy.staged:
-                applied = sum(
-                    self._wait(
-                        self._pool.submit(self._settle_unit, group, update, (global_norm, lr))
-                        for group in self._by_group
-                    )
-                )
+                settling = {
+                    group: self._pool.submit(self._settle_unit, group, update, (global_norm, lr, loss_scale))
+                    for group in self._by_group
+                }
+                if self.window is None:  # each unit's forward of the next step waits for its own
+                    self._settling = settling
+                    applied = len(self.segments)
+                else:  # the window reads the blocks' files ahead of forward: they must be written first
+                    applied = sum(self._wait(settling.values()))
             self.updates = update
         lap("update")
+        phases["update"] += self._waited
         return StepReport(
             rank=self.rank,
             step=step,
@@ -321,6 +364,7 @@ class ShardedStep:
             phases=phases,
             applied=applied,
             skipped=skipped,
+            loss_scale=loss_scale if self.loss_scale is not None else None,
         )
 
     def evaluate(self, batches: Iterable[Any], count: int) -> float:
@@ -330,6 +374,7 @@ class ShardedStep:
         over ``count``, summed, all-reduced over the ranks and divided by W, so that it
         is the mean over the held-out set's counted tokens."""
         total = 0.0
+        self._await_settled()
         self.model.eval()
         try:
             with torch.no_grad():
@@ -358,6 +403,20 @@ class ShardedStep:
             )
             raise TrainingError(f"{what}: the loss function must return a floating-point scalar tensor, got {got}")
         return loss.reshape(())
+
+    def _before_forward(self, group: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if (settling := self._settling.pop(group, None)) is not None:
+                waiting = time.perf_counter()
+                settling.result()
+                self._waited += time.perf_counter() - waiting
+
+        return hook
+
+    def _await_settled(self) -> None:
+        """Wait for every unit's overlapped update (before anything reads the weights)."""
+        settling, self._settling = self._settling, {}
+        self._wait(settling.values())
 
     def _on_reduced(self, group: int) -> Callable[[torch.Tensor], None]:
         """FSDP2's hook after unit ``group``'s reduce-scatter: ``reduced`` holds this
@@ -434,15 +493,17 @@ class ShardedStep:
         finally:
             self.buffers.release(slot)
 
-    def _settle_unit(self, group: int, update: int, commit: tuple[float, float] | None = None) -> int:
+    def _settle_unit(self, group: int, update: int, commit: tuple[float, float, float] | None = None) -> int:
         """Fetch unit ``group``'s weights after ``update`` into its local shards; with
-        ``commit`` (global norm, lr), first apply the gradients the servers staged."""
+        ``commit`` (global norm, lr, loss scale), first apply the gradients the servers staged."""
         slot = self.buffers.acquire()
         try:
             applied = 0
             for segment in self._by_group[group]:
                 if commit is not None:
-                    applied += self.port.commit(segment, update, global_norm=commit[0], lr=commit[1])
+                    applied += self.port.commit(
+                        segment, update, global_norm=commit[0], lr=commit[1], loss_scale=commit[2]
+                    )
                 self.port.fetch(segment, update, slot.weights[self._in_slot(segment)])
             self._adopt(slot.weights, group)
             return applied
@@ -472,8 +533,7 @@ class ShardedStep:
         copied into; a block whose weights live on NVMe has its file written."""
         start = 0 if group is None else self.layout.groups[group].start
         groups = range(len(self.layout.groups)) if group is None else [group]
-        with torch.no_grad():
-            targets = local_tensors(self.model, self.layout)
+        targets = self._targets
         for index in groups:
             if self.window is not None and self._on_disk(index):
                 g = self.layout.groups[index]
@@ -500,17 +560,19 @@ class ShardedStep:
         return len(pending)
 
     def settle(self, timeout: float | None = None) -> None:
-        """Wait for a delayed update still in flight, keeping the weights the next step
-        computes on (before a checkpoint, or shutdown)."""
-        for future in self._pending:
+        """Wait for an update still in flight (the overlapped one, or a delayed one),
+        keeping the weights the next step computes on (before a checkpoint, or shutdown).
+        A failure stays with its future, raised where the weights are used."""
+        for future in [*self._settling.values(), *self._pending]:
             future.exception(timeout=timeout)
 
     def newest_weights(self) -> torch.Tensor:
         """This worker's range of the newest weights (a delayed update adopted first)."""
+        self._await_settled()
         self._adopt_pending()
         out = torch.zeros(self.layout.worker_size, dtype=self.buffers.slots[0].weights.dtype)
         with torch.no_grad():
-            sources = [t.to("cpu") for t in local_tensors(self.model, self.layout)]
+            sources = [t.to("cpu") for t in self._targets]
             for group in self.layout.groups:
                 if self.window is not None and self._on_disk(group.index):
                     self.window.read(group.index, out[group.start : group.stop])

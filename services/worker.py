@@ -22,6 +22,7 @@ from cargohold.services.data.seeds import dropout_seed
 from cargohold.services.errors import ConfigError, TrainingError
 from cargohold.services.host_allocator import retain_freed_memory
 from cargohold.services.layout import Layout
+from cargohold.services.loss_scale import LossScaleState
 from cargohold.services.metrics import WorkerMetrics
 from cargohold.services.model_setup import exchange_buffers, resolve_device, sharded_model, step_policy, weight_window
 from cargohold.services.node import node_ip
@@ -153,12 +154,20 @@ class TrainingWorker:
     def metrics_address(self) -> str:
         return self.metrics.address if self.metrics.serving else ""
 
-    def load_weights(self) -> None:
-        """Fetch the servers' current weights (after a restore) into the local shards."""
-        self._step().load_weights()
+    def load_weights(self, loss_scale: LossScaleState | None = None) -> None:
+        """Fetch the servers' current weights (after a restore) into the local shards;
+        ``loss_scale``: where the checkpoint's dynamic loss scale stood (fp16)."""
+        step = self._step()
+        step.load_weights()
+        if loss_scale is not None and step.loss_scale is not None:
+            step.loss_scale = loss_scale
+
+    def loss_scale(self) -> LossScaleState | None:
+        """Where the dynamic loss scale stands (fp16 compute; None otherwise)."""
+        return self._step().loss_scale
 
     def settle(self) -> None:
-        """Wait for a delayed update still in flight (before a checkpoint)."""
+        """Wait for the updates still in flight (before a checkpoint, or reading the servers' state)."""
         self._step().settle()
 
     def local_weights(self) -> torch.Tensor:
@@ -192,7 +201,9 @@ class TrainingWorker:
         report = self._step().run(step, batches, lr, dropout_seeds=seeds)
         for phase, seconds in report.phases.items():
             self.metrics.add_phase(phase, seconds)
-        self.metrics.observe_step(time.perf_counter() - started, report.loss)
+        self.metrics.observe_step(
+            time.perf_counter() - started, report.loss, skipped=report.skipped, loss_scale=report.loss_scale
+        )
         return report
 
     def evaluate(self, step: int) -> EvalReport:

@@ -17,10 +17,11 @@ W processes over gloo. Its state is returned in cargohold's flat space.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -63,6 +64,10 @@ class FlatReference:
     flats: dict[str, torch.Tensor]
     """masters / exp_avg / exp_avg_sq in the flat space."""
     losses: list[float]
+    loss_scales: list[float] = field(default_factory=list)
+    """fp16 compute: GradScaler's scale at each step, before its update."""
+    skipped: list[int] = field(default_factory=list)
+    """fp16 compute: the steps whose update GradScaler skipped."""
 
     def flat(self, layout: Layout, which: str = "masters") -> torch.Tensor:
         return self.flats[which]
@@ -133,6 +138,7 @@ def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.
     data = open_source(config)
     losses = []
     evals: dict[int, float] = {}
+    scaler = _grad_scaler(config)
     for step in range(1, steps + 1):
         with torch.no_grad():
             lag = 2 if config.worker.delayed_update and step > warm_up + 1 else 1
@@ -150,7 +156,7 @@ def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.
                 scale = batch.weight / micro_batches  # as the workers do: the step's mean over counted tokens
                 if scale != 1.0:
                     loss = loss * scale
-                loss.backward()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
                 rank_losses[rank] += float(loss.detach())
                 grads = [p.grad.to(device="cpu", dtype=wire) for p in model.parameters()]
                 summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
@@ -161,13 +167,19 @@ def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.
         assert accumulated is not None
         for master, grad in zip(masters, accumulated):
             master.grad = grad
-        if o.max_grad_norm > 0 and norm == "shards":
-            grads = [master.grad for master in masters]
-            clip_(grads, clip_coefficient(global_norm_from_squares(sum(map(sum_of_squares, grads))), o.max_grad_norm))
-        elif o.max_grad_norm > 0:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        norm_of_squares = global_norm_from_squares(sum(sum_of_squares(m.grad) for m in masters))
+        if o.max_grad_norm > 0 and norm == "shards" and math.isfinite(norm_of_squares):
+            clip_([master.grad for master in masters], clip_coefficient(norm_of_squares, o.max_grad_norm))
+        elif o.max_grad_norm > 0 and norm != "shards":
             torch.nn.utils.clip_grad_norm_(masters, o.max_grad_norm)
         set_lr(optimizer, o.lr_at(step, config.steps))
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         history.append([m.detach().clone() for m in masters])
         if step in eval_steps:
             assert not config.worker.delayed_update, "evaluates on the newest weights only"
@@ -181,6 +193,20 @@ def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.
         },
         losses=losses,
         evals=evals,
+    )
+
+
+def _grad_scaler(config: TrainConfig) -> torch.amp.GradScaler | None:
+    """torch's GradScaler with the config's ``optim.loss_scale`` for fp16 compute."""
+    if config.worker.compute_dtype != "float16":
+        return None
+    rules = config.optim.loss_scale
+    return torch.amp.GradScaler(
+        "cpu",
+        init_scale=rules.init_scale,
+        growth_factor=rules.growth_factor,
+        backoff_factor=rules.backoff_factor,
+        growth_interval=rules.growth_interval,
     )
 
 
@@ -208,19 +234,38 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr * group["lr_mult"]
 
 
-def fsdp_reference_train(config: TrainConfig, steps: int) -> FlatReference:
-    """FSDP2 + AdamW(fused=True) over ``config.worker.num_workers`` gloo processes."""
+def fsdp_reference_train(config: TrainConfig, steps: int, *, norm: str = "torch") -> FlatReference:
+    """FSDP2 + AdamW(fused=True) over ``config.worker.num_workers`` gloo processes; with
+    fp16 compute, torch.amp.GradScaler with the config's ``optim.loss_scale`` (unscale_,
+    then clipping, then its step and update). ``norm`` as in :func:`reference_train`."""
     world = config.worker.num_workers
     with tempfile.TemporaryDirectory(prefix="cargohold-fsdp-ref-") as folder:
         mp.start_processes(
-            _fsdp_rank, args=(world, free_port(), config, steps, folder), nprocs=world, start_method="spawn", join=True
+            _fsdp_rank,
+            args=(world, free_port(), config, steps, folder, norm),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
         )
         ranks = [torch.load(Path(folder) / f"rank{r}.pt") for r in range(world)]
     flats = {which: torch.cat([rank[which] for rank in ranks]) for which in STATES}
-    return FlatReference(flats=flats, losses=ranks[0]["losses"])
+    return FlatReference(
+        flats=flats, losses=ranks[0]["losses"], loss_scales=ranks[0]["loss_scales"], skipped=ranks[0]["skipped"]
+    )
 
 
-def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int, folder: str) -> None:
+def _shard_norm_clip(params: list[torch.nn.Parameter], max_norm: float) -> None:
+    """Clip as the workers do: the global norm from the local shards' squares summed in
+    fp64 and all-reduced (not clip_grad_norm_'s fp32 norm)."""
+    local = [p.grad.to_local().reshape(-1) for p in params if p.grad is not None]
+    total = torch.tensor(sum(map(sum_of_squares, local)), dtype=torch.float64)
+    dist.all_reduce(total)
+    global_norm = global_norm_from_squares(float(total))
+    if math.isfinite(global_norm):  # else GradScaler skips the step anyway
+        clip_(local, clip_coefficient(global_norm, max_norm))
+
+
+def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int, folder: str, norm: str) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -241,8 +286,11 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
         params = [dict(model.named_parameters())[slot.name] for slot in layout.params]
         optimizer = torch_adamw(config, dict(model.named_parameters()))
         data = open_source(config)
-        losses = []
+        losses: list[float] = []
+        loss_scales: list[float] = []
+        skipped: list[int] = []
         micro_batches = config.data.micro_batches
+        scaler = _grad_scaler(config)
         for step in range(1, steps + 1):
             step_loss = 0.0
             for micro in range(micro_batches):  # FSDP2 sums the micro-batches' reduced gradients
@@ -252,18 +300,29 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
                 scale = batch.weight / micro_batches
                 if scale != 1.0:
                     loss = loss * scale
-                loss.backward()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
                 step_loss += float(loss.detach())
             total = torch.tensor(step_loss, dtype=torch.float64)
             dist.all_reduce(total)
             losses.append(float(total) / world)
-            if o.max_grad_norm > 0:
+            if scaler is not None:
+                loss_scales.append(scaler.get_scale())
+                scaler.unscale_(optimizer)  # found_inf is all-reduced over the mesh by DTensor
+            if o.max_grad_norm > 0 and norm == "shards":
+                _shard_norm_clip(params, o.max_grad_norm)
+            elif o.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm)
             set_lr(optimizer, o.lr_at(step, config.steps))
-            optimizer.step()
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+                if scaler.get_scale() < loss_scales[-1]:
+                    skipped.append(step)
+            else:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         state = [optimizer.state[p] for p in params]
-        out: dict[str, object] = {"losses": losses}
+        out: dict[str, object] = {"losses": losses, "loss_scales": loss_scales, "skipped": skipped}
         with torch.no_grad():
             for which, tensors in (
                 ("masters", local_tensors(model, layout)),

@@ -25,6 +25,7 @@ CORE = frozenset(
         "cargohold.services.errors",
         "cargohold.services.layout",
         "cargohold.services.optim",
+        "cargohold.services.loss_scale",
         "cargohold.services.state_precision",
         "cargohold.services.tiers.fileformat",
         "cargohold.services.tiers.partitions",

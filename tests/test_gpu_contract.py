@@ -18,6 +18,13 @@ CASES = {
     "fp32-network": dict(state_server__num_servers=2, worker__shared_memory="off"),
     "bf16-shared-memory-offload-params": dict(worker__compute_dtype="bfloat16", worker__offload_params=True),
     "bf16-delayed-update": dict(worker__compute_dtype="bfloat16", worker__delayed_update=True),
+    # fp16 with a scale the first steps overflow at (issue 25): GradScaler's skips and growth.
+    "fp16-dynamic-loss-scale": dict(
+        worker__compute_dtype="float16",
+        worker__grad_wire_dtype="float16",
+        optim__loss_scale__init_scale=2.0**18,
+        optim__loss_scale__growth_interval=2,
+    ),
     # Weights on NVMe: FSDP2 pins the chunks (fixed-size storages), the window frees and
     # reads them between gathers (issue 23).
     "bf16-weights-on-nvme": dict(

@@ -115,8 +115,8 @@ def test_unknown_shard_error_is_readable_and_pickles() -> None:
         (dict(numel=0), r"shard 3: numel must be > 0, got 0"),
         (dict(numel=-5, fragments=()), r"shard 3: numel must be > 0, got -5"),
         (
-            dict(grad_dtype="float16"),
-            r"shard 3: grad dtype 'float16' is not one of \['bfloat16', 'float32'\]",
+            dict(grad_dtype="float64"),
+            r"shard 3: grad dtype 'float64' is not one of \['bfloat16', 'float16', 'float32'\]",
         ),
         (dict(grad_dtype="fp32"), r"grad dtype 'fp32' is not one of"),
         (dict(fragments=((0, 101), (100, 10))), r"fragment \(100, 10\) overlaps"),

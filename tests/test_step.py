@@ -125,10 +125,10 @@ class _GatedPort:
             self.record.append(("push", segment.segment_id, segment.segment_id in self.committed))
         return self.inner.push(segment, update, gradient, lr=lr, defer=defer)
 
-    def commit(self, segment, update, *, global_norm, lr):
+    def commit(self, segment, update, *, global_norm, lr, loss_scale=1.0):
         if update == self.gated:
             self.record.append(("commit", segment.segment_id, self.returned.wait(timeout=GATE_S)))
-        applied = self.inner.commit(segment, update, global_norm=global_norm, lr=lr)
+        applied = self.inner.commit(segment, update, global_norm=global_norm, lr=lr, loss_scale=loss_scale)
         if update == self.gated:
             self.committed.add(segment.segment_id)
         return applied
@@ -140,14 +140,13 @@ class _GatedPort:
         self.inner.close()
 
 
-def _overlap(rank: int, port: int, folder: str) -> None:
-    """Three steps with the delayed update past step 1 and clipping on; the commit of
-    update 2 is held until step 2 has returned."""
+def _overlap(rank: int, port: int, folder: str, config) -> None:
+    """Three steps with clipping on (and the delayed update past step 1, or not); the
+    commit of update 2 is held until step 2 has returned."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        config = OVERLAP
         model, units, layout = sharded_model(config, torch.device("cpu"))
         gated = _GatedPort(LocalPort(config, "run", resolve_param_groups(config.optim, layout.params)), gated=2)
         policy = step_policy(config)
@@ -174,28 +173,36 @@ def _overlap(rank: int, port: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
-OVERLAP = tiny_config(
-    steps=3,
-    worker__num_workers=1,
-    worker__delayed_update=True,
-    worker__delayed_update_after_steps=1,
-    optim__max_grad_norm=0.05,
-)
+OVERLAPS = {
+    # The delayed update: the commit overlaps the next step's forward and backward.
+    "delayed": tiny_config(
+        steps=3,
+        worker__num_workers=1,
+        worker__delayed_update=True,
+        worker__delayed_update_after_steps=1,
+        optim__max_grad_norm=0.05,
+    ),
+    # The staged update: each unit's commit, fetch and adoption overlap the units before
+    # it in the next step's forward, which waits for the unit's own before gathering it.
+    "staged": tiny_config(steps=3, worker__num_workers=1, optim__max_grad_norm=0.05),
+}
 
 
-def test_a_delayed_clipped_update_commits_during_the_next_steps_compute() -> None:
-    """With the delayed update and clipping, step t returns before its CommitStep runs
-    (the servers' AdamW overlaps step t+1's forward and backward), a segment's next push
-    waits for its own commit, and the losses still equal the reference."""
+@pytest.mark.parametrize("config", OVERLAPS.values(), ids=OVERLAPS.keys())
+def test_a_clipped_update_commits_after_its_step_returns(config) -> None:
+    """With clipping (staged pushes), step t returns before its CommitStep runs: the
+    servers' AdamW overlaps step t+1's compute (all of it with the delayed update, the
+    forward up to each unit without), a segment's next push waits for its own commit,
+    and the losses still equal the reference."""
     with tempfile.TemporaryDirectory(prefix="cargohold-step-") as folder:
-        mp.start_processes(_overlap, args=(free_port(), folder), nprocs=1, start_method="spawn", join=True)
+        mp.start_processes(_overlap, args=(free_port(), folder, config), nprocs=1, start_method="spawn", join=True)
         result = torch.load(Path(folder) / "overlap.pt")
     record = result["record"]
     commits = [entry for entry in record if entry[0] == "commit"]
     pushes = [entry for entry in record if entry[0] == "push"]
     assert commits and all(waited for _, _, waited in commits), f"a commit ran inside step 2: {record}"
     assert pushes and all(committed for _, _, committed in pushes), f"a push overtook its commit: {record}"
-    assert result["losses"] == reference_train(OVERLAP, OVERLAP.steps, norm="shards").losses
+    assert result["losses"] == reference_train(config, config.steps, norm="shards").losses
 
 
 def test_exchange_buffers_lay_slots_and_held_weights_apart_in_one_shared_region() -> None:

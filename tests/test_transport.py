@@ -46,6 +46,7 @@ from transport_server import (
 )
 
 from cargohold.services.errors import CargoholdError, TransportError
+from cargohold.services.segment_state import SegmentState
 from cargohold.services.transport.codec import SERVICE_NAME
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
 from cargohold.v1 import state_server_pb2 as pb
@@ -109,9 +110,33 @@ def test_register_push_fetch_equals_the_local_update_bitwise(served: Served) -> 
     assert_bitwise_equal(client.fetch(RUN, 0, 2, "float32", NUMEL), local_state(spec32, [G1, G2]).snapshot()["master"])
 
 
+def test_an_fp16_gradient_is_committed_with_its_loss_scale_over_the_wire(served: Served) -> None:
+    """fp16 gradients carrying a loss scale, staged and committed over gRPC: the server
+    takes the scale out (the state equals the local one's, bitwise) and refuses a scale
+    that is not a power of two, naming it, with nothing applied."""
+    client, scale = served.client, 2.0**10
+    spec = make_spec(2, grad_dtype="float16")
+    assert client.register(spec, W0) == (0, True)
+    gradient = (G1 * scale).to(torch.float16)
+    client.push(RUN, 2, 1, gradient, defer_update=True)
+    with pytest.raises(RemoteError, match="loss scale must be a power of two") as refused:
+        client.commit(RUN, 2, 1, global_norm=GLOBAL_NORM, lr=LR, loss_scale=1000.0)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and client.describe(RUN, 2)[1] == 0
+    assert client.commit(RUN, 2, 1, global_norm=GLOBAL_NORM, lr=LR, loss_scale=scale, prepare="float16").applied
+    local = SegmentState(spec, W0)
+    local.stage_gradient(1, gradient)
+    local.commit(1, global_norm=GLOBAL_NORM, lr=LR, loss_scale=scale)
+    assert_bitwise_equal(client.fetch(RUN, 2, 1, "float32", NUMEL), local.snapshot()["master"])
+    assert_bitwise_equal(client.fetch(RUN, 2, 1, "float16", NUMEL), local.weights(1, "float16"))
+
+
 def test_weights_come_back_in_several_ordered_checksummed_chunks(stepped: Served) -> None:
     expected = local_state(make_spec(), [G1])
-    for dtype, name, size in ((pb.DTYPE_FLOAT32, "float32", 4), (pb.DTYPE_BFLOAT16, "bfloat16", 2)):
+    for dtype, name, size in (
+        (pb.DTYPE_FLOAT32, "float32", 4),
+        (pb.DTYPE_BFLOAT16, "bfloat16", 2),
+        (pb.DTYPE_FLOAT16, "float16", 2),
+    ):
         messages = fetch_raw(stepped, 1, dtype)
         assert len(messages) == math.ceil(NUMEL * size / CHUNK_BYTES) > 1
         offset = 0

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from cargohold.services.durable import TEMP_SUFFIX
 from cargohold.services.errors import CheckpointError
+from cargohold.services.loss_scale import is_power_of_two
 
 FORMAT_VERSION = 4
 """Of the manifest. Version 4 records the saving run's whole configuration (``config``)
@@ -30,7 +31,7 @@ files, ``files[].format``). Manifests of earlier versions are refused."""
 MANIFEST_NAME = "manifest.json"
 CONFIG_DEPTH = 8
 """Deepest nesting of objects and lists ``config`` may hold (the schema's is 3)."""
-_Record = TypeVar("_Record", "FileRecord", "SegmentRecord")
+_Record = TypeVar("_Record", "FileRecord", "SegmentRecord", "LossScaleRecord")
 LAYOUT_KIND = "worker-major-v1"
 """``layout.kind`` of a checkpoint whose flat space is worker-major
 (:mod:`cargohold.services.layout`)."""
@@ -130,6 +131,22 @@ class LayoutRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class LossScaleRecord:
+    """The dynamic loss scale of an fp16 run at the checkpoint
+    (:class:`~cargohold.services.loss_scale.LossScaleState`), so that a resume goes on with
+    the same scale and the same count towards its next growth."""
+
+    scale: float
+    growth_tracker: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not is_power_of_two(self.scale):
+            raise CheckpointError(f"loss_scale.scale must be a power of two, got {self.scale!r}")
+        if not is_int(self.growth_tracker) or self.growth_tracker < 0:
+            raise CheckpointError(f"loss_scale.growth_tracker must be an integer >= 0, got {self.growth_tracker!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class Manifest:
     """Everything needed to find, verify and place a checkpoint's payload and to resume.
 
@@ -155,6 +172,8 @@ class Manifest:
     """Padded length of the flat buffer the checkpoint was saved from."""
     shards: tuple[SegmentRecord, ...]
     files: tuple[FileRecord, ...]
+    loss_scale: LossScaleRecord | None = None
+    """fp16 runs only; the JSON has the field only then, so other manifests are as before."""
 
     def __post_init__(self) -> None:
         _validate_manifest(self)
@@ -175,6 +194,8 @@ class Manifest:
             ],
             "files": [{"name": f.name, "nbytes": f.nbytes, "crc32c": f.crc32c} for f in self.files],
         }
+        if self.loss_scale is not None:
+            body["loss_scale"] = {"scale": self.loss_scale.scale, "growth_tracker": self.loss_scale.growth_tracker}
         return json.dumps(body, indent=1, allow_nan=False) + "\n"
 
     @classmethod
@@ -203,7 +224,7 @@ class Manifest:
             )
         if version != FORMAT_VERSION or not is_int(version):
             raise CheckpointError(f"format version {version!r}; this build reads version {FORMAT_VERSION}")
-        keys = {"format_version", *cls.__dataclass_fields__}
+        keys = {"format_version", *cls.__dataclass_fields__} - ({"loss_scale"} - set(body))
         if set(body) != keys:
             missing, unknown = sorted(keys - set(body)), sorted(set(body) - keys)
             raise CheckpointError(f"manifest fields missing {missing}, unknown {unknown}")
@@ -222,6 +243,7 @@ class Manifest:
             total=body["total"],
             shards=tuple(_parsed(SegmentRecord, entry, f"shards[{i}]") for i, entry in enumerate(shards)),
             files=tuple(_parsed(FileRecord, entry, f"files[{i}]") for i, entry in enumerate(files)),
+            loss_scale=_parsed(LossScaleRecord, body["loss_scale"], "loss_scale") if "loss_scale" in body else None,
         )
 
 

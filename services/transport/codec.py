@@ -31,7 +31,11 @@ SERVICE_NAME = "cargohold.v1.StateServer"
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 16)
 """gRPC message limit on both ends: the largest chunk plus room for its envelope."""
 
-_DTYPE_TO_PROTO: dict[str, pb.DType] = {"float32": pb.DTYPE_FLOAT32, "bfloat16": pb.DTYPE_BFLOAT16}
+_DTYPE_TO_PROTO: dict[str, pb.DType] = {
+    "float32": pb.DTYPE_FLOAT32,
+    "bfloat16": pb.DTYPE_BFLOAT16,
+    "float16": pb.DTYPE_FLOAT16,
+}
 _PROTO_TO_DTYPE: dict[int, str] = {v: k for k, v in _DTYPE_TO_PROTO.items()}
 
 

@@ -177,7 +177,7 @@ class StateServerClient:
         weights in it on the way (see SegmentState.apply_gradient)."""
         wire_dtype = DTYPE_NAMES.get(gradient.dtype)
         if wire_dtype is None:
-            raise TransportError(f"gradients travel as float32 or bfloat16, not {gradient.dtype}")
+            raise TransportError(f"gradients travel as one of {sorted(WIRE_DTYPES)}, not {gradient.dtype}")
         header = pb.PushHeader(
             key=pb.ShardKey(run_id=run_id, shard_id=segment_id),
             step=step,
@@ -207,9 +207,18 @@ class StateServerClient:
         return UpdateOutcome(applied=reply.applied, updates=reply.step, seconds=reply.update_seconds)
 
     def commit(
-        self, run_id: str, segment_id: int, step: int, *, global_norm: float, lr: float, prepare: str | None = None
+        self,
+        run_id: str,
+        segment_id: int,
+        step: int,
+        *,
+        global_norm: float,
+        lr: float,
+        prepare: str | None = None,
+        loss_scale: float = 1.0,
     ) -> UpdateOutcome:
-        """Apply the gradient staged for ``step``; harmless to repeat. ``prepare`` as in :meth:`push`."""
+        """Apply the gradient staged for ``step``; harmless to repeat. ``prepare`` as in
+        :meth:`push`; ``loss_scale``: the scale the staged gradient carries (fp16)."""
         reply = self._call(
             "CommitStep",
             self._stub.CommitStep,
@@ -219,6 +228,7 @@ class StateServerClient:
                 global_grad_norm=global_norm,
                 lr=lr,
                 prepare_dtype=_prepare_to_proto(prepare),
+                loss_scale=0.0 if loss_scale == 1.0 else loss_scale,
             ),
         )
         return UpdateOutcome(applied=reply.applied, updates=reply.step, seconds=reply.update_seconds)

@@ -231,6 +231,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 global_norm=request.global_grad_norm,
                 lr=request.lr,
                 prepare=prepare_dtype_from_proto(request.prepare_dtype),
+                loss_scale=request.loss_scale or 1.0,
             )
             self._count(outcome)
             return pb.PushGradientResponse(

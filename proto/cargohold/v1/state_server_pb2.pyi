@@ -12,6 +12,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_UNSPECIFIED: _ClassVar[DType]
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
 
 class Residency(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,6 +22,7 @@ class Residency(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
+DTYPE_FLOAT16: DType
 RESIDENCY_UNSPECIFIED: Residency
 RESIDENCY_RAM: Residency
 RESIDENCY_NVME: Residency
@@ -172,18 +174,20 @@ class PushGradientResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., applied: _Optional[bool] = ..., update_seconds: _Optional[float] = ...) -> None: ...
 
 class CommitStepRequest(_message.Message):
-    __slots__ = ("key", "step", "global_grad_norm", "lr", "prepare_dtype")
+    __slots__ = ("key", "step", "global_grad_norm", "lr", "prepare_dtype", "loss_scale")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     PREPARE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     step: int
     global_grad_norm: float
     lr: float
     prepare_dtype: DType
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., prepare_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    loss_scale: float
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., prepare_dtype: _Optional[_Union[DType, str]] = ..., loss_scale: _Optional[float] = ...) -> None: ...
 
 class FetchWeightsRequest(_message.Message):
     __slots__ = ("key", "step", "dtype", "chunk_bytes", "shm")
