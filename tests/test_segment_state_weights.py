@@ -42,8 +42,10 @@ def test_weights_of_another_step_raise_step_mismatch(asked: int) -> None:
 
 def test_weights_in_an_unknown_dtype_raise_invalid_tensor() -> None:
     state = fresh_state()
-    with pytest.raises(InvalidTensorError, match=r"weight dtype 'float16' is not one of \['bfloat16', 'float32'\]"):
-        state.weights(0, "float16")
+    with pytest.raises(
+        InvalidTensorError, match=r"weight dtype 'float64' is not one of \['bfloat16', 'float16', 'float32'\]"
+    ):
+        state.weights(0, "float64")
 
 
 def test_weights_buffers_are_reused_only_once_handed_back() -> None:
