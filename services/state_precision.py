@@ -50,13 +50,14 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 
 from cargohold.services.errors import ConfigError
-from cargohold.services.optim import AdamWHyperParams, AdamWState, fused_adamw_
+from cargohold.services.optim import AdamWHyperParams, AdamWState, FragmentGroup, apply_update, fused_adamw_
 
 StateDtype = Literal["float32", "bfloat16", "blockwise8"]
 """How a run stores the moments (``optim.state_dtype``)."""
@@ -70,6 +71,8 @@ PIECE_ELEMENTS = 1 << 20
 """Elements decoded to fp32 at a time by :func:`adamw_step_`: 12 MiB of temporaries."""
 
 _STORED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "blockwise8": torch.uint8}
+STORED_TORCH_DTYPES: dict[str, torch.dtype] = dict(_STORED)
+"""The torch dtype of a moment's stored values, by kind."""
 _INDEX_SHIFT = 12
 """The look-up index is the top 32 - 12 = 20 bits of the fp32 quotient."""
 _INDEX_MASK = (1 << (32 - _INDEX_SHIFT)) - 1
@@ -336,6 +339,69 @@ def adamw_step_(
         fused_adamw_(state, [gradient[start:end]], lr=lr, hyper=hyper)
         encode_range_(exp_avg, start, m)
         encode_range_(exp_avg_sq, start, v)
+
+
+def apply_update_stored(
+    master: torch.Tensor,
+    exp_avg: StoredMoment,
+    exp_avg_sq: StoredMoment,
+    groups: Sequence[FragmentGroup],
+    gradient: torch.Tensor,
+    *,
+    step: torch.Tensor,
+    coefficient: torch.Tensor | None,
+    lr: float,
+    owned: bool,
+    piece_elements: int = PIECE_ELEMENTS,
+) -> None:
+    """:func:`optim.apply_update <cargohold.services.optim.apply_update>` over moments in
+    their stored form: the state server's update of one partition.
+
+    ``float32`` is that function over the moments' fp32 tensors themselves (bitwise the
+    path without stored kinds). The others decode ``piece_elements`` of each moment at a
+    time (a multiple of :data:`BLOCK_ELEMENTS`, from the partition's start: its blocks)
+    into fp32, run ``apply_update`` over the piece's part of every group's fragments (the
+    same fused kernel, one call per group) and store the moments again."""
+    if exp_avg.dtype != exp_avg_sq.dtype or exp_avg.numel != master.numel() or exp_avg_sq.numel != master.numel():
+        raise ValueError(
+            f"moments of {exp_avg.numel} {exp_avg.dtype} and {exp_avg_sq.numel} {exp_avg_sq.dtype} elements "
+            f"for {master.numel()} master weights"
+        )
+    if exp_avg.dtype == "float32":
+        apply_update(
+            master, exp_avg.values, exp_avg_sq.values, groups, gradient,
+            step=step, coefficient=coefficient, lr=lr, owned=owned,
+        )  # fmt: skip
+        return
+    if piece_elements <= 0 or piece_elements % BLOCK_ELEMENTS:
+        raise ValueError(f"piece_elements must be a positive multiple of {BLOCK_ELEMENTS}, got {piece_elements}")
+    size = min(piece_elements, master.numel())
+    first, second = torch.empty(size), torch.empty(size)
+    index = torch.empty(size, dtype=torch.int32) if exp_avg.dtype == "blockwise8" else None
+    for start in range(0, master.numel(), piece_elements):
+        end = min(start + piece_elements, master.numel())
+        pieces = [FragmentGroup(_clip(group.fragments, start, end), group.hyper, group.lr_scale) for group in groups]
+        if not any(group.fragments for group in pieces):
+            continue  # padding only: its moments stay as they are (zero)
+        m, v = first[: end - start], second[: end - start]
+        decode_range(exp_avg, start, m, index)
+        decode_range(exp_avg_sq, start, v, index)
+        apply_update(
+            master[start:end], m, v, pieces, gradient[start:end],
+            step=step, coefficient=coefficient, lr=lr, owned=owned,
+        )  # fmt: skip
+        encode_range_(exp_avg, start, m)
+        encode_range_(exp_avg_sq, start, v)
+
+
+def _clip(fragments: Sequence[tuple[int, int]], start: int, stop: int) -> tuple[tuple[int, int], ...]:
+    """The parts of ``fragments`` inside ``[start, stop)``, relative to ``start``."""
+    clipped = []
+    for offset, length in fragments:
+        lo, hi = max(offset, start), min(offset + length, stop)
+        if lo < hi:
+            clipped.append((lo - start, hi - lo))
+    return tuple(clipped)
 
 
 def _check_step(
