@@ -18,6 +18,7 @@ from reference import reference_train, tiny_config
 from tier_stores import LR, NORM, NUMEL, cold_disk_file, open_storage, seeded_randn, shard_spec, tier_config
 
 from cargohold.cluster import cli
+from cargohold.cluster.plan.render import render
 from cargohold.cluster.plan.run import plan_run
 from cargohold.services.errors import CorruptPartitionError
 from cargohold.services.optim import clip_coefficient
@@ -192,6 +193,8 @@ def test_the_plan_counts_the_kinds_bytes_per_parameter(tmp_path: Path, kind: Sta
     for server in plan.servers:
         total = server.ram_state_bytes + server.nvme_state_bytes
         assert abs(total / server.elements - bytes_per_parameter(kind)) < 0.01
+    label = {"float32": "12", "bfloat16": "8", "blockwise8": "6.03"}[kind]
+    assert f"state in RAM ({label} B/param)" in render(plan)
     tiered = plan_run(
         tiny_config(state_server__num_servers=2, optim__state_dtype=kind, state_server__tier=nvme_tier(tmp_path))
     )
