@@ -260,48 +260,103 @@ def test_a_run_trains_within_tolerance_of_fp32_in_ram_and_on_nvme(
             assert torch.equal(nvme_state[segment_id][key], tensor), f"segment {segment_id} {key} differs"
 
 
+RESUME_STEPS = 8
+
+
+def _resume_config(kind: StateDtype, root: Path, **more):
+    """A run of RESUME_STEPS steps with most state on disk and checkpoints under ``root``."""
+    return tiny_config(
+        steps=RESUME_STEPS,
+        state_server__num_servers=2,
+        optim__state_dtype=kind,
+        checkpoint__dir=str(root / "checkpoints"),
+        state_server__tier=nvme_tier(root),
+        **more,
+    )
+
+
+def _final(kind: StateDtype, root: Path) -> dict[str, torch.Tensor]:
+    """The last checkpoint's state (decoded to fp32), of the last step."""
+    from cargohold.services.checkpoint import CheckpointDir, read_flat_range
+
+    store = CheckpointDir(root / "checkpoints")
+    latest = store.latest()
+    manifest = store.load(latest)
+    assert manifest.step == RESUME_STEPS and manifest.config["optim"]["state_dtype"] == kind
+    return read_flat_range(latest, manifest, 0, manifest.total)
+
+
+def _assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(got[key], expected[key]), f"{key} differs by {(got[key] - expected[key]).abs().max():.3e}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_local, tmp_path_factory):
+    """The final state of the uninterrupted run of each kind, run once."""
+    from cargohold.cluster.supervise import train
+
+    done: dict[str, dict[str, torch.Tensor]] = {}
+
+    def of(kind: StateDtype) -> dict[str, torch.Tensor]:
+        if kind not in done:
+            root = tmp_path_factory.mktemp(f"uninterrupted-{kind}")
+            train(_resume_config(kind, root))
+            done[kind] = _final(kind, root)
+        return done[kind]
+
+    return of
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("kind", KINDS)
-def test_stop_and_resume_ends_bitwise_where_the_uninterrupted_run_ends(ray_local, tmp_path: Path, kind) -> None:
+def test_stop_and_resume_ends_bitwise_where_the_uninterrupted_run_ends(uninterrupted, tmp_path: Path, kind) -> None:
     """With most state on disk (files linked into the checkpoint) and 8-bit blocks whose
     decode and re-encode would not be exact: the resumed run restores the stored bytes."""
     from cargohold.cluster.launcher import TrainingSession
     from cargohold.cluster.supervise import train
-    from cargohold.services.checkpoint import CheckpointDir, read_flat_range
+    from cargohold.services.checkpoint import CheckpointDir
 
-    steps = 8
-
-    def config(root: Path, **more):
-        return tiny_config(
-            steps=steps,
-            state_server__num_servers=2,
-            optim__state_dtype=kind,
-            checkpoint__dir=str(root / "checkpoints"),
-            state_server__tier=nvme_tier(root),
-            **more,
-        )
-
-    def final(root: Path) -> dict[str, torch.Tensor]:
-        store = CheckpointDir(root / "checkpoints")
-        latest = store.latest()
-        manifest = store.load(latest)
-        assert manifest.step == steps and manifest.config["optim"]["state_dtype"] == kind
-        return read_flat_range(latest, manifest, 0, manifest.total)
-
-    train(config(tmp_path / "uninterrupted"))
-    expected = final(tmp_path / "uninterrupted")
-
-    interrupted = tmp_path / "interrupted"
-    store = CheckpointDir(interrupted / "checkpoints")
-    with TrainingSession(config(interrupted)) as session:
+    store = CheckpointDir(tmp_path / "checkpoints")
+    with TrainingSession(_resume_config(kind, tmp_path)) as session:
         for _ in range(4):
             session.step()
         session.checkpoint_finish(store, session.checkpoint_begin(store))
-    resumed = train(config(interrupted, checkpoint__resume="latest"))
+    resumed = train(_resume_config(kind, tmp_path, checkpoint__resume="latest"))
     assert resumed.first_step == 4
-    got = final(interrupted)
-    for key in ("master", "exp_avg", "exp_avg_sq"):
-        assert torch.equal(got[key], expected[key]), f"{key} differs by {(got[key] - expected[key]).abs().max():.3e}"
+    _assert_same(_final(kind, tmp_path), uninterrupted(kind))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_killed_worker_is_recovered_ending_bitwise_where_the_uninterrupted_run_ends(
+    uninterrupted, tmp_path: Path, monkeypatch, kind: StateDtype
+) -> None:
+    """A worker SIGKILLed in step 5, after the checkpoint of step 4: the launcher restarts
+    from it (the servers restore the stored moments) and the run ends where the
+    uninterrupted one does."""
+    import os
+    import signal
+
+    import ray
+
+    from cargohold.cluster.launcher import TrainingSession
+    from cargohold.cluster.supervise import train
+
+    original_step = TrainingSession.step
+    killed: list[int] = []
+
+    def step_with_fault(session: TrainingSession):
+        if not killed and session.step_count == 5:
+            pid = ray.get(session.workers[1].__ray_call__.remote(lambda self: os.getpid()))
+            killed.append(pid)
+            os.kill(pid, signal.SIGKILL)
+        return original_step(session)
+
+    monkeypatch.setattr(TrainingSession, "step", step_with_fault)
+    result = train(_resume_config(kind, tmp_path, checkpoint__every_steps=2, checkpoint__max_failures=1))
+    assert len(killed) == 1 and result.restarts == 1 and len(result.losses) == RESUME_STEPS
+    _assert_same(_final(kind, tmp_path), uninterrupted(kind))
 
 
 @pytest.mark.integration
