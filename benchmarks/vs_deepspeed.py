@@ -144,9 +144,9 @@ def summarise_profile(path: Path, steps: int, top: int = 12) -> str:
 
 
 # --- cargohold ------------------------------------------------------------------------------
-def nvme_tier_settings(config, root: Path) -> list[str]:
-    """The state on the NVMe tier under ``root``, a RAM budget of a quarter of it (at least
-    the staging buffers and one resident partition)."""
+def nvme_tier_settings(config, root: Path, partition_mib: float = 1.0) -> list[str]:
+    """The state on the NVMe tier under ``root`` in partitions of ``partition_mib``, a RAM
+    budget of a quarter of it (at least the staging buffers and one resident partition)."""
     import torch
 
     from cargohold.cluster.config import TierConfig
@@ -154,7 +154,7 @@ def nvme_tier_settings(config, root: Path) -> list[str]:
 
     with torch.device("meta"):
         parameters = sum(p.numel() for p in build_model(config).parameters())
-    partition = 1 << 20
+    partition = int(partition_mib * (1 << 20)) // 4096 * 4096
     staging = TierConfig(partition_bytes=partition, buffer_count=3).staging_bytes()
     per_server = 12 * parameters // config.state_server.num_servers
     budget = max(per_server // 4, staging + partition)
@@ -386,6 +386,9 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--root", default=None, help="folder for the NVMe variants' files (default: a temporary one)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--partition-mib", type=float, default=1.0, help="the nvme variant's partition size (its RAM budget: 1/4)"
+    )
     parser.add_argument("--profile", action="store_true", help="record worker 0 and rank 0 with py-spy (not timed)")
     parser.add_argument("--cargohold-only", action="store_true", help="skip DeepSpeed (no ratio): an A/B of settings")
     parser.add_argument("--deepspeed-child", action="store_true", help=argparse.SUPPRESS)
@@ -409,7 +412,7 @@ def main() -> None:
         for number, name in enumerate(names):
             config = load(args.config, [*args.overrides, *CARGOHOLD_SETTINGS[name]])
             if name == "nvme":
-                tier = nvme_tier_settings(config, root)
+                tier = nvme_tier_settings(config, root, args.partition_mib)
                 config = load(args.config, [*args.overrides, *CARGOHOLD_SETTINGS[name], *tier])
             profile = root / f"cargohold-{name}.txt" if args.profile else None
             ours = run_cargohold(config, args.warmup, profile)

@@ -249,7 +249,7 @@ class TrainingSession:
         directory = store.begin(step)
         begun = []
         try:
-            self._settle_workers()
+            self.settle()
             begun = [s.checkpoint_begin.remote(self.run_id, str(directory), step) for s in self.servers]
             updates = set(_get(begun, None, f"checkpointing step {step}"))
             if len(updates) != 1:
@@ -348,17 +348,19 @@ class TrainingSession:
 
     def server_snapshots(self) -> list[dict[int, dict[str, torch.Tensor]]]:
         """Every server's full fp32 state by shard id (tests: it is 12 bytes a parameter)."""
-        self._settle_workers()
+        self.settle()
         return ray.get([s.snapshot.remote(self.run_id) for s in self.servers])
 
     def server_masters(self) -> list[dict[int, torch.Tensor]]:
         """Every server's fp32 master weights by shard id (4 bytes a parameter; export)."""
-        self._settle_workers()
+        self.settle()
         return ray.get([s.masters.remote(self.run_id) for s in self.servers])
 
-    def _settle_workers(self) -> None:
-        """Wait for the updates the workers still have in flight: a step returns before its
-        units' updates end (each unit's next forward waits for its own)."""
+    def settle(self) -> None:
+        """Wait for the updates the workers still have in flight: :meth:`step` returns
+        before its units' updates end (each unit's next forward waits for its own), so the
+        servers' state, and the transfers the metrics count, lag a step behind until this
+        returns. Reading the servers' state here settles first."""
         _get([w.settle.remote() for w in self.workers], None, "settling the updates in flight")
 
     def metrics_targets(self) -> list[Target]:

@@ -6,6 +6,9 @@ list, exported weights).
 The new content goes to ``<target>.tmp``, which is fsynced and renamed over ``target``;
 the rename is only durable once the directory itself is fsynced too. A failure before
 the rename removes the temporary file and leaves ``target`` as it was.
+:func:`replace_atomically` is the same without the fsyncs: a file that only has to
+survive its writer's death, not the machine's (the NVMe tier's live files, which a
+restart never reads; a checkpoint fsyncs those it keeps).
 """
 
 from __future__ import annotations
@@ -40,13 +43,34 @@ def replace_durably(
         fsync_file(temporary, drop_cache=drop_cache)
         os.replace(temporary, target)
     except BaseException:
-        try:
-            os.unlink(temporary)
-        except FileNotFoundError:
-            pass
+        _remove(temporary)
         raise
     if sync_directory:
         fsync_directory(os.path.dirname(target) or ".")
+
+
+@contextmanager
+def replace_atomically(target: str | os.PathLike[str]) -> Iterator[str]:
+    """Yield the temporary path to write ``target``'s new content to; once the block
+    ends, rename it over ``target``. Whoever reads ``target`` finds the old content or
+    the new, never a mix, and the inode a name pointed to is never changed (a hard link
+    keeps it), but nothing is flushed: after a power loss either may be gone. An error
+    removes the temporary file, ``target`` untouched."""
+    target = os.fspath(target)
+    temporary = target + TEMP_SUFFIX
+    try:
+        yield temporary
+        os.replace(temporary, target)
+    except BaseException:
+        _remove(temporary)
+        raise
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def fsync_file(path: str | os.PathLike[str], *, drop_cache: bool = False) -> None:

@@ -74,12 +74,14 @@ def test_plan_matches_a_real_run(ray_local, tmp_path: Path, tiered: bool) -> Non
         targets = {(t.role, t.index): t.address for t in session.metrics_targets()}
         for _ in range(3):
             session.step()
+        session.settle()  # a step returns with its update still in flight
         server = session.servers[0]
         by_tier = ray_get(server.__ray_call__.remote(lambda s: s.registry.bytes_by_tier()))
         summary = ray_get(server.__ray_call__.remote(lambda s: s.registry.storage.summary()))
         before = _scrape(targets[("state_server", 0)])
         session.step()
         session.step()
+        session.settle()
         after = _scrape(targets[("state_server", 0)])
         worker = _scrape(targets[("worker", 0)])
         store = CheckpointDir(tmp_path / "checkpoints")
@@ -150,6 +152,7 @@ def test_worker_buffers_match_a_real_run(ray_local) -> None:
         address = {(t.role, t.index): t.address for t in session.metrics_targets()}[("worker", 0)]
         session.step()
         session.step()
+        session.settle()
         worker = _scrape(address)
     assert resident[0] == plan.worker.buffers
     assert malloc == [worker_env()["MALLOC_MMAP_THRESHOLD_"]] * 3  # FSDP2's unit buffers go back to the system

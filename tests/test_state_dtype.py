@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import nvme_tier
 from reference import reference_train, tiny_config
 from tier_stores import LR, NORM, NUMEL, cold_disk_file, open_storage, seeded_randn, shard_spec, tier_config
 
@@ -36,10 +37,11 @@ from cargohold.services.state_precision import (
 from cargohold.services.tiers.fileformat import HEADER_BYTES, FileLayout, unpack_header
 from cargohold.services.tiers.residency import Residency
 from cargohold.services.transport.codec import spec_from_proto, spec_to_proto
-from tests.plans import nvme_tier
 
 pytestmark = pytest.mark.timeout(300)
 KINDS: tuple[StateDtype, ...] = ("bfloat16", "blockwise8")
+BF16_SLOW = [pytest.param("bfloat16", marks=pytest.mark.slow), "blockwise8"]
+"""The Ray runs in the default suite for the 8-bit kind (bf16 in ``make test-slow``)."""
 
 
 def _spec(kind: StateDtype):
@@ -236,7 +238,7 @@ def fp32_losses() -> list[float]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", BF16_SLOW)
 def test_a_run_trains_within_tolerance_of_fp32_in_ram_and_on_nvme(
     ray_local, tmp_path: Path, fp32_losses: list[float], kind: StateDtype
 ) -> None:
@@ -312,7 +314,7 @@ def uninterrupted(ray_local, tmp_path_factory):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", BF16_SLOW)
 def test_stop_and_resume_ends_bitwise_where_the_uninterrupted_run_ends(uninterrupted, tmp_path: Path, kind) -> None:
     """With most state on disk (files linked into the checkpoint) and 8-bit blocks whose
     decode and re-encode would not be exact: the resumed run restores the stored bytes."""
@@ -331,7 +333,7 @@ def test_stop_and_resume_ends_bitwise_where_the_uninterrupted_run_ends(uninterru
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) for k in KINDS])
 def test_a_killed_worker_is_recovered_ending_bitwise_where_the_uninterrupted_run_ends(
     uninterrupted, tmp_path: Path, monkeypatch, kind: StateDtype
 ) -> None:
@@ -362,6 +364,7 @@ def test_a_killed_worker_is_recovered_ending_bitwise_where_the_uninterrupted_run
     _assert_same(_final(kind, tmp_path), uninterrupted(kind))
 
 
+@pytest.mark.slow  # the default suite keeps the 8-bit run and its stop-and-resume
 @pytest.mark.integration
 def test_a_resume_onto_more_servers_converts_the_pieces_off_the_block_grid(uninterrupted, tmp_path: Path) -> None:
     """Saved by 2 servers with 8-bit moments, resumed onto 3: the new segments' partitions
@@ -384,6 +387,7 @@ def test_a_resume_onto_more_servers_converts_the_pieces_off_the_block_grid(unint
     assert difference < RESHARD_TOLERANCE
 
 
+@pytest.mark.slow  # the default suite keeps the 8-bit run and its stop-and-resume
 @pytest.mark.integration
 def test_a_resume_into_another_kind_converts_the_moments_and_says_so(ray_local, tmp_path: Path, caplog) -> None:
     """Saved with 8-bit moments, resumed as fp32: the moments come back decoded (the

@@ -245,3 +245,44 @@ def test_a_cancelled_write_releases_the_partition(tmp_path: Path) -> None:
         assert not [name for name in written if (directory / name).exists()], "a cancelled write wrote"
     finally:
         registry.close()
+
+
+@pytest.mark.parametrize("direct_io", ["on", "off"])
+def test_live_direct_writes_skip_fsync_and_a_checkpoint_syncs_what_it_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_io: str
+) -> None:
+    """The tier's O_DIRECT writes of live partition files are not fsynced (the files need
+    to outlive the server process, not the machine), and a checkpoint fsyncs every file it
+    hard-links before its manifest; buffered writes keep their fsync (only clean pages can
+    be dropped from the page cache). The real fsync runs: the spy only records its files."""
+    synced: list[str] = []
+    inodes: set[tuple[int, int]] = set()
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        inodes.add((os.fstat(fd).st_dev, os.fstat(fd).st_ino))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    registry = fresh_registry(tier_config(tmp_path, direct_io=direct_io))
+    try:
+        push_steps(registry, range(1, 3))
+        live = [p for p in synced if ".part-" in os.path.basename(p)]  # the tier's files and their temporaries
+        if direct_io == "on":
+            assert not live, f"live O_DIRECT writes were fsynced: {live[:3]}"
+        else:
+            assert live, "buffered live writes must be fsynced"
+        on_disk = disk_rows(registry)
+        inodes.clear()
+        path, how = save_checkpoint(CheckpointDir(tmp_path / "ckpt"), registry, 2)
+        assert how["linked"] == len(on_disk) > 0
+        unsynced = [key for key in on_disk if _inode(checkpoint_file(path, key)) not in inodes]
+        assert not unsynced, f"linked but not fsynced: {unsynced[:3]}"
+    finally:
+        registry.close()
+
+
+def _inode(path: Path) -> tuple[int, int]:
+    status = os.stat(path)
+    return status.st_dev, status.st_ino

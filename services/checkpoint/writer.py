@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -33,7 +34,7 @@ import torch
 from cargohold.services.checkpoint.errors import free_space_hint
 from cargohold.services.checkpoint.manifest import FileRecord, Manifest, SegmentRecord
 from cargohold.services.checkpoint.reader import CheckpointReader
-from cargohold.services.durable import fsync_directory
+from cargohold.services.durable import fsync_directory, fsync_file
 from cargohold.services.errors import CheckpointError, TierError
 from cargohold.services.reshard import Run
 from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState
@@ -141,6 +142,9 @@ class ShardCheckpointer:
                         checksums[part.name] = pending.run().checksum()
                     else:
                         pending.run()
+                for _, part in preserved:  # the tier wrote them without fsync (O_DIRECT)
+                    if part.how == "linked":
+                        fsync_file(os.path.join(directory, part.name))
                 fsync_directory(directory)
             except OSError as error:
                 raise _save_error(directory, error) from error

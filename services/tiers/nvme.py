@@ -1,10 +1,17 @@
 """The NVMe tier: one file per partition under ``<nvme_path>/<run_id>/server-<i>/``, moved
 through page-aligned staging buffers with O_DIRECT where the filesystem takes it.
 
-Writes are crash-consistent: a partition is written to ``<file>.tmp``, fsynced, renamed
-over the file and the directory fsynced, so the file always holds either the previous
-good state or the new one, never a mix; a failed write (disk full, I/O error) removes the
-temporary file and leaves the last good one readable. Every read checks the file's size,
+Writes are crash-consistent: a partition is written to ``<file>.tmp`` and renamed over
+the file, so the file always holds either the previous good state or the new one, never
+a mix, and a version's inode is never changed afterwards (what lets a checkpoint hard-link
+it); a failed write (disk full, I/O error) removes the temporary file and leaves the last
+good one readable. O_DIRECT writes are not fsynced: the live files need to outlive the
+server process, not the machine (after any failure the run restarts from its last
+checkpoint and the tier folder is swept), and an fsync and a directory fsync per partition
+and step cost ~2-3 ms each here, most of the NVMe tier's update time at small partitions.
+A checkpoint fsyncs every file it links (:func:`.preserve.link_or_pin`) before its
+manifest is written. Buffered writes are fsynced, since only clean pages can be dropped
+from the page cache. Every read checks the file's size,
 header and checksums (:mod:`.fileformat`) and refuses a torn or corrupted file with a
 :class:`CorruptPartitionError` naming it.
 
@@ -32,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cargohold.services.durable import fsync_file, replace_durably
+from cargohold.services.durable import fsync_file, replace_atomically, replace_durably
 from cargohold.services.errors import TierError, TierSpaceError
 from cargohold.services.tiers.fileformat import (
     ARRAYS,
@@ -394,7 +401,15 @@ class NvmeTier:
         started = time.perf_counter()
         try:
             try:
-                write_partition_file(target, buffer, partition.key, layout, step, direct=tier_path.direct)
+                write_partition_file(
+                    target,
+                    buffer,
+                    partition.key,
+                    layout,
+                    step,
+                    direct=tier_path.direct,
+                    durable=not tier_path.direct,  # a checkpoint fsyncs what it links
+                )
             except OSError as error:
                 if not tier_path.refused_direct(error):
                     raise
@@ -450,20 +465,30 @@ def check_free_space(root: str, need: int, free: int, what: str) -> None:
 
 
 def write_partition_file(
-    target: str, buffer: AlignedBuffer, key: PartitionKey, layout: FileLayout, step: int, *, direct: bool
+    target: str,
+    buffer: AlignedBuffer,
+    key: PartitionKey,
+    layout: FileLayout,
+    step: int,
+    *,
+    direct: bool,
+    durable: bool = True,
 ) -> PartitionHeader:
     """Write a partition held in ``buffer`` (its file layout; the header block is filled
     here) as the file of ``step`` at ``target`` with
-    :func:`~cargohold.services.durable.replace_durably`. Every version is a new file renamed
-    into place and none is ever changed in place, which is what lets a checkpoint hard-link
-    one. Raises the OSError, leaving no temporary file and ``target`` as it was."""
+    :func:`~cargohold.services.durable.replace_durably`, or without its fsyncs unless
+    ``durable`` (:func:`~cargohold.services.durable.replace_atomically`). Every version is
+    a new file renamed into place and none is ever changed in place, which is what lets a
+    checkpoint hard-link one. Raises the OSError, leaving no temporary file and ``target``
+    as it was."""
     master, exp_avg, exp_avg_sq = (
         crc32c(buffer.view[layout.offset(i) : layout.offset(i) + layout.region_bytes_of(i)]) for i in range(len(ARRAYS))
     )
     checksums = (master, exp_avg, exp_avg_sq)
     header = PartitionHeader(key=key, numel=layout.numel, step=step, checksums=checksums, dtype=layout.dtype)
     buffer.view[:HEADER_BYTES] = header.pack()
-    with replace_durably(target, drop_cache=not direct) as temporary:
+    replace = replace_durably(target, drop_cache=not direct) if durable else replace_atomically(target)
+    with replace as temporary:
         write_file(temporary, buffer.view[: layout.file_bytes], direct)
     return header
 

@@ -5,8 +5,10 @@ A partition file on the NVMe tier is immutable: every new version is written to 
 temporary name and renamed over the old one (:func:`.nvme.write_partition_file`), so the
 inode a name points to at a given step never changes afterwards. A hard link to it
 therefore keeps that step's state for as long as the link exists, whatever the tier does
-next, and costs no bytes and no time. Where a link is refused (another filesystem,
-EXDEV; a filesystem without hard links; too many links) the file is copied instead, from
+next, and costs no bytes and no time (the tier writes its live files without fsync: the
+checkpoint's writer fsyncs the linked ones in the background, before the manifest).
+Where a link is refused (another filesystem, EXDEV; a filesystem without hard links; too
+many links) the file is copied instead, from
 a descriptor opened before training goes on, so the copy can run in the background and
 still read exactly the version that was current: ``os.copy_file_range`` lets the kernel
 copy (or reflink, where the filesystem shares extents) without passing the bytes through
