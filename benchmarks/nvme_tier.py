@@ -19,6 +19,16 @@ In one run, on the disk under ``--path``:
    over the measured step time, 1.0 when the tier moves data as fast as the disk can.
 3. **RAM.** The same shard and steps with all state in RAM: the step's compute alone.
 
+With ``--compare-state-dtypes`` it runs instead, on the same disk and budget, the tier
+with the moments stored as float32, bfloat16 and blockwise8 (``optim.state_dtype``): one
+shard of ``--state-mib`` *fp32-equivalent* parameters each (the same parameters, fewer
+bytes), stepped in turn (interleaved, so load from other processes falls on all kinds
+alike), and prints per kind the mean update time of steps 2..N and the bytes swapped in
+and out per step, then ``RATIO <kind> / float32 update_time`` and ``... bytes_per_step``.
+No raw-disk baseline is run then:
+
+    python benchmarks/nvme_tier.py --compare-state-dtypes --path /tmp/bench --state-mib 768 --budget-mib 160 --steps 4
+
 Ratios printed: tier throughput / raw disk bandwidth (goal >= 0.9) and step(NVMe) /
 step(RAM). When the update itself is slower than the disk, the step cannot be shorter
 than the RAM step, and the best the tier can do is hide its I/O behind it; the line
@@ -44,6 +54,7 @@ from disk_baselines import best, fio_bandwidth, thread_bandwidth
 from cargohold.cluster.config import TierConfig
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
+from cargohold.services.state_precision import STATE_DTYPES, StateDtype
 from cargohold.services.tiers.storage import TieredStorage
 
 MIB = 1 << 20
@@ -78,6 +89,27 @@ class Counter:
 
 
 def run_steps(tier: TierConfig, numel: int, steps: int, observer: Counter | None):
+    registry, state = open_shard(tier, numel, observer, "float32")
+    gradient = _gradient(numel)
+    try:
+        times, moved = [], []
+        for step in range(1, steps + 1):
+            seconds, swapped = timed_step(state, step, gradient, observer)
+            times.append(seconds)
+            moved.append(swapped)
+        weights = state.weights(steps, "float32")
+        by_tier = registry.bytes_by_tier()
+    finally:
+        registry.close()
+    return times, moved, weights, by_tier
+
+
+def _gradient(numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1)).mul_(1e-2)
+
+
+def open_shard(tier: TierConfig, numel: int, observer: Counter | None, state_dtype: StateDtype):
+    """A registry over ``tier`` holding one shard of ``numel`` parameters stored as ``state_dtype``."""
     spec = SegmentSpec(
         run_id="bench",
         segment_id=0,
@@ -86,26 +118,68 @@ def run_steps(tier: TierConfig, numel: int, steps: int, observer: Counter | None
         fragments=((0, numel),),
         grad_dtype="float32",
         hyper=AdamWHyperParams(weight_decay=0.01),
+        state_dtype=state_dtype,
     )
     initial = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    gradient = torch.randn(numel, generator=torch.Generator().manual_seed(1)).mul_(1e-2)
     registry = SegmentRegistry(TieredStorage(tier, observer=observer))
     try:
-        state = registry.register(spec, initial)
-        del initial
-        times, moved = [], []
-        for step in range(1, steps + 1):
-            before = (observer.read, observer.written) if observer else (0, 0)
-            started = time.perf_counter()
-            state.apply_gradient(step, gradient, global_norm=1.0, lr=1e-3)
-            times.append(time.perf_counter() - started)
-            if observer:
-                moved.append((observer.read - before[0], observer.written - before[1]))
-        weights = state.weights(steps, "float32")
-        by_tier = registry.bytes_by_tier()
-    finally:
+        return registry, registry.register(spec, initial)
+    except BaseException:
         registry.close()
-    return times, moved, weights, by_tier
+        raise
+
+
+def timed_step(state, step: int, gradient: torch.Tensor, observer: Counter | None) -> tuple[float, tuple[int, int]]:
+    """Seconds of one update and the bytes it read and wrote."""
+    before = (observer.read, observer.written) if observer else (0, 0)
+    started = time.perf_counter()
+    state.apply_gradient(step, gradient, global_norm=1.0, lr=1e-3)
+    seconds = time.perf_counter() - started
+    after = (observer.read, observer.written) if observer else (0, 0)
+    return seconds, (after[0] - before[0], after[1] - before[1])
+
+
+def compare_state_dtypes(args: argparse.Namespace, base: str, numel: int) -> None:
+    """The tier's update time and bytes per step for each ``optim.state_dtype``, interleaved."""
+    shards = {}
+    try:
+        for kind in STATE_DTYPES:
+            tier = TierConfig(
+                nvme_paths=[os.path.join(base, f"tier-{kind}")],
+                ram_budget_bytes=args.budget_mib * MIB,
+                partition_bytes=args.partition_mib * MIB,
+                buffer_count=args.buffers,
+                io_threads=args.io_threads,
+            )
+            counter = Counter()
+            registry, state = open_shard(tier, numel, counter, kind)
+            shards[kind] = (registry, state, counter, [], [])
+        gradient = _gradient(numel)
+        for step in range(1, args.steps + 1):
+            for _, state, counter, times, moved in shards.values():
+                seconds, swapped = timed_step(state, step, gradient, counter)
+                times.append(seconds)
+                moved.append(swapped)
+        by_tier = {kind: shard[0].bytes_by_tier() for kind, shard in shards.items()}
+    finally:
+        for registry, *_ in shards.values():
+            registry.close()
+    tail = slice(1, None) if args.steps > 1 else slice(None)
+    mean_time, per_step = {}, {}
+    for kind, (_, _, counter, times, moved) in shards.items():
+        mean_time[kind] = statistics.mean(times[tail])
+        read_b = statistics.mean(m[0] for m in moved[tail])
+        write_b = statistics.mean(m[1] for m in moved[tail])
+        per_step[kind] = read_b + write_b
+        print(
+            f"{kind:10s} state {by_tier[kind]['ram'] / MIB:6.0f} MiB in RAM, {by_tier[kind]['nvme'] / MIB:6.0f} MiB "
+            f"on disk; per step in {read_b / MIB:6.0f} MiB, out {write_b / MIB:6.0f} MiB; update "
+            f"{mean_time[kind]:.3f} s (steps {', '.join(f'{t:.3f}' for t in times)}); prefetch hits {counter.hits}, "
+            f"misses {counter.misses}"
+        )
+    for kind in STATE_DTYPES[1:]:
+        print(f"RATIO {kind} / float32 update_time {mean_time[kind] / mean_time['float32']:.3f}")
+        print(f"RATIO {kind} / float32 bytes_per_step {per_step[kind] / per_step['float32']:.3f}")
 
 
 def main() -> None:
@@ -122,6 +196,9 @@ def main() -> None:
     parser.add_argument("--fio-depth", type=int, default=32)
     parser.add_argument("--fio-block-kib", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for Adam")
+    parser.add_argument(
+        "--compare-state-dtypes", action="store_true", help="the tier per optim.state_dtype instead (no raw baseline)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     base = args.path or tempfile.mkdtemp(prefix="cargohold-bench-")
@@ -133,6 +210,15 @@ def main() -> None:
         f"kernel {platform.release()}"
     )
     print(f"disk: {base} ({shutil.disk_usage(base).free / 2**30:.0f} GiB free)")
+    if args.compare_state_dtypes:
+        print(f"load average before: {os.getloadavg()[0]:.2f}")
+        try:
+            compare_state_dtypes(args, base, numel)
+        finally:
+            if args.path is None:
+                shutil.rmtree(base, ignore_errors=True)
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
+        return
     try:
         baselines = [thread_bandwidth(base, args.raw_mib * MIB, args.block_mib * MIB, args.io_threads)]
         for engine in ("libaio", "io_uring"):

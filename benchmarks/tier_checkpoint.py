@@ -47,7 +47,7 @@ from cargohold.services.layout import build_layout
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.reshard import layout_record
 from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState
-from cargohold.services.tiers.fileformat import ARRAYS, FileLayout
+from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.io_pool import AlignedBuffer
 from cargohold.services.tiers.nvme import write_partition_file
 from cargohold.services.tiers.residency import PartitionKey, Residency
@@ -70,11 +70,10 @@ def copy_files(sources: list[str], directory: str) -> None:
 def write_through_ram(state: SegmentState, path: str) -> None:
     """The whole shard read back into memory and written as one partition file."""
     snapshot = state.snapshot()
-    numel = state.spec.numel
-    buffer = AlignedBuffer(FileLayout(numel).file_bytes)
-    for array, name in zip(buffer.arrays(numel), ARRAYS):
-        array.copy_(snapshot[name])
-    write_partition_file(path, buffer, PartitionKey("bench", 0, 0), numel, state.updates, direct=False)
+    layout = FileLayout(state.spec.numel, state.spec.state_dtype)
+    buffer = AlignedBuffer(layout.file_bytes)
+    buffer.arrays(layout).load_(snapshot["master"], (snapshot["exp_avg"], snapshot["exp_avg_sq"]))
+    write_partition_file(path, buffer, PartitionKey("bench", 0, 0), layout, state.updates, direct=False)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from typing import Literal
 from cargohold.services.errors import ConfigError
 from cargohold.services.loss_scale import LossScaleRules
 from cargohold.services.optim import AdamWHyperParams
+from cargohold.services.state_precision import StateDtype, parse_state_dtype
 
 
 @dataclass(kw_only=True, slots=True)
@@ -99,9 +100,18 @@ class OptimConfig:
     """A step whose global gradient norm is NaN or Inf: skip its update (logged, counted in
     cargohold_worker_skipped_steps_total), fail the run, or apply it unchecked. With
     "ignore" and no clipping, servers apply each unit's gradients while backward still runs."""
+    state_dtype: StateDtype = "float32"
+    """How the state servers store AdamW's moments (exp_avg, exp_avg_sq; the master weights
+    stay fp32): float32 (12 B of state per parameter, bitwise torch's AdamW), bfloat16
+    (8 B; each moment rounded to bf16 after every update) or blockwise8 (about 6.03 B;
+    8-bit codes in blocks of 256 elements with an fp32 scale each, Dettmers et al.'s
+    8-bit optimizers). The update decodes each partition's moments to fp32 a piece at a
+    time and runs the same fused kernel. A resume from a checkpoint saved with another
+    value converts its moments (logged). See `services/state_precision.py`."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
 
     def __post_init__(self) -> None:
+        parse_state_dtype(self.state_dtype)
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"optim.lr must be a finite number > 0, got {self.lr}")
         if self.warmup_steps < 0:

@@ -24,7 +24,9 @@ Every key is compared but ``checkpoint.resume`` (how a run starts, not what it i
   that run's continuation. ``data.micro_batches`` is one of these, as ``data.batch_size``
   is (the global batch is their product), and so is ``eval.*`` (validation reads no
   state). ``hf.*`` are paths, compared as such: another model behind
-  them is refused by its parameters (:func:`check_compatible`).
+  them is refused by its parameters (:func:`check_compatible`). ``optim.state_dtype``
+  is one of these too: the state servers convert the saved moments (decode them to
+  fp32, store them in this run's kind) as they restore them, and that is logged.
 """
 
 from __future__ import annotations
@@ -114,6 +116,16 @@ def check_resume(directory: Path, config: TrainConfig, layout: Layout) -> Manife
         check_compatible(manifest, model_signature=[(p.name, p.shape) for p in layout.params], align=layout.align)
     except CheckpointError as error:
         raise ResumeRefusedError(f"checkpoint.resume: {directory}: {error}") from error
+    converted = next((c for c in changes if c.key == "optim.state_dtype"), None)
+    if converted is not None:
+        logger.warning(
+            "resuming from %s: optim.state_dtype is %s there and %s here; the saved Adam moments are converted "
+            "(decoded to fp32, stored as %s) as they are restored",
+            directory,
+            converted.saved,
+            converted.current,
+            config.optim.state_dtype,
+        )
     if changes:
         logger.warning(
             "resuming from %s with config keys changed (the saved state keeps its meaning; the run goes on "

@@ -30,12 +30,12 @@ from cargohold.services.optim import (
     AdamWHyperParams,
     FragmentGroup,
     UpdateGroup,
-    apply_update,
     clip_coefficient,
     fragment_groups,
     inverse_scale,
     unscale_coefficient,
 )
+from cargohold.services.state_precision import STATE_DTYPES, StateDtype, apply_update_stored
 from cargohold.services.tiers.partitions import clip_fragments
 from cargohold.services.tiers.preserve import PreservedPartition
 from cargohold.services.tiers.residency import PartitionKey, Residency
@@ -63,10 +63,17 @@ class SegmentSpec:
     empty: one, with ``hyper.weight_decay`` at the pushed lr."""
     fragment_group: tuple[int, ...] = ()
     """Each fragment's index in ``groups`` (empty with them)."""
+    state_dtype: StateDtype = "float32"
+    """How the segment's moments are stored (``optim.state_dtype``,
+    :mod:`cargohold.services.state_precision`); the master weights are fp32 in every kind."""
 
     def __post_init__(self) -> None:
         if not self.run_id:
             raise InvalidTensorError("run_id must not be empty")
+        if self.state_dtype not in STATE_DTYPES:
+            raise InvalidTensorError(
+                f"shard {self.segment_id}: state dtype {self.state_dtype!r} is not one of {', '.join(STATE_DTYPES)}"
+            )
         if self.numel <= 0:
             raise InvalidTensorError(f"shard {self.segment_id}: numel must be > 0, got {self.numel}")
         if self.grad_dtype not in WIRE_DTYPES:
@@ -158,6 +165,7 @@ class SegmentState:
             source,
             updates=updates,
             gradient_itemsize=WIRE_DTYPES[spec.grad_dtype].itemsize,
+            state_dtype=spec.state_dtype,
         )
         self._updates = updates
         self._staged = 0
@@ -303,12 +311,14 @@ class SegmentState:
         and multiplied by the step's ``coefficient`` (clipping, and the inverse of an fp16
         run's loss scale), then torch's fused AdamW kernel over the
         partition's fragments, one call per param group
-        (:func:`~cargohold.services.optim.apply_update`). ``step``: the update number, as
+        (:func:`~cargohold.services.optim.apply_update`; with moments stored in bf16 or
+        8 bits, decoded to fp32 around it a piece at a time,
+        :func:`~cargohold.services.state_precision.apply_update_stored`). ``step``: the update number, as
         torch's AdamW counts it. With ``weights_out`` the new master weights are also
         written there in its dtype while they are in memory (the prepared weights)."""
         span = partition.span
         if span.fragments:
-            apply_update(
+            apply_update_stored(
                 partition.state.master,
                 partition.state.exp_avg,
                 partition.state.exp_avg_sq,

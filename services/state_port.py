@@ -40,6 +40,7 @@ def segment_spec(config: TrainConfig, run_id: str, segment: Segment, param_group
         hyper=config.optim.hyper_params(),
         groups=groups,
         fragment_group=fragment_group,
+        state_dtype=config.optim.state_dtype,
     )
 
 

@@ -26,6 +26,7 @@ CORE = frozenset(
         "cargohold.services.layout",
         "cargohold.services.optim",
         "cargohold.services.loss_scale",
+        "cargohold.services.state_precision",
         "cargohold.services.tiers.fileformat",
         "cargohold.services.tiers.partitions",
         "cargohold.services.tiers.planner",

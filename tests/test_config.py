@@ -87,6 +87,7 @@ CONFIG_SURFACE = [
     "optim.schedule",
     "optim.min_lr_ratio",
     "optim.nonfinite",
+    "optim.state_dtype",
     "optim.loss_scale.init_scale",
     "optim.loss_scale.growth_factor",
     "optim.loss_scale.backoff_factor",

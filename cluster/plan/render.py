@@ -61,8 +61,10 @@ def render(plan: RunPlan) -> str:
 
     names = [f"server {s.index}" for s in plan.servers]
     lines += ["", f"{'Each state server':<{_LABEL + 2}}" + "".join(f"{n:>12}" for n in names)]
+    first = plan.servers[0] if plan.servers else None
+    per_param = (first.ram_state_bytes + first.nvme_state_bytes) / first.elements if first and first.elements else 12
     server_rows = [
-        ("state in RAM (12 B/param)", lambda s: s.ram_state_bytes),
+        (f"state in RAM ({per_param:.3g} B/param)", lambda s: s.ram_state_bytes),
         ("state on NVMe", lambda s: s.nvme_state_bytes),
         ("RAM: resident partitions", lambda s: s.ram_resident_bytes),
         ("RAM: staging buffers", lambda s: s.staging_bytes),

@@ -10,8 +10,9 @@ from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.itemsize import DTYPE_BYTES, FP32_BYTES
 from cargohold.cluster.plan.runtime import SERVER_RUNTIME_BYTES
 from cargohold.services.layout import Layout
+from cargohold.services.state_precision import stored_bytes
 from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
-from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT, elements_per_partition, split_segment
+from cargohold.services.tiers.partitions import elements_per_partition, partition_align, split_segment
 from cargohold.services.tiers.planner import PartitionDemand, TierPlan, plan_tiers
 from cargohold.services.tiers.residency import PartitionKey, Residency
 
@@ -103,11 +104,13 @@ def plan_server(config: TrainConfig, layout: Layout, index: int, transport: str)
     compute = DTYPE_BYTES[config.worker.compute_dtype]
     wire = DTYPE_BYTES[config.push_dtype]  # what workers push: fp32 when they accumulate micro-batches
     budget = tier.ram_budget_bytes
-    max_elements = elements_per_partition(tier.partition_bytes) if budget is not None else None
+    kind = config.optim.state_dtype  # how the moments are stored: the files' layout and the bytes
+    align = partition_align(kind)
+    max_elements = elements_per_partition(tier.partition_bytes, align) if budget is not None else None
     run_id = config.run_id or "plan"
     segments = layout.segments_of_server(index)
     spans = {
-        s.segment_id: split_segment(s.numel, [(f.segment_start, f.length) for f in s.fragments], max_elements)
+        s.segment_id: split_segment(s.numel, [(f.segment_start, f.length) for f in s.fragments], max_elements, align)
         for s in segments
     }
     # The demands TieredStorage._replan gives the planner: every partition in its file layout.
@@ -115,7 +118,7 @@ def plan_server(config: TrainConfig, layout: Layout, index: int, transport: str)
     staging = tier.staging_bytes() if budget is not None else 0
     plan: TierPlan = plan_tiers(
         [
-            PartitionDemand(key, FileLayout(n).file_bytes, gradient_bytes=gradient_file_bytes(n, wire))
+            PartitionDemand(key, FileLayout(n, kind).file_bytes, gradient_bytes=gradient_file_bytes(n, wire))
             for key, n in numel.items()
         ],
         ram_budget_bytes=budget,
@@ -126,16 +129,16 @@ def plan_server(config: TrainConfig, layout: Layout, index: int, transport: str)
     if config.checkpoint.dir is None:
         checkpoint_bytes = checkpoint_written = snapshot = 0
     else:  # one partition file each: disk ones hard-linked, RAM ones written (from a copy without a budget)
-        checkpoint_bytes = sum(FileLayout(n).file_bytes for n in numel.values())
-        checkpoint_written = checkpoint_bytes - sum(FileLayout(numel[k]).file_bytes for k in on_disk)
+        checkpoint_bytes = sum(FileLayout(n, kind).file_bytes for n in numel.values())
+        checkpoint_written = checkpoint_bytes - sum(FileLayout(numel[k], kind).file_bytes for k in on_disk)
         snapshot = checkpoint_bytes if budget is None else 0
     defer = config.optim.max_grad_norm > 0 or config.optim.nonfinite != "ignore"
     by_path: dict[str, int] = {}
     for key in on_disk:
         path = tier.nvme_paths[plan.path_index[key]]
         staged = gradient_file_bytes(numel[key], wire) if defer else 0
-        by_path[path] = by_path.get(path, 0) + FileLayout(numel[key]).file_bytes + staged
-    nvme_state = sum(numel[k] for k in on_disk) * STATE_BYTES_PER_ELEMENT
+        by_path[path] = by_path.get(path, 0) + FileLayout(numel[key], kind).file_bytes + staged
+    nvme_state = sum(stored_bytes(kind, numel[k]) for k in on_disk)
     elements = sum(s.numel for s in segments)
 
     threads = config.state_server.rpc_threads  # requests a server handles at once
@@ -150,7 +153,7 @@ def plan_server(config: TrainConfig, layout: Layout, index: int, transport: str)
         segments=len(segments),
         partitions=len(numel),
         partitions_on_nvme=len(on_disk),
-        ram_state_bytes=elements * STATE_BYTES_PER_ELEMENT - nvme_state,
+        ram_state_bytes=sum(stored_bytes(kind, n) for n in numel.values()) - nvme_state,
         nvme_state_bytes=nvme_state,
         ram_resident_bytes=plan.ram_bytes,
         staging_bytes=staging,

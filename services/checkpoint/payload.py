@@ -27,6 +27,7 @@ from cargohold.services.checkpoint.errors import corrupt, os_error
 from cargohold.services.checkpoint.files import open_regular
 from cargohold.services.checkpoint.manifest import FileRecord, Manifest, SegmentRecord
 from cargohold.services.errors import CorruptPartitionError
+from cargohold.services.state_precision import BLOCK_ELEMENTS, STORED_TORCH_DTYPES, StoredMoment, decode_range
 from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout, crc32c, parse_header
 
 CHUNK = 1 << 20
@@ -74,7 +75,7 @@ def verify(
         raise corrupt(path, str(error)) from None
     if header.checksum() != record.crc32c:
         raise corrupt(path, "header checksum differs from the manifest's")
-    layout = FileLayout(header.numel)
+    layout = FileLayout(header.numel, header.dtype)
     if size != layout.file_bytes:
         raise corrupt(path, f"it is {size} bytes, its header says {layout.file_bytes} (truncated?)")
     if (header.key.run_id, header.key.segment_id) != (
@@ -89,25 +90,60 @@ def verify(
     if header.step != manifest.updates:
         raise corrupt(path, f"it holds the state after {header.step} updates, the manifest's after {manifest.updates}")
     for index, array_name in enumerate(ARRAYS):
-        if _stream_crc(fd, path, layout.offset(index), layout.region_bytes, buffer) != header.checksums[index]:
+        if (
+            _stream_crc(fd, path, layout.offset(index), layout.region_bytes_of(index), buffer)
+            != header.checksums[index]
+        ):
             raise corrupt(path, f"{array_name} checksum mismatch")
     return Payload(path, shard.start, header.numel, layout)
 
 
-def read_into(fd: int, payload: Payload, lo: int, hi: int, out: Mapping[str, torch.Tensor], at: int) -> None:
-    """Elements ``[lo, hi)`` (flat) of each array into ``out[name][at : at + hi - lo]``."""
-    for index, array_name in enumerate(ARRAYS):
-        target = out[array_name][at : at + hi - lo].numpy().data.cast("B")
-        offset = payload.layout.offset(index) + 4 * (lo - payload.start)
-        got = 0
-        while got < len(target):
-            try:
-                n = os.preadv(fd, [target[got:]], offset + got)
-            except OSError as error:
-                raise os_error("reading checkpoint file", payload.path, error) from error
-            if n == 0:
-                raise corrupt(payload.path, "it ended early while being read (truncated?)")
-            got += n
+def read_into(
+    fd: int, payload: Payload, lo: int, hi: int, out: Mapping[str, torch.Tensor], at: int, *, arrays: int = 3
+) -> None:
+    """Elements ``[lo, hi)`` (flat) of the first ``arrays`` arrays into
+    ``out[name][at : at + hi - lo]``, fp32: moments stored in another kind are decoded
+    (the blocks around the range read)."""
+    layout = payload.layout
+    for index, array_name in enumerate(ARRAYS[:arrays]):
+        target = out[array_name][at : at + hi - lo]
+        if index == 0 or layout.dtype == "float32":
+            _pread_into(fd, payload.path, target, payload.layout.offset(index) + 4 * (lo - payload.start))
+            continue
+        first, stop = lo - payload.start, hi - payload.start
+        stored = read_stored(fd, payload, index, first // BLOCK_ELEMENTS * BLOCK_ELEMENTS, stop)
+        decoded = torch.empty(stored.numel, dtype=torch.float32)
+        decode_range(stored, 0, decoded)
+        target.copy_(decoded[first % BLOCK_ELEMENTS : first % BLOCK_ELEMENTS + stop - first])
+
+
+def read_stored(fd: int, payload: Payload, index: int, first: int, stop: int) -> StoredMoment:
+    """Elements ``[first, stop)`` of the file's moment ``index`` (1 or 2) in their stored
+    form; for ``blockwise8`` ``first`` is a multiple of the block size and the range is
+    widened to whole blocks."""
+    layout = payload.layout
+    if layout.dtype == "blockwise8":
+        stop = min(payload.numel, -(-stop // BLOCK_ELEMENTS) * BLOCK_ELEMENTS)
+    within = FileLayout(stop - first, layout.dtype)
+    values = torch.empty(stop - first, dtype=STORED_TORCH_DTYPES[layout.dtype])
+    region = layout.offset(index)
+    _pread_into(fd, payload.path, values, region + values.element_size() * first)
+    scales = torch.empty(within.blocks, dtype=torch.float32)
+    _pread_into(fd, payload.path, scales, region + layout.scales_offset + 4 * (first // BLOCK_ELEMENTS))
+    return StoredMoment(layout.dtype, ARRAYS[index], values, scales)  # type: ignore[arg-type]
+
+
+def _pread_into(fd: int, path: Path, tensor: torch.Tensor, offset: int) -> None:
+    target = tensor.view(torch.uint8).numpy().data.cast("B")
+    got = 0
+    while got < len(target):
+        try:
+            n = os.preadv(fd, [target[got:]], offset + got)
+        except OSError as error:
+            raise os_error("reading checkpoint file", path, error) from error
+        if n == 0:
+            raise corrupt(path, "it ended early while being read (truncated?)")
+        got += n
 
 
 def _pread_exact(fd: int, path: Path, nbytes: int, offset: int) -> bytes:

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from cargohold.services.checkpoint.manifest import Manifest, SegmentRecord, gaps, is_int
-from cargohold.services.checkpoint.payload import CHUNK, Payload, open_sized, read_into, verify
+from cargohold.services.checkpoint.payload import CHUNK, Payload, open_sized, read_into, read_stored, verify
 from cargohold.services.errors import CheckpointError
+from cargohold.services.state_precision import BLOCK_ELEMENTS, StateDtype, StoredMoment
 from cargohold.services.tiers.fileformat import ARRAYS
 
 
@@ -75,6 +76,40 @@ class CheckpointReader:
             finally:
                 os.close(fd)
         return out
+
+    def read_stored(
+        self, start: int, stop: int, dtype: StateDtype
+    ) -> tuple[torch.Tensor, StoredMoment, StoredMoment] | None:
+        """master (fp32) and the moments of flat elements ``[start, stop)`` as the file
+        stores them, for a restore into the same ``optim.state_dtype`` that keeps their
+        bits (a decoded and re-encoded 8-bit block may differ). None where that cannot
+        be: the file stores another kind, or the range is not inside one file, starting
+        on its block grid and ending on it or at the file's end."""
+        if dtype == "float32" or start >= stop:
+            return None
+        at = bisect.bisect_right(self._stops, start)
+        if at >= len(self._shards):
+            return None
+        shard = self._shards[at]
+        first = start - shard.start
+        if not (shard.start <= start and stop <= shard.stop):
+            return None
+        if dtype == "blockwise8" and (
+            first % BLOCK_ELEMENTS or ((stop - shard.start) % BLOCK_ELEMENTS and stop != shard.stop)
+        ):
+            return None
+        path = self.directory / shard.file
+        fd, size = open_sized(path, self._records[shard.file])
+        try:
+            payload = self._verified.get(shard.file) or self._verify(fd, path, size, shard)
+            if payload.layout.dtype != dtype:
+                return None
+            master = torch.empty(stop - start, dtype=torch.float32)
+            read_into(fd, payload, start, stop, {"master": master}, 0, arrays=1)
+            moments = [read_stored(fd, payload, index, first, stop - shard.start) for index in (1, 2)]
+        finally:
+            os.close(fd)
+        return master, moments[0], moments[1]
 
     def _verify(self, fd: int, path: Path, size: int, shard: SegmentRecord) -> Payload:
         payload = verify(fd, path, size, self._records[shard.file], shard, self.manifest, self._buffer)

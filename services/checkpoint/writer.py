@@ -22,6 +22,7 @@ segment is one partition (index 0).
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import os
 import threading
@@ -186,14 +187,24 @@ class ShardCheckpointer:
                     )
             ends = [offset + length for offset, _, length in ordered]
 
-            def source(lo: int, hi: int, ordered: list[Run] = ordered, ends: list[int] = ends):
+            def source(
+                lo: int, hi: int, ordered: list[Run] = ordered, ends: list[int] = ends, spec: SegmentSpec = spec
+            ):
                 # the tiers copy each piece before asking for the next: one scratch serves all
                 if not scratch or scratch["master"].numel() < hi - lo:
                     scratch.update({k: torch.empty(hi - lo, dtype=torch.float32) for k in ARRAYS})
+                overlapping = list(itertools.takewhile(lambda r: r[0] < hi, ordered[bisect.bisect_right(ends, lo) :]))
+                if spec.state_dtype != "float32" and all(
+                    flat - offset == spec.start for offset, flat, _ in overlapping
+                ):
+                    # Every element is where it was saved (a resume on the same layout): the
+                    # moments as stored, bitwise, when a file of this kind holds the piece
+                    # on its block grid; decoded and encoded again otherwise.
+                    stored = reader.read_stored(spec.start + lo, spec.start + hi, spec.state_dtype)
+                    if stored is not None:
+                        return stored[0], (stored[1], stored[2])
                 piece = {k: v[: hi - lo].zero_() for k, v in scratch.items()}
-                for offset, flat, length in ordered[bisect.bisect_right(ends, lo) :]:
-                    if offset >= hi:
-                        break
+                for offset, flat, length in overlapping:
                     first, stop = max(lo, offset), min(hi, offset + length)
                     reader.read(
                         flat + first - offset,

@@ -1,13 +1,19 @@
-"""The partition file format: a 4 KiB header, then the three fp32 arrays, each padded to
+"""The partition file format: a 4 KiB header, then the three arrays, each padded to
 4 KiB so that the whole file, and each array alone, can move with O_DIRECT. Pure byte
 layout and checks; the reading and writing is in :mod:`.nvme`.
 
-    offset 0        header (HEADER_BYTES): magic, format version, dtype, numel, step,
-                    identity (run, shard, partition), CRC-32C of each array, CRC-32C of
-                    the header itself
+    offset 0        header (HEADER_BYTES): magic, format version, dtype (the moments'
+                    stored kind), numel, the moments' region size, step, identity (run,
+                    shard, partition), CRC-32C of each array, CRC-32C of the header itself
     HEADER_BYTES    master       numel x float32, zero-padded to a multiple of BLOCK
-    + region        exp_avg      likewise
-    + 2 * region    exp_avg_sq   likewise
+    + master region exp_avg      the moment in its stored form (``optim.state_dtype``,
+                                 :mod:`cargohold.services.state_precision`), zero-padded
+    + moment region exp_avg_sq   likewise
+
+A moment's stored form: ``float32`` numel x float32 (the whole file then is byte for byte
+the format before stored kinds existed, dtype 1); ``bfloat16`` numel x bfloat16;
+``blockwise8`` numel uint8 codes, then (from the next multiple of 64 bytes) one float32
+scale per block of 256 elements. Each array, codes and scales together, has one checksum.
 
 Checksums are CRC-32C (google-crc32c) over each whole padded region, so a flipped byte
 anywhere in the file is caught: in the header by the header's checksum, elsewhere by
@@ -24,8 +30,10 @@ import struct
 from dataclasses import dataclass
 
 import google_crc32c
+import torch
 
 from cargohold.services.errors import CorruptPartitionError
+from cargohold.services.state_precision import BLOCK_ELEMENTS, STORED_TORCH_DTYPES, StateDtype, StoredMoment
 from cargohold.services.tiers.residency import PartitionKey
 
 MAGIC = b"CGHTIER\0"
@@ -35,6 +43,12 @@ BLOCK = 4096
 HEADER_BYTES = BLOCK
 ARRAYS = ("master", "exp_avg", "exp_avg_sq")
 DTYPE_FLOAT32 = 1
+DTYPE_CODES: dict[str, int] = {"float32": DTYPE_FLOAT32, "bfloat16": 2, "blockwise8": 3}
+"""The header's dtype field: how the file stores the moments."""
+_DTYPE_OF_CODE = {code: name for name, code in DTYPE_CODES.items()}
+_MOMENT_ITEMSIZE = {name: dtype.itemsize for name, dtype in STORED_TORCH_DTYPES.items()}
+_MOMENT_TORCH = STORED_TORCH_DTYPES
+_SCALES_ALIGN = 64
 MAX_RUN_ID_BYTES = 1024
 _CRC_CHUNK = 1 << 20
 """google-crc32c takes only ``bytes`` and releases the GIL for >= 1 MiB: checksum in 1 MiB
@@ -56,25 +70,54 @@ def gradient_file_bytes(numel: int, itemsize: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class FileLayout:
-    """Byte offsets of a partition of ``numel`` elements, in its file and its buffer."""
+    """Byte offsets of a partition of ``numel`` elements whose moments are stored as
+    ``dtype``, in its file and its buffer."""
 
     numel: int
+    dtype: StateDtype = "float32"
 
     @property
     def array_bytes(self) -> int:
+        """Bytes of the fp32 master weights."""
         return 4 * self.numel
 
     @property
     def region_bytes(self) -> int:
+        """Bytes of the master weights' region."""
         return round_up(self.array_bytes)
 
     @property
+    def blocks(self) -> int:
+        """Block scales per moment (``blockwise8``; 0 for the other kinds)."""
+        return -(-self.numel // BLOCK_ELEMENTS) if self.dtype == "blockwise8" else 0
+
+    @property
+    def scales_offset(self) -> int:
+        """Where a moment's block scales start inside its region."""
+        return round_up(self.numel * _MOMENT_ITEMSIZE[self.dtype], _SCALES_ALIGN)
+
+    @property
+    def moment_region_bytes(self) -> int:
+        """Bytes of each moment's region (values, then block scales)."""
+        return round_up(self.scales_offset + 4 * self.blocks)
+
+    def region_bytes_of(self, array: int) -> int:
+        return self.region_bytes if array == 0 else self.moment_region_bytes
+
+    @property
     def file_bytes(self) -> int:
-        return HEADER_BYTES + len(ARRAYS) * self.region_bytes
+        return HEADER_BYTES + self.region_bytes + 2 * self.moment_region_bytes
 
     def offset(self, array: int) -> int:
         """Byte offset of array ``array`` (0 master, 1 exp_avg, 2 exp_avg_sq)."""
-        return HEADER_BYTES + array * self.region_bytes
+        return HEADER_BYTES + (0 if array == 0 else self.region_bytes + (array - 1) * self.moment_region_bytes)
+
+    def moment(self, data: torch.Tensor, array: int) -> StoredMoment:
+        """Views of moment ``array`` (1 or 2) in ``data``, a uint8 tensor of the file's bytes."""
+        start = self.offset(array)
+        values = data[start : start + self.numel * _MOMENT_ITEMSIZE[self.dtype]].view(_MOMENT_TORCH[self.dtype])
+        scales = data[start + self.scales_offset : start + self.scales_offset + 4 * self.blocks].view(torch.float32)
+        return StoredMoment(self.dtype, ARRAYS[array], values, scales)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +128,8 @@ class PartitionHeader:
     checksums: tuple[int, int, int]
     """CRC-32C of the master, exp_avg and exp_avg_sq regions (padding included)."""
     version: int = FORMAT_VERSION
+    dtype: StateDtype = "float32"
+    """How the file stores the moments."""
 
     def pack(self) -> bytes:
         """The header block: HEADER_BYTES long, zero-padded, its own checksum last."""
@@ -96,10 +141,10 @@ class PartitionHeader:
                 MAGIC,
                 self.version,
                 HEADER_BYTES,
-                DTYPE_FLOAT32,
+                DTYPE_CODES[self.dtype],
                 len(ARRAYS),
                 self.numel,
-                FileLayout(self.numel).region_bytes,
+                FileLayout(self.numel, self.dtype).moment_region_bytes,
                 self.step,
                 self.key.segment_id,
                 self.key.index,
@@ -144,28 +189,40 @@ def parse_header(raw: bytes | memoryview, *, path: str, expected: PartitionKey |
         raise corrupt("header checksum mismatch")
     if version != FORMAT_VERSION:
         raise corrupt(f"format version {version}, this build reads version {FORMAT_VERSION}")
-    if header_bytes != HEADER_BYTES or dtype != DTYPE_FLOAT32 or arrays != len(ARRAYS):
+    if header_bytes != HEADER_BYTES or dtype not in _DTYPE_OF_CODE or arrays != len(ARRAYS):
         raise corrupt(f"unsupported layout (header {header_bytes} bytes, dtype {dtype}, {arrays} arrays)")
-    if region != FileLayout(numel).region_bytes:
-        raise corrupt(f"regions of {region} bytes do not fit {numel} elements")
+    kind = _DTYPE_OF_CODE[dtype]
+    if region != FileLayout(numel, kind).moment_region_bytes:  # type: ignore[arg-type]
+        raise corrupt(f"regions of {region} bytes do not fit {numel} {kind} elements")
     key = PartitionKey(raw[_FIXED.size : end].decode(errors="replace"), segment_id, index)
-    return PartitionHeader(key=key, numel=numel, step=step, checksums=(crc0, crc1, crc2), version=version)
+    return PartitionHeader(
+        key=key,
+        numel=numel,
+        step=step,
+        checksums=(crc0, crc1, crc2),
+        version=version,
+        dtype=kind,  # type: ignore[arg-type]
+    )
 
 
-def unpack_header(raw: bytes | memoryview, *, path: str, key: PartitionKey, numel: int) -> PartitionHeader:
-    """Parse and check the header of the file of partition ``key`` (``numel`` elements);
-    raises CorruptPartitionError naming file and partition."""
+def unpack_header(
+    raw: bytes | memoryview, *, path: str, key: PartitionKey, numel: int, dtype: StateDtype = "float32"
+) -> PartitionHeader:
+    """Parse and check the header of the file of partition ``key`` (``numel`` elements,
+    moments stored as ``dtype``); raises CorruptPartitionError naming file and partition."""
     header = parse_header(raw, path=path, expected=key)
     if header.key != key:
         raise corrupt_error(path, key, f"the file holds {header.key}")
     if header.numel != numel:
         raise corrupt_error(path, key, f"shape is {header.numel} elements, expected {numel}")
+    if header.dtype != dtype:
+        raise corrupt_error(path, key, f"it stores the moments as {header.dtype}, expected {dtype}")
     return header
 
 
-def check_size(size: int, *, path: str, key: PartitionKey, numel: int) -> None:
+def check_size(size: int, *, path: str, key: PartitionKey, numel: int, dtype: StateDtype = "float32") -> None:
     """Refuse a file of partition ``key`` whose size is not its layout's (torn)."""
-    expected = FileLayout(numel).file_bytes
+    expected = FileLayout(numel, dtype).file_bytes
     if size != expected:
         raise corrupt_error(path, key, f"it is {size} bytes, expected {expected} (a torn write?)")
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from cargohold.services.errors import TierError, TierSpaceError
-from cargohold.services.tiers.fileformat import FileLayout, corrupt_error, crc32c, gradient_file_bytes
+from cargohold.services.tiers.fileformat import corrupt_error, crc32c, gradient_file_bytes
 from cargohold.services.tiers.io_pool import AlignedBuffer, BufferPool, IoPool
 from cargohold.services.tiers.nvme import SPACE_ERRNOS, NvmeTier
 from cargohold.services.tiers.residency import PartitionKey, Residency
@@ -226,7 +226,7 @@ class GradientReads:
         if staged is None or piece.ram is not None:
             return staged
         assert isinstance(staged.handle, AlignedBuffer)
-        offset = FileLayout(partition.span.numel).file_bytes
+        offset = partition.layout.file_bytes
         read = self._staged.read_later(partition, piece, staged.handle.view[offset:])
         nbytes = piece.numel * piece.dtype.itemsize
         self._views[partition.key] = staged.handle.tensor[offset : offset + nbytes].view(piece.dtype)

@@ -24,7 +24,7 @@ from typing import Literal, TypeVar, overload
 
 import torch
 
-from cargohold.services.tiers.fileformat import ARRAYS, FileLayout
+from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.residency import PartitionKey
 from cargohold.services.tiers.tier import PartitionArrays, TierObserver
 
@@ -42,13 +42,10 @@ class AlignedBuffer:
         self.tag: tuple[PartitionKey, int] | None = None
         """(partition, step) whose stored file these bytes equal, or None."""
 
-    def arrays(self, numel: int) -> PartitionArrays:
-        layout = FileLayout(numel)
-        views = [
-            self.tensor[layout.offset(i) : layout.offset(i) + layout.array_bytes].view(torch.float32)
-            for i in range(len(ARRAYS))
-        ]
-        return PartitionArrays(*views)
+    def arrays(self, layout: FileLayout) -> PartitionArrays:
+        """Views of the partition of ``layout`` held in these bytes."""
+        master = self.tensor[layout.offset(0) : layout.offset(0) + layout.array_bytes].view(torch.float32)
+        return PartitionArrays(master, layout.moment(self.tensor, 1), layout.moment(self.tensor, 2))
 
     def clone(self) -> AlignedBuffer:
         """A new buffer holding a copy of these bytes."""

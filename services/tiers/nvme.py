@@ -56,6 +56,7 @@ from cargohold.services.tiers.fileformat import (
 from cargohold.services.tiers.io_pool import AlignedBuffer, BufferPool, IoPool
 from cargohold.services.tiers.planner import Bandwidth
 from cargohold.services.tiers.residency import PartitionKey, Residency
+from cargohold.services.tiers.source import Moments
 from cargohold.services.tiers.tier import Partition, Staged, TierObserver
 
 logger = logging.getLogger(__name__)
@@ -328,7 +329,7 @@ class NvmeTier:
         if got is None:
             return None
         buffer, warm = got
-        arrays = buffer.arrays(partition.span.numel)
+        arrays = buffer.arrays(partition.layout)
         if warm:
             return Staged(partition, arrays, warm=True, handle=buffer)
         step = partition.updates
@@ -350,19 +351,18 @@ class NvmeTier:
         unlink_if_present(partition.path)
 
     # --- moves in and out of the tier ---------------------------------------------------
-    def create(
-        self, partition: Partition, master: torch.Tensor, moments: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> Future[None]:
+    def create(self, partition: Partition, master: torch.Tensor, moments: Moments | None = None) -> Future[None]:
         """Write a new partition file at ``partition.updates``: ``master`` and the moments
-        (zero unless given, as when restoring a checkpoint)."""
+        (zero unless given, as when restoring a checkpoint; fp32 ones encoded into the
+        partition's stored form)."""
         buffer, _ = self._buffers.acquire(None, block=True)
-        layout = FileLayout(partition.span.numel)
+        layout = partition.layout
         buffer.tensor[: layout.file_bytes].zero_()
-        arrays = buffer.arrays(partition.span.numel)
-        arrays.master.copy_(master)
-        if moments is not None:
-            arrays.exp_avg.copy_(moments[0])
-            arrays.exp_avg_sq.copy_(moments[1])
+        try:
+            buffer.arrays(layout).load_(master, moments)
+        except BaseException:
+            self._buffers.release(buffer)
+            raise
         return self._write_async(partition, buffer, partition.updates, release=True)
 
     def write_from(self, partition: Partition, buffer: AlignedBuffer, step: int) -> Future[None]:
@@ -377,7 +377,7 @@ class NvmeTier:
             if not warm:
                 step = partition.updates
                 self._io.submit(lambda: self._read(partition, buffer, step, master_only=True)).result()
-            out.copy_(buffer.arrays(partition.span.numel).master)
+            out.copy_(buffer.arrays(partition.layout).master)
         finally:
             self._buffers.release(buffer, (partition.key, partition.updates) if intact else None)
 
@@ -395,7 +395,7 @@ class NvmeTier:
         return self._io.submit(job)
 
     def _write(self, partition: Partition, buffer: AlignedBuffer, step: int) -> None:
-        layout = FileLayout(partition.span.numel)
+        layout = partition.layout
         target = partition.path
         tier_path = self.paths[partition.path_index]
         started = time.perf_counter()
@@ -405,7 +405,7 @@ class NvmeTier:
                     target,
                     buffer,
                     partition.key,
-                    partition.span.numel,
+                    layout,
                     step,
                     direct=tier_path.direct,
                     durable=not tier_path.direct,  # a checkpoint fsyncs what it links
@@ -413,7 +413,7 @@ class NvmeTier:
             except OSError as error:
                 if not tier_path.refused_direct(error):
                     raise
-                write_partition_file(target, buffer, partition.key, partition.span.numel, step, direct=False)
+                write_partition_file(target, buffer, partition.key, layout, step, direct=False)
         except OSError as error:
             kind = TierSpaceError if error.errno in SPACE_ERRNOS else TierError
             raise kind(
@@ -427,14 +427,14 @@ class NvmeTier:
         self._observer.record_tier_io("write", layout.file_bytes, seconds)
 
     def _read(self, partition: Partition, buffer: AlignedBuffer, step: int, *, master_only: bool) -> None:
-        layout = FileLayout(partition.span.numel)
+        layout = partition.layout
         path = partition.path
         arrays = 1 if master_only else len(ARRAYS)
-        nbytes = HEADER_BYTES + arrays * layout.region_bytes
+        nbytes = layout.offset(1) if master_only else layout.file_bytes
         tier_path = self.paths[partition.path_index]
         started = time.perf_counter()
         try:
-            check_size(os.stat(path).st_size, path=path, key=partition.key, numel=partition.span.numel)
+            check_size(os.stat(path).st_size, path=path, key=partition.key, numel=layout.numel, dtype=layout.dtype)
             got = tier_path.read_into(path, buffer.view[:nbytes])
         except FileNotFoundError as error:
             raise corrupt_error(path, partition.key, "the file is missing") from error
@@ -442,11 +442,11 @@ class NvmeTier:
             raise TierError(f"reading partition file {path} ({partition.key}) failed: {error.strerror}") from error
         if got != nbytes:
             raise corrupt_error(path, partition.key, f"read {got} of {nbytes} bytes (truncated)")
-        header = unpack_header(buffer.view, path=path, key=partition.key, numel=partition.span.numel)
+        header = unpack_header(buffer.view, path=path, key=partition.key, numel=layout.numel, dtype=layout.dtype)
         check_step(header, step, path=path)
         for index in range(arrays):
             start = layout.offset(index)
-            if crc32c(buffer.view[start : start + layout.region_bytes]) != header.checksums[index]:
+            if crc32c(buffer.view[start : start + layout.region_bytes_of(index)]) != header.checksums[index]:
                 raise corrupt_error(path, partition.key, f"{ARRAYS[index]} checksum mismatch")
         seconds = time.perf_counter() - started
         tier_path.read_bytes += nbytes
@@ -465,7 +465,14 @@ def check_free_space(root: str, need: int, free: int, what: str) -> None:
 
 
 def write_partition_file(
-    target: str, buffer: AlignedBuffer, key: PartitionKey, numel: int, step: int, *, direct: bool, durable: bool = True
+    target: str,
+    buffer: AlignedBuffer,
+    key: PartitionKey,
+    layout: FileLayout,
+    step: int,
+    *,
+    direct: bool,
+    durable: bool = True,
 ) -> PartitionHeader:
     """Write a partition held in ``buffer`` (its file layout; the header block is filled
     here) as the file of ``step`` at ``target`` with
@@ -474,12 +481,11 @@ def write_partition_file(
     a new file renamed into place and none is ever changed in place, which is what lets a
     checkpoint hard-link one. Raises the OSError, leaving no temporary file and ``target``
     as it was."""
-    layout = FileLayout(numel)
     master, exp_avg, exp_avg_sq = (
-        crc32c(buffer.view[layout.offset(i) : layout.offset(i) + layout.region_bytes]) for i in range(len(ARRAYS))
+        crc32c(buffer.view[layout.offset(i) : layout.offset(i) + layout.region_bytes_of(i)]) for i in range(len(ARRAYS))
     )
     checksums = (master, exp_avg, exp_avg_sq)
-    header = PartitionHeader(key=key, numel=numel, step=step, checksums=checksums)
+    header = PartitionHeader(key=key, numel=layout.numel, step=step, checksums=checksums, dtype=layout.dtype)
     buffer.view[:HEADER_BYTES] = header.pack()
     replace = replace_durably(target, drop_cache=not direct) if durable else replace_atomically(target)
     with replace as temporary:

@@ -15,9 +15,17 @@ from dataclasses import dataclass
 
 from cargohold.services.errors import ConfigError
 from cargohold.services.layout import DEFAULT_ALIGN
+from cargohold.services.state_precision import BLOCK_ELEMENTS, StateDtype
 
 STATE_BYTES_PER_ELEMENT = 12
-"""fp32 master weight, exp_avg and exp_avg_sq."""
+"""fp32 master weight, exp_avg and exp_avg_sq: what ``partition_bytes`` is counted in
+(the staging buffers hold that much), whatever ``optim.state_dtype`` stores."""
+
+
+def partition_align(state_dtype: StateDtype) -> int:
+    """The multiple of elements partitions are cut at: the layout's alignment, or the
+    256-element blocks of ``blockwise8`` (each block's scale stays in one partition)."""
+    return max(DEFAULT_ALIGN, BLOCK_ELEMENTS) if state_dtype == "blockwise8" else DEFAULT_ALIGN
 
 
 @dataclass(frozen=True, slots=True)

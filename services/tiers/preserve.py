@@ -95,7 +95,7 @@ class PendingWrite:
 
     buffer: AlignedBuffer
     key: PartitionKey
-    numel: int
+    layout: FileLayout
     step: int
     target: str
     done: threading.Event
@@ -106,7 +106,7 @@ class PendingWrite:
         """Write (buffered, crash-consistently) and return the header written; raises
         the OSError naming the file."""
         try:
-            return write_partition_file(self.target, self.buffer, self.key, self.numel, self.step, direct=False)
+            return write_partition_file(self.target, self.buffer, self.key, self.layout, self.step, direct=False)
         except OSError as error:
             raise OSError(error.errno, error.strerror, self.target) from error
         finally:
@@ -118,7 +118,7 @@ class PendingWrite:
 
 
 def link_or_pin(
-    source: str, target: str, *, key: PartitionKey, numel: int, step: int
+    source: str, target: str, *, key: PartitionKey, layout: FileLayout, step: int
 ) -> tuple[PartitionHeader, PendingCopy | None]:
     """Hard-link the file of ``key`` at ``step`` to ``target``, or, where the filesystem
     refuses, return a :class:`PendingCopy` holding the version open. Raises
@@ -126,13 +126,13 @@ def link_or_pin(
     OSError of any other failure."""
     fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        header = _check(fd, source, key, numel, step)
+        header = _check(fd, source, key, layout, step)
         try:
             os.link(source, target)
         except OSError as error:
             if error.errno not in LINK_REFUSED:
                 raise
-            copy, fd = PendingCopy(fd, source, target, FileLayout(numel).file_bytes), -1
+            copy, fd = PendingCopy(fd, source, target, layout.file_bytes), -1
             return header, copy
         if not os.path.samestat(os.fstat(fd), os.stat(target)):  # replaced between open and link
             unlink_if_present(target)
@@ -143,9 +143,9 @@ def link_or_pin(
             os.close(fd)
 
 
-def _check(fd: int, path: str, key: PartitionKey, numel: int, step: int) -> PartitionHeader:
-    check_size(os.fstat(fd).st_size, path=path, key=key, numel=numel)
-    header = unpack_header(os.pread(fd, HEADER_BYTES, 0), path=path, key=key, numel=numel)
+def _check(fd: int, path: str, key: PartitionKey, layout: FileLayout, step: int) -> PartitionHeader:
+    check_size(os.fstat(fd).st_size, path=path, key=key, numel=layout.numel, dtype=layout.dtype)
+    header = unpack_header(os.pread(fd, HEADER_BYTES, 0), path=path, key=key, numel=layout.numel, dtype=layout.dtype)
     check_step(header, step, path=path)
     return header
 
@@ -213,19 +213,19 @@ def preserve_partitions(
         for part in parts:
             name = name_of(part.key)
             target = os.path.join(directory, name)
-            numel = part.span.numel
+            layout = part.layout
             checksum: int | None = None
             pending: PendingCopy | PendingWrite | None = None
             if part.residency is Residency.RAM and in_place:
                 part.saving = threading.Event()
-                pending = PendingWrite(ram_buffer(part), part.key, numel, part.updates, target, part.saving)
+                pending = PendingWrite(ram_buffer(part), part.key, layout, part.updates, target, part.saving)
             elif part.residency is Residency.RAM:
                 pending = PendingWrite(
-                    ram_buffer(part).clone(), part.key, numel, part.updates, target, threading.Event()
+                    ram_buffer(part).clone(), part.key, layout, part.updates, target, threading.Event()
                 )
             else:
                 try:
-                    header, pending = link_or_pin(part.path, target, key=part.key, numel=numel, step=part.updates)
+                    header, pending = link_or_pin(part.path, target, key=part.key, layout=layout, step=part.updates)
                 except OSError as error:  # name the file whatever call failed
                     raise OSError(error.errno, error.strerror, target) from error
                 checksum = header.checksum()
@@ -235,7 +235,7 @@ def preserve_partitions(
                     name=name,
                     start=part.span.start,
                     stop=part.span.stop,
-                    nbytes=FileLayout(numel).file_bytes,
+                    nbytes=layout.file_bytes,
                     checksum=checksum,
                     pending=pending,
                 )

@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
-from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.io_pool import AlignedBuffer
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.tier import Partition, PartitionArrays, Staged, done_future
@@ -34,22 +33,21 @@ class RamTier:
     def admit(self, partition: Partition, source: PartitionArrays | None = None) -> PartitionArrays | None:
         """Make room for a partition and return its (zeroed, or copied from ``source``)
         arrays; None, with nothing changed, when it does not fit the capacity."""
-        nbytes = FileLayout(partition.span.numel).file_bytes
+        nbytes = partition.layout.file_bytes
         with self._lock:
             if self.capacity_bytes is not None and self._used + nbytes > self.capacity_bytes:
                 return None
             self._used += nbytes
         buffer = AlignedBuffer(nbytes)
-        arrays = buffer.arrays(partition.span.numel)
+        arrays = buffer.arrays(partition.layout)
         if source is not None:
-            for mine, theirs in zip(arrays, source):
-                mine.copy_(theirs)
+            arrays.copy_(source)
         with self._lock:
             self._buffers[partition.key] = buffer
         return arrays
 
     def arrays(self, partition: Partition) -> PartitionArrays:
-        return self._buffers[partition.key].arrays(partition.span.numel)
+        return self._buffers[partition.key].arrays(partition.layout)
 
     def buffer(self, partition: Partition) -> AlignedBuffer:
         return self._buffers[partition.key]

@@ -7,13 +7,17 @@ from collections.abc import Callable
 
 import torch
 
+from cargohold.services.state_precision import StoredMoment
 from cargohold.services.tiers.fileformat import ARRAYS
 from cargohold.services.tiers.tier import Partition
 
-StateSource = Callable[[int, int], tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]]
+Moments = tuple[torch.Tensor, torch.Tensor] | tuple[StoredMoment, StoredMoment]
+StateSource = Callable[[int, int], tuple[torch.Tensor, Moments | None]]
 """Elements ``[start, stop)`` of a segment -> fp32 master weights and (exp_avg, exp_avg_sq),
-or None for zero moments. They are copied before the next call, so a source may hand out
-views of one reused scratch buffer."""
+fp32 or already in the segment's stored form (a checkpoint of the same
+``optim.state_dtype``, copied as it is), or None for zero moments. They are copied (and
+fp32 ones encoded) before the next call, so a source may hand out views of one reused
+scratch buffer."""
 
 
 def tensor_source(initial: torch.Tensor, moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> StateSource:
@@ -25,12 +29,18 @@ def tensor_source(initial: torch.Tensor, moments: tuple[torch.Tensor, torch.Tens
     return piece
 
 
-def source_piece(
-    source: StateSource, part: Partition, segment_id: int
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """The source's arrays for ``part``, checked to be fp32 of the partition's size."""
+def source_piece(source: StateSource, part: Partition, segment_id: int) -> tuple[torch.Tensor, Moments | None]:
+    """The source's arrays for ``part``, checked to be fp32 (or the partition's stored form)
+    of the partition's size."""
     master, moments = source(part.span.start, part.span.stop)
     for name, array in zip(ARRAYS, (master, *(moments or ()))):
+        if isinstance(array, StoredMoment):
+            if array.dtype != part.state_dtype or array.numel != part.span.numel:
+                raise ValueError(
+                    f"shard {segment_id}: the {name} source gave {array.numel} {array.dtype} elements for "
+                    f"{part.key}, expected {part.span.numel} {part.state_dtype}"
+                )
+            continue
         if array.dtype != torch.float32 or array.shape != (part.span.numel,):
             raise ValueError(
                 f"shard {segment_id}: the {name} source gave {array.dtype} of shape "

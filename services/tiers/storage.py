@@ -31,11 +31,12 @@ import torch
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.errors import IncompleteStepError, TierError
+from cargohold.services.state_precision import StateDtype, stored_bytes
 from cargohold.services.tiers.fileformat import ARRAYS, FileLayout, gradient_file_bytes
 from cargohold.services.tiers.gradients import NvmeWithGradients, StagedGradients
 from cargohold.services.tiers.io_pool import BufferPool, IoPool
 from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path
-from cargohold.services.tiers.partitions import PartitionSpan, elements_per_partition, split_segment
+from cargohold.services.tiers.partitions import PartitionSpan, elements_per_partition, partition_align, split_segment
 from cargohold.services.tiers.planner import PartitionDemand, TierPlan, plan_tiers, stream_order
 from cargohold.services.tiers.preserve import PreservedPartition, preserve_partitions
 from cargohold.services.tiers.ram import RamTier
@@ -62,7 +63,7 @@ class PartitionUpdate:
     span: PartitionSpan
     """Where it lies in the segment (elements ``start:stop``) and its fragments there."""
     state: PartitionArrays
-    """Its fp32 master weights and moments, updated in place."""
+    """Its fp32 master weights and its moments in their stored form, updated in place."""
     gradient: torch.Tensor
     """Its piece of the segment's gradient, in the wire dtype."""
     owned: bool
@@ -137,19 +138,29 @@ class TieredStorage:
         *,
         updates: int = 0,
         gradient_itemsize: int = 0,
+        state_dtype: StateDtype = "float32",
     ) -> None:
         """Create a segment's partitions from ``source`` — fp32 weights with zero moments,
         or a checkpoint's state after ``updates`` updates — re-planning every partition of
         the server. The source is asked for one partition at a time, so a restore never
         holds more than a partition beyond the tiers' own memory. All or nothing.
         ``gradient_itemsize``: bytes per element of the gradients the segment may stage
-        (:meth:`stage_gradient`), which the plan counts where they are kept."""
-        spans = split_segment(numel, fragments, self._max_elements)
+        (:meth:`stage_gradient`), which the plan counts where they are kept.
+        ``state_dtype``: how the segment's moments are stored; ``blockwise8`` partitions
+        are cut at multiples of its 256-element blocks."""
+        spans = split_segment(numel, fragments, *self._partition_elements(state_dtype))
         with self._lock:
             if self._nvme is not None:
                 self._nvme.prepare_run(run_id)
             parts = [
-                Partition(PartitionKey(run_id, segment_id, s.index), s, Residency.RAM, updates=updates) for s in spans
+                Partition(
+                    PartitionKey(run_id, segment_id, s.index),
+                    s,
+                    Residency.RAM,
+                    updates=updates,
+                    state_dtype=state_dtype,
+                )
+                for s in spans
             ]
             plan = self._replan(parts, gradient_itemsize)
             to_disk: list[Partition] = []
@@ -171,8 +182,7 @@ class TieredStorage:
                         (
                             (
                                 p.path_index,
-                                FileLayout(p.span.numel).file_bytes
-                                + gradient_file_bytes(p.span.numel, gradient_itemsize),
+                                p.layout.file_bytes + gradient_file_bytes(p.span.numel, gradient_itemsize),
                             )
                             for p in to_disk
                         ),
@@ -183,11 +193,7 @@ class TieredStorage:
                     for part in parts:
                         master, moments = source_piece(source, part, segment_id)
                         if part.residency is Residency.RAM:
-                            arrays = resident[part.key]
-                            arrays.master.copy_(master)
-                            if moments is not None:
-                                arrays.exp_avg.copy_(moments[0])
-                                arrays.exp_avg_sq.copy_(moments[1])
+                            resident[part.key].load_(master, moments)
                         else:
                             assert self._nvme is not None
                             created.append(self._nvme.create(part, master, moments))
@@ -205,12 +211,18 @@ class TieredStorage:
             self._plan = plan
         self._report_plan(plan)
 
+    def _partition_elements(self, state_dtype: StateDtype) -> tuple[int | None, int]:
+        """The most elements of a partition of a segment stored as ``state_dtype`` (None:
+        whole segments) and the multiple its cuts fall at (:func:`partition_align`)."""
+        align = partition_align(state_dtype)
+        if self._max_elements is None:
+            return None, align
+        return elements_per_partition(self.config.partition_bytes, align), align
+
     def _replan(self, new: Sequence[Partition] = (), new_itemsize: int = 0) -> TierPlan:
         segments = [(parts, self._gradient_itemsize[key]) for key, parts in self._segments.items()]
         demands = [
-            PartitionDemand(
-                p.key, FileLayout(p.span.numel).file_bytes, gradient_bytes=gradient_file_bytes(p.span.numel, itemsize)
-            )
+            PartitionDemand(p.key, p.layout.file_bytes, gradient_bytes=gradient_file_bytes(p.span.numel, itemsize))
             for parts, itemsize in [*segments, (new, new_itemsize)]
             for p in parts
         ]
@@ -413,7 +425,8 @@ class TieredStorage:
         return out
 
     def snapshot(self, run_id: str, segment_id: int, updates: int) -> dict[str, torch.Tensor]:
-        """fp32 copies of master, exp_avg and exp_avg_sq of the whole segment."""
+        """fp32 copies of master, exp_avg and exp_avg_sq of the whole segment (the moments
+        decoded from their stored form)."""
         parts = self._consistent(run_id, segment_id, updates)
         numel = parts[-1].span.stop
         out = {name: torch.empty(numel, dtype=torch.float32) for name in ARRAYS}
@@ -426,8 +439,9 @@ class TieredStorage:
             except BaseException:
                 store.discard(staged, intact=False)
                 raise
-            for name, array in zip(out, staged.arrays):
-                out[name][part.span.start : part.span.stop] = array
+            piece = slice(part.span.start, part.span.stop)
+            out["master"][piece] = staged.arrays.master
+            staged.arrays.decode_moments_into(out["exp_avg"][piece], out["exp_avg_sq"][piece])
             store.discard(staged, intact=True)
         return out
 
@@ -464,7 +478,8 @@ class TieredStorage:
 
     # --- accounting and stats -------------------------------------------------------------
     def state_bytes(self, run_id: str | None = None, segment_id: int | None = None) -> dict[Residency, int]:
-        """Bytes of optimizer state (12 per element) in each tier, for a segment or all."""
+        """Bytes of optimizer state (12, 8 or about 6 per element: ``optim.state_dtype``) in
+        each tier, for a segment or all."""
         totals = {Residency.RAM: 0, Residency.NVME: 0}
         with self._lock:
             segments = [
@@ -474,7 +489,7 @@ class TieredStorage:
             ]
         for _, parts in segments:
             for part in parts:
-                totals[part.residency] += part.span.state_bytes
+                totals[part.residency] += stored_bytes(part.state_dtype, part.span.numel)
         return totals
 
     def rows(self, run_id: str | None = None) -> list[PartitionRow]:

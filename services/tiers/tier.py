@@ -10,6 +10,15 @@ from typing import Protocol
 
 import torch
 
+from cargohold.services.state_precision import (
+    PIECE_ELEMENTS,
+    StateDtype,
+    StoredMoment,
+    decode,
+    decode_range,
+    encode_range_,
+)
+from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import PartitionSpan
 from cargohold.services.tiers.residency import PartitionKey, Residency
 
@@ -31,18 +40,61 @@ class Partition:
     saving: threading.Event | None = None
     """Set while a checkpoint still has to write this (RAM) partition out: its next update
     waits for the event."""
+    state_dtype: StateDtype = "float32"
+    """How its moments are stored (``optim.state_dtype``)."""
+
+    @property
+    def layout(self) -> FileLayout:
+        """Its file layout, which its buffers share."""
+        return FileLayout(self.span.numel, self.state_dtype)
 
 
 @dataclass(frozen=True, slots=True)
 class PartitionArrays:
-    """fp32 views of one partition's state, each ``numel`` long."""
+    """Views of one partition's state, each ``numel`` long: fp32 master weights and the
+    moments in their stored form (fp32 views themselves for ``float32``)."""
 
     master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg: StoredMoment
+    exp_avg_sq: StoredMoment
 
-    def __iter__(self):
-        return iter((self.master, self.exp_avg, self.exp_avg_sq))
+    def copy_(self, other: PartitionArrays) -> None:
+        """Copy another partition's arrays of the same size and kind, as they are stored."""
+        self.master.copy_(other.master)
+        for mine, theirs in ((self.exp_avg, other.exp_avg), (self.exp_avg_sq, other.exp_avg_sq)):
+            mine.values.copy_(theirs.values)
+            mine.scales.copy_(theirs.scales)
+
+    def load_(
+        self,
+        master: torch.Tensor,
+        moments: tuple[torch.Tensor, torch.Tensor] | tuple[StoredMoment, StoredMoment] | None,
+    ) -> None:  # the moments: a StateSource's (:mod:`.source`)
+        """Set the state from fp32 ``master`` and ``moments`` (None: zeros): fp32 ones are
+        encoded into the stored form (a piece at a time), stored ones of this kind copied."""
+        self.master.copy_(master)
+        for stored, values in zip((self.exp_avg, self.exp_avg_sq), moments or (None, None)):
+            if values is None:
+                stored.values.zero_()
+                stored.scales.zero_()
+            elif isinstance(values, StoredMoment):
+                stored.values.copy_(values.values)
+                stored.scales.copy_(values.scales)
+            elif stored.dtype == "float32":
+                stored.values.copy_(values)
+            else:
+                for start in range(0, stored.numel, PIECE_ELEMENTS):
+                    encode_range_(stored, start, values[start : start + PIECE_ELEMENTS].clone())
+
+    def decoded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """New fp32 copies of the master weights and the decoded moments."""
+        return self.master.clone(), decode(self.exp_avg), decode(self.exp_avg_sq)
+
+    def decode_moments_into(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Write the decoded fp32 moments into ``exp_avg`` and ``exp_avg_sq`` (numel each)."""
+        for stored, out in ((self.exp_avg, exp_avg), (self.exp_avg_sq, exp_avg_sq)):
+            for start in range(0, stored.numel, PIECE_ELEMENTS):
+                decode_range(stored, start, out[start : start + PIECE_ELEMENTS])
 
 
 def _done() -> Future[None]:

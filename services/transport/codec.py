@@ -20,6 +20,7 @@ import torch
 from cargohold.services.errors import InvalidTensorError, TruncatedStreamError
 from cargohold.services.optim import AdamWHyperParams, UpdateGroup
 from cargohold.services.segment_state import SegmentSpec
+from cargohold.services.state_precision import StateDtype
 from cargohold.services.tiers.planner import Bandwidth
 from cargohold.services.tiers.report import PartitionRow, TierSummary
 from cargohold.services.tiers.residency import PartitionKey, Residency
@@ -180,6 +181,7 @@ def spec_to_proto(spec: SegmentSpec) -> pb.ShardSpec:
             max_grad_norm=h.max_grad_norm,
         ),
         groups=[pb.UpdateGroup(weight_decay=g.weight_decay, lr_scale=g.lr_scale) for g in spec.groups],
+        state_dtype=_STATE_DTYPE_TO_PROTO[spec.state_dtype],
     )
 
 
@@ -202,7 +204,22 @@ def spec_from_proto(message: pb.ShardSpec) -> SegmentSpec:
         ),
         groups=tuple(UpdateGroup(weight_decay=g.weight_decay, lr_scale=g.lr_scale) for g in message.groups),
         fragment_group=tuple(f.group for f in message.fragments) if message.groups else (),
+        state_dtype=_state_dtype_from_proto(message.state_dtype),
     )
+
+
+_STATE_DTYPE_TO_PROTO: dict[StateDtype, pb.StateDtype] = {
+    "float32": pb.STATE_DTYPE_FLOAT32,
+    "bfloat16": pb.STATE_DTYPE_BFLOAT16,
+    "blockwise8": pb.STATE_DTYPE_BLOCKWISE8,
+}
+_PROTO_TO_STATE_DTYPE: dict[int, StateDtype] = {v: k for k, v in _STATE_DTYPE_TO_PROTO.items()}
+
+
+def _state_dtype_from_proto(value: int) -> StateDtype:
+    if value not in _PROTO_TO_STATE_DTYPE:
+        raise InvalidTensorError(f"ShardSpec.state_dtype {value} is not one of {sorted(_PROTO_TO_STATE_DTYPE)}")
+    return _PROTO_TO_STATE_DTYPE[value]
 
 
 _RESIDENCY_TO_PROTO = {Residency.RAM: pb.RESIDENCY_RAM, Residency.NVME: pb.RESIDENCY_NVME}

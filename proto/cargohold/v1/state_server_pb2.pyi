@@ -14,6 +14,12 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_FLOAT16: _ClassVar[DType]
 
+class StateDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STATE_DTYPE_FLOAT32: _ClassVar[StateDtype]
+    STATE_DTYPE_BFLOAT16: _ClassVar[StateDtype]
+    STATE_DTYPE_BLOCKWISE8: _ClassVar[StateDtype]
+
 class Residency(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RESIDENCY_UNSPECIFIED: _ClassVar[Residency]
@@ -23,6 +29,9 @@ DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
 DTYPE_FLOAT16: DType
+STATE_DTYPE_FLOAT32: StateDtype
+STATE_DTYPE_BFLOAT16: StateDtype
+STATE_DTYPE_BLOCKWISE8: StateDtype
 RESIDENCY_UNSPECIFIED: Residency
 RESIDENCY_RAM: Residency
 RESIDENCY_NVME: Residency
@@ -68,7 +77,7 @@ class UpdateGroup(_message.Message):
     def __init__(self, weight_decay: _Optional[float] = ..., lr_scale: _Optional[float] = ...) -> None: ...
 
 class ShardSpec(_message.Message):
-    __slots__ = ("key", "start", "numel", "fragments", "grad_dtype", "hyper", "groups")
+    __slots__ = ("key", "start", "numel", "fragments", "grad_dtype", "hyper", "groups", "state_dtype")
     KEY_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +85,7 @@ class ShardSpec(_message.Message):
     GRAD_DTYPE_FIELD_NUMBER: _ClassVar[int]
     HYPER_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    STATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     start: int
     numel: int
@@ -83,7 +93,8 @@ class ShardSpec(_message.Message):
     grad_dtype: DType
     hyper: AdamWHyperParams
     groups: _containers.RepeatedCompositeFieldContainer[UpdateGroup]
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., start: _Optional[int] = ..., numel: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., grad_dtype: _Optional[_Union[DType, str]] = ..., hyper: _Optional[_Union[AdamWHyperParams, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[UpdateGroup, _Mapping]]] = ...) -> None: ...
+    state_dtype: StateDtype
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., start: _Optional[int] = ..., numel: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., grad_dtype: _Optional[_Union[DType, str]] = ..., hyper: _Optional[_Union[AdamWHyperParams, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[UpdateGroup, _Mapping]]] = ..., state_dtype: _Optional[_Union[StateDtype, str]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("byte_offset", "data", "crc32c")
