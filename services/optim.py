@@ -90,6 +90,16 @@ def fragment_groups(
     )
 
 
+def clip_fragments(fragments: Sequence[tuple[int, int]], start: int, stop: int) -> tuple[tuple[int, int], ...]:
+    """The parts of ``fragments`` inside ``[start, stop)``, relative to ``start``."""
+    clipped = []
+    for offset, length in fragments:
+        lo, hi = max(offset, start), min(offset + length, stop)
+        if lo < hi:
+            clipped.append((lo - start, hi - lo))
+    return tuple(clipped)
+
+
 @dataclass(slots=True)
 class AdamWState:
     """fp32 views of one shard's master weights and moments, plus the step count.

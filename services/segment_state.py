@@ -31,12 +31,12 @@ from cargohold.services.optim import (
     FragmentGroup,
     UpdateGroup,
     clip_coefficient,
+    clip_fragments,
     fragment_groups,
     inverse_scale,
     unscale_coefficient,
 )
 from cargohold.services.state_precision import STATE_DTYPES, StateDtype, apply_update_stored
-from cargohold.services.tiers.partitions import clip_fragments
 from cargohold.services.tiers.preserve import PreservedPartition
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.source import StateSource, tensor_source

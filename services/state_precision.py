@@ -57,7 +57,14 @@ from typing import Literal, get_args
 import torch
 
 from cargohold.services.errors import ConfigError
-from cargohold.services.optim import AdamWHyperParams, AdamWState, FragmentGroup, apply_update, fused_adamw_
+from cargohold.services.optim import (
+    AdamWHyperParams,
+    AdamWState,
+    FragmentGroup,
+    apply_update,
+    clip_fragments,
+    fused_adamw_,
+)
 
 StateDtype = Literal["float32", "bfloat16", "blockwise8"]
 """How a run stores the moments (``optim.state_dtype``)."""
@@ -380,7 +387,9 @@ def apply_update_stored(
     index = torch.empty(size, dtype=torch.int32) if exp_avg.dtype == "blockwise8" else None
     for start in range(0, master.numel(), piece_elements):
         end = min(start + piece_elements, master.numel())
-        pieces = [FragmentGroup(_clip(group.fragments, start, end), group.hyper, group.lr_scale) for group in groups]
+        pieces = [
+            FragmentGroup(clip_fragments(group.fragments, start, end), group.hyper, group.lr_scale) for group in groups
+        ]
         if not any(group.fragments for group in pieces):
             continue  # padding only: its moments stay as they are (zero)
         m, v = first[: end - start], second[: end - start]
@@ -392,16 +401,6 @@ def apply_update_stored(
         )  # fmt: skip
         encode_range_(exp_avg, start, m)
         encode_range_(exp_avg_sq, start, v)
-
-
-def _clip(fragments: Sequence[tuple[int, int]], start: int, stop: int) -> tuple[tuple[int, int], ...]:
-    """The parts of ``fragments`` inside ``[start, stop)``, relative to ``start``."""
-    clipped = []
-    for offset, length in fragments:
-        lo, hi = max(offset, start), min(offset + length, stop)
-        if lo < hi:
-            clipped.append((lo - start, hi - lo))
-    return tuple(clipped)
 
 
 def _check_step(

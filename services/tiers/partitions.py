@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from cargohold.services.errors import ConfigError
 from cargohold.services.layout import DEFAULT_ALIGN
+from cargohold.services.optim import clip_fragments
 from cargohold.services.state_precision import BLOCK_ELEMENTS, StateDtype
 
 STATE_BYTES_PER_ELEMENT = 12
@@ -74,13 +75,3 @@ def split_segment(
         stop = min(numel, start + size)
         spans.append(PartitionSpan(index, start, stop, clip_fragments(fragments, start, stop)))
     return tuple(spans)
-
-
-def clip_fragments(fragments: Sequence[tuple[int, int]], start: int, stop: int) -> tuple[tuple[int, int], ...]:
-    """The parts of ``fragments`` inside ``[start, stop)``, relative to ``start``."""
-    clipped = []
-    for offset, length in fragments:
-        lo, hi = max(offset, start), min(offset + length, stop)
-        if lo < hi:
-            clipped.append((lo - start, hi - lo))
-    return tuple(clipped)
