@@ -137,7 +137,7 @@ def main() -> None:
         shutil.rmtree(baseline)
 
         os.makedirs(checkpoints)
-        checkpointer = ShardCheckpointer(registry, server_index=0)
+        checkpointer = ShardCheckpointer(registry, "server0")
         started = time.perf_counter()
         updates = checkpointer.begin("bench", checkpoints, 3)
         begin = time.perf_counter() - started

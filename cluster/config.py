@@ -193,6 +193,17 @@ class WorkerConfig:
     """Ray GPUs reserved per worker (set 1 on GPU nodes)."""
     torch_threads: int = 1
     """Intra-op threads of each worker's torch."""
+    optimizer_on_device_fraction: float = 0.0
+    """The share of each worker's range whose AdamW state (fp32 master weights and moments,
+    in `optim.state_dtype`) the worker keeps on its own device and updates there, with the
+    same fused kernel the state servers run, bitwise; the state servers hold and update
+    the rest (Megatron's `optimizer_offload_fraction` is 1 minus this). Each unit's first
+    share of the worker's chunk is cut off (to 64 elements), so every unit's push shrinks
+    alike. It costs device memory (about `optim.state_dtype`'s bytes per parameter, plus a
+    staged gradient with clipping): `cargohold plan --device-memory` prints the largest
+    share that fits what the step leaves over. On CPU workers the device is the worker's
+    own memory and cores. Checkpoints are the same whatever the share, and resume under
+    any other."""
     retain_freed_memory: bool = False
     """Keep the host memory a step frees in the worker's heap for the next step (glibc's
     malloc: no mapping per large buffer, no trimming), instead of giving it back to the
@@ -213,6 +224,10 @@ class WorkerConfig:
         _non_negative("worker.max_unit_params", self.max_unit_params)
         _non_negative("worker.cpus", self.cpus)
         _non_negative("worker.gpus", self.gpus)
+        if not 0.0 <= self.optimizer_on_device_fraction <= 1.0:
+            raise ConfigError(
+                f"worker.optimizer_on_device_fraction must be in [0, 1], got {self.optimizer_on_device_fraction}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

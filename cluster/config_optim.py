@@ -124,6 +124,12 @@ class OptimConfig:
         if twice:
             raise ConfigError(f"optim.param_groups: two groups are named {twice[0]!r}; give each its own name")
 
+    @property
+    def staged(self) -> bool:
+        """Whether updates wait for the step's global gradient norm (clipping, or a check
+        for non-finite gradients): the gradients are staged until it is known."""
+        return self.max_grad_norm > 0 or self.nonfinite != "ignore"
+
     def hyper_params(self) -> AdamWHyperParams:
         return AdamWHyperParams(
             beta1=self.beta1,

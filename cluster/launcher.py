@@ -14,6 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
@@ -29,6 +30,7 @@ from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
 from cargohold.services.checkpoint.manifest import LossScaleRecord
 from cargohold.services.data.rows import DocumentRows
 from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
+from cargohold.services.layout import Segment
 from cargohold.services.loss_scale import LossScaleState
 from cargohold.services.model_setup import check_compute_dtype, model_layout
 from cargohold.services.param_groups import resolve_param_groups
@@ -42,6 +44,10 @@ from cargohold.services.transport.auth import tls_files
 from cargohold.services.worker import TrainingWorker
 
 logger = logging.getLogger(__name__)
+
+Holder = tuple[Any, tuple[Segment, ...]]
+"""An actor holding segments' state (a state server, or a worker with device segments)
+and those segments."""
 
 WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "4194304"}
 """Environment of the worker actors (the launcher's own values win). glibc raises its
@@ -167,7 +173,7 @@ class TrainingSession:
 
         update = 0
         if self.resume is not None and manifest is not None:
-            update, self.step_count = self._restore(self.resume, manifest, timeout)
+            update, self.step_count = self._restore(self.resume, manifest, self._server_holders(), timeout)
 
         worker_cls = ray.remote(TrainingWorker)
         first_worker_bundle = cfg.state_server.num_servers
@@ -190,6 +196,8 @@ class TrainingSession:
             )
             for rank in range(cfg.worker.num_workers)
         ]
+        if self.resume is not None and manifest is not None and (device_holders := self._worker_holders()):
+            self._restore(self.resume, manifest, device_holders, timeout)
         host, port = _get(self.workers[0].rendezvous_address.remote(), timeout, "starting workers")
         _get(
             [w.init_process_group.remote(host, port) for w in self.workers], timeout, "forming the worker process group"
@@ -212,14 +220,14 @@ class TrainingSession:
         if cfg.metrics.file_sd_path:
             write_file_sd(cfg.metrics.file_sd_path, self.run_id, targets)
 
-    def _restore(self, directory: Path, manifest: Manifest, timeout: float) -> tuple[int, int]:
-        """Restore every server's segments from a checkpoint (checked by
-        :func:`~cargohold.cluster.resume.check_resume`), whatever layout saved it;
-        returns (updates, data step)."""
+    def _restore(self, directory: Path, manifest: Manifest, holders: list[Holder], timeout: float) -> tuple[int, int]:
+        """Restore the segments of ``holders`` (servers, or workers' device segments) from
+        a checkpoint (checked by :func:`~cargohold.cluster.resume.check_resume`),
+        whatever layout saved it; returns (updates, data step)."""
         saved = saved_layout(manifest, str(directory / MANIFEST_NAME))
         _get(
             [
-                server.restore.remote(
+                actor.restore.remote(
                     str(directory),
                     manifest.to_json(),
                     [
@@ -227,10 +235,10 @@ class TrainingSession:
                             segment_spec(self.config, self.run_id, seg, self.param_groups),
                             segment_runs(saved, self.layout, seg),
                         )
-                        for seg in self.layout.segments_of_server(i)
+                        for seg in segments
                     ],
                 )
-                for i, server in enumerate(self.servers)
+                for actor, segments in holders
             ],
             timeout,
             f"restoring {directory}",
@@ -239,6 +247,19 @@ class TrainingSession:
             "run %s: restored %s (step %d, %d updates)", self.run_id, directory, manifest.step, manifest.updates
         )
         return manifest.updates, manifest.step
+
+    def _holders(self) -> list[Holder]:
+        """Every actor that holds segments' state, with its segments: the state servers,
+        then the workers with device segments (an actor with none is left out)."""
+        return self._server_holders() + self._worker_holders()
+
+    def _server_holders(self) -> list[Holder]:
+        held = [(server, self.layout.segments_of_server(i)) for i, server in enumerate(self.servers)]
+        return [(actor, segments) for actor, segments in held if segments]
+
+    def _worker_holders(self) -> list[Holder]:
+        held = [(worker, self.layout.device_segments(rank)) for rank, worker in enumerate(self.workers)]
+        return [(actor, segments) for actor, segments in held if segments]
 
     def checkpoint_begin(self, store: CheckpointDir) -> PendingCheckpoint:
         """Snapshot every server's state as of the current step; the files are written
@@ -250,16 +271,16 @@ class TrainingSession:
         begun = []
         try:
             self.settle()
-            begun = [s.checkpoint_begin.remote(self.run_id, str(directory), step) for s in self.servers]
+            begun = [h.checkpoint_begin.remote(self.run_id, str(directory), step) for h, _ in self._holders()]
             updates = set(_get(begun, None, f"checkpointing step {step}"))
             if len(updates) != 1:
-                raise TrainingError(f"servers are at different updates {sorted(updates)} at step {step}")
+                raise TrainingError(f"segments are at different updates {sorted(updates)} at step {step}")
             scales = set(_get([w.loss_scale.remote() for w in self.workers], None, "reading the loss scale"))
             if len(scales) != 1:
                 raise TrainingError(f"workers hold different loss scales {sorted(map(str, scales))} at step {step}")
         except BaseException:  # a failure, or Ctrl-C / SIGTERM while the servers begin
             if begun:
-                self._ignore_outcomes(begun + [s.checkpoint_wait.remote() for s in self.servers])
+                self._ignore_outcomes(begun + [h.checkpoint_wait.remote() for h, _ in self._holders()])
             _discard(store, step)
             raise
         return PendingCheckpoint(
@@ -275,7 +296,7 @@ class TrainingSession:
     ) -> SavedCheckpoint:
         """Wait for the servers' files (up to ``timeout`` seconds), then write the
         manifest: the checkpoint is complete. On failure its folder is gone."""
-        waits = [s.checkpoint_wait.remote() for s in self.servers]
+        waits = [h.checkpoint_wait.remote() for h, _ in self._holders()]
         try:
             waited = _get(waits, timeout, f"writing checkpoint {pending.step}")
             records = [r for rs, _ in waited for r in rs]
@@ -347,14 +368,16 @@ class TrainingSession:
         return torch.cat(ray.get([w.local_weights.remote() for w in self.workers]))
 
     def server_snapshots(self) -> list[dict[int, dict[str, torch.Tensor]]]:
-        """Every server's full fp32 state by shard id (tests: it is 12 bytes a parameter)."""
+        """Every server's full fp32 state by segment id, then every worker's of its device
+        segments (tests: it is 12 bytes a parameter)."""
         self.settle()
-        return ray.get([s.snapshot.remote(self.run_id) for s in self.servers])
+        return ray.get([h.snapshot.remote(self.run_id) for h, _ in self._holders()])
 
     def server_masters(self) -> list[dict[int, torch.Tensor]]:
-        """Every server's fp32 master weights by shard id (4 bytes a parameter; export)."""
+        """Every segment's fp32 master weights by segment id, a dict per holder (servers,
+        then workers' device segments; 4 bytes a parameter; export)."""
         self.settle()
-        return ray.get([s.masters.remote(self.run_id) for s in self.servers])
+        return ray.get([h.masters.remote(self.run_id) for h, _ in self._holders()])
 
     def settle(self) -> None:
         """Wait for the updates the workers still have in flight: :meth:`step` returns

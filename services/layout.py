@@ -18,7 +18,13 @@ A worker's gradients and weights for one group are therefore one contiguous rang
 The flat space is cut, independently, into ``num_servers`` contiguous server ranges at
 multiples of ``align``. A *segment* is the non-empty intersection of one group's range of
 one worker with one server range: the unit a worker pushes and fetches and a server
-registers. Every element belongs to exactly one segment. Segments of a worker on a
+registers. Every element belongs to exactly one segment.
+
+With a *device fraction* f (``worker.optimizer_on_device_fraction``) the first
+``f`` of each group's range of each worker (rounded to ``align``) is a *device segment*:
+its Adam state lives with the worker itself, on its device, and is updated there
+(``server`` is :data:`DEVICE`); only the rest is cut by the server ranges. The flat space,
+and so every checkpoint's offsets, does not depend on f. Segments of a worker on a
 server whose range covers it are all that worker ever talks to, so with one server per
 node and ranks numbered node by node, a worker's traffic stays on its node.
 
@@ -38,6 +44,9 @@ from dataclasses import dataclass
 import torch
 
 from cargohold.services.errors import LayoutError
+
+DEVICE = -1
+"""The ``server`` of a device segment: the worker owns its state."""
 
 DEFAULT_ALIGN = 64
 """Elements; 256 bytes of fp32, a multiple of every SIMD width and of a cache line."""
@@ -113,7 +122,7 @@ class Fragment:
 @dataclass(frozen=True, slots=True)
 class Segment:
     """The elements ``[start, stop)`` of group ``group`` that worker ``worker`` pushes to
-    server ``server``."""
+    server ``server`` (:data:`DEVICE`: that the worker updates on its own device)."""
 
     segment_id: int
     group: int
@@ -129,6 +138,11 @@ class Segment:
     def numel(self) -> int:
         return self.stop - self.start
 
+    @property
+    def on_device(self) -> bool:
+        """Whether the worker owns this segment's state (a device segment)."""
+        return self.server == DEVICE
+
 
 @dataclass(frozen=True, slots=True)
 class Layout:
@@ -143,8 +157,11 @@ class Layout:
     num_servers: int
     align: int
     server_bounds: tuple[int, ...]
-    """``num_servers + 1`` cut points; server ``s`` owns ``[bounds[s], bounds[s+1])``."""
+    """``num_servers + 1`` cut points; server ``s`` owns ``[bounds[s], bounds[s+1])``
+    but the device segments in it."""
     segments: tuple[Segment, ...]
+    device_fraction: float = 0.0
+    """The share of each group's range of each worker that is a device segment."""
 
     def worker_range(self, worker: int) -> tuple[int, int]:
         self._check_index("worker", worker, self.num_workers)
@@ -162,6 +179,11 @@ class Layout:
     def segments_of_server(self, server: int) -> tuple[Segment, ...]:
         self._check_index("server", server, self.num_servers)
         return tuple(s for s in self.segments if s.server == server)
+
+    def device_segments(self, worker: int) -> tuple[Segment, ...]:
+        """The segments whose state worker ``worker`` holds and updates itself."""
+        self._check_index("worker", worker, self.num_workers)
+        return tuple(s for s in self.segments if s.worker == worker and s.on_device)
 
     def group_params(self, group: int) -> tuple[ParamSlot, ...]:
         g = self.groups[group]
@@ -221,15 +243,20 @@ def build_layout(
     align: int = DEFAULT_ALIGN,
     group_sizes: Sequence[int] | None = None,
     group_names: Sequence[str] | None = None,
+    device_fraction: float = 0.0,
 ) -> Layout:
     """Place parameters (in the given order) in groups of ``group_sizes`` consecutive
-    parameters (None: one group of all) and split the space over workers and servers."""
+    parameters (None: one group of all) and split the space over workers and servers,
+    ``device_fraction`` of each group's range of each worker (rounded to ``align``) to
+    the worker itself."""
     if num_workers < 1:
         raise LayoutError(f"num_workers must be >= 1, got {num_workers}")
     if num_servers < 1:
         raise LayoutError(f"num_servers must be >= 1, got {num_servers}")
     if align < 1:
         raise LayoutError(f"align must be >= 1, got {align}")
+    if not 0.0 <= device_fraction <= 1.0:
+        raise LayoutError(f"the device fraction must be in [0, 1], got {device_fraction}")
     shapes = [(name, tuple(int(d) for d in shape)) for name, shape in named_shapes]
     for name, shape in shapes:
         if any(d < 0 for d in shape):
@@ -277,38 +304,41 @@ def build_layout(
 
     segments: list[Segment] = []
     placed = [group for group in groups if group.start < group.stop]  # an empty group has no segment
+
+    def add(group: Group, worker: int, server: int, start: int, stop: int) -> None:
+        base = worker * worker_size
+        fragments = _fragments(
+            params[group.first_param : group.stop_param], group.first_param, worker, start - base, stop - base
+        )
+        segments.append(
+            Segment(
+                segment_id=len(segments),
+                group=group.index,
+                worker=worker,
+                server=server,
+                start=start,
+                stop=stop,
+                local_offset=start - base,
+                fragments=tuple(fragments),
+            )
+        )
+
     for worker in range(num_workers):
         base = worker * worker_size
         for group in placed:
-            # only the servers whose ranges meet the group's: the loop is as long as its
+            on_device = align * round(device_fraction * (group.stop - group.start) / align)
+            if on_device:
+                add(group, worker, DEVICE, base + group.start, base + group.start + on_device)
+            lo, hi = base + group.start + on_device, base + group.stop
+            # only the servers whose ranges meet the rest: the loop is as long as its
             # output, whatever the counts of workers and servers
-            first_server = max(0, bisect.bisect_right(server_bounds, base + group.start) - 1)
+            first_server = max(0, bisect.bisect_right(server_bounds, lo) - 1)
             for server in range(first_server, num_servers):
-                if server_bounds[server] >= base + group.stop:
+                if server_bounds[server] >= hi:
                     break
-                start = max(base + group.start, server_bounds[server])
-                stop = min(base + group.stop, server_bounds[server + 1])
+                start, stop = max(lo, server_bounds[server]), min(hi, server_bounds[server + 1])
                 if start < stop:
-                    segments.append(
-                        Segment(
-                            segment_id=len(segments),
-                            group=group.index,
-                            worker=worker,
-                            server=server,
-                            start=start,
-                            stop=stop,
-                            local_offset=start - base,
-                            fragments=tuple(
-                                _fragments(
-                                    params[group.first_param : group.stop_param],
-                                    group.first_param,
-                                    worker,
-                                    start - base,
-                                    stop - base,
-                                )
-                            ),
-                        )
-                    )
+                    add(group, worker, server, start, stop)
     return Layout(
         params=tuple(params),
         groups=tuple(groups),
@@ -319,6 +349,7 @@ def build_layout(
         align=align,
         server_bounds=server_bounds,
         segments=tuple(segments),
+        device_fraction=device_fraction,
     )
 
 

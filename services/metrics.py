@@ -113,7 +113,7 @@ TIERS: frozenset[str] = frozenset({"ram", "nvme"})
 TIER_OPS: frozenset[str] = frozenset({"read", "write"})
 PREFETCH_RESULTS: frozenset[str] = frozenset({"hit", "miss"})
 PHASES: frozenset[str] = frozenset({"compute", "reduce", "update"})
-WORKER_MEMORY_KINDS: frozenset[str] = frozenset({"weights", "exchange"})
+WORKER_MEMORY_KINDS: frozenset[str] = frozenset({"weights", "exchange", "optimizer"})
 PAGE_LOCK_REASONS: frozenset[str] = frozenset(REASONS)
 
 # One shard update on a state server runs from ~100 us (a small shard in RAM) to tens of
@@ -451,8 +451,9 @@ class WorkerMetrics(MetricsEndpoint):
         self._phase_seconds.labels(rank=self._rank, phase=phase).inc(seconds)
 
     def set_resident_bytes(self, kind: str, nbytes: int) -> None:
-        """Set the bytes held for `kind`: "weights" (FSDP2's local shards) or "exchange" (the
-        gradient and weight buffers the state servers read and write)."""
+        """Set the bytes held for `kind`: "weights" (FSDP2's local shards), "exchange" (the
+        gradient and weight buffers the state servers read and write) or "optimizer" (the
+        AdamW state of its device segments, `worker.optimizer_on_device_fraction`)."""
         _check_label("kind", kind, WORKER_MEMORY_KINDS)
         self._resident.labels(rank=self._rank, kind=kind).set(nbytes)
 

@@ -41,7 +41,11 @@ def model_layout(config: TrainConfig, task: TrainingTask | None = None) -> tuple
         model = task.build()
     units = units_of(model, task.blocks(model), max_params=config.worker.max_unit_params)
     layout = layout_for_units(
-        model, units, num_workers=config.worker.num_workers, num_servers=config.state_server.num_servers
+        model,
+        units,
+        num_workers=config.worker.num_workers,
+        num_servers=config.state_server.num_servers,
+        device_fraction=config.worker.optimizer_on_device_fraction,
     )
     return model, units, layout
 
@@ -177,7 +181,7 @@ def exchange_buffers(
 def step_policy(config: TrainConfig) -> StepPolicy:
     optim, worker = config.optim, config.worker
     return StepPolicy(
-        staged=optim.max_grad_norm > 0 or optim.nonfinite != "ignore",
+        staged=optim.staged,
         nonfinite=optim.nonfinite,
         delayed_after=worker.delayed_update_after_steps if worker.delayed_update else None,
         loss_scale=optim.loss_scale.rules() if worker.compute_dtype == "float16" else None,

@@ -317,6 +317,10 @@ class SegmentState:
         torch's AdamW counts it. With ``weights_out`` the new master weights are also
         written there in its dtype while they are in memory (the prepared weights)."""
         span = partition.span
+        device = partition.state.master.device
+        if step.device != device:  # a worker's device segments on a GPU: the kernel reads its scalars there
+            step = step.to(device)
+            coefficient = coefficient.to(device) if coefficient is not None else None
         if span.fragments:
             apply_update_stored(
                 partition.state.master,

@@ -106,7 +106,13 @@ def split_modules(
 
 
 def layout_for_units(
-    model: nn.Module, units: Sequence[Unit], *, num_workers: int, num_servers: int, align: int = DEFAULT_ALIGN
+    model: nn.Module,
+    units: Sequence[Unit],
+    *,
+    num_workers: int,
+    num_servers: int,
+    align: int = DEFAULT_ALIGN,
+    device_fraction: float = 0.0,
 ) -> Layout:
     """The layout of ``units`` (works on a meta-device model)."""
     params = dict(model.named_parameters())
@@ -117,6 +123,7 @@ def layout_for_units(
         align=align,
         group_sizes=[len(unit.param_names) for unit in units],
         group_names=[unit.name for unit in units],
+        device_fraction=device_fraction,
     )
 
 

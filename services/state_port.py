@@ -2,8 +2,9 @@
 
 The step (:mod:`cargohold.services.step`) talks only to a :class:`StatePort`. Two
 implementations: :class:`RemotePort`, the gRPC clients (with shared memory for servers on
-the same node), and :class:`LocalPort`, a state registry in this process, so a step runs
-in a test without Ray or a network. Gradients and weights travel through the worker's
+the same node), and :class:`LocalPort`, a state registry in this process: a worker's own
+device segments (``worker.optimizer_on_device_fraction``; :class:`SplitPort` sends each
+segment to its owner), and a step in a test without Ray or a network. Gradients and weights travel through the worker's
 :class:`ExchangeBuffers`: a few unit-sized slots in host memory (shared memory when a
 server on this node reads and writes it directly).
 """
@@ -306,3 +307,31 @@ class LocalPort:
 
     def close(self) -> None:
         pass
+
+
+class SplitPort:
+    """Each segment to its owner: the state servers' port for theirs, the worker's own
+    (a :class:`LocalPort` over its device registry) for its device segments."""
+
+    def __init__(self, servers: StatePort, device: StatePort) -> None:
+        self.servers = servers
+        self.device = device
+
+    def _owner(self, segment: Segment) -> StatePort:
+        return self.device if segment.on_device else self.servers
+
+    def register(self, segment: Segment, initial: torch.Tensor) -> int:
+        return self._owner(segment).register(segment, initial)
+
+    def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
+        return self._owner(segment).push(segment, update, gradient, lr=lr, defer=defer)
+
+    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float, loss_scale: float = 1.0) -> bool:
+        return self._owner(segment).commit(segment, update, global_norm=global_norm, lr=lr, loss_scale=loss_scale)
+
+    def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
+        self._owner(segment).fetch(segment, update, out)
+
+    def close(self) -> None:
+        self.servers.close()
+        self.device.close()

@@ -13,12 +13,10 @@ import logging
 import torch
 
 from cargohold.cluster.config import WILDCARD_HOSTS, StateServerConfig
-from cargohold.services.checkpoint import MANIFEST_NAME, FileRecord, Manifest, SegmentRecord
-from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.node import node_ip
-from cargohold.services.reshard import Run
-from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
+from cargohold.services.segment_holder import SegmentHolder
+from cargohold.services.segment_state import SegmentRegistry
 from cargohold.services.tiers.storage import TieredStorage
 from cargohold.services.transport.auth import TlsFiles
 from cargohold.services.transport.grpc_server import GrpcStateServer
@@ -28,7 +26,10 @@ from cargohold.services.weight_buffers import WeightBuffers
 logger = logging.getLogger(__name__)
 
 
-class StateServer:
+class StateServer(SegmentHolder):
+    """A state server: serves its registry over gRPC; :class:`SegmentHolder`'s calls read,
+    save and restore it."""
+
     def __init__(
         self,
         config: StateServerConfig,
@@ -52,9 +53,12 @@ class StateServer:
         self.server_index = server_index
         self.metrics = StateServerMetrics(f"state-server-{server_index}")
         # Prepared weights wait for fetches, which at most rpc_threads calls serve at once.
-        self.registry = SegmentRegistry(
-            TieredStorage(config.tier, server_index=server_index, observer=self.metrics),
-            WeightBuffers(2 * config.rpc_threads),
+        super().__init__(
+            SegmentRegistry(
+                TieredStorage(config.tier, server_index=server_index, observer=self.metrics),
+                WeightBuffers(2 * config.rpc_threads),
+            ),
+            f"server{server_index}",
         )
         if metrics_enabled:
             self.metrics.start(host=host, port=metrics_port)
@@ -70,7 +74,6 @@ class StateServer:
             bulk=config.data_plane == "socket",
         )
         self._grpc.start()
-        self._checkpointer = ShardCheckpointer(self.registry, server_index)
 
     def address(self) -> str:
         """host:port of the gRPC API."""
@@ -85,31 +88,6 @@ class StateServer:
 
     def metrics_address(self) -> str:
         return self.metrics.address if self.metrics.serving else ""
-
-    def snapshot(self, run_id: str) -> dict[int, dict[str, torch.Tensor]]:
-        """Copies of every shard's fp32 state for a run, by shard id (tests, checkpoints)."""
-        return {
-            s.spec.segment_id: {**s.snapshot(), "step": torch.tensor(s.updates)} for s in self.registry.shards(run_id)
-        }
-
-    def masters(self, run_id: str) -> dict[int, torch.Tensor]:
-        """fp32 master weights of every shard of a run, by shard id (export): read a
-        partition at a time from the tiers, without the moments."""
-        return {s.spec.segment_id: s.master_weights() for s in self.registry.shards(run_id)}
-
-    def checkpoint_begin(self, run_id: str, directory: str, step: int) -> int:
-        """Start writing this server's shards of ``run_id`` into ``directory``."""
-        return self._checkpointer.begin(run_id, directory, step)
-
-    def checkpoint_wait(self) -> tuple[list[tuple[SegmentRecord, FileRecord]], int]:
-        """The records of the files written, and how many of their bytes are hard links."""
-        return self._checkpointer.wait(), self._checkpointer.linked_bytes
-
-    def restore(self, directory: str, manifest_json: str, shards: list[tuple[SegmentSpec, tuple[Run, ...]]]) -> None:
-        """Create each spec from the checkpoint in ``directory``, reading the saved flat
-        elements its runs name (:func:`~cargohold.services.reshard.segment_runs`)."""
-        manifest = Manifest.from_json(manifest_json, source=f"{directory}/{MANIFEST_NAME}")
-        self._checkpointer.restore(directory, manifest, shards)
 
     def stop(self) -> None:
         """Stop serving, then stop the tier I/O and delete this server's partition files."""

@@ -20,12 +20,14 @@ DEFAULT_LIMIT = 8
 
 
 class WeightBuffers:
-    """At most ``limit`` buffers taken or kept free at once."""
+    """At most ``limit`` buffers taken or kept free at once, on ``device`` (host memory
+    when None; a GPU for a worker's device segments)."""
 
-    def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
+    def __init__(self, limit: int = DEFAULT_LIMIT, device: torch.device | None = None) -> None:
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
         self.limit = limit
+        self.device = device
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []
         self._taken: set[int] = set()
@@ -43,7 +45,7 @@ class WeightBuffers:
             else:
                 if len(self._taken) + len(self._free) >= self.limit:
                     self._free.pop(0)  # one of another shape makes room
-                buffer = torch.empty(numel, dtype=dtype)
+                buffer = torch.empty(numel, dtype=dtype, device=self.device)
             self._taken.add(buffer.data_ptr())
             return buffer
 

@@ -27,20 +27,27 @@ from cargohold.services.metrics import WorkerMetrics
 from cargohold.services.model_setup import exchange_buffers, resolve_device, sharded_model, step_policy, weight_window
 from cargohold.services.node import node_ip
 from cargohold.services.param_groups import resolve_param_groups
+from cargohold.services.segment_holder import SegmentHolder
+from cargohold.services.segment_state import SegmentRegistry
 from cargohold.services.sharding import local_tensors
-from cargohold.services.state_port import ExchangeBuffers, RemotePort
+from cargohold.services.state_port import ExchangeBuffers, LocalPort, RemotePort, SplitPort, StatePort
 from cargohold.services.step import EvalReport, ShardedStep, StepReport
 from cargohold.services.task import ConfigTask, TrainingTask
+from cargohold.services.tiers.storage import TieredStorage
 from cargohold.services.transport import shm
 from cargohold.services.transport.auth import tls_files
 from cargohold.services.transport.grpc_client import StateServerClient
+from cargohold.services.weight_buffers import WeightBuffers
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 60.0
 """How long shutdown waits for a delayed update still in flight."""
 
 
-class TrainingWorker:
+class TrainingWorker(SegmentHolder):
+    """One worker; :class:`SegmentHolder`'s calls read, save and restore its device
+    segments (``worker.optimizer_on_device_fraction``), which its own registry holds."""
+
     def __init__(
         self,
         config: TrainConfig,
@@ -66,6 +73,19 @@ class TrainingWorker:
         self.run_id = run_id
         self.world_size = config.worker.num_workers
         self.device = resolve_device(config.worker.device)
+        if (
+            self.device.type == "cuda"
+            and config.worker.optimizer_on_device_fraction
+            and config.optim.state_dtype != "float32"
+        ):
+            raise ConfigError(
+                "worker.optimizer_on_device_fraction on a GPU keeps its state in fp32: set optim.state_dtype=float32 "
+                f"(got {config.optim.state_dtype}; bf16 and 8-bit moments are updated on the state servers' CPUs)"
+            )
+        # The device segments' state: on the GPU, or in this process's memory on a CPU worker.
+        super().__init__(
+            SegmentRegistry(TieredStorage(device=self.device), WeightBuffers(device=self.device)), f"worker{rank}"
+        )
         self._server_addresses = server_addresses
         self._server_node_ids = server_node_ids
         self._auth_token = auth_token
@@ -115,15 +135,10 @@ class TrainingWorker:
             )
             for address in self._server_addresses
         ]
-        state_port = RemotePort(
-            config,
-            self.run_id,
-            clients,
-            buffers,
-            shared,
-            self.metrics,
-            resolve_param_groups(config.optim, layout.params),
-        )
+        param_groups = resolve_param_groups(config.optim, layout.params)
+        state_port: StatePort = RemotePort(config, self.run_id, clients, buffers, shared, self.metrics, param_groups)
+        if layout.device_segments(self.rank):
+            state_port = SplitPort(state_port, LocalPort(config, self.run_id, param_groups, self.registry))
         self.step = ShardedStep(
             model,
             units,
@@ -149,7 +164,9 @@ class TrainingWorker:
         segments with their servers; returns the common update count."""
         with torch.device("meta"):
             shapes = self.task.build()
-        return self._step().register(self.task.initial_values(shapes))
+        updates = self._step().register(self.task.initial_values(shapes))
+        self._report_resident_bytes()  # the device segments' state exists now
+        return updates
 
     def metrics_address(self) -> str:
         return self.metrics.address if self.metrics.serving else ""
@@ -185,6 +202,7 @@ class TrainingWorker:
             self.step.close()
             self.step.port.close()
             self.step.buffers.close()
+        self.registry.close()
         self.metrics.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -217,7 +235,8 @@ class TrainingWorker:
         return EvalReport(step=step, loss=loss, seconds=time.perf_counter() - started)
 
     def resident_bytes(self) -> dict[str, int]:
-        """Bytes of the buffers this worker holds for training between steps, by kind."""
+        """Bytes of the buffers this worker holds for training between steps, by kind
+        (the metric's kinds: "optimizer" only with device segments)."""
         step = self._step()
         tensors = local_tensors(step.model, step.layout)
         if step.window is not None:  # the root's, and at most the window's blocks and its read buffers
@@ -225,7 +244,10 @@ class TrainingWorker:
         weights = sum(t.numel() * t.element_size() for t in tensors)
         if step.window is not None:
             weights += step.window.host_bytes
-        return {"weights": weights, "exchange": step.buffers.nbytes}
+        held = {"weights": weights, "exchange": step.buffers.nbytes}
+        if step.layout.device_segments(self.rank):
+            held["optimizer"] = self.registry.resident_bytes()
+        return held
 
     def _report_resident_bytes(self) -> None:
         for kind, nbytes in self.resident_bytes().items():

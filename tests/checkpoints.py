@@ -57,7 +57,7 @@ def write_segments(
             )
             moments = (data["exp_avg"][start:stop], data["exp_avg_sq"][start:stop])
             registry.restore(spec, tensor_source(data["master"][start:stop], moments), updates)
-        checkpointer = ShardCheckpointer(registry, server)
+        checkpointer = ShardCheckpointer(registry, f"server{server}")
         checkpointer.begin(run, str(directory), step)
         return checkpointer.wait()
     finally:
@@ -153,4 +153,4 @@ def restore(path: Path, target: Layout, server: int, registry: SegmentRegistry) 
         )
         for seg in target.segments_of_server(server)
     ]
-    ShardCheckpointer(registry, server).restore(str(path), manifest, shards)
+    ShardCheckpointer(registry, f"server{server}").restore(str(path), manifest, shards)

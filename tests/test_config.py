@@ -109,6 +109,7 @@ CONFIG_SURFACE = [
     "worker.cpus",
     "worker.gpus",
     "worker.torch_threads",
+    "worker.optimizer_on_device_fraction",
     "worker.retain_freed_memory",
     "worker.resources",
     "state_server.num_servers",

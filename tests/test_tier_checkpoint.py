@@ -124,7 +124,7 @@ def test_one_payload_format_whatever_the_tier(tmp_path: Path, saved_by: str) -> 
     for target in (None, tier_config(tmp_path / "b")):
         restored = SegmentRegistry(TieredStorage(target))
         try:
-            ShardCheckpointer(restored, server_index=0).restore(str(path), manifest, whole_segments())
+            ShardCheckpointer(restored, "server0").restore(str(path), manifest, whole_segments())
             assert_same_state(state_of(restored), saved)
             push_steps(restored, range(4, 6))
             assert_same_state(state_of(restored), expected)

@@ -51,7 +51,7 @@ def crash_writer(root: str, tier_root: str) -> None:
     else:
         manifest = store.load(latest)
         registry, step = SegmentRegistry(TieredStorage(tier_config(Path(tier_root)))), manifest.step
-        ShardCheckpointer(registry, server_index=0).restore(str(latest), manifest, whole_segments())
+        ShardCheckpointer(registry, "server0").restore(str(latest), manifest, whole_segments())
     print("ready", flush=True)
     while True:
         step += 1

@@ -54,7 +54,7 @@ def test_a_tier_checkpoint_restores_and_continues_bitwise(tmp_path: Path, target
     }[target]
     restored = SegmentRegistry(TieredStorage(tier))
     try:
-        ShardCheckpointer(restored, server_index=0).restore(str(path), store.load(path), whole_segments())
+        ShardCheckpointer(restored, "server0").restore(str(path), store.load(path), whole_segments())
         assert all(restored.get(RUN, s.segment_id).updates == 3 for s in specs())
         if tier is not None:
             assert disk_rows(restored), "the restored state is back on disk"
@@ -159,7 +159,7 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         state = saving.register(spec, torch.randn(N, generator=torch.Generator().manual_seed(0)))
         state.apply_gradient(1, torch.randn(N, generator=torch.Generator().manual_seed(1)), global_norm=1.0, lr=1e-3)
         expected = state.snapshot()
-        checkpointer = ShardCheckpointer(saving, 0)
+        checkpointer = ShardCheckpointer(saving, "server0")
         checkpointer.begin("rss", str(store.begin(1)), 1)
         records = checkpointer.wait()
         flat = (("flat", (N,)),)
@@ -172,7 +172,7 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         restoring = SegmentRegistry(TieredStorage(tier(root + "/b")))
         manifest = store.load(path)
         base = reset_peak_rss()
-        ShardCheckpointer(restoring, 0).restore(str(path), manifest, [(spec, ((0, 0, N),))])
+        ShardCheckpointer(restoring, "server0").restore(str(path), manifest, [(spec, ((0, 0, N),))])
         growth = proc_status("VmHWM") - base
         got = restoring.get("rss", 0).snapshot()
         same = all(torch.equal(got[k], expected[k]) for k in expected)

@@ -103,7 +103,7 @@ def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 def save_checkpoint(store: CheckpointDir, registry: SegmentRegistry, step: int) -> tuple[Path, dict[str, int]]:
     """Save and commit ``step`` as server 0 (aborted on a CheckpointError); the folder,
     and how many partitions were linked, copied and written."""
-    checkpointer = ShardCheckpointer(registry, server_index=0)
+    checkpointer = ShardCheckpointer(registry, "server0")
     directory = store.begin(step)
     update = checkpointer.begin(RUN, str(directory), step)
     try:

@@ -47,6 +47,11 @@ def render(plan: RunPlan) -> str:
         ("gradients in backward (bound)", w.gradient_bytes, on),
         ("per-step temporaries (bound)", w.transient_bytes, on),
         ("activations (estimate)", w.activation_bytes, on),
+        *(
+            [(f"optimizer, {plan.device_fraction:g} of the range", w.device_state_bytes + w.device_update_bytes, on)]
+            if w.device_state_bytes
+            else []
+        ),
         ("= compute device total", w.device_peak_bytes, on),
         *([("weight shards (offloaded)", w.buffers["weights"], host)] if w.offload else []),
         ("exchange buffers", w.buffers["exchange"], f"{host}, shared" if w.shared_memory_bytes else host),
@@ -58,6 +63,11 @@ def render(plan: RunPlan) -> str:
         ("= host peak", w.host_peak_bytes, "host RAM"),
     ]
     lines += [f"  {name:<{_LABEL}} {b(n):>10}  {where}" for name, n, where in rows]
+    if plan.device_fraction_fit is not None:
+        lines.append(
+            f"  worker.optimizer_on_device_fraction: up to {plan.device_fraction_fit:g} fits the GPU memory the "
+            f"step leaves (set: {plan.device_fraction:g}; {w.device_state_per_element:.3g} B per element)"
+        )
 
     names = [f"server {s.index}" for s in plan.servers]
     lines += ["", f"{'Each state server':<{_LABEL + 2}}" + "".join(f"{n:>12}" for n in names)]

@@ -52,6 +52,11 @@ class RunPlan:
     """The split of ``cluster.host_memory_bytes`` when set (the plan is then of the config
     that keeps it)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    device_fraction: float = 0.0
+    """``worker.optimizer_on_device_fraction``, as planned."""
+    device_fraction_fit: float | None = None
+    """The largest fraction that fits the GPU's memory left over (``--device-memory``);
+    None for CPU workers or an unsized GPU."""
 
     @property
     def fits(self) -> bool:
@@ -111,6 +116,12 @@ def plan_run(config: TrainConfig, cluster: ClusterDescription | None = None) -> 
         notes=tuple(notes),
         checkpoint_keep_last=config.checkpoint.keep_last if config.checkpoint.dir is not None else 0,
         host_budget=host_budget,
+        device_fraction=config.worker.optimizer_on_device_fraction,
+        device_fraction_fit=(
+            worker.device_fraction_fit(cluster.device_memory_bytes)
+            if worker.device == "cuda" and cluster.device_memory_bytes is not None
+            else None
+        ),
     )
 
 

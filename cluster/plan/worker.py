@@ -18,6 +18,7 @@ per-unit figure then follows the largest piece.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from cargohold.cluster.plan.runtime import worker_runtime_bytes
 from cargohold.services.layout import Layout
 from cargohold.services.optim import SQUARES_CHUNK
 from cargohold.services.state_port import exchange_nbytes
+from cargohold.services.state_precision import stored_bytes
 from cargohold.services.tiers.fileformat import round_up
 from cargohold.services.weight_files import READ_BUFFERS as WEIGHT_READ_BUFFERS
 from cargohold.services.window_schedule import reads_per_micro_batch
@@ -70,6 +72,17 @@ class WorkerPlan:
     units' and the files' two read buffers) and its exchange buffers (slots of the
     largest unit's gradients in the wire dtype and weights in the compute dtype; with the
     delayed update also ``range_elements`` weights)."""
+    device_state_bytes: int = 0
+    """Its device segments' AdamW state (``worker.optimizer_on_device_fraction``) on the
+    compute device: master weights and moments as ``optim.state_dtype`` stores them, and
+    with the staged update (clipping, non-finite checks) their staged gradients (push dtype)."""
+    device_update_bytes: int = 0
+    """The device segments' weights prepared by the updates in flight (compute dtype, the
+    largest device segment per exchange slot)."""
+    device_state_per_element: float = 0.0
+    """What one more element of device segments would cost on the compute device: the
+    state's bytes per element, its staged gradient's, and its share of the prepared
+    weights: how the plan picks the fraction."""
     nvme_weight_bytes: int = 0
     """Its units' weight files under ``worker.weights_nvme_path`` (0: weights in memory)."""
     weight_window: int = 0
@@ -125,14 +138,28 @@ class WorkerPlan:
 
     @property
     def device_bytes(self) -> int:
-        """Resident on the compute device between steps: the weight shards unless offloaded."""
-        return 0 if self.offload else self.buffers["weights"]
+        """Resident on the compute device between steps: the weight shards unless
+        offloaded, and the device segments' state."""
+        return (0 if self.offload else self.buffers["weights"]) + self.device_state_bytes
 
     @property
     def device_peak_bytes(self) -> int:
         return (
-            self.device_bytes + self.gathered_bytes + self.gradient_bytes + self.transient_bytes + self.activation_bytes
+            self.device_bytes
+            + self.gathered_bytes
+            + self.gradient_bytes
+            + self.transient_bytes
+            + self.activation_bytes
+            + self.device_update_bytes
         )
+
+    def device_fraction_fit(self, device_memory_bytes: int) -> float:
+        """The largest ``worker.optimizer_on_device_fraction`` (to 0.01) whose device
+        segments fit in what the step leaves of ``device_memory_bytes``; 0 where nothing does."""
+        left = device_memory_bytes - (self.device_peak_bytes - self.device_state_bytes - self.device_update_bytes)
+        if left <= 0 or not self.range_elements:
+            return 0.0
+        return min(1.0, math.floor(100 * left / (self.device_state_per_element * self.range_elements)) / 100)
 
     @property
     def host_bytes(self) -> int:
@@ -222,6 +249,14 @@ def plan_worker(
     chunk = max(u.chunk for u in units)
     squares = min(chunk, SQUARES_CHUNK) * 8  # the norm's fp64 cast, a piece at a time
     transient = squares + (chunk * compute if wire != compute else 0) + (2 * chunk * compute if offload else 0)
+    # Device segments: their state and staged gradients stay; each update in flight (one
+    # per exchange slot) prepares its weights in the compute dtype.
+    on_device = layout.device_segments(0)
+    staged = push if config.optim.staged else 0
+    device_state = sum(stored_bytes(config.optim.state_dtype, s.numel) + s.numel * staged for s in on_device)
+    device_update = settings.exchange_slots * max((s.numel for s in on_device), default=0) * compute
+    per_element = stored_bytes(config.optim.state_dtype, 1 << 20) / (1 << 20) + staged
+    per_element += settings.exchange_slots * compute * layout.largest_group / layout.worker_size
 
     on_host = weights if offload or device == "cpu" else 0
     one_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
@@ -270,5 +305,8 @@ def plan_worker(
             weight_write_bytes=sum(unit_files) if on_nvme else 0,  # each file once, after the update
         ),
         nvme_weight_bytes=sum(unit_files) if on_nvme else 0,
+        device_state_bytes=device_state,
+        device_update_bytes=device_update,
+        device_state_per_element=per_element,
         weight_window=settings.weight_window if on_nvme else 0,
     )

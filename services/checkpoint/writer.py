@@ -15,8 +15,8 @@ background thread does the rest while training goes on:
   and the partition's next update waits until it has been written (the only stall: when
   training reaches it first).
 
-Payload files are named ``server<i>-shard<segment>-part<index>.tier``; all in RAM a
-segment is one partition (index 0).
+Payload files are named ``server<i>-shard<segment>-part<index>.tier`` (``worker<w>-...``
+for a worker's device segments); all in RAM a segment is one partition (index 0).
 """
 
 from __future__ import annotations
@@ -50,9 +50,11 @@ Records = list[tuple[SegmentRecord, FileRecord]]
 class ShardCheckpointer:
     """Saves and restores the shards of one state server's registry."""
 
-    def __init__(self, registry: SegmentRegistry, server_index: int) -> None:
+    def __init__(self, registry: SegmentRegistry, owner: str) -> None:
+        """``owner``: what holds ``registry`` ("server0", or "worker1" for a worker's device
+        segments): the first word of its payload files' names, unique in a checkpoint."""
         self._registry = registry
-        self._server_index = server_index
+        self._owner = owner
         self._thread: threading.Thread | None = None
         self._result: Records | BaseException | None = None
         self.preserved: dict[str, int] = {}
@@ -100,7 +102,7 @@ class ShardCheckpointer:
         self._thread.start()
 
     def _name_of(self, key: PartitionKey) -> str:
-        return f"server{self._server_index}-shard{key.segment_id:06d}-part{key.index:05d}.tier"
+        return f"{self._owner}-shard{key.segment_id:06d}-part{key.index:05d}.tier"
 
     def _preserve(self, directory: str, step: int, update: int, shards: list[SegmentState]) -> None:
         """Link every disk partition file of the shards at ``update`` now; write the RAM

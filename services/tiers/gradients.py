@@ -63,8 +63,11 @@ class StagedGradients:
         io: IoPool | None,
         buffers: BufferPool | None,
         observer: TierObserver | None = None,
+        device: torch.device | None = None,
     ) -> None:
+        """``device``: where the pieces kept in memory are (host memory when None)."""
         self._nvme = nvme
+        self._device = device
         self._observer = observer or NullObserver()
         """Where the files' reads and writes are counted, with the state's."""
         self._io = io
@@ -103,7 +106,7 @@ class StagedGradients:
         with self._lock:
             buffer = self._ram.get(key)
         if buffer is None or buffer.nbytes != nbytes:
-            buffer = AlignedBuffer(nbytes)
+            buffer = AlignedBuffer(nbytes, self._device)
         held = buffer.tensor[: piece.numel() * piece.element_size()].view(piece.dtype)
         held.copy_(piece)
         with self._lock:

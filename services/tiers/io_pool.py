@@ -24,6 +24,7 @@ from typing import Literal, TypeVar, overload
 
 import torch
 
+from cargohold.services.errors import TierError
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.residency import PartitionKey
 from cargohold.services.tiers.tier import PartitionArrays, TierObserver
@@ -32,15 +33,30 @@ T = TypeVar("T")
 
 
 class AlignedBuffer:
-    """Page-aligned anonymous memory holding one partition in its file layout."""
+    """Page-aligned anonymous memory holding one partition in its file layout; with a CUDA
+    ``device``, the same layout in GPU memory (a worker's device segments,
+    ``worker.optimizer_on_device_fraction``): no file reads or writes it, a checkpoint
+    writes a host :meth:`clone`."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, device: torch.device | None = None) -> None:
         self.nbytes = nbytes
-        self._map = mmap.mmap(-1, nbytes)
-        self.view = memoryview(self._map)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._map: mmap.mmap | None = None
+        self._view: memoryview | None = None
+        if device is not None and device.type != "cpu":
+            self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        else:
+            self._map = mmap.mmap(-1, nbytes)
+            self._view = memoryview(self._map)
+            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.tag: tuple[PartitionKey, int] | None = None
         """(partition, step) whose stored file these bytes equal, or None."""
+
+    @property
+    def view(self) -> memoryview:
+        """The bytes, for file reads and writes (host memory only)."""
+        if self._view is None:
+            raise TierError(f"a {self.nbytes}-byte buffer on {self.tensor.device} has no host bytes to read or write")
+        return self._view
 
     def arrays(self, layout: FileLayout) -> PartitionArrays:
         """Views of the partition of ``layout`` held in these bytes."""
@@ -48,7 +64,7 @@ class AlignedBuffer:
         return PartitionArrays(master, layout.moment(self.tensor, 1), layout.moment(self.tensor, 2))
 
     def clone(self) -> AlignedBuffer:
-        """A new buffer holding a copy of these bytes."""
+        """A new buffer in host memory holding a copy of these bytes."""
         copy = AlignedBuffer(self.nbytes)
         copy.tensor.copy_(self.tensor)
         return copy
@@ -56,8 +72,9 @@ class AlignedBuffer:
     def close(self) -> None:
         """Unmap; only when no tensor view of it is alive any more."""
         del self.tensor
-        self.view.release()
-        self._map.close()
+        if self._view is not None and self._map is not None:
+            self._view.release()
+            self._map.close()
 
 
 class BufferPool:

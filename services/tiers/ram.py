@@ -6,18 +6,22 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
+import torch
+
 from cargohold.services.tiers.io_pool import AlignedBuffer
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.tier import Partition, PartitionArrays, Staged, done_future
 
 
 class RamTier:
-    """Resident partitions, never more than ``capacity_bytes`` of them (None: no limit)."""
+    """Resident partitions, never more than ``capacity_bytes`` of them (None: no limit), in
+    host memory or on a CUDA ``device`` (a worker's device segments)."""
 
     residency = Residency.RAM
 
-    def __init__(self, capacity_bytes: int | None) -> None:
+    def __init__(self, capacity_bytes: int | None, device: torch.device | None = None) -> None:
         self.capacity_bytes = capacity_bytes
+        self.device = device
         self._lock = threading.Lock()
         self._buffers: dict[PartitionKey, AlignedBuffer] = {}
         self._used = 0
@@ -38,7 +42,7 @@ class RamTier:
             if self.capacity_bytes is not None and self._used + nbytes > self.capacity_bytes:
                 return None
             self._used += nbytes
-        buffer = AlignedBuffer(nbytes)
+        buffer = AlignedBuffer(nbytes, self.device)
         arrays = buffer.arrays(partition.layout)
         if source is not None:
             arrays.copy_(source)

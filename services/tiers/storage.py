@@ -89,8 +89,17 @@ class TieredStorage:
     segment state) serialises calls about the same segment."""
 
     def __init__(
-        self, config: TierConfig | None = None, *, server_index: int = 0, observer: TierObserver | None = None
+        self,
+        config: TierConfig | None = None,
+        *,
+        server_index: int = 0,
+        observer: TierObserver | None = None,
+        device: torch.device | None = None,
     ) -> None:
+        """``device``: a CUDA device to hold every partition in (a worker's device
+        segments; all in memory, no budget); host memory when None."""
+        if device is not None and device.type != "cpu" and config is not None and config.ram_budget_bytes is not None:
+            raise TierError("partitions on a GPU are all in its memory: no RAM budget, no NVMe tier")
         self.config = config or TierConfig()
         self._observer = observer or NullObserver()
         self._lock = threading.Lock()
@@ -105,8 +114,8 @@ class TieredStorage:
         if budget is None:
             self._max_elements: int | None = None
             self.staging_bytes = 0
-            self._ram = RamTier(None)
-            self._gradients = StagedGradients(None, None, None)
+            self._ram = RamTier(None, device)
+            self._gradients = StagedGradients(None, None, None, device=device)
             return
         self._max_elements = elements_per_partition(self.config.partition_bytes)
         # A staging buffer holds a partition in its file layout and, after it, the
