@@ -194,16 +194,17 @@ class WorkerConfig:
     torch_threads: int = 1
     """Intra-op threads of each worker's torch."""
     optimizer_on_device_fraction: float = 0.0
-    """The share of each worker's range whose AdamW state (fp32 master weights and moments,
-    in `optim.state_dtype`) the worker keeps on its own device and updates there, with the
-    same fused kernel the state servers run, bitwise; the state servers hold and update
-    the rest (Megatron's `optimizer_offload_fraction` is 1 minus this). Each unit's first
-    share of the worker's chunk is cut off (to 64 elements), so every unit's push shrinks
-    alike. It costs device memory (about `optim.state_dtype`'s bytes per parameter, plus a
-    staged gradient with clipping): `cargohold plan --device-memory` prints the largest
-    share that fits what the step leaves over. On CPU workers the device is the worker's
-    own memory and cores. Checkpoints are the same whatever the share, and resume under
-    any other."""
+    """The share of each worker's range whose AdamW state (fp32 master weights and moments)
+    the worker keeps on its own device and updates there with torch's fused AdamW; the
+    state servers hold and update the rest (Megatron's `optimizer_offload_fraction` is 1
+    minus this). Each unit's first share of the worker's chunk is cut off (to 64
+    elements), so every unit's push shrinks alike. On CPU workers the device is the
+    worker's own memory and cores, and the run is bitwise the same as with the state all
+    on the servers; a GPU's CUDA kernel rounds otherwise than the servers' CPU kernel, and
+    keeps fp32 state only (`optim.state_dtype: float32`). It costs device memory (the
+    state's bytes per parameter, plus a staged gradient with clipping): `cargohold plan
+    --device-memory` prints the largest share that fits what the step leaves over.
+    Checkpoints hold every segment whoever updates it, and resume under any other share."""
     retain_freed_memory: bool = False
     """Keep the host memory a step frees in the worker's heap for the next step (glibc's
     malloc: no mapping per large buffer, no trimming), instead of giving it back to the
