@@ -214,6 +214,8 @@ class SegmentState:
         """
         _check_tensor(self.spec, gradient, WIRE_DTYPES[self.spec.grad_dtype], "gradient")
         _check_update_args(self.spec, global_norm, lr, prepare)
+        if gradient.device != self._storage.device:  # a GPU worker's device segment, pushed from host memory
+            gradient, owned = gradient.to(self._storage.device), True
         with self.lock:
             if repeats_last_update(self.spec, self._updates, update, verb="accepts"):
                 return UpdateOutcome(applied=False, updates=self._updates, seconds=0.0)

@@ -101,6 +101,8 @@ class TieredStorage:
         if device is not None and device.type != "cpu" and config is not None and config.ram_budget_bytes is not None:
             raise TierError("partitions on a GPU are all in its memory: no RAM budget, no NVMe tier")
         self.config = config or TierConfig()
+        self.device = device if device is not None else torch.device("cpu")
+        """Where the partitions' arrays are (and so where an update's gradient must be)."""
         self._observer = observer or NullObserver()
         self._lock = threading.Lock()
         self._segments: dict[tuple[str, int], list[Partition]] = {}
