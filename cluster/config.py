@@ -506,6 +506,7 @@ class TrainConfig:
         _check_run_id(self.run_id)
         self.eval.check_format(self.data.format)
         _check_float16(self)
+        _check_device_state(self)
         last_port = self.metrics.port + self.state_server.num_servers + self.worker.num_workers
         if self.metrics.port and last_port > 65535:
             raise ConfigError(f"metrics.port {self.metrics.port} leaves no room for every actor (up to {last_port})")
@@ -539,6 +540,18 @@ def _check_float16(config: TrainConfig) -> None:
         raise ConfigError(
             f"worker.grad_wire_dtype=float16 needs worker.compute_dtype=float16 (got {worker.compute_dtype}): "
             "only gradients computed with a loss scale keep their small values in fp16"
+        )
+
+
+def _check_device_state(config: TrainConfig) -> None:
+    """GPU workers keep their share of the optimizer in fp32: the bf16 and 8-bit kinds'
+    codecs run on the state servers' CPUs."""
+    worker, state_dtype = config.worker, config.optim.state_dtype
+    on_gpus = worker.device == "cuda" or (worker.device == "auto" and worker.gpus > 0)
+    if on_gpus and worker.optimizer_on_device_fraction and state_dtype != "float32":
+        raise ConfigError(
+            "worker.optimizer_on_device_fraction on GPU workers keeps fp32 state: set optim.state_dtype=float32 "
+            f"(got {state_dtype}) or keep the whole optimizer on the state servers (fraction 0)"
         )
 
 

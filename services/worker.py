@@ -73,15 +73,6 @@ class TrainingWorker(SegmentHolder):
         self.run_id = run_id
         self.world_size = config.worker.num_workers
         self.device = resolve_device(config.worker.device)
-        if (
-            self.device.type == "cuda"
-            and config.worker.optimizer_on_device_fraction
-            and config.optim.state_dtype != "float32"
-        ):
-            raise ConfigError(
-                "worker.optimizer_on_device_fraction on a GPU keeps its state in fp32: set optim.state_dtype=float32 "
-                f"(got {config.optim.state_dtype}; bf16 and 8-bit moments are updated on the state servers' CPUs)"
-            )
         # The device segments' state: on the GPU, or in this process's memory on a CPU worker.
         super().__init__(
             SegmentRegistry(TieredStorage(device=self.device), WeightBuffers(device=self.device)), f"worker{rank}"

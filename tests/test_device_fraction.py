@@ -78,6 +78,18 @@ def test_the_command_exits_2_naming_the_key(value: str, capsys: pytest.CaptureFi
     assert "worker.optimizer_on_device_fraction" in capsys.readouterr().err
 
 
+def test_gpu_workers_with_a_share_of_the_optimizer_refuse_stored_moments_naming_both_keys(
+    capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    monkeypatch.setattr(cli, "_train", lambda config: pytest.fail("the settings reached training"))
+    settings = ["worker.optimizer_on_device_fraction=0.25", "optim.state_dtype=bfloat16"]
+    for device in (["worker.device=cuda"], ["worker.gpus=1"]):
+        assert cli.main(["train", *[a for s in [*settings, *device] for a in ("--set", s)]]) == 2
+        error = capsys.readouterr().err
+        assert "worker.optimizer_on_device_fraction" in error and "optim.state_dtype" in error
+    tiny_config(worker__optimizer_on_device_fraction=0.25, optim__state_dtype="bfloat16")  # CPU workers: fine
+
+
 # --- the plan ------------------------------------------------------------------------------
 def test_the_plan_counts_the_device_segments_state_and_picks_the_fraction_that_fits() -> None:
     config = tiny_config(worker__device="cuda", worker__optimizer_on_device_fraction=0.5)
