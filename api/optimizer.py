@@ -30,6 +30,7 @@ from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.errors import OptimizerError
 from cargohold.services.layout import Layout, Segment, scatter_params
 from cargohold.services.segment_state import SegmentSpec
+from cargohold.services.state_precision import STATE_DTYPES, StateDtype
 from cargohold.services.wire import DTYPE_NAMES
 
 T = TypeVar("T")
@@ -62,6 +63,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
     * Parameters are float32 or bfloat16, one dtype per group (bfloat16 ones are updated
       in fp32 masters on the servers); on any device (gradients and weights go through
       host memory).
+    * ``state_dtype``: how the servers store the moments, as the ``optim.state_dtype`` of
+      a cargohold run: ``"float32"`` (torch's bits), ``"bfloat16"`` (8 bytes of state per
+      parameter) or ``"blockwise8"`` (8-bit blocks, about 6); the master weights stay fp32.
+      A state dict saved with one kind loads into an optimizer of another (the moments
+      are converted).
 
     ``params``, ``lr``, ``betas``, ``eps`` and ``weight_decay`` are torch's AdamW's.
     ``servers``: from :func:`~cargohold.start_state_servers` or
@@ -93,7 +99,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         timeout_s: float = 300.0,
         connect_timeout_s: float = 30.0,
         process_group: dist.ProcessGroup | None = None,
+        state_dtype: StateDtype = "float32",
     ) -> None:
+        if state_dtype not in STATE_DTYPES:
+            raise OptimizerError(f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got {state_dtype!r}")
+        self._state_dtype = state_dtype
         self._names = {id(p): name for name, p in model.named_parameters()}
         self._group_of: dict[int, int] = {}
         """id(parameter) -> the group it was placed in, filled as groups are added."""
@@ -311,6 +321,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 fragments=tuple((f.segment_start, f.length) for f in s.fragments),
                 grad_dtype=DTYPE_NAMES[self._dtypes[s.group]],
                 hyper=hypers[s.group],
+                state_dtype=self._state_dtype,
             )
             for s in self._segments
         ]
