@@ -213,10 +213,11 @@ TOLERANCE = {"bfloat16": (0.06, 0.01, 0.01), "blockwise8": (0.35, 0.03, 0.015)}
 """Relative differences from fp32's loss over the tiny config's 20 steps: (any step, the
 mean over the steps, the last step). Measured (deterministic runs, 2 servers): bf16 at
 most 4.5% (step 12, a transient spike; every other step within 1.4%), mean 0.53%, last
-0.18%; 8-bit at most 29% (step 11, a spike: the lr is 0.01 and moments of rarely-seen
-embedding rows share 256-element blocks with busy ones), mean 2.0%, last 0.72%. So the
-1% of every step does not hold on this config; tests/test_state_precision.py's 200-step
-regressions found the same (1% bf16, 30% 8-bit)."""
+0.18%; 8-bit at most 29% (step 11, a spike), mean 2.0%, last 0.72%. So the 1% of every
+step does not hold on this config: at its lr (0.01) steps 10-13 amplify any disturbance of
+the moments, fp32's too (benchmarks/state_dtype_spike.py, and the module docstring of
+services/state_precision.py). tests/test_state_precision.py's 200-step regressions found
+the same (1% bf16, 30% 8-bit)."""
 
 
 def _losses_and_state(config) -> tuple[list[float], dict[str, torch.Tensor]]:
