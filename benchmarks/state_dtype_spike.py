@@ -1,6 +1,6 @@
 """Why the 8-bit moments' loss spikes on the tests' tiny config (issue 25, item 2).
 
-    python benchmarks/state_dtype_spike.py              # ~20 s on 2 cores, no Ray
+    python benchmarks/state_dtype_spike.py              # ~1 min on 2 cores, no Ray
 
 The tiny config (tests/reference.py's ``tiny_config``, 2 workers, 2 servers) trained in
 this process by the tests' reference loop (torch's ``AdamW(fused=True)``), its moments
@@ -18,7 +18,9 @@ loop with the rounding changed, each line a curve's relative difference from fp3
   ``exp_avg / sqrt(exp_avg_sq)`` moves when both are rounded, per parameter (the worst);
 * the config's sensitivity: fp32 moments with seeded random relative noise of 0.3-3% on
   ``exp_avg_sq`` after every update (bf16's rounding is up to 0.39%), other seeds of the
-  config, and a lower lr.
+  config, and a lower lr;
+* 200 steps, with the tiny config's AdamW and with the demo's (lr 1e-3, beta2 0.95,
+  clipping at 1), two seeds each.
 
 Nothing is asserted.
 """
@@ -176,6 +178,35 @@ def main() -> None:
     slower = tiny_config(state_server__num_servers=2, optim__lr=0.003)
     ours = stored_as(model_layout(slower)[2], "blockwise8")
     print(f"lr 0.003: blockwise8 {summary(train_with(slower, ours), train_with(slower))}")
+    long_runs()
+
+
+DEMO_ADAMW = {
+    "optim__lr": 1e-3,
+    "optim__beta2": 0.95,
+    "optim__weight_decay": 0.01,
+    "optim__max_grad_norm": 1.0,
+    "optim__warmup_steps": 10,
+}
+"""examples/demo.yaml's AdamW (tests/test_state_dtype.py's 200-step test uses it)."""
+
+
+def long_runs(steps: int = 200) -> None:
+    """200 steps with the tiny config's AdamW (lr 0.01, beta2 0.999) and the demo's, two
+    seeds each: each kind and fp32 with 0.3% noise on exp_avg_sq against fp32."""
+    for label, adamw in (("lr 0.01", {}), ("demo AdamW", DEMO_ADAMW)):
+        for seed in (7, 1):
+            config = tiny_config(state_server__num_servers=2, steps=steps, seed=seed, **adamw)
+            layout = model_layout(config)[2]
+            fp32 = train_with(config, steps=steps)
+            curves: dict[str, Rounding] = {
+                "bfloat16": stored_as(layout, "bfloat16"),
+                "blockwise8": stored_as(layout, "blockwise8"),
+                "fp32, 0.3% noise on exp_avg_sq": noisy(0.003, 1),
+            }
+            for name, rounding in curves.items():
+                losses = train_with(config, rounding, steps=steps)
+                print(f"{steps} steps, {label}, seed {seed}: {name:31} {summary(losses, fp32)}")
 
 
 if __name__ == "__main__":
