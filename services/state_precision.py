@@ -35,9 +35,10 @@ are plain torch ops over a piece at a time, no search. The look-up's interval ad
 ``2**-12`` to the map's half gap; :func:`error_bound` states the whole bound.
 
 Accuracy over a run, and where the 8-bit error lands (``benchmarks/state_dtype_spike.py``,
-which reproduces the Ray runs' losses in one process): with the demo's AdamW (lr 1e-3,
-beta2 0.95, clipping at 1) 200 steps of the tests' tiny GPT stay within 0.08% (8-bit) and
-0.01% (bf16) of fp32's loss at every step (tested with a 1% bound). On the tiny config's
+which reproduces the Ray runs' losses in one process): the demo's 200 steps stay within
+0.65% (8-bit) and 0.054% (bf16) of fp32's loss at every step (docs/benchmarks.md), and
+with the demo's AdamW (lr 1e-3, beta2 0.95, clipping at 1) 200 steps of the tests' tiny
+GPT within 0.08% and 0.01% (tested with a 1% bound). On the tiny config's
 own lr of 0.01 the 8-bit loss spikes 29% above fp32's at step 11 of 20. The largest error
 of one step's direction ``exp_avg / sqrt(exp_avg_sq)`` is in the LayerNorm before each MLP
 (5-10% relative, at most 3.6% elsewhere): in the flat space ``ln_2``'s weight and bias
