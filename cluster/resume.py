@@ -26,7 +26,9 @@ Every key is compared but ``checkpoint.resume`` (how a run starts, not what it i
   state). ``hf.*`` are paths, compared as such: another model behind
   them is refused by its parameters (:func:`check_compatible`). ``optim.state_dtype``
   is one of these too: the state servers convert the saved moments (decode them to
-  fp32, store them in this run's kind) as they restore them, and that is logged.
+  fp32, store them in this run's kind) as they restore them, and that is logged. A
+  checkpoint whose config lacks it was saved before the key existed, when the moments
+  were always fp32: the warning says so (:data:`BEFORE_STATE_DTYPE`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ REFUSED: dict[str, str] = {
     ),
 }
 """The keys a resume may not change, and why."""
+STATE_DTYPE = "optim.state_dtype"
+BEFORE_STATE_DTYPE = 'absent (saved before the key existed: fp32 moments, as "float32")'
+"""How the warnings show a checkpoint's missing ``optim.state_dtype``: every checkpoint from
+before the key stores its moments in fp32."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,13 +122,14 @@ def check_resume(directory: Path, config: TrainConfig, layout: Layout) -> Manife
         check_compatible(manifest, model_signature=[(p.name, p.shape) for p in layout.params], align=layout.align)
     except CheckpointError as error:
         raise ResumeRefusedError(f"checkpoint.resume: {directory}: {error}") from error
-    converted = next((c for c in changes if c.key == "optim.state_dtype"), None)
-    if converted is not None:
+    converted = next((c for c in changes if c.key == STATE_DTYPE), None)
+    if converted is not None and not (converted.saved == "absent" and config.optim.state_dtype == "float32"):
         logger.warning(
-            "resuming from %s: optim.state_dtype is %s there and %s here; the saved Adam moments are converted "
+            "resuming from %s: %s is %s there and %s here; the saved Adam moments are converted "
             "(decoded to fp32, stored as %s) as they are restored",
             directory,
-            converted.saved,
+            STATE_DTYPE,
+            _saved_value(converted),
             converted.current,
             config.optim.state_dtype,
         )
@@ -131,9 +138,14 @@ def check_resume(directory: Path, config: TrainConfig, layout: Layout) -> Manife
             "resuming from %s with config keys changed (the saved state keeps its meaning; the run goes on "
             "from it as now configured): %s",
             directory,
-            "; ".join(f"{c.key}: {c.saved} -> {c.current}" for c in changes),
+            "; ".join(f"{c.key}: {_saved_value(c)} -> {c.current}" for c in changes),
         )
     return manifest
+
+
+def _saved_value(change: Change) -> str:
+    """The checkpoint's side of a change as the warnings show it."""
+    return BEFORE_STATE_DTYPE if change.key == STATE_DTYPE and change.saved == "absent" else change.saved
 
 
 def config_changes(saved: dict[str, Any], config: TrainConfig) -> list[Change]:

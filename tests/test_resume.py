@@ -16,7 +16,7 @@ from reference import tiny_config
 
 from cargohold.cluster import cli
 from cargohold.cluster.config_io import to_dict
-from cargohold.cluster.resume import REFUSED, Change, check_resume, config_changes
+from cargohold.cluster.resume import BEFORE_STATE_DTYPE, REFUSED, Change, check_resume, config_changes
 from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.errors import ConfigError, ResumeRefusedError
 from cargohold.services.model_setup import model_layout
@@ -25,11 +25,15 @@ pytestmark = pytest.mark.timeout(120)
 BASE = {"steps": 8, "metrics__enabled": False}
 
 
-def _saved(root: Path, **overrides) -> Path:
-    """A checkpoint of step 2 of the tiny model, its manifest holding the config."""
+def _saved(root: Path, *, without: tuple[str, str] | None = None, **overrides) -> Path:
+    """A checkpoint of step 2 of the tiny model, its manifest holding the config (less the
+    key ``without``, (section, key), as in a checkpoint saved before that key existed)."""
     config = tiny_config(**{**BASE, **overrides})
     _, _, layout = model_layout(config)
-    return save_layout(CheckpointDir(root), 2, layout, random_data(layout.total, 2), to_dict(config))
+    saved = to_dict(config)
+    if without is not None:
+        del saved[without[0]][without[1]]
+    return save_layout(CheckpointDir(root), 2, layout, random_data(layout.total, 2), saved)
 
 
 def _check(path: Path, **overrides):
@@ -120,3 +124,21 @@ def test_keys_compare_as_json_values_and_sections_only_are_descended() -> None:
         Change("optim.retired_key", "0.5", "absent"),
         Change("worker.resources", '{"cargohold_gpu": 1}', "{}"),
     ]
+
+
+@pytest.mark.parametrize("kind", ["float32", "blockwise8"])
+def test_a_checkpoint_from_before_state_dtype_is_said_to_hold_fp32_moments(tmp_path: Path, caplog, kind) -> None:
+    """Its config lacks optim.state_dtype: the warning says its moments are fp32, and only
+    a run of another kind is told they are converted."""
+    path = _saved(tmp_path, without=("optim", "state_dtype"))
+    with caplog.at_level(logging.WARNING, logger="cargohold.cluster.resume"):
+        assert _check(path, optim__state_dtype=kind).step == 2
+    messages = [record.getMessage() for record in caplog.records]
+    assert f'optim.state_dtype: {BEFORE_STATE_DTYPE} -> "{kind}"' in messages[-1]
+    assert "fp32 moments" in BEFORE_STATE_DTYPE
+    converted = [m for m in messages if "converted" in m]
+    if kind == "float32":
+        assert not converted, "fp32 moments resumed as fp32 are not converted"
+    else:
+        (line,) = converted
+        assert f'optim.state_dtype is {BEFORE_STATE_DTYPE} there and "blockwise8" here' in line
