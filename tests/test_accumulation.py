@@ -80,6 +80,7 @@ def test_accumulation_in_bf16_matches_fsdp2_bitwise(ray_local) -> None:
     _assert_matches_reference(config, layout, losses, weights, server, fsdp_reference_train(config, config.steps))
 
 
+@pytest.mark.slow  # the default suite keeps chat weighting (test_training_contract) and accumulation (above) apart
 def test_accumulated_chat_loss_is_the_token_mean_bitwise(ray_local, tmp_path) -> None:
     """Chat data with two micro-batches: ranks and micro-batches count different numbers
     of tokens, each weighted by its share of the whole step (Batch.weight over the

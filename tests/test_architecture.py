@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,9 +164,12 @@ def test_only_the_launcher_imports_the_worker_actor() -> None:
 
 
 def test_importing_the_core_and_the_config_loads_no_runtime() -> None:
-    """Checked where it counts: in a fresh interpreter, imports inside functions aside."""
-    for module in (*sorted(SCHEMA), *sorted(CORE)):
-        loaded = _loaded_by(module)
+    """Checked where it counts: in a fresh interpreter, imports inside functions aside (one
+    per module, as many at once as there are cores)."""
+    modules = (*sorted(SCHEMA), *sorted(CORE))
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        loads = dict(zip(modules, pool.map(_loaded_by, modules)))
+    for module, loaded in loads.items():
         runtimes = sorted(m for m in loaded if m.split(".")[0] in RUNTIMES)
         ours = {m for m in loaded if m in GRAPH} - CORE - SCHEMA - PACKAGE_INITS - {module}
         assert not runtimes, f"importing {module} loads {runtimes[:5]}"

@@ -163,6 +163,7 @@ def test_matches_torch_adamw_bitwise(ray_local, overrides: dict) -> None:
     _assert_matches_reference(config, layout, losses, weights, server)
 
 
+@pytest.mark.slow  # the default suite reads the workers' segments through the same holders (snapshots, checkpoints)
 @pytest.mark.integration
 def test_export_and_the_workers_memory_include_the_device_segments(ray_local) -> None:
     """The export reads every segment's masters, the workers' too; each worker reports its
