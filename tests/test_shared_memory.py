@@ -160,7 +160,22 @@ def test_a_region_is_checked_again_when_its_path_names_another_file(region: Shar
 
 def test_a_cancelled_call_is_counted_as_cancelled_not_as_a_server_error(caplog) -> None:
     """A client that goes away mid-stream is not the server's failure: CANCELLED in the
-    metrics, no ERROR traceback in the log."""
+    metrics, no ERROR traceback in the log. Under load the cancellation sometimes reaches
+    gRPC before the handler reads the stream and nothing at all is counted (the server
+    never saw the call fail); such a try is made again, up to three times, and every try
+    must count no server error."""
+    for _ in range(3):
+        counted = _cancel_a_push(caplog)
+        assert counted.get("INTERNAL", 0) == 0, counted
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+        if counted:
+            break
+    assert counted == {"CANCELLED": 1}, counted
+
+
+def _cancel_a_push(caplog) -> dict[str, float]:
+    """Start a push, cancel it after its header, and return the errors the server counted
+    for it, by code, within 10 s."""
     release = threading.Event()
 
     def requests():
@@ -186,11 +201,11 @@ def test_a_cancelled_call_is_counted_as_cancelled_not_as_a_server_error(caplog) 
             samples = scrape(s.metrics.address)
         finally:
             release.set()
-    assert total(samples, "cargohold_rpc_errors_total", rpc="PushGradient", code="CANCELLED") == 1, [
-        k for k in samples if k[0] == "cargohold_rpc_errors_total"
-    ]
-    assert total(samples, "cargohold_rpc_errors_total", rpc="PushGradient", code="INTERNAL") == 0
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    return {
+        dict(labels)["code"]: value
+        for (name, labels), value in samples.items()
+        if name == "cargohold_rpc_errors_total" and dict(labels).get("rpc") == "PushGradient" and value
+    }
 
 
 def _received_by_rpc(address: str) -> dict[str, float]:
