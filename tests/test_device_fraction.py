@@ -9,12 +9,11 @@ tolerance.)"""
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
+from actor_faults import kill_a_worker_in_step
 from reference import reference_train, tiny_config
 from test_training_contract import PARAM_GROUPS, _assert_matches_reference, _layout, _run
 
@@ -263,22 +262,9 @@ def test_a_killed_worker_is_recovered_ending_bitwise_where_the_uninterrupted_run
     """A worker SIGKILLed in step 5 takes its device segments' state with it: the launcher
     restarts from the checkpoint of step 4, which holds them, and the run ends where the
     uninterrupted one does."""
-    import ray
-
-    from cargohold.cluster.launcher import TrainingSession
     from cargohold.cluster.supervise import train
 
-    original_step = TrainingSession.step
-    killed: list[int] = []
-
-    def step_with_fault(session: TrainingSession):
-        if not killed and session.step_count == 4:
-            pid = ray.get(session.workers[1].__ray_call__.remote(lambda self: os.getpid()))
-            killed.append(pid)
-            os.kill(pid, signal.SIGKILL)
-        return original_step(session)
-
-    monkeypatch.setattr(TrainingSession, "step", step_with_fault)
+    killed = kill_a_worker_in_step(monkeypatch, 5)
     result = train(_config(tmp_path, 0.5, checkpoint__every_steps=2, checkpoint__max_failures=1))
     assert len(killed) == 1 and result.restarts == 1 and len(result.losses) == STEPS
     _assert_same(_final(tmp_path), uninterrupted)

@@ -4,12 +4,11 @@ hanging in a collective or an RPC."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
 import ray
+from actor_faults import kill_actor
 from reference import tiny_config
 
 from cargohold.cluster.launcher import TrainingSession, _get
@@ -19,16 +18,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 DETECTION_LIMIT_S = 60.0
 
 
-def _kill(actor) -> None:
-    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
-    os.kill(pid, signal.SIGKILL)
-
-
 @pytest.mark.parametrize("victim", ["state-server", "worker-1"])
 def test_a_killed_actor_fails_the_next_step_quickly(ray_local, victim: str) -> None:
     with TrainingSession(tiny_config(steps=5)) as session:
         session.step()
-        _kill(session.servers[0] if victim == "state-server" else session.workers[1])
+        kill_actor(session.servers[0] if victim == "state-server" else session.workers[1])
         started = time.monotonic()
         with pytest.raises(TrainingError) as error:
             session.step()
@@ -47,7 +41,7 @@ def test_a_killed_state_servers_tier_folder_is_removed_at_teardown(ray_local, tm
         folders = sorted(p.relative_to(nvme) for p in nvme.glob("*/server-*"))
         assert [str(f) for f in folders] == [f"{session.run_id}/server-0", f"{session.run_id}/server-1"]
         assert any((nvme / session.run_id / "server-0").iterdir())
-        _kill(session.servers[0])
+        kill_actor(session.servers[0])
         with pytest.raises(TrainingError):
             session.step()
     assert not (nvme / session.run_id).exists(), sorted(nvme.rglob("*"))

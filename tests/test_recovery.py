@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from actor_faults import kill_actor
 from prometheus_client.parser import text_string_to_metric_families
 from reference import tiny_config
 from system import mounted_tmpfs
@@ -161,10 +162,6 @@ def _scrape(address: str) -> dict[str, float]:
     }
 
 
-def _kill(actor) -> None:
-    os.kill(ray.get(actor.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
-
-
 @pytest.mark.parametrize(
     "victim",
     [
@@ -181,7 +178,7 @@ def test_a_killed_actor_is_recovered_from_the_last_checkpoint(
     def step_with_fault(session: TrainingSession):
         if not killed and session.step_count == 5:  # after the checkpoint of step 4
             killed.append(victim)
-            _kill(session.servers[1] if victim == "state-server" else session.workers[1])
+            kill_actor(session.servers[1] if victim == "state-server" else session.workers[1])
         return original_step(session)
 
     monkeypatch.setattr(TrainingSession, "step", step_with_fault)
@@ -227,7 +224,7 @@ def test_weights_on_nvme_with_a_killed_worker_end_where_weights_in_memory_end(
     def step_with_fault(session: TrainingSession):
         if not killed and session.step_count == 5:
             killed.append(True)
-            _kill(session.workers[1])
+            kill_actor(session.workers[1])
         return original_step(session)
 
     monkeypatch.setattr(TrainingSession, "step", step_with_fault)
@@ -283,7 +280,7 @@ def test_a_failure_before_the_first_checkpoint_lands_is_recovered_leaving_nothin
 
     def step_with_fault(session: TrainingSession):
         if len(starts) == 1 and session.step_count == 2:  # the checkpoint of step 2 is pending
-            _kill(session.servers[1] if victim == "state-server" else session.workers[1])
+            kill_actor(session.servers[1] if victim == "state-server" else session.workers[1])
         return original_step(session)
 
     monkeypatch.setattr(TrainingSession, "_start", observed_start)
@@ -315,7 +312,7 @@ def test_failures_beyond_the_limit_stop_the_run(ray_local, tmp_path, monkeypatch
 
     def always_fail(session: TrainingSession):
         if session.step_count == 3:
-            _kill(session.servers[0])
+            kill_actor(session.servers[0])
         return original_step(session)
 
     monkeypatch.setattr(TrainingSession, "step", always_fail)

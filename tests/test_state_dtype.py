@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from actor_faults import kill_a_worker_in_step
 from plans import nvme_tier
 from reference import reference_train, tiny_config
 from tier_stores import LR, NORM, NUMEL, cold_disk_file, open_storage, seeded_randn, shard_spec, tier_config
@@ -376,28 +377,12 @@ def test_stop_and_resume_ends_bitwise_where_the_uninterrupted_run_ends(uninterru
 def test_a_killed_worker_is_recovered_ending_bitwise_where_the_uninterrupted_run_ends(
     uninterrupted, tmp_path: Path, monkeypatch, kind: StateDtype
 ) -> None:
-    """A worker SIGKILLed in step 5, after the checkpoint of step 4: the launcher restarts
+    """A worker SIGKILLed in step 6, after the checkpoint of step 4: the launcher restarts
     from it (the servers restore the stored moments) and the run ends where the
     uninterrupted one does."""
-    import os
-    import signal
-
-    import ray
-
-    from cargohold.cluster.launcher import TrainingSession
     from cargohold.cluster.supervise import train
 
-    original_step = TrainingSession.step
-    killed: list[int] = []
-
-    def step_with_fault(session: TrainingSession):
-        if not killed and session.step_count == 5:
-            pid = ray.get(session.workers[1].__ray_call__.remote(lambda self: os.getpid()))
-            killed.append(pid)
-            os.kill(pid, signal.SIGKILL)
-        return original_step(session)
-
-    monkeypatch.setattr(TrainingSession, "step", step_with_fault)
+    killed = kill_a_worker_in_step(monkeypatch, 6)
     result = train(_resume_config(kind, tmp_path, checkpoint__every_steps=2, checkpoint__max_failures=1))
     assert len(killed) == 1 and result.restarts == 1 and len(result.losses) == RESUME_STEPS
     _assert_same(_final(kind, tmp_path), uninterrupted(kind))
