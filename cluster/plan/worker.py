@@ -29,7 +29,7 @@ from cargohold.cluster.plan.runtime import worker_runtime_bytes
 from cargohold.services.layout import Layout
 from cargohold.services.optim import SQUARES_CHUNK
 from cargohold.services.state_port import exchange_nbytes
-from cargohold.services.state_precision import stored_bytes
+from cargohold.services.state_precision import bytes_per_parameter, stored_bytes
 from cargohold.services.tiers.fileformat import round_up
 from cargohold.services.weight_files import READ_BUFFERS as WEIGHT_READ_BUFFERS
 from cargohold.services.window_schedule import reads_per_micro_batch
@@ -255,7 +255,7 @@ def plan_worker(
     staged = push if config.optim.staged else 0
     device_state = sum(stored_bytes(config.optim.state_dtype, s.numel) + s.numel * staged for s in on_device)
     device_update = settings.exchange_slots * max((s.numel for s in on_device), default=0) * compute
-    per_element = stored_bytes(config.optim.state_dtype, 1 << 20) / (1 << 20) + staged
+    per_element = bytes_per_parameter(config.optim.state_dtype) + staged
     per_element += settings.exchange_slots * compute * layout.largest_group / layout.worker_size
 
     on_host = weights if offload or device == "cpu" else 0
