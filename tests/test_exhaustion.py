@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 
@@ -43,6 +43,7 @@ from transport_server import (
     serving,
     status,
     total,
+    wait_until,
 )
 
 from cargohold.services.errors import InvalidTensorError
@@ -58,6 +59,7 @@ Code = grpc.StatusCode
 RPC_THREADS = 8
 """GrpcStateServer's default handler threads."""
 STALL_S = 30.0
+WAIT_S = STALL_S / 2  # for the server to finish a call
 """How long a stalled caller of these tests would wait at most."""
 PROBE_S = 5.0
 """A probe's deadline: it is answered in milliseconds when it is answered at all."""
@@ -155,13 +157,6 @@ def test_health_is_answered_while_every_handler_thread_is_held(stepped: Served) 
         watch.cancel()
 
 
-def _wait_for(condition: Callable[[], bool], what: str, within_s: float = STALL_S / 2) -> None:
-    give_up = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < give_up, f"not within {within_s} s: {what}"
-        time.sleep(0.05)
-
-
 def _errors(s: Served, rpc: str, code: str) -> float:
     return total(scrape(s.metrics.address), "cargohold_rpc_errors_total", rpc=rpc, code=code)
 
@@ -171,15 +166,17 @@ def test_calls_beyond_the_cap_are_refused_at_once_and_admitted_again_after() -> 
     with serving(limits=CallLimits(max_calls=2)) as s:
         s.client.register(make_spec(), W0)
         with _stalled_pushes(s, 2):
-            _wait_for(lambda: s.server.calls_in_flight == 2, "both stalled pushes admitted")
+            wait_until(lambda: s.server.calls_in_flight == 2, "both stalled pushes admitted", WAIT_S)
             code, details = status(lambda: s.client.describe(RUN, 0))
             assert (code, "already has 2 calls in flight" in details) == (Code.RESOURCE_EXHAUSTED, True)
             assert _errors(s, "DescribeShard", "RESOURCE_EXHAUSTED") == 1
             health = health_pb2_grpc.HealthStub(s.channel)  # not counted against the cap
             assert health.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_S).status == SERVING
-        _wait_for(lambda: s.server.calls_in_flight == 0, "the pushes finished")
+        wait_until(lambda: s.server.calls_in_flight == 0, "the pushes finished", WAIT_S)
         assert s.client.describe(RUN, 0) == (make_spec(), 0)
-        _wait_for(lambda: s.server.calls_in_flight == 0, "the describe finished")  # a moment after its reply
+        wait_until(
+            lambda: s.server.calls_in_flight == 0, "the describe finished", within_s=STALL_S / 2
+        )  # a moment after its reply
 
 
 QUICK_TIMEOUT = CallLimits(message_timeout_s=1.0)
@@ -193,8 +190,8 @@ def test_a_push_whose_peer_stops_sending_is_cancelled() -> None:
         with _stalled_pushes(s, 1) as (push,):
             code, _ = status(lambda: push.result(timeout=STALL_S / 2))
             assert code == Code.CANCELLED
-        _wait_for(lambda: s.server.calls_in_flight == 0, "the call finished")
-        _wait_for(lambda: _errors(s, "PushGradient", "DEADLINE_EXCEEDED") == 1, "the stall counted once")
+        wait_until(lambda: s.server.calls_in_flight == 0, "the call finished", WAIT_S)
+        wait_until(lambda: _errors(s, "PushGradient", "DEADLINE_EXCEEDED") == 1, "the stall counted once", WAIT_S)
         assert _errors(s, "PushGradient", "INVALID_ARGUMENT") == 0
         assert s.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR).applied  # it serves on
 
@@ -210,7 +207,7 @@ def test_a_unary_call_whose_message_never_comes_is_cancelled() -> None:
             assert code == Code.CANCELLED
         finally:
             release.set()
-        _wait_for(lambda: s.server.calls_in_flight == 0, "the call finished")
+        wait_until(lambda: s.server.calls_in_flight == 0, "the call finished", WAIT_S)
 
 
 def test_a_fetch_whose_peer_stops_reading_is_cancelled() -> None:
@@ -226,7 +223,7 @@ def test_a_fetch_whose_peer_stops_reading_is_cancelled() -> None:
         request = pb.FetchWeightsRequest(key=key(), step=0, dtype=pb.DTYPE_FLOAT32, chunk_bytes=MIN_CHUNK_BYTES)
         chunks = pb_grpc.StateServerStub(channel).FetchWeights(request, timeout=STALL_S)
         next(chunks)
-        _wait_for(lambda: s.server.calls_in_flight == 0, "the fetch cancelled")
+        wait_until(lambda: s.server.calls_in_flight == 0, "the fetch cancelled", WAIT_S)
         assert status(lambda: list(chunks))[0] == Code.CANCELLED
         assert s.server.servicer.sent_bytes < 4 * numel  # the reader did hold the sends up
 
@@ -255,9 +252,9 @@ def test_keepalive_drops_the_calls_of_a_peer_that_stopped_answering() -> None:
         )
         try:
             assert client.stdout is not None and client.stdout.readline() == "sent\n"
-            _wait_for(lambda: s.server.calls_in_flight == 1, "the client's push admitted")
+            wait_until(lambda: s.server.calls_in_flight == 1, "the client's push admitted", WAIT_S)
             client.send_signal(signal.SIGSTOP)
-            _wait_for(lambda: s.server.calls_in_flight == 0, "the frozen client's call dropped")
+            wait_until(lambda: s.server.calls_in_flight == 0, "the frozen client's call dropped", WAIT_S)
         finally:
             client.kill()
             client.wait(timeout=STALL_S)

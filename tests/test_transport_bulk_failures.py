@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from transport_server import (
     scrape,
     serving,
     total,
+    wait_until,
 )
 
 from cargohold.services.errors import TransportError
@@ -38,15 +38,6 @@ from cargohold.services.transport.limits import CallLimits
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 BIG_NUMEL = 4 << 20
 """16 MiB of fp32: more than loopback's socket buffers hold, so a sender blocks mid-body."""
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> float:
-    """Seconds until ``condition`` held; fails after DEADLINE_S."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < DEADLINE_S, f"not within {DEADLINE_S} s: {what}"
-        time.sleep(0.01)
-    return time.monotonic() - started
 
 
 def test_a_client_killed_mid_push_changes_nothing_and_its_connection_goes() -> None:

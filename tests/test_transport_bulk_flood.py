@@ -30,6 +30,7 @@ from transport_server import (
     scrape,
     serving,
     total,
+    wait_until,
 )
 
 from cargohold.services.transport import bulk_client
@@ -57,13 +58,6 @@ def _received(s: Served, rpc: str) -> float:
     return total(scrape(s.metrics.address), "cargohold_transport_received_bytes_total", rpc=rpc)
 
 
-def _wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {DEADLINE_S} s: {what}"
-        time.sleep(0.01)
-
-
 @contextmanager
 def _flood(s: Served, count: int, cap: int) -> Iterator[None]:
     """``count`` connections to the bulk socket that send nothing (no token, no hello),
@@ -72,7 +66,7 @@ def _flood(s: Served, count: int, cap: int) -> Iterator[None]:
     with ExitStack() as stack:
         for _ in range(count):
             stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S))
-        _wait_for(lambda: s.server.servicer.bulk.connections >= cap, "the flood accepted")
+        wait_until(lambda: s.server.servicer.bulk.connections >= cap, "the flood accepted")
         yield
 
 
@@ -124,7 +118,7 @@ def test_a_hello_trickled_a_byte_at_a_time_is_closed_at_its_deadline() -> None:
             seconds = time.monotonic() - started
         assert closed, "the server kept a trickling connection past its hello deadline"
         assert hello_timeout_s <= seconds < hello_timeout_s + 2.0  # not the 60 s message timeout
-        _wait_for(lambda: s.server.servicer.bulk.connections == 0, "the connection is gone")
+        wait_until(lambda: s.server.servicer.bulk.connections == 0, "the connection is gone")
         errors = total(scrape(s.metrics.address), "cargohold_rpc_errors_total", rpc="bulk", code="DEADLINE_EXCEEDED")
         assert errors == 1
 

@@ -4,6 +4,7 @@ worker can see of a segment (to check that a refused call changed nothing)."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -34,6 +35,15 @@ HYPER = AdamWHyperParams(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, max_
 LR = 1e-3
 GLOBAL_NORM = 3.5  # > max_grad_norm: clipping is on, so the norm must arrive intact
 Code = grpc.StatusCode
+
+
+def wait_until(condition: Callable[[], object], what: str, within_s: float = DEADLINE_S) -> float:
+    """Seconds until ``condition`` held; fails naming ``what`` after ``within_s``."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < within_s, f"not within {within_s:g} s: {what}"
+        time.sleep(0.01)
+    return time.monotonic() - started
 
 
 def make_spec(
