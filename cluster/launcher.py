@@ -12,6 +12,7 @@ import os
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,8 @@ class TrainingSession:
         self.server_addresses: list[str] = []
         self._placement: PlacementGroup | None = None
         self._owns_ray = False
+        self._collective_calls: list = []
+        """The workers' calls of the last step, evaluation or settle, until every one ended."""
         self._auth_token = resolve_auth_token(config.security.auth_token_env)
 
     def __enter__(self) -> TrainingSession:
@@ -346,7 +349,7 @@ class TrainingSession:
     def step(self) -> StepReport:
         """Run the next step on every worker; returns rank 0's report."""
         step = self.step_count + 1
-        reports: list[StepReport] = _get([w.train_step.remote(step) for w in self.workers], None, f"step {step}")
+        reports: list[StepReport] = self._on_workers(lambda w: w.train_step.remote(step), f"step {step}")
         self.step_count = step
         return reports[0]
 
@@ -354,9 +357,7 @@ class TrainingSession:
         """Validate every worker's model on the held-out set after the current step;
         returns rank 0's report (the loss is the same on every rank)."""
         step = self.step_count
-        reports: list[EvalReport] = _get(
-            [w.evaluate.remote(step) for w in self.workers], None, f"evaluating step {step}"
-        )
+        reports: list[EvalReport] = self._on_workers(lambda w: w.evaluate.remote(step), f"evaluating step {step}")
         return reports[0]
 
     def worker_weights(self, rank: int = 0) -> torch.Tensor:
@@ -384,7 +385,26 @@ class TrainingSession:
         before its units' updates end (each unit's next forward waits for its own), so the
         servers' state, and the transfers the metrics count, lag a step behind until this
         returns. Reading the servers' state here settles first."""
-        _get([w.settle.remote() for w in self.workers], None, "settling the updates in flight")
+        self._on_workers(lambda w: w.settle.remote(), "settling the updates in flight")
+
+    def _on_workers(self, call: Callable[[Any], Any], what: str) -> list:
+        """``call`` on every worker (calls that meet in collectives); their results.
+        Remembered until all end, so that :meth:`close` can tell a worker still blocked
+        in a collective with a peer whose call failed."""
+        self._collective_calls = [call(w) for w in self.workers]
+        results = _get(self._collective_calls, None, what)
+        self._collective_calls = []
+        return results
+
+    def _blocked_workers(self) -> set[int]:
+        """Ranks whose last collective call is still running ``BLOCKED_GRACE_S`` after
+        another one failed: it waits in a collective for a peer that left it, and would
+        until gloo's or NCCL's own timeout (half an hour)."""
+        calls = self._collective_calls
+        if not calls:
+            return set()
+        ended, _ = ray.wait(calls, num_returns=len(calls), timeout=BLOCKED_GRACE_S)
+        return {rank for rank, ref in enumerate(calls) if ref not in ended}
 
     def metrics_targets(self) -> list[Target]:
         """Every actor's metrics endpoint, state servers first."""
@@ -426,13 +446,22 @@ class TrainingSession:
             logger.warning("could not remove the tier folders of run %s: %s", self.run_id, error)
 
     def close(self) -> None:
-        """Stop actors and release the placement group; shut Ray down if we started it."""
-        for actor, method in [(w, "shutdown") for w in self.workers] + [(s, "stop") for s in self.servers]:
+        """Stop actors and release the placement group; shut Ray down if we started it.
+        A worker still blocked in a collective after a failed step is killed at once (its
+        shutdown would wait behind the step); the sweep removes what it leaves."""
+        blocked = self._blocked_workers()
+        self._collective_calls = []
+        for rank in sorted(blocked):
+            logger.warning("worker %d is blocked in a collective with a failed peer: stopping it", rank)
+        stops = [(w, "shutdown") for rank, w in enumerate(self.workers) if rank not in blocked]
+        for actor, method in stops + [(s, "stop") for s in self.servers]:
             try:
                 ray.get(getattr(actor, method).remote(), timeout=30)
             except Exception as error:  # teardown must go on; the cause was already raised
                 logger.warning("teardown of an actor failed: %s", error)
             ray.kill(actor)
+        for rank in blocked:
+            ray.kill(self.workers[rank])
         servers, self.workers, self.servers = len(self.servers), [], []
         if self._placement is not None:
             self._sweep_tier_folders(self._placement, servers)
@@ -516,6 +545,11 @@ def _warn_if_short_of_gpus(config: TrainConfig) -> None:
         _check_gpus(config, max(counts, default=0.0), sum(counts), "the Ray cluster")
     except ConfigError as short:
         logger.warning("%s; waiting up to cluster.startup_timeout_s for nodes to join", short)
+
+
+BLOCKED_GRACE_S = 1.0
+"""At teardown after a failed step: how long a worker's step may still take to end on its
+own before it counts as blocked in a collective."""
 
 
 def _get(refs, timeout: float | None, what: str):

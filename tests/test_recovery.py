@@ -5,6 +5,7 @@ Adam moments and step counters."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -251,7 +252,7 @@ def test_weights_on_nvme_with_a_killed_worker_end_where_weights_in_memory_end(
     [pytest.param("state-server", False, marks=pytest.mark.slow), ("state-server", True), ("worker", True)],
 )
 def test_a_failure_before_the_first_checkpoint_lands_is_recovered_leaving_nothing_behind(
-    uninterrupted, uninterrupted_root, tmp_path, monkeypatch, victim: str, earlier_run: bool
+    uninterrupted, uninterrupted_root, tmp_path, monkeypatch, caplog, victim: str, earlier_run: bool
 ) -> None:
     """An actor dies while the first checkpoint is being written (begun after step 2, its
     manifest not yet landed). With a server killed its files are incomplete: the
@@ -293,8 +294,15 @@ def test_a_failure_before_the_first_checkpoint_lands_is_recovered_leaving_nothin
         checkpoint__every_steps=2,
         checkpoint__max_failures=1,
     )
-    result = train(config)
+    with caplog.at_level(logging.WARNING, logger="cargohold.cluster.launcher"):
+        result = train(config)
     assert result.restarts == 1 and len(starts) == 2
+    teardown = [r.getMessage() for r in caplog.records if r.name == "cargohold.cluster.launcher"]
+    # A worker whose push met the dead server fails its step; its peer waits for it in a
+    # collective, and is stopped at once, not after its shutdown's 30 s timeout.
+    assert not [m for m in teardown if "timed out" in m], teardown
+    if victim == "state-server":
+        assert [m for m in teardown if "blocked in a collective" in m], teardown
     first, restart = starts
     expected = None if victim == "state-server" else checkpoints / "step-0000000002"
     assert restart["resume"] == expected
