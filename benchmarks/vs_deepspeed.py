@@ -166,9 +166,10 @@ def nvme_tier_settings(config, root: Path, partition_mib: float = 1.0) -> list[s
     ]
 
 
-def run_cargohold(config, warmup: int, profile: Path | None = None) -> dict:
+def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: str = "worker 0") -> dict:
     """Mean step seconds after ``warmup``; each worker's and server's CPU seconds per timed
-    step and peak RSS; the driver's CPU seconds per timed step."""
+    step and peak RSS; the driver's CPU seconds per timed step. ``profile``: record the
+    process named ``profiled`` ("worker 0", "server 0", ...) with py-spy into it."""
     import ray
 
     from cargohold.cluster.launcher import TrainingSession
@@ -196,7 +197,7 @@ def run_cargohold(config, warmup: int, profile: Path | None = None) -> dict:
             for number in range(config.steps):
                 if number == warmup:
                     if profile is not None:
-                        recorder = start_profile(pids["worker 0"], profile)
+                        recorder = start_profile(pids[profiled], profile)
                         time.sleep(1.0)  # py-spy attaches
                     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                     driver = time.process_time()
@@ -390,6 +391,9 @@ def main() -> None:
         "--partition-mib", type=float, default=1.0, help="the nvme variant's partition size (its RAM budget: 1/4)"
     )
     parser.add_argument("--profile", action="store_true", help="record worker 0 and rank 0 with py-spy (not timed)")
+    parser.add_argument(
+        "--profile-process", default="worker 0", help='with --profile, the cargohold process: "worker R" or "server I"'
+    )
     parser.add_argument("--cargohold-only", action="store_true", help="skip DeepSpeed (no ratio): an A/B of settings")
     parser.add_argument("--deepspeed-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
@@ -415,14 +419,14 @@ def main() -> None:
                 tier = nvme_tier_settings(config, root, args.partition_mib)
                 config = load(args.config, [*args.overrides, *CARGOHOLD_SETTINGS[name], *tier])
             profile = root / f"cargohold-{name}.txt" if args.profile else None
-            ours = run_cargohold(config, args.warmup, profile)
+            ours = run_cargohold(config, args.warmup, profile, args.profile_process)
             theirs = "skipped" if args.cargohold_only else run_deepspeed(args, name, root, port=29600 + number)
             results[name] = (ours, theirs)
             print(f"{name}: cargohold {describe(ours)}", flush=True)
             print(f"{name}: deepspeed {describe(theirs) if isinstance(theirs, dict) else 'did not run: ' + theirs}")
             if profile is not None:
                 kept = args.steps - args.warmup
-                print(f"profile of cargohold {name}, worker 0:\n{summarise_profile(profile, kept)}")
+                print(f"profile of cargohold {name}, {args.profile_process}:\n{summarise_profile(profile, kept)}")
                 if isinstance(theirs, dict):
                     print(f"profile of deepspeed {name}, rank 0:\n{summarise_profile(Path(theirs['profile']), kept)}")
         config = load(args.config, args.overrides)
