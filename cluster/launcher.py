@@ -171,13 +171,8 @@ class TrainingSession:
             )
             for i in range(cfg.state_server.num_servers)
         ]
-        self.server_addresses = _get([s.address.remote() for s in self.servers], timeout, "starting state servers")
-        server_nodes = _get([s.node_id.remote() for s in self.servers], timeout, "starting state servers")
-
-        update = 0
-        if self.resume is not None and manifest is not None:
-            update, self.step_count = self._restore(self.resume, manifest, self._server_holders(), timeout)
-
+        # The workers start (a process each, torch imported, the data opened) while the
+        # servers do: they need the servers' addresses only to form their process group.
         worker_cls = ray.remote(TrainingWorker)
         first_worker_bundle = cfg.state_server.num_servers
         self.workers = [
@@ -188,22 +183,22 @@ class TrainingSession:
                 scheduling_strategy=on_bundle(first_worker_bundle + rank),
                 name=f"{self.run_id}-worker-{rank}",
                 runtime_env={"env_vars": worker_env()},
-            ).remote(
-                cfg,
-                rank=rank,
-                run_id=self.run_id,
-                server_addresses=self.server_addresses,
-                server_node_ids=server_nodes,
-                auth_token=self._auth_token,
-                task=self.task,
-            )
+            ).remote(cfg, rank=rank, run_id=self.run_id, auth_token=self._auth_token, task=self.task)
             for rank in range(cfg.worker.num_workers)
         ]
-        if self.resume is not None and manifest is not None and (device_holders := self._worker_holders()):
-            self._restore(self.resume, manifest, device_holders, timeout)
+        self.server_addresses = _get([s.address.remote() for s in self.servers], timeout, "starting state servers")
+        server_nodes = _get([s.node_id.remote() for s in self.servers], timeout, "starting state servers")
+
+        update = 0
+        if self.resume is not None and manifest is not None:
+            update, self.step_count = self._restore(self.resume, manifest, self._server_holders(), timeout)
+            if device_holders := self._worker_holders():
+                self._restore(self.resume, manifest, device_holders, timeout)
         host, port = _get(self.workers[0].rendezvous_address.remote(), timeout, "starting workers")
         _get(
-            [w.init_process_group.remote(host, port) for w in self.workers], timeout, "forming the worker process group"
+            [w.init_process_group.remote(host, port, self.server_addresses, server_nodes) for w in self.workers],
+            timeout,
+            "forming the worker process group",
         )
         steps = set(_get([w.register_shards.remote() for w in self.workers], timeout, "registering shards"))
         if steps != {update}:

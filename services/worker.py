@@ -54,20 +54,15 @@ class TrainingWorker(SegmentHolder):
         *,
         rank: int,
         run_id: str,
-        server_addresses: list[str],
-        server_node_ids: list[str] | None = None,
         auth_token: str | None = None,
         task: TrainingTask | None = None,
     ) -> None:
-        """``task``: what to train (by default the model and data the config names)."""
+        """``task``: what to train (by default the model and data the config names). The
+        state servers' addresses come with :meth:`init_process_group`, so that a worker
+        starts while the servers do."""
         torch.set_num_threads(config.worker.torch_threads)
         if config.worker.retain_freed_memory:
             retain_freed_memory()
-        if len(server_addresses) != config.state_server.num_servers:
-            raise TrainingError(
-                f"{len(server_addresses)} server addresses for state_server.num_servers="
-                f"{config.state_server.num_servers}"
-            )
         self.config = config
         self.rank = rank
         self.run_id = run_id
@@ -77,8 +72,6 @@ class TrainingWorker(SegmentHolder):
         super().__init__(
             SegmentRegistry(TieredStorage(device=self.device), WeightBuffers(device=self.device)), f"worker{rank}"
         )
-        self._server_addresses = server_addresses
-        self._server_node_ids = server_node_ids
         self._auth_token = auth_token
         self.task = task or ConfigTask(config)
         self.data = self.task.open_data()
@@ -96,8 +89,22 @@ class TrainingWorker(SegmentHolder):
             probe.bind((host, 0))
             return host, probe.getsockname()[1]
 
-    def init_process_group(self, host: str, port: int, timeout_s: float = 300.0) -> None:
-        """Join the workers' process group, then shard the model (FSDP2 needs the group)."""
+    def init_process_group(
+        self,
+        host: str,
+        port: int,
+        server_addresses: list[str],
+        server_node_ids: list[str] | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        """Join the workers' process group, then shard the model (FSDP2 needs the group)
+        and connect to the state servers at ``server_addresses`` (on the Ray nodes
+        ``server_node_ids``: shared memory where one is this worker's)."""
+        if len(server_addresses) != self.config.state_server.num_servers:
+            raise TrainingError(
+                f"{len(server_addresses)} server addresses for state_server.num_servers="
+                f"{self.config.state_server.num_servers}"
+            )
         dist.init_process_group(
             process_group_backend(self.device),
             init_method=f"tcp://{host}:{port}",
@@ -107,7 +114,7 @@ class TrainingWorker(SegmentHolder):
         )
         model, units, layout = sharded_model(self.config, self.device, self.task)
         config = self.config
-        shared = self._colocated_servers(self._server_node_ids)
+        shared = self._colocated_servers(server_node_ids)
         buffers = exchange_buffers(
             config,
             layout,
@@ -124,7 +131,7 @@ class TrainingWorker(SegmentHolder):
                 tls=tls_files(config.security),
                 bulk=config.state_server.data_plane == "socket",
             )
-            for address in self._server_addresses
+            for address in server_addresses
         ]
         param_groups = resolve_param_groups(config.optim, layout.params)
         state_port: StatePort = RemotePort(config, self.run_id, clients, buffers, shared, self.metrics, param_groups)
