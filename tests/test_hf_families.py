@@ -43,13 +43,13 @@ FAMILIES: dict[str, Callable[[], object]] = {
     "qwen3": lambda: T.Qwen3Config(**GQA, head_dim=16),  # RMSNorm on queries and keys
     "gemma2": lambda: T.Gemma2Config(**GQA, head_dim=16),  # logit soft-capping, sliding window, tied, scaled embedding
     "phi": lambda: T.PhiConfig(**SHAPE),  # partial rotary, LayerNorm, biases, parallel attention and MLP
-    "gpt_neox": lambda: T.GPTNeoXConfig(**SHAPE),  # fused QKV, parallel residual
     "opt": lambda: T.OPTConfig(**SHAPE, ffn_dim=64, word_embed_proj_dim=32),  # learned positions with an offset
-    "falcon": lambda: T.FalconConfig(**{k: v for k, v in SHAPE.items() if k != "intermediate_size"}),  # multi-query
     "mixtral": lambda: T.MixtralConfig(**GQA, num_local_experts=4, num_experts_per_tok=2),  # experts as 3-D params
     "bloom": lambda: T.BloomConfig(vocab_size=320, hidden_size=32, n_layer=2, n_head=2),  # ALiBi, no position limit
 }
 SLOW_FAMILIES: dict[str, Callable[[], object]] = {
+    "falcon": lambda: T.FalconConfig(**{k: v for k, v in SHAPE.items() if k != "intermediate_size"}),  # multi-query
+    "gpt_neox": lambda: T.GPTNeoXConfig(**SHAPE),  # fused QKV, parallel residual
     "qwen2": lambda: T.Qwen2Config(**GQA),
     "mistral": lambda: T.MistralConfig(**GQA),
     "qwen3_moe": lambda: T.Qwen3MoeConfig(

@@ -109,7 +109,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
+SLOW_CASES = {"2-servers-fp32-delayed-update", "2-servers-bf16"}
+"""Covered in the default run by the delayed update after 5 steps (2 servers, clipping) and
+by bf16 with parameter offload (2 servers, shared memory, staged)."""
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [pytest.param(v, marks=pytest.mark.slow) if k in SLOW_CASES else v for k, v in CASES.items()],
+    ids=CASES.keys(),
+)
 def test_matches_torch_adamw_bitwise(ray_local, overrides: dict) -> None:
     config = tiny_config(**overrides)
     layout, losses, weights, server = _run(config)
