@@ -1,5 +1,7 @@
-"""worker.retain_freed_memory: a buffer freed and allocated again (what a step does with
-every unit's gathered weights, gradients and activations) is not faulted in again."""
+"""How a worker gets host memory for what a step frees and allocates again (every unit's
+gathered weights, gradients and activations): the workers' environment maps the large
+buffers on transparent huge pages, and with worker.retain_freed_memory a buffer is not
+faulted in again at all."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,16 +36,20 @@ print(json.dumps({"applied": applied, "faults": resource.getrusage(resource.RUSA
 """
 
 
-def _faults(mode: str) -> dict:
+PLAIN_PAGES = {"GLIBC_TUNABLES": ""}
+"""The workers' environment without its huge pages: every mapping faulted 4 KiB at a time."""
+
+
+def _faults(mode: str, **env: str) -> dict:
     """Faults of 3 steps after 3, in a process with the workers' environment (its fixed
     mmap threshold: without one, glibc raises its threshold as large blocks are freed and
-    may come to keep them anyway)."""
+    may come to keep them anyway), updated with ``env``."""
     done = subprocess.run(
         [sys.executable, "-c", ALLOCATE_AGAIN, mode],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, **worker_env()},
+        env={**os.environ, **worker_env(), **env},
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -54,7 +61,7 @@ def test_retained_buffers_are_not_faulted_in_again_every_step() -> None:
     # in a step or two after the first ones (up to 12288 faults in 3 steps measured here,
     # against 0 in most runs).
     default, retained = (
-        min((_faults(mode) for _ in range(runs)), key=lambda r: r["faults"])
+        min((_faults(mode, **PLAIN_PAGES) for _ in range(runs)), key=lambda r: r["faults"])
         for mode, runs in (("default", 2), ("retain", 5))
     )
     assert retained["applied"] and not default["applied"]
@@ -63,6 +70,26 @@ def test_retained_buffers_are_not_faulted_in_again_every_step() -> None:
     assert default["faults"] >= 3 * 8 * 1024, default
     # ...where the retained heap serves the next step from the pages the last one freed.
     assert retained["faults"] * 4 < default["faults"], (default, retained)
+
+
+def _transparent_huge_pages() -> str:
+    """The kernel's THP mode ("always", "madvise", "never"), or "" where it has none."""
+    try:
+        modes = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return ""
+    return modes.partition("[")[2].partition("]")[0]
+
+
+@pytest.mark.skipif(
+    _transparent_huge_pages() != "madvise",
+    reason="huge pages on request need THP in 'madvise' mode ('always' gives them to every mapping)",
+)
+def test_the_workers_large_buffers_are_faulted_in_on_huge_pages() -> None:
+    plain = min((_faults("default", **PLAIN_PAGES) for _ in range(2)), key=lambda r: r["faults"])
+    huge = min((_faults("default") for _ in range(2)), key=lambda r: r["faults"])
+    assert plain["faults"] >= 3 * 8 * 1024, plain  # ~36 MiB a step in 4 KiB pages
+    assert huge["faults"] * 4 < plain["faults"], (plain, huge)  # 2 MiB pages, but for the unaligned ends
 
 
 def test_the_setting_is_off_by_default() -> None:
