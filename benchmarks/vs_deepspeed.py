@@ -14,7 +14,7 @@ Variants, cargohold / DeepSpeed:
 * zero3: ``worker.reshard_after_forward=true`` (gathered for forward and again for
   backward) / ZeRO-3 with ``offload_optimizer`` and ``offload_param`` on the CPU;
 * nvme: zero3 with the optimizer state on the NVMe tier under a RAM budget of a quarter of
-  it (``state_server.tier``) / ZeRO-3 (ZeRO-Infinity) with ``offload_optimizer: nvme``
+  it (``state_server.tier``, partitions of 8 MiB: ``--partition-mib``) / ZeRO-3 (ZeRO-Infinity) with ``offload_optimizer: nvme``
   (libaio, ``aio`` settings below) and ``offload_param: cpu``; both write under ``--root``.
 
 Both sides build the model with ``build_model(config)`` (cargohold's GPT or the config's
@@ -144,7 +144,7 @@ def summarise_profile(path: Path, steps: int, top: int = 12) -> str:
 
 
 # --- cargohold ------------------------------------------------------------------------------
-def nvme_tier_settings(config, root: Path, partition_mib: float = 1.0) -> list[str]:
+def nvme_tier_settings(config, root: Path, partition_mib: float = 8.0) -> list[str]:
     """The state on the NVMe tier under ``root`` in partitions of ``partition_mib``, a RAM
     budget of a quarter of it (at least the staging buffers and one resident partition)."""
     import torch
@@ -388,7 +388,12 @@ def main() -> None:
     parser.add_argument("--root", default=None, help="folder for the NVMe variants' files (default: a temporary one)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument(
-        "--partition-mib", type=float, default=1.0, help="the nvme variant's partition size (its RAM budget: 1/4)"
+        "--partition-mib",
+        type=float,
+        default=8.0,
+        help="the nvme variant's partition size (its RAM budget: 1/4); DeepSpeed moves whole sub-groups "
+        "(sub_group_size, 1e9 elements: all of a rank's state here), and 8 MiB is the largest that leaves the demo's "
+        "budget a quarter of its state",
     )
     parser.add_argument("--profile", action="store_true", help="record worker 0 and rank 0 with py-spy (not timed)")
     parser.add_argument(
