@@ -14,8 +14,9 @@ Variants, cargohold / DeepSpeed:
 * zero3: ``worker.reshard_after_forward=true`` (gathered for forward and again for
   backward) / ZeRO-3 with ``offload_optimizer`` and ``offload_param`` on the CPU;
 * nvme: zero3 with the optimizer state on the NVMe tier under a RAM budget of a quarter of
-  it (``state_server.tier``, partitions of 8 MiB: ``--partition-mib``) / ZeRO-3 (ZeRO-Infinity) with ``offload_optimizer: nvme``
-  (libaio, ``aio`` settings below) and ``offload_param: cpu``; both write under ``--root``.
+  it (``state_server.tier``, partitions of 8 MiB: ``--partition-mib``) / ZeRO-3
+  (ZeRO-Infinity) with ``offload_optimizer: nvme`` (libaio, ``aio`` settings below) and
+  ``offload_param: cpu``; both write under ``--root``.
 
 Both sides build the model with ``build_model(config)`` (cargohold's GPT or the config's
 Hugging Face model, the same initial values), train on ``open_source(config)``'s batches
