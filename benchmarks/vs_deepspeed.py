@@ -145,7 +145,7 @@ def summarise_profile(path: Path, steps: int, top: int = 12) -> str:
 
 
 # --- cargohold ------------------------------------------------------------------------------
-def nvme_tier_settings(config, root: Path, partition_mib: float = 8.0) -> list[str]:
+def nvme_tier_settings(config, root: Path, partition_mib: float) -> list[str]:
     """The state on the NVMe tier under ``root`` in partitions of ``partition_mib``, a RAM
     budget of a quarter of it (at least the staging buffers and one resident partition)."""
     import torch

@@ -456,6 +456,7 @@ class TrainingSession:
         self._collective_calls = []
         for rank in sorted(blocked):
             logger.warning("worker %d is blocked in a collective with a failed peer: stopping it", rank)
+            ray.kill(self.workers[rank])
         stops = [(w, "shutdown") for rank, w in enumerate(self.workers) if rank not in blocked]
         for actor, method in stops + [(s, "stop") for s in self.servers]:
             try:
@@ -463,8 +464,6 @@ class TrainingSession:
             except Exception as error:  # teardown must go on; the cause was already raised
                 logger.warning("teardown of an actor failed: %s", error)
             ray.kill(actor)
-        for rank in blocked:
-            ray.kill(self.workers[rank])
         servers, self.workers, self.servers = len(self.servers), [], []
         if self._placement is not None:
             self._sweep_tier_folders(self._placement, servers)

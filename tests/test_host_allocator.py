@@ -55,15 +55,18 @@ def _faults(mode: str, **env: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _fewest_faults(mode: str, runs: int, **env: str) -> dict:
+    """The run of ``runs`` with the fewest faults (glibc sometimes places a large buffer
+    afresh in a step or two after the first ones)."""
+    return min((_faults(mode, **env) for _ in range(runs)), key=lambda r: r["faults"])
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_retained_buffers_are_not_faulted_in_again_every_step() -> None:
     # The fewest faults of several runs: glibc sometimes still places a large buffer afresh
     # in a step or two after the first ones (up to 12288 faults in 3 steps measured here,
     # against 0 in most runs).
-    default, retained = (
-        min((_faults(mode, **PLAIN_PAGES) for _ in range(runs)), key=lambda r: r["faults"])
-        for mode, runs in (("default", 2), ("retain", 5))
-    )
+    default, retained = (_fewest_faults(mode, runs, **PLAIN_PAGES) for mode, runs in (("default", 2), ("retain", 5)))
     assert retained["applied"] and not default["applied"]
     # glibc maps the large buffers (above the workers' 4 MiB threshold) for every step:
     # every step faults their ~36 MiB in again (4 KiB pages)...
@@ -86,8 +89,8 @@ def _transparent_huge_pages() -> str:
     reason="huge pages on request need THP in 'madvise' mode ('always' gives them to every mapping)",
 )
 def test_the_workers_large_buffers_are_faulted_in_on_huge_pages() -> None:
-    plain = min((_faults("default", **PLAIN_PAGES) for _ in range(2)), key=lambda r: r["faults"])
-    huge = min((_faults("default") for _ in range(2)), key=lambda r: r["faults"])
+    plain = _fewest_faults("default", 2, **PLAIN_PAGES)
+    huge = _fewest_faults("default", 2)
     assert plain["faults"] >= 3 * 8 * 1024, plain  # ~36 MiB a step in 4 KiB pages
     assert huge["faults"] * 4 < plain["faults"], (plain, huge)  # 2 MiB pages, but for the unaligned ends
 
