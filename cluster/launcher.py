@@ -31,6 +31,7 @@ from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
 from cargohold.services.checkpoint.manifest import LossScaleRecord
 from cargohold.services.data.rows import DocumentRows
 from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
+from cargohold.services.host_allocator import HostAllocator, allocator_env
 from cargohold.services.layout import Segment
 from cargohold.services.loss_scale import LossScaleState
 from cargohold.services.model_setup import check_compute_dtype, model_layout
@@ -50,25 +51,12 @@ Holder = tuple[Any, tuple[Segment, ...]]
 """An actor holding segments' state (a state server, or a worker with device segments)
 and those segments."""
 
-WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "4194304", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-"""Environment of the worker actors (the launcher's own values win).
 
-``MALLOC_MMAP_THRESHOLD_``: glibc raises its mmap threshold each time a large block is
-freed, so FSDP2's per-unit all-gather and gradient buffers end up in the heap, which is not
-given back: a fixed 4 MiB threshold keeps them mmapped and returned to the system after
-each unit (2.98 against 7.34 bytes of RSS per parameter in ``benchmarks/capacity.py``; see
-docs/benchmarks.md).
-
-``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc 2.35 on): those mappings ask for
-transparent huge pages (``madvise``, the usual kernel setting), so each is faulted in 2 MiB
-at a time instead of 4 KiB. On a 100M-parameter model the workers' system time fell from
-2.8 to 1.05 CPU-s a step and the step from 6.45 to 4.70 s, RSS unchanged
-(docs/benchmarks.md, against DeepSpeed). Older glibc ignores the variable."""
-
-
-def worker_env() -> dict[str, str]:
-    """:data:`WORKER_ENV`, except where this process's environment sets a variable."""
-    return {name: os.environ.get(name, value) for name, value in WORKER_ENV.items()}
+def worker_env(allocator: HostAllocator) -> dict[str, str]:
+    """The worker actors' environment: what runs ``allocator``
+    (:func:`~cargohold.services.host_allocator.allocator_env`), except where this process's
+    environment sets a variable."""
+    return {name: os.environ.get(name, value) for name, value in allocator_env(allocator).items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +178,7 @@ class TrainingSession:
                 resources=dict(cfg.worker.resources),
                 scheduling_strategy=on_bundle(first_worker_bundle + rank),
                 name=f"{self.run_id}-worker-{rank}",
-                runtime_env={"env_vars": worker_env()},
+                runtime_env={"env_vars": worker_env(cfg.worker.host_allocator)},
             ).remote(cfg, rank=rank, run_id=self.run_id, auth_token=self._auth_token, task=self.task)
             for rank in range(cfg.worker.num_workers)
         ]

@@ -1,39 +1,82 @@
-"""How a worker's process gets host memory for the buffers a step frees and allocates again.
+"""Which C allocator a worker's process runs: the environment that selects it, and a check
+of what the process really loaded.
 
 On a CPU (and for a GPU worker's host copies) every unit's gathered weights, its gradients
-and its activations are fresh tensors each step, most of them above glibc's mmap
-threshold (128 KiB, raised as large blocks are freed, up to 32 MiB): each is mapped,
-faulted in page by page, and unmapped again when freed, and what the heap frees at its top
-goes back to the kernel (trimmed) to be faulted in again by the next step. On the demo
-model that is ~0.2 CPU-s of system time per worker and step, a sixth of the step's CPU
-(`docs/benchmarks.md`, against DeepSpeed). :func:`retain_freed_memory` tells glibc's
-allocator to serve buffers up to ``RETAINED_BYTES`` from the heap and never to trim it, so
-a step reuses the pages the previous one freed. The price is resident memory: the heap
-stays at the step's high-water mark (plus fragmentation) instead of shrinking between
-steps. Other C libraries (no ``mallopt``) are left as they are.
+and its activations are fresh tensors each step, most of them megabytes. glibc's malloc
+maps each such buffer and unmaps it when freed, so the kernel zeroes and faults the same
+bytes in again every step (1 CPU-s of system time a worker and step on a 100M-parameter
+model, even on huge pages); making it keep them instead (a higher mmap threshold, no
+trimming) left a heap at its high-water mark of every size a step frees (2.4 against 1.1
+GiB a worker). mimalloc (Microsoft's allocator, the ``cmeel-mimalloc`` wheel) reuses freed
+blocks by size class across its segments, and with ``MIMALLOC_PURGE_DELAY=-1`` never hands
+them back: a step reuses what the last one freed, in 1.3 GiB a worker (docs/benchmarks.md).
+``LD_PRELOAD`` puts it under torch, gloo and gRPC alike; it must be set before the process
+starts, hence an environment for the worker actors rather than a call in them.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
+from importlib import metadata
+from pathlib import Path
+from typing import Literal
+
+from cargohold.services.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
-"""glibc's ``mallopt`` parameters (malloc.h)."""
-RETAINED_BYTES = 1 << 30
-"""Buffers up to this size come from the heap (``mallopt`` takes an int: at most 2 GiB)."""
+HostAllocator = Literal["mimalloc", "glibc"]
+
+MIMALLOC_DISTRIBUTION = "cmeel-mimalloc"
+MIMALLOC_LIBRARY = "cmeel.prefix/lib/libmimalloc.so"
+
+MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "-1"}
+"""Freed memory stays with the process for the next step (the default, 10 ms, returns it to
+the kernel between units, to be faulted in again: 0.6-1.0 CPU-s a worker and step at 100M)."""
+
+GLIBC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4194304", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+"""glibc with the least resident memory: glibc raises its mmap threshold each time a large
+block is freed, so FSDP2's unit buffers would end up in the heap, which is not given back;
+a fixed 4 MiB threshold keeps them mapped and returned after each unit (2.98 against 7.34
+bytes of RSS per parameter in ``benchmarks/capacity.py``), and ``glibc.malloc.hugetlb=1``
+(glibc 2.35 on) asks for transparent huge pages on those mappings, so each is faulted in 2
+MiB at a time (system time 2.8 -> 1.05 CPU-s a worker and step at 100M)."""
 
 
-def retain_freed_memory() -> bool:
-    """Keep freed host memory in this process's heap for reuse (glibc); returns whether the
-    allocator took the setting."""
+def mimalloc_library() -> Path:
+    """The installed ``libmimalloc.so``."""
     try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        logger.info("no mallopt in this C library: freed host memory is returned as usual")
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, RETAINED_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, RETAINED_BYTES))
+        distribution = metadata.distribution(MIMALLOC_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        raise ConfigError(
+            f"worker.host_allocator 'mimalloc' needs the {MIMALLOC_DISTRIBUTION} package, which is not "
+            "installed (it is one of cargohold's dependencies on Linux); or set worker.host_allocator: glibc"
+        ) from None
+    library = Path(str(distribution.locate_file(MIMALLOC_LIBRARY)))
+    if not library.is_file():
+        raise ConfigError(f"worker.host_allocator 'mimalloc': {library} is missing from {MIMALLOC_DISTRIBUTION}")
+    return library
+
+
+def allocator_env(allocator: HostAllocator) -> dict[str, str]:
+    """The environment a process must start with to run ``allocator``."""
+    if allocator == "mimalloc":
+        return {"LD_PRELOAD": str(mimalloc_library()), **MIMALLOC_ENV}
+    return dict(GLIBC_ENV)
+
+
+def loaded_allocator(maps: Path = Path("/proc/self/maps")) -> HostAllocator:
+    """The allocator this process runs (``maps``: a process's memory map)."""
+    try:
+        text = maps.read_text()
+    except OSError:
+        return "glibc"
+    return "mimalloc" if "libmimalloc" in text else "glibc"
+
+
+def check_loaded_allocator(allocator: HostAllocator) -> None:
+    """Warn where this process does not run the configured allocator (a node without the
+    library at the driver's path: the loader ignores the preload)."""
+    loaded = loaded_allocator()
+    if loaded != allocator:
+        logger.warning("worker.host_allocator is %r but this process runs %r", allocator, loaded)

@@ -110,7 +110,7 @@ CONFIG_SURFACE = [
     "worker.gpus",
     "worker.torch_threads",
     "worker.optimizer_on_device_fraction",
-    "worker.retain_freed_memory",
+    "worker.host_allocator",
     "worker.resources",
     "state_server.num_servers",
     "state_server.cpus",

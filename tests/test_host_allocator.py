@@ -1,7 +1,6 @@
 """How a worker gets host memory for what a step frees and allocates again (every unit's
-gathered weights, gradients and activations): the workers' environment maps the large
-buffers on transparent huge pages, and with worker.retain_freed_memory a buffer is not
-faulted in again at all."""
+gathered weights, gradients and activations): mimalloc reuses it, and glibc, the other
+choice, maps the large buffers on transparent huge pages."""
 
 from __future__ import annotations
 
@@ -15,12 +14,12 @@ import pytest
 
 from cargohold.cluster.config import WorkerConfig
 from cargohold.cluster.launcher import worker_env
+from cargohold.services.host_allocator import loaded_allocator
 
 ALLOCATE_AGAIN = """
-import json, resource, sys
+import json, resource
 import torch
-from cargohold.services.host_allocator import retain_freed_memory
-applied = retain_freed_memory() if sys.argv[1] == "retain" else False
+from cargohold.services.host_allocator import loaded_allocator
 # A step's buffers, as a unit's gathered weights, gradients and activations: allocated,
 # filled and freed, step after step.
 SIZES = [6 << 20, 6 << 20, 3 << 19, 3 << 19, 24 << 20, 1 << 20]
@@ -32,47 +31,45 @@ for _ in range(3):  # the heap settles into its layout in the first steps
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(3):
     step()
-print(json.dumps({"applied": applied, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(json.dumps({"allocator": loaded_allocator(), "faults": faults}))
 """
 
 
 PLAIN_PAGES = {"GLIBC_TUNABLES": ""}
-"""The workers' environment without its huge pages: every mapping faulted 4 KiB at a time."""
+"""glibc's environment without its huge pages: every mapping faulted 4 KiB at a time."""
 
 
-def _faults(mode: str, **env: str) -> dict:
-    """Faults of 3 steps after 3, in a process with the workers' environment (its fixed
-    mmap threshold: without one, glibc raises its threshold as large blocks are freed and
-    may come to keep them anyway), updated with ``env``."""
+def _faults(allocator: str, **env: str) -> dict:
+    """Faults of 3 steps after 3, in a process started as a worker is with ``allocator``,
+    its environment updated with ``env``."""
     done = subprocess.run(
-        [sys.executable, "-c", ALLOCATE_AGAIN, mode],
+        [sys.executable, "-c", ALLOCATE_AGAIN],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, **worker_env(), **env},
+        env={**os.environ, **worker_env(allocator), **env},
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _fewest_faults(mode: str, runs: int, **env: str) -> dict:
-    """The run of ``runs`` with the fewest faults (glibc sometimes places a large buffer
-    afresh in a step or two after the first ones)."""
-    return min((_faults(mode, **env) for _ in range(runs)), key=lambda r: r["faults"])
+def _fewest_faults(allocator: str, runs: int, **env: str) -> dict:
+    """The run of ``runs`` with the fewest faults (an allocator sometimes places a large
+    buffer afresh in a step or two after the first ones)."""
+    return min((_faults(allocator, **env) for _ in range(runs)), key=lambda r: r["faults"])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
-def test_retained_buffers_are_not_faulted_in_again_every_step() -> None:
-    # The fewest faults of several runs: glibc sometimes still places a large buffer afresh
-    # in a step or two after the first ones (up to 12288 faults in 3 steps measured here,
-    # against 0 in most runs).
-    default, retained = (_fewest_faults(mode, runs, **PLAIN_PAGES) for mode, runs in (("default", 2), ("retain", 5)))
-    assert retained["applied"] and not default["applied"]
-    # glibc maps the large buffers (above the workers' 4 MiB threshold) for every step:
-    # every step faults their ~36 MiB in again (4 KiB pages)...
-    assert default["faults"] >= 3 * 8 * 1024, default
-    # ...where the retained heap serves the next step from the pages the last one freed.
-    assert retained["faults"] * 4 < default["faults"], (default, retained)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and glibc")
+def test_mimalloc_serves_a_step_from_the_memory_the_last_one_freed() -> None:
+    glibc = _fewest_faults("glibc", 2, **PLAIN_PAGES)
+    mimalloc = _fewest_faults("mimalloc", 2)
+    assert (glibc["allocator"], mimalloc["allocator"]) == ("glibc", "mimalloc")
+    # glibc maps the large buffers (above the 4 MiB threshold) for every step: every step
+    # faults their ~36 MiB in again (4 KiB pages)...
+    assert glibc["faults"] >= 3 * 8 * 1024, glibc
+    # ...where mimalloc keeps what a step frees for the next.
+    assert mimalloc["faults"] * 4 < glibc["faults"], (glibc, mimalloc)
 
 
 def _transparent_huge_pages() -> str:
@@ -89,11 +86,27 @@ def _transparent_huge_pages() -> str:
     reason="huge pages on request need THP in 'madvise' mode ('always' gives them to every mapping)",
 )
 def test_the_workers_large_buffers_are_faulted_in_on_huge_pages() -> None:
-    plain = _fewest_faults("default", 2, **PLAIN_PAGES)
-    huge = _fewest_faults("default", 2)
+    plain = _fewest_faults("glibc", 2, **PLAIN_PAGES)
+    huge = _fewest_faults("glibc", 2)
     assert plain["faults"] >= 3 * 8 * 1024, plain  # ~36 MiB a step in 4 KiB pages
     assert huge["faults"] * 4 < plain["faults"], (plain, huge)  # 2 MiB pages, but for the unaligned ends
 
 
-def test_the_setting_is_off_by_default() -> None:
-    assert WorkerConfig().retain_freed_memory is False
+def test_workers_run_mimalloc_by_default() -> None:
+    assert WorkerConfig().host_allocator == "mimalloc"
+    assert Path(worker_env("mimalloc")["LD_PRELOAD"]).is_file()
+
+
+def test_the_drivers_environment_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MIMALLOC_PURGE_DELAY", "100")
+    assert worker_env("mimalloc")["MIMALLOC_PURGE_DELAY"] == "100"
+    assert "LD_PRELOAD" not in worker_env("glibc")
+
+
+def test_the_loaded_allocator_is_read_from_the_memory_map(tmp_path: Path) -> None:
+    maps = tmp_path / "maps"
+    maps.write_text("7f0000000000-7f0000001000 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    assert loaded_allocator(maps) == "glibc"
+    mimalloc = "7f0000002000-7f0000003000 r-xp 00000000 08:01 43 /site/cmeel.prefix/lib/libmimalloc.so\n"
+    maps.write_text(maps.read_text() + mimalloc)
+    assert loaded_allocator(maps) == "mimalloc"

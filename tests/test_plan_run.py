@@ -13,7 +13,6 @@ Margins (test_plan_matches_a_real_run, test_worker_buffers_match_a_real_run):
 
 from __future__ import annotations
 
-import os
 import urllib.request
 from pathlib import Path
 
@@ -132,7 +131,8 @@ def test_worker_buffers_match_a_real_run(ray_local) -> None:
     """bf16 weights and wire, 3 workers (uneven dim-0 shards: rank 0 holds the most),
     checkpointed blocks kept gathered: every worker's buffers are at most the plan's,
     rank 0's equal, and the bytes pushed and fetched are the plan's."""
-    from cargohold.cluster.launcher import TrainingSession, worker_env
+    from cargohold.cluster.launcher import TrainingSession
+    from cargohold.services.host_allocator import loaded_allocator
 
     config = tiny_config(
         steps=2,
@@ -145,17 +145,14 @@ def test_worker_buffers_match_a_real_run(ray_local) -> None:
     plan = plan_run(config)
     with TrainingSession(config) as session:
         resident = [ray_get(w.resident_bytes.remote()) for w in session.workers]
-        malloc = [
-            ray_get(w.__ray_call__.remote(lambda self: os.environ.get("MALLOC_MMAP_THRESHOLD_")))
-            for w in session.workers
-        ]
+        allocators = [ray_get(w.__ray_call__.remote(lambda self: loaded_allocator())) for w in session.workers]
         address = {(t.role, t.index): t.address for t in session.metrics_targets()}[("worker", 0)]
         session.step()
         session.step()
         session.settle()
         worker = _scrape(address)
     assert resident[0] == plan.worker.buffers
-    assert malloc == [worker_env()["MALLOC_MMAP_THRESHOLD_"]] * 3  # FSDP2's unit buffers go back to the system
+    assert allocators == ["mimalloc"] * 3  # the workers' processes started with it preloaded
     assert all(r["exchange"] == plan.worker.buffers["exchange"] for r in resident)
     assert all(r["weights"] <= plan.worker.buffers["weights"] for r in resident)
     assert resident[-1]["weights"] < resident[0]["weights"]  # the last rank's chunks run short
