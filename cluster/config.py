@@ -15,7 +15,7 @@ from cargohold.cluster.config_eval import EvalConfig
 from cargohold.cluster.config_model import GPTConfig, HFModelConfig
 from cargohold.cluster.config_optim import OptimConfig
 from cargohold.services.errors import ConfigError
-from cargohold.services.host_allocator import HostAllocator
+from cargohold.services.host_allocator import HostAllocatorSetting
 from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
 from cargohold.services.tiers.partitions import elements_per_partition
 from cargohold.services.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
@@ -206,14 +206,16 @@ class WorkerConfig:
     state's bytes per parameter, plus a staged gradient with clipping): `cargohold plan
     --device-memory` prints the largest share that fits what the step leaves over.
     Checkpoints hold every segment whoever updates it, and resume under any other share."""
-    host_allocator: HostAllocator = "mimalloc"
+    host_allocator: HostAllocatorSetting = "auto"
     """The C allocator of each worker's process, for the buffers a step frees and allocates
     again (every unit's gathered weights, gradients and activations). "mimalloc" keeps them
     for the next step: on a 100M-parameter model steps 20% shorter than "glibc", at 1.3
     against 1.1 GiB of resident memory a worker (docs/benchmarks.md). "glibc" maps each large
     buffer (on transparent huge pages) and returns it when freed: the least resident
-    memory, each step faulting its buffers in again (`services/host_allocator.py`). The
-    driver's environment wins (``LD_PRELOAD``, ``MIMALLOC_*``, ``MALLOC_*``)."""
+    memory, each step faulting its buffers in again (`services/host_allocator.py`). "auto":
+    glibc where the run has one host budget (`cluster.host_memory_bytes`, whose plan counts
+    the workers as glibc leaves them), mimalloc otherwise. The driver's environment wins
+    (``LD_PRELOAD``, ``MIMALLOC_*``, ``MALLOC_*``)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Extra Ray custom resources each worker's bundle asks for (pins workers to nodes)."""
 

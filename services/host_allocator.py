@@ -26,6 +26,7 @@ from cargohold.services.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 HostAllocator = Literal["mimalloc", "glibc"]
+HostAllocatorSetting = Literal["auto", "mimalloc", "glibc"]
 
 MIMALLOC_DISTRIBUTION = "cmeel-mimalloc"
 MIMALLOC_LIBRARY = "cmeel.prefix/lib/libmimalloc.so"
@@ -56,6 +57,15 @@ def mimalloc_library() -> Path:
     if not library.is_file():
         raise ConfigError(f"worker.host_allocator 'mimalloc': {library} is missing from {MIMALLOC_DISTRIBUTION}")
     return library
+
+
+def resolve_allocator(setting: HostAllocatorSetting, host_budget_bytes: int | None) -> HostAllocator:
+    """ "auto": mimalloc, unless the run has one host budget (``cluster.host_memory_bytes``),
+    whose plan counts the workers' resident memory as glibc leaves it (what mimalloc keeps
+    for the next step is not in the plan)."""
+    if setting != "auto":
+        return setting
+    return "glibc" if host_budget_bytes is not None else "mimalloc"
 
 
 def allocator_env(allocator: HostAllocator) -> dict[str, str]:

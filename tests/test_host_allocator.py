@@ -14,12 +14,12 @@ import pytest
 
 from cargohold.cluster.config import WorkerConfig
 from cargohold.cluster.launcher import worker_env
-from cargohold.services.host_allocator import loaded_allocator
+from cargohold.services.host_allocator import loaded_allocator, resolve_allocator
 
 ALLOCATE_AGAIN = """
 import json, resource
 import torch
-from cargohold.services.host_allocator import loaded_allocator
+from cargohold.services.host_allocator import loaded_allocator, resolve_allocator
 # A step's buffers, as a unit's gathered weights, gradients and activations: allocated,
 # filled and freed, step after step.
 SIZES = [6 << 20, 6 << 20, 3 << 19, 3 << 19, 24 << 20, 1 << 20]
@@ -92,8 +92,11 @@ def test_the_workers_large_buffers_are_faulted_in_on_huge_pages() -> None:
     assert huge["faults"] * 4 < plain["faults"], (plain, huge)  # 2 MiB pages, but for the unaligned ends
 
 
-def test_workers_run_mimalloc_by_default() -> None:
-    assert WorkerConfig().host_allocator == "mimalloc"
+def test_workers_run_mimalloc_unless_the_run_has_one_host_budget() -> None:
+    assert WorkerConfig().host_allocator == "auto"
+    assert resolve_allocator("auto", None) == "mimalloc"
+    assert resolve_allocator("auto", 3 << 30) == "glibc"  # the budget's plan counts glibc's resident set
+    assert resolve_allocator("mimalloc", 3 << 30) == "mimalloc"
     assert Path(worker_env("mimalloc")["LD_PRELOAD"]).is_file()
 
 
