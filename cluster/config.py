@@ -15,7 +15,6 @@ from cargohold.cluster.config_eval import EvalConfig
 from cargohold.cluster.config_model import GPTConfig, HFModelConfig
 from cargohold.cluster.config_optim import OptimConfig
 from cargohold.services.errors import ConfigError
-from cargohold.services.host_allocator import HostAllocatorSetting
 from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
 from cargohold.services.tiers.partitions import elements_per_partition
 from cargohold.services.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
@@ -23,6 +22,8 @@ from cargohold.services.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CH
 DType = Literal["float32", "bfloat16", "float16"]
 
 
+HostAllocatorSetting = Literal["auto", "mimalloc", "glibc"]
+"""``worker.host_allocator`` (`services/host_allocator.py`)."""
 DataFormat = Literal["bytes", "tokens", "text", "jsonl", "chat", "hf_dataset"]
 TEXT_FIELDS = {"jsonl": "text", "hf_dataset": "text", "chat": "messages"}
 """The record field each format reads when ``data.field`` is not set."""

@@ -23,12 +23,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
+from cargohold.cluster.config import HostAllocatorSetting
 from cargohold.services.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 HostAllocator = Literal["mimalloc", "glibc"]
-HostAllocatorSetting = Literal["auto", "mimalloc", "glibc"]
 
 MIMALLOC_DISTRIBUTION = "cmeel-mimalloc"
 MIMALLOC_LIBRARY = "cmeel.prefix/lib/libmimalloc.so"
