@@ -30,7 +30,8 @@ and so does DeepSpeed's CPU Adam, which runs in its ranks.
 Timed: the steps after ``--warmup``; a step is ``TrainingSession.step()`` for cargohold and
 forward + ``engine.backward`` + ``engine.step`` on each DeepSpeed rank (its slowest rank's
 mean). Per process: CPU seconds per timed step, user and system (``/proc/<pid>/stat`` read
-at the window's edges: nothing samples during it), and peak RSS (VmHWM, read once after the
+at the window's edges: nothing samples during it), the bytes it read from and wrote to
+disk per timed step (``/proc/<pid>/io``, the same way), and peak RSS (VmHWM, read once after the
 steps). The driver's own CPU seconds are printed too. Each variant prints
 ``RATIO cargohold <v> / deepspeed <v>``. Nothing is asserted.
 
@@ -73,6 +74,16 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     except OSError:
         return 0.0, 0.0
     return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
+
+
+def disk_bytes(pid: int) -> tuple[int, int]:
+    """Bytes a process has had read from and written to storage so far (``/proc/<pid>/io``:
+    what reached the block layer, not page-cache hits), every thread's; 0 once it is gone."""
+    try:
+        fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    except OSError:
+        return 0, 0
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
 def peak_rss(pid: int) -> int:
@@ -168,8 +179,8 @@ def nvme_tier_settings(config, root: Path, partition_mib: float) -> list[str]:
 
 
 def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: str = "worker 0") -> dict:
-    """Mean step seconds after ``warmup``; each worker's and server's CPU seconds per timed
-    step and peak RSS; the driver's CPU seconds per timed step. ``profile``: record the
+    """Mean step seconds after ``warmup``; each worker's and server's CPU seconds and disk
+    bytes per timed step and peak RSS; the driver's CPU seconds per timed step. ``profile``: record the
     process named ``profiled`` ("worker 0", "server 0", ...) with py-spy into it."""
     import ray
 
@@ -201,6 +212,7 @@ def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: st
                         recorder = start_profile(pids[profiled], profile)
                         time.sleep(1.0)  # py-spy attaches
                     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                    disk_before = {name: disk_bytes(pid) for name, pid in pids.items()}
                     driver = time.process_time()
                 report = session.step()
                 seconds.append(report.seconds)
@@ -213,6 +225,10 @@ def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: st
                 name: tuple((after - then) / kept for after, then in zip(cpu_seconds(pid), before[name]))
                 for name, pid in pids.items()
             }
+            disk = {
+                name: tuple((after - then) / kept for after, then in zip(disk_bytes(pid), disk_before[name]))
+                for name, pid in pids.items()
+            }
             driver = (time.process_time() - driver) / kept
             peaks = {name: peak_rss(pid) for name, pid in pids.items()}
     finally:
@@ -221,6 +237,7 @@ def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: st
         "step": statistics.mean(seconds[warmup:]),
         "phases": {name: statistics.mean(p.get(name, 0.0) for p in phases[warmup:]) for name in phases[-1]},
         "cpu": cpu,
+        "disk": disk,
         "peak": peaks,
         "driver_cpu": driver,
         "losses": losses,
@@ -309,7 +326,7 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
                 recorder = start_profile(os.getpid(), Path(out, "profile.txt"))
                 time.sleep(1.0)  # py-spy attaches
             dist.barrier()
-            cpu = cpu_seconds(os.getpid())
+            cpu, disk = cpu_seconds(os.getpid()), disk_bytes(os.getpid())
         for group in engine.optimizer.param_groups:
             group["lr"] = config.optim.lr_at(step, config.steps)
         started = time.perf_counter()
@@ -328,6 +345,7 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
         "rank": rank,
         "step": statistics.mean(seconds[args.warmup :]),
         "cpu": [(after - then) / kept for after, then in zip(cpu_seconds(os.getpid()), cpu)],
+        "disk": [(after - then) / kept for after, then in zip(disk_bytes(os.getpid()), disk)],
         "peak": peak_rss(os.getpid()),
         "losses": losses,
         "optimizer": type(engine.optimizer).__name__,
@@ -345,8 +363,8 @@ def deepspeed_child(args: argparse.Namespace) -> None:
 
 
 def run_deepspeed(args: argparse.Namespace, variant: str, root: Path, port: int) -> dict | str:
-    """The slowest rank's mean step, each rank's CPU seconds per timed step and peak RSS;
-    or why it could not run."""
+    """The slowest rank's mean step, each rank's CPU seconds and disk bytes per timed step
+    and peak RSS; or why it could not run."""
     out = root / f"deepspeed-{variant}"
     out.mkdir()
     command = [sys.executable, __file__, "--deepspeed-child", "--variant", variant, "--config", args.config]
@@ -363,6 +381,7 @@ def run_deepspeed(args: argparse.Namespace, variant: str, root: Path, port: int)
     return {
         "step": max(r["step"] for r in results),
         "cpu": {f"rank {r['rank']}": r["cpu"] for r in results},
+        "disk": {f"rank {r['rank']}": r["disk"] for r in results},
         "peak": {f"rank {r['rank']}": r["peak"] for r in results},
         "losses": results[0]["losses"],
         "optimizer": results[0]["optimizer"],
@@ -371,10 +390,15 @@ def run_deepspeed(args: argparse.Namespace, variant: str, root: Path, port: int)
 
 
 # --- the table ------------------------------------------------------------------------------
+def describe_disk(read: float, written: float) -> str:
+    """A process's disk traffic per timed step, or nothing where it had none."""
+    return f" disk {read / 1e9:.2f} GB read {written / 1e9:.2f} GB written" if read + written >= 1e6 else ""
+
+
 def describe(result: dict) -> str:
     processes = ", ".join(
         f"{name} {sum(result['cpu'][name]):.2f} CPU-s ({result['cpu'][name][1]:.2f} system) "
-        f"{result['peak'][name] / 2**30:.2f} GiB"
+        f"{result['peak'][name] / 2**30:.2f} GiB{describe_disk(*result['disk'][name])}"
         for name in result["cpu"]
     )
     return f"{result['step']:7.3f} s/step; per timed step: {processes}"
