@@ -214,8 +214,8 @@ class WorkerConfig:
     against 1.1 GiB of resident memory a worker (docs/benchmarks.md). "glibc" maps each large
     buffer (on transparent huge pages) and returns it when freed: the least resident
     memory, each step faulting its buffers in again (`services/host_allocator.py`). "auto":
-    glibc where the run has one host budget (`cluster.host_memory_bytes`, whose plan counts
-    the workers as glibc leaves them), mimalloc otherwise. The driver's environment wins
+    glibc where the run has one host budget (`cluster.host_memory_bytes`: host memory is
+    what is short there), mimalloc otherwise. `cargohold plan` counts what mimalloc keeps. The driver's environment wins
     (``LD_PRELOAD``, ``MIMALLOC_*``, ``MALLOC_*``)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Extra Ray custom resources each worker's bundle asks for (pins workers to nodes)."""

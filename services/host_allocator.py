@@ -11,9 +11,9 @@ GiB a worker). mimalloc (Microsoft's allocator, the ``cmeel-mimalloc`` wheel) re
 blocks by size class across its segments, and with ``MIMALLOC_PURGE_DELAY=-1`` never hands
 them back: a step reuses what the last one freed, in 1.3 GiB a worker (docs/benchmarks.md).
 ``LD_PRELOAD`` puts it under torch, gloo and gRPC alike; it must be set before the process
-starts, hence an environment for the worker actors rather than a call in them. What it
-keeps is not in ``cargohold plan``'s worker figures, which are glibc's: a run with one host
-budget keeps glibc unless told otherwise (:func:`resolve_allocator`).
+starts, hence an environment for the worker actors rather than a call in them. ``cargohold
+plan`` counts what it keeps (a share of the step's buffers, measured); a run with one host
+budget keeps glibc unless told otherwise (:func:`resolve_allocator`), the least memory.
 """
 
 from __future__ import annotations

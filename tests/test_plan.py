@@ -19,6 +19,7 @@ from cargohold.cluster.config import TierConfig
 from cargohold.cluster.plan.description import ClusterDescription
 from cargohold.cluster.plan.render import render
 from cargohold.cluster.plan.run import plan_run
+from cargohold.cluster.plan.worker import MIMALLOC_KEPT_SHARE
 from cargohold.services.layout import Layout
 from cargohold.services.model_setup import model_layout
 from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
@@ -163,7 +164,23 @@ def test_a_gpu_worker_pins_its_exchange_buffers_shared_with_its_server() -> None
         + on_cpu.worker.device_peak_bytes
         + on_cpu.worker.buffers["exchange"]
         + on_cpu.worker.corpus_bytes
+        + on_cpu.worker.allocator_kept_bytes
     )
+    assert w.allocator_kept_bytes == 0  # a GPU's step buffers are the CUDA caching allocator's
+
+
+def test_a_cpu_worker_on_mimalloc_counts_the_freed_memory_it_keeps() -> None:
+    kept = plan_run(tiny_config(worker__host_allocator="mimalloc")).worker
+    returned = plan_run(tiny_config(worker__host_allocator="glibc")).worker
+    step_buffers = kept.gathered_bytes + kept.gradient_bytes + kept.transient_bytes + kept.activation_bytes
+    assert kept.allocator_kept_bytes == round(MIMALLOC_KEPT_SHARE * step_buffers) > 0
+    assert returned.allocator_kept_bytes == 0
+    assert kept.host_bytes == returned.host_bytes + kept.allocator_kept_bytes
+    assert "allocator: freed, kept (mimalloc)" in render(plan_run(tiny_config(worker__host_allocator="mimalloc")))
+    assert "allocator: freed, kept" not in render(plan_run(tiny_config(worker__host_allocator="glibc")))
+    # "auto" runs glibc under one host budget, whose split counts the workers as glibc leaves them.
+    budgeted = plan_run(tiny_config(cluster__host_memory_bytes=64 << 30)).worker
+    assert budgeted.allocator_kept_bytes == 0 and plan_run(tiny_config()).worker.allocator_kept_bytes > 0
 
 
 def test_offload_moves_the_weights_from_the_device_to_pinned_host_memory() -> None:

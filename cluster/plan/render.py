@@ -57,6 +57,11 @@ def render(plan: RunPlan) -> str:
         ("exchange buffers", w.buffers["exchange"], f"{host}, shared" if w.shared_memory_bytes else host),
         *([("offload: gradient copies", w.host_transient_bytes, "host RAM")] if w.offload else []),
         ("corpus", w.corpus_bytes, "host RAM"),
+        *(
+            [("allocator: freed, kept (mimalloc)", w.allocator_kept_bytes, "host RAM")]
+            if w.allocator_kept_bytes
+            else []
+        ),
         ("runtime (Python, torch, Ray)", w.runtime_bytes, "host RAM"),
         ("while training", w.host_bytes, "host RAM"),
         ("while starting", w.startup_host_bytes, "host RAM"),
