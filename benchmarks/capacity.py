@@ -26,8 +26,10 @@ buffers the worker touched) stays within the limit.
   need more than ``--server-ram-gib`` (at ~20 B/param) keeps the server's state on an
   NVMe tier under ``--tier-path``, so that the probes fit a shared machine; the workers do
   not change. ``--env`` sets variables in the probes' environment, which Ray's processes
-  inherit and which win over the launcher's ``WORKER_ENV`` (glibc's
-  ``MALLOC_MMAP_THRESHOLD_`` changes the workers' peak a lot: see docs/benchmarks.md).
+  inherit and which win over the launcher's allocator environment (``worker.host_allocator``:
+  mimalloc keeps what a step frees, and glibc's ``MALLOC_MMAP_THRESHOLD_`` changes the
+  workers' peak a lot: see docs/benchmarks.md; ``--set worker.host_allocator=glibc`` for
+  the figures recorded there).
 
 The search per configuration: a first probe of the tiny model (width 64) gives the
 process's *runtime* (interpreter, torch, Ray, gRPC: everything that is not the model);
