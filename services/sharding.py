@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
 from cargohold.services.errors import TrainingError
 from cargohold.services.layout import DEFAULT_ALIGN, Layout, build_layout
@@ -150,6 +152,17 @@ def shard_units(
         )
     # The root's parameters (embeddings, head) are needed first in backward: keep them.
     fully_shard(units[0].module, mp_policy=policy, reshard_after_forward=False, offload_policy=offload_policy)
+
+
+def divisor_after_reduce_hook(reduce_dtype: torch.dtype, device_type: str) -> float | None:
+    """What FSDP2 divides a unit's reduced gradients by after running its all-reduce hook
+    (``set_all_reduce_hook``, where cargohold pushes them), or None. fp32 and bf16 average
+    in the reduce-scatter itself; for fp16 (overflow risk) FSDP2 splits the 1/W into a
+    division before the collective and one after it, the second coming after the hook:
+    1.5 at W=3, 2 at W=4 (none at W=2). FSDP2's own rule, private in torch 2.13 (pinned),
+    asked as FSDP2 asks it: the default process group, no gradient divide factor set."""
+    _, after, _, _ = _get_gradient_divide_factors(dist.group.WORLD, None, reduce_dtype, device_type)
+    return after if after is not None and after != 1 else None
 
 
 def local_tensors(model: nn.Module, layout: Layout) -> list[torch.Tensor]:

@@ -58,7 +58,13 @@ from cargohold.services.errors import TrainingError
 from cargohold.services.layout import Layout, ParamSlot, Segment
 from cargohold.services.loss_scale import LossScaleRules, LossScaleState, next_state
 from cargohold.services.optim import global_norm_from_squares, sum_of_squares
-from cargohold.services.sharding import Unit, copy_range_into_params, local_tensors, params_to_range
+from cargohold.services.sharding import (
+    Unit,
+    copy_range_into_params,
+    divisor_after_reduce_hook,
+    local_tensors,
+    params_to_range,
+)
 from cargohold.services.state_port import ExchangeBuffers, ExchangeSlot, StatePort
 from cargohold.services.weight_window import WeightWindow
 from cargohold.services.wire import DTYPE_NAMES, check_representable
@@ -434,6 +440,11 @@ class ShardedStep:
                 )
             if self.window is not None:
                 self.window.release_backward(group)
+            if (divisor := divisor_after_reduce_hook(reduced.dtype, reduced.device.type)) is not None:
+                # FSDP2's last division of the average comes after this hook: done here, in
+                # place, it gives what is pushed FSDP2's bits; FSDP2's own then lands on the
+                # sharded .grad views, which are dropped unread (_drop_grad).
+                reduced.div_(divisor)
             micro, count = self._micro
             if micro < count - 1:
                 assert self._accumulator is not None

@@ -212,6 +212,22 @@ def test_fp16_matches_fsdp2_with_grad_scaler_bitwise(ray_local, tmp_path, case) 
 
 
 @pytest.mark.integration
+def test_fp16_gradients_of_three_workers_match_fsdp2_bitwise(ray_local) -> None:
+    """At W=3 FSDP2 divides fp16 gradients by 2 before the reduce-scatter and by 1.5 only
+    after its all-reduce hook, where the workers push them: what they push must carry that
+    division too (it did not: step 4's loss was 4.858663 against FSDP2's 4.858674)."""
+    config = tiny_config(steps=4, worker__num_workers=3, **FP16, **OVERFLOWING)
+    layout = _layout(config)
+    with TrainingSession(config) as session:
+        reports = [session.step() for _ in range(config.steps)]
+        weights = session.all_worker_weights()
+        server = {k: _server_state(session, layout, k) for k in ("master", "exp_avg", "exp_avg_sq")}
+    reference = fsdp_reference_train(config, config.steps, norm="shards")
+    assert [r.step for r in reports if r.skipped] == reference.skipped
+    _assert_matches_reference(config, layout, [r.loss for r in reports], weights, server, reference)
+
+
+@pytest.mark.integration
 def test_one_fp16_worker_matches_single_process_grad_scaler_bitwise(ray_local) -> None:
     """One worker against plain AdamW(fused=True) with torch.amp.GradScaler in one
     process (the reference the GPU contract test compares a CUDA worker with)."""
