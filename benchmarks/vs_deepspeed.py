@@ -29,10 +29,11 @@ and so does DeepSpeed's CPU Adam, which runs in its ranks.
 
 Timed: the steps after ``--warmup``; a step is ``TrainingSession.step()`` for cargohold and
 forward + ``engine.backward`` + ``engine.step`` on each DeepSpeed rank (its slowest rank's
-mean). Per process: CPU seconds per timed step, user and system (``/proc/<pid>/stat`` read
-at the window's edges: nothing samples during it), the bytes it read from and wrote to
-disk per timed step (``/proc/<pid>/io``, the same way), and peak RSS (VmHWM, read once after the
-steps). The driver's own CPU seconds are printed too. Each variant prints
+mean). Per process: the C allocator it runs (``/proc/<pid>/maps``), CPU seconds per timed
+step, user and system (``/proc/<pid>/stat`` read at the window's edges: nothing samples
+during it), the bytes it read from and wrote to disk per timed step (``/proc/<pid>/io``,
+the same way), and peak RSS (VmHWM, read once after the steps). The driver's own CPU
+seconds are printed too. Each variant prints
 ``RATIO cargohold <v> / deepspeed <v>``. Nothing is asserted.
 
 ``--profile`` (a separate run: the sampler takes CPU from what it watches) records
@@ -185,6 +186,7 @@ def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: st
     import ray
 
     from cargohold.cluster.launcher import TrainingSession
+    from cargohold.services.host_allocator import loaded_allocator
 
     needed = config.worker.num_workers * config.worker.cpus + config.state_server.num_servers * config.state_server.cpus
     ray.init(
@@ -204,6 +206,7 @@ def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: st
                 f"server {index}": ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
                 for index, actor in enumerate(session.servers)
             }
+            allocators = {name: loaded_allocator(Path(f"/proc/{pid}/maps")) for name, pid in pids.items()}
             seconds, losses, phases = [], [], []
             recorder = None
             for number in range(config.steps):
@@ -239,6 +242,7 @@ def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: st
         "cpu": cpu,
         "disk": disk,
         "peak": peaks,
+        "allocator": allocators,
         "driver_cpu": driver,
         "losses": losses,
     }
@@ -305,6 +309,7 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
     import torch.distributed as dist
 
     from cargohold.services.data.sources import open_source
+    from cargohold.services.host_allocator import loaded_allocator
     from cargohold.services.models.build import build_model
 
     config = world_config
@@ -347,6 +352,7 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
         "cpu": [(after - then) / kept for after, then in zip(cpu_seconds(os.getpid()), cpu)],
         "disk": [(after - then) / kept for after, then in zip(disk_bytes(os.getpid()), disk)],
         "peak": peak_rss(os.getpid()),
+        "allocator": loaded_allocator(),
         "losses": losses,
         "optimizer": type(engine.optimizer).__name__,
     }
@@ -383,6 +389,7 @@ def run_deepspeed(args: argparse.Namespace, variant: str, root: Path, port: int)
         "cpu": {f"rank {r['rank']}": r["cpu"] for r in results},
         "disk": {f"rank {r['rank']}": r["disk"] for r in results},
         "peak": {f"rank {r['rank']}": r["peak"] for r in results},
+        "allocator": {f"rank {r['rank']}": r["allocator"] for r in results},
         "losses": results[0]["losses"],
         "optimizer": results[0]["optimizer"],
         "profile": str(out / "profile.txt"),
@@ -397,8 +404,9 @@ def describe_disk(read: float, written: float) -> str:
 
 def describe(result: dict) -> str:
     processes = ", ".join(
-        f"{name} {sum(result['cpu'][name]):.2f} CPU-s ({result['cpu'][name][1]:.2f} system) "
-        f"{result['peak'][name] / 2**30:.2f} GiB{describe_disk(*result['disk'][name])}"
+        f"{name} ({result['allocator'][name]}) {sum(result['cpu'][name]):.2f} CPU-s "
+        f"({result['cpu'][name][1]:.2f} system) {result['peak'][name] / 2**30:.2f} GiB"
+        f"{describe_disk(*result['disk'][name])}"
         for name in result["cpu"]
     )
     return f"{result['step']:7.3f} s/step; per timed step: {processes}"
