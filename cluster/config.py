@@ -215,8 +215,8 @@ class WorkerConfig:
     buffer (on transparent huge pages) and returns it when freed: the least resident
     memory, each step faulting its buffers in again (`services/host_allocator.py`). "auto":
     glibc where the run has one host budget (`cluster.host_memory_bytes`: host memory is
-    what is short there), mimalloc otherwise. `cargohold plan` counts what mimalloc keeps. The driver's environment wins
-    (``LD_PRELOAD``, ``MIMALLOC_*``, ``MALLOC_*``)."""
+    what is short there), mimalloc otherwise. `cargohold plan` counts what mimalloc keeps.
+    The driver's environment wins (``LD_PRELOAD``, ``MIMALLOC_*``, ``MALLOC_*``)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Extra Ray custom resources each worker's bundle asks for (pins workers to nodes)."""
 

@@ -31,7 +31,7 @@ from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
 from cargohold.services.checkpoint.manifest import LossScaleRecord
 from cargohold.services.data.rows import DocumentRows
 from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
-from cargohold.services.host_allocator import HostAllocator, allocator_env, resolve_allocator
+from cargohold.services.host_allocator import HostAllocator, allocator_env, worker_allocator
 from cargohold.services.layout import Segment
 from cargohold.services.loss_scale import LossScaleState
 from cargohold.services.model_setup import check_compute_dtype, model_layout
@@ -178,9 +178,7 @@ class TrainingSession:
                 resources=dict(cfg.worker.resources),
                 scheduling_strategy=on_bundle(first_worker_bundle + rank),
                 name=f"{self.run_id}-worker-{rank}",
-                runtime_env={
-                    "env_vars": worker_env(resolve_allocator(cfg.worker.host_allocator, cfg.cluster.host_memory_bytes))
-                },
+                runtime_env={"env_vars": worker_env(worker_allocator(cfg))},
             ).remote(cfg, rank=rank, run_id=self.run_id, auth_token=self._auth_token, task=self.task)
             for rank in range(cfg.worker.num_workers)
         ]

@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
-from cargohold.cluster.config import HostAllocatorSetting
+from cargohold.cluster.config import HostAllocatorSetting, TrainConfig
 from cargohold.services.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -62,12 +62,16 @@ def mimalloc_library() -> Path:
 
 
 def resolve_allocator(setting: HostAllocatorSetting, host_budget_bytes: int | None) -> HostAllocator:
-    """ "auto": mimalloc, unless the run has one host budget (``cluster.host_memory_bytes``),
-    whose plan counts the workers' resident memory as glibc leaves it (what mimalloc keeps
-    for the next step is not in the plan)."""
+    """ "auto": mimalloc, unless the run has one host budget (``cluster.host_memory_bytes``):
+    there host memory is what is short, and glibc leaves the least of it."""
     if setting != "auto":
         return setting
     return "glibc" if host_budget_bytes is not None else "mimalloc"
+
+
+def worker_allocator(config: TrainConfig) -> HostAllocator:
+    """The allocator the workers of ``config`` run (``worker.host_allocator`` resolved)."""
+    return resolve_allocator(config.worker.host_allocator, config.cluster.host_memory_bytes)
 
 
 def allocator_env(allocator: HostAllocator) -> dict[str, str]:

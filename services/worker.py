@@ -20,7 +20,7 @@ import torch.distributed as dist
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.data.seeds import dropout_seed
 from cargohold.services.errors import ConfigError, TrainingError
-from cargohold.services.host_allocator import check_loaded_allocator, resolve_allocator
+from cargohold.services.host_allocator import check_loaded_allocator, worker_allocator
 from cargohold.services.layout import Layout
 from cargohold.services.loss_scale import LossScaleState
 from cargohold.services.metrics import WorkerMetrics
@@ -61,7 +61,7 @@ class TrainingWorker(SegmentHolder):
         state servers' addresses come with :meth:`init_process_group`, so that a worker
         starts while the servers do."""
         torch.set_num_threads(config.worker.torch_threads)
-        check_loaded_allocator(resolve_allocator(config.worker.host_allocator, config.cluster.host_memory_bytes))
+        check_loaded_allocator(worker_allocator(config))
         self.config = config
         self.rank = rank
         self.run_id = run_id

@@ -19,7 +19,7 @@ from cargohold.services.host_allocator import loaded_allocator, resolve_allocato
 ALLOCATE_AGAIN = """
 import json, resource
 import torch
-from cargohold.services.host_allocator import loaded_allocator, resolve_allocator
+from cargohold.services.host_allocator import loaded_allocator
 # A step's buffers, as a unit's gathered weights, gradients and activations: allocated,
 # filled and freed, step after step.
 SIZES = [6 << 20, 6 << 20, 3 << 19, 3 << 19, 24 << 20, 1 << 20]
@@ -95,7 +95,7 @@ def test_the_workers_large_buffers_are_faulted_in_on_huge_pages() -> None:
 def test_workers_run_mimalloc_unless_the_run_has_one_host_budget() -> None:
     assert WorkerConfig().host_allocator == "auto"
     assert resolve_allocator("auto", None) == "mimalloc"
-    assert resolve_allocator("auto", 3 << 30) == "glibc"  # the budget's plan counts glibc's resident set
+    assert resolve_allocator("auto", 3 << 30) == "glibc"  # host memory is what is short there
     assert resolve_allocator("mimalloc", 3 << 30) == "mimalloc"
     assert Path(worker_env("mimalloc")["LD_PRELOAD"]).is_file()
 

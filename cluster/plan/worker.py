@@ -26,7 +26,7 @@ import torch
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.itemsize import DTYPE_BYTES, FP32_BYTES
 from cargohold.cluster.plan.runtime import worker_runtime_bytes
-from cargohold.services.host_allocator import resolve_allocator
+from cargohold.services.host_allocator import worker_allocator
 from cargohold.services.layout import Layout
 from cargohold.services.optim import SQUARES_CHUNK
 from cargohold.services.state_port import exchange_nbytes
@@ -330,5 +330,5 @@ def plan_worker(
 
 def _allocator_kept(config: TrainConfig, device: str, step_buffers: int) -> int:
     """What the worker's allocator keeps of ``step_buffers`` (the per-step buffers)."""
-    allocator = resolve_allocator(config.worker.host_allocator, config.cluster.host_memory_bytes)
-    return round(MIMALLOC_KEPT_SHARE * step_buffers) if allocator == "mimalloc" and device == "cpu" else 0
+    kept = worker_allocator(config) == "mimalloc" and device == "cpu"
+    return round(MIMALLOC_KEPT_SHARE * step_buffers) if kept else 0
