@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 import time
 
 import torch
@@ -42,6 +41,11 @@ from cargohold.services.weight_buffers import WeightBuffers
 logger = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 60.0
 """How long shutdown waits for a delayed update still in flight."""
+
+
+def rendezvous_store(host: str, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """Rank 0's TCP store, listening on ``host`` at a port the kernel picks (``.port``)."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
 class TrainingWorker(SegmentHolder):
@@ -79,14 +83,16 @@ class TrainingWorker(SegmentHolder):
         if config.metrics.enabled:
             self.metrics.start(host=node_ip(), port=config.metrics.port_for("worker", rank, config))
         self.step: ShardedStep | None = None
+        self._store: dist.TCPStore | None = None
 
     # --- lifecycle -----------------------------------------------------------------
-    def rendezvous_address(self) -> tuple[str, int]:
-        """Host and a free port for torch.distributed's TCP store (called on rank 0)."""
+    def rendezvous_address(self, timeout_s: float = 300.0) -> tuple[str, int]:
+        """Open torch.distributed's TCP store on a port the kernel picks and return its host
+        and port (called on rank 0). The store keeps its socket bound: probing a free port
+        and binding it later let another process take it in between (EADDRINUSE)."""
         host = node_ip()
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            return host, probe.getsockname()[1]
+        self._store = rendezvous_store(host, self.world_size, datetime.timedelta(seconds=timeout_s))
+        return host, self._store.port
 
     def init_process_group(
         self,
@@ -104,12 +110,15 @@ class TrainingWorker(SegmentHolder):
                 f"{len(server_addresses)} server addresses for state_server.num_servers="
                 f"{self.config.state_server.num_servers}"
             )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self._store is None:
+            self._store = dist.TCPStore(host, port, self.world_size, is_master=False, timeout=timeout)
         dist.init_process_group(
             process_group_backend(self.device),
-            init_method=f"tcp://{host}:{port}",
+            store=self._store,
             rank=self.rank,
             world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
         model, units, layout = sharded_model(self.config, self.device, self.task)
         config = self.config
@@ -203,6 +212,7 @@ class TrainingWorker(SegmentHolder):
         self.metrics.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._store = None
 
     # --- the step ------------------------------------------------------------------
     def train_step(self, step: int) -> StepReport:
