@@ -249,7 +249,9 @@ def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: st
 
 
 # --- DeepSpeed, in a child process: ranks spawned over gloo --------------------------------
-def deepspeed_config(config, variant: str, root: Path) -> dict:
+def deepspeed_config(config, variant: str, root: Path, zero_settings: list[str]) -> dict:
+    """DeepSpeed's settings for ``variant``; ``zero_settings`` (``KEY=VALUE``, the value
+    JSON) go into its ``zero_optimization`` last, e.g. ``stage3_max_reuse_distance=0``."""
     o, w = config.optim, config.worker
     zero: dict = {"overlap_comm": False, "contiguous_gradients": True}
     if variant == "zero2":
@@ -282,6 +284,9 @@ def deepspeed_config(config, variant: str, root: Path) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    for item in zero_settings:
+        key, _, value = item.partition("=")
+        zero[key] = json.loads(value)
     if variant == "nvme":
         settings["aio"] = {
             "block_size": 1 << 20,
@@ -319,7 +324,7 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
-        config=deepspeed_config(config, args.variant, Path(args.root)),
+        config=deepspeed_config(config, args.variant, Path(args.root), args.deepspeed_zero),
     )
     data = open_source(config)
     seconds, losses = [], []
@@ -377,6 +382,7 @@ def run_deepspeed(args: argparse.Namespace, variant: str, root: Path, port: int)
     command += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--root", str(root)]
     command += ["--port", str(port), "--out", str(out)] + (["--profile"] if args.profile else [])
     command += [item for override in args.overrides for item in ("--set", override)]
+    command += [item for setting in args.deepspeed_zero for item in ("--deepspeed-zero", setting)]
     threads = load(args.config, args.overrides).worker.torch_threads
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads))
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
@@ -432,6 +438,13 @@ def main() -> None:
     parser.add_argument(
         "--profile-process", default="worker 0", help='with --profile, the cargohold process: "worker R" or "server I"'
     )
+    parser.add_argument(
+        "--deepspeed-zero",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of DeepSpeed's zero_optimization (VALUE in JSON), e.g. stage3_max_reuse_distance=0",
+    )
     parser.add_argument("--cargohold-only", action="store_true", help="skip DeepSpeed (no ratio): an A/B of settings")
     parser.add_argument("--deepspeed-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
@@ -480,7 +493,8 @@ def main() -> None:
         split = ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in ours["phases"].items())
         print(f"  cargohold's step by phase (rank 0): {split}")
         if isinstance(theirs, dict):
-            print(f"deepspeed {name:6} {describe(theirs)} ({theirs['optimizer']})")
+            zero = f"; zero_optimization {', '.join(args.deepspeed_zero)}" if args.deepspeed_zero else ""
+            print(f"deepspeed {name:6} {describe(theirs)} ({theirs['optimizer']}{zero})")
             same = "the same" if ours["losses"] == theirs["losses"] else "not the same"
             print(
                 f"  losses: cargohold {ours['losses'][-1]:.4f}, deepspeed {theirs['losses'][-1]:.4f} at the last "
