@@ -36,6 +36,10 @@ the same way), and peak RSS (VmHWM, read once after the steps). The driver's own
 seconds are printed too. Each variant prints
 ``RATIO cargohold <v> / deepspeed <v>``. Nothing is asserted.
 
+``--repeat N`` runs every variant's pair N times, alternating (cargohold, DeepSpeed,
+cargohold, ...), and gives each variant's median ratio with every run's: on a small shared
+box one pair's ratio moves by about +-0.1 from run to run.
+
 ``--profile`` (a separate run: the sampler takes CPU from what it watches) records
 cargohold's worker 0 and DeepSpeed's rank 0 with py-spy (``pip install py-spy``) over the
 timed steps (threads that run, not those that wait), and prints where each spends them: the
@@ -445,6 +449,7 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="a setting of DeepSpeed's zero_optimization (VALUE in JSON), e.g. stage3_max_reuse_distance=0",
     )
+    parser.add_argument("--repeat", type=int, default=1, help="run each variant's pair this many times")
     parser.add_argument("--cargohold-only", action="store_true", help="skip DeepSpeed (no ratio): an A/B of settings")
     parser.add_argument("--deepspeed-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
@@ -457,29 +462,21 @@ def main() -> None:
         return
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     names = args.variants.split(",")
     if unknown := [n for n in names if n not in VARIANTS]:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     with tempfile.TemporaryDirectory(prefix="vs-deepspeed-", dir=args.root) as folder:
         root = Path(folder)
         print(f"load average {Path('/proc/loadavg').read_text().split()[0]} at the start", flush=True)
-        results: dict[str, tuple[dict, dict | str]] = {}
-        for number, name in enumerate(names):
-            config = load(args.config, [*args.overrides, *CARGOHOLD_SETTINGS[name]])
-            if name == "nvme":
-                tier = nvme_tier_settings(config, root, args.partition_mib)
-                config = load(args.config, [*args.overrides, *CARGOHOLD_SETTINGS[name], *tier])
-            profile = root / f"cargohold-{name}.txt" if args.profile else None
-            ours = run_cargohold(config, args.warmup, profile, args.profile_process)
-            theirs = "skipped" if args.cargohold_only else run_deepspeed(args, name, root, port=29600 + number)
-            results[name] = (ours, theirs)
-            print(f"{name}: cargohold {describe(ours)}", flush=True)
-            print(f"{name}: deepspeed {describe(theirs) if isinstance(theirs, dict) else 'did not run: ' + theirs}")
-            if profile is not None:
-                kept = args.steps - args.warmup
-                print(f"profile of cargohold {name}, {args.profile_process}:\n{summarise_profile(profile, kept)}")
-                if isinstance(theirs, dict):
-                    print(f"profile of deepspeed {name}, rank 0:\n{summarise_profile(Path(theirs['profile']), kept)}")
+        results: dict[str, list[tuple[dict, dict | str]]] = {name: [] for name in names}
+        for run in range(args.repeat):
+            run_root = root / f"run-{run}"  # each run's files apart: nothing carries over
+            run_root.mkdir()
+            for number, name in enumerate(names):
+                ours, theirs = run_pair(args, name, run_root, port=29600 + run * len(names) + number)
+                results[name].append((ours, theirs))
         config = load(args.config, args.overrides)
     m, w = config.model, config.worker
     print(
@@ -488,23 +485,51 @@ def main() -> None:
         f"{config.state_server.num_servers} cargohold state server(s); {os.cpu_count()} cores; load average "
         f"{Path('/proc/loadavg').read_text().split()[0]} at the end; mean of steps {args.warmup + 1}..{args.steps}"
     )
-    for name, (ours, theirs) in results.items():
-        print(f"cargohold {name:6} {describe(ours)}; driver {ours['driver_cpu']:.3f} CPU-s")
-        split = ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in ours["phases"].items())
-        print(f"  cargohold's step by phase (rank 0): {split}")
+    for name, pairs in results.items():
+        for ours, theirs in pairs:
+            print(f"cargohold {name:6} {describe(ours)}; driver {ours['driver_cpu']:.3f} CPU-s")
+            split = ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in ours["phases"].items())
+            print(f"  cargohold's step by phase (rank 0): {split}")
+            if isinstance(theirs, dict):
+                zero = f"; zero_optimization {', '.join(args.deepspeed_zero)}" if args.deepspeed_zero else ""
+                print(f"deepspeed {name:6} {describe(theirs)} ({theirs['optimizer']}{zero})")
+                same = "the same" if ours["losses"] == theirs["losses"] else "not the same"
+                print(
+                    f"  losses: cargohold {ours['losses'][-1]:.4f}, deepspeed {theirs['losses'][-1]:.4f} at the "
+                    f"last step ({same} bits)"
+                )
+    for name, pairs in results.items():
+        print(f"RATIO cargohold {name} / deepspeed {name} = {ratio_line(pairs)}")
+
+
+def run_pair(args: argparse.Namespace, name: str, root: Path, port: int) -> tuple[dict, dict | str]:
+    """One variant: cargohold's run, then DeepSpeed's (or why it did not run), files under ``root``."""
+    config = load(args.config, [*args.overrides, *CARGOHOLD_SETTINGS[name]])
+    if name == "nvme":
+        tier = nvme_tier_settings(config, root, args.partition_mib)
+        config = load(args.config, [*args.overrides, *CARGOHOLD_SETTINGS[name], *tier])
+    profile = root / f"cargohold-{name}.txt" if args.profile else None
+    ours = run_cargohold(config, args.warmup, profile, args.profile_process)
+    theirs = "skipped" if args.cargohold_only else run_deepspeed(args, name, root, port=port)
+    print(f"{name}: cargohold {describe(ours)}", flush=True)
+    print(f"{name}: deepspeed {describe(theirs) if isinstance(theirs, dict) else 'did not run: ' + theirs}")
+    if profile is not None:
+        kept = args.steps - args.warmup
+        print(f"profile of cargohold {name}, {args.profile_process}:\n{summarise_profile(profile, kept)}")
         if isinstance(theirs, dict):
-            zero = f"; zero_optimization {', '.join(args.deepspeed_zero)}" if args.deepspeed_zero else ""
-            print(f"deepspeed {name:6} {describe(theirs)} ({theirs['optimizer']}{zero})")
-            same = "the same" if ours["losses"] == theirs["losses"] else "not the same"
-            print(
-                f"  losses: cargohold {ours['losses'][-1]:.4f}, deepspeed {theirs['losses'][-1]:.4f} at the last "
-                f"step ({same} bits)"
-            )
-    for name, (ours, theirs) in results.items():
-        if isinstance(theirs, dict):
-            print(f"RATIO cargohold {name} / deepspeed {name} = {ours['step'] / theirs['step']:.2f}")
-        else:
-            print(f"RATIO cargohold {name} / deepspeed {name} = n/a (deepspeed did not run: {theirs})")
+            print(f"profile of deepspeed {name}, rank 0:\n{summarise_profile(Path(theirs['profile']), kept)}")
+    return ours, theirs
+
+
+def ratio_line(pairs: list[tuple[dict, dict | str]]) -> str:
+    """cargohold's step over DeepSpeed's: the one run's, or the median of the runs with each."""
+    ratios = [ours["step"] / theirs["step"] for ours, theirs in pairs if isinstance(theirs, dict)]
+    if not ratios:
+        reason = next(theirs for _, theirs in pairs if isinstance(theirs, str))
+        return f"n/a (deepspeed did not run: {reason})"
+    if len(pairs) == 1:
+        return f"{ratios[0]:.2f}"
+    return f"{statistics.median(ratios):.2f} (median of {len(ratios)} runs: {', '.join(f'{r:.2f}' for r in ratios)})"
 
 
 if __name__ == "__main__":
