@@ -144,6 +144,13 @@ class WorkerConfig:
     """Free each block's gathered weights after its forward and gather them again for
     backward (ZeRO-3); false keeps them from forward to backward (ZeRO-2-like: faster,
     but every block's full weights stay resident during the step)."""
+    kept_gathered_units: int = 1
+    """With `reshard_after_forward`: the last this many units stay gathered from their
+    forward to their backward, so their backward skips the all-gather. The last unit's
+    backward comes right after its forward (FSDP2 would gather it again at once), so 1
+    costs no memory; each one more holds one more unit gathered through the middle of
+    the step (`cargohold plan` counts them). DeepSpeed's ZeRO-3 keeps parameters the same
+    way (`stage3_max_reuse_distance`, in elements)."""
     offload_params: bool = False
     """Keep the sharded weights and gradients in host memory (pinned on GPU nodes) and copy
     each block to the device only for its forward and backward (ZeRO-Infinity's
@@ -230,6 +237,7 @@ class WorkerConfig:
             raise ConfigError("worker.weights_nvme_path must name a folder or be null, got an empty string")
         _non_negative("worker.delayed_update_after_steps", self.delayed_update_after_steps)
         _non_negative("worker.max_unit_params", self.max_unit_params)
+        _non_negative("worker.kept_gathered_units", self.kept_gathered_units)
         _non_negative("worker.cpus", self.cpus)
         _non_negative("worker.gpus", self.gpus)
         if not 0.0 <= self.optimizer_on_device_fraction <= 1.0:

@@ -14,7 +14,14 @@ from cargohold.services.errors import ConfigError, TrainingError
 from cargohold.services.layout import Layout
 from cargohold.services.models.blocks import apply_activation_checkpointing
 from cargohold.services.models.hf import HFCausalLM
-from cargohold.services.sharding import Unit, check_unit_order, layout_for_units, shard_units, units_of
+from cargohold.services.sharding import (
+    Unit,
+    backward_gathered_units,
+    check_unit_order,
+    layout_for_units,
+    shard_units,
+    units_of,
+)
 from cargohold.services.state_port import ExchangeBuffers
 from cargohold.services.step import StepPolicy
 from cargohold.services.task import ConfigTask, TrainingTask
@@ -69,6 +76,7 @@ def sharded_model(
         compute_dtype=WIRE_DTYPES[worker.compute_dtype],
         reduce_dtype=WIRE_DTYPES[worker.grad_wire_dtype],
         reshard_after_forward=worker.reshard_after_forward,
+        kept_gathered=worker.kept_gathered_units,
         offload=offload,
         pin_memory=device.type == "cuda",
     )
@@ -130,7 +138,7 @@ def weight_window(
         rank,
         files,
         window=worker.weight_window,
-        backward_gathers=worker.reshard_after_forward,
+        backward_gathered=backward_gathered_units(len(units), worker.reshard_after_forward, worker.kept_gathered_units),
     )
 
 

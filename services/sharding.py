@@ -135,23 +135,34 @@ def shard_units(
     compute_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
+    kept_gathered: int,
     offload: bool,
     pin_memory: bool,
 ) -> None:
     """``fully_shard`` each block, then the root (``units[0]``), in place.
 
     Weights are held and gathered in ``compute_dtype``; gradients are reduced in
-    ``reduce_dtype``. With ``offload`` the sharded weights and gradients live in host
-    memory (pinned if ``pin_memory``) and FSDP2 copies each unit to the device for its
-    forward and backward."""
+    ``reduce_dtype``. With ``reshard_after_forward`` each unit is freed after its forward
+    and gathered again for its backward, except the last ``kept_gathered`` units
+    (:func:`backward_gathered_units`). With ``offload`` the sharded weights and gradients
+    live in host memory (pinned if ``pin_memory``) and FSDP2 copies each unit to the
+    device for its forward and backward."""
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()
-    for unit in units[1:]:
+    regathered = backward_gathered_units(len(units), reshard_after_forward, kept_gathered)
+    for group, unit in enumerate(units[1:], start=1):
         fully_shard(
-            unit.module, mp_policy=policy, reshard_after_forward=reshard_after_forward, offload_policy=offload_policy
+            unit.module, mp_policy=policy, reshard_after_forward=group in regathered, offload_policy=offload_policy
         )
     # The root's parameters (embeddings, head) are needed first in backward: keep them.
     fully_shard(units[0].module, mp_policy=policy, reshard_after_forward=False, offload_policy=offload_policy)
+
+
+def backward_gathered_units(count: int, reshard_after_forward: bool, kept_gathered: int) -> range:
+    """The units (group indices; the root, 0, is never among them) that FSDP2 frees after
+    their forward and gathers again for their backward, of ``count`` units in forward
+    order: none without ``reshard_after_forward``, else all but the last ``kept_gathered``."""
+    return range(1, max(1, count - kept_gathered)) if reshard_after_forward else range(0)
 
 
 def divisor_after_reduce_hook(reduce_dtype: torch.dtype, device_type: str) -> float | None:

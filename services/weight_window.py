@@ -2,7 +2,8 @@
 (``worker.weights_nvme_path``): a bounded window, read ahead in the order FSDP2 uses them.
 
 FSDP2 reads a unit's chunks (its local shards) only when it all-gathers the unit: before
-the unit's forward and, with ``reshard_after_forward``, again before its backward. So a
+the unit's forward and, for the units it frees after their forward
+(:func:`~cargohold.services.sharding.backward_gathered_units`), again before its backward. So a
 unit's chunks need host memory only from a little before each gather to just after it.
 Between uses the chunks' storage is freed (``untyped_storage().resize_(0)``, what FSDP2
 does to the gathered weights it reshards) and the unit's file (:class:`WeightFiles`)
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
@@ -63,15 +64,15 @@ class WeightWindow:
         files: WeightFiles,
         *,
         window: int,
-        backward_gathers: bool,
+        backward_gathered: Collection[int],
     ) -> None:
-        """``backward_gathers``: FSDP2 gathers each unit again for its backward
-        (``reshard_after_forward``), so each unit is read twice per micro-batch."""
+        """``backward_gathered``: the units FSDP2 gathers again for their backward, so
+        read twice per micro-batch."""
         self.schedule = WindowSchedule(window)
         self.layout = layout
         self.rank = rank
         self.files = files
-        self.backward_gathers = backward_gathers
+        self.backward_gathered = frozenset(backward_gathered)
         self.tiered = list(range(1, len(units)))
         for group in self.tiered:
             resizable_chunks(units[group].module)
@@ -90,7 +91,7 @@ class WeightWindow:
         """Units whose chunks FSDP2 allocated (``to_empty``: no page touched yet) and no
         read has filled: freed once FSDP2's lazy initialisation has seen them allocated."""
         self._handles.append(units[0].module.register_forward_pre_hook(self._after_lazy_init))
-        if backward_gathers and self.tiered:
+        if self.tiered and self.tiered[-1] in self.backward_gathered:
             self._handles.append(units[0].module.register_forward_hook(self._after_root_forward, prepend=True))
 
     # --- sizes ----------------------------------------------------------------------
@@ -144,8 +145,9 @@ class WeightWindow:
         if leftover:  # a pass that raised part-way: start clean
             self.free_all()
         with self._lock:
-            self._phase, self._with_backward = FORWARD, backward and self.backward_gathers
-            self._read(self.schedule.begin(pass_entries(self.tiered, backward=self._with_backward)))
+            self._phase, self._with_backward = FORWARD, backward and bool(self.backward_gathered)
+            regathered = self.backward_gathered if self._with_backward else frozenset()
+            self._read(self.schedule.begin(pass_entries(self.tiered, backward=regathered)))
 
     def ensure(self, entry: Entry) -> None:
         """Return once the entry's unit is in memory, taking it out of turn if needed."""
@@ -171,7 +173,7 @@ class WeightWindow:
 
     def release_backward(self, group: int) -> None:
         """FSDP2 reduced unit ``group``'s gradients: its backward gather is long done."""
-        if group in self._storages and self.backward_gathers:
+        if group in self._storages and group in self.backward_gathered:
             self.release((BACKWARD, group))
 
     def _read(self, groups: list[int]) -> None:
@@ -212,12 +214,14 @@ class WeightWindow:
     # --- hooks ----------------------------------------------------------------------
     def _hook(self, module: nn.Module, group: int) -> list[Any]:
         def before(_module: nn.Module, _args: Any) -> None:
-            self.ensure((self._phase, group))
+            if self._phase == FORWARD or group in self.backward_gathered:
+                self.ensure((self._phase, group))
+            # else activation checkpointing's recompute of a unit kept gathered: no chunk read
 
         def after(_module: nn.Module, _args: Any, output: Any) -> None:
             if self._phase == BACKWARD:
                 return  # activation checkpointing's recompute: the backward use is released later
-            if self.backward_gathers and torch.is_grad_enabled():
+            if torch.is_grad_enabled():  # the hook also marks backward's start for the recompute above
                 for tensor in _grad_tensors(output):
                     tensor.register_hook(self._before_backward(group))
             self.release((FORWARD, group))
@@ -233,8 +237,9 @@ class WeightWindow:
 
         def hook(_grad: torch.Tensor) -> None:
             self._phase = BACKWARD
-            self.ensure((BACKWARD, group))
-            if group - 1 in self._storages:
+            if group in self.backward_gathered:
+                self.ensure((BACKWARD, group))
+            if group - 1 in self.backward_gathered:
                 self.ensure((BACKWARD, group - 1))
 
         return hook

@@ -3,8 +3,8 @@ units' weights, which units are in memory, and which to read or free next. The w
 :class:`~cargohold.services.weight_window.WeightWindow` moves the bytes; the plan replays
 the same schedule to count what a step reads (:func:`reads_per_micro_batch`).
 
-A micro-batch's uses are laid out as entries: every unit forward, then (when FSDP2
-gathers again for backward) every unit backward in reverse. Entries are taken in order
+A micro-batch's uses are laid out as entries: every unit forward, then every unit FSDP2
+gathers again for backward, in reverse. Entries are taken in order
 while fewer than ``window`` units are in memory (a unit already in memory is taken at
 no cost, it just gains a use); taking an entry whose unit is not in memory starts a
 read. A unit is freed when its last taken use is released. An entry can be taken out of
@@ -14,7 +14,7 @@ and correctness never waits on the window's reach.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from cargohold.services.errors import TrainingError
 
@@ -23,10 +23,10 @@ Entry = tuple[str, int]
 """(pass, unit's group index) of one gather."""
 
 
-def pass_entries(units: Sequence[int], *, backward: bool) -> list[Entry]:
-    """The gathers of one micro-batch, in order; ``backward``: FSDP2 gathers each unit
-    again for its backward."""
-    return [(FORWARD, g) for g in units] + ([(BACKWARD, g) for g in reversed(units)] if backward else [])
+def pass_entries(units: Sequence[int], *, backward: Collection[int]) -> list[Entry]:
+    """The gathers of one micro-batch, in order; ``backward``: the units FSDP2 gathers
+    again for their backward (none in a pass without backward)."""
+    return [(FORWARD, g) for g in units] + [(BACKWARD, g) for g in reversed(units) if g in backward]
 
 
 class WindowSchedule:
@@ -102,22 +102,24 @@ class WindowSchedule:
         return [group] if first else []
 
 
-def reads_per_micro_batch(units: Sequence[int], *, window: int, backward: bool) -> list[int]:
+def reads_per_micro_batch(units: Sequence[int], *, window: int, backward: Collection[int]) -> list[int]:
     """The units read in one training micro-batch (with multiplicity), as the worker's
     hooks drive the schedule: each unit's forward takes its entry and releases it after;
     after the root's forward the last unit's backward entry is taken (FSDP2's root
-    pre-backward gathers it); each unit's backward takes its entry and the previous
-    unit's (gathered ahead by FSDP2) and releases its own once its gradients are reduced."""
+    pre-backward gathers it) where it has one; each unit's backward takes its entry and
+    the previous unit's (gathered ahead by FSDP2), those of them gathered again for
+    backward (``backward``), and releases its own once its gradients are reduced."""
     schedule = WindowSchedule(window)
     reads = schedule.begin(pass_entries(units, backward=backward))
     for group in units:
         reads += schedule.ensure((FORWARD, group))
         reads += schedule.release((FORWARD, group))[1]
-    if backward and units:
+    if units and units[-1] in backward:
         reads += schedule.ensure((BACKWARD, units[-1]))
-        for index in range(len(units) - 1, -1, -1):
-            reads += schedule.ensure((BACKWARD, units[index]))
-            if index:
-                reads += schedule.ensure((BACKWARD, units[index - 1]))
+    for index in range(len(units) - 1, -1, -1):
+        for group in units[max(0, index - 1) : index + 1][::-1]:
+            if group in backward:
+                reads += schedule.ensure((BACKWARD, group))
+        if units[index] in backward:
             reads += schedule.release((BACKWARD, units[index]))[1]
     return reads

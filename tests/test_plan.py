@@ -61,8 +61,9 @@ def test_worker_buffers_follow_the_layout(num_workers: int) -> None:
     assert traffic.push_bytes == traffic.fetch_bytes == 4 * layout.worker_size
     chunks = [chunk for _, chunk in _units(layout)]
     assert traffic.reduce_scatter_bytes == (num_workers - 1) * sum(chunks) * 4
-    # Every unit gathered in forward, the two blocks again in backward (the root stays).
-    assert traffic.all_gather_bytes == (num_workers - 1) * (sum(chunks) + sum(chunks[1:])) * 4
+    # Every unit gathered in forward, the first block again in backward (the root and the
+    # last block, kept by default, stay).
+    assert traffic.all_gather_bytes == (num_workers - 1) * (sum(chunks) + chunks[1]) * 4
     # Every element is pushed by exactly one worker to exactly one server.
     assert sum(s.traffic.push_bytes for s in plan.servers) == num_workers * traffic.push_bytes == 4 * layout.total
 
@@ -88,13 +89,27 @@ def test_the_device_holds_the_units_fsdp2_gathers() -> None:
 
 
 def test_without_resharding_every_block_stays_gathered() -> None:
-    config = tiny_config(model__n_layer=4)
+    config = tiny_config(model__n_layer=4, worker__kept_gathered_units=0)
     resharded, kept = plan_run(config), plan_run(tiny_config(model__n_layer=4, worker__reshard_after_forward=False))
     block = _units(_layout(config))[1][0]
     assert kept.worker.gathered_bytes - resharded.worker.gathered_bytes == 2 * block * 4  # 4 blocks, not 2
     chunks = [chunk for _, chunk in _units(_layout(config))]
     assert resharded.worker.traffic.all_gather_bytes - kept.worker.traffic.all_gather_bytes == sum(chunks[1:]) * 4
     assert "root + 4 blocks gathered" in render(kept) and "root + 2 blocks gathered" in render(resharded)
+
+
+def test_the_last_blocks_kept_gathered_skip_their_backward_gather() -> None:
+    plans = {k: plan_run(tiny_config(model__n_layer=4, worker__kept_gathered_units=k)) for k in (0, 1, 3)}
+    units = _units(_layout(tiny_config(model__n_layer=4)))
+    block, chunks = units[1][0], [chunk for _, chunk in units]
+    strict, last, three = (plans[k].worker for k in (0, 1, 3))
+    assert last.gathered_bytes == strict.gathered_bytes  # the last block is needed again at once
+    assert three.gathered_bytes - strict.gathered_bytes == 2 * block * 4  # three kept and one prefetched
+    assert strict.traffic.all_gather_bytes - last.traffic.all_gather_bytes == chunks[4] * 4  # W - 1 = 1
+    assert strict.traffic.all_gather_bytes - three.traffic.all_gather_bytes == sum(chunks[2:]) * 4
+    assert "resharded after forward but the last one;" in render(plans[1])
+    assert "resharded after forward but the last 3;" in render(plans[3]) and "root + 4 blocks" in render(plans[3])
+    assert "resharded after forward;" in render(plans[0]) and "root + 2 blocks" in render(plans[0])
 
 
 def test_more_workers_shrink_the_shards_not_the_units() -> None:

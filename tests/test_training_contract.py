@@ -74,6 +74,8 @@ CASES = {
     # hosts: the bulk socket by default, or gRPC streams).
     # Clipping configured (inactive): gradients staged, then CommitStep.
     "1-server-fp32": dict(state_server__num_servers=1),
+    # Strict ZeRO-3: every block gathered again for backward (by default the last is kept).
+    "1-server-fp32-every-block-regathered": dict(worker__kept_gathered_units=0),
     "2-servers-fp32-socket": dict(state_server__num_servers=2, worker__shared_memory="off"),
     "2-servers-bf16-grpc": dict(
         state_server__num_servers=2,

@@ -46,6 +46,12 @@ STRATEGIES = {
     "delayed": dict(worker__delayed_update=True, worker__delayed_update_after_steps=2),
     "checkpointed-window-2": dict(worker__activation_checkpointing="blocks", worker__weight_window=2),
     "gathered-once": dict(worker__reshard_after_forward=False, optim__max_grad_norm=0.05),
+    # Every block gathered again for backward (strict ZeRO-3); and the last three kept
+    # gathered, recomputed in backward without a read.
+    "every-block-regathered": dict(worker__kept_gathered_units=0),
+    "three-kept-checkpointed-window-2": dict(
+        worker__kept_gathered_units=3, worker__activation_checkpointing="blocks", worker__weight_window=2
+    ),
     # The chunks' storages fixed-size, as FSDP2's pin_memory() leaves them on a GPU node.
     "fixed-size-chunks": dict(),
     # Units below a block (attention, the MLP's two projections, embeddings and head apart),
@@ -254,15 +260,24 @@ def test_full_and_read_only_disks_are_refused_naming_the_key(tmp_path: Path) -> 
 
 def test_the_schedule_reads_each_block_once_per_gather_unless_the_window_still_holds_it() -> None:
     blocks = range(1, 9)
-    assert reads_per_micro_batch(blocks, window=3, backward=True) == [1, 2, 3, 4, 5, 6, 7, 8, 5, 4, 3, 2, 1]
-    assert reads_per_micro_batch(blocks, window=2, backward=True) == [1, 2, 3, 4, 5, 6, 7, 8, 6, 5, 4, 3, 2, 1]
-    assert reads_per_micro_batch(blocks, window=8, backward=True) == list(blocks)
-    assert reads_per_micro_batch(blocks, window=2, backward=False) == list(blocks)
+    assert reads_per_micro_batch(blocks, window=3, backward=blocks) == [1, 2, 3, 4, 5, 6, 7, 8, 5, 4, 3, 2, 1]
+    assert reads_per_micro_batch(blocks, window=2, backward=blocks) == [1, 2, 3, 4, 5, 6, 7, 8, 6, 5, 4, 3, 2, 1]
+    assert reads_per_micro_batch(blocks, window=8, backward=blocks) == list(blocks)
+    assert reads_per_micro_batch(blocks, window=2, backward=()) == list(blocks)
+    # The last three blocks kept gathered from forward to backward: none of them read again.
+    assert reads_per_micro_batch(blocks, window=2, backward=range(1, 6)) == [1, 2, 3, 4, 5, 6, 7, 8, 5, 4, 3, 2, 1]
 
 
 def test_the_schedule_keeps_within_the_window_unless_a_gather_comes_out_of_turn() -> None:
     schedule = WindowSchedule(2)
-    assert schedule.begin(pass_entries([1, 2, 3, 4], backward=True)) == [1, 2]
+    assert pass_entries([1, 2, 3], backward=[1, 2]) == [
+        (FORWARD, 1),
+        (FORWARD, 2),
+        (FORWARD, 3),
+        (BACKWARD, 2),
+        (BACKWARD, 1),
+    ]
+    assert schedule.begin(pass_entries([1, 2, 3, 4], backward=[1, 2, 3, 4])) == [1, 2]
     assert schedule.ensure((FORWARD, 1)) == [] and schedule.resident == {1, 2}
     # FSDP2 gathering block 4's backward ahead of time: taken beyond the window.
     assert schedule.ensure((BACKWARD, 4)) == [3, 4] and schedule.resident == {1, 2, 3, 4}
@@ -273,7 +288,7 @@ def test_the_schedule_keeps_within_the_window_unless_a_gather_comes_out_of_turn(
     with pytest.raises(TrainingError, match="outside the laid-out passes"):
         schedule.ensure((FORWARD, 9))
     with pytest.raises(TrainingError, match="still in memory"):
-        schedule.begin(pass_entries([1], backward=False))
+        schedule.begin(pass_entries([1], backward=()))
     assert schedule.reset() == {2, 3, 4} and schedule.resident == set()
     with pytest.raises(TrainingError, match=">= 2"):
         WindowSchedule(1)

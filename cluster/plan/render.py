@@ -28,7 +28,7 @@ def render(plan: RunPlan) -> str:
             if w.max_unit_params
             else ""
         )
-        + (", resharded after forward" if w.reshard_after_forward else ", gathered from forward to backward")
+        + (_resharding(w.kept_gathered_units) if w.reshard_after_forward else ", gathered from forward to backward")
         + f"; activation checkpointing {w.activation_checkpointing}"
         + ("; weight shards offloaded to host RAM" if w.offload and not w.nvme_weight_bytes else "")
         + (
@@ -39,8 +39,8 @@ def render(plan: RunPlan) -> str:
     ]
     on = "GPU" if w.device == "cuda" else "host RAM"
     host = "pinned host RAM" if w.device == "cuda" else "host RAM"
-    kind = _others(2, w.max_unit_params)
-    gathered = f"root + 2 {kind}" if w.reshard_after_forward else f"root + {w.units} {kind}"
+    in_flight = max(2, w.kept_gathered_units + 1) if w.reshard_after_forward else w.units
+    gathered = f"root + {in_flight} {_others(in_flight, w.max_unit_params)}"
     rows = [
         *([] if w.offload else [("weight shards", w.buffers["weights"], on)]),
         (f"{gathered} gathered (bound)", w.gathered_bytes, on),
@@ -150,6 +150,11 @@ def render(plan: RunPlan) -> str:
     lines.append("=> fits" if plan.fits else "=> does not fit")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _resharding(kept: int) -> str:
+    """How units are resharded after forward, ``kept`` of the last ones excepted."""
+    return ", resharded after forward" + {0: "", 1: " but the last one"}.get(kept, f" but the last {kept}")
 
 
 def _others(count: int, max_unit_params: int) -> str:

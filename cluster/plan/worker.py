@@ -6,7 +6,8 @@ device, or in pinned host memory with ``worker.offload_params``) and its exchang
 buffers (host memory). During a step the device also holds, at most, the root unit
 (every parameter outside the other units: gathered from forward to backward) and two
 other units (the one computed and the one FSDP2 prefetches; every unit with
-``worker.reshard_after_forward: false``) unsharded in the compute dtype, the all-gather
+``worker.reshard_after_forward: false``; with ``worker.kept_gathered_units`` above 1, those
+kept and one more) unsharded in the compute dtype, the all-gather
 buffer of the unit arriving, the root's gradients (reduced only when backward ends) and
 one unit's unsharded gradients with FSDP2's reduce-scatter input and output (wire
 dtype), and the activations (all of them, or with ``worker.activation_checkpointing:
@@ -29,6 +30,7 @@ from cargohold.cluster.plan.runtime import worker_runtime_bytes
 from cargohold.services.host_allocator import worker_allocator
 from cargohold.services.layout import Layout
 from cargohold.services.optim import SQUARES_CHUNK
+from cargohold.services.sharding import backward_gathered_units
 from cargohold.services.state_port import exchange_nbytes
 from cargohold.services.state_precision import bytes_per_parameter, stored_bytes
 from cargohold.services.tiers.fileformat import round_up
@@ -107,6 +109,9 @@ class WorkerPlan:
     """Parameters of the largest unit besides the root."""
     reshard_after_forward: bool
     """``worker.reshard_after_forward``: units are gathered again for backward."""
+    kept_gathered_units: int
+    """With ``reshard_after_forward``, the last units kept gathered from forward to
+    backward (``worker.kept_gathered_units``, at most every unit)."""
     gathered_bytes: int
     """Units unsharded at once on the device, in the compute dtype (upper bound): the root,
     the unit computed and the one prefetched (every unit without
@@ -248,10 +253,12 @@ def plan_worker(
     )
     units = _unit_sizes(layout)
     root, others = units[0], units[1:]
-    if settings.reshard_after_forward:  # the unit computed and the one prefetched
-        in_flight = sum(sorted((u.numel for u in others), reverse=True)[:2])
-    else:  # every unit stays gathered from its forward to its backward
-        in_flight = sum(u.numel for u in others)
+    regathered = backward_gathered_units(len(units), settings.reshard_after_forward, settings.kept_gathered_units)
+    kept = [u.numel for g, u in enumerate(others, start=1) if g not in regathered]
+    freed = [u.numel for g, u in enumerate(others, start=1) if g in regathered]
+    # The unit computed and the one prefetched; the units kept from their forward to their
+    # backward, with the one prefetched after them (every unit without resharding).
+    in_flight = max(sum(sorted((u.numel for u in others), reverse=True)[:2]), sum(kept) + max(freed, default=0))
     gather_buffer = max(world * u.chunk for u in units) if world > 1 else 0  # none to gather alone
     gathered = (root.numel + in_flight + gather_buffer) * compute
 
@@ -284,12 +291,10 @@ def plan_worker(
         + one_module * FP32_BYTES
         + max(g.stop - g.start for g in layout.groups) * FP32_BYTES
     )
-    gathers = sum(u.chunk for u in units) + (sum(u.chunk for u in others) if settings.reshard_after_forward else 0)
+    gathers = sum(u.chunk for u in units) + sum(units[g].chunk for g in regathered)
     weight_reads = 0
     if on_nvme:
-        reads = reads_per_micro_batch(
-            range(1, len(units)), window=settings.weight_window, backward=settings.reshard_after_forward
-        )
+        reads = reads_per_micro_batch(range(1, len(units)), window=settings.weight_window, backward=regathered)
         weight_reads = config.data.micro_batches * sum(unit_files[g - 1] for g in reads)
     return WorkerPlan(
         device=device,
@@ -300,6 +305,7 @@ def plan_worker(
         max_unit_params=settings.max_unit_params,
         largest_unit=max((u.numel for u in others), default=0),
         reshard_after_forward=settings.reshard_after_forward,
+        kept_gathered_units=len(kept) if settings.reshard_after_forward else 0,
         gathered_bytes=gathered,
         gradient_bytes=gradients,
         transient_bytes=transient,
