@@ -228,10 +228,24 @@ def test_fp16_gradients_of_three_workers_match_fsdp2_bitwise(ray_local) -> None:
 
 
 @pytest.mark.integration
-def test_one_fp16_worker_matches_single_process_grad_scaler_bitwise(ray_local) -> None:
+@pytest.mark.parametrize(
+    "delayed",
+    [{}, {"worker__delayed_update": True, "worker__delayed_update_after_steps": 2}],
+    ids=["immediate", "delayed-after-2"],
+)
+def test_one_fp16_worker_matches_single_process_grad_scaler_bitwise(ray_local, delayed: dict) -> None:
     """One worker against plain AdamW(fused=True) with torch.amp.GradScaler in one
-    process (the reference the GPU contract test compares a CUDA worker with)."""
-    config = tiny_config(steps=6, worker__num_workers=1, optim__max_grad_norm=0.05, **FP16, **OVERFLOWING)
+    process (the reference the GPU contract test compares a CUDA worker with); also with
+    the one-step delayed update, whose steps compute on the weights of two updates back
+    while overflowing steps are skipped and the scale backs off."""
+    config = tiny_config(
+        steps=6 if not delayed else 8,
+        worker__num_workers=1,
+        optim__max_grad_norm=0.05,
+        **FP16,
+        **OVERFLOWING,
+        **delayed,
+    )
     layout, losses, weights, server = _run(config)
     _assert_matches_reference(
         config, layout, losses, weights, server, reference_train(config, config.steps, norm="shards")
