@@ -25,7 +25,9 @@ scheduled lr of each step), clipping at ``optim.max_grad_norm``, fp32 or the con
 dtype (DeepSpeed's bf16 mode), ``worker.num_workers`` ranks over gloo with
 ``worker.torch_threads`` threads each (DeepSpeed's CPU Adam with as many OpenMP threads).
 cargohold's state servers run beside its workers on the same cores: a CPU box shares them,
-and so does DeepSpeed's CPU Adam, which runs in its ranks.
+and so does DeepSpeed's CPU Adam, which runs in its ranks. Where the workers compute on
+CUDA (``worker.device``: ``auto`` on a GPU machine, or ``cuda``), DeepSpeed's ranks do
+too: one GPU each (``DS_ACCELERATOR=cuda``, NCCL), their offload buffers pinned.
 
 Timed: the steps after ``--warmup``; a step is ``TrainingSession.step()`` for cargohold and
 forward + ``engine.backward`` + ``engine.step`` on each DeepSpeed rank (its slowest rank's
@@ -252,25 +254,33 @@ def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: st
     }
 
 
-# --- DeepSpeed, in a child process: ranks spawned over gloo --------------------------------
+# --- DeepSpeed, in a child process: ranks spawned over gloo (NCCL on GPUs) -----------------
+def on_gpu(config) -> bool:
+    """Whether the workers compute on CUDA, as cargohold's decide (``worker.device``)."""
+    import torch
+
+    return config.worker.device == "cuda" or (config.worker.device == "auto" and torch.cuda.is_available())
+
+
 def deepspeed_config(config, variant: str, root: Path, zero_settings: list[str]) -> dict:
     """DeepSpeed's settings for ``variant``; ``zero_settings`` (``KEY=VALUE``, the value
     JSON) go into its ``zero_optimization`` last, e.g. ``stage3_max_reuse_distance=0``."""
     o, w = config.optim, config.worker
+    pin = on_gpu(config)
     zero: dict = {"overlap_comm": False, "contiguous_gradients": True}
     if variant == "zero2":
-        zero |= {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+        zero |= {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": pin}}
     elif variant == "zero3":
         zero |= {
             "stage": 3,
-            "offload_optimizer": {"device": "cpu", "pin_memory": False},
-            "offload_param": {"device": "cpu", "pin_memory": False},
+            "offload_optimizer": {"device": "cpu", "pin_memory": pin},
+            "offload_param": {"device": "cpu", "pin_memory": pin},
         }
     else:
         zero |= {
             "stage": 3,
-            "offload_optimizer": {"device": "nvme", "nvme_path": str(root / "deepspeed-nvme"), "pin_memory": False},
-            "offload_param": {"device": "cpu", "pin_memory": False},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(root / "deepspeed-nvme"), "pin_memory": pin},
+            "offload_param": {"device": "cpu", "pin_memory": pin},
         }
     settings = {
         "train_batch_size": w.num_workers * config.data.batch_size,
@@ -323,7 +333,10 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
 
     config = world_config
     torch.set_num_threads(config.worker.torch_threads)
-    deepspeed.init_distributed(dist_backend="gloo")
+    gpu = on_gpu(config)
+    if gpu:
+        torch.cuda.set_device(rank)
+    deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo")
     model = build_model(config)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -334,7 +347,7 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
     seconds, losses = [], []
     for step in range(1, config.steps + 1):
         batch = data.batch(step, rank)
-        x, y = batch.inputs, batch.targets
+        x, y = batch.inputs.to(engine.device), batch.targets.to(engine.device)
         if step == args.warmup + 1:
             if args.profile and rank == 0:
                 recorder = start_profile(os.getpid(), Path(out, "profile.txt"))
@@ -348,6 +361,8 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
         loss = output[1] if isinstance(output, tuple) else output.loss
         engine.backward(loss)
         engine.step()
+        if gpu:
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)  # outside the timed region
@@ -387,8 +402,9 @@ def run_deepspeed(args: argparse.Namespace, variant: str, root: Path, port: int)
     command += ["--port", str(port), "--out", str(out)] + (["--profile"] if args.profile else [])
     command += [item for override in args.overrides for item in ("--set", override)]
     command += [item for setting in args.deepspeed_zero for item in ("--deepspeed-zero", setting)]
-    threads = load(args.config, args.overrides).worker.torch_threads
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads))
+    config = load(args.config, args.overrides)
+    accelerator = "cuda" if on_gpu(config) else "cpu"
+    env = dict(os.environ, DS_ACCELERATOR=accelerator, OMP_NUM_THREADS=str(config.worker.torch_threads))
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     ranks = sorted(out.glob("rank-*.json"))
     if done.returncode != 0 or not ranks:
