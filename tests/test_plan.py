@@ -112,6 +112,21 @@ def test_the_last_blocks_kept_gathered_skip_their_backward_gather() -> None:
     assert "resharded after forward;" in render(plans[0]) and "root + 2 blocks" in render(plans[0])
 
 
+def test_the_plan_says_how_many_units_the_gpu_could_keep_gathered() -> None:
+    def gpu_plan(kept: int, memory: int):
+        config = tiny_config(model__n_layer=8, worker__device="cuda", worker__kept_gathered_units=kept)
+        return plan_run(config, ClusterDescription(device_memory_bytes=memory))
+
+    peaks = [gpu_plan(kept, 1 << 40).worker.device_peak_bytes for kept in range(9)]
+    assert peaks[0] == peaks[1] < peaks[2] < peaks[3] < peaks[8]
+    assert gpu_plan(1, peaks[3]).kept_gathered_fit == 3
+    assert gpu_plan(1, peaks[3] - 1).kept_gathered_fit == 2
+    assert gpu_plan(1, 1 << 40).kept_gathered_fit == 8  # every block
+    assert gpu_plan(1, peaks[0] - 1).kept_gathered_fit == 0
+    assert "worker.kept_gathered_units: up to 3 fit the GPU memory (set: 1;" in render(gpu_plan(1, peaks[3]))
+    assert plan_run(tiny_config(model__n_layer=8)).kept_gathered_fit is None  # a CPU worker
+
+
 def test_more_workers_shrink_the_shards_not_the_units() -> None:
     configs = {w: tiny_config(worker__num_workers=w, model__n_embd=128) for w in (1, 2, 4)}
     plans = {w: plan_run(c).worker for w, c in configs.items()}

@@ -73,6 +73,11 @@ def render(plan: RunPlan) -> str:
             f"  worker.optimizer_on_device_fraction: up to {plan.device_fraction_fit:g} fits the GPU memory the "
             f"step leaves (set: {plan.device_fraction:g}; {w.device_state_per_element:.3g} B per element)"
         )
+    if plan.kept_gathered_fit is not None:
+        lines.append(
+            f"  worker.kept_gathered_units: up to {plan.kept_gathered_fit} fit the GPU memory (set: "
+            f"{plan.kept_gathered_units}; each kept unit skips its backward all-gather)"
+        )
 
     names = [f"server {s.index}" for s in plan.servers]
     lines += ["", f"{'Each state server':<{_LABEL + 2}}" + "".join(f"{n:>12}" for n in names)]

@@ -57,6 +57,12 @@ class RunPlan:
     device_fraction_fit: float | None = None
     """The largest fraction that fits the GPU's memory left over (``--device-memory``);
     None for CPU workers or an unsized GPU."""
+    kept_gathered_units: int = 0
+    """``worker.kept_gathered_units``, as planned."""
+    kept_gathered_fit: int | None = None
+    """The most units ``worker.kept_gathered_units`` may keep gathered within the GPU's
+    memory (``--device-memory``); None for CPU workers, an unsized GPU, or without
+    ``worker.reshard_after_forward``."""
 
     @property
     def fits(self) -> bool:
@@ -122,7 +128,31 @@ def plan_run(config: TrainConfig, cluster: ClusterDescription | None = None) -> 
             if worker.device == "cuda" and cluster.device_memory_bytes is not None
             else None
         ),
+        kept_gathered_units=config.worker.kept_gathered_units,
+        kept_gathered_fit=(
+            kept_gathered_fit(config, parts, worker.units, cluster.device_memory_bytes)
+            if worker.device == "cuda" and cluster.device_memory_bytes is not None and worker.reshard_after_forward
+            else None
+        ),
     )
+
+
+def kept_gathered_fit(config: TrainConfig, parts: PlanParts, units: int, device_memory_bytes: int) -> int:
+    """The largest ``worker.kept_gathered_units`` (up to ``units``) whose worker plan's
+    device total fits ``device_memory_bytes``; 0 where even none fits. Each unit kept
+    adds to the units gathered at once, so the totals only grow with it."""
+
+    def fits(kept: int) -> bool:
+        variant = dataclasses.replace(config, worker=dataclasses.replace(config.worker, kept_gathered_units=kept))
+        return parts(variant)[0].device_peak_bytes <= device_memory_bytes
+
+    low, high = 0, units  # fits(low) is assumed; the answer lies in [low, high]
+    if not fits(low):
+        return 0
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
 
 
 def plan_parts(
