@@ -46,6 +46,7 @@ STRATEGIES = {
     "delayed": dict(worker__delayed_update=True, worker__delayed_update_after_steps=2),
     "checkpointed-window-2": dict(worker__activation_checkpointing="blocks", worker__weight_window=2),
     "gathered-once": dict(worker__reshard_after_forward=False, optim__max_grad_norm=0.05),
+    "gathered-once-checkpointed": dict(worker__reshard_after_forward=False, worker__activation_checkpointing="blocks"),
     # Every block gathered again for backward (strict ZeRO-3); and the last three kept
     # gathered, recomputed in backward without a read.
     "every-block-regathered": dict(worker__kept_gathered_units=0),
