@@ -117,9 +117,11 @@ def reads_per_micro_batch(units: Sequence[int], *, window: int, backward: Collec
     if units and units[-1] in backward:
         reads += schedule.ensure((BACKWARD, units[-1]))
     for index in range(len(units) - 1, -1, -1):
-        for group in units[max(0, index - 1) : index + 1][::-1]:
-            if group in backward:
-                reads += schedule.ensure((BACKWARD, group))
-        if units[index] in backward:
-            reads += schedule.release((BACKWARD, units[index]))[1]
+        group, previous = units[index], units[index - 1] if index else None
+        if group in backward:
+            reads += schedule.ensure((BACKWARD, group))
+        if previous is not None and previous in backward:
+            reads += schedule.ensure((BACKWARD, previous))
+        if group in backward:
+            reads += schedule.release((BACKWARD, group))[1]
     return reads

@@ -146,10 +146,10 @@ def kept_gathered_fit(config: TrainConfig, parts: PlanParts, units: int, device_
         variant = dataclasses.replace(config, worker=dataclasses.replace(config.worker, kept_gathered_units=kept))
         return parts(variant)[0].device_peak_bytes <= device_memory_bytes
 
-    low, high = 0, units  # fits(low) is assumed; the answer lies in [low, high]
+    low, high = 0, units
     if not fits(low):
         return 0
-    while low < high:
+    while low < high:  # fits(low) holds; the answer lies in [low, high]
         middle = (low + high + 1) // 2
         low, high = (middle, high) if fits(middle) else (low, middle - 1)
     return low
