@@ -262,6 +262,17 @@ def on_gpu(config) -> bool:
     return config.worker.device == "cuda" or (config.worker.device == "auto" and torch.cuda.is_available())
 
 
+def zero_setting(item: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of ``--deepspeed-zero``, the value JSON; ValueError naming what is wrong."""
+    key, equals, value = item.partition("=")
+    if not key or not equals:
+        raise ValueError(f"--deepspeed-zero {item!r}: expected KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--deepspeed-zero {item!r}: the value is not JSON ({error})") from None
+
+
 def deepspeed_config(config, variant: str, root: Path, zero_settings: list[str]) -> dict:
     """DeepSpeed's settings for ``variant``; ``zero_settings`` (``KEY=VALUE``, the value
     JSON) go into its ``zero_optimization`` last, e.g. ``stage3_max_reuse_distance=0``."""
@@ -298,9 +309,7 @@ def deepspeed_config(config, variant: str, root: Path, zero_settings: list[str])
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    for item in zero_settings:
-        key, _, value = item.partition("=")
-        zero[key] = json.loads(value)
+    zero |= dict(zero_setting(item) for item in zero_settings)
     if variant == "nvme":
         settings["aio"] = {
             "block_size": 1 << 20,
@@ -480,6 +489,11 @@ def main() -> None:
         parser.error("--steps must exceed --warmup")
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    for item in args.deepspeed_zero:
+        try:
+            zero_setting(item)
+        except ValueError as error:
+            parser.error(str(error))
     names = args.variants.split(",")
     if unknown := [n for n in names if n not in VARIANTS]:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
