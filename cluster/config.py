@@ -151,6 +151,12 @@ class WorkerConfig:
     costs no memory; each one more holds one more unit gathered through the middle of
     the step (`cargohold plan` counts them). DeepSpeed's ZeRO-3 keeps parameters the same
     way (`stage3_max_reuse_distance`, in elements)."""
+    shared_memory_collectives: Literal["auto", "off"] = "auto"
+    """auto: CPU workers that all run on one host do FSDP2's all-gathers and
+    reduce-scatters through shared memory (each worker's region, a sealed memfd, mapped by
+    the others) instead of gloo's loopback TCP: one copy in and one out per byte, no
+    socket traffic; workers on several hosts, or on GPUs (NCCL), keep their backend's.
+    off: always gloo's."""
     offload_params: bool = False
     """Keep the sharded weights and gradients in host memory (pinned on GPU nodes) and copy
     each block to the device only for its forward and backward (ZeRO-Infinity's

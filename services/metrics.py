@@ -113,7 +113,7 @@ TIERS: frozenset[str] = frozenset({"ram", "nvme"})
 TIER_OPS: frozenset[str] = frozenset({"read", "write"})
 PREFETCH_RESULTS: frozenset[str] = frozenset({"hit", "miss"})
 PHASES: frozenset[str] = frozenset({"compute", "reduce", "update"})
-WORKER_MEMORY_KINDS: frozenset[str] = frozenset({"weights", "exchange", "optimizer"})
+WORKER_MEMORY_KINDS: frozenset[str] = frozenset({"weights", "exchange", "optimizer", "collectives"})
 PAGE_LOCK_REASONS: frozenset[str] = frozenset(REASONS)
 
 # One shard update on a state server runs from ~100 us (a small shard in RAM) to tens of
@@ -452,8 +452,10 @@ class WorkerMetrics(MetricsEndpoint):
 
     def set_resident_bytes(self, kind: str, nbytes: int) -> None:
         """Set the bytes held for `kind`: "weights" (FSDP2's local shards), "exchange" (the
-        gradient and weight buffers the state servers read and write) or "optimizer" (the
-        AdamW state of its device segments, `worker.optimizer_on_device_fraction`)."""
+        gradient and weight buffers the state servers read and write), "optimizer" (the
+        AdamW state of its device segments, `worker.optimizer_on_device_fraction`) or
+        "collectives" (its shared-memory region for FSDP2's collectives, CPU workers on
+        one host)."""
         _check_label("kind", kind, WORKER_MEMORY_KINDS)
         self._resident.labels(rank=self._rank, kind=kind).set(nbytes)
 

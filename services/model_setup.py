@@ -6,10 +6,20 @@ step's policy and exchange buffers.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import cast
 
-from cargohold.cluster.config import TrainConfig
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from cargohold.cluster.config import TrainConfig, WorkerConfig
+from cargohold.services.colocated_collectives import (
+    SharedMemoryAllGather,
+    SharedMemoryGroup,
+    SharedMemoryReduceScatter,
+    connect,
+)
 from cargohold.services.errors import ConfigError, TrainingError
 from cargohold.services.layout import Layout
 from cargohold.services.models.blocks import apply_activation_checkpointing
@@ -84,6 +94,30 @@ def sharded_model(
     _set_buffers(task, model)
     check_unit_order(model, units)
     return model.train(), units, layout
+
+
+def share_collectives(units: list[Unit], layout: Layout, worker: WorkerConfig) -> SharedMemoryGroup | None:
+    """FSDP2's collectives of the sharded ``units`` through shared memory when every
+    worker is on this host (:mod:`colocated_collectives`), else gloo's (None). CPU workers
+    only; collective: every rank calls it."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if world is None or world.size() < 2:
+        return None
+    shared = connect(world, largest_collective_bytes(layout, worker))
+    if shared is not None:
+        for unit in units:
+            module = cast(FSDPModule, unit.module)
+            module.set_custom_all_gather(SharedMemoryAllGather(shared))
+            module.set_custom_reduce_scatter(SharedMemoryReduceScatter(shared))
+    return shared
+
+
+def largest_collective_bytes(layout: Layout, worker: WorkerConfig) -> int:
+    """A unit's all-gather output or reduce-scatter input on one worker, the largest unit's
+    (every worker's chunks, in the larger of the compute and wire dtypes)."""
+    itemsize = max(WIRE_DTYPES[worker.compute_dtype].itemsize, WIRE_DTYPES[worker.grad_wire_dtype].itemsize)
+    chunks = max(sum(slot.slot_numel for slot in layout.group_params(g.index)) for g in layout.groups)
+    return chunks * worker.num_workers * itemsize
 
 
 def check_compute_dtype(config: TrainConfig, model: nn.Module) -> None:

@@ -17,13 +17,21 @@ import torch
 import torch.distributed as dist
 
 from cargohold.cluster.config import TrainConfig
+from cargohold.services.colocated_collectives import SharedMemoryGroup
 from cargohold.services.data.seeds import dropout_seed
 from cargohold.services.errors import ConfigError, TrainingError
 from cargohold.services.host_allocator import check_loaded_allocator, worker_allocator
 from cargohold.services.layout import Layout
 from cargohold.services.loss_scale import LossScaleState
 from cargohold.services.metrics import WorkerMetrics
-from cargohold.services.model_setup import exchange_buffers, resolve_device, sharded_model, step_policy, weight_window
+from cargohold.services.model_setup import (
+    exchange_buffers,
+    resolve_device,
+    sharded_model,
+    share_collectives,
+    step_policy,
+    weight_window,
+)
 from cargohold.services.node import node_ip
 from cargohold.services.param_groups import resolve_param_groups
 from cargohold.services.segment_holder import SegmentHolder
@@ -84,6 +92,7 @@ class TrainingWorker(SegmentHolder):
             self.metrics.start(host=node_ip(), port=config.metrics.port_for("worker", rank, config))
         self.step: ShardedStep | None = None
         self._store: dist.TCPStore | None = None
+        self._collectives: SharedMemoryGroup | None = None
 
     # --- lifecycle -----------------------------------------------------------------
     def rendezvous_address(self, timeout_s: float = 300.0) -> tuple[str, int]:
@@ -122,6 +131,8 @@ class TrainingWorker(SegmentHolder):
         )
         model, units, layout = sharded_model(self.config, self.device, self.task)
         config = self.config
+        if self.device.type == "cpu" and config.worker.shared_memory_collectives == "auto":
+            self._collectives = share_collectives(units, layout, config.worker)
         shared = self._colocated_servers(server_node_ids)
         buffers = exchange_buffers(
             config,
@@ -210,6 +221,8 @@ class TrainingWorker(SegmentHolder):
             self.step.buffers.close()
         self.registry.close()
         self.metrics.stop()
+        if self._collectives is not None:
+            self._collectives.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         self._store = None
@@ -252,6 +265,8 @@ class TrainingWorker(SegmentHolder):
         if step.window is not None:
             weights += step.window.host_bytes
         held = {"weights": weights, "exchange": step.buffers.nbytes}
+        if self._collectives is not None:
+            held["collectives"] = self._collectives.nbytes
         if step.layout.device_segments(self.rank):
             held["optimizer"] = self.registry.resident_bytes()
         return held

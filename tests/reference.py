@@ -11,7 +11,9 @@ bf16 compute dtype it computes on the bf16 copy of the masters.
 :func:`fsdp_reference_train` — what a user would run instead of cargohold: the same model
 ``fully_shard``-ed per block and at the root (fp32 parameters, MixedPrecisionPolicy with
 the compute and wire dtypes), torch.optim.AdamW(fused=True) on the sharded parameters, in
-W processes over gloo. Its state is returned in cargohold's flat space.
+W processes over gloo (from three processes its collectives go through shared memory as
+the workers' do: the order of a sum of three or more is theirs). Its state is returned in
+cargohold's flat space.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from cargohold.services.data import dropout_seed
 from cargohold.services.data.evaluation import open_eval_set
 from cargohold.services.data.sources import open_source
 from cargohold.services.layout import Layout, scatter_params
-from cargohold.services.model_setup import model_layout
+from cargohold.services.model_setup import model_layout, share_collectives
 from cargohold.services.models.blocks import transformer_blocks
 from cargohold.services.models.build import build_model
 from cargohold.services.optim import clip_, clip_coefficient, global_norm_from_squares, sum_of_squares
@@ -282,6 +284,10 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
         for unit in units[1:]:
             fully_shard(unit.module, mp_policy=policy)
         fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+        if config.worker.shared_memory_collectives == "auto" and world > 2:
+            # The workers (one host) reduce through shared memory; from three ranks on the
+            # order of the sum is theirs, not gloo's (services/colocated_collectives.py).
+            share_collectives(units, layout, config.worker)
         o = config.optim
         params = [dict(model.named_parameters())[slot.name] for slot in layout.params]
         optimizer = torch_adamw(config, dict(model.named_parameters()))

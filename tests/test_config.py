@@ -98,6 +98,7 @@ CONFIG_SURFACE = [
     "worker.grad_wire_dtype",
     "worker.reshard_after_forward",
     "worker.kept_gathered_units",
+    "worker.shared_memory_collectives",
     "worker.offload_params",
     "worker.weights_nvme_path",
     "worker.weight_window",

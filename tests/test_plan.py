@@ -47,6 +47,17 @@ def _exchange(layout: Layout, bytes_per_element: int, slots: int = 3) -> int:
 
 
 # --- a worker ------------------------------------------------------------------------------
+def test_the_collectives_region_is_counted_only_where_it_is_made() -> None:
+    """Host memory while training counts the region; gloo's collectives (off) and a lone
+    worker have none."""
+    shared = plan_run(tiny_config()).worker
+    gloo = plan_run(tiny_config(worker__shared_memory_collectives="off")).worker
+    assert shared.buffers["collectives"] > 0 and "collectives" not in gloo.buffers
+    assert shared.host_bytes - gloo.host_bytes == shared.buffers["collectives"]
+    assert shared.startup_host_bytes - gloo.startup_host_bytes == shared.buffers["collectives"]
+    assert "collectives (shared memory)" in render(plan_run(tiny_config()))
+
+
 @pytest.mark.parametrize("num_workers", [1, 2, 4])
 def test_worker_buffers_follow_the_layout(num_workers: int) -> None:
     config = tiny_config(worker__num_workers=num_workers)
@@ -55,7 +66,11 @@ def test_worker_buffers_follow_the_layout(num_workers: int) -> None:
     # Rank 0's FSDP2 shards (it holds the most) and its exchange buffers, fp32 both ways.
     shards = sum(slot.local_numel(0) for slot in layout.params)
     assert shards >= max(sum(slot.local_numel(r) for slot in layout.params) for r in range(num_workers))
-    assert plan.worker.buffers == {"weights": 4 * shards, "exchange": _exchange(layout, 8)}
+    # CPU workers on one host also hold a region for FSDP2's collectives: two halves that
+    # each hold the largest unit's gathered weights (every worker's padded chunks), in pages.
+    collectives = 2 * -(-max(chunk for _, chunk in _units(layout)) * num_workers * 4 // 4096) * 4096
+    shared = {"collectives": collectives} if num_workers > 1 else {}
+    assert plan.worker.buffers == {"weights": 4 * shards, "exchange": _exchange(layout, 8), **shared}
     assert plan.worker.range_elements == layout.worker_size and plan.worker.units == 2
     traffic = plan.worker.traffic
     assert traffic.push_bytes == traffic.fetch_bytes == 4 * layout.worker_size
@@ -193,6 +208,7 @@ def test_a_gpu_worker_pins_its_exchange_buffers_shared_with_its_server() -> None
         on_cpu.worker.runtime_bytes
         + on_cpu.worker.device_peak_bytes
         + on_cpu.worker.buffers["exchange"]
+        + on_cpu.worker.buffers["collectives"]
         + on_cpu.worker.corpus_bytes
         + on_cpu.worker.allocator_kept_bytes
     )

@@ -132,8 +132,12 @@ FSDP_CASES = {
     "fp32": dict(),
     "bf16": dict(worker__compute_dtype="bfloat16"),
     # Three workers: rows that do not divide evenly. Against one process this cannot be
-    # bitwise (gloo sums three gradients in another order than a + b + c).
+    # bitwise (three gradients are summed in another order than a + b + c).
     "3-workers-bf16": dict(worker__num_workers=3, worker__compute_dtype="bfloat16"),
+    # FSDP2's collectives on gloo (the reference's too) instead of shared memory.
+    "3-workers-bf16-gloo": dict(
+        worker__num_workers=3, worker__compute_dtype="bfloat16", worker__shared_memory_collectives="off"
+    ),
     "3-workers-bf16-param-groups": dict(
         worker__num_workers=3,
         worker__compute_dtype="bfloat16",

@@ -55,6 +55,11 @@ def render(plan: RunPlan) -> str:
         ("= compute device total", w.device_peak_bytes, on),
         *([("weight shards (offloaded)", w.buffers["weights"], host)] if w.offload else []),
         ("exchange buffers", w.buffers["exchange"], f"{host}, shared" if w.shared_memory_bytes else host),
+        *(
+            [("collectives (shared memory)", w.buffers["collectives"], "host RAM, shared")]
+            if "collectives" in w.buffers
+            else []
+        ),
         *([("offload: gradient copies", w.host_transient_bytes, "host RAM")] if w.offload else []),
         ("corpus", w.corpus_bytes, "host RAM"),
         *(

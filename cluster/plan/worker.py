@@ -27,8 +27,10 @@ import torch
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.itemsize import DTYPE_BYTES, FP32_BYTES
 from cargohold.cluster.plan.runtime import worker_runtime_bytes
+from cargohold.services.colocated_collectives import region_nbytes
 from cargohold.services.host_allocator import worker_allocator
 from cargohold.services.layout import Layout
+from cargohold.services.model_setup import largest_collective_bytes
 from cargohold.services.optim import SQUARES_CHUNK
 from cargohold.services.sharding import backward_gathered_units
 from cargohold.services.state_port import exchange_nbytes
@@ -82,7 +84,8 @@ class WorkerPlan:
     weight shards (compute dtype; with weights on NVMe the root's, ``worker.weight_window``
     units' and the files' two read buffers) and its exchange buffers (slots of the
     largest unit's gradients in the wire dtype and weights in the compute dtype; with the
-    delayed update also ``range_elements`` weights)."""
+    delayed update also ``range_elements`` weights); CPU workers on one host also their
+    region for FSDP2's collectives ("collectives", ``worker.shared_memory_collectives``)."""
     device_state_bytes: int = 0
     """Its device segments' AdamW state (``worker.optimizer_on_device_fraction``) on the
     compute device: master weights and moments as ``optim.state_dtype`` stores them, and
@@ -190,6 +193,7 @@ class WorkerPlan:
             self.runtime_bytes
             + on_host
             + self.buffers["exchange"]
+            + self.buffers.get("collectives", 0)
             + offloaded
             + self.host_transient_bytes
             + self.corpus_bytes
@@ -251,6 +255,8 @@ def plan_worker(
         slots=settings.exchange_slots,
         held_numel=layout.worker_size if settings.delayed_update else 0,
     )
+    shares_collectives = device == "cpu" and world > 1 and settings.shared_memory_collectives == "auto"
+    collectives = region_nbytes(largest_collective_bytes(layout, settings)) if shares_collectives else 0
     units = _unit_sizes(layout)
     root, others = units[0], units[1:]
     regathered = backward_gathered_units(len(units), settings.reshard_after_forward, settings.kept_gathered_units)
@@ -286,6 +292,7 @@ def plan_worker(
     startup = (
         runtime
         + exchange
+        + collectives
         + on_host
         + config.data.corpus_bytes
         + one_module * FP32_BYTES
@@ -299,7 +306,7 @@ def plan_worker(
     return WorkerPlan(
         device=device,
         offload=offload,
-        buffers={"weights": weights, "exchange": exchange},
+        buffers={"weights": weights, "exchange": exchange, **({"collectives": collectives} if collectives else {})},
         range_elements=layout.worker_size,
         units=len(others),
         max_unit_params=settings.max_unit_params,

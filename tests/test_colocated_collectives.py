@@ -1,0 +1,138 @@
+"""FSDP2's collectives through shared memory (services/colocated_collectives.py): the same
+bits as gloo's at two ranks, the documented order at three, in pieces when a collective
+is larger than a region's half, and gloo kept on every rank when any rank cannot join.
+Real processes, a real gloo group on loopback, real memfds; the training contract
+(tests/test_training_contract.py) runs every sharded case on them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from ports import free_port
+
+from cargohold.services import colocated_collectives
+from cargohold.services.colocated_collectives import connect
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SIZES = (1, 7, 1000, 40_003)
+"""Elements per rank; 40_003 fp32 x 3 ranks is larger than the small half (pieces)."""
+SMALL_HALF = 64 << 10
+
+
+def _data(world: int, n: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Every rank's reduce-scatter input (``world * n``), the same on every rank, with
+    magnitudes spread so that the order of a sum shows in its bits."""
+    generator = torch.Generator().manual_seed(seed)
+    spread = 10.0 ** torch.randint(-3, 3, (world, world * n), generator=generator)
+    return list((torch.randn(world, world * n, generator=generator) * spread).to(dtype))
+
+
+def _collectives(rank: int, world: int, port: int, out: Path, half: int) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        shared = connect(dist.group.WORLD, half)
+        assert shared is not None
+        results = {}
+        for dtype in DTYPES:
+            for n in SIZES:
+                inputs = _data(world, n, dtype, seed=n)
+                mine = inputs[rank]
+                gathered_gloo, gathered = torch.empty(world * n, dtype=dtype), torch.empty(world * n, dtype=dtype)
+                dist.all_gather_into_tensor(gathered_gloo, mine[:n])
+                shared.all_gather(gathered, mine[:n].clone())
+                for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                    if op == dist.ReduceOp.AVG and dtype == torch.float16:
+                        continue  # FSDP2 sums fp16 (dividing before and after): no average
+                    gloo, ours = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+                    dist.reduce_scatter_tensor(gloo, mine.clone(), op=op)
+                    before = mine.clone()
+                    shared.reduce_scatter(ours, mine, average=op == dist.ReduceOp.AVG)
+                    assert torch.equal(mine, before)  # the input is only read
+                    results[(str(dtype), n, str(op))] = (gloo, ours)
+                results[(str(dtype), n, "gather")] = (gathered_gloo, gathered)
+        shared.close()
+        torch.save(results, out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(world: int, tmp_path: Path, half: int = SMALL_HALF) -> list[dict]:
+    mp.start_processes(_collectives, args=(world, free_port(), tmp_path, half), nprocs=world, start_method="spawn")
+    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+
+
+@pytest.mark.integration
+def test_two_ranks_give_gloos_bits(tmp_path: Path) -> None:
+    for rank, results in enumerate(_run(2, tmp_path)):
+        for key, (gloo, ours) in results.items():
+            assert torch.equal(gloo, ours), (rank, key)
+
+
+@pytest.mark.integration
+def test_three_ranks_sum_in_the_documented_order(tmp_path: Path) -> None:
+    """Gathers equal gloo's; reduce-scatters sum rank r's chunk over ranks r-1, r-2, ..., r
+    exactly, which is within a rounding of the exact sum (gloo's own order varies)."""
+    world = 3
+    for rank, results in enumerate(_run(world, tmp_path)):
+        for dtype in DTYPES:
+            for n in SIZES:
+                gathered_gloo, gathered = results[(str(dtype), n, "gather")]
+                assert torch.equal(gathered_gloo, gathered), (rank, dtype, n)
+                inputs = [x[rank * n : (rank + 1) * n] for x in _data(world, n, dtype, seed=n)]
+                for op in ("RedOpType.SUM", "RedOpType.AVG"):
+                    if (key := (str(dtype), n, op)) not in results:
+                        continue
+                    gloo, ours = results[key]
+                    expected = inputs[(rank - 1) % world].clone()
+                    for k in ((rank - 2) % world, rank):
+                        expected += inputs[k]
+                    if op == "RedOpType.AVG":
+                        expected /= world
+                    assert torch.equal(ours, expected), (rank, key)
+                    # Each of the W - 1 additions and the division rounds once: off the
+                    # exact sum by at most eps per rounding of the magnitudes summed.
+                    divisor = world if op == "RedOpType.AVG" else 1
+                    exact = sum(x.double() for x in inputs) / divisor
+                    bound = world * torch.finfo(dtype).eps * sum(x.double().abs() for x in inputs) / divisor
+                    assert ((ours.double() - exact).abs() <= bound).all(), (rank, key)
+                    assert ((gloo.double() - exact).abs() <= bound).all(), (rank, key)
+
+
+def _refused(rank: int, port: int, out: Path, how: str) -> None:
+    """Rank 1 is elsewhere (another host) or cannot map its peer's region: every rank
+    must come back with None, or the next collective would hang half on gloo."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        if rank == 1 and how == "other-host":
+            colocated_collectives.host_identity = lambda: "elsewhere/0"  # type: ignore[assignment]
+        if rank == 1 and how == "unmappable":
+            colocated_collectives._open_peer = _unmappable  # type: ignore[assignment]
+        shared = connect(dist.group.WORLD, SMALL_HALF)
+        fds = len(os.listdir("/proc/self/fd"))
+        x = torch.full((4,), float(rank + 1))
+        dist.all_reduce(x)  # gloo still answers on both
+        torch.save((shared is None, x.tolist(), fds), out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _unmappable(path: str):
+    raise OSError(13, "Permission denied", path)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("how", ["other-host", "unmappable"])
+def test_every_rank_keeps_gloo_when_one_cannot_join(tmp_path: Path, how: str) -> None:
+    mp.start_processes(_refused, args=(free_port(), tmp_path, how), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        refused, summed, _ = torch.load(tmp_path / f"rank{rank}.pt")
+        assert refused, rank
+        assert summed == [3.0] * 4
