@@ -174,18 +174,23 @@ def connect(group: ProcessGroup, collective_bytes: int) -> SharedMemoryGroup | N
         problem = f"rank {rank} cannot make {nbytes} bytes of shared memory: {error}"
     paths: list[str | None] = [None] * size
     dist.all_gather_object(paths, own.path if own is not None else None, group=group)
-    if not problem:
+    for k, path in enumerate(paths):
+        if problem or own is None:
+            break
+        if path is None:
+            problem = f"rank {k} made no shared memory"
+            break
         try:
-            regions = [own if k == rank else _open_peer(str(path)) for k, path in enumerate(paths)]  # type: ignore[misc]
-        except (OSError, RuntimeError, TypeError) as error:
-            problem = f"rank {rank} cannot map a peer's shared memory: {error}"
+            regions.append(own if k == rank else _open_peer(path))
+        except (OSError, RuntimeError) as error:
+            problem = f"rank {rank} cannot map rank {k}'s shared memory: {error}"
     failed = torch.tensor([1 if problem else 0])
     dist.all_reduce(failed, group=group)
     if int(failed) == 0:
         return SharedMemoryGroup(group, regions)
     if problem:
         logger.warning("%s; FSDP2's collectives stay on gloo", problem)
-    for region in {id(r): r for r in [*regions, *([own] if own is not None else [])]}.values():
+    for region in [r for r in regions if r is not own] + ([own] if own is not None else []):
         region.close()
     return None
 
