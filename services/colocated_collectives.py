@@ -36,7 +36,7 @@ import socket
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # not exported (torch 2.13)
 
 from cargohold.services.transport.shm import SharedRegion, available
 
