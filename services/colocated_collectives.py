@@ -36,7 +36,10 @@ import socket
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # not exported (torch 2.13)
+
+# FSDP2's comm interfaces and default buffers are not exported (torch 2.13, pinned).
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
 from cargohold.services.transport.shm import SharedRegion, available
 
@@ -195,14 +198,15 @@ def connect(group: ProcessGroup, collective_bytes: int) -> SharedMemoryGroup | N
     return None
 
 
-class SharedMemoryAllGather(AllGather):
-    """FSDP2's all-gather (``set_custom_all_gather``) on a :class:`SharedMemoryGroup`."""
+class _OnSharedMemory(DefaultAllocMixin):
+    """An FSDP2 comm on a :class:`SharedMemoryGroup`; its buffers FSDP2's default ones."""
 
     def __init__(self, shared: SharedMemoryGroup) -> None:
         self.shared = shared
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
+
+class SharedMemoryAllGather(_OnSharedMemory, AllGather):
+    """FSDP2's all-gather (``set_custom_all_gather``) on a :class:`SharedMemoryGroup`."""
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: ProcessGroup, async_op: bool = False
@@ -211,14 +215,8 @@ class SharedMemoryAllGather(AllGather):
         self.shared.all_gather(output_tensor, input_tensor)
 
 
-class SharedMemoryReduceScatter(ReduceScatter):
+class SharedMemoryReduceScatter(_OnSharedMemory, ReduceScatter):
     """FSDP2's reduce-scatter (``set_custom_reduce_scatter``) on a :class:`SharedMemoryGroup`."""
-
-    def __init__(self, shared: SharedMemoryGroup) -> None:
-        self.shared = shared
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(
         self,

@@ -96,12 +96,21 @@ def sharded_model(
     return model.train(), units, layout
 
 
-def share_collectives(units: list[Unit], layout: Layout, worker: WorkerConfig) -> SharedMemoryGroup | None:
-    """FSDP2's collectives of the sharded ``units`` through shared memory when every
-    worker is on this host (:mod:`colocated_collectives`), else gloo's (None). CPU workers
-    only; collective: every rank calls it."""
-    world = dist.group.WORLD if dist.is_initialized() else None
-    if world is None or world.size() < 2:
+def collectives_in_shared_memory(worker: WorkerConfig, device_type: str) -> bool:
+    """Whether the workers try shared memory for FSDP2's collectives: several CPU workers
+    with ``worker.shared_memory_collectives: auto``. Whether they all share a host is
+    found when they start (:func:`colocated_collectives.connect`)."""
+    return device_type == "cpu" and worker.num_workers > 1 and worker.shared_memory_collectives == "auto"
+
+
+def share_collectives(
+    units: list[Unit], layout: Layout, worker: WorkerConfig, device_type: str
+) -> SharedMemoryGroup | None:
+    """FSDP2's collectives of the sharded ``units`` through shared memory where
+    :func:`collectives_in_shared_memory` and every worker is on this host, else gloo's
+    (None). Collective: every rank of the default process group calls it."""
+    world = dist.group.WORLD
+    if world is None or not collectives_in_shared_memory(worker, device_type):
         return None
     shared = connect(world, largest_collective_bytes(layout, worker))
     if shared is not None:

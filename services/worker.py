@@ -131,8 +131,7 @@ class TrainingWorker(SegmentHolder):
         )
         model, units, layout = sharded_model(self.config, self.device, self.task)
         config = self.config
-        if self.device.type == "cpu" and config.worker.shared_memory_collectives == "auto":
-            self._collectives = share_collectives(units, layout, config.worker)
+        self._collectives = share_collectives(units, layout, config.worker, self.device.type)
         shared = self._colocated_servers(server_node_ids)
         buffers = exchange_buffers(
             config,

@@ -284,10 +284,10 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
         for unit in units[1:]:
             fully_shard(unit.module, mp_policy=policy)
         fully_shard(model, mp_policy=policy, reshard_after_forward=False)
-        if config.worker.shared_memory_collectives == "auto" and world > 2:
+        if world > 2:
             # The workers (one host) reduce through shared memory; from three ranks on the
             # order of the sum is theirs, not gloo's (services/colocated_collectives.py).
-            share_collectives(units, layout, config.worker)
+            share_collectives(units, layout, config.worker, "cpu")
         o = config.optim
         params = [dict(model.named_parameters())[slot.name] for slot in layout.params]
         optimizer = torch_adamw(config, dict(model.named_parameters()))

@@ -30,7 +30,7 @@ from cargohold.cluster.plan.runtime import worker_runtime_bytes
 from cargohold.services.colocated_collectives import region_nbytes
 from cargohold.services.host_allocator import worker_allocator
 from cargohold.services.layout import Layout
-from cargohold.services.model_setup import largest_collective_bytes
+from cargohold.services.model_setup import collectives_in_shared_memory, largest_collective_bytes
 from cargohold.services.optim import SQUARES_CHUNK
 from cargohold.services.sharding import backward_gathered_units
 from cargohold.services.state_port import exchange_nbytes
@@ -255,8 +255,8 @@ def plan_worker(
         slots=settings.exchange_slots,
         held_numel=layout.worker_size if settings.delayed_update else 0,
     )
-    shares_collectives = device == "cpu" and world > 1 and settings.shared_memory_collectives == "auto"
-    collectives = region_nbytes(largest_collective_bytes(layout, settings)) if shares_collectives else 0
+    shared = collectives_in_shared_memory(settings, device)
+    collectives = region_nbytes(largest_collective_bytes(layout, settings)) if shared else 0
     units = _unit_sizes(layout)
     root, others = units[0], units[1:]
     regathered = backward_gathered_units(len(units), settings.reshard_after_forward, settings.kept_gathered_units)
