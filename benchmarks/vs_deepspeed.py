@@ -35,7 +35,10 @@ mean). Per process: the C allocator it runs (``/proc/<pid>/maps``), CPU seconds 
 step, user and system (``/proc/<pid>/stat`` read at the window's edges: nothing samples
 during it), the bytes it read from and wrote to disk per timed step (``/proc/<pid>/io``,
 the same way), and peak RSS (VmHWM, read once after the steps). The driver's own CPU
-seconds are printed too. Each variant prints
+seconds are printed too, and the whole box over the same window (``/proc/stat``): its
+cores' busy share, the CPU seconds the hypervisor stole and those of processes other than
+the measured ones (Ray's own among them on cargohold's side), per timed step: a run whose
+stolen or other seconds stand out was disturbed from outside and says so. Each variant prints
 ``RATIO cargohold <v> / deepspeed <v>``. Nothing is asserted.
 
 ``--repeat N`` runs every variant's pair N times, alternating (cargohold, DeepSpeed,
@@ -91,6 +94,34 @@ def disk_bytes(pid: int) -> tuple[int, int]:
     except OSError:
         return 0, 0
     return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def box_seconds() -> tuple[float, float, float]:
+    """The whole machine's CPU seconds so far, all cores added up (``/proc/stat``): busy
+    (user, nice, system, interrupts), stolen by the hypervisor, and in all."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq) / CLOCK_TICKS, steal / CLOCK_TICKS, sum(fields) / CLOCK_TICKS
+
+
+def box_per_step(before: tuple[float, float, float], steps: int, processes: float) -> dict:
+    """What the whole machine did per timed step since ``before``: its cores' busy share,
+    CPU seconds stolen by the hypervisor and those of processes other than the measured
+    ones (``processes``: their CPU seconds per step). A run with either well above zero
+    was disturbed by something outside it."""
+    busy, steal, total = (after - then for after, then in zip(box_seconds(), before))
+    return {
+        "busy": busy / max(total, 1e-9),
+        "steal": steal / steps,
+        "others": max(0.0, busy / steps - processes),
+    }
+
+
+def describe_box(box: dict) -> str:
+    return (
+        f"box {100 * box['busy']:.0f}% busy, {box['steal']:.2f} CPU-s stolen, "
+        f"{box['others']:.2f} CPU-s of other processes"
+    )
 
 
 def peak_rss(pid: int) -> int:
@@ -223,6 +254,7 @@ def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: st
                     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                     disk_before = {name: disk_bytes(pid) for name, pid in pids.items()}
                     driver = time.process_time()
+                    box = box_seconds()
                 report = session.step()
                 seconds.append(report.seconds)
                 losses.append(report.loss)
@@ -239,6 +271,7 @@ def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: st
                 for name, pid in pids.items()
             }
             driver = (time.process_time() - driver) / kept
+            box_step = box_per_step(box, kept, sum(map(sum, cpu.values())) + driver)
             peaks = {name: peak_rss(pid) for name, pid in pids.items()}
     finally:
         ray.shutdown()
@@ -250,6 +283,7 @@ def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: st
         "peak": peaks,
         "allocator": allocators,
         "driver_cpu": driver,
+        "box": box_step,
         "losses": losses,
     }
 
@@ -362,7 +396,7 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
                 recorder = start_profile(os.getpid(), Path(out, "profile.txt"))
                 time.sleep(1.0)  # py-spy attaches
             dist.barrier()
-            cpu, disk = cpu_seconds(os.getpid()), disk_bytes(os.getpid())
+            cpu, disk, box = cpu_seconds(os.getpid()), disk_bytes(os.getpid()), box_seconds()
         for group in engine.optimizer.param_groups:
             group["lr"] = config.optim.lr_at(step, config.steps)
         started = time.perf_counter()
@@ -385,6 +419,7 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
         "cpu": [(after - then) / kept for after, then in zip(cpu_seconds(os.getpid()), cpu)],
         "disk": [(after - then) / kept for after, then in zip(disk_bytes(os.getpid()), disk)],
         "peak": peak_rss(os.getpid()),
+        "box": [after - then for after, then in zip(box_seconds(), box)],
         "allocator": loaded_allocator(),
         "losses": losses,
         "optimizer": type(engine.optimizer).__name__,
@@ -419,7 +454,11 @@ def run_deepspeed(args: argparse.Namespace, variant: str, root: Path, port: int)
     if done.returncode != 0 or not ranks:
         return (done.stderr or done.stdout).strip().splitlines()[-1] if (done.stderr or done.stdout) else "failed"
     results = [json.loads(path.read_text()) for path in ranks]
+    kept = args.steps - args.warmup
+    ranks_cpu = sum(sum(r["cpu"]) for r in results)
+    busy, steal, total = results[0]["box"]  # rank 0's window: the ranks start it together (a barrier)
     return {
+        "box": {"busy": busy / max(total, 1e-9), "steal": steal / kept, "others": max(0.0, busy / kept - ranks_cpu)},
         "step": max(r["step"] for r in results),
         "cpu": {f"rank {r['rank']}": r["cpu"] for r in results},
         "disk": {f"rank {r['rank']}": r["disk"] for r in results},
@@ -444,7 +483,7 @@ def describe(result: dict) -> str:
         f"{describe_disk(*result['disk'][name])}"
         for name in result["cpu"]
     )
-    return f"{result['step']:7.3f} s/step; per timed step: {processes}"
+    return f"{result['step']:7.3f} s/step; per timed step: {processes}; {describe_box(result['box'])}"
 
 
 def main() -> None:

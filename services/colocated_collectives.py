@@ -11,9 +11,11 @@ worker owns a sealed memfd (:class:`SharedRegion`) that the other workers map:
 * reduce-scatter: each rank copies its gradient into its region, one barrier, then each
   rank sums its own chunk out of every region.
 
-The barrier is gloo's (a few bytes). A region is two halves used in turn, so one barrier
-per collective suffices: a rank writes into a half again only two collectives later,
-after a barrier that its peers reach only once they have finished reading that half.
+The barrier goes through semaphores at the start of each region
+(:mod:`cargohold.services.shared_barrier`: ~12 us where gloo's took ~0.5 ms). After them a
+region is two halves used in turn, so one barrier per collective suffices: a rank writes
+into a half again only two collectives later, after a barrier that its peers reach only
+once they have finished reading that half.
 A collective larger than a half goes through in pieces, one barrier each.
 
 Reduction order: rank r's chunk is the sum of the ranks' chunks r-1, r-2, ..., r (left to
@@ -41,6 +43,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
+from cargohold.services.shared_barrier import SharedBarrier, inbox_nbytes, init_inbox
 from cargohold.services.transport.shm import SharedRegion, available
 
 logger = logging.getLogger(__name__)
@@ -49,12 +52,12 @@ MAX_HALF_BYTES = 64 << 20
 """The most a half of a worker's region holds; larger collectives go in pieces."""
 
 
-def region_nbytes(collective_bytes: int) -> int:
+def region_nbytes(collective_bytes: int, world_size: int) -> int:
     """A worker's region for collectives of up to ``collective_bytes`` (a unit's gathered
-    weights or its unreduced gradients): two halves that hold one each, whole pages, at
-    most :data:`MAX_HALF_BYTES` each."""
+    weights or its unreduced gradients) among ``world_size`` ranks: the barrier's inbox,
+    then two halves that hold one each, whole pages, at most :data:`MAX_HALF_BYTES` each."""
     half = min(max(collective_bytes, 1), MAX_HALF_BYTES)
-    return 2 * (-(-half // 4096) * 4096)
+    return inbox_nbytes(world_size) + 2 * (-(-half // 4096) * 4096)
 
 
 def host_identity() -> str:
@@ -70,25 +73,26 @@ def host_identity() -> str:
 class SharedMemoryGroup:
     """The ranks of ``group`` with one region each, mapped by all; see the module's doc."""
 
-    def __init__(self, group: ProcessGroup, regions: list[SharedRegion]) -> None:
+    def __init__(self, group: ProcessGroup, regions: list[SharedRegion], pids: list[int]) -> None:
+        """``regions``: every rank's, mapped here, each with its barrier inbox made;
+        ``pids``: every rank's process."""
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
         self._regions = regions
         self.nbytes = regions[self.rank].size
         """This rank's region: host memory it holds for the collectives."""
-        self._half_bytes = self.nbytes // 2
+        self._inbox_bytes = inbox_nbytes(self.size)
+        self._half_bytes = (self.nbytes - self._inbox_bytes) // 2
         self._parity = 0
+        self._barrier = SharedBarrier(self.rank, [r.bytes.data_ptr() for r in regions], pids).wait
 
     def _next_half(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """Every rank's half for the next collective (or piece), as ``dtype``."""
-        start = self._parity * self._half_bytes
+        start = self._inbox_bytes + self._parity * self._half_bytes
         self._parity ^= 1
         numel = self._half_bytes // dtype.itemsize
         return [region.tensor(dtype, start, numel) for region in self._regions]
-
-    def _barrier(self) -> None:
-        dist.barrier(group=self.group)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """``output`` (size x ``input``'s elements) gets every rank's ``input`` in rank order."""
@@ -159,7 +163,7 @@ def connect(group: ProcessGroup, collective_bytes: int) -> SharedMemoryGroup | N
     stays) when they are not all on one host or any of them cannot make or map a region.
     Collective: every rank of ``group`` calls it. ``collective_bytes``: the largest
     collective's bytes on a rank (:func:`region_nbytes`)."""
-    nbytes = region_nbytes(collective_bytes)
+    nbytes = region_nbytes(collective_bytes, group.size())
     rank, size = group.rank(), group.size()
     hosts: list[str | None] = [None] * size
     dist.all_gather_object(hosts, host_identity(), group=group)
@@ -173,10 +177,12 @@ def connect(group: ProcessGroup, collective_bytes: int) -> SharedMemoryGroup | N
     try:
         own = SharedRegion.create(f"collectives:rank-{rank}", nbytes)
         own.bytes.zero_()  # every page now: a host short of memory fails here, not mid-step
+        init_inbox(own.bytes.data_ptr(), size)
     except (OSError, RuntimeError) as error:
-        problem = f"rank {rank} cannot make {nbytes} bytes of shared memory: {error}"
-    paths: list[str | None] = [None] * size
-    dist.all_gather_object(paths, own.path if own is not None else None, group=group)
+        problem = f"rank {rank} cannot make {nbytes} bytes of shared memory with its barrier: {error}"
+    found: list[tuple[str | None, int]] = [(None, 0)] * size
+    dist.all_gather_object(found, (own.path if own is not None and not problem else None, os.getpid()), group=group)
+    paths = [path for path, _ in found]
     for k, path in enumerate(paths):
         if problem or own is None:
             break
@@ -190,7 +196,7 @@ def connect(group: ProcessGroup, collective_bytes: int) -> SharedMemoryGroup | N
     failed = torch.tensor([1 if problem else 0])
     dist.all_reduce(failed, group=group)
     if int(failed) == 0:
-        return SharedMemoryGroup(group, regions)
+        return SharedMemoryGroup(group, regions, [pid for _, pid in found])
     if problem:
         logger.warning("%s; FSDP2's collectives stay on gloo", problem)
     for region in [r for r in regions if r is not own] + ([own] if own is not None else []):

@@ -1,12 +1,14 @@
 """FSDP2's collectives through shared memory (services/colocated_collectives.py): the same
 bits as gloo's at two ranks, the documented order at three, in pieces when a collective
-is larger than a region's half, and gloo kept on every rank when any rank cannot join.
+is larger than a region's half, gloo kept on every rank when any rank cannot join, and a
+clear error, not a hang, when a peer exits.
 Real processes, a real gloo group on loopback, real memfds; the training contract
 (tests/test_training_contract.py) runs every sharded case on them."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,8 @@ from ports import free_port
 
 from cargohold.services import colocated_collectives
 from cargohold.services.colocated_collectives import connect
+from cargohold.services.errors import TrainingError
+from cargohold.services.shared_barrier import POLL_S
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SIZES = (1, 7, 1000, 40_003)
@@ -136,3 +140,31 @@ def test_every_rank_keeps_gloo_when_one_cannot_join(tmp_path: Path, how: str) ->
         refused, summed, _ = torch.load(tmp_path / f"rank{rank}.pt")
         assert refused, rank
         assert summed == [3.0] * 4
+
+
+def _peer_exits(rank: int, port: int, out: Path) -> None:
+    """Rank 1 exits once joined; rank 0's next collective must fail naming it, not hang."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    shared = connect(dist.group.WORLD, SMALL_HALF)
+    assert shared is not None
+    shared.all_gather(torch.empty(8), torch.ones(4))  # both ranks there: passes
+    if rank == 1:
+        os._exit(0)
+    started = time.monotonic()
+    try:
+        shared.all_gather(torch.empty(8), torch.ones(4))
+        outcome = "passed"
+    except TrainingError as error:
+        outcome = str(error)
+    (out / "outcome.txt").write_text(f"{outcome}\n{time.monotonic() - started}")
+    shared.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)  # without the liveness check rank 0 would wait TIMEOUT_S (30 min)
+def test_a_collective_fails_naming_a_peer_that_exited(tmp_path: Path) -> None:
+    mp.start_processes(_peer_exits, args=(free_port(), tmp_path), nprocs=2, start_method="spawn")
+    outcome, seconds = (tmp_path / "outcome.txt").read_text().splitlines()
+    assert outcome.startswith("rank 1 (pid ") and "exited while rank 0 waited for it in a collective" in outcome
+    assert float(seconds) < 10 * POLL_S

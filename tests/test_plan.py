@@ -66,9 +66,10 @@ def test_worker_buffers_follow_the_layout(num_workers: int) -> None:
     # Rank 0's FSDP2 shards (it holds the most) and its exchange buffers, fp32 both ways.
     shards = sum(slot.local_numel(0) for slot in layout.params)
     assert shards >= max(sum(slot.local_numel(r) for slot in layout.params) for r in range(num_workers))
-    # CPU workers on one host also hold a region for FSDP2's collectives: two halves that
-    # each hold the largest unit's gathered weights (every worker's padded chunks), in pages.
-    collectives = 2 * -(-max(chunk for _, chunk in _units(layout)) * num_workers * 4 // 4096) * 4096
+    # CPU workers on one host also hold a region for FSDP2's collectives: a page of
+    # semaphores for the barrier, then two halves that each hold the largest unit's
+    # gathered weights (every worker's padded chunks), in pages.
+    collectives = 4096 + 2 * -(-max(chunk for _, chunk in _units(layout)) * num_workers * 4 // 4096) * 4096
     shared = {"collectives": collectives} if num_workers > 1 else {}
     assert plan.worker.buffers == {"weights": 4 * shards, "exchange": _exchange(layout, 8), **shared}
     assert plan.worker.range_elements == layout.worker_size and plan.worker.units == 2

@@ -256,7 +256,7 @@ def plan_worker(
         held_numel=layout.worker_size if settings.delayed_update else 0,
     )
     shared = collectives_in_shared_memory(settings, device)
-    collectives = region_nbytes(largest_collective_bytes(layout, settings)) if shared else 0
+    collectives = region_nbytes(largest_collective_bytes(layout, settings), world) if shared else 0
     units = _unit_sizes(layout)
     root, others = units[0], units[1:]
     regathered = backward_gathered_units(len(units), settings.reshard_after_forward, settings.kept_gathered_units)
