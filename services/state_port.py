@@ -174,15 +174,35 @@ class StatePort(Protocol):
     def register(self, segment: Segment, initial: torch.Tensor) -> int:
         """Register a segment with its fp32 initial values; returns its update count."""
 
-    def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
+    def push(
+        self,
+        segment: Segment,
+        update: int,
+        gradient: torch.Tensor,
+        *,
+        lr: float,
+        defer: bool,
+        out: torch.Tensor | None = None,
+    ) -> bool:
         """Send the gradient of ``update``; with ``defer`` the server only stages it.
         The update prepares the new weights in the compute dtype for the :meth:`fetch`
-        that follows. Returns whether an update was applied (False for a repeat or when
-        staged)."""
+        that follows, or, given ``out`` (without ``defer``), writes them there as that
+        fetch would, in the same call where the server shares the node. Returns whether
+        an update was applied (False for a repeat or when staged)."""
 
-    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float, loss_scale: float = 1.0) -> bool:
+    def commit(
+        self,
+        segment: Segment,
+        update: int,
+        *,
+        global_norm: float,
+        lr: float,
+        loss_scale: float = 1.0,
+        out: torch.Tensor | None = None,
+    ) -> bool:
         """Apply the gradient staged for ``update``; ``loss_scale``: the scale the staged
-        gradient carries (fp16 compute), ``global_norm`` the norm without it."""
+        gradient carries (fp16 compute), ``global_norm`` the norm without it; ``out`` as
+        in :meth:`push`."""
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
         """Write the weights after ``update`` into ``out`` (a view of the exchange buffers)."""
@@ -219,8 +239,19 @@ class RemotePort:
         )
         return step
 
-    def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
-        shm = self.buffers.shared_ref(gradient) if segment.server in self.shared else None
+    def push(
+        self,
+        segment: Segment,
+        update: int,
+        gradient: torch.Tensor,
+        *,
+        lr: float,
+        defer: bool,
+        out: torch.Tensor | None = None,
+    ) -> bool:
+        shared = segment.server in self.shared
+        shm = self.buffers.shared_ref(gradient) if shared else None
+        weights_out = self.buffers.shared_ref(out) if shared and out is not None and not defer else None
         outcome = self.clients[segment.server].push(
             self.run_id,
             segment.segment_id,
@@ -230,25 +261,50 @@ class RemotePort:
             defer_update=defer,
             shm=shm,
             prepare=self.config.worker.compute_dtype,
+            weights_out=weights_out,
         )
         rpc = _path_label("PushGradient", shm is not None, self.clients[segment.server])
         self.metrics.record_sent(rpc, gradient.numel() * gradient.element_size())
+        self._weights_arrived(segment, update, out, written=weights_out is not None, rpc=rpc)
         return outcome.applied and not defer
 
-    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float, loss_scale: float = 1.0) -> bool:
-        return (
-            self.clients[segment.server]
-            .commit(
-                self.run_id,
-                segment.segment_id,
-                update,
-                global_norm=global_norm,
-                lr=lr,
-                prepare=self.config.worker.compute_dtype,
-                loss_scale=loss_scale,
-            )
-            .applied
+    def commit(
+        self,
+        segment: Segment,
+        update: int,
+        *,
+        global_norm: float,
+        lr: float,
+        loss_scale: float = 1.0,
+        out: torch.Tensor | None = None,
+    ) -> bool:
+        weights_out = None
+        if out is not None and segment.server in self.shared:
+            weights_out = (*self.buffers.shared_ref(out), segment.numel)
+        outcome = self.clients[segment.server].commit(
+            self.run_id,
+            segment.segment_id,
+            update,
+            global_norm=global_norm,
+            lr=lr,
+            prepare=self.config.worker.compute_dtype,
+            loss_scale=loss_scale,
+            weights_out=weights_out,
         )
+        self._weights_arrived(segment, update, out, written=weights_out is not None, rpc="CommitStep.shm")
+        return outcome.applied
+
+    def _weights_arrived(
+        self, segment: Segment, update: int, out: torch.Tensor | None, *, written: bool, rpc: str
+    ) -> None:
+        """After an update asked for its weights in ``out``: count them where the call
+        wrote them, else fetch them."""
+        if out is None:
+            return
+        if written:
+            self.metrics.record_received(rpc, segment.numel * out.element_size())
+        else:
+            self.fetch(segment, update, out)
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
         shm = self.buffers.shared_ref(out) if segment.server in self.shared else None
@@ -288,18 +344,42 @@ class LocalPort:
             segment_spec(self.config, self.run_id, segment, self.param_groups), initial.clone()
         ).updates
 
-    def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
+    def push(
+        self,
+        segment: Segment,
+        update: int,
+        gradient: torch.Tensor,
+        *,
+        lr: float,
+        defer: bool,
+        out: torch.Tensor | None = None,
+    ) -> bool:
         state = self.registry.get(self.run_id, segment.segment_id)
         if defer:
             state.stage_gradient(update, gradient)
             return False
         prepare = self.config.worker.compute_dtype
-        return state.apply_gradient(update, gradient, global_norm=0.0, lr=lr, prepare=prepare).applied
+        applied = state.apply_gradient(update, gradient, global_norm=0.0, lr=lr, prepare=prepare).applied
+        if out is not None:
+            self.fetch(segment, update, out)
+        return applied
 
-    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float, loss_scale: float = 1.0) -> bool:
+    def commit(
+        self,
+        segment: Segment,
+        update: int,
+        *,
+        global_norm: float,
+        lr: float,
+        loss_scale: float = 1.0,
+        out: torch.Tensor | None = None,
+    ) -> bool:
         state = self.registry.get(self.run_id, segment.segment_id)
         prepare = self.config.worker.compute_dtype
-        return state.commit(update, global_norm=global_norm, lr=lr, prepare=prepare, loss_scale=loss_scale).applied
+        applied = state.commit(update, global_norm=global_norm, lr=lr, prepare=prepare, loss_scale=loss_scale).applied
+        if out is not None:
+            self.fetch(segment, update, out)
+        return applied
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
         dtype = self.config.worker.compute_dtype
@@ -323,11 +403,30 @@ class SplitPort:
     def register(self, segment: Segment, initial: torch.Tensor) -> int:
         return self._owner(segment).register(segment, initial)
 
-    def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
-        return self._owner(segment).push(segment, update, gradient, lr=lr, defer=defer)
+    def push(
+        self,
+        segment: Segment,
+        update: int,
+        gradient: torch.Tensor,
+        *,
+        lr: float,
+        defer: bool,
+        out: torch.Tensor | None = None,
+    ) -> bool:
+        return self._owner(segment).push(segment, update, gradient, lr=lr, defer=defer, out=out)
 
-    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float, loss_scale: float = 1.0) -> bool:
-        return self._owner(segment).commit(segment, update, global_norm=global_norm, lr=lr, loss_scale=loss_scale)
+    def commit(
+        self,
+        segment: Segment,
+        update: int,
+        *,
+        global_norm: float,
+        lr: float,
+        loss_scale: float = 1.0,
+        out: torch.Tensor | None = None,
+    ) -> bool:
+        owner = self._owner(segment)
+        return owner.commit(segment, update, global_norm=global_norm, lr=lr, loss_scale=loss_scale, out=out)
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
         self._owner(segment).fetch(segment, update, out)

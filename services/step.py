@@ -495,9 +495,8 @@ class ShardedStep:
                 if (committing := self._commits.get(segment.segment_id)) is not None:
                     committing.result()  # submitted before this push: running or done, never queued behind it
                 at = self._in_slot(segment)
-                applied += self.port.push(segment, update, slot.grads[at], lr=lr, defer=defer)
-                if fetch:
-                    self.port.fetch(segment, update, slot.weights[at])
+                out = slot.weights[at] if fetch else None  # the weights after the update, in the same call
+                applied += self.port.push(segment, update, slot.grads[at], lr=lr, defer=defer, out=out)
             if fetch:
                 self._adopt(slot.weights, group)
             return applied
@@ -511,11 +510,13 @@ class ShardedStep:
         try:
             applied = 0
             for segment in self._by_group[group]:
-                if commit is not None:
+                out = slot.weights[self._in_slot(segment)]
+                if commit is not None:  # the weights come back in the commit's call
                     applied += self.port.commit(
-                        segment, update, global_norm=commit[0], lr=commit[1], loss_scale=commit[2]
+                        segment, update, global_norm=commit[0], lr=commit[1], loss_scale=commit[2], out=out
                     )
-                self.port.fetch(segment, update, slot.weights[self._in_slot(segment)])
+                else:
+                    self.port.fetch(segment, update, out)
             self._adopt(slot.weights, group)
             return applied
         finally:

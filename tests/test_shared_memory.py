@@ -69,6 +69,84 @@ def test_push_and_fetch_through_shared_memory_equal_streaming(region: SharedRegi
             assert_bitwise_equal(weights, s.client.fetch(RUN, 1, step, "float32", NUMEL))
 
 
+def _updated_in_one_call(s, region: SharedRegion, step: int, gradient: torch.Tensor) -> None:
+    """Segment 0 pushed and applied through shared memory, segment 1 staged and committed,
+    each asking for its weights back in the same call (``weights_out``)."""
+    region.tensor(torch.float32, 0, NUMEL).copy_(gradient)
+    s.client.push(
+        RUN, 0, step, gradient, global_norm=GLOBAL_NORM, lr=LR, shm=(region.path, 0),
+        prepare="float32", weights_out=(region.path, NUMEL * 4),
+    )  # fmt: skip
+    s.client.push(RUN, 1, step, gradient, lr=LR, defer_update=True)
+    s.client.commit(
+        RUN, 1, step, global_norm=GLOBAL_NORM, lr=LR, prepare="float32",
+        weights_out=(region.path, NUMEL * 8, NUMEL),
+    )  # fmt: skip
+
+
+@pytest.fixture
+def wide_region():
+    shared = SharedRegion.create(shm.region_name(RUN, f"test-{uuid.uuid4().hex}"), NUMEL * 12)
+    yield shared
+    shared.close()
+
+
+@pytest.mark.parametrize("server", ["current", "predating weights_out"])
+def test_an_update_returns_its_weights_in_the_same_call(wide_region: SharedRegion, server: str) -> None:
+    """A push that is applied and a commit write the new weights where the worker asked,
+    the same bits as a fetch; from a server that ignores the field (one that predates it)
+    the client fetches them itself."""
+    with serving() as s:
+        if server != "current":
+            s.server.servicer._write_weights = lambda *args: False  # type: ignore[method-assign]
+        for segment in (0, 1):
+            s.client.register(make_spec(segment_id=segment), W0)
+        for step, gradient in ((1, G1), (2, G2)):
+            _updated_in_one_call(s, wide_region, step, gradient)
+            for segment in (0, 1):
+                written = wide_region.tensor(torch.float32, NUMEL * 4 * (segment + 1), NUMEL)
+                assert_bitwise_equal(written, s.client.fetch(RUN, segment, step, "float32", NUMEL))
+        fetched = total(scrape(s.metrics.address), "cargohold_transport_sent_bytes_total", rpc="FetchWeights.shm")
+        in_calls = sum(
+            total(scrape(s.metrics.address), "cargohold_transport_sent_bytes_total", rpc=rpc)
+            for rpc in ("PushGradient.shm", "CommitStep.shm")
+        )
+        expected = 2 * 2 * NUMEL * 4
+        assert (fetched, in_calls) == ((0, expected) if server == "current" else (expected, 0))
+
+
+def test_weights_out_is_checked_before_the_update(wide_region: SharedRegion) -> None:
+    """Without a dtype to write them in, or pointing outside the worker's memory, the call
+    is refused with INVALID_ARGUMENT and the staged step is not committed."""
+    with serving() as s:
+        s.client.register(make_spec(), W0)
+        s.client.push(RUN, 0, 1, G1, lr=LR, defer_update=True)
+        key = pb.ShardKey(run_id=RUN, shard_id=0)
+        inside = pb.SharedMemoryRef(path=wide_region.path, byte_offset=0)
+        outside = pb.SharedMemoryRef(path=wide_region.path, byte_offset=NUMEL * 12 - 4)
+        for request, message in (
+            (
+                pb.CommitStepRequest(key=key, step=1, global_grad_norm=GLOBAL_NORM, lr=LR, weights_out=inside),
+                "needs prepare_dtype",
+            ),
+            (
+                pb.CommitStepRequest(
+                    key=key,
+                    step=1,
+                    global_grad_norm=GLOBAL_NORM,
+                    lr=LR,
+                    prepare_dtype=pb.DTYPE_FLOAT32,
+                    weights_out=outside,
+                ),
+                "does not fit",
+            ),
+        ):
+            with pytest.raises(grpc.RpcError) as error:
+                s.stub.CommitStep(request, timeout=10)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.value.details()
+        assert s.client.describe(RUN, 0)[1] == 0
+
+
 def _memfd(name: str, size: int, *, sealed: bool) -> int:
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)

@@ -169,15 +169,21 @@ class StateServerClient:
         defer_update: bool = False,
         shm: tuple[str, int] | None = None,
         prepare: str | None = None,
+        weights_out: tuple[str, int] | None = None,
     ) -> UpdateOutcome:
         """Send the gradient of ``step``; harmless to repeat. With ``defer_update`` the
         server only stages it, and :meth:`commit` applies it. With ``shm`` (path, byte
         offset) the server reads ``gradient``'s bytes from that shared memory instead.
         ``prepare``: the dtype the next :meth:`fetch` asks for, so the update writes the
-        weights in it on the way (see SegmentState.apply_gradient)."""
+        weights in it on the way (see SegmentState.apply_gradient). ``weights_out`` (path,
+        byte offset; with ``shm`` and ``prepare``, without ``defer_update``): the weights
+        after the update are in that shared memory when this returns, written by the
+        server in the same call (fetched after it from a server that cannot)."""
         wire_dtype = DTYPE_NAMES.get(gradient.dtype)
         if wire_dtype is None:
             raise TransportError(f"gradients travel as one of {sorted(WIRE_DTYPES)}, not {gradient.dtype}")
+        if weights_out is not None and (shm is None or prepare is None or defer_update):
+            raise ValueError("weights_out goes with a shared-memory push that is applied, in a prepare dtype")
         header = pb.PushHeader(
             key=pb.ShardKey(run_id=run_id, shard_id=segment_id),
             step=step,
@@ -188,6 +194,7 @@ class StateServerClient:
             defer_update=defer_update,
             shm=_shm_ref(shm),
             prepare_dtype=_prepare_to_proto(prepare),
+            weights_out=_shm_ref(weights_out),
         )
         if self.bulk and shm is None:
             pushed = self._push_bulk(header, gradient)
@@ -204,6 +211,8 @@ class StateServerClient:
                 yield request
 
         reply = self._call("PushGradient", self._stub.PushGradient, requests())
+        if weights_out is not None and not reply.weights_written:
+            self.fetch(run_id, segment_id, step, str(prepare), gradient.numel(), shm=weights_out)
         return UpdateOutcome(applied=reply.applied, updates=reply.step, seconds=reply.update_seconds)
 
     def commit(
@@ -216,9 +225,13 @@ class StateServerClient:
         lr: float,
         prepare: str | None = None,
         loss_scale: float = 1.0,
+        weights_out: tuple[str, int, int] | None = None,
     ) -> UpdateOutcome:
         """Apply the gradient staged for ``step``; harmless to repeat. ``prepare`` as in
-        :meth:`push`; ``loss_scale``: the scale the staged gradient carries (fp16)."""
+        :meth:`push`; ``loss_scale``: the scale the staged gradient carries (fp16).
+        ``weights_out`` (path, byte offset, elements; with ``prepare``): as in :meth:`push`."""
+        if weights_out is not None and prepare is None:
+            raise ValueError("weights_out needs prepare: the dtype to write the weights in")
         reply = self._call(
             "CommitStep",
             self._stub.CommitStep,
@@ -229,8 +242,11 @@ class StateServerClient:
                 lr=lr,
                 prepare_dtype=_prepare_to_proto(prepare),
                 loss_scale=0.0 if loss_scale == 1.0 else loss_scale,
+                weights_out=_shm_ref(weights_out[:2] if weights_out is not None else None),
             ),
         )
+        if weights_out is not None and not reply.weights_written:
+            self.fetch(run_id, segment_id, step, str(prepare), weights_out[2], shm=weights_out[:2])
         return UpdateOutcome(applied=reply.applied, updates=reply.step, seconds=reply.update_seconds)
 
     def fetch(

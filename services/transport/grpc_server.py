@@ -123,6 +123,9 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 raise InvalidTensorError("PushGradient: the first message must carry the header")
             header = first.header
             state, dtype = self._push_target(header)
+            weights_out = None
+            if header.HasField("weights_out") and not header.defer_update:
+                weights_out = self._weights_out(header.weights_out, header.key.run_id, state, header.prepare_dtype)
             if header.HasField("shm"):
                 if next(request_iterator, None) is not None:
                     raise InvalidTensorError("PushGradient: no chunks may follow a shared-memory header")
@@ -141,11 +144,34 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 )
                 owned = True  # assembled for this call alone: clipping may scale it in place
             outcome = self._complete_push(header, state, gradient, owned=owned)
+            written = self._write_weights(state, header.step, weights_out, "PushGradient.shm")
             return pb.PushGradientResponse(
-                step=outcome.updates, applied=outcome.applied, update_seconds=outcome.seconds
+                step=outcome.updates, applied=outcome.applied, update_seconds=outcome.seconds, weights_written=written
             )
 
         return self._guard("PushGradient", context, handle)
+
+    def _weights_out(
+        self, ref: pb.SharedMemoryRef, run_id: str, state: SegmentState, prepare_dtype: int
+    ) -> tuple[torch.Tensor, str]:
+        """Where an update's caller wants the new weights (``weights_out``) and their dtype
+        (``prepare_dtype``): checked before the update, so a bad reference changes nothing."""
+        dtype = prepare_dtype_from_proto(prepare_dtype)
+        if dtype is None:
+            raise InvalidTensorError("weights_out needs prepare_dtype: the dtype to write the weights in")
+        region = self._regions.open(ref.path, run_id)
+        return region.tensor(WIRE_DTYPES[dtype], ref.byte_offset, state.spec.numel), dtype
+
+    def _write_weights(
+        self, state: SegmentState, step: int, weights_out: tuple[torch.Tensor, str] | None, rpc: str
+    ) -> bool:
+        """Write the weights after ``step`` where :meth:`_weights_out` found; False without one."""
+        if weights_out is None:
+            return False
+        target, dtype = weights_out
+        weights = state.weights(step, dtype, out=target)
+        self._metrics.record_sent(rpc, weights.numel() * weights.element_size())
+        return True
 
     def _push_target(self, header: pb.PushHeader) -> tuple[SegmentState, str]:
         """The shard a push header names and its gradient dtype, once the header fits it."""
@@ -190,7 +216,8 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES  # 0: the server's choice
             check_chunk_bytes(chunk_bytes)
             transfer = request.WhichOneof("transfer")
-            if transfer not in ("push", "fetch") or getattr(request, transfer).HasField("shm"):
+            named = getattr(request, transfer) if transfer in ("push", "fetch") else None
+            if named is None or named.HasField("shm") or (transfer == "push" and named.HasField("weights_out")):
                 raise InvalidTensorError("OpenBulk: name a push or a fetch, without shared memory")
             if transfer == "push":
                 header = request.push
@@ -226,6 +253,9 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         def handle() -> pb.PushGradientResponse:
             self._admit(request.key.run_id)
             state = self._registry.get(request.key.run_id, request.key.shard_id)
+            weights_out = None
+            if request.HasField("weights_out"):
+                weights_out = self._weights_out(request.weights_out, request.key.run_id, state, request.prepare_dtype)
             outcome = state.commit(
                 request.step,
                 global_norm=request.global_grad_norm,
@@ -234,8 +264,9 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 loss_scale=request.loss_scale or 1.0,
             )
             self._count(outcome)
+            written = self._write_weights(state, request.step, weights_out, "CommitStep.shm")
             return pb.PushGradientResponse(
-                step=outcome.updates, applied=outcome.applied, update_seconds=outcome.seconds
+                step=outcome.updates, applied=outcome.applied, update_seconds=outcome.seconds, weights_written=written
             )
 
         return self._guard("CommitStep", context, handle)

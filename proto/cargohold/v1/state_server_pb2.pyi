@@ -145,7 +145,7 @@ class SharedMemoryRef(_message.Message):
     def __init__(self, path: _Optional[str] = ..., byte_offset: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("key", "step", "dtype", "numel", "global_grad_norm", "lr", "defer_update", "shm", "prepare_dtype")
+    __slots__ = ("key", "step", "dtype", "numel", "global_grad_norm", "lr", "defer_update", "shm", "prepare_dtype", "weights_out")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class PushHeader(_message.Message):
     DEFER_UPDATE_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     PREPARE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_OUT_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     step: int
     dtype: DType
@@ -164,7 +165,8 @@ class PushHeader(_message.Message):
     defer_update: bool
     shm: SharedMemoryRef
     prepare_dtype: DType
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., defer_update: _Optional[bool] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., prepare_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    weights_out: SharedMemoryRef
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., defer_update: _Optional[bool] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., prepare_dtype: _Optional[_Union[DType, str]] = ..., weights_out: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
 class PushGradientRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -175,30 +177,34 @@ class PushGradientRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PushGradientResponse(_message.Message):
-    __slots__ = ("step", "applied", "update_seconds")
+    __slots__ = ("step", "applied", "update_seconds", "weights_written")
     STEP_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     step: int
     applied: bool
     update_seconds: float
-    def __init__(self, step: _Optional[int] = ..., applied: _Optional[bool] = ..., update_seconds: _Optional[float] = ...) -> None: ...
+    weights_written: bool
+    def __init__(self, step: _Optional[int] = ..., applied: _Optional[bool] = ..., update_seconds: _Optional[float] = ..., weights_written: _Optional[bool] = ...) -> None: ...
 
 class CommitStepRequest(_message.Message):
-    __slots__ = ("key", "step", "global_grad_norm", "lr", "prepare_dtype", "loss_scale")
+    __slots__ = ("key", "step", "global_grad_norm", "lr", "prepare_dtype", "loss_scale", "weights_out")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     PREPARE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_OUT_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     step: int
     global_grad_norm: float
     lr: float
     prepare_dtype: DType
     loss_scale: float
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., prepare_dtype: _Optional[_Union[DType, str]] = ..., loss_scale: _Optional[float] = ...) -> None: ...
+    weights_out: SharedMemoryRef
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., step: _Optional[int] = ..., global_grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., prepare_dtype: _Optional[_Union[DType, str]] = ..., loss_scale: _Optional[float] = ..., weights_out: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
 class FetchWeightsRequest(_message.Message):
     __slots__ = ("key", "step", "dtype", "chunk_bytes", "shm")
