@@ -336,16 +336,22 @@ class ShardedStep:
             applied = self._adopt_pending()  # the staged gradients are replaced by the next push
         elif delayed:
             applied = self._adopt_pending()
-            if policy.staged:  # CommitStep runs during the next step's compute, not inside this one
+            if policy.staged:  # CommitStep runs during the next step's compute, its weights into the held range
                 self._commits = {
                     s.segment_id: self._pool.submit(
-                        self.port.commit, s, update, global_norm=global_norm, lr=lr, loss_scale=loss_scale
+                        self.port.commit,
+                        s,
+                        update,
+                        global_norm=global_norm,
+                        lr=lr,
+                        loss_scale=loss_scale,
+                        out=self._held(s),
                     )
                     for s in self.segments
                 }
-            self._pending = [
-                self._pool.submit(self._fetch_held, s, update, self._commits.get(s.segment_id)) for s in self.segments
-            ]
+                self._pending = list(self._commits.values())
+            else:
+                self._pending = [self._pool.submit(self.port.fetch, s, update, self._held(s)) for s in self.segments]
             self.updates = update
         else:
             if policy.staged:
@@ -522,13 +528,10 @@ class ShardedStep:
         finally:
             self.buffers.release(slot)
 
-    def _fetch_held(self, segment: Segment, update: int, committing: Future | None) -> None:
-        """Fetch a delayed update's weights of ``segment`` into the held range, once its
-        CommitStep (``committing``, submitted earlier) is done."""
+    def _held(self, segment: Segment) -> torch.Tensor:
+        """Where a delayed update's weights of ``segment`` arrive: its part of the held range."""
         assert self.buffers.held is not None
-        if committing is not None:
-            committing.result()
-        self.port.fetch(segment, update, self.buffers.held[segment.local_offset : segment.local_offset + segment.numel])
+        return self.buffers.held[segment.local_offset : segment.local_offset + segment.numel]
 
     def _in_slot(self, segment: Segment) -> slice:
         at = segment.local_offset - self.layout.groups[segment.group].start
@@ -566,7 +569,7 @@ class ShardedStep:
             return 0
         pending, self._pending = self._pending, []
         self._wait(pending)
-        self._commits = {}  # each fetch waited for its segment's commit
+        self._commits = {}  # the commits are among them, done
         assert self.buffers.held is not None
         self._adopt(self.buffers.held)
         return len(pending)
