@@ -49,7 +49,9 @@ def _states(rank: int, port: int, out: Path) -> None:
             loss.backward()
             after_backward = [g.is_unsharded for g in groups]
             states[kept] = after_forward, after_backward
+            del model, units, groups, loss
         torch.save(states, out / f"rank{rank}.pt")
+        dist.barrier()  # neither rank tears gloo down while the other still uses it
     finally:
         dist.destroy_process_group()
 
