@@ -104,12 +104,17 @@ def box_seconds() -> tuple[float, float, float]:
     return (user + nice + system + irq + softirq) / CLOCK_TICKS, steal / CLOCK_TICKS, sum(fields) / CLOCK_TICKS
 
 
-def box_per_step(before: tuple[float, float, float], steps: int, processes: float) -> dict:
-    """What the whole machine did per timed step since ``before``: its cores' busy share,
-    CPU seconds stolen by the hypervisor and those of processes other than the measured
-    ones (``processes``: their CPU seconds per step). A run with either well above zero
-    was disturbed by something outside it."""
-    busy, steal, total = (after - then for after, then in zip(box_seconds(), before))
+def box_since(before: tuple[float, float, float]) -> list[float]:
+    """The whole machine's busy, stolen and total CPU seconds since ``before``."""
+    return [after - then for after, then in zip(box_seconds(), before)]
+
+
+def box_per_step(window: list[float], steps: int, processes: float) -> dict:
+    """What the whole machine did per timed step over ``window`` (:func:`box_since`): its
+    cores' busy share, CPU seconds stolen by the hypervisor and those of processes other
+    than the measured ones (``processes``: their CPU seconds per step). A run with either
+    well above zero was disturbed by something outside it."""
+    busy, steal, total = window
     return {
         "busy": busy / max(total, 1e-9),
         "steal": steal / steps,
@@ -271,7 +276,7 @@ def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: st
                 for name, pid in pids.items()
             }
             driver = (time.process_time() - driver) / kept
-            box_step = box_per_step(box, kept, sum(map(sum, cpu.values())) + driver)
+            box_step = box_per_step(box_since(box), kept, sum(map(sum, cpu.values())) + driver)
             peaks = {name: peak_rss(pid) for name, pid in pids.items()}
     finally:
         ray.shutdown()
@@ -419,7 +424,7 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
         "cpu": [(after - then) / kept for after, then in zip(cpu_seconds(os.getpid()), cpu)],
         "disk": [(after - then) / kept for after, then in zip(disk_bytes(os.getpid()), disk)],
         "peak": peak_rss(os.getpid()),
-        "box": [after - then for after, then in zip(box_seconds(), box)],
+        "box": box_since(box),
         "allocator": loaded_allocator(),
         "losses": losses,
         "optimizer": type(engine.optimizer).__name__,
@@ -456,9 +461,8 @@ def run_deepspeed(args: argparse.Namespace, variant: str, root: Path, port: int)
     results = [json.loads(path.read_text()) for path in ranks]
     kept = args.steps - args.warmup
     ranks_cpu = sum(sum(r["cpu"]) for r in results)
-    busy, steal, total = results[0]["box"]  # rank 0's window: the ranks start it together (a barrier)
-    return {
-        "box": {"busy": busy / max(total, 1e-9), "steal": steal / kept, "others": max(0.0, busy / kept - ranks_cpu)},
+    return {  # the box over rank 0's window: the ranks start it together (a barrier)
+        "box": box_per_step(results[0]["box"], kept, ranks_cpu),
         "step": max(r["step"] for r in results),
         "cpu": {f"rank {r['rank']}": r["cpu"] for r in results},
         "disk": {f"rank {r['rank']}": r["disk"] for r in results},

@@ -144,9 +144,13 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 )
                 owned = True  # assembled for this call alone: clipping may scale it in place
             outcome = self._complete_push(header, state, gradient, owned=owned)
-            written = self._write_weights(state, header.step, weights_out, "PushGradient.shm")
+            if weights_out is not None:
+                self._write_weights(state, header.step, *weights_out, "PushGradient.shm")
             return pb.PushGradientResponse(
-                step=outcome.updates, applied=outcome.applied, update_seconds=outcome.seconds, weights_written=written
+                step=outcome.updates,
+                applied=outcome.applied,
+                update_seconds=outcome.seconds,
+                weights_written=weights_out is not None,
             )
 
         return self._guard("PushGradient", context, handle)
@@ -159,19 +163,17 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         dtype = prepare_dtype_from_proto(prepare_dtype)
         if dtype is None:
             raise InvalidTensorError("weights_out needs prepare_dtype: the dtype to write the weights in")
-        region = self._regions.open(ref.path, run_id)
-        return region.tensor(WIRE_DTYPES[dtype], ref.byte_offset, state.spec.numel), dtype
+        return self._shared_weights(ref, run_id, state, dtype), dtype
 
-    def _write_weights(
-        self, state: SegmentState, step: int, weights_out: tuple[torch.Tensor, str] | None, rpc: str
-    ) -> bool:
-        """Write the weights after ``step`` where :meth:`_weights_out` found; False without one."""
-        if weights_out is None:
-            return False
-        target, dtype = weights_out
+    def _shared_weights(self, ref: pb.SharedMemoryRef, run_id: str, state: SegmentState, dtype: str) -> torch.Tensor:
+        """The worker's shared memory that ``ref`` names, as room for the segment's weights in ``dtype``."""
+        region = self._regions.open(ref.path, run_id)
+        return region.tensor(WIRE_DTYPES[dtype], ref.byte_offset, state.spec.numel)
+
+    def _write_weights(self, state: SegmentState, step: int, target: torch.Tensor, dtype: str, rpc: str) -> None:
+        """Write the weights after ``step`` into ``target`` (from :meth:`_shared_weights`), counted under ``rpc``."""
         weights = state.weights(step, dtype, out=target)
         self._metrics.record_sent(rpc, weights.numel() * weights.element_size())
-        return True
 
     def _push_target(self, header: pb.PushHeader) -> tuple[SegmentState, str]:
         """The shard a push header names and its gradient dtype, once the header fits it."""
@@ -264,9 +266,13 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 loss_scale=request.loss_scale or 1.0,
             )
             self._count(outcome)
-            written = self._write_weights(state, request.step, weights_out, "CommitStep.shm")
+            if weights_out is not None:
+                self._write_weights(state, request.step, *weights_out, "CommitStep.shm")
             return pb.PushGradientResponse(
-                step=outcome.updates, applied=outcome.applied, update_seconds=outcome.seconds, weights_written=written
+                step=outcome.updates,
+                applied=outcome.applied,
+                update_seconds=outcome.seconds,
+                weights_written=weights_out is not None,
             )
 
         return self._guard("CommitStep", context, handle)
@@ -294,15 +300,13 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES  # 0: the server's choice
             check_chunk_bytes(chunk_bytes)
             if request.HasField("shm"):  # written straight into the worker's weight shard
-                region = self._regions.open(request.shm.path, request.key.run_id)
-                target = region.tensor(WIRE_DTYPES[dtype], request.shm.byte_offset, state.spec.numel)
-                weights = state.weights(request.step, dtype, out=target)
-                self._metrics.record_sent("FetchWeights.shm", weights.numel() * weights.element_size())
+                target = self._shared_weights(request.shm, request.key.run_id, state, dtype)
+                self._write_weights(state, request.step, target, dtype, "FetchWeights.shm")
                 return iter(
                     [
                         (
                             pb.WeightsChunk(
-                                step=request.step, dtype=request.dtype, numel=weights.numel(), chunk=pb.TensorChunk()
+                                step=request.step, dtype=request.dtype, numel=target.numel(), chunk=pb.TensorChunk()
                             ),
                             0,
                         )
