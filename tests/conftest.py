@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import ray
 from transport_server import G1, GLOBAL_NORM, LR, RUN, W0, Served, make_spec, serving
@@ -49,16 +50,42 @@ def ray_local():
     their placement groups)."""
     import torch
 
-    ray.init(
-        num_cpus=8,
-        num_gpus=torch.cuda.device_count(),
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    settings = {
+        "num_cpus": 8,
+        "num_gpus": torch.cuda.device_count(),
+        "include_dashboard": False,
+        "_node_ip_address": "127.0.0.1",
+        "log_to_driver": False,
+        "configure_logging": False,
+    }
+    try:
+        ray.init(**settings)
+    except Exception as error:  # Ray raises a bare Exception when its raylet does not register
+        if "timed out during startup" not in str(error):
+            raise
+        # On a loaded 2-core CI box the raylet once missed Ray's fixed 30 s to register; the
+        # half-started node is unreachable from here, so its processes are stopped by hand
+        # before a second (and last) try.
+        _stop_ray_processes()
+        ray.shutdown()
+        ray.init(**settings)
     yield
     ray.shutdown()
+
+
+def _stop_ray_processes() -> None:
+    """Kill the Ray processes (GCS, raylet, monitors) this process started."""
+    ours = [p for p in psutil.Process().children(recursive=True) if "ray" in " ".join(_cmdline(p))]
+    for process in ours:
+        process.kill()
+    psutil.wait_procs(ours, timeout=30)
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
 
 
 @pytest.fixture(scope="module")

@@ -242,6 +242,18 @@ def test_pruning_removes_only_the_owners_checkpoints(tmp_path: Path) -> None:
     assert store.complete_steps() == [2, 5]
 
 
+def test_a_commit_prunes_what_interrupted_prunes_left(tmp_path: Path) -> None:
+    """Writers killed between a commit's rename and its prune, run after run, leave more
+    than keep_last complete checkpoints; the next commit that finishes brings them back."""
+    data = random_data(640, 0)
+    for step in (1, 2, 3, 4):  # as four crashed writers with keep_last 2 would leave them
+        save(CheckpointDir(tmp_path, keep_last=10), step, data, [64])
+    store = CheckpointDir(tmp_path, keep_last=2)
+    save(store, 5, data, [64])
+    assert store.complete_steps() == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000000004", "step-0000000005"]
+
+
 def test_keep_last_prunes_oldest_and_stale_partials(tmp_path: Path) -> None:
     store = CheckpointDir(tmp_path, keep_last=3)
     data = random_data(640, 0)
