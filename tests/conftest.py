@@ -7,7 +7,6 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 import ray
 from transport_server import G1, GLOBAL_NORM, LR, RUN, W0, Served, make_spec, serving
@@ -75,17 +74,18 @@ def ray_local():
 
 def _stop_ray_processes() -> None:
     """Kill the Ray processes (GCS, raylet, monitors) this process started."""
-    ours = [p for p in psutil.Process().children(recursive=True) if "ray" in " ".join(_cmdline(p))]
+    import psutil  # Ray's own copy (ray/thirdparty_files), importable once ray is
+
+    def is_ray(process: psutil.Process) -> bool:
+        try:
+            return "ray" in " ".join(process.cmdline())
+        except psutil.Error:
+            return False
+
+    ours = [p for p in psutil.Process().children(recursive=True) if is_ray(p)]
     for process in ours:
         process.kill()
     psutil.wait_procs(ours, timeout=30)
-
-
-def _cmdline(process: psutil.Process) -> list[str]:
-    try:
-        return process.cmdline()
-    except psutil.Error:
-        return []
 
 
 @pytest.fixture(scope="module")
