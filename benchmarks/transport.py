@@ -158,7 +158,7 @@ def measure_shared_memory(address: str, gradient: torch.Tensor, reps: int) -> di
     the mapping (push time = wall time minus the server's update seconds, as for gRPC; a
     staged push adds one copy into a buffer reused from step to step); fetch has the
     server write the weights into the worker's shared weight shard."""
-    from cargohold.services.transport.shm import SharedRegion
+    from cargohold.services.transport.shm import SharedRegion, region_name
 
     numel = gradient.numel()
     spec = SegmentSpec(
@@ -170,7 +170,7 @@ def measure_shared_memory(address: str, gradient: torch.Tensor, reps: int) -> di
         grad_dtype="float32",
         hyper=AdamWHyperParams(),
     )
-    region = SharedRegion.create(f"{RUN}-{os.getpid()}", 2 * numel * 4)
+    region = SharedRegion.create(region_name(RUN, "bench"), 2 * numel * 4)
     try:
         region.tensor(torch.float32, 0, numel).copy_(gradient)
         path = region.path
