@@ -110,6 +110,14 @@ class StateServerClient:
             else grpc.insecure_channel(address, options=options)
         )
         self._stub = pb_grpc.StateServerStub(self._channel)
+        # A push that names shared memory is its header alone. Sent as a unary call (the
+        # same bytes on the wire: one message, then the end of the stream), it spares the
+        # thread gRPC Python starts for every client stream to drain the request iterator.
+        self._push_header = self._channel.unary_unary(
+            f"/{pb.DESCRIPTOR.services_by_name['StateServer'].full_name}/PushGradient",
+            request_serializer=pb.PushGradientRequest.SerializeToString,
+            response_deserializer=pb.PushGradientResponse.FromString,
+        )
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def close(self) -> None:
@@ -203,14 +211,15 @@ class StateServerClient:
 
         def requests() -> Iterator[pb.PushGradientRequest]:
             yield pb.PushGradientRequest(header=header)
-            if shm is not None:
-                return
             for offset, data in byte_chunks(gradient, self.chunk_bytes):
                 request = pb.PushGradientRequest()  # filled in place: no merge copy of the chunk
                 fill_chunk(request.chunk, offset, data)
                 yield request
 
-        reply = self._call("PushGradient", self._stub.PushGradient, requests())
+        if shm is not None:
+            reply = self._call("PushGradient", self._push_header, pb.PushGradientRequest(header=header))
+        else:
+            reply = self._call("PushGradient", self._stub.PushGradient, requests())
         if weights_out is not None and not reply.weights_written:
             self.fetch(run_id, segment_id, step, str(prepare), gradient.numel(), shm=weights_out)
         return UpdateOutcome(applied=reply.applied, updates=reply.step, seconds=reply.update_seconds)

@@ -193,10 +193,11 @@ class RegionCache:
         try:
             key, size = self._check(fd, path, run_id)
             with self._lock:
-                self._forget_released()
+                # A hit is the very file mapped: the mapping keeps its inode from reuse.
                 cached = self._regions.get(key)
                 if cached is not None:
                     return cached[1]
+                self._forget_released()  # before counting what a new region would add
                 self._admit(pid, size, path)
                 region = SharedRegion(fd, path, owner=False)
                 fd = -1  # closed by the region once mapped
