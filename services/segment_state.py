@@ -197,9 +197,10 @@ class SegmentState:
         lr: float,
         owned: bool = False,
         prepare: str | None = None,
+        weights_out: torch.Tensor | None = None,
     ) -> UpdateOutcome:
         """Apply the gradient of update number ``update`` once; a repeat of the last
-        update is ignored.
+        update is ignored (but still writes ``weights_out``).
 
         An fp32 gradient is used in place, not copied. ``owned``: the caller hands the
         gradient over (a tensor the transport just assembled) and will not use it again,
@@ -207,19 +208,24 @@ class SegmentState:
         ``prepare``: a wire dtype in which the update also writes the new weights, while
         they stream through memory anyway; the next :meth:`weights` of this update in that
         dtype then only hands them over. Without it a fetch reads the state again.
+        ``weights_out`` (with ``prepare``; 1-D, the segment's size, in that dtype, e.g. a
+        co-located worker's shared memory): the update writes the new weights straight
+        there instead, and nothing is kept for a fetch.
 
         If the update stops part-way (a corrupt partition file, a failed write) the error
         propagates and the segment stays at the previous update; applying the same update
         again finishes the partitions that had not been updated.
         """
         _check_tensor(self.spec, gradient, WIRE_DTYPES[self.spec.grad_dtype], "gradient")
-        _check_update_args(self.spec, global_norm, lr, prepare)
+        _check_update_args(self.spec, global_norm, lr, prepare, weights_out)
         if gradient.device != self._storage.device:  # a GPU worker's device segment, pushed from host memory
             gradient, owned = gradient.to(self._storage.device), True
         with self.lock:
             if repeats_last_update(self.spec, self._updates, update, verb="accepts"):
-                return UpdateOutcome(applied=False, updates=self._updates, seconds=0.0)
-            return self._update(update, gradient, global_norm=global_norm, lr=lr, owned=owned, prepare=prepare)
+                return self._repeated(update, prepare, weights_out)
+            return self._update(
+                update, gradient, global_norm=global_norm, lr=lr, owned=owned, prepare=prepare, weights_out=weights_out
+            )
 
     def stage_gradient(self, update: int, gradient: torch.Tensor) -> UpdateOutcome:
         """Keep the gradient of update ``update`` (its partitions' pieces where their state
@@ -236,25 +242,39 @@ class SegmentState:
             return UpdateOutcome(applied=False, updates=update, seconds=0.0)
 
     def commit(
-        self, update: int, *, global_norm: float, lr: float, prepare: str | None = None, loss_scale: float = 1.0
+        self,
+        update: int,
+        *,
+        global_norm: float,
+        lr: float,
+        prepare: str | None = None,
+        loss_scale: float = 1.0,
+        weights_out: torch.Tensor | None = None,
     ) -> UpdateOutcome:
         """Apply the gradient staged for ``update``; repeating a commit is harmless, and a
         commit that failed part-way (a failed write) finishes when repeated. ``prepare``
-        as in :meth:`apply_gradient`. ``loss_scale``: the dynamic loss scale the staged
-        gradient was computed with (fp16 compute), taken out before clipping;
-        ``global_norm`` is the norm without it."""
-        _check_update_args(self.spec, global_norm, lr, prepare)
+        and ``weights_out`` as in :meth:`apply_gradient`. ``loss_scale``: the dynamic
+        loss scale the staged gradient was computed with (fp16 compute), taken out before
+        clipping; ``global_norm`` is the norm without it."""
+        _check_update_args(self.spec, global_norm, lr, prepare, weights_out)
         _check_loss_scale(self.spec, loss_scale)
         with self.lock:
             if update == self._updates and update > 0:
-                return UpdateOutcome(applied=False, updates=update, seconds=0.0)
+                return self._repeated(update, prepare, weights_out)
             if self._staged != update or update != self._updates + 1:
                 raise StepMismatchError(
                     f"shard {self.spec.segment_id} of run {self.spec.run_id!r} has no gradient staged for step "
                     f"{update} (it is at step {self._updates}); push it with defer_update first"
                 )
             outcome = self._update(
-                update, None, global_norm=global_norm, lr=lr, owned=False, prepare=prepare, loss_scale=loss_scale
+                update,
+                None,
+                global_norm=global_norm,
+                lr=lr,
+                owned=False,
+                prepare=prepare,
+                loss_scale=loss_scale,
+                weights_out=weights_out,
             )
             self._staged = 0
             return outcome
@@ -269,13 +289,17 @@ class SegmentState:
         owned: bool,
         prepare: str | None,
         loss_scale: float = 1.0,
+        weights_out: torch.Tensor | None = None,
     ) -> UpdateOutcome:
         """The update itself, under the lock; ``gradient`` None: the staged one."""
         started = time.perf_counter()
         if self._prepared is not None:  # never fetched: its buffer goes back
             self._buffers.give(self._prepared[2])
             self._prepared = None
-        out = self._buffers.take(WIRE_DTYPES[prepare], self.spec.numel) if prepare is not None else None
+        out = weights_out  # the caller's destination, or a pooled buffer kept for the fetch
+        if weights_out is None and prepare is not None:
+            out = self._buffers.take(WIRE_DTYPES[prepare], self.spec.numel)
+        pooled = out is not weights_out
         adamw = functools.partial(
             self._adamw,
             step=torch.tensor(float(update), dtype=torch.float32),
@@ -290,15 +314,27 @@ class SegmentState:
                 self.spec.run_id, self.spec.segment_id, update, gradient, gradient_owned=owned, adamw=adamw
             )
         except BaseException:
-            if out is not None:
+            if pooled and out is not None:
                 self._buffers.give(out)
             raise
         self._updates = update
-        if out is not None and prepare is not None and not report.resumed:
+        if weights_out is not None:
+            if report.resumed:  # the partitions updated before the failure were not written
+                self._storage.read_weights(
+                    self.spec.run_id, self.spec.segment_id, update, weights_out.dtype, out=weights_out
+                )
+        elif out is not None and prepare is not None and not report.resumed:
             self._prepared = (update, prepare, out)
         elif out is not None:  # a resumed update wrote only some partitions' weights
             self._buffers.give(out)
         return UpdateOutcome(applied=True, updates=update, seconds=time.perf_counter() - started)
+
+    def _repeated(self, update: int, prepare: str | None, weights_out: torch.Tensor | None) -> UpdateOutcome:
+        """The outcome of an update repeated (under the lock): nothing applied, but the
+        weights its caller asks for are written all the same."""
+        if weights_out is not None and prepare is not None:
+            self._weights_locked(update, prepare, weights_out)
+        return UpdateOutcome(applied=False, updates=self._updates, seconds=0.0)
 
     def _adamw(
         self,
@@ -349,36 +385,40 @@ class SegmentState:
         if dtype not in WIRE_DTYPES:
             raise InvalidTensorError(f"weight dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
         with self.lock:
-            current = self._updates
-            if update != current:
-                raise StepMismatchError(
-                    f"shard {self.spec.segment_id} of run {self.spec.run_id!r} holds the weights "
-                    f"of step {current}, not of step {update}"
-                )
-            prepared, self._prepared = self._prepared, None
-            if prepared is not None and prepared[:2] != (update, dtype):
-                self._buffers.give(prepared[2])
-                prepared = None
-            if prepared is not None:
-                if out is None:
-                    return prepared[2]
-                out.copy_(prepared[2])
-                self._buffers.give(prepared[2])
-                return out
-            if out is not None:
-                _check_tensor(self.spec, out, WIRE_DTYPES[dtype], "weights destination")
-                return self._storage.read_weights(
-                    self.spec.run_id, self.spec.segment_id, update, WIRE_DTYPES[dtype], out=out
-                )
-            buffer = self._buffers.take(WIRE_DTYPES[dtype], self.spec.numel)
-            try:
-                return self._storage.read_weights(
-                    self.spec.run_id, self.spec.segment_id, update, WIRE_DTYPES[dtype], out=buffer
-                )
-            except BaseException:
-                if buffer is not None:
-                    self._buffers.give(buffer)
-                raise
+            return self._weights_locked(update, dtype, out)
+
+    def _weights_locked(self, update: int, dtype: str, out: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`weights`, under the lock."""
+        current = self._updates
+        if update != current:
+            raise StepMismatchError(
+                f"shard {self.spec.segment_id} of run {self.spec.run_id!r} holds the weights "
+                f"of step {current}, not of step {update}"
+            )
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[:2] != (update, dtype):
+            self._buffers.give(prepared[2])
+            prepared = None
+        if prepared is not None:
+            if out is None:
+                return prepared[2]
+            out.copy_(prepared[2])
+            self._buffers.give(prepared[2])
+            return out
+        if out is not None:
+            _check_tensor(self.spec, out, WIRE_DTYPES[dtype], "weights destination")
+            return self._storage.read_weights(
+                self.spec.run_id, self.spec.segment_id, update, WIRE_DTYPES[dtype], out=out
+            )
+        buffer = self._buffers.take(WIRE_DTYPES[dtype], self.spec.numel)
+        try:
+            return self._storage.read_weights(
+                self.spec.run_id, self.spec.segment_id, update, WIRE_DTYPES[dtype], out=buffer
+            )
+        except BaseException:
+            if buffer is not None:
+                self._buffers.give(buffer)
+            raise
 
     def recycle(self, weights: torch.Tensor) -> None:
         """Hand back a tensor :meth:`weights` returned, once nothing reads it any more
@@ -505,7 +545,9 @@ def repeats_last_update(spec: SegmentSpec, current: int, update: int, *, verb: s
     return False
 
 
-def _check_update_args(spec: SegmentSpec, global_norm: float, lr: float, prepare: str | None) -> None:
+def _check_update_args(
+    spec: SegmentSpec, global_norm: float, lr: float, prepare: str | None, weights_out: torch.Tensor | None = None
+) -> None:
     if not (math.isfinite(lr) and lr >= 0.0):
         raise InvalidTensorError(f"shard {spec.segment_id}: lr must be finite and >= 0, got {lr}")
     if not (math.isfinite(global_norm) and global_norm >= 0.0):
@@ -514,6 +556,10 @@ def _check_update_args(spec: SegmentSpec, global_norm: float, lr: float, prepare
         )
     if prepare is not None and prepare not in WIRE_DTYPES:
         raise InvalidTensorError(f"weight dtype {prepare!r} is not one of {sorted(WIRE_DTYPES)}")
+    if weights_out is not None:
+        if prepare is None:
+            raise InvalidTensorError(f"shard {spec.segment_id}: weights_out needs prepare, the dtype to write them in")
+        _check_tensor(spec, weights_out, WIRE_DTYPES[prepare], "weights destination")
 
 
 def _check_loss_scale(spec: SegmentSpec, loss_scale: float) -> None:

@@ -70,3 +70,42 @@ def test_weights_buffers_are_reused_only_once_handed_back() -> None:
     assert torch.equal(in_fp32, state.snapshot()["master"])
     reread = state.weights(3, "bfloat16")
     assert reread.data_ptr() == third.data_ptr() and torch.equal(reread, again)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_update_writes_its_weights_into_the_callers_destination(dtype: str) -> None:
+    """``weights_out``: the update writes the new weights straight into the caller's
+    tensor (a worker's shared memory), keeps nothing for a fetch, and a repeat of the
+    update (a retry after a lost reply) writes them again."""
+    wire = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    state, reference = fresh_state(), fresh_state()
+    out = torch.full((NUMEL,), float("nan"), dtype=wire)
+    state.apply_gradient(1, step_gradient(1), global_norm=0.5, lr=1e-2, prepare=dtype, weights_out=out)
+    reference.apply_gradient(1, step_gradient(1), global_norm=0.5, lr=1e-2)
+    assert torch.equal(out, reference.weights(1, dtype))
+    assert state._prepared is None and state._buffers.taken == 0
+    out.fill_(float("nan"))
+    repeat = state.apply_gradient(1, step_gradient(1), global_norm=0.5, lr=1e-2, prepare=dtype, weights_out=out)
+    assert not repeat.applied and torch.equal(out, reference.weights(1, dtype))
+    state.stage_gradient(2, step_gradient(2))
+    reference.apply_gradient(2, step_gradient(2), global_norm=0.5, lr=1e-2)
+    for _ in range(2):  # the commit, then its repeat
+        out.fill_(float("nan"))
+        state.commit(2, global_norm=0.5, lr=1e-2, prepare=dtype, weights_out=out)
+        assert torch.equal(out, reference.weights(2, dtype))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"weights_out": torch.zeros(NUMEL)}, "weights_out needs prepare"),
+        ({"prepare": "bfloat16", "weights_out": torch.zeros(NUMEL)}, "weights destination must be torch.bfloat16"),
+        ({"prepare": "float32", "weights_out": torch.zeros(NUMEL - 1)}, f"weights destination must have {NUMEL}"),
+    ],
+)
+def test_a_bad_weights_destination_is_refused_before_the_update(kwargs: dict, message: str) -> None:
+    state = fresh_state()
+    before = state.snapshot()["master"]
+    with pytest.raises(InvalidTensorError, match=message):
+        state.apply_gradient(1, step_gradient(1), global_norm=0.5, lr=1e-2, **kwargs)
+    assert state.updates == 0 and torch.equal(state.snapshot()["master"], before)

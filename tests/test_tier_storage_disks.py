@@ -230,15 +230,19 @@ def test_disk_full_at_start_up_and_at_run_time(tmp_path: Path) -> None:
         except IncompleteStepError:
             incomplete = True
         os.unlink(filler)
-        state.apply_gradient(2, randn(2), global_norm=2.0, lr=1e-2)  # the retry finishes the step
+        # the retry finishes the step, and writes all the weights where its caller asks,
+        # those of the partitions the failed attempt updated too
+        out = torch.full((N,), float("nan"))
+        state.apply_gradient(2, randn(2), global_norm=2.0, lr=1e-2, prepare="float32", weights_out=out)
         ram.apply_gradient(2, randn(2), global_norm=2.0, lr=1e-2)
         print(json.dumps({"startup": startup, "runtime": runtime, "step": step_after_failure,
                           "incomplete": incomplete, "same": same(state, ram),
+                          "written": torch.equal(out, ram.weights(2, "float32")),
                           "temporaries": [f for f in os.listdir(roomy + "/ns/server-0") if f.endswith(".tmp")]}))
         storage.close()
     """,
     )
     assert "bytes free" in result["startup"] and "m0" in result["startup"]
     assert "No space left on device" in result["runtime"] and "the last good file is kept" in result["runtime"]
-    assert result["step"] == 1 and result["incomplete"] and result["same"]
+    assert result["step"] == 1 and result["incomplete"] and result["same"] and result["written"]
     assert result["temporaries"] == []

@@ -143,9 +143,9 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                     "PushGradient",
                 )
                 owned = True  # assembled for this call alone: clipping may scale it in place
-            outcome = self._complete_push(header, state, gradient, owned=owned)
+            outcome = self._complete_push(header, state, gradient, owned=owned, weights_out=weights_out)
             if weights_out is not None:
-                self._write_weights(state, header.step, *weights_out, "PushGradient.shm")
+                self._count_weights(weights_out, "PushGradient.shm")
             return pb.PushGradientResponse(
                 step=outcome.updates,
                 applied=outcome.applied,
@@ -157,23 +157,23 @@ class StateServerServicer(pb_grpc.StateServerServicer):
 
     def _weights_out(
         self, ref: pb.SharedMemoryRef, run_id: str, state: SegmentState, prepare_dtype: int
-    ) -> tuple[torch.Tensor, str]:
-        """Where an update's caller wants the new weights (``weights_out``) and their dtype
-        (``prepare_dtype``): checked before the update, so a bad reference changes nothing."""
+    ) -> torch.Tensor:
+        """Where an update's caller wants the new weights (``weights_out``), as room for
+        them in their dtype (``prepare_dtype``): checked before the update, so a bad
+        reference changes nothing."""
         dtype = prepare_dtype_from_proto(prepare_dtype)
         if dtype is None:
             raise InvalidTensorError("weights_out needs prepare_dtype: the dtype to write the weights in")
-        return self._shared_weights(ref, run_id, state, dtype), dtype
+        return self._shared_weights(ref, run_id, state, dtype)
 
     def _shared_weights(self, ref: pb.SharedMemoryRef, run_id: str, state: SegmentState, dtype: str) -> torch.Tensor:
         """The worker's shared memory that ``ref`` names, as room for the segment's weights in ``dtype``."""
         region = self._regions.open(ref.path, run_id)
         return region.tensor(WIRE_DTYPES[dtype], ref.byte_offset, state.spec.numel)
 
-    def _write_weights(self, state: SegmentState, step: int, target: torch.Tensor, dtype: str, rpc: str) -> None:
-        """Write the weights after ``step`` into ``target`` (from :meth:`_shared_weights`), counted under ``rpc``."""
-        weights = state.weights(step, dtype, out=target)
-        self._metrics.record_sent(rpc, weights.numel() * weights.element_size())
+    def _count_weights(self, target: torch.Tensor, rpc: str) -> None:
+        """Account weights written into a worker's shared memory (``target``) under ``rpc``."""
+        self._metrics.record_sent(rpc, target.numel() * target.element_size())
 
     def _push_target(self, header: pb.PushHeader) -> tuple[SegmentState, str]:
         """The shard a push header names and its gradient dtype, once the header fits it."""
@@ -188,9 +188,16 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         return state, dtype
 
     def _complete_push(
-        self, header: pb.PushHeader, state: SegmentState, gradient: torch.Tensor, *, owned: bool
+        self,
+        header: pb.PushHeader,
+        state: SegmentState,
+        gradient: torch.Tensor,
+        *,
+        owned: bool,
+        weights_out: torch.Tensor | None = None,
     ) -> UpdateOutcome:
-        """Stage or apply a pushed gradient, whichever way it came."""
+        """Stage or apply a pushed gradient, whichever way it came (applied, with the
+        weights written into ``weights_out`` when given)."""
         if header.defer_update:
             return state.stage_gradient(header.step, gradient)
         outcome = state.apply_gradient(
@@ -200,6 +207,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             lr=header.lr,
             owned=owned,
             prepare=prepare_dtype_from_proto(header.prepare_dtype),
+            weights_out=weights_out,
         )
         self._count(outcome)
         return outcome
@@ -264,10 +272,11 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 lr=request.lr,
                 prepare=prepare_dtype_from_proto(request.prepare_dtype),
                 loss_scale=request.loss_scale or 1.0,
+                weights_out=weights_out,
             )
             self._count(outcome)
             if weights_out is not None:
-                self._write_weights(state, request.step, *weights_out, "CommitStep.shm")
+                self._count_weights(weights_out, "CommitStep.shm")
             return pb.PushGradientResponse(
                 step=outcome.updates,
                 applied=outcome.applied,
@@ -301,7 +310,8 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             check_chunk_bytes(chunk_bytes)
             if request.HasField("shm"):  # written straight into the worker's weight shard
                 target = self._shared_weights(request.shm, request.key.run_id, state, dtype)
-                self._write_weights(state, request.step, target, dtype, "FetchWeights.shm")
+                state.weights(request.step, dtype, out=target)
+                self._count_weights(target, "FetchWeights.shm")
                 return iter(
                     [
                         (
