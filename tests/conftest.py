@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from ray_start import started_once_more
 from transport_server import G1, GLOBAL_NORM, LR, RUN, W0, Served, make_spec, serving
 
 # Everything the tests start binds loopback: cargohold's servers (read by
@@ -57,35 +58,9 @@ def ray_local():
         "log_to_driver": False,
         "configure_logging": False,
     }
-    try:
-        ray.init(**settings)
-    except Exception as error:  # Ray raises a bare Exception when its raylet does not register
-        if "timed out during startup" not in str(error):
-            raise
-        # On a loaded 2-core CI box the raylet once missed Ray's fixed 30 s to register; the
-        # half-started node is unreachable from here, so its processes are stopped by hand
-        # before a second (and last) try.
-        _stop_ray_processes()
-        ray.shutdown()
-        ray.init(**settings)
+    started_once_more(lambda: ray.init(**settings))
     yield
     ray.shutdown()
-
-
-def _stop_ray_processes() -> None:
-    """Kill the Ray processes (GCS, raylet, monitors) this process started."""
-    import psutil  # Ray's own copy (ray/thirdparty_files), importable once ray is
-
-    def is_ray(process: psutil.Process) -> bool:
-        try:
-            return "ray" in " ".join(process.cmdline())
-        except psutil.Error:
-            return False
-
-    ours = [p for p in psutil.Process().children(recursive=True) if is_ray(p)]
-    for process in ours:
-        process.kill()
-    psutil.wait_procs(ours, timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import torch
 from ports import free_port_range
 from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster
+from ray_start import started_once_more
 from reference import reference_train, tiny_config
 
 from cargohold.cluster.launcher import TrainingSession
@@ -24,9 +25,17 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def four_nodes():
     # cargohold's servers bind loopback through CARGOHOLD_NODE_IP (conftest.py).
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for resource in ("trainer", "trainer", "hold", "hold"):
-        cluster.add_node(num_cpus=2, resources={resource: 1})
+    def start() -> Cluster:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        try:
+            for resource in ("trainer", "trainer", "hold", "hold"):
+                cluster.add_node(num_cpus=2, resources={resource: 1})
+        except Exception:
+            cluster.shutdown()
+            raise
+        return cluster
+
+    cluster = started_once_more(start)
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     cluster.wait_for_nodes()
     yield cluster
