@@ -27,7 +27,9 @@ import os
 import time
 from collections.abc import Callable
 
+import grpc
 import torch
+from timing import cpu_seconds
 
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.segment_state import SegmentSpec
@@ -35,14 +37,11 @@ from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.shm import SharedRegion, region_name
 
 RUN = "control-path-bench"
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def serve(conn) -> None:
     """Child process: a state server and a bare unary server on 127.0.0.1 until told to stop."""
     from concurrent import futures
-
-    import grpc
 
     from cargohold.services.metrics import StateServerMetrics
     from cargohold.services.segment_state import SegmentRegistry
@@ -67,13 +66,6 @@ def serve(conn) -> None:
     bare.stop(0).wait()
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
 class Window:
     """Wall time and the CPU of this process and the server's over a run of ``calls``
     calls (a tick of /proc is 10 ms: runs are long enough that it does not matter)."""
@@ -82,12 +74,12 @@ class Window:
         self.server_pid = server_pid
 
     def measure(self, run: Callable[[], int]) -> dict[str, float]:
-        server0, client0, wall0 = process_cpu_seconds(self.server_pid), time.process_time(), time.perf_counter()
+        server0, client0, wall0 = sum(cpu_seconds(self.server_pid)), time.process_time(), time.perf_counter()
         calls = run()
         wall, client, server = (
             time.perf_counter() - wall0,
             time.process_time() - client0,
-            process_cpu_seconds(self.server_pid) - server0,
+            sum(cpu_seconds(self.server_pid)) - server0,
         )
         return {
             "calls": calls,
@@ -97,12 +89,9 @@ class Window:
         }
 
 
-def bare_calls(address: str, count: int) -> Callable[[], int]:
-    import grpc
-
-    channel = grpc.insecure_channel(address)
+def bare_calls(channel: grpc.Channel, count: int) -> Callable[[], int]:
+    """``count`` bare unary calls on ``channel``, one after another."""
     call = channel.unary_unary("/bench.Bare/Call")
-    call(b"", timeout=30)  # connected before timing
 
     def run() -> int:
         for _ in range(count):
@@ -132,7 +121,7 @@ def main() -> None:
         grads = region.tensor(torch.float32, 0, segments * numel)
         grads.copy_(torch.randn(segments * numel, generator=torch.Generator().manual_seed(0)) * 1e-3)
         weights_at = segments * numel * 4
-        with StateServerClient(address) as client:
+        with StateServerClient(address) as client, grpc.insecure_channel(bare_address) as bare_channel:
             client.wait_ready()
             for segment in range(segments):
                 spec = SegmentSpec(
@@ -147,7 +136,7 @@ def main() -> None:
                 client.register(spec, torch.zeros(numel))
             step = 0
 
-            def staged_steps() -> tuple[int, int]:
+            def staged_steps() -> int:
                 nonlocal step
                 for _ in range(args.steps):
                     step += 1
@@ -168,14 +157,16 @@ def main() -> None:
                         )
                 return args.steps * segments * 2
 
-            staged_steps()  # warm: buffers, mappings, connections
-            rows = {
-                "bare unary call": [window.measure(bare_calls(bare_address, args.steps * segments * 2))],
-                "staged push + commit (weights_out)": [],
+            runs = {
+                "bare unary call": bare_calls(bare_channel, args.steps * segments * 2),
+                "staged push + commit (weights_out)": staged_steps,
             }
+            for run in runs.values():
+                run()  # warm, not measured: connections, buffers, mappings
+            rows: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
             for _ in range(args.repeat):
-                rows["bare unary call"].append(window.measure(bare_calls(bare_address, args.steps * segments * 2)))
-                rows["staged push + commit (weights_out)"].append(window.measure(staged_steps))
+                for name, run in runs.items():
+                    rows[name].append(window.measure(run))
     finally:
         region.close()
         parent.send("stop")

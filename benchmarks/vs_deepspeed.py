@@ -65,6 +65,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from timing import CLOCK_TICKS, cpu_seconds
+
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 VARIANTS = ("zero2", "zero3", "nvme")
 CARGOHOLD_SETTINGS = {
@@ -72,18 +74,8 @@ CARGOHOLD_SETTINGS = {
     "zero3": ["worker.reshard_after_forward=true"],
     "nvme": ["worker.reshard_after_forward=true"],
 }
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PROFILE_RATE = 100
 """py-spy samples per second with ``--profile``."""
-
-
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """User and system CPU seconds of a process so far (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0, 0.0
-    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
 
 def disk_bytes(pid: int) -> tuple[int, int]:

@@ -5,9 +5,12 @@ once did, failing a whole module's fixture."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import ray
+
+if TYPE_CHECKING:
+    import psutil
 
 T = TypeVar("T")
 
@@ -30,13 +33,20 @@ def stop_ray_processes() -> None:
     """Kill the Ray processes (GCS, raylets, monitors) this process started."""
     import psutil  # Ray's own copy (ray/thirdparty_files), importable once ray is
 
-    def is_ray(process: psutil.Process) -> bool:
-        try:
-            return "ray" in " ".join(process.cmdline())
-        except psutil.Error:
-            return False
-
-    ours = [p for p in psutil.Process().children(recursive=True) if is_ray(p)]
+    ours = ray_processes()
     for process in ours:
         process.kill()
     psutil.wait_procs(ours, timeout=30)
+
+
+def ray_processes() -> list[psutil.Process]:
+    """This process's children (at any depth) that are Ray's."""
+    import psutil
+
+    def is_ray(process: psutil.Process) -> bool:
+        try:
+            return "ray" in " ".join(process.cmdline())
+        except psutil.Error:  # gone meanwhile
+            return False
+
+    return [p for p in psutil.Process().children(recursive=True) if is_ray(p)]

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import psutil
 import pytest
 import ray
-from ray_start import started_once_more
+from ray_start import ray_processes, started_once_more
 
 pytestmark = pytest.mark.timeout(180)
 
 TIMED_OUT = "The current node timed out during startup. This could happen because ..."
-
-
-def _ray_children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if "ray" in " ".join(p.cmdline())]
 
 
 def test_a_node_that_timed_out_is_stopped_and_started_again() -> None:
@@ -35,7 +30,7 @@ def test_a_node_that_timed_out_is_stopped_and_started_again() -> None:
         assert ray.get(ray.remote(lambda: 7).remote()) == 7
     finally:
         ray.shutdown()
-    assert not _ray_children()
+    assert not ray_processes()
 
 
 def test_any_other_failure_is_raised_at_once() -> None:
