@@ -5,7 +5,9 @@ list, exported weights).
 
 The new content goes to ``<target>.tmp``, which is fsynced and renamed over ``target``;
 the rename is only durable once the directory itself is fsynced too. A failure before
-the rename removes the temporary file and leaves ``target`` as it was.
+the rename removes the temporary file and leaves ``target`` as it was. Whatever is at the
+temporary name beforehand (a crashed writer's file, a symbolic link planted there) is
+removed first, so the writer creates a new file (services/private_files.py).
 :func:`replace_atomically` is the same without the fsyncs: a file that only has to
 survive its writer's death, not the machine's (the NVMe tier's live files, which a
 restart never reads; a checkpoint fsyncs those it keeps).
@@ -38,6 +40,7 @@ def replace_durably(
     """
     target = os.fspath(target)
     temporary = target + TEMP_SUFFIX
+    _remove(temporary)  # a link left at its name would send the write to the link's target
     try:
         yield temporary
         fsync_file(temporary, drop_cache=drop_cache)
@@ -58,6 +61,7 @@ def replace_atomically(target: str | os.PathLike[str]) -> Iterator[str]:
     removes the temporary file, ``target`` untouched."""
     target = os.fspath(target)
     temporary = target + TEMP_SUFFIX
+    _remove(temporary)  # as in replace_durably
     try:
         yield temporary
         os.replace(temporary, target)

@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from cargohold.services.errors import TierError, TierSpaceError
+from cargohold.services.private_files import private_folders
 from cargohold.services.tiers.fileformat import BLOCK, corrupt_error, crc32c, round_up
 from cargohold.services.tiers.io_pool import AlignedBuffer, BufferPool
 from cargohold.services.tiers.nvme import SPACE_ERRNOS, TierPath, lock_folder, probe_path, remove_folder
@@ -32,11 +33,6 @@ WEIGHTS_KEY = "worker.weights_nvme_path"
 READ_BUFFERS = 2
 """Aligned buffers of the largest file that reads and writes go through: one read while
 another unit's update is written."""
-
-
-def worker_folder(root: str, run_id: str, rank: int) -> str:
-    """Where worker ``rank`` of ``run_id`` keeps its weight files under ``root``."""
-    return os.path.join(root, run_id, f"worker-{rank}")
 
 
 class WeightObserver(Protocol):
@@ -73,11 +69,7 @@ class WeightFiles:
     ) -> None:
         """``total_bytes``: what all the unit files will take; refused with a
         :class:`TierSpaceError` now when the filesystem has less free."""
-        self.folder = worker_folder(root, run_id, rank)
-        try:
-            os.makedirs(self.folder, exist_ok=True)
-        except OSError as error:
-            raise TierError(f"{WEIGHTS_KEY}: cannot create {self.folder}: {error.strerror}") from error
+        self.folder = private_folders(root, run_id, f"worker-{rank}", key=WEIGHTS_KEY)
         self._lock_fd = lock_folder(self.folder)
         try:
             self._path: TierPath = probe_path(self.folder, direct_io, key=WEIGHTS_KEY)

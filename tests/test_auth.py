@@ -22,7 +22,7 @@ from transport_server import DEADLINE_S, G1, GLOBAL_NORM, LR, NUMEL, RUN, W0, as
 from cargohold.services.errors import ConfigError, TransportError
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.segment_state import SegmentRegistry
-from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
+from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor, bearer
 from cargohold.services.transport.codec import SERVICE_NAME
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
 from cargohold.services.transport.grpc_server import GrpcStateServer
@@ -108,6 +108,43 @@ def test_health_is_open_without_a_token() -> None:
             health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10
         )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+WATCH_FLOOD = 300
+"""Anonymous Watch streams opened at once, as the red team's client did (twice)."""
+
+
+def test_anonymous_watch_streams_cannot_freeze_the_server() -> None:
+    """Before: the stock health servicer served Watch to callers without the token, each
+    stream holding one of the probes' two threads and, while sending, the lock Check
+    needs; two floods of a few hundred cancelled streams left every later call, the
+    token holder's and Check itself, at DEADLINE_EXCEEDED. Now Watch is not served."""
+    with (
+        server(auth_token=TOKEN) as s,
+        grpc.insecure_channel(s.address) as channel,
+        StateServerClient(s.address, timeout_s=10, auth_token=TOKEN) as good,
+    ):
+        health = health_pb2_grpc.HealthStub(channel)
+        for _ in range(2):
+            streams = [
+                health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=DEADLINE_S)
+                for _ in range(WATCH_FLOOD)
+            ]
+            for stream in streams:
+                stream.cancel()
+        with pytest.raises(grpc.RpcError) as refused:
+            next(health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        good.register(make_spec(), W0)
+        assert good.describe(RUN, 0)[1] == 0
+        authorised = health.Watch(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5, metadata=bearer(TOKEN)
+        )
+        with pytest.raises(grpc.RpcError) as unserved:  # with the token too: Check only
+            next(authorised)
+        assert unserved.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_an_empty_token_is_a_config_error() -> None:

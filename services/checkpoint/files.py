@@ -16,6 +16,7 @@ import stat
 from pathlib import Path
 
 from cargohold.services.errors import CorruptCheckpointError
+from cargohold.services.private_files import open_file
 
 _KINDS = (
     (stat.S_ISLNK, "a symbolic link"),
@@ -28,20 +29,16 @@ _KINDS = (
 
 
 def open_regular(path: Path) -> int:
-    """A read-only descriptor of the regular file ``path``. A file of another kind is
-    refused with CorruptCheckpointError naming it; the open's own OSErrors propagate
+    """A read-only descriptor of the regular file ``path`` (opened as every file a run
+    touches is: services/private_files.py). A file of another kind is refused with
+    CorruptCheckpointError naming it; the open's own OSErrors propagate
     (FileNotFoundError: the file is missing)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        return open_file(str(path))
     except OSError as error:
-        if error.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
-            raise not_regular(path, stat.S_IFLNK) from None
+        if error.errno == errno.ELOOP:  # a link, or not a regular file
+            raise not_regular(path, os.lstat(path).st_mode) from None
         raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise not_regular(path, mode)
-    return fd
 
 
 def check_regular(path: Path) -> os.stat_result:

@@ -41,6 +41,7 @@ import torch
 
 from cargohold.services.durable import fsync_file, replace_atomically, replace_durably
 from cargohold.services.errors import TierError, TierSpaceError
+from cargohold.services.private_files import create_file, open_file, private_folders
 from cargohold.services.tiers.fileformat import (
     ARRAYS,
     BLOCK,
@@ -117,9 +118,11 @@ class TierPath:
         return True
 
 
-def probe_path(
-    root: str, direct_io: str, probe_bytes: int = PROBE_BYTES, *, key: str = "state_server.tier.nvme_paths"
-) -> TierPath:
+NVME_KEY = "state_server.tier.nvme_paths"
+"""The config key naming the tier's paths, in its errors."""
+
+
+def probe_path(root: str, direct_io: str, probe_bytes: int = PROBE_BYTES, *, key: str = NVME_KEY) -> TierPath:
     """Create ``root`` if needed, check it takes an aligned write and read (O_DIRECT unless
     ``direct_io`` is "off"), and measure both. Raises TierError naming the path and the
     config ``key`` that set it."""
@@ -234,7 +237,13 @@ def lock_folder(directory: str) -> int:
     """Take the folder for this process: another live process using it (two runs with one
     run id, or two servers with one index) is refused, a dead one's lock is gone.
     FileNotFoundError where ``directory`` does not exist."""
-    fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        fd = open_file(path, os.O_RDWR | os.O_CREAT)
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise TierError(f"cannot take {directory}: {error.strerror}") from error
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as error:
@@ -284,12 +293,9 @@ class NvmeTier:
                 return
             locks: list[int] = []
             try:
-                for index in range(len(self.paths)):
-                    try:
-                        os.makedirs(self.directory(run_id, index), exist_ok=True)
-                    except OSError as error:
-                        raise TierError(f"cannot create {self.directory(run_id, index)}: {error.strerror}") from error
-                    locks.append(lock_folder(self.directory(run_id, index)))
+                for path in self.paths:
+                    folder = private_folders(path.root, run_id, f"server-{self.server_index}", key=NVME_KEY)
+                    locks.append(lock_folder(folder))
             except BaseException:
                 for fd in locks:
                     os.close(fd)
@@ -419,7 +425,7 @@ class NvmeTier:
             raise kind(
                 f"writing partition file {target} ({partition.key}) at step {step} failed: "
                 f"{error.strerror}; the last good file is kept"
-                + ("; free space or add paths to state_server.tier.nvme_paths" if kind is TierSpaceError else "")
+                + (f"; free space or add paths to {NVME_KEY}" if kind is TierSpaceError else "")
             ) from error
         seconds = time.perf_counter() - started
         tier_path.write_bytes += layout.file_bytes
@@ -495,8 +501,7 @@ def write_partition_file(
 
 def write_file(path: str, view: memoryview, direct: bool) -> None:
     """Write ``view`` as the whole of a new file (the caller makes it durable)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
-    fd = os.open(path, flags, 0o600)
+    fd = create_file(path, os.O_DIRECT if direct else 0)
     try:
         offset = 0
         while offset < len(view):
@@ -509,7 +514,7 @@ def write_file(path: str, view: memoryview, direct: bool) -> None:
 
 
 def read_file_into(path: str, view: memoryview, direct: bool) -> int:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+    fd = open_file(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
     try:
         offset = 0
         while offset < len(view):

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cargohold.services.durable import replace_durably
+from cargohold.services.private_files import create_file, open_file
 from cargohold.services.tiers.fileformat import (
     HEADER_BYTES,
     FileLayout,
@@ -71,7 +72,7 @@ class PendingCopy:
         temporary file."""
         try:
             with replace_durably(self.target, sync_directory=False) as temporary:
-                out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                out = create_file(temporary)
                 try:
                     _copy_range(self.source_fd, out, self.nbytes)
                 finally:
@@ -124,7 +125,7 @@ def link_or_pin(
     refuses, return a :class:`PendingCopy` holding the version open. Raises
     CorruptPartitionError when the file is not that partition at that step, and the
     OSError of any other failure."""
-    fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_file(source)
     try:
         header = _check(fd, source, key, layout, step)
         try:

@@ -1,6 +1,7 @@
 """Who may call a state server: a shared bearer token in call metadata, checked by a
-server interceptor, and optional mutual TLS. Health checks stay open so orchestrators
-can probe liveness without the secret; they reveal nothing and change nothing.
+server interceptor, and optional mutual TLS. Health checks (``Check``, the one health
+method served: services/transport/health.py) stay open so orchestrators can probe
+liveness without the secret; they reveal nothing and change nothing.
 
 A call without the token is refused before gRPC reads any of its body (see
 :func:`~cargohold.services.transport.limits.refusal`), on the server's quick pool.
@@ -19,10 +20,11 @@ import grpc
 
 from cargohold.cluster.config import SecurityConfig
 from cargohold.services.errors import ConfigError
+from cargohold.services.transport.health import CHECK_METHOD
 from cargohold.services.transport.limits import refusal
 
 AUTH_METADATA_KEY = "authorization"
-OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
+OPEN_METHODS = frozenset({CHECK_METHOD})
 
 
 @dataclass(frozen=True, slots=True)

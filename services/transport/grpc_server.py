@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cargohold.services.errors import (
     CargoholdError,
@@ -40,6 +40,7 @@ from cargohold.services.transport.codec import (
     spec_to_proto,
     tier_summary_to_proto,
 )
+from cargohold.services.transport.health import CheckOnlyHealth
 from cargohold.services.transport.limits import (
     QUICK_THREADS,
     CallLimiter,
@@ -478,7 +479,7 @@ class GrpcStateServer:
             ],
         )
         pb_grpc.add_StateServerServicer_to_server(self.servicer, self._server)
-        self._health = health.HealthServicer()
+        self._health = CheckOnlyHealth()
         health_pb2_grpc.add_HealthServicer_to_server(OnPoolServicer(self._health, self._quick), self._server)
         target = f"{host}:{port}"
         bound = (
