@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.services.errors import ConfigError
-from cargohold.services.models.hf import model_folder
+from cargohold.services.models.hf import model_folder, refuse_folder_code
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -59,8 +59,9 @@ def load_tokenizer(folder: Path, key: str, vocab_size: int) -> PreTrainedTokeniz
         ) from error
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(f"{key} {str(folder)!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)")
+    refuse_folder_code(folder, f"{key} {str(folder)!r}")
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ConfigError(f"cannot load a tokenizer from {key} {str(folder)!r}: {error}") from error
     if tokenizer.eos_token_id is None:

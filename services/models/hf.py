@@ -8,7 +8,10 @@ model is wrapped in :class:`HFCausalLM`, which gives the trainer's model contrac
 
 Nothing is ever downloaded: each path must exist on disk, and every transformers call
 passes ``local_files_only=True`` (the effect of ``HF_HUB_OFFLINE=1``, without setting it
-for the whole process). Models that need ``trust_remote_code`` are refused.
+for the whole process). cargohold runs no code from a model folder: a folder whose
+config.json or tokenizer_config.json maps classes to its own modules (``auto_map``) is
+refused before transformers sees it (:func:`refuse_folder_code`; transformers would ask
+at a terminal whether to run it), and every call passes ``trust_remote_code=False``.
 
 transformers is an optional dependency (``pip install 'cargohold[hf]'``); it is imported
 only when an ``hf`` path is set, so the built-in GPT trains without it.
@@ -38,6 +41,7 @@ at the flat buffer keeps the tie. Parameter names carry the prefix ``hf.``
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,9 +123,12 @@ def build_hf_model(config: HFModelConfig) -> HFCausalLM:
                 config=pretrained,
                 dtype=torch.float32,
                 local_files_only=True,
+                trust_remote_code=False,
             )
         else:
-            model = transformers.AutoModelForCausalLM.from_config(pretrained, dtype=torch.float32)
+            model = transformers.AutoModelForCausalLM.from_config(
+                pretrained, dtype=torch.float32, trust_remote_code=False
+            )
     except (OSError, ValueError) as error:
         raise ConfigError(f"cannot build a causal LM from {config.key}={config.path!r}: {error}") from error
     return HFCausalLM(model)
@@ -131,8 +138,9 @@ def pretrained_config(config: HFModelConfig) -> PretrainedConfig:
     """The transformers config of the model ``config`` names, read from disk only."""
     transformers = _transformers()
     path = _local(config.path)
+    refuse_folder_code(path if path.is_dir() else path.parent, f"{config.key}={config.path!r}")
     try:  # a folder, or a config.json itself
-        loaded = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        loaded = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as error:  # JSONDecodeError is a ValueError
         raise ConfigError(f"cannot read a transformers config from {config.key}={config.path!r}: {error}") from error
     causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -142,6 +150,26 @@ def pretrained_config(config: HFModelConfig) -> PretrainedConfig:
             "that transformers.AutoModelForCausalLM can build"
         )
     return loaded
+
+
+CODE_MAPS = ("config.json", "tokenizer_config.json")
+"""The files of a model folder whose ``auto_map`` names the folder's own code."""
+
+
+def refuse_folder_code(folder: Path, named: str) -> None:
+    """Refuse ``folder`` (``named``: the config key and value, for the message) when one
+    of its :data:`CODE_MAPS` maps classes to the folder's own modules."""
+    for name in CODE_MAPS:
+        path = folder / name
+        try:
+            declared = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # missing or unreadable: transformers' own error names it
+        if isinstance(declared, dict) and declared.get("auto_map"):
+            raise ConfigError(
+                f"{named}: {path} has auto_map (code of its own: {sorted(declared['auto_map'])}); cargohold runs "
+                "no code from a model folder. Use a model transformers implements itself"
+            )
 
 
 def model_folder(config: HFModelConfig) -> Path:
