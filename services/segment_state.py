@@ -10,11 +10,11 @@ leaves the segment exactly as it was.
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +40,7 @@ from cargohold.services.state_precision import STATE_DTYPES, StateDtype, apply_u
 from cargohold.services.tiers.preserve import PreservedPartition
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.source import StateSource, tensor_source
-from cargohold.services.tiers.storage import PartitionUpdate, TieredStorage
+from cargohold.services.tiers.storage import PartitionUpdate, StreamReport, TieredStorage
 from cargohold.services.weight_buffers import WeightBuffers
 from cargohold.services.wire import WIRE_DTYPES
 
@@ -120,8 +120,9 @@ class SegmentState:
 
     An update comes one of two ways: :meth:`apply_gradient` at once (no clipping, no
     non-finite check), or :meth:`stage_gradient` during backward and :meth:`commit` with
-    the step's global norm; either way the AdamW call is ``TieredStorage.update`` →
-    :func:`~cargohold.services.optim.apply_update`, one partition at a time.
+    the step's global norm; either way :meth:`_update` loops over the partitions
+    ``TieredStorage.update_partitions`` streams through memory and calls AdamW
+    (:meth:`_adamw`) on each.
     """
 
     def __init__(
@@ -300,19 +301,18 @@ class SegmentState:
         if weights_out is None and prepare is not None:
             out = self._buffers.take(WIRE_DTYPES[prepare], self.spec.numel)
         pooled = out is not weights_out
-        adamw = functools.partial(
-            self._adamw,
-            step=torch.tensor(float(update), dtype=torch.float32),
-            coefficient=unscale_coefficient(
-                clip_coefficient(global_norm, self.spec.hyper.max_grad_norm), inverse_scale(loss_scale)
-            ),
-            lr=lr,
-            weights_out=out,
+        step = torch.tensor(float(update), dtype=torch.float32)
+        coefficient = unscale_coefficient(
+            clip_coefficient(global_norm, self.spec.hyper.max_grad_norm), inverse_scale(loss_scale)
+        )
+        report = StreamReport()
+        partitions = self._storage.update_partitions(
+            self.spec.run_id, self.spec.segment_id, update, gradient, gradient_owned=owned, report=report
         )
         try:
-            report = self._storage.update(
-                self.spec.run_id, self.spec.segment_id, update, gradient, gradient_owned=owned, adamw=adamw
-            )
+            with closing(partitions):  # an update that raises stops the stream, its I/O finished
+                for partition in partitions:
+                    self._adamw(partition, step=step, coefficient=coefficient, lr=lr, weights_out=out)
         except BaseException:
             if pooled and out is not None:
                 self._buffers.give(out)

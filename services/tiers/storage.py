@@ -5,8 +5,9 @@ update through memory: while partition k is updated, the following ones are read
 far ahead as free staging buffers allow, and as soon as a write-back frees one) and k-1
 is written back behind it. The number of buffers sets the depth: two give double
 buffering, three let a read, an update and a write overlap. The AdamW call itself is the
-caller's (:meth:`SegmentState._adamw <cargohold.services.segment_state.SegmentState>`):
-:meth:`TieredStorage.update` hands it each partition's state and gradient in turn.
+caller's: :meth:`TieredStorage.update_partitions` yields each partition's state and
+gradient in turn, and the segment state's own loop
+(:class:`~cargohold.services.segment_state.SegmentState`) updates it.
 
 Without ``ram_budget_bytes`` every segment is one partition in RAM, and an update is the
 same single kernel call over the whole segment as without tiers.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
@@ -323,7 +324,7 @@ class TieredStorage:
         pending = self._pending(run_id, segment_id, update, "stage")
         self._gradients.stage(pending, update, gradient)
 
-    def update(
+    def update_partitions(
         self,
         run_id: str,
         segment_id: int,
@@ -331,19 +332,20 @@ class TieredStorage:
         gradient: torch.Tensor | None,
         *,
         gradient_owned: bool,
-        adamw: Callable[[PartitionUpdate], None],
-    ) -> StreamReport:
-        """Stream every partition of the segment not yet at ``update`` through memory in
-        stream order, calling ``adamw`` on each (it updates the state in place), then keep
-        it in the tier the plan wants. ``gradient``: the (already validated) gradient of
-        the whole segment, or None for the one :meth:`stage_gradient` kept, read back a
-        partition at a time. ``gradient_owned``: ``adamw`` may scale the pieces of
-        ``gradient`` in place.
+        report: StreamReport,
+    ) -> Iterator[PartitionUpdate]:
+        """Every partition of the segment not yet at ``update``, in memory in stream order,
+        for the caller to update in place; each is kept in the tier the plan wants once the
+        caller asks for the next. ``gradient``: the (already validated) gradient of the
+        whole segment, or None for the one :meth:`stage_gradient` kept, read back a
+        partition at a time. ``gradient_owned``: the caller may scale the pieces of
+        ``gradient`` in place. ``report`` is filled in as the partitions go by.
 
-        Returns once every partition is durable. On the first failure (a corrupt read, a
-        failed write, ``adamw`` raising) it stops, lets the I/O in flight finish and raises
-        that error: partitions already finished keep their new state, the others their old
-        one, and calling again with the same update finishes them."""
+        Ends once every partition is durable. On the first failure (a corrupt read, a
+        failed write) it stops, lets the I/O in flight finish and raises that error; a
+        caller that stops early (its update raised) closes the generator, which does the
+        same. Partitions already finished keep their new state, the others their old one,
+        and updating again with the same update number finishes them."""
         parts = self._segments[(run_id, segment_id)]
         pending = self._pending(run_id, segment_id, update, "apply")
         by_index = {p.key.index: p for p in pending}
@@ -351,15 +353,12 @@ class TieredStorage:
         plan = self._plan
         staged_pieces = self._gradients.pieces(order, update) if gradient is None else None
 
-        def update_one(part: Partition, arrays: PartitionArrays) -> None:
+        def piece_of(part: Partition) -> tuple[torch.Tensor, bool]:
             self._wait_saved(part)
-            span = part.span
             if staged_pieces is None:
                 assert gradient is not None
-                piece, owned = gradient[span.start : span.stop], gradient_owned
-            else:
-                piece, owned = staged_pieces.take(part)
-            adamw(PartitionUpdate(span, arrays, piece, owned))
+                return gradient[part.span.start : part.span.stop], gradient_owned
+            return staged_pieces.take(part)
 
         def finish(part: Partition, staged: Staged) -> Future[None]:
             return self._finish(part, staged, update, plan.of(part.key))
@@ -371,11 +370,12 @@ class TieredStorage:
             def store_of(part: Partition) -> Tier:
                 return with_gradients if part.residency is Residency.NVME else self._ram
 
-        report = stream_partitions(order, store_of=store_of, update=update_one, finish=finish, observer=self._observer)
         report.resumed = len(pending) < len(parts)
+        yield from stream_partitions(
+            order, store_of=store_of, piece_of=piece_of, finish=finish, observer=self._observer, report=report
+        )
         if staged_pieces is not None:
             self._gradients.consumed(parts, update)
-        return report
 
     def _pending(self, run_id: str, segment_id: int, update: int, verb: str) -> list[Partition]:
         """The segment's partitions not yet at ``update``; each must be one update behind."""
@@ -583,17 +583,22 @@ def stream_partitions(
     order: Sequence[Partition],
     *,
     store_of: Callable[[Partition], Tier],
-    update: Callable[[Partition, PartitionArrays], None],
+    piece_of: Callable[[Partition], tuple[torch.Tensor, bool]],
     finish: Callable[[Partition, Staged], Future[None]],
     observer: TierObserver,
-) -> StreamReport:
-    """Update every partition of ``order`` in that order; returns once all are durable.
+    report: StreamReport,
+) -> Iterator[PartitionUpdate]:
+    """Each partition of ``order`` in memory with its gradient piece (``piece_of``: the
+    piece, and whether it may be scaled in place), for the consumer to update; finished
+    (``finish``) when the consumer asks for the next. While one is updated, the next are
+    read in as far as free buffers allow, and finished ones are written back behind it.
+    Ends once all are durable.
 
-    On the first failure (a corrupt read, a failed write) it stops updating, lets the
-    I/O in flight finish, and raises that error: partitions already finished keep their
-    new state, the rest keep their old one.
+    On the first failure (a corrupt read, a failed write) it stops, lets the I/O in
+    flight finish, and raises that error; closed early (the consumer's update raised),
+    it does the same and ends quietly. Partitions already finished keep their new
+    state, the rest keep their old one.
     """
-    report = StreamReport()
     staged: dict[int, Staged] = {}
     issued = 0
     writes: list[Future[None]] = []
@@ -640,13 +645,10 @@ def stream_partitions(
                     wait([current.ready, *(w for w in writes if not w.done())], return_when=FIRST_COMPLETED)
                     prefetch()
                 current.ready.result()
-            except BaseException:
-                store.discard(current, intact=False)
-                raise
-            report.io_wait_seconds += time.perf_counter() - waited
-            try:
-                update(partition, current.arrays)
-            except BaseException:
+                report.io_wait_seconds += time.perf_counter() - waited
+                piece, owned = piece_of(partition)
+                yield PartitionUpdate(partition.span, current.arrays, piece, owned)
+            except BaseException:  # GeneratorExit too: the consumer's update raised
                 store.discard(current, intact=False)
                 raise
             writes.append(finish(partition, current))
@@ -666,4 +668,3 @@ def stream_partitions(
         observer.add_tier_io_wait(report.io_wait_seconds)
     if failure is not None:
         raise failure
-    return report
