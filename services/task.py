@@ -73,6 +73,9 @@ class ConfigTask:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.eval_every_steps = config.eval.every_steps
+        self._checked: set[str] = set()
+        """What this task's data checks read whole ("data", "eval": a token file's every
+        id) in the launcher, so that the workers it is pickled to read only their batches."""
 
     def build(self) -> nn.Module:
         return build_model(self.config)
@@ -90,10 +93,14 @@ class ConfigTask:
         return model_loss(model, batch, device)
 
     def open_data(self) -> DataSource:
-        return open_source(self.config)
+        source = open_source(self.config, check_token_file="data" not in self._checked)
+        self._checked.add("data")
+        return source
 
     def open_eval(self) -> EvalSource | None:
-        return open_eval_set(self.config)
+        held_out = open_eval_set(self.config, check_token_file="eval" not in self._checked)
+        self._checked.add("eval")
+        return held_out
 
     def export(self, layout: Layout, flat: torch.Tensor, directory: Path) -> Path:
         from cargohold.cluster.export import export_weights  # the export layer sits above services

@@ -25,7 +25,7 @@ from cargohold.services.data.blocks import TokenBlocks
 from cargohold.services.data.corpus import load_tokens
 from cargohold.services.data.rows import DocumentRows, Overlong
 from cargohold.services.data.tokenization import tokenized_stream
-from cargohold.services.data.tokens import check_dtype_holds_vocab, open_token_file
+from cargohold.services.data.tokens import check_dtype_holds_vocab, check_ids_in_vocab, open_token_file
 from cargohold.services.errors import ConfigError
 from cargohold.services.models.dimensions import sequence_length, vocab_size
 
@@ -102,9 +102,10 @@ class EvalSet:
         return self._blocks.rows_of(self._order, rank, index, self._counted)
 
 
-def open_eval_set(config: TrainConfig) -> EvalSet | None:
+def open_eval_set(config: TrainConfig, *, check_token_file: bool = True) -> EvalSet | None:
     """The held-out data ``eval.*`` names, read as ``data.format`` reads training data;
-    None when validation is off. ConfigError names the key and file that are wrong."""
+    None when validation is off. ConfigError names the key and file that are wrong.
+    ``check_token_file``: as :func:`~.sources.open_source`'s."""
     held_out = config.eval
     if not held_out.enabled:
         return None
@@ -118,6 +119,8 @@ def open_eval_set(config: TrainConfig) -> EvalSet | None:
         path = Path(held_out.path or "").expanduser()
         tokens = open_token_file(path, data.token_dtype, "eval")
         check_dtype_holds_vocab(tokens.dtype, vocab, name)
+        if check_token_file:
+            check_ids_in_vocab(path, tokens, vocab, name)
     else:
         source = dataclasses.replace(data, path=held_out.path or data.path, split=held_out.split or data.split)
         stream = tokenized_stream(config, vocab, source, "eval")

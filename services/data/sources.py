@@ -18,7 +18,7 @@ from cargohold.services.data.blocks import TokenBlocks
 from cargohold.services.data.corpus import ByteCorpus, load_tokens
 from cargohold.services.data.rows import DocumentRows, OverlongCounts
 from cargohold.services.data.tokenization import tokenized_stream
-from cargohold.services.data.tokens import check_dtype_holds_vocab, open_token_file
+from cargohold.services.data.tokens import check_dtype_holds_vocab, check_ids_in_vocab, open_token_file
 from cargohold.services.models.dimensions import check_model_fits_data, sequence_length, vocab_size
 
 logger = logging.getLogger(__name__)
@@ -34,10 +34,11 @@ def batch_shape(config: TrainConfig) -> BatchShape:
     )
 
 
-def open_source(config: TrainConfig) -> DataSource:
+def open_source(config: TrainConfig, *, check_token_file: bool = True) -> DataSource:
     """The batches of ``config.data``, checked against the model: its vocabulary numbers
     every token id, its context covers ``data.block_size``. ConfigError names what is wrong
-    (key, file, line) before anything trains."""
+    (key, file, line) before anything trains. ``check_token_file=False`` (a worker, after
+    its launcher checked) leaves a token file's ids to be checked as batches read them."""
     data = config.data
     check_model_fits_data(config)
     shape = batch_shape(config)
@@ -49,6 +50,8 @@ def open_source(config: TrainConfig) -> DataSource:
         path = Path(data.path or "").expanduser()
         ids = open_token_file(path, data.token_dtype)
         check_dtype_holds_vocab(ids.dtype, vocab, f"data.path {str(path)!r}")
+        if check_token_file:
+            check_ids_in_vocab(path, ids, vocab, f"data.path {str(path)!r}")
         return TokenBlocks(ids, None, shape, seed=data.seed, vocab_size=vocab, name=f"data.path {str(path)!r}")
     stream = tokenized_stream(config, vocab)
     name = f"data.path {data.path!r} (tokenized)"

@@ -1,10 +1,12 @@
 """Pre-tokenized token files, memory-mapped: ``.bin`` (raw ids, no header; the
 nanoGPT/torchtitan convention, its dtype given by ``data.token_dtype``) and ``.npy``
 (numpy's format, which states its dtype). The dtype must hold every id of the model's
-vocabulary."""
+vocabulary, and every id must lie in it: :func:`check_ids_in_vocab` reads the file once,
+before anything trains."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,13 @@ import numpy as np
 from cargohold.services.errors import ConfigError
 
 BIN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
+SCAN_IDS = 1 << 24
+"""Ids a check of the whole file reads at a time (32 or 64 MiB): the pages of a
+memory-mapped file come in a piece at a time, and no copy of it is made."""
+
+_id_ranges: dict[tuple[str, int, int, int], tuple[int, int]] = {}
+"""The least and greatest id of each file checked, by (path, size, mtime, inode): a
+process reads a file once (the command line's check, then the launcher's)."""
 
 
 def open_token_file(path: Path, bin_dtype: str, section: str = "data") -> np.ndarray:
@@ -56,3 +65,33 @@ def check_dtype_holds_vocab(dtype: np.dtype, vocab_size: int, what: str) -> None
             f"{what} holds {dtype} ids (at most {largest}) but the model's vocabulary has {vocab_size} ids; "
             "write the ids as uint32 (and set data.token_dtype=uint32 for a .bin file)"
         )
+
+
+def check_ids_in_vocab(path: Path, ids: np.ndarray, vocab_size: int, what: str) -> None:
+    """Refuse ids of the token file ``path`` (``ids``, its memory map) outside
+    ``[0, vocab_size)``, naming the first one's position: one pass over the file, a piece
+    at a time, remembered for the file as it is now. A worker that reads the same file
+    after its launcher checked it need not: each batch's ids are checked as it is read."""
+    if len(ids) == 0:
+        return  # refused as shorter than a sequence
+    stat = os.stat(path)
+    signature = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    if signature not in _id_ranges:
+        least, greatest = int(ids[0]), int(ids[0])
+        for start in range(0, len(ids), SCAN_IDS):
+            piece = ids[start : start + SCAN_IDS]  # read from disk once; min and max then from memory
+            least, greatest = min(least, int(piece.min())), max(greatest, int(piece.max()))
+        _id_ranges[signature] = (least, greatest)
+    least, greatest = _id_ranges[signature]
+    if least >= 0 and greatest < vocab_size:
+        return
+    for start in range(0, len(ids), SCAN_IDS):
+        piece = ids[start : start + SCAN_IDS]
+        outside = np.flatnonzero((piece < 0) | (piece >= vocab_size))
+        if len(outside):
+            at = start + int(outside[0])
+            raise ConfigError(
+                f"{what} holds token id {int(ids[at])} at position {at}, outside the model's vocabulary of "
+                f"{vocab_size} ids (ids {least} to {greatest} occur): the file was written with another "
+                "tokenizer, or the model's vocab_size is too small"
+            )
