@@ -81,11 +81,12 @@ class DataConfig:
     sequence holds whole documents (best-fit decreasing), padded, its position ids
     restarting and attention confined to each document (data.overlong says what happens
     to one longer than a sequence). auto: documents for chat, stream otherwise."""
-    overlong: Literal["truncate", "drop", "split"] = "truncate"
+    overlong: Literal["truncate", "drop", "split", "error"] = "truncate"
     """With whole documents: one longer than data.block_size + 1 tokens is truncated (its
     start kept), dropped, or split into sequence-sized pieces, each trained as a document;
     the counts are logged before training. A conversation (or piece) left without a counted
-    target, an assistant token, is dropped and counted."""
+    target, an assistant token, is dropped and counted. error: any such document refuses
+    the data before training starts, the first few named by file and line."""
 
     def __post_init__(self) -> None:
         _positive("data.corpus_bytes", self.corpus_bytes)

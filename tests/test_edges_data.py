@@ -6,6 +6,7 @@ cache entry (named in a warning and rebuilt, never trained on)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -14,10 +15,11 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from data_fixtures import make_tokenizer  # noqa: E402
+from data_fixtures import make_tokenizer, write_chat  # noqa: E402
 from reference import tiny_config  # noqa: E402
 
 from cargohold.cluster import cli  # noqa: E402
+from cargohold.services.data.evaluation import open_eval_set  # noqa: E402
 from cargohold.services.data.sources import open_source  # noqa: E402
 from cargohold.services.errors import ConfigError  # noqa: E402
 
@@ -30,9 +32,15 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(tmp_path: Path, tokenizer_dir: Path, **data):
-    """The built-in GPT (its vocabulary fits the tokenizer) on ``data``; 2 ranks of 2 rows."""
+    """The built-in GPT (its vocabulary fits the tokenizer, its context 64) on ``data``; 2
+    ranks of 2 rows."""
     data = {"tokenizer": str(tokenizer_dir), "cache_dir": str(tmp_path / "cache"), "block_size": 16, **data}
-    return tiny_config(model__vocab_size=VOCAB, data__batch_size=2, **{f"data__{k}": v for k, v in data.items()})
+    return tiny_config(
+        model__vocab_size=VOCAB,
+        model__block_size=64,
+        data__batch_size=2,
+        **{f"data__{k}": v for k, v in data.items()},
+    )
 
 
 def _train(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -67,3 +75,57 @@ def test_a_negative_token_id_is_refused(tmp_path: Path) -> None:
     np.save(path, ids)
     with pytest.raises(ConfigError, match=r"token id -1 at position 4000, outside the model's vocabulary of 256"):
         open_source(tiny_config(data__format="tokens", data__path=str(path)))
+
+
+# --- row 14: data.overlong=error --------------------------------------------------------
+
+
+def _long_conversation(turns: int) -> dict:
+    """A conversation far longer than a sequence of 17 tokens."""
+    messages = [
+        {"role": role, "content": "Anna has a red cat. What colour is the cat?"}
+        for _ in range(turns)
+        for role in ("user", "assistant")
+    ]
+    return {"messages": messages}
+
+
+def test_overlong_error_exits_2_before_ray_naming_the_first_offenders_by_file_and_line(
+    tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_chat(tmp_path / "chat.jsonl", 40)  # short conversations: each fits a sequence of 64
+    lines = path.read_text().splitlines()
+    for number in (3, 9, 10, 12, 20, 25, 31):  # 1-based lines made too long
+        lines[number - 1] = json.dumps(_long_conversation(number % 3 + 5))
+    lines.insert(4, "")  # a blank line is skipped, and the line numbers after it still count it
+    path.write_text("\n".join(lines) + "\n")
+    args = [f"data.tokenizer={tokenizer_dir}", f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=384"]
+    args += ["model.block_size=64"]
+    args += ["data.format=chat", f"data.path={path}", "data.block_size=63", "data.overlong=error"]
+    code, err = _train(args, capsys)
+    assert code == 2, err
+    named = re.findall(rf"{re.escape(str(path))}:(\d+) \((\d+) tokens\)", err)
+    assert [int(line) for line, _ in named] == [3, 10, 11, 13, 21], err  # the first five, after the blank line
+    assert all(int(tokens) > 64 for _, tokens in named), err
+    assert "7 of 40 documents are longer than a sequence of data.block_size + 1 = 64 tokens" in err, err
+    assert "and 2 more" in err and "data.overlong to truncate, drop or split" in err, err
+    dropped = _config(tmp_path, tokenizer_dir, format="chat", path=str(path), block_size=63, overlong="drop")
+    assert open_source(dropped).summary()["dropped"] == 7  # what the message offers opens the same data
+
+
+def test_overlong_error_names_held_out_files_and_text_files(tmp_path: Path, tokenizer_dir: Path) -> None:
+    train = write_chat(tmp_path / "train.jsonl", 40)
+    held_out = write_chat(tmp_path / "held_out.jsonl", 40, seed=1)
+    held_out.write_text(held_out.read_text() + json.dumps(_long_conversation(3)) + "\n")
+    config = _config(tmp_path, tokenizer_dir, format="chat", path=str(train), overlong="error", block_size=63)
+    config.eval.path = str(held_out)
+    open_source(config)  # the training file fits
+    with pytest.raises(ConfigError, match=rf"eval.path .*: 1 of 41 documents .*{re.escape(str(held_out))}:41 \("):
+        open_eval_set(config)
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("Anna has a cat.")
+    (folder / "b.txt").write_text("Ben has a red fox. " * 40)
+    texts = _config(tmp_path, tokenizer_dir, format="text", path=str(folder), packing="documents", overlong="error")
+    with pytest.raises(ConfigError, match=rf"1 of 2 documents .*: {re.escape(str(folder / 'b.txt'))} \(\d+ tokens\)"):
+        open_source(texts)

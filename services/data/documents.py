@@ -28,13 +28,17 @@ class Record:
     """``file:line`` or ``folder row N``, for messages."""
 
 
-def text_pieces(path: Path, section: str = "data") -> Iterator[tuple[str, bool]]:
-    """``(piece, ends_document)`` of a text file (one document), or of every ``*.txt`` file
-    under a folder, in name order (one document each)."""
+def text_files(path: Path, section: str = "data") -> list[Path]:
+    """A text file, or every ``*.txt`` file under a folder in name order: one document each."""
     files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
     if not files:
         raise ConfigError(f"{section}.path {str(path)!r} is a folder without *.txt files")
-    for file in files:
+    return files
+
+
+def text_pieces(path: Path, section: str = "data") -> Iterator[tuple[str, bool]]:
+    """``(piece, ends_document)`` of each of :func:`text_files`."""
+    for file in text_files(path, section):
         try:
             with file.open(encoding="utf-8") as handle:
                 piece: list[str] = []

@@ -23,8 +23,8 @@ from cargohold.cluster.config import TrainConfig
 from cargohold.services.data.batches import Batch, BatchShape
 from cargohold.services.data.blocks import TokenBlocks
 from cargohold.services.data.corpus import load_tokens
-from cargohold.services.data.rows import DocumentRows, Overlong
-from cargohold.services.data.tokenization import tokenized_stream
+from cargohold.services.data.rows import DocumentRows, Overlong, refuse_overlong
+from cargohold.services.data.tokenization import document_places, tokenized_stream
 from cargohold.services.data.tokens import check_dtype_holds_vocab, check_ids_in_vocab, open_token_file
 from cargohold.services.errors import ConfigError
 from cargohold.services.models.dimensions import sequence_length, vocab_size
@@ -127,6 +127,8 @@ def open_eval_set(config: TrainConfig, *, check_token_file: bool = True) -> Eval
         tokens, counted = stream.tokens, stream.counted
         documents = (stream.ends, data.overlong) if data.whole_documents else None
         name = f"eval.path {source.path!r}" + (f" (split {source.split!r})" if data.format == "hf_dataset" else "")
+        if documents is not None and data.overlong == "error":
+            refuse_overlong(stream.ends, seq_len + 1, name, lambda shown: document_places(source, shown, "eval"))
     return EvalSet(
         tokens,
         counted,

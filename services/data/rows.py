@@ -4,7 +4,8 @@ default): :class:`DocumentRows`.
 Each row holds ``seq_len + 1`` tokens: documents placed whole by best-fit decreasing (as
 TRL's "bfd" packing), padding after them. A document longer than a row follows
 ``data.overlong``: ``truncate`` keeps its first ``seq_len + 1`` tokens, ``drop`` leaves it
-out, ``split`` cuts it into row-sized pieces, each placed as a document of its own; a
+out, ``split`` cuts it into row-sized pieces, each placed as a document of its own,
+``error`` refuses the data (:func:`refuse_overlong`); a
 document (or piece) left without a counted target (a chat conversation whose assistant
 tokens were all cut) is dropped and counted. Inputs are a row's first ``seq_len`` tokens
 and targets its last ``seq_len``; a target counts only inside the document of its input
@@ -20,6 +21,7 @@ permutations, a pure function of the step.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,7 +33,9 @@ from cargohold.services.data.sampling import step_blocks
 from cargohold.services.errors import ConfigError
 from cargohold.services.models.loss import IGNORE_INDEX
 
-Overlong = Literal["truncate", "drop", "split"]
+Overlong = Literal["truncate", "drop", "split", "error"]
+OVERLONG_SHOWN = 5
+"""Over-long documents a refusal names (``data.overlong: error``); the rest are counted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,27 @@ class OverlongCounts:
         if self.without_targets:
             parts.append(f"{self.without_targets} dropped for having no counted target left")
         return ", ".join(parts) or "none"
+
+
+def refuse_overlong(
+    ends: np.ndarray, capacity: int, name: str, places: Callable[[list[int]], list[str]] | None = None
+) -> None:
+    """``data.overlong: error``: refuse documents (``ends``: where each ends, exclusive)
+    longer than a row of ``capacity`` tokens, naming the first :data:`OVERLONG_SHOWN` by
+    ``places`` (document indices to file and line; None: by index) and counting the rest."""
+    lengths = np.diff(np.asarray(ends, dtype=np.int64), prepend=0)
+    over = np.flatnonzero(lengths > capacity)
+    if not len(over):
+        return
+    shown = over[:OVERLONG_SHOWN].tolist()
+    where = places(shown) if places is not None else [f"document {index}" for index in shown]
+    listed = "; ".join(f"{place} ({lengths[index]} tokens)" for place, index in zip(where, shown, strict=True))
+    more = f"; and {len(over) - len(shown)} more" if len(over) > len(shown) else ""
+    raise ConfigError(
+        f"{name}: {len(over)} of {len(lengths)} documents are longer than a sequence of data.block_size + 1 = "
+        f"{capacity} tokens (its EOS counted), which data.overlong=error refuses: {listed}{more}; shorten them, "
+        "raise data.block_size, or set data.overlong to truncate, drop or split"
+    )
 
 
 def place_documents(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -147,6 +172,8 @@ class DocumentRows:
         if counted is not None and counted.shape != tokens.shape:
             raise ConfigError(f"{name}: {counted.shape[0]} counted flags for {tokens.shape[0]} tokens")
         capacity = shape.seq_len + 1
+        if overlong == "error":
+            refuse_overlong(ends, capacity, name)  # the data's opener names files and lines first
         pieces, self.overlong = _fit(tokens, counted, ends, capacity, overlong)
         if tokens.shape[0] == 0:
             raise ConfigError(
@@ -249,6 +276,7 @@ def _fit(
                 truncated += 1
                 candidates = [(start, capacity)]
             else:
+                assert overlong == "split", "data.overlong=error refused the data before"
                 split += 1
                 candidates = [(s, min(capacity, int(end) - s)) for s in range(start, int(end), capacity)]
         else:

@@ -16,8 +16,8 @@ from cargohold.cluster.config import TrainConfig
 from cargohold.services.data.batches import BatchShape, DataSource
 from cargohold.services.data.blocks import TokenBlocks
 from cargohold.services.data.corpus import ByteCorpus, load_tokens
-from cargohold.services.data.rows import DocumentRows, OverlongCounts
-from cargohold.services.data.tokenization import tokenized_stream
+from cargohold.services.data.rows import DocumentRows, OverlongCounts, refuse_overlong
+from cargohold.services.data.tokenization import document_places, tokenized_stream
 from cargohold.services.data.tokens import check_dtype_holds_vocab, check_ids_in_vocab, open_token_file
 from cargohold.services.models.dimensions import check_model_fits_data, sequence_length, vocab_size
 
@@ -57,6 +57,8 @@ def open_source(config: TrainConfig, *, check_token_file: bool = True) -> DataSo
     name = f"data.path {data.path!r} (tokenized)"
     if not data.whole_documents:
         return TokenBlocks(stream.tokens, stream.counted, shape, seed=data.seed, vocab_size=vocab, name=name)
+    if data.overlong == "error":
+        refuse_overlong(stream.ends, shape.seq_len + 1, name, lambda shown: document_places(data, shown))
     rows = DocumentRows(
         stream.tokens,
         stream.counted,

@@ -17,7 +17,7 @@ import numpy as np
 from cargohold.cluster.config import DataConfig, TrainConfig
 from cargohold.services.data.cache import CachedStream, TokenCache, cache_key, content_digest
 from cargohold.services.data.chat import check_chat_tokenizer, conversation, render_conversation
-from cargohold.services.data.documents import Record, dataset_records, jsonl_records, text_pieces
+from cargohold.services.data.documents import Record, dataset_records, jsonl_records, text_files, text_pieces
 from cargohold.services.data.packing import Document, Piece, pack, stream_dtype
 from cargohold.services.data.tokenizer import load_tokenizer, tokenizer_digest, tokenizer_folder
 from cargohold.services.errors import ConfigError
@@ -53,6 +53,23 @@ def tokenized_stream(
     dtype = stream_dtype(len(tokenizer))
     pieces = _pieces(data, section, tokenizer, path, dtype)
     return entry.write(pieces, dtype, {"source": str(path), "tokenizer": str(folder), **settings})
+
+
+def document_places(data: DataConfig, indices: list[int], section: str = "data") -> list[str]:
+    """Where documents ``indices`` (ascending, numbered in stream order) of ``data`` came
+    from (file and line, dataset row, text file), read again without tokenizing: each
+    record is one document."""
+    path = Path(data.path or "").expanduser().resolve()
+    if data.format == "text":
+        files = text_files(path, section)
+        return [str(files[index]) for index in indices]
+    if data.format == "hf_dataset":
+        records = dataset_records(path, data.record_field, data.split, section)
+    else:
+        records = jsonl_records(path, data.record_field, section)
+    wanted = set(indices)
+    places = {index: r.where for index, r in enumerate(islice(records, max(indices) + 1)) if index in wanted}
+    return [places.get(index, f"document {index}") for index in indices]
 
 
 def _pieces(
