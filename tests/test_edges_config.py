@@ -1,0 +1,96 @@
+"""Issue 40, the configuration's edges found from outside: each bad input is refused
+before the run starts (a ConfigError: exit status 2 from ``cargohold``, naming the input)
+and loses nothing already saved.
+
+Row 5: a folder inside (or around) a folder a live run has claimed. Real claims: the
+live run's is held by a child process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cargohold.cluster.claims import claimed_folders
+from cargohold.cluster.config import CheckpointConfig, TrainConfig
+from cargohold.services.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(120)
+
+HOLD = """
+import sys
+from pathlib import Path
+from cargohold.cluster.claims import FolderClaim
+claim = FolderClaim(Path(sys.argv[1]), "checkpoint.dir")
+print("held", flush=True)
+sys.stdin.read()
+claim.release()
+"""
+
+
+@pytest.fixture
+def live_run(tmp_path: Path) -> Iterator[Path]:
+    """A live run's ``checkpoint.dir`` with one checkpoint in it, claimed by another
+    process until the test ends."""
+    folder = tmp_path / "live" / "checkpoints"
+    step = folder / "step-0000000002"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "held\n"
+        yield folder
+    finally:
+        child.communicate("", timeout=60)
+
+
+def _config(checkpoints: Path | None = None, export: Path | None = None) -> TrainConfig:
+    return TrainConfig(
+        export_dir=str(export) if export else None,
+        checkpoint=CheckpointConfig(dir=str(checkpoints) if checkpoints else None),
+    )
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_a_folder_inside_or_around_a_live_runs_claimed_folder_is_refused(live_run: Path, tmp_path: Path) -> None:
+    """Row 5: an export (or checkpoints) inside a live run's newest step folder was
+    accepted, and that run's pruning later deleted it; a folder holding a live run's was
+    accepted too. Both are refused naming both folders, creating and deleting nothing;
+    a folder beside it is fine, and once the live run ends the nested one is too."""
+    before = _files(live_run.parent)
+    inside = live_run / "step-0000000002" / "export"
+    for config, key in ((_config(export=inside), "export_dir"), (_config(checkpoints=inside), "checkpoint.dir")):
+        with pytest.raises(ConfigError) as refused, claimed_folders(config):
+            pass
+        message = str(refused.value)
+        assert message.startswith(f"{key} {str(inside)!r} lies inside {str(live_run)!r}"), message
+        assert "another live run" in message
+    around = tmp_path / "live"
+    with pytest.raises(ConfigError) as refused, claimed_folders(_config(checkpoints=around)):
+        pass
+    message = str(refused.value)
+    assert message.startswith(f"checkpoint.dir {str(around)!r} contains {str(live_run)!r}"), message
+    assert "another live run" in message
+    with pytest.raises(ConfigError, match="is in use by another live run"), claimed_folders(_config(export=live_run)):
+        pass
+    assert _files(live_run.parent) == before
+    with claimed_folders(_config(checkpoints=tmp_path / "beside", export=tmp_path / "export")):
+        pass
+
+
+def test_a_claim_ends_with_its_run(tmp_path: Path) -> None:
+    """What the live run held is free again once it ends: the nested claim is taken."""
+    folder = tmp_path / "checkpoints"
+    subprocess.run([sys.executable, "-c", HOLD, str(folder)], input="", text=True, check=True, capture_output=True)
+    with claimed_folders(_config(checkpoints=folder / "inner", export=tmp_path / "export")):
+        assert (folder / "inner").is_dir()
+    assert not (folder / "inner").exists()
