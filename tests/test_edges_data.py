@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +19,11 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from data_fixtures import make_tokenizer, write_chat  # noqa: E402
+from data_fixtures import CHAT_TEMPLATE, make_tokenizer, write_chat  # noqa: E402
 from reference import tiny_config  # noqa: E402
 
 from cargohold.cluster import cli  # noqa: E402
+from cargohold.services.data import chat  # noqa: E402
 from cargohold.services.data.evaluation import open_eval_set  # noqa: E402
 from cargohold.services.data.sources import open_source  # noqa: E402
 from cargohold.services.errors import ConfigError  # noqa: E402
@@ -129,3 +134,133 @@ def test_overlong_error_names_held_out_files_and_text_files(tmp_path: Path, toke
     texts = _config(tmp_path, tokenizer_dir, format="text", path=str(folder), packing="documents", overlong="error")
     with pytest.raises(ConfigError, match=rf"1 of 2 documents .*: {re.escape(str(folder / 'b.txt'))} \(\d+ tokens\)"):
         open_source(texts)
+
+
+# --- row 7: a chat record's size and turns, bounded before rendering ----------------------
+
+
+def _chat_file(path: Path, records: dict[int, str], count: int = 6) -> Path:
+    """``count`` conversations of the fixture's grammar, line n replaced by ``records[n]``."""
+    lines = write_chat(path, count).read_text().splitlines()
+    for number, line in records.items():
+        lines[number - 1] = line
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_chat_record_too_large_to_tokenize_is_refused_naming_file_and_line(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    content = "Anna has a red cat. " * (chat.MAX_CONVERSATION_CHARS // 20)
+    huge = json.dumps({"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "Red."}]})
+    path = _chat_file(tmp_path / "chat.jsonl", {3: huge})
+    bound = f"{chat.MAX_CONVERSATION_CHARS:,}"
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}:3 holds [\d,]+ characters, more than the {bound}"):
+        open_source(_config(tmp_path, tokenizer_dir, format="chat", path=str(path)))
+
+
+def test_a_conversation_of_too_many_turns_is_refused_naming_file_and_line(tmp_path: Path, tokenizer_dir: Path) -> None:
+    many = _long_conversation(chat.MAX_TURNS // 2 + 1)  # one pair past the bound, 37 KB
+    path = _chat_file(tmp_path / "chat.jsonl", {2: json.dumps(many)})
+    message = rf"{re.escape(str(path))}:2: the conversation has {chat.MAX_TURNS + 2} messages, more than the"
+    with pytest.raises(ConfigError, match=message):
+        open_source(_config(tmp_path, tokenizer_dir, format="chat", path=str(path)))
+
+
+def test_a_million_turns_exit_2_before_ray_in_seconds(
+    tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    turn = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    million = json.dumps({"messages": turn * (10**6 // 2)})
+    path = _chat_file(tmp_path / "chat.jsonl", {4: million})
+    args = [f"data.tokenizer={tokenizer_dir}", f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=384"]
+    started = time.monotonic()
+    code, err = _train([*args, "data.format=chat", f"data.path={path}"], capsys)
+    assert code == 2 and re.search(rf"{re.escape(str(path))}:4 holds [\d,]+ characters, more than", err), err
+    assert time.monotonic() - started < 20  # it ran past 90 s
+
+
+# --- row 8: the chat template is the folder's code: bounded in time, its errors named --------
+
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+"""A template that renders for hours (10**10 iterations; the sandbox allows ranges of 10**5)."""
+
+
+def _with_template(tmp_path: Path, tokenizer_dir: Path, template: str) -> Path:
+    """A copy of the tokenizer whose chat template is ``template``."""
+    folder = Path(shutil.copytree(tokenizer_dir, tmp_path / "tokenizer"))
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+def test_a_chat_template_that_loops_is_refused_at_its_deadline(
+    tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 1.0)
+    folder = _with_template(tmp_path, tokenizer_dir, LOOPS + CHAT_TEMPLATE)
+    path = write_chat(tmp_path / "chat.jsonl", 4)
+    before = signal.getitimer(signal.ITIMER_REAL)[0]  # pytest-timeout's alarm
+    started = time.monotonic()
+    message = rf"{re.escape(str(path))}:1: the chat template in data.tokenizer '{re.escape(str(folder))}' "
+    with pytest.raises(ConfigError, match=message + r"\(chat_template.jinja\) took more than 1 s"):
+        open_source(_config(tmp_path, folder, format="chat", path=str(path)))
+    assert time.monotonic() - started < 10
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == pytest.approx(before, abs=15)  # armed again, time left
+    assert signal.getsignal(signal.SIGALRM) is not None
+
+
+def test_outside_the_main_thread_a_slow_template_is_refused_after_rendering(
+    tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.05)
+    slow = "{% for i in range(300) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"  # ~0.1-1 s a render
+    folder = _with_template(tmp_path, tokenizer_dir, slow + CHAT_TEMPLATE)
+    path = write_chat(tmp_path / "chat.jsonl", 4)
+    errors: list[BaseException] = []
+
+    def opening() -> None:
+        try:
+            open_source(_config(tmp_path, folder, format="chat", path=str(path)))
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=opening)
+    thread.start()
+    thread.join(timeout=60)
+    assert len(errors) == 1 and isinstance(errors[0], ConfigError), errors
+    assert re.search(r"chat.jsonl:1: the chat template .* took more than 0.05 s", str(errors[0]))
+
+
+@pytest.mark.slow
+def test_a_chat_template_that_loops_exits_2_before_ray_at_the_real_deadline(
+    tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = _with_template(tmp_path, tokenizer_dir, LOOPS + CHAT_TEMPLATE)
+    path = write_chat(tmp_path / "chat.jsonl", 4)
+    started = time.monotonic()
+    args = [f"data.tokenizer={folder}", f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=384"]
+    code, err = _train([*args, "data.format=chat", f"data.path={path}"], capsys)
+    assert code == 2 and f"took more than {chat.RENDER_SECONDS:g} s" in err, err
+    assert time.monotonic() - started < chat.RENDER_SECONDS + 30
+
+
+@pytest.mark.parametrize(
+    ("template", "raised"),
+    [
+        ("{{ messages.__class__.__mro__[1].__subclasses__() }}", "SecurityError: access to attribute '__class__'"),
+        ("{% for i in range(10**6) %}{% endfor %}", "OverflowError: Range too big"),
+        ("{{ raise_exception('no system messages') }}", "TemplateError: no system messages"),
+        ("{% for m in messages %}", "TemplateSyntaxError: Unexpected end of template"),
+    ],
+    ids=["unsafe-attribute", "range", "raise_exception", "syntax"],
+)
+def test_a_template_that_trips_the_sandbox_exits_2_naming_template_and_line(
+    tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str], template: str, raised: str
+) -> None:
+    folder = _with_template(tmp_path, tokenizer_dir, template + CHAT_TEMPLATE)
+    path = write_chat(tmp_path / "chat.jsonl", 4)
+    args = [f"data.tokenizer={folder}", f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=384"]
+    code, err = _train([*args, "data.format=chat", f"data.path={path}"], capsys)
+    assert code == 2, err
+    named = f"{path}:1: the chat template in data.tokenizer {str(folder)!r} (chat_template.jinja) failed rendering"
+    assert named in err and raised in err, err

@@ -7,11 +7,21 @@ through turn i (prompt and response). Turn i's response is the text between the 
 the tokens of the whole conversation that overlap such a span are counted, by their
 character offsets. This works with any template whose rendering of a prefix is a prefix
 of the whole (a template that rewrites earlier turns is refused, naming the line).
+
+The template is code from the model's folder, run in Jinja's sandbox: what it raises, and
+a rendering that outlasts :data:`RENDER_SECONDS`, refuse the data naming the template and
+the line; a conversation is bounded (:data:`MAX_CONVERSATION_CHARS`, :data:`MAX_TURNS`)
+before it is rendered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cargohold.services.errors import ConfigError
@@ -24,12 +34,34 @@ Render = Callable[[Messages, bool], str]
 """The template's text of some messages, with or without the generation prompt."""
 RESPONSE_ROLE = "assistant"
 
+MAX_CONVERSATION_CHARS = 4 << 20
+"""Characters a chat record (its JSON line) may hold: 4 Mi, about a million tokens, more
+than any model's context (such a conversation could only be truncated or split). The
+fast tokenizer holds some 170 bytes a character while it encodes with offsets (measured:
+0.7 GB over the process's own for 4 MB), so one record of 200 MB aborted the process
+(SIGABRT) with no message."""
+MAX_TURNS = 1024
+"""Messages a conversation may hold. Each assistant turn renders the template over the
+turns before it, so rendering grows with the square of the turns: 1024 render in about
+4 s with a short template (measured on a shared 2-core machine), 10**6 would take days."""
+RENDER_SECONDS = 30.0
+"""How long rendering one conversation (every prefix together) may take: several times
+what a conversation at the bounds above takes, and a template that loops (the model
+folder's code) is refused after this long instead of stalling the check before the run."""
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+"""Where a tokenizer folder keeps its chat template, in the order transformers reads them."""
+
 
 def conversation(value: object, where: str) -> Messages:
     """``value`` checked as a conversation: a list of messages, each a mapping with a string
     ``role`` and ``content``, at least one of them the assistant's."""
     if not isinstance(value, list) or not value:
         raise ConfigError(f"{where}: a conversation is a non-empty list of messages, got {type(value).__name__}")
+    if len(value) > MAX_TURNS:
+        raise ConfigError(
+            f"{where}: the conversation has {len(value)} messages, more than the {MAX_TURNS} one may hold "
+            "(rendering it grows with the square of its turns); split it into shorter conversations"
+        )
     for index, message in enumerate(value):
         if not (
             isinstance(message, dict)
@@ -77,18 +109,78 @@ def check_chat_tokenizer(tokenizer: PreTrainedTokenizerBase, key: str, folder: s
         raise ConfigError(f"the tokenizer at {key} {folder!r} is not a fast tokenizer (data.format=chat needs offsets)")
 
 
+def template_source(folder: Path, key: str) -> str:
+    """The chat template of the tokenizer in ``folder`` (named by config key ``key``), by
+    its file, for messages."""
+    name = next((name for name in TEMPLATE_FILES if (folder / name).is_file()), TEMPLATE_FILES[-1])
+    return f"the chat template in {key} {str(folder)!r} ({name})"
+
+
 def render_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: Messages, where: str
+    tokenizer: PreTrainedTokenizerBase, messages: Messages, where: str, template: str = "the chat template"
 ) -> tuple[list[int], list[bool]]:
-    """The conversation's token ids and which of them the loss counts."""
+    """The conversation's token ids and which of them the loss counts. ``template`` names
+    the template (:func:`template_source`) when it fails or outlasts :data:`RENDER_SECONDS`."""
 
     def render(part: Messages, generation_prompt: bool) -> str:
         if not part:
             return ""
-        text = tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=generation_prompt)
+        try:
+            text = tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as error:  # the template is the folder's code: whatever it raises is bad input
+            raise ConfigError(
+                f"{where}: {template} failed rendering the conversation: {type(error).__name__}: {error}"
+            ) from error
         assert isinstance(text, str), "tokenize=False renders text"
         return text
 
-    text, spans = response_spans(render, messages, where)
+    started = time.monotonic()
+    try:
+        with _deadline(RENDER_SECONDS):
+            text, spans = response_spans(render, messages, where)
+        expired = time.monotonic() - started > RENDER_SECONDS  # outside the main thread: checked after
+    except _Expired:
+        expired = True
+    if expired:
+        raise ConfigError(
+            f"{where}: {template} took more than {RENDER_SECONDS:g} s to render the conversation "
+            f"({len(messages)} messages): does it loop?"
+        )
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return list(encoded["input_ids"]), counted_tokens(encoded["offset_mapping"], spans)
+
+
+class _Expired(BaseException):
+    """Raised into a rendering that outlasted its deadline; a BaseException, so that no
+    ``except Exception`` on the way (Jinja's, the template's caller's) swallows it."""
+
+
+@contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Interrupt the block with :class:`_Expired` after ``seconds``: by SIGALRM, which only
+    the main thread can handle, unless an alarm set before (pytest-timeout's) fires first;
+    that alarm is armed again with the time it had left. In another thread nothing
+    interrupts the block, and the caller checks the time it took."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    earlier, interval = signal.getitimer(signal.ITIMER_REAL)
+    if earlier and earlier <= seconds:
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        raise _Expired
+
+    started = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:  # the alarm fires once: if it fired just now, this still runs
+            signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+            if earlier:
+                signal.setitimer(signal.ITIMER_REAL, max(earlier - (time.monotonic() - started), 1e-3), interval)

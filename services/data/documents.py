@@ -54,8 +54,12 @@ def text_pieces(path: Path, section: str = "data") -> Iterator[tuple[str, bool]]
             raise ConfigError(f"{section}.path: {file} is not UTF-8 text: {error}") from error
 
 
-def jsonl_records(path: Path, field: str, section: str = "data") -> Iterator[Record]:
-    """The ``field`` of each JSON object line of ``path`` (blank lines skipped)."""
+def jsonl_records(
+    path: Path, field: str, section: str = "data", max_chars: tuple[int, str] | None = None
+) -> Iterator[Record]:
+    """The ``field`` of each JSON object line of ``path`` (blank lines skipped).
+    ``max_chars``: the most characters a line may hold, and what such a line is (for the
+    message), refused before it is parsed."""
     if not path.is_file():
         raise ConfigError(f"{section}.path {str(path)!r} is not a file (JSON lines)")
     with path.open(encoding="utf-8") as handle:
@@ -64,6 +68,10 @@ def jsonl_records(path: Path, field: str, section: str = "data") -> Iterator[Rec
                 if not line.strip():
                     continue
                 where = f"{path}:{number}"
+                if max_chars is not None and len(line) > max_chars[0]:
+                    raise ConfigError(
+                        f"{where} holds {len(line):,} characters, more than the {max_chars[0]:,} {max_chars[1]}"
+                    )
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as error:

@@ -16,7 +16,13 @@ import numpy as np
 
 from cargohold.cluster.config import DataConfig, TrainConfig
 from cargohold.services.data.cache import CachedStream, TokenCache, cache_key, content_digest
-from cargohold.services.data.chat import check_chat_tokenizer, conversation, render_conversation
+from cargohold.services.data.chat import (
+    MAX_CONVERSATION_CHARS,
+    check_chat_tokenizer,
+    conversation,
+    render_conversation,
+    template_source,
+)
 from cargohold.services.data.documents import Record, dataset_records, jsonl_records, text_files, text_pieces
 from cargohold.services.data.packing import Document, Piece, pack, stream_dtype
 from cargohold.services.data.tokenizer import load_tokenizer, tokenizer_digest, tokenizer_folder
@@ -40,8 +46,10 @@ def tokenized_stream(
     data = data or config.data
     folder, key = tokenizer_folder(config)
     tokenizer = load_tokenizer(folder, key, vocab_size)
+    template = ""
     if data.format == "chat":
         check_chat_tokenizer(tokenizer, key, str(folder))
+        template = template_source(folder, key)
     path = Path(data.path or "").expanduser().resolve()
     settings = {"format": data.format, "field": data.record_field, "split": data.split}
     root = Path(data.cache_dir or DEFAULT_CACHE_DIR).expanduser()
@@ -51,7 +59,7 @@ def tokenized_stream(
         return cached
     logger.info("tokenizing %s with the tokenizer at %s into %s", path, folder, entry.folder)
     dtype = stream_dtype(len(tokenizer))
-    pieces = _pieces(data, section, tokenizer, path, dtype)
+    pieces = _pieces(data, section, tokenizer, path, dtype, template)
     return entry.write(pieces, dtype, {"source": str(path), "tokenizer": str(folder), **settings})
 
 
@@ -73,8 +81,9 @@ def document_places(data: DataConfig, indices: list[int], section: str = "data")
 
 
 def _pieces(
-    data: DataConfig, section: str, tokenizer: PreTrainedTokenizerBase, path: Path, dtype: np.dtype
+    data: DataConfig, section: str, tokenizer: PreTrainedTokenizerBase, path: Path, dtype: np.dtype, template: str
 ) -> Iterator[Piece]:
+    """``template``: where chat data's template comes from (:func:`.chat.template_source`)."""
     eos = tokenizer.eos_token_id
     assert isinstance(eos, int), "load_tokenizer refuses a tokenizer without EOS"
     if data.format == "text":
@@ -82,12 +91,17 @@ def _pieces(
         return
     if data.format == "hf_dataset":
         records = dataset_records(path, data.record_field, data.split, section)
+    elif data.format == "chat":
+        bound = (MAX_CONVERSATION_CHARS, "a conversation may hold (about a million tokens); split it or leave it out")
+        records = jsonl_records(path, data.record_field, section, bound)
     else:
         records = jsonl_records(path, data.record_field, section)
     while batch := list(islice(records, DOCUMENTS_PER_PIECE)):
         documents: list[Document]
         if data.format == "chat":
-            documents = [render_conversation(tokenizer, conversation(r.value, r.where), r.where) for r in batch]
+            documents = [
+                render_conversation(tokenizer, conversation(r.value, r.where), r.where, template) for r in batch
+            ]
         else:
             ids = tokenizer([_text_of(r) for r in batch], add_special_tokens=False)["input_ids"]
             documents = [(document, None) for document in ids]
