@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_io import to_dict
+from cargohold.cluster.plan.budget import check_budget_memory
 from cargohold.cluster.plan.run import budgeted_config
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.cluster.resume import check_resume
@@ -35,6 +36,7 @@ from cargohold.services.host_allocator import HostAllocator, allocator_env, work
 from cargohold.services.layout import Segment
 from cargohold.services.loss_scale import LossScaleState
 from cargohold.services.model_setup import check_compute_dtype, model_layout
+from cargohold.services.node import node_memory_bytes
 from cargohold.services.param_groups import resolve_param_groups
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.state_port import segment_spec
@@ -90,6 +92,8 @@ class TrainingSession:
         """``resume``: a complete checkpoint folder to restore the servers' state from.
         ``task``: what to train (by default the model and data the config names)."""
         self.task = task or ConfigTask(config)
+        if config.cluster.address is None and not ray.is_initialized():  # the run's Ray starts on this machine
+            check_budget_memory(config, node_memory_bytes(), "this machine")
         config = budgeted_config(config, self.task)  # the host budget's split, kept by every process
         self.config = config
         self.resume = resume
@@ -129,6 +133,8 @@ class TrainingSession:
         cfg = self.config
         manifest = check_resume(self.resume, cfg, self.layout) if self.resume is not None else None
         self._owns_ray = connect_ray(cfg)
+        if cfg.cluster.address is not None or not self._owns_ray:  # a cluster this machine need not hold
+            _check_budget_on_cluster(cfg)
         timeout = cfg.cluster.startup_timeout_s
         worker_bundle = {"CPU": cfg.worker.cpus, "GPU": cfg.worker.gpus, **cfg.worker.resources}
         server_bundle = {"CPU": cfg.state_server.cpus, **cfg.state_server.resources}
@@ -525,6 +531,15 @@ def _check_gpus(config: TrainConfig, largest: float, total: float, where: str) -
             f"{where} has {total:g} (at most {largest:g} on one node); lower worker.gpus or "
             "worker.num_workers, or set worker.device=cpu and worker.gpus=0"
         )
+
+
+def _check_budget_on_cluster(config: TrainConfig) -> None:
+    """The host budget against the memory of the Ray cluster's live nodes, as Ray reports
+    it (each node's ``memory`` and ``object_store_memory`` resources: what was free when
+    it started)."""
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    memory = int(sum(node.get("memory", 0.0) + node.get("object_store_memory", 0.0) for node in nodes))
+    check_budget_memory(config, memory, f"the Ray cluster ({len(nodes)} live node(s), as Ray reports their memory)")
 
 
 def _warn_if_short_of_gpus(config: TrainConfig) -> None:

@@ -19,3 +19,8 @@ def node_ip() -> str:
     if ray.is_initialized():
         return ray.util.get_node_ip_address()
     return "127.0.0.1"
+
+
+def node_memory_bytes() -> int:
+    """This node's physical memory (a container's own limit is not read)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -3,20 +3,25 @@ before the run starts (a ConfigError: exit status 2 from ``cargohold``, naming t
 and loses nothing already saved.
 
 Row 5: a folder inside (or around) a folder a live run has claimed. Real claims: the
-live run's is held by a child process.
+live run's is held by a child process. Row 6: a host budget larger than the machine.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import ray
+from reference import tiny_config
 
+from cargohold.cluster import cli
 from cargohold.cluster.claims import claimed_folders
 from cargohold.cluster.config import CheckpointConfig, TrainConfig
+from cargohold.cluster.launcher import TrainingSession
 from cargohold.services.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
@@ -94,3 +99,41 @@ def test_a_claim_ends_with_its_run(tmp_path: Path) -> None:
     with claimed_folders(_config(checkpoints=folder / "inner", export=tmp_path / "export")):
         assert (folder / "inner").is_dir()
     assert not (folder / "inner").exists()
+
+
+# --- row 6: a host budget larger than the machine -----------------------------------------
+
+HUGE = 10**30
+
+
+def test_a_host_budget_beyond_this_machines_memory_is_refused_before_ray(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Row 6: ``cluster.host_memory_bytes=10**30`` was accepted and became a RAM tier of
+    ~10**30 bytes. A run that starts its Ray on this machine is refused before Ray starts
+    naming the key, the value and the machine's memory; ``cargohold plan`` says it does
+    not fit the nodes it is told of."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    config = tiny_config(cluster__host_memory_bytes=HUGE)
+    with pytest.raises(ConfigError) as refused:
+        TrainingSession(config)
+    message = str(refused.value)
+    assert f"cluster.host_memory_bytes={HUGE}" in message and f"this machine has: {memory}" in message, message
+    assert not ray.is_initialized()
+    assert cli.main(["train", "--set", f"cluster.host_memory_bytes={HUGE}", "--set", "steps=1"]) == 2
+    assert f"cluster.host_memory_bytes={HUGE}" in capsys.readouterr().err
+    assert not ray.is_initialized()
+    assert cli.main(["plan", "--set", f"cluster.host_memory_bytes={HUGE}", "--host-memory", "16GiB"]) == 3
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT  host budget (cluster.host_memory_bytes) against the nodes' RAM" in out, out
+    # A budget the machine holds is the run's to split, as before.
+    assert TrainingSession(tiny_config(cluster__host_memory_bytes=memory // 2)).config.cluster.host_memory_bytes
+
+
+def test_a_host_budget_beyond_a_joined_clusters_memory_is_refused(ray_local) -> None:
+    """Row 6 on a Ray cluster the run joins: the budget is compared with the memory its
+    nodes have, as Ray reports it, before any actor starts."""
+    session = TrainingSession(tiny_config(cluster__host_memory_bytes=HUGE))
+    with pytest.raises(ConfigError, match=r"cluster.host_memory_bytes=10{30} .* more than the Ray cluster"):
+        session.start()
+    assert not ray.util.list_named_actors()

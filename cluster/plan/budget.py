@@ -125,6 +125,18 @@ def apply_host_budget(config: TrainConfig, plan_parts: PlanParts) -> TrainConfig
     return effective
 
 
+def check_budget_memory(config: TrainConfig, memory_bytes: int, where: str) -> None:
+    """Refuse a host budget larger than ``memory_bytes``, the memory of ``where`` (the
+    machine or the cluster the run's processes run on): a split of memory the processes
+    do not have would give the state servers a RAM tier they cannot hold."""
+    budget = config.cluster.host_memory_bytes
+    if budget is not None and budget > memory_bytes:
+        raise ConfigError(
+            f"cluster.host_memory_bytes={budget} ({format_bytes(budget)}) is more than {where} has: {memory_bytes} "
+            f"({format_bytes(memory_bytes)}); set it to what the run's processes may use of that memory"
+        )
+
+
 def describe(split: HostBudget) -> str:
     """The split in one line."""
     tier = "RAM tier" if split.tier_bytes else "no RAM tier"

@@ -1,7 +1,7 @@
 """The verdict per resource: what the plan needs of it against what the cluster has
-(worker and state-server slots, device memory per worker, the run's host budget, host RAM
-per node, NVMe per state server and for weight files), with the shortfall and a remedy
-when it does not fit."""
+(worker and state-server slots, device memory per worker, the run's host budget and the
+nodes' RAM it is of, host RAM per node, NVMe per state server and for weight files), with
+the shortfall and a remedy when it does not fit."""
 
 from __future__ import annotations
 
@@ -95,6 +95,18 @@ def check_cluster(
                 ),
             )
         )
+        sizes = [group.host_memory_bytes for group in groups]
+        if all(size is not None for size in sizes):  # the budget cannot be more than the nodes have
+            ram = sum(group.count * (group.host_memory_bytes or 0) for group in groups)
+            checks.append(
+                _check(
+                    "host budget (cluster.host_memory_bytes) against the nodes' RAM",
+                    host_budget.budget_bytes,
+                    ram,
+                    "--host-memory",
+                    "lower cluster.host_memory_bytes to what the run's processes may use of it",
+                )
+            )
     server_peak = max(s.ram_peak_bytes for s in servers)
     for number, group in enumerate(groups, 1):
         name = f"node group {number} ({group.count} x {group.workers} workers + {group.servers} servers)"
