@@ -15,6 +15,7 @@ from cargohold.services.errors import OptimizerError, TransportError
 from cargohold.services.layout import Segment
 from cargohold.services.segment_state import SegmentSpec
 from cargohold.services.transport.grpc_client import StateServerClient
+from cargohold.services.update_call import IN_CALL, CommitTerms, UpdateCall
 from cargohold.services.wire import DTYPE_NAMES
 
 MAX_CALLS = 16
@@ -76,7 +77,16 @@ class RemoteSegments:
         def step(segment: Segment) -> None:
             client, out = self.clients[self._shares.server(segment)], weights(segment)
             dtype = DTYPE_NAMES[out.dtype]
-            client.push(run_id, segment.segment_id, update, gradient(segment), lr=lr_of(segment), prepare=dtype)
+            call = UpdateCall(
+                run_id=run_id,
+                segment_id=segment.segment_id,
+                update=update,
+                numel=segment.numel,
+                gradient=IN_CALL,
+                terms=CommitTerms(lr=lr_of(segment)),
+                weights_dtype=dtype,
+            )
+            client.update(call, gradient(segment))
             client.fetch(run_id, segment.segment_id, update, dtype, segment.numel, out=out)
 
         self._each(step, [(s,) for s in segments])

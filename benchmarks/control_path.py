@@ -153,7 +153,8 @@ def main() -> None:
                             global_norm=1.0,
                             lr=1e-3,
                             prepare="float32",
-                            weights_out=(region.path, weights_at + segment * numel * 4, numel),
+                            weights_to=(region.path, weights_at + segment * numel * 4),
+                            numel=numel,
                         )
                 return args.steps * segments * 2
 

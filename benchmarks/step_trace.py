@@ -11,6 +11,7 @@ from capacity import BLOCK, cargohold_overrides, params_of
 from process_memory import peak_rss, read_text
 
 from cargohold.services.layout import Segment
+from cargohold.services.update_call import CommitTerms
 
 
 class NullPort:
@@ -19,10 +20,15 @@ class NullPort:
     def register(self, segment: Segment, initial: torch.Tensor) -> int:
         return 0
 
-    def push(self, segment: Segment, update: int, gradient: torch.Tensor, *, lr: float, defer: bool) -> bool:
-        return True
-
-    def commit(self, segment: Segment, update: int, *, global_norm: float, lr: float) -> bool:
+    def update(
+        self,
+        segment: Segment,
+        update: int,
+        *,
+        gradient: torch.Tensor | None,
+        terms: CommitTerms | None,
+        out: torch.Tensor | None = None,
+    ) -> bool:
         return True
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:

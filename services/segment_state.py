@@ -10,10 +10,9 @@ leaves the segment exactly as it was.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from contextlib import closing
 from dataclasses import dataclass
 
@@ -25,7 +24,6 @@ from cargohold.services.errors import (
     StepMismatchError,
     UnknownShardError,
 )
-from cargohold.services.loss_scale import is_power_of_two
 from cargohold.services.optim import (
     AdamWHyperParams,
     FragmentGroup,
@@ -41,6 +39,7 @@ from cargohold.services.tiers.preserve import PreservedPartition
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.source import StateSource, tensor_source
 from cargohold.services.tiers.storage import PartitionUpdate, StreamReport, TieredStorage
+from cargohold.services.update_call import IN_CALL, STAGED, CommitTerms, GradientIn, UpdateCall
 from cargohold.services.weight_buffers import WeightBuffers
 from cargohold.services.wire import WIRE_DTYPES
 
@@ -189,6 +188,90 @@ class SegmentState:
     def bytes_by_tier(self) -> dict[Residency, int]:
         return self._storage.state_bytes(self.spec.run_id, self.spec.segment_id)
 
+    def update(
+        self,
+        call: UpdateCall,
+        *,
+        gradient: torch.Tensor | None = None,
+        owned: bool = False,
+        weights_out: torch.Tensor | None = None,
+    ) -> UpdateOutcome:
+        """Carry out ``call`` (services/update_call.py): stage its gradient, apply it at
+        once, or commit the one staged for its update number. Idempotent by update
+        number: a repeat of the last update applies nothing (but still writes
+        ``weights_out``); a stage call for it is ignored.
+
+        ``gradient``: the gradient a stage or apply call brings (the caller may reuse it
+        once this returns); an fp32 one is used in place, not copied. ``owned``: the caller
+        hands it over (a tensor the transport just assembled) and will not use it again, so
+        clipping may scale it in place. ``weights_out`` (1-D, the segment's size, in the
+        call's ``weights_dtype``, e.g. a co-located worker's shared memory): the update
+        writes the new weights straight there. Without it, a call with a
+        ``weights_dtype`` prepares them for the next :meth:`weights` in that dtype, while
+        they stream through memory anyway.
+
+        If the update stops part-way (a corrupt partition file, a failed write) the error
+        propagates and the segment stays at the previous update; the same call again
+        finishes the partitions that had not been updated.
+        """
+        self._check_call(call, gradient, weights_out)
+        if gradient is not None and not call.stages and gradient.device != self._storage.device:
+            gradient, owned = gradient.to(self._storage.device), True  # a GPU worker's device segment
+        with self.lock:
+            current = self._updates
+            if call.stages:
+                assert gradient is not None  # checked above
+                if repeats_last_update(self.spec, current, call.update, verb="stages"):
+                    return UpdateOutcome(applied=False, updates=current, seconds=0.0)
+                self._staged = 0
+                self._storage.stage_gradient(self.spec.run_id, self.spec.segment_id, call.update, gradient)
+                self._staged = call.update
+                return UpdateOutcome(applied=False, updates=call.update, seconds=0.0)
+            if call.commits:
+                if call.update == current and call.update > 0:
+                    return self._repeated(call, weights_out)
+                if self._staged != call.update or call.update != current + 1:
+                    raise StepMismatchError(
+                        f"segment {self.spec.segment_id} of run {self.spec.run_id!r} has no gradient staged for "
+                        f"update {call.update} (it is at update {current}); stage it first (defer_update)"
+                    )
+            elif repeats_last_update(self.spec, current, call.update, verb="accepts"):
+                return self._repeated(call, weights_out)
+            outcome = self._update(call, gradient, owned=owned, weights_out=weights_out)
+            self._staged = 0
+            return outcome
+
+    def _check_call(self, call: UpdateCall, gradient: torch.Tensor | None, weights_out: torch.Tensor | None) -> None:
+        """Refuse a call that does not fit this segment, before anything changes."""
+        spec = self.spec
+        if (call.run_id, call.segment_id, call.numel) != (spec.run_id, spec.segment_id, spec.numel):
+            raise InvalidTensorError(
+                f"segment {spec.segment_id}: a call for segment {call.segment_id} of run {call.run_id!r} "
+                f"with {call.numel} elements does not fit it"
+            )
+        if (gradient is None) != call.commits:
+            raise InvalidTensorError(f"segment {spec.segment_id}: a commit brings no gradient; the other calls one")
+        if gradient is not None:
+            _check_tensor(spec, gradient, WIRE_DTYPES[spec.grad_dtype], "gradient")
+        if weights_out is not None:
+            if call.weights_dtype is None:
+                raise InvalidTensorError(
+                    f"segment {spec.segment_id}: the weights' destination needs their dtype (prepare_dtype)"
+                )
+            _check_tensor(spec, weights_out, WIRE_DTYPES[call.weights_dtype], "weights destination")
+
+    def _call(self, update: int, gradient: GradientIn, terms: CommitTerms | None, dtype: str | None) -> UpdateCall:
+        spec = self.spec
+        return UpdateCall(
+            run_id=spec.run_id,
+            segment_id=spec.segment_id,
+            update=update,
+            numel=spec.numel,
+            gradient=gradient,
+            terms=terms,
+            weights_dtype=dtype,
+        )
+
     def apply_gradient(
         self,
         update: int,
@@ -200,47 +283,13 @@ class SegmentState:
         prepare: str | None = None,
         weights_out: torch.Tensor | None = None,
     ) -> UpdateOutcome:
-        """Apply the gradient of update number ``update`` once; a repeat of the last
-        update is ignored (but still writes ``weights_out``).
-
-        An fp32 gradient is used in place, not copied. ``owned``: the caller hands the
-        gradient over (a tensor the transport just assembled) and will not use it again,
-        so clipping may scale it in place; otherwise it is left exactly as it was.
-        ``prepare``: a wire dtype in which the update also writes the new weights, while
-        they stream through memory anyway; the next :meth:`weights` of this update in that
-        dtype then only hands them over. Without it a fetch reads the state again.
-        ``weights_out`` (with ``prepare``; 1-D, the segment's size, in that dtype, e.g. a
-        co-located worker's shared memory): the update writes the new weights straight
-        there instead, and nothing is kept for a fetch.
-
-        If the update stops part-way (a corrupt partition file, a failed write) the error
-        propagates and the segment stays at the previous update; applying the same update
-        again finishes the partitions that had not been updated.
-        """
-        _check_tensor(self.spec, gradient, WIRE_DTYPES[self.spec.grad_dtype], "gradient")
-        _check_update_args(self.spec, global_norm, lr, prepare, weights_out)
-        if gradient.device != self._storage.device:  # a GPU worker's device segment, pushed from host memory
-            gradient, owned = gradient.to(self._storage.device), True
-        with self.lock:
-            if repeats_last_update(self.spec, self._updates, update, verb="accepts"):
-                return self._repeated(update, prepare, weights_out)
-            return self._update(
-                update, gradient, global_norm=global_norm, lr=lr, owned=owned, prepare=prepare, weights_out=weights_out
-            )
+        """:meth:`update` with a gradient applied at once (in-process callers and tests)."""
+        call = self._call(update, IN_CALL, self._terms(lr=lr, global_norm=global_norm), prepare)
+        return self.update(call, gradient=gradient, owned=owned, weights_out=weights_out)
 
     def stage_gradient(self, update: int, gradient: torch.Tensor) -> UpdateOutcome:
-        """Keep the gradient of update ``update`` (its partitions' pieces where their state
-        is) until :meth:`commit`; one for the already applied update is ignored. The
-        caller may reuse ``gradient`` once this returns."""
-        _check_tensor(self.spec, gradient, WIRE_DTYPES[self.spec.grad_dtype], "gradient")
-        with self.lock:
-            current = self._updates
-            if repeats_last_update(self.spec, current, update, verb="stages"):
-                return UpdateOutcome(applied=False, updates=current, seconds=0.0)
-            self._staged = 0
-            self._storage.stage_gradient(self.spec.run_id, self.spec.segment_id, update, gradient)
-            self._staged = update
-            return UpdateOutcome(applied=False, updates=update, seconds=0.0)
+        """:meth:`update` with a gradient kept until :meth:`commit`."""
+        return self.update(self._call(update, IN_CALL, None, None), gradient=gradient)
 
     def commit(
         self,
@@ -252,88 +301,67 @@ class SegmentState:
         loss_scale: float = 1.0,
         weights_out: torch.Tensor | None = None,
     ) -> UpdateOutcome:
-        """Apply the gradient staged for ``update``; repeating a commit is harmless, and a
-        commit that failed part-way (a failed write) finishes when repeated. ``prepare``
-        and ``weights_out`` as in :meth:`apply_gradient`. ``loss_scale``: the dynamic
-        loss scale the staged gradient was computed with (fp16 compute), taken out before
-        clipping; ``global_norm`` is the norm without it."""
-        _check_update_args(self.spec, global_norm, lr, prepare, weights_out)
-        _check_loss_scale(self.spec, loss_scale)
-        with self.lock:
-            if update == self._updates and update > 0:
-                return self._repeated(update, prepare, weights_out)
-            if self._staged != update or update != self._updates + 1:
-                raise StepMismatchError(
-                    f"shard {self.spec.segment_id} of run {self.spec.run_id!r} has no gradient staged for step "
-                    f"{update} (it is at step {self._updates}); push it with defer_update first"
-                )
-            outcome = self._update(
-                update,
-                None,
-                global_norm=global_norm,
-                lr=lr,
-                owned=False,
-                prepare=prepare,
-                loss_scale=loss_scale,
-                weights_out=weights_out,
-            )
-            self._staged = 0
-            return outcome
+        """:meth:`update` committing the gradient staged for ``update``; ``loss_scale``: the
+        dynamic loss scale it was computed with (fp16 compute), taken out before clipping;
+        ``global_norm`` is the norm without it."""
+        terms = self._terms(lr=lr, global_norm=global_norm, loss_scale=loss_scale)
+        return self.update(self._call(update, STAGED, terms, prepare), weights_out=weights_out)
+
+    def _terms(self, **terms: float) -> CommitTerms:
+        """The commit terms, refused naming this segment."""
+        try:
+            return CommitTerms(**terms)
+        except InvalidTensorError as error:
+            raise InvalidTensorError(f"segment {self.spec.segment_id}: {error}") from None
 
     def _update(
-        self,
-        update: int,
-        gradient: torch.Tensor | None,
-        *,
-        global_norm: float,
-        lr: float,
-        owned: bool,
-        prepare: str | None,
-        loss_scale: float = 1.0,
-        weights_out: torch.Tensor | None = None,
+        self, call: UpdateCall, gradient: torch.Tensor | None, *, owned: bool, weights_out: torch.Tensor | None
     ) -> UpdateOutcome:
         """The update itself, under the lock; ``gradient`` None: the staged one."""
+        assert call.terms is not None
         started = time.perf_counter()
         if self._prepared is not None:  # never fetched: its buffer goes back
             self._buffers.give(self._prepared[2])
             self._prepared = None
+        prepare = call.weights_dtype
         out = weights_out  # the caller's destination, or a pooled buffer kept for the fetch
         if weights_out is None and prepare is not None:
             out = self._buffers.take(WIRE_DTYPES[prepare], self.spec.numel)
         pooled = out is not weights_out
-        step = torch.tensor(float(update), dtype=torch.float32)
+        step = torch.tensor(float(call.update), dtype=torch.float32)
         coefficient = unscale_coefficient(
-            clip_coefficient(global_norm, self.spec.hyper.max_grad_norm), inverse_scale(loss_scale)
+            clip_coefficient(call.terms.global_norm, self.spec.hyper.max_grad_norm),
+            inverse_scale(call.terms.loss_scale),
         )
         report = StreamReport()
-        partitions = self._storage.update_partitions(
-            self.spec.run_id, self.spec.segment_id, update, gradient, gradient_owned=owned, report=report
+        partitions: Generator[PartitionUpdate] = self._storage.update_partitions(
+            self.spec.run_id, self.spec.segment_id, call.update, gradient, gradient_owned=owned, report=report
         )
         try:
             with closing(partitions):  # an update that raises stops the stream, its I/O finished
                 for partition in partitions:
-                    self._adamw(partition, step=step, coefficient=coefficient, lr=lr, weights_out=out)
+                    self._adamw(partition, step=step, coefficient=coefficient, lr=call.terms.lr, weights_out=out)
         except BaseException:
             if pooled and out is not None:
                 self._buffers.give(out)
             raise
-        self._updates = update
+        self._updates = call.update
         if weights_out is not None:
             if report.resumed:  # the partitions updated before the failure were not written
                 self._storage.read_weights(
-                    self.spec.run_id, self.spec.segment_id, update, weights_out.dtype, out=weights_out
+                    self.spec.run_id, self.spec.segment_id, call.update, weights_out.dtype, out=weights_out
                 )
         elif out is not None and prepare is not None and not report.resumed:
-            self._prepared = (update, prepare, out)
+            self._prepared = (call.update, prepare, out)
         elif out is not None:  # a resumed update wrote only some partitions' weights
             self._buffers.give(out)
-        return UpdateOutcome(applied=True, updates=update, seconds=time.perf_counter() - started)
+        return UpdateOutcome(applied=True, updates=call.update, seconds=time.perf_counter() - started)
 
-    def _repeated(self, update: int, prepare: str | None, weights_out: torch.Tensor | None) -> UpdateOutcome:
+    def _repeated(self, call: UpdateCall, weights_out: torch.Tensor | None) -> UpdateOutcome:
         """The outcome of an update repeated (under the lock): nothing applied, but the
         weights its caller asks for are written all the same."""
-        if weights_out is not None and prepare is not None:
-            self._weights_locked(update, prepare, weights_out)
+        if weights_out is not None and call.weights_dtype is not None:
+            self._weights_locked(call.update, call.weights_dtype, weights_out)
         return UpdateOutcome(applied=False, updates=self._updates, seconds=0.0)
 
     def _adamw(
@@ -543,31 +571,6 @@ def repeats_last_update(spec: SegmentSpec, current: int, update: int, *, verb: s
             f"it {verb} a gradient for step {current + 1}, got step {update}"
         )
     return False
-
-
-def _check_update_args(
-    spec: SegmentSpec, global_norm: float, lr: float, prepare: str | None, weights_out: torch.Tensor | None = None
-) -> None:
-    if not (math.isfinite(lr) and lr >= 0.0):
-        raise InvalidTensorError(f"shard {spec.segment_id}: lr must be finite and >= 0, got {lr}")
-    if not (math.isfinite(global_norm) and global_norm >= 0.0):
-        raise InvalidTensorError(
-            f"shard {spec.segment_id}: global gradient norm must be finite and >= 0, got {global_norm}"
-        )
-    if prepare is not None and prepare not in WIRE_DTYPES:
-        raise InvalidTensorError(f"weight dtype {prepare!r} is not one of {sorted(WIRE_DTYPES)}")
-    if weights_out is not None:
-        if prepare is None:
-            raise InvalidTensorError(f"shard {spec.segment_id}: weights_out needs prepare, the dtype to write them in")
-        _check_tensor(spec, weights_out, WIRE_DTYPES[prepare], "weights destination")
-
-
-def _check_loss_scale(spec: SegmentSpec, loss_scale: float) -> None:
-    if not is_power_of_two(loss_scale):
-        raise InvalidTensorError(
-            f"shard {spec.segment_id}: the loss scale must be a power of two (so that taking it out is exact), "
-            f"got {loss_scale}"
-        )
 
 
 def _check_tensor(spec: SegmentSpec, tensor: torch.Tensor, dtype: torch.dtype, what: str) -> None:

@@ -1,4 +1,4 @@
-"""The worker's port to the state servers: register, push, commit and fetch one segment.
+"""The worker's port to the state servers: register, update and fetch one segment.
 
 The step (:mod:`cargohold.services.step`) talks only to a :class:`StatePort`. Two
 implementations: :class:`RemotePort`, the gRPC clients (with shared memory for servers on
@@ -26,6 +26,7 @@ from cargohold.services.param_groups import ParamGroups
 from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.shm import SharedRegion
+from cargohold.services.update_call import IN_CALL, STAGED, CommitTerms, GradientIn, SharedRef, UpdateCall
 
 
 def segment_spec(config: TrainConfig, run_id: str, segment: Segment, param_groups: ParamGroups) -> SegmentSpec:
@@ -174,35 +175,22 @@ class StatePort(Protocol):
     def register(self, segment: Segment, initial: torch.Tensor) -> int:
         """Register a segment with its fp32 initial values; returns its update count."""
 
-    def push(
-        self,
-        segment: Segment,
-        update: int,
-        gradient: torch.Tensor,
-        *,
-        lr: float,
-        defer: bool,
-        out: torch.Tensor | None = None,
-    ) -> bool:
-        """Send the gradient of ``update``; with ``defer`` the server only stages it.
-        The update prepares the new weights in the compute dtype for the :meth:`fetch`
-        that follows, or, given ``out`` (without ``defer``), writes them there as that
-        fetch would, in the same call where the server shares the node. Returns whether
-        an update was applied (False for a repeat or when staged)."""
-
-    def commit(
+    def update(
         self,
         segment: Segment,
         update: int,
         *,
-        global_norm: float,
-        lr: float,
-        loss_scale: float = 1.0,
+        gradient: torch.Tensor | None,
+        terms: CommitTerms | None,
         out: torch.Tensor | None = None,
     ) -> bool:
-        """Apply the gradient staged for ``update``; ``loss_scale``: the scale the staged
-        gradient carries (fp16 compute), ``global_norm`` the norm without it; ``out`` as
-        in :meth:`push`."""
+        """Update number ``update`` of ``segment`` (services/update_call.py): with a
+        ``gradient`` and no ``terms`` the server stages it; with both it applies it now;
+        with ``terms`` alone it commits the one staged. An applied update prepares the new
+        weights in the compute dtype for the :meth:`fetch` that follows or, given ``out``,
+        writes them there (in the same call where the server shares the node, else
+        fetched after it). Returns whether an update was applied (False for a repeat or
+        when staged)."""
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
         """Write the weights after ``update`` into ``out`` (a view of the exchange buffers)."""
@@ -239,60 +227,38 @@ class RemotePort:
         )
         return step
 
-    def push(
+    def update(
         self,
         segment: Segment,
         update: int,
-        gradient: torch.Tensor,
         *,
-        lr: float,
-        defer: bool,
+        gradient: torch.Tensor | None,
+        terms: CommitTerms | None,
         out: torch.Tensor | None = None,
     ) -> bool:
         shared = segment.server in self.shared
-        shm = self.buffers.shared_ref(gradient) if shared else None
-        weights_out = self.buffers.shared_ref(out) if shared and out is not None and not defer else None
-        outcome = self.clients[segment.server].push(
-            self.run_id,
-            segment.segment_id,
-            update,
-            gradient,
-            lr=lr,
-            defer_update=defer,
-            shm=shm,
-            prepare=self.config.worker.compute_dtype,
-            weights_out=weights_out,
+        where: GradientIn | SharedRef = STAGED
+        if gradient is not None:
+            where = SharedRef(*self.buffers.shared_ref(gradient)) if shared else IN_CALL
+        call = UpdateCall(
+            run_id=self.run_id,
+            segment_id=segment.segment_id,
+            update=update,
+            numel=segment.numel,
+            gradient=where,
+            terms=terms,
+            weights_dtype=None if terms is None else self.config.worker.compute_dtype,
+            weights_to=SharedRef(*self.buffers.shared_ref(out)) if shared and out is not None and terms else None,
         )
-        rpc = _path_label("PushGradient", shm is not None, self.clients[segment.server])
-        self.metrics.record_sent(rpc, gradient.numel() * gradient.element_size())
-        self._weights_arrived(segment, update, out, written=weights_out is not None, rpc=rpc)
-        return outcome.applied and not defer
-
-    def commit(
-        self,
-        segment: Segment,
-        update: int,
-        *,
-        global_norm: float,
-        lr: float,
-        loss_scale: float = 1.0,
-        out: torch.Tensor | None = None,
-    ) -> bool:
-        weights_out = None
-        if out is not None and segment.server in self.shared:
-            weights_out = (*self.buffers.shared_ref(out), segment.numel)
-        outcome = self.clients[segment.server].commit(
-            self.run_id,
-            segment.segment_id,
-            update,
-            global_norm=global_norm,
-            lr=lr,
-            prepare=self.config.worker.compute_dtype,
-            loss_scale=loss_scale,
-            weights_out=weights_out,
-        )
-        self._weights_arrived(segment, update, out, written=weights_out is not None, rpc="CommitStep.shm")
-        return outcome.applied
+        client = self.clients[segment.server]
+        outcome = client.update(call, gradient)
+        if gradient is not None:
+            rpc = _path_label("PushGradient", shared, client)
+            self.metrics.record_sent(rpc, gradient.numel() * gradient.element_size())
+        else:
+            rpc = "CommitStep.shm"
+        self._weights_arrived(segment, update, out, written=call.weights_to is not None, rpc=rpc)
+        return outcome.applied and not call.stages
 
     def _weights_arrived(
         self, segment: Segment, update: int, out: torch.Tensor | None, *, written: bool, rpc: str
@@ -344,42 +310,29 @@ class LocalPort:
             segment_spec(self.config, self.run_id, segment, self.param_groups), initial.clone()
         ).updates
 
-    def push(
-        self,
-        segment: Segment,
-        update: int,
-        gradient: torch.Tensor,
-        *,
-        lr: float,
-        defer: bool,
-        out: torch.Tensor | None = None,
-    ) -> bool:
-        state = self.registry.get(self.run_id, segment.segment_id)
-        if defer:
-            state.stage_gradient(update, gradient)
-            return False
-        prepare = self.config.worker.compute_dtype
-        applied = state.apply_gradient(update, gradient, global_norm=0.0, lr=lr, prepare=prepare).applied
-        if out is not None:
-            self.fetch(segment, update, out)
-        return applied
-
-    def commit(
+    def update(
         self,
         segment: Segment,
         update: int,
         *,
-        global_norm: float,
-        lr: float,
-        loss_scale: float = 1.0,
+        gradient: torch.Tensor | None,
+        terms: CommitTerms | None,
         out: torch.Tensor | None = None,
     ) -> bool:
         state = self.registry.get(self.run_id, segment.segment_id)
-        prepare = self.config.worker.compute_dtype
-        applied = state.commit(update, global_norm=global_norm, lr=lr, prepare=prepare, loss_scale=loss_scale).applied
+        call = UpdateCall(
+            run_id=self.run_id,
+            segment_id=segment.segment_id,
+            update=update,
+            numel=segment.numel,
+            gradient=STAGED if gradient is None else IN_CALL,
+            terms=terms,
+            weights_dtype=None if terms is None else self.config.worker.compute_dtype,
+        )
+        applied = state.update(call, gradient=gradient).applied
         if out is not None:
             self.fetch(segment, update, out)
-        return applied
+        return applied and not call.stages
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
         dtype = self.config.worker.compute_dtype
@@ -403,30 +356,16 @@ class SplitPort:
     def register(self, segment: Segment, initial: torch.Tensor) -> int:
         return self._owner(segment).register(segment, initial)
 
-    def push(
-        self,
-        segment: Segment,
-        update: int,
-        gradient: torch.Tensor,
-        *,
-        lr: float,
-        defer: bool,
-        out: torch.Tensor | None = None,
-    ) -> bool:
-        return self._owner(segment).push(segment, update, gradient, lr=lr, defer=defer, out=out)
-
-    def commit(
+    def update(
         self,
         segment: Segment,
         update: int,
         *,
-        global_norm: float,
-        lr: float,
-        loss_scale: float = 1.0,
+        gradient: torch.Tensor | None,
+        terms: CommitTerms | None,
         out: torch.Tensor | None = None,
     ) -> bool:
-        owner = self._owner(segment)
-        return owner.commit(segment, update, global_norm=global_norm, lr=lr, loss_scale=loss_scale, out=out)
+        return self._owner(segment).update(segment, update, gradient=gradient, terms=terms, out=out)
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
         self._owner(segment).fetch(segment, update, out)

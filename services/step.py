@@ -66,6 +66,7 @@ from cargohold.services.sharding import (
     params_to_range,
 )
 from cargohold.services.state_port import ExchangeBuffers, ExchangeSlot, StatePort
+from cargohold.services.update_call import CommitTerms
 from cargohold.services.weight_window import WeightWindow
 from cargohold.services.wire import DTYPE_NAMES, check_representable
 
@@ -337,15 +338,10 @@ class ShardedStep:
         elif delayed:
             applied = self._adopt_pending()
             if policy.staged:  # CommitStep runs during the next step's compute, its weights into the held range
+                terms = CommitTerms(global_norm=global_norm, lr=lr, loss_scale=loss_scale)
                 self._commits = {
                     s.segment_id: self._pool.submit(
-                        self.port.commit,
-                        s,
-                        update,
-                        global_norm=global_norm,
-                        lr=lr,
-                        loss_scale=loss_scale,
-                        out=self._held(s),
+                        self.port.update, s, update, gradient=None, terms=terms, out=self._held(s)
                     )
                     for s in self.segments
                 }
@@ -356,7 +352,12 @@ class ShardedStep:
         else:
             if policy.staged:
                 settling = {
-                    group: self._pool.submit(self._settle_unit, group, update, (global_norm, lr, loss_scale))
+                    group: self._pool.submit(
+                        self._settle_unit,
+                        group,
+                        update,
+                        CommitTerms(global_norm=global_norm, lr=lr, loss_scale=loss_scale),
+                    )
                     for group in self._by_group
                 }
                 if self.window is None:  # each unit's forward of the next step waits for its own
@@ -502,25 +503,24 @@ class ShardedStep:
                     committing.result()  # submitted before this push: running or done, never queued behind it
                 at = self._in_slot(segment)
                 out = slot.weights[at] if fetch else None  # the weights after the update, in the same call
-                applied += self.port.push(segment, update, slot.grads[at], lr=lr, defer=defer, out=out)
+                terms = None if defer else CommitTerms(lr=lr)  # applied at once: no clipping
+                applied += self.port.update(segment, update, gradient=slot.grads[at], terms=terms, out=out)
             if fetch:
                 self._adopt(slot.weights, group)
             return applied
         finally:
             self.buffers.release(slot)
 
-    def _settle_unit(self, group: int, update: int, commit: tuple[float, float, float] | None = None) -> int:
+    def _settle_unit(self, group: int, update: int, commit: CommitTerms | None = None) -> int:
         """Fetch unit ``group``'s weights after ``update`` into its local shards; with
-        ``commit`` (global norm, lr, loss scale), first apply the gradients the servers staged."""
+        ``commit`` (its terms), first apply the gradients the servers staged."""
         slot = self.buffers.acquire()
         try:
             applied = 0
             for segment in self._by_group[group]:
                 out = slot.weights[self._in_slot(segment)]
                 if commit is not None:  # the weights come back in the commit's call
-                    applied += self.port.commit(
-                        segment, update, global_norm=commit[0], lr=commit[1], loss_scale=commit[2], out=out
-                    )
+                    applied += self.port.update(segment, update, gradient=None, terms=commit, out=out)
                 else:
                     self.port.fetch(segment, update, out)
             self._adopt(slot.weights, group)

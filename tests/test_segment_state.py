@@ -138,7 +138,7 @@ def test_bad_lr_or_norm_raises_naming_it_and_changes_nothing(kwargs: dict, messa
     before = state.snapshot()
     args = dict(global_norm=0.5, lr=1e-2)
     args.update(kwargs)
-    with pytest.raises(InvalidTensorError, match=rf"^shard 3: {message}$"):
+    with pytest.raises(InvalidTensorError, match=rf"^segment 3: {message}$"):
         state.apply_gradient(1, step_gradient(1), **args)
     assert state.updates == 0
     assert_snapshot_equal(state.snapshot(), before)

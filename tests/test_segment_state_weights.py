@@ -98,7 +98,7 @@ def test_an_update_writes_its_weights_into_the_callers_destination(dtype: str) -
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"weights_out": torch.zeros(NUMEL)}, "weights_out needs prepare"),
+        ({"weights_out": torch.zeros(NUMEL)}, r"destination needs their dtype \(prepare_dtype\)"),
         ({"prepare": "bfloat16", "weights_out": torch.zeros(NUMEL)}, "weights destination must be torch.bfloat16"),
         ({"prepare": "float32", "weights_out": torch.zeros(NUMEL - 1)}, f"weights destination must have {NUMEL}"),
     ],

@@ -75,12 +75,12 @@ def _updated_in_one_call(s, region: SharedRegion, step: int, gradient: torch.Ten
     region.tensor(torch.float32, 0, NUMEL).copy_(gradient)
     s.client.push(
         RUN, 0, step, gradient, global_norm=GLOBAL_NORM, lr=LR, shm=(region.path, 0),
-        prepare="float32", weights_out=(region.path, NUMEL * 4),
+        prepare="float32", weights_to=(region.path, NUMEL * 4),
     )  # fmt: skip
     s.client.push(RUN, 1, step, gradient, lr=LR, defer_update=True)
     s.client.commit(
         RUN, 1, step, global_norm=GLOBAL_NORM, lr=LR, prepare="float32",
-        weights_out=(region.path, NUMEL * 8, NUMEL),
+        weights_to=(region.path, NUMEL * 8), numel=NUMEL,
     )  # fmt: skip
 
 
@@ -127,7 +127,7 @@ def test_weights_out_is_checked_before_the_update(wide_region: SharedRegion) -> 
         for request, message in (
             (
                 pb.CommitStepRequest(key=key, step=1, global_grad_norm=GLOBAL_NORM, lr=LR, weights_out=inside),
-                "needs prepare_dtype",
+                "needs their dtype (prepare_dtype)",
             ),
             (
                 pb.CommitStepRequest(

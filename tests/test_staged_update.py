@@ -62,10 +62,10 @@ def test_a_staged_update_through_disk_is_bitwise_the_all_ram_one(tmp_path: Path,
 def test_a_commit_needs_the_gradient_of_its_update(tmp_path: Path) -> None:
     with open_storage(tier_config(tmp_path)) as storage:
         state = SegmentRegistry(storage).register(shard_spec(), seeded_randn(0))
-        with pytest.raises(StepMismatchError, match="no gradient staged for step 1"):
+        with pytest.raises(StepMismatchError, match="no gradient staged for update 1"):
             state.commit(1, global_norm=CLIPPED, lr=LR)
         state.stage_gradient(1, seeded_randn(1))
-        with pytest.raises(StepMismatchError, match="no gradient staged for step 2"):
+        with pytest.raises(StepMismatchError, match="no gradient staged for update 2"):
             state.commit(2, global_norm=CLIPPED, lr=LR)
         with pytest.raises(StepMismatchError, match="step 3"):
             state.stage_gradient(3, seeded_randn(3))

@@ -120,16 +120,13 @@ class _GatedPort:
     def register(self, segment, initial):
         return self.inner.register(segment, initial)
 
-    def push(self, segment, update, gradient, *, lr, defer, out=None):
-        if update == self.gated + 1:
+    def update(self, segment, update, *, gradient, terms, out=None):
+        if gradient is not None and update == self.gated + 1:
             self.record.append(("push", segment.segment_id, segment.segment_id in self.committed))
-        return self.inner.push(segment, update, gradient, lr=lr, defer=defer, out=out)
-
-    def commit(self, segment, update, *, global_norm, lr, loss_scale=1.0, out=None):
-        if update == self.gated:
+        if gradient is None and update == self.gated:
             self.record.append(("commit", segment.segment_id, self.returned.wait(timeout=GATE_S)))
-        applied = self.inner.commit(segment, update, global_norm=global_norm, lr=lr, loss_scale=loss_scale, out=out)
-        if update == self.gated:
+        applied = self.inner.update(segment, update, gradient=gradient, terms=terms, out=out)
+        if gradient is None and update == self.gated:
             self.committed.add(segment.segment_id)
         return applied
 

@@ -34,6 +34,7 @@ from transport_server import (
     assert_bitwise_equal,
     assert_unchanged,
     fetch_raw,
+    key,
     local_state,
     make_spec,
     observe,
@@ -45,7 +46,7 @@ from transport_server import (
     total,
 )
 
-from cargohold.services.errors import CargoholdError, TransportError
+from cargohold.services.errors import CargoholdError, InvalidTensorError, TransportError
 from cargohold.services.segment_state import SegmentState
 from cargohold.services.transport.codec import SERVICE_NAME
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
@@ -119,9 +120,12 @@ def test_an_fp16_gradient_is_committed_with_its_loss_scale_over_the_wire(served:
     assert client.register(spec, W0) == (0, True)
     gradient = (G1 * scale).to(torch.float16)
     client.push(RUN, 2, 1, gradient, defer_update=True)
-    with pytest.raises(RemoteError, match="loss scale must be a power of two") as refused:
+    with pytest.raises(InvalidTensorError, match="loss scale must be a power of two"):  # refused before it leaves
         client.commit(RUN, 2, 1, global_norm=GLOBAL_NORM, lr=LR, loss_scale=1000.0)
-    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and client.describe(RUN, 2)[1] == 0
+    unscaled = pb.CommitStepRequest(key=key(2), step=1, global_grad_norm=GLOBAL_NORM, lr=LR, loss_scale=1000.0)
+    code, details = status(lambda: served.stub.CommitStep(unscaled, timeout=DEADLINE_S))  # and by the server
+    assert (code, "loss scale must be a power of two" in details) == (grpc.StatusCode.INVALID_ARGUMENT, True)
+    assert client.describe(RUN, 2)[1] == 0
     assert client.commit(RUN, 2, 1, global_norm=GLOBAL_NORM, lr=LR, loss_scale=scale, prepare="float16").applied
     local = SegmentState(spec, W0)
     local.stage_gradient(1, gradient)
@@ -339,7 +343,7 @@ def test_commit_without_a_staged_gradient_is_refused_and_changes_nothing(stepped
     with pytest.raises(RemoteError) as error:
         stepped.client.commit(RUN, 0, 2, global_norm=GLOBAL_NORM, lr=LR)
     assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "no gradient staged for step 2" in error.value.details
+    assert "no gradient staged for update 2" in error.value.details
     with pytest.raises(RemoteError) as error:
         stepped.client.push(RUN, 0, 3, G2, defer_update=True)  # skips step 2
     assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION

@@ -140,13 +140,13 @@ BAD_REQUESTS: list[tuple[str, Callable[[Served], object], grpc.StatusCode, str]]
     ),
     (
         "push with a NaN learning rate",
-        lambda s: s.client.push(RUN, 0, 2, G1, global_norm=GLOBAL_NORM, lr=math.nan),
+        lambda s: push_raw(s, [push_header(lr=math.nan), *chunks(G1)]),
         Code.INVALID_ARGUMENT,
         "lr must be finite",
     ),
     (
         "push with a negative global norm",
-        lambda s: s.client.push(RUN, 0, 2, G1, global_norm=-1.0, lr=LR),
+        lambda s: push_raw(s, [push_header(global_grad_norm=-1.0), *chunks(G1)]),
         Code.INVALID_ARGUMENT,
         "global gradient norm must be finite",
     ),

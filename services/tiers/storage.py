@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
@@ -333,7 +333,7 @@ class TieredStorage:
         *,
         gradient_owned: bool,
         report: StreamReport,
-    ) -> Iterator[PartitionUpdate]:
+    ) -> Generator[PartitionUpdate]:
         """Every partition of the segment not yet at ``update``, in memory in stream order,
         for the caller to update in place; each is kept in the tier the plan wants once the
         caller asks for the next. ``gradient``: the (already validated) gradient of the
@@ -587,7 +587,7 @@ def stream_partitions(
     finish: Callable[[Partition, Staged], Future[None]],
     observer: TierObserver,
     report: StreamReport,
-) -> Iterator[PartitionUpdate]:
+) -> Generator[PartitionUpdate]:
     """Each partition of ``order`` in memory with its gradient piece (``piece_of``: the
     piece, and whether it may be scaled in place), for the consumer to update; finished
     (``finish``) when the consumer asks for the next. While one is updated, the next are

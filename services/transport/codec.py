@@ -1,4 +1,5 @@
-"""Tensors to checksummed byte chunks and back, and proto <-> internal conversions.
+"""Tensors to checksummed byte chunks and back, and proto <-> internal conversions (the
+update call's among them: one encoding and one check for both ends).
 
 The payload of a chunk is copied as little as protobuf (upb) allows. Sending: the tensor
 slice into a ``bytes`` object (a bytes field accepts nothing else), that object into the
@@ -24,6 +25,7 @@ from cargohold.services.state_precision import StateDtype
 from cargohold.services.tiers.planner import Bandwidth
 from cargohold.services.tiers.report import PartitionRow, TierSummary
 from cargohold.services.tiers.residency import PartitionKey, Residency
+from cargohold.services.update_call import IN_CALL, STAGED, CommitTerms, SharedRef, UpdateCall
 from cargohold.services.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, WIRE_DTYPES
 from cargohold.v1 import state_server_pb2 as pb
 
@@ -288,4 +290,81 @@ def tier_summary_from_proto(message: pb.TierPlanSummary) -> TierSummary:
         paths=tuple(p.path for p in message.paths),
         direct_io=tuple(p.direct_io for p in message.paths),
         bandwidth=tuple(Bandwidth(p.read_bytes_per_s, p.write_bytes_per_s) for p in message.paths),
+    )
+
+
+# --- the update call (services/update_call.py): one encoding for both ends ---------------
+
+
+def _ref_to_proto(ref: SharedRef | None) -> pb.SharedMemoryRef | None:
+    return None if ref is None else pb.SharedMemoryRef(path=ref.path, byte_offset=ref.byte_offset)
+
+
+def _ref_from_proto(message: pb.SharedMemoryRef) -> SharedRef:
+    return SharedRef(message.path, message.byte_offset)
+
+
+def _weights_dtype_to_proto(dtype: str | None) -> pb.DType:
+    return pb.DTYPE_UNSPECIFIED if dtype is None else dtype_to_proto(dtype)
+
+
+def push_header(call: UpdateCall, grad_dtype: str) -> pb.PushHeader:
+    """The PushGradient header of a call that brings its gradient (``grad_dtype``)."""
+    assert not call.commits, "a commit is a CommitStep"
+    terms = call.terms
+    return pb.PushHeader(
+        key=pb.ShardKey(run_id=call.run_id, shard_id=call.segment_id),
+        step=call.update,
+        dtype=dtype_to_proto(grad_dtype),
+        numel=call.numel,
+        global_grad_norm=terms.global_norm if terms is not None else 0.0,
+        lr=terms.lr if terms is not None else 0.0,
+        defer_update=call.stages,
+        shm=_ref_to_proto(call.gradient if isinstance(call.gradient, SharedRef) else None),
+        prepare_dtype=_weights_dtype_to_proto(call.weights_dtype),
+        weights_out=_ref_to_proto(call.weights_to),
+    )
+
+
+def call_from_push_header(header: pb.PushHeader) -> UpdateCall:
+    """The call a PushGradient header makes; a staging header's weight fields are ignored
+    (the commit carries them). Raises InvalidTensorError when its fields do not go together."""
+    stages = header.defer_update
+    return UpdateCall(
+        run_id=header.key.run_id,
+        segment_id=header.key.shard_id,
+        update=header.step,
+        numel=header.numel,
+        gradient=_ref_from_proto(header.shm) if header.HasField("shm") else IN_CALL,
+        terms=None if stages else CommitTerms(lr=header.lr, global_norm=header.global_grad_norm),
+        weights_dtype=None if stages else prepare_dtype_from_proto(header.prepare_dtype),
+        weights_to=_ref_from_proto(header.weights_out) if header.HasField("weights_out") and not stages else None,
+    )
+
+
+def commit_request(call: UpdateCall) -> pb.CommitStepRequest:
+    """The CommitStep request of a call that commits a staged gradient."""
+    assert call.commits and call.terms is not None, "only a commit is a CommitStep"
+    return pb.CommitStepRequest(
+        key=pb.ShardKey(run_id=call.run_id, shard_id=call.segment_id),
+        step=call.update,
+        global_grad_norm=call.terms.global_norm,
+        lr=call.terms.lr,
+        prepare_dtype=_weights_dtype_to_proto(call.weights_dtype),
+        loss_scale=0.0 if call.terms.loss_scale == 1.0 else call.terms.loss_scale,  # 0: unset, no scale
+        weights_out=_ref_to_proto(call.weights_to),
+    )
+
+
+def call_from_commit(request: pb.CommitStepRequest, numel: int) -> UpdateCall:
+    """The call a CommitStep request makes, for a segment of ``numel`` elements."""
+    return UpdateCall(
+        run_id=request.key.run_id,
+        segment_id=request.key.shard_id,
+        update=request.step,
+        numel=numel,
+        gradient=STAGED,
+        terms=CommitTerms(lr=request.lr, global_norm=request.global_grad_norm, loss_scale=request.loss_scale or 1.0),
+        weights_dtype=prepare_dtype_from_proto(request.prepare_dtype),
+        weights_to=_ref_from_proto(request.weights_out) if request.HasField("weights_out") else None,
     )

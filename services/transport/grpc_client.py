@@ -25,16 +25,19 @@ from cargohold.services.transport.codec import (
     TensorAssembler,
     byte_chunks,
     check_chunk_bytes,
+    commit_request,
     dtype_from_proto,
     dtype_to_proto,
     fill_chunk,
     new_buffer,
     partition_row_from_proto,
+    push_header,
     raw_bytes,
     spec_from_proto,
     spec_to_proto,
     tier_summary_from_proto,
 )
+from cargohold.services.update_call import IN_CALL, STAGED, CommitTerms, SharedRef, UpdateCall
 from cargohold.services.wire import DEFAULT_CHUNK_BYTES, DTYPE_NAMES, WIRE_DTYPES
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
@@ -165,46 +168,25 @@ class StateServerClient:
         )
         return spec_from_proto(reply.spec), reply.step
 
-    def push(
-        self,
-        run_id: str,
-        segment_id: int,
-        step: int,
-        gradient: torch.Tensor,
-        *,
-        global_norm: float = 0.0,
-        lr: float = 0.0,
-        defer_update: bool = False,
-        shm: tuple[str, int] | None = None,
-        prepare: str | None = None,
-        weights_out: tuple[str, int] | None = None,
-    ) -> UpdateOutcome:
-        """Send the gradient of ``step``; harmless to repeat. With ``defer_update`` the
-        server only stages it, and :meth:`commit` applies it. With ``shm`` (path, byte
-        offset) the server reads ``gradient``'s bytes from that shared memory instead.
-        ``prepare``: the dtype the next :meth:`fetch` asks for, so the update writes the
-        weights in it on the way (see SegmentState.apply_gradient). ``weights_out`` (path,
-        byte offset; with ``shm`` and ``prepare``, without ``defer_update``): the weights
-        after the update are in that shared memory when this returns, written by the
-        server in the same call (fetched after it from a server that cannot)."""
+    def update(self, call: UpdateCall, gradient: torch.Tensor | None = None) -> UpdateOutcome:
+        """Carry out ``call`` (services/update_call.py) on the server; harmless to repeat.
+        A stage or apply call sends ``gradient`` (gRPC chunks or the bulk socket), or only
+        says where it is in shared memory (``call.gradient``); a commit sends none. With
+        ``call.weights_to`` the weights after the update are in that shared memory when
+        this returns: written by the server in the same call, or fetched after it from a
+        server that predates that."""
+        if call.commits:
+            reply = self._call("CommitStep", self._stub.CommitStep, commit_request(call))
+            return self._updated(call, reply)
+        assert gradient is not None, "a stage or apply call brings its gradient"
         wire_dtype = DTYPE_NAMES.get(gradient.dtype)
         if wire_dtype is None:
             raise TransportError(f"gradients travel as one of {sorted(WIRE_DTYPES)}, not {gradient.dtype}")
-        if weights_out is not None and (shm is None or prepare is None or defer_update):
-            raise ValueError("weights_out goes with a shared-memory push that is applied, in a prepare dtype")
-        header = pb.PushHeader(
-            key=pb.ShardKey(run_id=run_id, shard_id=segment_id),
-            step=step,
-            dtype=dtype_to_proto(wire_dtype),
-            numel=gradient.numel(),
-            global_grad_norm=global_norm,
-            lr=lr,
-            defer_update=defer_update,
-            shm=_shm_ref(shm),
-            prepare_dtype=_prepare_to_proto(prepare),
-            weights_out=_shm_ref(weights_out),
-        )
-        if self.bulk and shm is None:
+        header = push_header(call, wire_dtype)
+        if isinstance(call.gradient, SharedRef):  # the header alone, as one message: no request-iterator thread
+            reply = self._call("PushGradient", self._push_header, pb.PushGradientRequest(header=header))
+            return self._updated(call, reply)
+        if self.bulk:
             pushed = self._push_bulk(header, gradient)
             if pushed is not None:
                 return pushed
@@ -216,47 +198,70 @@ class StateServerClient:
                 fill_chunk(request.chunk, offset, data)
                 yield request
 
-        if shm is not None:
-            reply = self._call("PushGradient", self._push_header, pb.PushGradientRequest(header=header))
-        else:
-            reply = self._call("PushGradient", self._stub.PushGradient, requests())
-        if weights_out is not None and not reply.weights_written:
-            self.fetch(run_id, segment_id, step, str(prepare), gradient.numel(), shm=weights_out)
+        return self._updated(call, self._call("PushGradient", self._stub.PushGradient, requests()))
+
+    def _updated(self, call: UpdateCall, reply: pb.PushGradientResponse) -> UpdateOutcome:
+        """The outcome of ``call``, its weights fetched into ``weights_to`` where the server did not write them."""
+        if call.weights_to is not None and not reply.weights_written:
+            to = (call.weights_to.path, call.weights_to.byte_offset)
+            self.fetch(call.run_id, call.segment_id, call.update, str(call.weights_dtype), call.numel, shm=to)
         return UpdateOutcome(applied=reply.applied, updates=reply.step, seconds=reply.update_seconds)
+
+    def push(
+        self,
+        run_id: str,
+        segment_id: int,
+        update: int,
+        gradient: torch.Tensor,
+        *,
+        global_norm: float = 0.0,
+        lr: float = 0.0,
+        defer_update: bool = False,
+        shm: tuple[str, int] | None = None,
+        prepare: str | None = None,
+        weights_to: tuple[str, int] | None = None,
+    ) -> UpdateOutcome:
+        """:meth:`update` with a gradient from the caller's memory (``shm``, ``weights_to``:
+        the path and byte offset of its shared memory): staged with ``defer_update``, else
+        applied (a shorthand for tests and benchmarks; the worker's port builds its calls)."""
+        call = UpdateCall(
+            run_id=run_id,
+            segment_id=segment_id,
+            update=update,
+            numel=gradient.numel(),
+            gradient=IN_CALL if shm is None else SharedRef(*shm),
+            terms=None if defer_update else CommitTerms(lr=lr, global_norm=global_norm),
+            weights_dtype=None if defer_update else prepare,
+            weights_to=None if weights_to is None else SharedRef(*weights_to),
+        )
+        return self.update(call, gradient)
 
     def commit(
         self,
         run_id: str,
         segment_id: int,
-        step: int,
+        update: int,
         *,
         global_norm: float,
         lr: float,
         prepare: str | None = None,
         loss_scale: float = 1.0,
-        weights_out: tuple[str, int, int] | None = None,
+        weights_to: tuple[str, int] | None = None,
+        numel: int = 0,
     ) -> UpdateOutcome:
-        """Apply the gradient staged for ``step``; harmless to repeat. ``prepare`` as in
-        :meth:`push`; ``loss_scale``: the scale the staged gradient carries (fp16).
-        ``weights_out`` (path, byte offset, elements; with ``prepare``): as in :meth:`push`."""
-        if weights_out is not None and prepare is None:
-            raise ValueError("weights_out needs prepare: the dtype to write the weights in")
-        reply = self._call(
-            "CommitStep",
-            self._stub.CommitStep,
-            pb.CommitStepRequest(
-                key=pb.ShardKey(run_id=run_id, shard_id=segment_id),
-                step=step,
-                global_grad_norm=global_norm,
-                lr=lr,
-                prepare_dtype=_prepare_to_proto(prepare),
-                loss_scale=0.0 if loss_scale == 1.0 else loss_scale,
-                weights_out=_shm_ref(weights_out[:2] if weights_out is not None else None),
-            ),
+        """:meth:`update` committing the gradient staged for ``update`` (a shorthand, as
+        :meth:`push`; ``numel``: the segment's, needed with ``weights_to`` only)."""
+        call = UpdateCall(
+            run_id=run_id,
+            segment_id=segment_id,
+            update=update,
+            numel=numel,
+            gradient=STAGED,
+            terms=CommitTerms(lr=lr, global_norm=global_norm, loss_scale=loss_scale),
+            weights_dtype=prepare,
+            weights_to=None if weights_to is None else SharedRef(*weights_to),
         )
-        if weights_out is not None and not reply.weights_written:
-            self.fetch(run_id, segment_id, step, str(prepare), weights_out[2], shm=weights_out[:2])
-        return UpdateOutcome(applied=reply.applied, updates=reply.step, seconds=reply.update_seconds)
+        return self.update(call)
 
     def fetch(
         self,
@@ -426,7 +431,3 @@ class StateServerClient:
 
 def _shm_ref(shm: tuple[str, int] | None) -> pb.SharedMemoryRef | None:
     return None if shm is None else pb.SharedMemoryRef(path=shm[0], byte_offset=shm[1])
-
-
-def _prepare_to_proto(prepare: str | None) -> pb.DType:
-    return pb.DTYPE_UNSPECIFIED if prepare is None else dtype_to_proto(prepare)

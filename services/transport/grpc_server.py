@@ -31,11 +31,12 @@ from cargohold.services.transport.codec import (
     SERVICE_NAME,
     TensorAssembler,
     byte_chunks,
+    call_from_commit,
+    call_from_push_header,
     check_chunk_bytes,
     dtype_from_proto,
     fill_chunk,
     partition_row_to_proto,
-    prepare_dtype_from_proto,
     spec_from_proto,
     spec_to_proto,
     tier_summary_to_proto,
@@ -50,6 +51,7 @@ from cargohold.services.transport.limits import (
 )
 from cargohold.services.transport.shm import RegionCache
 from cargohold.services.transport.status import status_of
+from cargohold.services.update_call import SharedRef, UpdateCall
 from cargohold.services.wire import DEFAULT_CHUNK_BYTES, WIRE_DTYPES
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
@@ -124,48 +126,41 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 raise InvalidTensorError("PushGradient: the first message must carry the header")
             header = first.header
             state, dtype = self._push_target(header)
-            weights_out = None
-            if header.HasField("weights_out") and not header.defer_update:
-                weights_out = self._weights_out(header.weights_out, header.key.run_id, state, header.prepare_dtype)
-            if header.HasField("shm"):
+            call = call_from_push_header(header)
+            weights_out = self._weights_out(call, state)
+            if isinstance(call.gradient, SharedRef):
                 if next(request_iterator, None) is not None:
                     raise InvalidTensorError("PushGradient: no chunks may follow a shared-memory header")
-                region = self._regions.open(header.shm.path, header.key.run_id)
-                gradient = region.tensor(WIRE_DTYPES[dtype], header.shm.byte_offset, header.numel)
+                region = self._regions.open(call.gradient.path, call.run_id)
+                gradient = region.tensor(WIRE_DTYPES[dtype], call.gradient.byte_offset, call.numel)
                 self._metrics.record_received("PushGradient.shm", gradient.numel() * gradient.element_size())
                 owned = False  # a view of the worker's buffer, which it reuses next step
             else:
                 gradient = self._receive(
                     request_iterator,
-                    header.numel,
+                    call.numel,
                     dtype,
                     "chunk",
-                    f"shard {state.spec.segment_id} gradient",
+                    f"segment {state.spec.segment_id} gradient",
                     "PushGradient",
                 )
                 owned = True  # assembled for this call alone: clipping may scale it in place
-            outcome = self._complete_push(header, state, gradient, owned=owned, weights_out=weights_out)
-            if weights_out is not None:
-                self._count_weights(weights_out, "PushGradient.shm")
-            return pb.PushGradientResponse(
-                step=outcome.updates,
-                applied=outcome.applied,
-                update_seconds=outcome.seconds,
-                weights_written=weights_out is not None,
-            )
+            return self._carry_out(call, state, gradient, owned=owned, weights_out=weights_out)
 
         return self._guard("PushGradient", context, handle)
 
-    def _weights_out(
-        self, ref: pb.SharedMemoryRef, run_id: str, state: SegmentState, prepare_dtype: int
-    ) -> torch.Tensor:
-        """Where an update's caller wants the new weights (``weights_out``), as room for
-        them in their dtype (``prepare_dtype``): checked before the update, so a bad
-        reference changes nothing."""
-        dtype = prepare_dtype_from_proto(prepare_dtype)
-        if dtype is None:
-            raise InvalidTensorError("weights_out needs prepare_dtype: the dtype to write the weights in")
-        return self._shared_weights(ref, run_id, state, dtype)
+    def _weights_out(self, call: UpdateCall, state: SegmentState) -> torch.Tensor | None:
+        """Where the call's caller wants the new weights (``weights_to``), as room for them
+        in their dtype: checked before the update, so a bad reference changes nothing."""
+        if call.weights_to is None:
+            return None
+        assert call.weights_dtype is not None  # the call's own rule
+        return self._shared_weights(
+            pb.SharedMemoryRef(path=call.weights_to.path, byte_offset=call.weights_to.byte_offset),
+            call.run_id,
+            state,
+            call.weights_dtype,
+        )
 
     def _shared_weights(self, ref: pb.SharedMemoryRef, run_id: str, state: SegmentState, dtype: str) -> torch.Tensor:
         """The worker's shared memory that ``ref`` names, as room for the segment's weights in ``dtype``."""
@@ -188,30 +183,27 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             )
         return state, dtype
 
-    def _complete_push(
+    def _carry_out(
         self,
-        header: pb.PushHeader,
+        call: UpdateCall,
         state: SegmentState,
-        gradient: torch.Tensor,
+        gradient: torch.Tensor | None,
         *,
-        owned: bool,
+        owned: bool = False,
         weights_out: torch.Tensor | None = None,
-    ) -> UpdateOutcome:
-        """Stage or apply a pushed gradient, whichever way it came (applied, with the
-        weights written into ``weights_out`` when given)."""
-        if header.defer_update:
-            return state.stage_gradient(header.step, gradient)
-        outcome = state.apply_gradient(
-            header.step,
-            gradient,
-            global_norm=header.global_grad_norm,
-            lr=header.lr,
-            owned=owned,
-            prepare=prepare_dtype_from_proto(header.prepare_dtype),
-            weights_out=weights_out,
+    ) -> pb.PushGradientResponse:
+        """Carry out an update call, whichever way its gradient came, and count it."""
+        outcome = state.update(call, gradient=gradient, owned=owned, weights_out=weights_out)
+        if not call.stages:
+            self._count(outcome)
+        if weights_out is not None:
+            self._count_weights(weights_out, "CommitStep.shm" if call.commits else "PushGradient.shm")
+        return pb.PushGradientResponse(
+            step=outcome.updates,
+            applied=outcome.applied,
+            update_seconds=outcome.seconds,
+            weights_written=weights_out is not None,
         )
-        self._count(outcome)
-        return outcome
 
     def OpenBulk(self, request: pb.OpenBulkRequest, context: grpc.ServicerContext) -> pb.OpenBulkResponse:
         bulk = self.bulk
@@ -233,12 +225,16 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             if transfer == "push":
                 header = request.push
                 state, dtype = self._push_target(header)
+                call = call_from_push_header(header)
                 direction, key, step = Direction.PUSH, header.key, header.step
 
                 def apply(gradient: torch.Tensor) -> UpdateOutcome:
-                    return self._complete_push(header, state, gradient, owned=True)
+                    outcome = state.update(call, gradient=gradient, owned=True)
+                    if not call.stages:
+                        self._count(outcome)
+                    return outcome
 
-                job: PushJob | FetchJob = PushJob(header.numel, dtype, apply, keeps=header.defer_update)
+                job: PushJob | FetchJob = PushJob(call.numel, dtype, apply, keeps=call.stages)
             else:
                 fetch = request.fetch
                 self._admit(fetch.key.run_id)
@@ -264,26 +260,8 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         def handle() -> pb.PushGradientResponse:
             self._admit(request.key.run_id)
             state = self._registry.get(request.key.run_id, request.key.shard_id)
-            weights_out = None
-            if request.HasField("weights_out"):
-                weights_out = self._weights_out(request.weights_out, request.key.run_id, state, request.prepare_dtype)
-            outcome = state.commit(
-                request.step,
-                global_norm=request.global_grad_norm,
-                lr=request.lr,
-                prepare=prepare_dtype_from_proto(request.prepare_dtype),
-                loss_scale=request.loss_scale or 1.0,
-                weights_out=weights_out,
-            )
-            self._count(outcome)
-            if weights_out is not None:
-                self._count_weights(weights_out, "CommitStep.shm")
-            return pb.PushGradientResponse(
-                step=outcome.updates,
-                applied=outcome.applied,
-                update_seconds=outcome.seconds,
-                weights_written=weights_out is not None,
-            )
+            call = call_from_commit(request, state.spec.numel)
+            return self._carry_out(call, state, None, weights_out=self._weights_out(call, state))
 
         return self._guard("CommitStep", context, handle)
 
