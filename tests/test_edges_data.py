@@ -7,6 +7,7 @@ cache entry (named in a warning and rebuilt, never trained on)."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import signal
@@ -264,3 +265,84 @@ def test_a_template_that_trips_the_sandbox_exits_2_naming_template_and_line(
     assert code == 2, err
     named = f"{path}:1: the chat template in data.tokenizer {str(folder)!r} (chat_template.jinja) failed rendering"
     assert named in err and raised in err, err
+
+
+# --- row 9: the tokenization cache, verified as it is read -----------------------------
+
+CACHE_LOGGER = "cargohold.services.data.cache"
+
+
+def _edit(entry: Path, name: str, how: str) -> None:
+    """Damage file ``name`` of cache entry ``entry`` as ``how`` says, keeping its size
+    unless told to truncate it."""
+    path = entry / name
+    if how == "truncate":
+        path.write_bytes(path.read_bytes()[:-3])
+        return
+    if name == "meta.json":
+        meta = json.loads(path.read_text())
+        meta["counted"] = False  # every token counted, the prompts too
+        path.write_text(json.dumps(meta))
+        return
+    dtype = {"tokens.bin": np.uint16, "counted.bin": np.uint8, "ends.bin": np.uint64}[name]
+    values = np.fromfile(path, dtype=dtype)
+    if how == "id beyond the vocabulary":
+        values[5] = 60_000
+    elif how == "reversed":
+        values = values[::-1].copy()
+    elif how == "all counted":
+        values[:] = 1
+    values.tofile(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "how", "reason"),
+    [
+        ("tokens.bin", "id beyond the vocabulary", "tokens.bin does not match its checksum"),
+        ("ends.bin", "reversed", "ends.bin does not match its checksum"),
+        ("counted.bin", "all counted", "counted.bin does not match its checksum"),
+        ("tokens.bin", "truncate", r"tokens.bin is \d+ bytes, meta.json records \d+ \(truncated\?\)"),
+        ("meta.json", "counted", "meta.json does not match its checksum"),
+        ("meta.json", "truncate", r"meta.json is not an entry's description \(JSONDecodeError"),
+    ],
+)
+def test_a_damaged_cache_entry_is_named_in_a_warning_and_rebuilt(
+    tmp_path: Path, tokenizer_dir: Path, caplog: pytest.LogCaptureFixture, name: str, how: str, reason: str
+) -> None:
+    path = write_chat(tmp_path / "chat.jsonl", 30)
+    config = _config(tmp_path, tokenizer_dir, format="chat", path=str(path))
+    first = open_source(config)
+    tokens, counted = np.array(first.tokens), np.array(first.counted)
+    (entry,) = (tmp_path / "cache").iterdir()
+    _edit(entry, name, how)
+    with caplog.at_level(logging.WARNING, logger=CACHE_LOGGER):
+        again = open_source(config)
+    warned = [r.getMessage() for r in caplog.records if r.name == CACHE_LOGGER]
+    assert len(warned) == 1 and re.search(rf"entry {re.escape(str(entry))} is damaged \({reason}", warned[0]), warned
+    assert np.array_equal(again.tokens, tokens) and np.array_equal(again.counted, counted)  # tokenized again
+    caplog.clear()
+    assert np.array_equal(open_source(config).tokens, tokens)
+    assert not [r for r in caplog.records if r.name == CACHE_LOGGER]  # the rebuilt entry holds
+
+
+def test_a_cache_entry_whose_checksums_were_recomputed_still_needs_ordered_document_ends(
+    tmp_path: Path, tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ends out of order would place documents across each other; checked apart from the
+    checksums, which whoever edits an entry may write too."""
+    from cargohold.services.data import cache
+
+    path = write_chat(tmp_path / "chat.jsonl", 30)
+    config = _config(tmp_path, tokenizer_dir, format="chat", path=str(path))
+    tokens = np.array(open_source(config).tokens)
+    (entry,) = (tmp_path / "cache").iterdir()
+    _edit(entry, "ends.bin", "reversed")
+    meta = json.loads((entry / "meta.json").read_text())
+    ends = bytearray((entry / "ends.bin").read_bytes())
+    meta["files"]["ends.bin"]["crc32c"] = cache.crc32c(memoryview(ends))
+    del meta["checksum"]
+    meta["checksum"] = cache._checksum(meta)
+    (entry / "meta.json").write_text(json.dumps(meta))
+    with caplog.at_level(logging.WARNING, logger=CACHE_LOGGER):
+        assert np.array_equal(open_source(config).tokens, tokens)
+    assert any("document ends are not increasing" in r.getMessage() for r in caplog.records), caplog.records
