@@ -54,7 +54,8 @@ as YAML, so `--set state_server.bind_host=null` sets None and
 
 Unknown keys are rejected, as are values of the wrong type or out of range; the error
 names the full dotted key (for example `optim.lrr`) and `cargohold train` exits with
-status 2.
+status 2. So is a file or a `--set` value nested deeper than the YAML parser reads
+(a few hundred levels; a configuration nests a few), naming the file or the override.
 """
 
 

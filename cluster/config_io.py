@@ -62,6 +62,8 @@ def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
         raise ConfigError(f"{what} {path} is not UTF-8 text: {error}") from error
     except yaml.YAMLError as error:
         raise ConfigError(f"{what} {path} is not valid YAML: {error}") from error
+    except RecursionError:
+        raise ConfigError(f"{what} {path} is nested too deeply {TOO_DEEP}") from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
@@ -145,14 +147,23 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported config type {hint}")  # a schema bug, not user input
 
 
+TOO_DEEP = "to read (past Python's recursion limit); a configuration nests a few levels"
+"""Why input nested past the YAML parser's depth is refused (it would raise RecursionError)."""
+SHOWN_CHARS = 60
+"""How much of an override a message repeats."""
+
+
 def _apply_override(data: dict[str, Any], override: str) -> None:
+    shown = override if len(override) <= SHOWN_CHARS else override[:SHOWN_CHARS] + "..."
     dotted, sep, raw = override.partition("=")
     if not sep or not dotted.strip():
-        raise ConfigError(f"override {override!r} must look like key.path=value")
+        raise ConfigError(f"override {shown!r} must look like key.path=value")
     try:
         value = yaml.load(raw, Loader=_YamlLoader) if raw.strip() else None
     except yaml.YAMLError as error:
-        raise ConfigError(f"override {override!r}: value is not valid YAML: {error}") from error
+        raise ConfigError(f"override {shown!r}: value is not valid YAML: {error}") from error
+    except RecursionError:
+        raise ConfigError(f"override {shown!r}: value is nested too deeply {TOO_DEEP}") from None
     *parents, leaf = dotted.strip().split(".")
     node = data
     for index, part in enumerate(parents):
@@ -160,6 +171,6 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         if child is None:  # an absent or empty section (``optim:``) means defaults
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"override {override!r}: {'.'.join(parents[: index + 1])} is not a section")
+            raise ConfigError(f"override {shown!r}: {'.'.join(parents[: index + 1])} is not a section")
         node = child
     node[leaf] = value

@@ -137,3 +137,91 @@ def test_a_host_budget_beyond_a_joined_clusters_memory_is_refused(ray_local) -> 
     with pytest.raises(ConfigError, match=r"cluster.host_memory_bytes=10{30} .* more than the Ray cluster"):
         session.start()
     assert not ray.util.list_named_actors()
+
+
+# --- row 10: input nested past any parser's depth, a pickle-only model folder -------------
+
+DEEP = 10**5
+
+
+def _nested(depth: int = DEEP) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_deeply_nested_config_input_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """Row 10: a config file, a ``--set`` value or a ``plan --cluster`` file nested 10**5
+    deep gave a RecursionError traceback (exit 1). Each exits 2 naming the input."""
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(f"steps: {_nested()}\n")
+    assert cli.main([command, "--config", str(config_file)]) == 2
+    err = capsys.readouterr().err
+    assert f"config file {config_file} is nested too deeply" in err, err
+    assert cli.main([command, "--set", f"optim.lr={_nested()}"]) == 2
+    err = capsys.readouterr().err
+    assert "override 'optim.lr=[[[[" in err and "is nested too deeply" in err, err
+    assert len(err) < 1000  # the value is not echoed whole
+    if command == "plan":
+        cluster_file = tmp_path / "cluster.yaml"
+        cluster_file.write_text(f"nodes: {_nested()}\n")
+        assert cli.main(["plan", "--cluster", str(cluster_file)]) == 2
+        err = capsys.readouterr().err
+        assert f"cluster file {cluster_file} is nested too deeply" in err, err
+    assert not ray.is_initialized()
+
+
+PICKLE_RUNS = "ran-the-pickle"
+
+
+class _Planted:
+    """What a pickle-only model file holds: code run when the file is unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _tiny_gpt2(folder: Path) -> Path:
+    transformers = pytest.importorskip("transformers")
+    transformers.GPT2Config(
+        vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+    ).save_pretrained(folder)
+    return folder
+
+
+def test_a_pickle_only_model_folder_exits_2_before_ray(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Row 10: an hf checkpoint folder holding only ``pytorch_model.bin`` gave an
+    UnpicklingError traceback where the model was built with its weights, and was refused
+    only once Ray had started. It is refused before anything reads it (exit 2, the folder
+    and the file named), and nothing in it runs."""
+    import pickle
+
+    from cargohold.cluster.config_model import HFModelConfig
+    from cargohold.services.models.hf import build_hf_model
+
+    folder = _tiny_gpt2(tmp_path / "pickled")
+    marker = tmp_path / PICKLE_RUNS
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps(_Planted(marker)))
+    with pytest.raises(ConfigError) as refused:
+        build_hf_model(HFModelConfig(checkpoint_dir=str(folder)))
+    assert f"hf.checkpoint_dir={str(folder)!r}" in str(refused.value) and "pytorch_model.bin" in str(refused.value)
+    for command in ("plan", "train"):
+        assert cli.main([command, "--set", f"hf.checkpoint_dir={folder}", "--set", "steps=1"]) == 2
+        err = capsys.readouterr().err
+        assert str(folder) in err and "pytorch_model.bin" in err and "safetensors" in err, err
+    assert not ray.is_initialized()
+    assert not marker.exists()
+
+
+def test_a_model_config_nested_too_deeply_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Row 10: a model folder's config.json nested 10**5 deep gave a RecursionError
+    traceback; it exits 2 naming the file."""
+    folder = _tiny_gpt2(tmp_path / "deep")
+    (folder / "config.json").write_text('{"model_type": "gpt2", "x": ' + _nested() + "}")
+    assert cli.main(["plan", "--set", f"hf.config_path={folder}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{folder / 'config.json'} is nested too deeply" in err, err

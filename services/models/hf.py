@@ -8,7 +8,10 @@ model is wrapped in :class:`HFCausalLM`, which gives the trainer's model contrac
 
 Nothing is ever downloaded: each path must exist on disk, and every transformers call
 passes ``local_files_only=True`` (the effect of ``HF_HUB_OFFLINE=1``, without setting it
-for the whole process). cargohold runs no code from a model folder: a folder whose
+for the whole process). A checkpoint's weights are read from safetensors files only: a
+folder holding only pickle files (``pytorch_model.bin``) is refused before anything reads
+it (:func:`~cargohold.services.models.weights.require_safetensors`), since unpickling can
+run code. cargohold runs no code from a model folder: a folder whose
 config.json or tokenizer_config.json maps classes to its own modules (``auto_map``) is
 refused before transformers sees it (:func:`refuse_folder_code`; transformers would ask
 at a terminal whether to run it), and every call passes ``trust_remote_code=False``.
@@ -51,6 +54,7 @@ from torch import nn
 from cargohold.cluster.config_model import HFModelConfig
 from cargohold.services.errors import ConfigError
 from cargohold.services.models.loss import mean_token_loss
+from cargohold.services.models.weights import require_safetensors
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -124,6 +128,7 @@ def build_hf_model(config: HFModelConfig) -> HFCausalLM:
                 dtype=torch.float32,
                 local_files_only=True,
                 trust_remote_code=False,
+                use_safetensors=True,  # never a pickle file (require_safetensors refused a folder without)
             )
         else:
             model = transformers.AutoModelForCausalLM.from_config(
@@ -138,7 +143,10 @@ def pretrained_config(config: HFModelConfig) -> PretrainedConfig:
     """The transformers config of the model ``config`` names, read from disk only."""
     transformers = _transformers()
     path = _local(config.path)
-    refuse_folder_code(path if path.is_dir() else path.parent, f"{config.key}={config.path!r}")
+    named = f"{config.key}={config.path!r}"
+    refuse_folder_code(path if path.is_dir() else path.parent, named)
+    if config.checkpoint_dir is not None:
+        require_safetensors(path, named)  # before transformers looks for weights in any other format
     try:  # a folder, or a config.json itself
         loaded = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as error:  # JSONDecodeError is a ValueError
@@ -165,6 +173,8 @@ def refuse_folder_code(folder: Path, named: str) -> None:
             declared = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue  # missing or unreadable: transformers' own error names it
+        except RecursionError:
+            raise ConfigError(f"{named}: {path} is nested too deeply to read (past Python's recursion limit)") from None
         if isinstance(declared, dict) and declared.get("auto_map"):
             raise ConfigError(
                 f"{named}: {path} has auto_map (code of its own: {sorted(declared['auto_map'])}); cargohold runs "

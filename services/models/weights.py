@@ -31,16 +31,38 @@ def tensor_files(checkpoint_dir: Path) -> dict[str, Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise ConfigError(f"cannot read the shard index {index}: {error}") from error
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
+            raise ConfigError(f"cannot read the shard index {index}: {type(error).__name__}: {error}") from None
         return {name: folder / file for name, file in weight_map.items()}
     single = folder / SINGLE_FILE
     if single.is_file():
         with safe_open(single, framework="pt") as f:
             return dict.fromkeys(f.keys(), single)
-    raise ConfigError(
-        f"checkpoint folder {folder} holds no {SINGLE_FILE} or {INDEX_FILE}; "
-        "save the model with save_pretrained (safetensors)"
+    raise ConfigError(f"checkpoint folder {_without_safetensors(folder)}")
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+"""Weight files in Python's pickle format, which cargohold never loads: unpickling a file
+can run any code it names."""
+
+
+def require_safetensors(folder: Path, named: str) -> None:
+    """Refuse a checkpoint folder (``named``: the config key and value, for the message)
+    whose weights are not in safetensors files, before anything reads it."""
+    if not ((folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file()):
+        raise ConfigError(f"{named}: {_without_safetensors(folder)}")
+
+
+def _without_safetensors(folder: Path) -> str:
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES) if folder.is_dir() else []
+    held = (
+        f" (it holds {', '.join(pickles)}: pickle files, which cargohold never loads, since loading one can run code)"
+        if pickles
+        else ""
+    )
+    return (
+        f"{folder} holds no {SINGLE_FILE} or {INDEX_FILE}{held}; save the model with save_pretrained "
+        "(safetensors), or convert its weights to safetensors"
     )
 
 
