@@ -38,7 +38,8 @@ from cargohold.services.state_precision import STATE_DTYPES, StateDtype, apply_u
 from cargohold.services.tiers.preserve import PreservedPartition
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.source import StateSource, tensor_source
-from cargohold.services.tiers.storage import PartitionUpdate, StreamReport, TieredStorage
+from cargohold.services.tiers.storage import TieredStorage
+from cargohold.services.tiers.stream import PartitionUpdate, StreamReport
 from cargohold.services.update_call import IN_CALL, STAGED, CommitTerms, GradientIn, UpdateCall
 from cargohold.services.weight_buffers import WeightBuffers
 from cargohold.services.wire import WIRE_DTYPES

@@ -1,12 +1,9 @@
 """A state server's optimizer state, kept in tiers: RAM, and NVMe files when a RAM budget
 is set. It owns the partitions of every segment, re-plans residency when segments
 register (and moves partitions to where the new plan wants them), and streams each
-update through memory: while partition k is updated, the following ones are read in (as
-far ahead as free staging buffers allow, and as soon as a write-back frees one) and k-1
-is written back behind it. The number of buffers sets the depth: two give double
-buffering, three let a read, an update and a write overlap. The AdamW call itself is the
-caller's: :meth:`TieredStorage.update_partitions` yields each partition's state and
-gradient in turn, and the segment state's own loop
+update through memory (:mod:`.stream`). The AdamW call itself is the caller's:
+:meth:`TieredStorage.update_partitions` yields each partition's state and gradient in
+turn, and the segment state's own loop
 (:class:`~cargohold.services.segment_state.SegmentState`) updates it.
 
 Without ``ram_budget_bytes`` every segment is one partition in RAM, and an update is the
@@ -25,8 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
+from concurrent.futures import Future
 
 import torch
 
@@ -37,13 +33,14 @@ from cargohold.services.tiers.fileformat import ARRAYS, FileLayout, gradient_fil
 from cargohold.services.tiers.gradients import NvmeWithGradients, StagedGradients
 from cargohold.services.tiers.io_pool import BufferPool, IoPool
 from cargohold.services.tiers.nvme import PROBE_BYTES, NvmeTier, probe_path
-from cargohold.services.tiers.partitions import PartitionSpan, elements_per_partition, partition_align, split_segment
+from cargohold.services.tiers.partitions import elements_per_partition, partition_align, split_segment
 from cargohold.services.tiers.planner import PartitionDemand, TierPlan, plan_tiers, stream_order
 from cargohold.services.tiers.preserve import PreservedPartition, preserve_partitions
 from cargohold.services.tiers.ram import RamTier
 from cargohold.services.tiers.report import PartitionRow, TierSummary
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.source import StateSource, source_piece
+from cargohold.services.tiers.stream import PartitionUpdate, StreamReport, stream_partitions
 from cargohold.services.tiers.tier import (
     NullObserver,
     Partition,
@@ -55,34 +52,6 @@ from cargohold.services.tiers.tier import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class PartitionUpdate:
-    """One partition of a segment in memory for its update: what the AdamW call needs."""
-
-    span: PartitionSpan
-    """Where it lies in the segment (elements ``start:stop``) and its fragments there."""
-    state: PartitionArrays
-    """Its fp32 master weights and its moments in their stored form, updated in place."""
-    gradient: torch.Tensor
-    """Its piece of the segment's gradient, in the wire dtype."""
-    owned: bool
-    """The update may scale ``gradient`` in place (no one reads it afterwards)."""
-
-
-@dataclass(slots=True)
-class StreamReport:
-    """What one streamed update did, for metrics and the benchmark."""
-
-    partitions: int = 0
-    prefetch_hits: int = 0
-    """Disk partitions already read (or being read) when the update reached them."""
-    prefetch_misses: int = 0
-    io_wait_seconds: float = 0.0
-    """Time the update stood still waiting for a buffer, a read or the final writes."""
-    resumed: bool = False
-    """Some partitions were already at the update: this finished an interrupted one."""
 
 
 class TieredStorage:
@@ -577,94 +546,3 @@ def _then(future: Future[None], then: Callable[[BaseException | None], None], *,
 
     future.add_done_callback(settle)
     return chained
-
-
-def stream_partitions(
-    order: Sequence[Partition],
-    *,
-    store_of: Callable[[Partition], Tier],
-    piece_of: Callable[[Partition], tuple[torch.Tensor, bool]],
-    finish: Callable[[Partition, Staged], Future[None]],
-    observer: TierObserver,
-    report: StreamReport,
-) -> Generator[PartitionUpdate]:
-    """Each partition of ``order`` in memory with its gradient piece (``piece_of``: the
-    piece, and whether it may be scaled in place), for the consumer to update; finished
-    (``finish``) when the consumer asks for the next. While one is updated, the next are
-    read in as far as free buffers allow, and finished ones are written back behind it.
-    Ends once all are durable.
-
-    On the first failure (a corrupt read, a failed write) it stops, lets the I/O in
-    flight finish, and raises that error; closed early (the consumer's update raised),
-    it does the same and ends quietly. Partitions already finished keep their new
-    state, the rest keep their old one.
-    """
-    staged: dict[int, Staged] = {}
-    issued = 0
-    writes: list[Future[None]] = []
-    failure: BaseException | None = None
-
-    def prefetch() -> None:
-        nonlocal issued
-        while issued < len(order):
-            partition = order[issued]
-            ahead = store_of(partition).stage(partition, block=False)
-            if ahead is None:
-                return  # no free buffer now; try again after the next update
-            ahead.prefetched = True
-            staged[issued] = ahead
-            issued += 1
-
-    try:
-        for position, partition in enumerate(order):
-            failed = next((w.exception() for w in writes if w.done() and w.exception() is not None), None)
-            if failed is not None:
-                raise failed  # a write-back failed (disk full?): stop updating, keep the rest as it was
-            store = store_of(partition)
-            if position >= issued:
-                # Nothing staged ahead is held now, so waiting for a buffer cannot deadlock:
-                # every buffer in use is being read or written and will come back.
-                waited = time.perf_counter()
-                current = store.stage(partition, block=True)
-                assert current is not None, "stage(block=True) waits for a buffer"
-                report.io_wait_seconds += time.perf_counter() - waited
-                staged[position] = current
-                issued = position + 1
-            prefetch()
-            current = staged.pop(position)
-            if partition.residency is Residency.NVME:
-                hit = current.warm or current.prefetched
-                report.prefetch_hits += hit
-                report.prefetch_misses += not hit
-                observer.record_prefetch(hit)
-            waited = time.perf_counter()
-            try:
-                while not current.ready.done():
-                    # A write-back that ends meanwhile frees a buffer: read ahead into it at
-                    # once, so the disk is not left idle until this read and update are over.
-                    wait([current.ready, *(w for w in writes if not w.done())], return_when=FIRST_COMPLETED)
-                    prefetch()
-                current.ready.result()
-                report.io_wait_seconds += time.perf_counter() - waited
-                piece, owned = piece_of(partition)
-                yield PartitionUpdate(partition.span, current.arrays, piece, owned)
-            except BaseException:  # GeneratorExit too: the consumer's update raised
-                store.discard(current, intact=False)
-                raise
-            writes.append(finish(partition, current))
-            report.partitions += 1
-    except BaseException as error:
-        failure = error
-        for ahead in staged.values():
-            store_of(ahead.partition).discard(ahead, intact=True)
-    finally:
-        waited = time.perf_counter()
-        for write in writes:
-            try:
-                write.result()
-            except BaseException as error:
-                failure = failure or error
-        report.io_wait_seconds += time.perf_counter() - waited
-        observer.add_tier_io_wait(report.io_wait_seconds)
-    if failure is not None:
-        raise failure
