@@ -102,19 +102,9 @@ def stream_partitions(
             prefetch()
             current = staged.pop(position)
             if partition.residency is Residency.NVME:
-                hit = current.warm or current.prefetched
-                report.prefetch_hits += hit
-                report.prefetch_misses += not hit
-                observer.record_prefetch(hit)
-            waited = time.perf_counter()
+                _count_prefetch(current, report, observer)
             try:
-                while not current.ready.done():
-                    # A write-back that ends meanwhile frees a buffer: read ahead into it at
-                    # once, so the disk is not left idle until this read and update are over.
-                    wait([current.ready, *(w for w in writes if not w.done())], return_when=FIRST_COMPLETED)
-                    prefetch()
-                current.ready.result()
-                report.io_wait_seconds += time.perf_counter() - waited
+                _wait_ready(current, writes, prefetch, report)
                 piece, owned = piece_of(partition)
                 yield PartitionUpdate(partition.span, current.arrays, piece, owned)
             except BaseException:  # GeneratorExit too: the consumer's update raised
@@ -137,3 +127,22 @@ def stream_partitions(
         observer.add_tier_io_wait(report.io_wait_seconds)
     if failure is not None:
         raise failure
+
+
+def _count_prefetch(staged: Staged, report: StreamReport, observer: TierObserver) -> None:
+    """Whether a disk partition was already read (or being read) when the update reached it."""
+    hit = staged.warm or staged.prefetched
+    report.prefetch_hits += hit
+    report.prefetch_misses += not hit
+    observer.record_prefetch(hit)
+
+
+def _wait_ready(staged: Staged, writes: list[Future[None]], prefetch: Callable[[], None], report: StreamReport) -> None:
+    """Wait for ``staged``'s read; a write-back that ends meanwhile frees a buffer, which is
+    read ahead into at once, so the disk is not left idle until this read and update are over."""
+    waited = time.perf_counter()
+    while not staged.ready.done():
+        wait([staged.ready, *(w for w in writes if not w.done())], return_when=FIRST_COMPLETED)
+        prefetch()
+    staged.ready.result()
+    report.io_wait_seconds += time.perf_counter() - waited
