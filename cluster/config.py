@@ -169,7 +169,9 @@ class WorkerConfig:
     memory just ahead of the block's forward and again ahead of its backward, and written
     after its update; host memory holds `weight_window` blocks and the root at a time.
     null keeps every chunk in host (or device) memory. On GPU workers it implies
-    offload_params."""
+    offload_params. It may not be, or lie inside or around, checkpoint.dir, export_dir or a
+    tier path; a run that starts its Ray on this machine first writes and reads a probe
+    file there (a file, a read-only or pseudo filesystem such as /proc exits 2)."""
     weight_window: int = 3
     """With weights_nvme_path: blocks whose chunks may be in host memory at once (the one in
     use and those read ahead); at least 2, since backward gathers the next block while one
@@ -242,6 +244,8 @@ class WorkerConfig:
             raise ConfigError(f"worker.weight_window must be an integer >= 2, got {self.weight_window}")
         if self.weights_nvme_path == "":
             raise ConfigError("worker.weights_nvme_path must name a folder or be null, got an empty string")
+        if self.weights_nvme_path is not None:
+            _check_output_folder("worker.weights_nvme_path", self.weights_nvme_path)
         _non_negative("worker.delayed_update_after_steps", self.delayed_update_after_steps)
         _non_negative("worker.max_unit_params", self.max_unit_params)
         _non_negative("worker.kept_gathered_units", self.kept_gathered_units)
@@ -588,10 +592,11 @@ def _check_run_id(run_id: str | None) -> None:
 def _check_separate_folders(config: TrainConfig) -> None:
     """Refuse folders of a run that are one another or one inside another: pruning old
     checkpoints would delete an export inside ``checkpoint.dir``, and the teardown sweep of
-    a tier folder a checkpoint or an export inside it."""
+    a tier or weights folder a checkpoint or an export inside it."""
     folders = [("checkpoint.dir", config.checkpoint.dir), ("export_dir", config.export_dir)] + [
         (f"state_server.tier.nvme_paths[{i}]", path) for i, path in enumerate(config.state_server.tier.nvme_paths)
     ]
+    folders.append(("worker.weights_nvme_path", config.worker.weights_nvme_path))
     named = [(key, path, Path(path).expanduser().resolve()) for key, path in folders if path]
     for index, (key, path, where) in enumerate(named):
         for other_key, other_path, other in named[index + 1 :]:

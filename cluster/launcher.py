@@ -45,6 +45,7 @@ from cargohold.services.step import EvalReport, StepReport
 from cargohold.services.task import ConfigTask, TrainingTask
 from cargohold.services.tiers.nvme import remove_tier_folders
 from cargohold.services.transport.auth import tls_files
+from cargohold.services.weight_files import check_weights_root
 from cargohold.services.worker import TrainingWorker
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class TrainingSession:
         self.task = task or ConfigTask(config)
         if config.cluster.address is None and not ray.is_initialized():  # the run's Ray starts on this machine
             check_budget_memory(config, node_memory_bytes(), "this machine")
+            if config.worker.weights_nvme_path is not None:
+                check_weights_root(config.worker.weights_nvme_path)  # as each worker will at its start
         config = budgeted_config(config, self.task)  # the host budget's split, kept by every process
         self.config = config
         self.resume = resume

@@ -16,6 +16,7 @@ claimed with the tier folders' ``.lock`` for the worker's life.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import threading
@@ -23,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from cargohold.services.errors import TierError, TierSpaceError
+from cargohold.services.errors import ConfigError, TierError, TierSpaceError
 from cargohold.services.private_files import private_folders
 from cargohold.services.tiers.fileformat import BLOCK, corrupt_error, crc32c, round_up
 from cargohold.services.tiers.io_pool import AlignedBuffer, BufferPool
@@ -33,6 +34,24 @@ WEIGHTS_KEY = "worker.weights_nvme_path"
 READ_BUFFERS = 2
 """Aligned buffers of the largest file that reads and writes go through: one read while
 another unit's update is written."""
+
+
+def check_weights_root(root: str, direct_io: str = "auto") -> None:
+    """Before any worker starts, on the machine they will run on: ``root`` takes a write
+    and a read of a probe file, as each worker's start-up checks its folder
+    (:func:`probe_path`: ``root`` made if missing). A file, a read-only filesystem, or one
+    that holds no files (``/proc``) is a ConfigError naming the key and the reason."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        read_only = os.statvfs(root).f_flag & os.ST_RDONLY
+    except OSError as error:
+        raise ConfigError(f"{WEIGHTS_KEY}: cannot create {root}: {error.strerror}") from error
+    if read_only:  # asked first: the probe's clean-up fails there too, hiding why
+        raise ConfigError(f"{WEIGHTS_KEY}: cannot write and read {root}: {os.strerror(errno.EROFS)}")
+    try:
+        probe_path(root, direct_io, BLOCK, key=WEIGHTS_KEY)
+    except TierError as error:
+        raise ConfigError(str(error)) from error
 
 
 class WeightObserver(Protocol):

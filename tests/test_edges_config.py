@@ -4,6 +4,8 @@ and loses nothing already saved.
 
 Row 5: a folder inside (or around) a folder a live run has claimed. Real claims: the
 live run's is held by a child process. Row 6: a host budget larger than the machine.
+Row 10: input nested too deeply to parse, a pickle-only model folder. Row 11: a bad
+``worker.weights_nvme_path``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pathlib import Path
 
 import pytest
 import ray
+from plans import nvme_tier
 from reference import tiny_config
+from system import mounted_tmpfs
 
 from cargohold.cluster import cli
 from cargohold.cluster.claims import claimed_folders
@@ -130,15 +134,6 @@ def test_a_host_budget_beyond_this_machines_memory_is_refused_before_ray(
     assert TrainingSession(tiny_config(cluster__host_memory_bytes=memory // 2)).config.cluster.host_memory_bytes
 
 
-def test_a_host_budget_beyond_a_joined_clusters_memory_is_refused(ray_local) -> None:
-    """Row 6 on a Ray cluster the run joins: the budget is compared with the memory its
-    nodes have, as Ray reports it, before any actor starts."""
-    session = TrainingSession(tiny_config(cluster__host_memory_bytes=HUGE))
-    with pytest.raises(ConfigError, match=r"cluster.host_memory_bytes=10{30} .* more than the Ray cluster"):
-        session.start()
-    assert not ray.util.list_named_actors()
-
-
 # --- row 10: input nested past any parser's depth, a pickle-only model folder -------------
 
 DEEP = 10**5
@@ -225,3 +220,61 @@ def test_a_model_config_nested_too_deeply_exits_2(tmp_path: Path, capsys: pytest
     assert cli.main(["plan", "--set", f"hf.config_path={folder}"]) == 2
     err = capsys.readouterr().err
     assert f"{folder / 'config.json'} is nested too deeply" in err, err
+
+
+# --- row 11: worker.weights_nvme_path checked before Ray --------------------------------------
+
+
+def _weights_cases(tmp_path: Path) -> Iterator[tuple[dict[str, object], str]]:
+    """(config overrides, what the refusal says) for each bad ``worker.weights_nvme_path``."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    yield {"worker__weights_nvme_path": str(a_file)}, f"worker.weights_nvme_path {str(a_file)!r} cannot be a folder"
+    yield {"worker__weights_nvme_path": "/proc/self"}, "worker.weights_nvme_path: cannot write and read /proc/self"
+    shared = str(tmp_path / "shared")
+    yield (
+        {"worker__weights_nvme_path": shared, "checkpoint__dir": shared},
+        f"checkpoint.dir {shared!r} and worker.weights_nvme_path {shared!r} overlap",
+    )
+    tier = nvme_tier(tmp_path)
+    yield (
+        {"worker__weights_nvme_path": tier["nvme_paths"][1], "state_server__tier": tier},
+        f"state_server.tier.nvme_paths[1] {tier['nvme_paths'][1]!r} and worker.weights_nvme_path",
+    )
+    yield (
+        {"worker__weights_nvme_path": str(tmp_path / "export" / "weights"), "export_dir": str(tmp_path / "export")},
+        "export_dir",
+    )
+
+
+def test_a_bad_weights_nvme_path_is_refused_before_ray(tmp_path: Path) -> None:
+    """Row 11: ``worker.weights_nvme_path`` that is a file, ``/proc/self``, or one of the
+    run's other folders (or inside one) was accepted and failed only when the workers
+    started (after Ray, exit 1). Each is refused before Ray, naming the key."""
+    for overrides, said in _weights_cases(tmp_path):
+        with pytest.raises(ConfigError) as refused:
+            TrainingSession(tiny_config(**overrides))
+        assert said in str(refused.value), (overrides, str(refused.value))
+        assert "worker.weights_nvme_path" in str(refused.value)
+    assert not ray.is_initialized()
+
+
+def test_a_read_only_weights_nvme_path_exits_2_before_ray(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Row 11 from the command line: a folder on a read-only filesystem exits 2."""
+    with mounted_tmpfs(tmp_path / "ro", "1m", read_only=True) as read_only:
+        assert cli.main(["train", "--set", f"worker.weights_nvme_path={read_only}", "--set", "steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert f"worker.weights_nvme_path: cannot write and read {read_only}: Read-only file system" in err, err
+    assert not ray.is_initialized()
+
+
+# --- last: the module's Ray cluster stays up until its end ---------------------------------
+
+
+def test_a_host_budget_beyond_a_joined_clusters_memory_is_refused(ray_local) -> None:
+    """Row 6 on a Ray cluster the run joins: the budget is compared with the memory its
+    nodes have, as Ray reports it, before any actor starts."""
+    session = TrainingSession(tiny_config(cluster__host_memory_bytes=HUGE))
+    with pytest.raises(ConfigError, match=r"cluster.host_memory_bytes=10{30} .* more than the Ray cluster"):
+        session.start()
+    assert not ray.util.list_named_actors()
