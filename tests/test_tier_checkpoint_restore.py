@@ -1,16 +1,21 @@
 """Restoring a tier checkpoint: onto the same or another partitioning or all-RAM, it
 continues bitwise; within the RAM budget however large the state; damage (a flipped
-byte, a truncated file, another version, a file named for another shard) is reported
-naming the file."""
+byte, a truncated file, another version, a file named for another shard, NaN or Inf
+written with every checksum recomputed) is reported naming the file."""
 
 from __future__ import annotations
 
+import re
+import struct
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from system import run_measured
 from tier_checkpoints import (
+    NUMEL,
     RUN,
     TOTAL,
     assert_same_state,
@@ -24,11 +29,13 @@ from tier_checkpoints import (
     whole_segments,
 )
 
-from cargohold.services.checkpoint import CheckpointDir, Manifest, read_flat_range
+from cargohold.cluster.config import TierConfig
+from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest, read_flat_range
 from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.errors import CorruptCheckpointError
 from cargohold.services.segment_state import SegmentRegistry
-from cargohold.services.tiers.fileformat import HEADER_BYTES
+from cargohold.services.state_precision import StateDtype
+from cargohold.services.tiers.fileformat import HEADER_BYTES, FileLayout, crc32c, parse_header
 from cargohold.services.tiers.storage import TieredStorage
 
 pytestmark = pytest.mark.timeout(120)
@@ -188,3 +195,81 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
     assert result["growth"] <= budget + RSS_OVERHEAD, (
         f"RSS grew {result['growth'] / 2**20:.1f} MiB restoring into a {budget / 2**20:.0f} MiB budget"
     )
+
+
+# --- restored state that training cannot go on from (issue 40 row 4) ----------------------
+
+
+def _registry_of(kind: StateDtype, tier: TierConfig | None) -> SegmentRegistry:
+    """:func:`fresh_registry` with the moments stored as ``kind``."""
+    registry = SegmentRegistry(TieredStorage(tier))
+    for spec in specs():
+        values = torch.randn(NUMEL, generator=torch.Generator().manual_seed(spec.segment_id))
+        registry.register(replace(spec, state_dtype=kind), values)
+    return registry
+
+
+BLOCK_2 = r"(the block from )?flat element 14272"
+"""Block 2 of segment 1 (its first element): its scale as stored, or its first decoded moment."""
+
+
+def _poison(path: Path, shard: int, array: int, index: int, value: float, *, scale: bool) -> Path:
+    """Write fp32 ``value`` as element ``index`` of array ``array`` (or, with ``scale``, as
+    its block scale ``index``) in the file of segment ``shard``'s first partition, then
+    recompute every checksum that covers it: the array's in the header, the header's own,
+    the manifest's record of the file. Returns the file."""
+    manifest = CheckpointDir(path.parent).load(path)
+    record = next(s for s in manifest.shards if s.segment_id == shard)
+    victim = path / record.file
+    data = bytearray(victim.read_bytes())
+    header = parse_header(data[:HEADER_BYTES], path=str(victim))
+    layout = FileLayout(header.numel, header.dtype)
+    region = layout.offset(array)
+    struct.pack_into("<f", data, region + (layout.scales_offset if scale else 0) + 4 * index, value)
+    checksums = list(header.checksums)
+    checksums[array] = crc32c(memoryview(data)[region : region + layout.region_bytes_of(array)])
+    header = replace(header, checksums=tuple(checksums))
+    data[:HEADER_BYTES] = header.pack()
+    victim.unlink()  # never write through a link: the saving tier's file may share it
+    victim.write_bytes(bytes(data))
+    files = tuple(replace(f, crc32c=header.checksum()) if f.name == record.file else f for f in manifest.files)
+    (path / MANIFEST_NAME).write_text(replace(manifest, files=files).to_json())
+    return victim
+
+
+@pytest.mark.parametrize(
+    ("kind", "array", "value", "named"),
+    [  # 8 bits: the stored scales where a piece keeps them (same partitions), else the decoded moments
+        ("blockwise8", 2, float("nan"), rf"exp_avg_sq( block scale)? of segment 1 holds nan at {BLOCK_2}"),
+        ("blockwise8", 1, float("inf"), rf"exp_avg( block scale)? of segment 1 holds (inf|nan) at {BLOCK_2}"),
+        ("float32", 0, float("nan"), r"master of segment 1 holds nan at flat element 13780"),
+        ("float32", 2, float("-inf"), r"exp_avg_sq of segment 1 holds -inf at flat element 13780"),
+    ],
+    ids=["8-bit-scale-nan", "8-bit-scale-inf", "master-nan", "exp_avg_sq-inf"],
+)
+@pytest.mark.parametrize("target", ["same-partitions", "other-partitions"])
+def test_restored_state_that_is_not_finite_is_refused_naming_file_and_segment(
+    tmp_path: Path, kind: StateDtype, array: int, value: float, named: str, target: str
+) -> None:
+    """Every checksum recomputed, so only the values tell: a resume from them exited 0
+    and its next checkpoint held NaN master weights."""
+    saving = _registry_of(kind, tier_config(tmp_path / "a"))
+    try:
+        push_steps(saving, range(1, 3))
+        path, _ = save_checkpoint(CheckpointDir(tmp_path / "ckpt"), saving, 2)
+    finally:
+        saving.close()
+    victim = _poison(path, 1, array, 2 if kind == "blockwise8" else 20, value, scale=kind == "blockwise8")
+    tier = tier_config(tmp_path / "b")
+    if target == "other-partitions":
+        tier = tier_config(tmp_path / "b", partition_bytes=40 << 10, ram_budget_bytes=6 * (40 << 10))
+    restoring = SegmentRegistry(TieredStorage(tier))
+    try:
+        shards = [(replace(spec, state_dtype=kind), runs) for spec, runs in whole_segments()]
+        with pytest.raises(CorruptCheckpointError, match=named) as caught:
+            ShardCheckpointer(restoring, "server0").restore(str(path), CheckpointDir(path.parent).load(path), shards)
+    finally:
+        restoring.close()
+    assert f"checkpoint file {victim} is corrupt" in str(caught.value)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(str(victim))):  # read in any other way too
+        read_flat_range(path, CheckpointDir(path.parent).load(path), 0, TOTAL)

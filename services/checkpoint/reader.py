@@ -1,17 +1,27 @@
 """Reading flat ranges of a checkpoint's state, however the saving servers cut the flat
 space into payload files: a file covers a flat range ``[start, stop)``, and
-:class:`CheckpointReader` assembles any other range from whichever files cover it."""
+:class:`CheckpointReader` assembles any other range from whichever files cover it.
+
+What a range reads is refused, naming the file and segment, unless every master weight,
+moment and 8-bit block scale in it is finite. The checksums cannot tell: a file whose
+values were edited and every checksum recomputed, or one saved by a run that applied
+non-finite updates (``optim.nonfinite: ignore``), passes them, and a resume from it would
+put NaN into the next checkpoint. The check reads what the range read, a partition at a
+time, with no copy (a min and max; a mask only to name the first bad element).
+"""
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from cargohold.services.checkpoint.errors import corrupt
 from cargohold.services.checkpoint.manifest import Manifest, SegmentRecord, gaps, is_int
 from cargohold.services.checkpoint.payload import CHUNK, Payload, open_sized, read_into, read_stored, verify
 from cargohold.services.errors import CheckpointError
@@ -75,6 +85,8 @@ class CheckpointReader:
                 read_into(fd, payload, lo, hi, out, lo - start)
             finally:
                 os.close(fd)
+            for name in ARRAYS:
+                _refuse_unusable(path, shard.segment_id, name, out[name][lo - start : hi - start], lo)
         return out
 
     def read_stored(
@@ -109,12 +121,40 @@ class CheckpointReader:
             moments = [read_stored(fd, payload, index, first, stop - shard.start) for index in (1, 2)]
         finally:
             os.close(fd)
+        _refuse_unusable(path, shard.segment_id, "master", master, start)
+        for moment in moments:
+            if moment.values.is_floating_point():  # 8-bit codes are any byte; their scales are checked
+                _refuse_unusable(path, shard.segment_id, moment.moment, moment.values, start)
+            _refuse_unusable(path, shard.segment_id, f"{moment.moment} block scale", moment.scales, start, blocks=True)
         return master, moments[0], moments[1]
 
     def _verify(self, fd: int, path: Path, size: int, shard: SegmentRecord) -> Payload:
         payload = verify(fd, path, size, self._records[shard.file], shard, self.manifest, self._buffer)
         self._verified[shard.file] = payload
         return payload
+
+
+def _refuse_unusable(
+    path: Path, segment_id: int, name: str, values: torch.Tensor, first: int, *, blocks: bool = False
+) -> None:
+    """Refuse ``values`` of array ``name`` (from flat element ``first``; with ``blocks``,
+    the scales of 8-bit blocks from there) unless every one is finite. Raises
+    CorruptCheckpointError naming the file."""
+    if not len(values):
+        return
+    least, greatest = (float(bound) for bound in torch.aminmax(values))  # NaN if any is: no mask unless bad
+    if math.isfinite(least) and math.isfinite(greatest):
+        return
+    index = int((~torch.isfinite(values)).nonzero()[0, 0])
+    where = f"flat element {first + index}"
+    if blocks:
+        where = f"the block from flat element {first + index * BLOCK_ELEMENTS}"
+    raise corrupt(
+        path,
+        f"{name} of segment {segment_id} holds {float(values[index])} at {where}, from which training cannot "
+        "go on (its checksums match: values edited with them recomputed, or saved by a run that applied "
+        "non-finite updates with optim.nonfinite=ignore); resume from an earlier checkpoint",
+    )
 
 
 def read_flat_range(directory: Path, manifest: Manifest, start: int, stop: int) -> dict[str, torch.Tensor]:
