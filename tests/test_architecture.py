@@ -155,7 +155,11 @@ def test_importing_the_package_root_loads_no_runtime() -> None:
 
 def test_the_client_does_not_import_the_server_or_its_storage() -> None:
     client = GRAPH["cargohold.services.transport.grpc_client"]
-    assert not client & {"cargohold.services.transport.grpc_server", "cargohold.services.tiers.storage"}
+    assert not client & {
+        "cargohold.services.transport.grpc_server",
+        "cargohold.services.transport.servicer",
+        "cargohold.services.tiers.storage",
+    }
 
 
 def test_only_the_launcher_imports_the_worker_actor() -> None:

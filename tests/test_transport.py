@@ -161,9 +161,9 @@ def test_a_failure_after_the_first_weights_chunk_ends_the_call_with_a_status(
     stepped: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Chunks are built as they are sent; one that cannot be built still aborts the call."""
-    from cargohold.services.transport import grpc_server
+    from cargohold.services.transport import servicer
 
-    real, built = grpc_server.fill_chunk, []
+    real, built = servicer.fill_chunk, []
 
     def fill_then_fail(chunk: pb.TensorChunk, offset: int, data: bytes) -> None:
         if built:
@@ -172,10 +172,10 @@ def test_a_failure_after_the_first_weights_chunk_ends_the_call_with_a_status(
         real(chunk, offset, data)
 
     before = observe(stepped)
-    monkeypatch.setattr(grpc_server, "fill_chunk", fill_then_fail)
+    monkeypatch.setattr(servicer, "fill_chunk", fill_then_fail)
     code, details = status(lambda: stepped.client.fetch(RUN, 0, 1, "float32", NUMEL))
     assert code == Code.INTERNAL and "simulated failure" in details and built == [0]
-    monkeypatch.setattr(grpc_server, "fill_chunk", real)
+    monkeypatch.setattr(servicer, "fill_chunk", real)
     assert_unchanged(stepped, before)  # and the server goes on serving
 
 
