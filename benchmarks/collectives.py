@@ -81,7 +81,7 @@ def rank_main(rank: int, ranks: int, port: int, numels: list[int], calls: int, r
     try:
         group = dist.group.WORLD
         assert group is not None
-        shared = connect(group, max(numels) * 4)
+        shared = connect(group, max(numels) * 4, "benchmark")
         if shared is None:
             raise SystemExit("the ranks could not share memory")
         rows = [time_unit(shared, rank, ranks, numel, calls, reps) for numel in numels]

@@ -27,13 +27,21 @@ sums. Other reduce ops go to gloo, as they would without these collectives.
 
 Workers not on one host (or whose host refuses the memory) keep gloo: :func:`connect`
 decides for all ranks together.
+
+A region is named ``cargohold-<run id>:collectives-rank-<r>`` (:func:`region_label`), as a
+worker's exchange buffers are ``cargohold-<run id>:<label>``: a state server maps only
+memfds of its own run, and a rank maps a peer's region only when it is a sealed memfd of
+its own user with the name of that rank's region of its run (else every rank keeps gloo,
+with a warning naming the region).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
+import stat
 
 import torch
 import torch.distributed as dist
@@ -43,8 +51,9 @@ from torch.distributed import ProcessGroup, ReduceOp
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
+from cargohold.services.errors import InvalidTensorError
 from cargohold.services.shared_barrier import SharedBarrier, inbox_nbytes, init_inbox
-from cargohold.services.transport.shm import SharedRegion, available
+from cargohold.services.transport.shm import MEMFD_PREFIX, SEALS, SharedRegion, available, region_name
 
 logger = logging.getLogger(__name__)
 
@@ -149,18 +158,43 @@ class SharedMemoryGroup:
         self._regions = []
 
 
-def _open_peer(path: str) -> SharedRegion:
+def region_label(rank: int) -> str:
+    """What names rank ``rank``'s region after its run id (:func:`region_name`)."""
+    return f"collectives-rank-{rank}"
+
+
+def _open_peer(path: str, run_id: str, rank: int) -> SharedRegion:
+    """Rank ``rank``'s region at ``path``, mapped only when it is what that rank of run
+    ``run_id`` made: a memfd of this user, sealed against resizing, named
+    ``cargohold-<run id>:collectives-rank-<rank>``. A state server checks a worker's
+    exchange buffers the same way (:class:`~cargohold.services.transport.shm.RegionCache`)."""
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise InvalidTensorError(f"shared memory {path!r} is not a memfd of this worker's user")
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0  # not a memfd
+        if seals & SEALS != SEALS:
+            raise InvalidTensorError(f"shared memory {path!r} is not a memfd sealed against resizing")
+        name = os.readlink(f"/proc/self/fd/{fd}")  # what was opened, whatever the path names now
+        expected = f"/memfd:{MEMFD_PREFIX}{region_name(run_id, region_label(rank))}"
+        if name not in (expected, f"{expected} (deleted)"):
+            raise InvalidTensorError(
+                f"shared memory {path!r} ({name}) is not rank {rank}'s collectives region of run {run_id!r}"
+            )
         return SharedRegion(fd, path, owner=False)
     except BaseException:
         os.close(fd)
         raise
 
 
-def connect(group: ProcessGroup, collective_bytes: int) -> SharedMemoryGroup | None:
+def connect(group: ProcessGroup, collective_bytes: int, run_id: str) -> SharedMemoryGroup | None:
     """The ranks of ``group`` joined through shared memory, or None on every rank (gloo
-    stays) when they are not all on one host or any of them cannot make or map a region.
+    stays) when they are not all on one host or any of them cannot make or map a region,
+    or finds a peer's region not its rank's of run ``run_id`` (:func:`_open_peer`).
     Collective: every rank of ``group`` calls it. ``collective_bytes``: the largest
     collective's bytes on a rank (:func:`region_nbytes`)."""
     nbytes = region_nbytes(collective_bytes, group.size())
@@ -175,7 +209,7 @@ def connect(group: ProcessGroup, collective_bytes: int) -> SharedMemoryGroup | N
     own: SharedRegion | None = None
     problem = ""
     try:
-        own = SharedRegion.create(f"collectives:rank-{rank}", nbytes)
+        own = SharedRegion.create(region_name(run_id, region_label(rank)), nbytes)
         own.bytes.zero_()  # every page now: a host short of memory fails here, not mid-step
         init_inbox(own.bytes.data_ptr(), size)
     except (OSError, RuntimeError) as error:
@@ -190,8 +224,8 @@ def connect(group: ProcessGroup, collective_bytes: int) -> SharedMemoryGroup | N
             problem = f"rank {k} made no shared memory"
             break
         try:
-            regions.append(own if k == rank else _open_peer(path))
-        except (OSError, RuntimeError) as error:
+            regions.append(own if k == rank else _open_peer(path, run_id, k))
+        except (OSError, RuntimeError, InvalidTensorError) as error:
             problem = f"rank {rank} cannot map rank {k}'s shared memory: {error}"
     failed = torch.tensor([1 if problem else 0])
     dist.all_reduce(failed, group=group)

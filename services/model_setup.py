@@ -104,15 +104,16 @@ def collectives_in_shared_memory(worker: WorkerConfig, device_type: str) -> bool
 
 
 def share_collectives(
-    units: list[Unit], layout: Layout, worker: WorkerConfig, device_type: str
+    units: list[Unit], layout: Layout, worker: WorkerConfig, device_type: str, run_id: str
 ) -> SharedMemoryGroup | None:
     """FSDP2's collectives of the sharded ``units`` through shared memory where
     :func:`collectives_in_shared_memory` and every worker is on this host, else gloo's
-    (None). Collective: every rank of the default process group calls it."""
+    (None); the regions are named for run ``run_id``. Collective: every rank of the
+    default process group calls it."""
     world = dist.group.WORLD
     if world is None or not collectives_in_shared_memory(worker, device_type):
         return None
-    shared = connect(world, largest_collective_bytes(layout, worker))
+    shared = connect(world, largest_collective_bytes(layout, worker), run_id)
     if shared is not None:
         for unit in units:
             module = cast(FSDPModule, unit.module)

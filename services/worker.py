@@ -131,7 +131,7 @@ class TrainingWorker(SegmentHolder):
         )
         model, units, layout = sharded_model(self.config, self.device, self.task)
         config = self.config
-        self._collectives = share_collectives(units, layout, config.worker, self.device.type)
+        self._collectives = share_collectives(units, layout, config.worker, self.device.type, self.run_id)
         shared = self._colocated_servers(server_node_ids)
         buffers = exchange_buffers(
             config,

@@ -287,7 +287,7 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
         if world > 2:
             # The workers (one host) reduce through shared memory; from three ranks on the
             # order of the sum is theirs, not gloo's (services/colocated_collectives.py).
-            share_collectives(units, layout, config.worker, "cpu")
+            share_collectives(units, layout, config.worker, "cpu", config.run_id or "reference")
         o = config.optim
         params = [dict(model.named_parameters())[slot.name] for slot in layout.params]
         optimizer = torch_adamw(config, dict(model.named_parameters()))

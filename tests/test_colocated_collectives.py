@@ -19,13 +19,15 @@ from ports import free_port
 
 from cargohold.services import colocated_collectives
 from cargohold.services.colocated_collectives import connect
-from cargohold.services.errors import TrainingError
+from cargohold.services.errors import InvalidTensorError, TrainingError
 from cargohold.services.shared_barrier import POLL_S
+from cargohold.services.transport.shm import RegionCache
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SIZES = (1, 7, 1000, 40_003)
 """Elements per rank; 40_003 fp32 x 3 ranks is larger than the small half (pieces)."""
 SMALL_HALF = 64 << 10
+RUN = "run-a"
 
 
 def _data(world: int, n: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
@@ -41,7 +43,7 @@ def _collectives(rank: int, world: int, port: int, out: Path, half: int) -> None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        shared = connect(dist.group.WORLD, half)
+        shared = connect(dist.group.WORLD, half, RUN)
         assert shared is not None
         results = {}
         for dtype in DTYPES:
@@ -119,7 +121,7 @@ def _refused(rank: int, port: int, out: Path, how: str) -> None:
             colocated_collectives.host_identity = lambda: "elsewhere/0"  # type: ignore[assignment]
         if rank == 1 and how == "unmappable":
             colocated_collectives._open_peer = _unmappable  # type: ignore[assignment]
-        shared = connect(dist.group.WORLD, SMALL_HALF)
+        shared = connect(dist.group.WORLD, SMALL_HALF, RUN)
         fds = len(os.listdir("/proc/self/fd"))
         x = torch.full((4,), float(rank + 1))
         dist.all_reduce(x)  # gloo still answers on both
@@ -128,7 +130,7 @@ def _refused(rank: int, port: int, out: Path, how: str) -> None:
         dist.destroy_process_group()
 
 
-def _unmappable(path: str):
+def _unmappable(path: str, run_id: str, rank: int):
     raise OSError(13, "Permission denied", path)
 
 
@@ -146,7 +148,7 @@ def _peer_exits(rank: int, port: int, out: Path) -> None:
     """Rank 1 exits once joined; rank 0's next collective must fail naming it, not hang."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    shared = connect(dist.group.WORLD, SMALL_HALF)
+    shared = connect(dist.group.WORLD, SMALL_HALF, RUN)
     assert shared is not None
     shared.all_gather(torch.empty(8), torch.ones(4))  # both ranks there: passes
     if rank == 1:
@@ -168,3 +170,63 @@ def test_a_collective_fails_naming_a_peer_that_exited(tmp_path: Path) -> None:
     outcome, seconds = (tmp_path / "outcome.txt").read_text().splitlines()
     assert outcome.startswith("rank 1 (pid ") and "exited while rank 0 waited for it in a collective" in outcome
     assert float(seconds) < 10 * POLL_S
+
+
+def _regions_of_runs(rank: int, port: int, out: Path, runs: tuple[str, str]) -> None:
+    """Each rank joins as a worker of ``runs[rank]``. Where both are one run, rank 0 also
+    hands rank 1's region to a state server's check (``RegionCache``) for that run and
+    for a run named ``collectives``."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        shared = connect(dist.group.WORLD, SMALL_HALF, runs[rank])
+        outcome: dict[str, object] = {"joined": shared is not None}
+        if shared is not None:
+            peer = shared._regions[1 - rank].path
+            fd = os.open(peer, os.O_RDONLY)
+            outcome["name"] = os.readlink(f"/proc/self/fd/{fd}")
+            os.close(fd)
+            if rank == 0:
+                for run in ("collectives", RUN):
+                    cache = RegionCache()
+                    try:
+                        cache.open(peer, run)
+                        outcome[run] = "mapped"
+                    except InvalidTensorError as error:
+                        outcome[run] = str(error)
+                    cache.close()
+        dist.barrier()
+        if shared is not None:
+            shared.close()
+        x = torch.full((4,), float(rank + 1))
+        dist.all_reduce(x)  # gloo answers either way
+        outcome["summed"] = x.tolist()
+        torch.save(outcome, out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_a_region_is_named_for_its_run_and_another_runs_server_refuses_it(tmp_path: Path) -> None:
+    """Issue 40 row 12: a worker's collectives region was named ``collectives:rank-<r>``
+    with no run id, so a state server of a run named ``collectives`` mapped another run's.
+    Its name now carries the run id; that server refuses it, the run's own may map it."""
+    mp.start_processes(_regions_of_runs, args=(free_port(), tmp_path, (RUN, RUN)), nprocs=2, start_method="spawn")
+    first, second = (torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2))
+    assert first["joined"] and second["joined"]
+    assert first["name"] == f"/memfd:cargohold-{RUN}:collectives-rank-1 (deleted)"
+    assert second["name"] == f"/memfd:cargohold-{RUN}:collectives-rank-0 (deleted)"
+    assert "does not belong to run 'collectives'" in str(first["collectives"])
+    assert first[RUN] == "mapped"
+
+
+@pytest.mark.integration
+def test_ranks_of_different_runs_refuse_each_others_regions(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Row 12, the workers' side: a rank maps a peer's region only when it is that rank's
+    region of its own run, checked as a state server checks a worker's; otherwise every
+    rank keeps gloo."""
+    mp.start_processes(_regions_of_runs, args=(free_port(), tmp_path, (RUN, "run-b")), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        outcome = torch.load(tmp_path / f"rank{rank}.pt")
+        assert not outcome["joined"], rank
+        assert outcome["summed"] == [3.0] * 4
