@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import re
 import shutil
 import signal
@@ -28,6 +29,7 @@ from cargohold.services.data import chat  # noqa: E402
 from cargohold.services.data.evaluation import open_eval_set  # noqa: E402
 from cargohold.services.data.sources import open_source  # noqa: E402
 from cargohold.services.errors import ConfigError  # noqa: E402
+from cargohold.services.task import ConfigTask  # noqa: E402
 
 VOCAB = 384
 
@@ -81,6 +83,22 @@ def test_a_negative_token_id_is_refused(tmp_path: Path) -> None:
     np.save(path, ids)
     with pytest.raises(ConfigError, match=r"token id -1 at position 4000, outside the model's vocabulary of 256"):
         open_source(tiny_config(data__format="tokens", data__path=str(path)))
+
+
+def test_workers_given_the_launchers_task_read_only_their_batches_each_checked(tmp_path: Path) -> None:
+    """The launcher reads a token file whole once; the task it pickles to the workers
+    says so, and a worker then checks the ids of the batches it reads (a file changed
+    in between is still refused, naming the block)."""
+    path = tmp_path / "tokens.bin"
+    (np.arange(10_000) % 256).astype(np.uint16).tofile(path)
+    launcher = ConfigTask(tiny_config(data__format="tokens", data__path=str(path)))
+    launcher.open_data()
+    np.full(10_000, 300, dtype=np.uint16).tofile(path)  # changed after the launcher's check
+    with pytest.raises(ConfigError, match="position 0"):
+        ConfigTask(launcher.config).open_data()  # a fresh task reads it whole
+    worker = pickle.loads(pickle.dumps(launcher)).open_data()
+    with pytest.raises(ConfigError, match=r"token id 300 \(in block \d+\), outside the model's vocabulary"):
+        worker.batch(1, 0)
 
 
 # --- row 14: data.overlong=error --------------------------------------------------------
