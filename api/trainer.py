@@ -16,7 +16,7 @@ from cargohold.api.user_task import LossFunction, ModelFactory, UserTask
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.supervise import TrainResult, train
 from cargohold.services.errors import ConfigError
-from cargohold.services.step import EvalReport, StepReport
+from cargohold.services.step_report import EvalReport, StepReport
 from cargohold.services.task import ConfigTask, TrainingTask
 
 

@@ -44,7 +44,7 @@ def serve(conn) -> None:
     from concurrent import futures
 
     from cargohold.services.metrics import StateServerMetrics
-    from cargohold.services.segment_state import SegmentRegistry
+    from cargohold.services.segment_registry import SegmentRegistry
     from cargohold.services.transport.grpc_server import GrpcStateServer
 
     torch.set_num_threads(1)

@@ -53,7 +53,8 @@ from disk_baselines import best, fio_bandwidth, thread_bandwidth
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
+from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.segment_state import SegmentSpec
 from cargohold.services.state_precision import STATE_DTYPES, StateDtype
 from cargohold.services.tiers.storage import TieredStorage
 

@@ -46,7 +46,8 @@ from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.layout import build_layout
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.reshard import layout_record
-from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState
+from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.segment_state import SegmentSpec, SegmentState
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.io_pool import AlignedBuffer
 from cargohold.services.tiers.nvme import write_partition_file

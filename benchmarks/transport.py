@@ -55,7 +55,7 @@ def serve(conn) -> None:
     """Child process: serve a registry on 127.0.0.1 until told to stop."""
     torch.set_num_threads(1)
     from cargohold.services.metrics import StateServerMetrics
-    from cargohold.services.segment_state import SegmentRegistry
+    from cargohold.services.segment_registry import SegmentRegistry
     from cargohold.services.transport.grpc_server import GrpcStateServer
 
     server = GrpcStateServer(SegmentRegistry(), StateServerMetrics("bench"), run_id=RUN, host="127.0.0.1", bulk=True)

@@ -41,7 +41,7 @@ from cargohold.services.param_groups import resolve_param_groups
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.state_port import segment_spec
 from cargohold.services.state_server import StateServer
-from cargohold.services.step import EvalReport, StepReport
+from cargohold.services.step_report import EvalReport, StepReport
 from cargohold.services.task import ConfigTask, TrainingTask
 from cargohold.services.tiers.nvme import remove_tier_folders
 from cargohold.services.transport.auth import tls_files

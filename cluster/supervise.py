@@ -25,7 +25,7 @@ from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.errors import CheckpointError, TrainingError
 from cargohold.services.metrics import LauncherMetrics
 from cargohold.services.node import node_ip
-from cargohold.services.step import EvalReport, StepReport
+from cargohold.services.step_report import EvalReport, StepReport
 from cargohold.services.task import ConfigTask, TrainingTask
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,8 @@ import torch
 from cargohold.services.checkpoint import MANIFEST_NAME, FileRecord, Manifest, SegmentRecord
 from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.reshard import Run
-from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
+from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.segment_state import SegmentSpec
 
 
 class SegmentHolder:

@@ -23,7 +23,8 @@ from cargohold.services.layout import Segment
 from cargohold.services.metrics import WorkerMetrics
 from cargohold.services.page_lock import PageLock, PageLockRefused, page_lock, pinned_empty
 from cargohold.services.param_groups import ParamGroups
-from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
+from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.segment_state import SegmentSpec
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.shm import SharedRegion
 from cargohold.services.update_call import IN_CALL, STAGED, CommitTerms, GradientIn, SharedRef, UpdateCall

@@ -16,7 +16,7 @@ from cargohold.cluster.config import WILDCARD_HOSTS, StateServerConfig
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.node import node_ip
 from cargohold.services.segment_holder import SegmentHolder
-from cargohold.services.segment_state import SegmentRegistry
+from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.tiers.storage import TieredStorage
 from cargohold.services.transport.auth import TlsFiles
 from cargohold.services.transport.grpc_server import GrpcStateServer

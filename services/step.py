@@ -44,7 +44,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -66,6 +66,7 @@ from cargohold.services.sharding import (
     params_to_range,
 )
 from cargohold.services.state_port import ExchangeBuffers, ExchangeSlot, StatePort
+from cargohold.services.step_report import StepReport
 from cargohold.services.update_call import CommitTerms
 from cargohold.services.weight_window import WeightWindow
 from cargohold.services.wire import DTYPE_NAMES, check_representable
@@ -110,44 +111,6 @@ class StepPolicy:
 
     def delayed(self, step: int) -> bool:
         return self.delayed_after is not None and step > self.delayed_after
-
-
-@dataclass(frozen=True, slots=True)
-class EvalReport:
-    """A validation after data step ``step``: the mean loss over the held-out set's
-    counted tokens and its perplexity, ``exp(loss)``."""
-
-    step: int
-    loss: float
-    seconds: float
-
-    @property
-    def perplexity(self) -> float:
-        return math.exp(loss) if (loss := self.loss) < EXP_LIMIT else math.inf
-
-
-EXP_LIMIT = 709.0
-"""math.exp overflows a float beyond ~709.78."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepReport:
-    """What one worker did in one step; the launcher aggregates these."""
-
-    rank: int
-    step: int
-    loss: float
-    """Mean loss over the step's counted tokens, all workers' batches (identical on every rank)."""
-    global_grad_norm: float
-    seconds: float
-    phases: dict[str, float] = field(default_factory=dict)
-    applied: int = 0
-    """Segments whose update was applied (not ignored as a repeat)."""
-    skipped: bool = False
-    """The gradient norm was not finite and the update was skipped (optim.nonfinite; with
-    fp16, the scaled gradients overflowed)."""
-    loss_scale: float | None = None
-    """fp16 compute: the loss scale this step's gradients were computed with."""
 
 
 class ShardedStep:
@@ -295,21 +258,7 @@ class ShardedStep:
         update, delayed = self.updates + 1, policy.delayed(step)
         self._context = (update, lr, policy.staged, not policy.staged and not delayed)
         self._sum_squares, self._transfers, self._waited = 0.0, [], 0.0
-        count, step_loss = len(batches), 0.0
-        if count > 1 and self._accumulator is None:
-            self._accumulator = Accumulator(self.layout.worker_size, pin=self.device.type == "cuda")
-        for micro, batch in enumerate(batches):
-            self._micro = (micro, count)
-            if dropout_seeds is not None:
-                torch.manual_seed(dropout_seeds[micro])  # CPU and every GPU
-            if self.window is not None:
-                self.window.begin(backward=True)
-            loss = self._loss_of(batch, step)
-            scale = batch.weight / count
-            if scale != 1.0:  # 1.0 leaves the graph (and every bit) as it was
-                loss = loss * scale
-            (loss * scale_tensor if self.loss_scale is not None else loss).backward()  # as GradScaler.scale
-            step_loss += float(loss.detach())
+        step_loss = self._backward_all(step, batches, dropout_seeds, scale_tensor)
         self._await_settled()  # a unit no forward reached (none in the models here)
         lap("compute")
         phases["compute"] -= self._waited
@@ -326,46 +275,18 @@ class ShardedStep:
             self.loss_scale = next_state(self.loss_scale, policy.loss_scale, found_inf=skipped)
         if skipped and self.loss_scale is not None:
             logger.info("step %d: the scaled gradients overflowed, update skipped, loss scale %s", step, loss_scale)
-            applied = self._adopt_pending()
+        elif skipped and policy.nonfinite == "fail":
+            raise TrainingError(
+                f"the gradient norm of step {step} is {global_norm}; set optim.nonfinite=skip "
+                "to skip such steps, or lower optim.lr"
+            )
         elif skipped:
-            if policy.nonfinite == "fail":
-                raise TrainingError(
-                    f"the gradient norm of step {step} is {global_norm}; set optim.nonfinite=skip "
-                    "to skip such steps, or lower optim.lr"
-                )
             logger.warning("step %d: gradient norm %s, update skipped", step, global_norm)
+        if skipped:
             applied = self._adopt_pending()  # the staged gradients are replaced by the next push
-        elif delayed:
-            applied = self._adopt_pending()
-            if policy.staged:  # CommitStep runs during the next step's compute, its weights into the held range
-                terms = CommitTerms(global_norm=global_norm, lr=lr, loss_scale=loss_scale)
-                self._commits = {
-                    s.segment_id: self._pool.submit(
-                        self.port.update, s, update, gradient=None, terms=terms, out=self._held(s)
-                    )
-                    for s in self.segments
-                }
-                self._pending = list(self._commits.values())
-            else:
-                self._pending = [self._pool.submit(self.port.fetch, s, update, self._held(s)) for s in self.segments]
-            self.updates = update
         else:
-            if policy.staged:
-                settling = {
-                    group: self._pool.submit(
-                        self._settle_unit,
-                        group,
-                        update,
-                        CommitTerms(global_norm=global_norm, lr=lr, loss_scale=loss_scale),
-                    )
-                    for group in self._by_group
-                }
-                if self.window is None:  # each unit's forward of the next step waits for its own
-                    self._settling = settling
-                    applied = len(self.segments)
-                else:  # the window reads the blocks' files ahead of forward: they must be written first
-                    applied = sum(self._wait(settling.values()))
-            self.updates = update
+            terms = CommitTerms(global_norm=global_norm, lr=lr, loss_scale=loss_scale) if policy.staged else None
+            applied = self._update(update, delayed, terms, applied)
         lap("update")
         phases["update"] += self._waited
         return StepReport(
@@ -379,6 +300,57 @@ class ShardedStep:
             skipped=skipped,
             loss_scale=loss_scale if self.loss_scale is not None else None,
         )
+
+    def _backward_all(
+        self, step: int, batches: Sequence[Any], dropout_seeds: Sequence[int] | None, scale_tensor: torch.Tensor
+    ) -> float:
+        """Forward and backward of every micro-batch (the hooks push as backward goes);
+        returns the sum of their (weighted) losses."""
+        count, step_loss = len(batches), 0.0
+        if count > 1 and self._accumulator is None:
+            self._accumulator = Accumulator(self.layout.worker_size, pin=self.device.type == "cuda")
+        for micro, batch in enumerate(batches):
+            self._micro = (micro, count)
+            if dropout_seeds is not None:
+                torch.manual_seed(dropout_seeds[micro])  # CPU and every GPU
+            if self.window is not None:
+                self.window.begin(backward=True)
+            loss = self._loss_of(batch, step)
+            scale = batch.weight / count
+            if scale != 1.0:  # 1.0 leaves the graph (and every bit) as it was
+                loss = loss * scale
+            (loss * scale_tensor if self.loss_scale is not None else loss).backward()  # as GradScaler.scale
+            step_loss += float(loss.detach())
+        return step_loss
+
+    def _update(self, update: int, delayed: bool, terms: CommitTerms | None, applied: int) -> int:
+        """After the step's gradients are pushed: commit them with ``terms`` (staged
+        updates; None: the pushes applied them), now or during the next step
+        (``delayed``), and bring the weights back; returns the updates applied
+        (``applied``: those the pushes applied already)."""
+        if delayed:
+            applied = self._adopt_pending()
+            if terms is not None:  # CommitStep runs during the next step's compute, its weights into the held range
+                self._commits = {
+                    s.segment_id: self._pool.submit(
+                        self.port.update, s, update, gradient=None, terms=terms, out=self._held(s)
+                    )
+                    for s in self.segments
+                }
+                self._pending = list(self._commits.values())
+            else:
+                self._pending = [self._pool.submit(self.port.fetch, s, update, self._held(s)) for s in self.segments]
+            self.updates = update
+            return applied
+        if terms is not None:
+            settling = {group: self._pool.submit(self._settle_unit, group, update, terms) for group in self._by_group}
+            if self.window is None:  # each unit's forward of the next step waits for its own
+                self._settling = settling
+                applied = len(self.segments)
+            else:  # the window reads the blocks' files ahead of forward: they must be written first
+                applied = sum(self._wait(settling.values()))
+        self.updates = update
+        return applied
 
     def evaluate(self, batches: Iterable[Any], count: int) -> float:
         """The mean loss over ``count`` held-out batches (forward only, dropout off, on the

@@ -35,10 +35,11 @@ from cargohold.services.model_setup import (
 from cargohold.services.node import node_ip
 from cargohold.services.param_groups import resolve_param_groups
 from cargohold.services.segment_holder import SegmentHolder
-from cargohold.services.segment_state import SegmentRegistry
+from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.sharding import local_tensors
 from cargohold.services.state_port import ExchangeBuffers, LocalPort, RemotePort, SplitPort, StatePort
-from cargohold.services.step import EvalReport, ShardedStep, StepReport
+from cargohold.services.step import ShardedStep
+from cargohold.services.step_report import EvalReport, StepReport
 from cargohold.services.task import ConfigTask, TrainingTask
 from cargohold.services.tiers.storage import TieredStorage
 from cargohold.services.transport import shm

@@ -14,7 +14,8 @@ from cargohold.services.checkpoint.writer import Records, ShardCheckpointer
 from cargohold.services.layout import Layout, build_layout
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
-from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
+from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.segment_state import SegmentSpec
 from cargohold.services.tiers.fileformat import ARRAYS
 from cargohold.services.tiers.source import tensor_source
 from cargohold.services.tiers.storage import TieredStorage

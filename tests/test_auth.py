@@ -21,7 +21,7 @@ from transport_server import DEADLINE_S, G1, GLOBAL_NORM, LR, NUMEL, RUN, W0, as
 
 from cargohold.services.errors import ConfigError, TransportError
 from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.segment_state import SegmentRegistry
+from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor, bearer
 from cargohold.services.transport.codec import SERVICE_NAME
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient

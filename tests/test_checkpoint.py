@@ -33,7 +33,7 @@ from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
 from cargohold.services.errors import CheckpointError, CorruptCheckpointError
 from cargohold.services.layout import scatter_params
 from cargohold.services.reshard import segment_runs
-from cargohold.services.segment_state import SegmentRegistry
+from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.tiers.fileformat import ARRAYS, FileLayout
 from cargohold.services.tiers.partitions import elements_per_partition
 from cargohold.services.tiers.storage import TieredStorage

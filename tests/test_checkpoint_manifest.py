@@ -25,7 +25,7 @@ from cargohold.services.checkpoint import (
 )
 from cargohold.services.errors import CargoholdError, CheckpointError, CorruptCheckpointError
 from cargohold.services.layout import build_layout
-from cargohold.services.segment_state import SegmentRegistry
+from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.tiers.storage import TieredStorage
 
 pytestmark = pytest.mark.timeout(120)

@@ -31,7 +31,7 @@ from cargohold.services.loss_scale import LossScaleRules, LossScaleState, next_s
 from cargohold.services.metrics import WORKER_LOSS_SCALE, WORKER_SKIPPED_STEPS
 from cargohold.services.model_setup import check_compute_dtype
 from cargohold.services.segment_state import SegmentState
-from cargohold.services.step import StepReport
+from cargohold.services.step_report import StepReport
 from cargohold.services.wire import check_representable
 
 FP16 = {"worker__compute_dtype": "float16", "worker__grad_wire_dtype": "float16"}

@@ -15,7 +15,7 @@ from tier_stores import LR, NORM, open_storage, seeded_randn, shard_spec, tier_c
 
 from cargohold.services.errors import TierError
 from cargohold.services.private_files import create_file, open_file, private_folders
-from cargohold.services.segment_state import SegmentRegistry
+from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.weight_files import WeightFiles
 
 pytestmark = pytest.mark.timeout(60)

@@ -23,7 +23,8 @@ from segment_states import (
 from cargohold.services.errors import InvalidTensorError, StepMismatchError
 from cargohold.services.layout import build_layout, fragment_views, scatter_params
 from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState, UpdateOutcome
+from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.segment_state import SegmentSpec, SegmentState, UpdateOutcome
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,8 @@ from segment_states import NUMEL, assert_snapshot_equal, initial_weights, segmen
 
 from cargohold.services.errors import CargoholdError, InvalidTensorError, ShardConflictError, UnknownShardError
 from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.segment_state import SegmentRegistry, SegmentState
+from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.segment_state import SegmentState
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -27,7 +27,7 @@ from cargohold.cluster.config_io import to_dict
 from cargohold.cluster.supervise import train
 from cargohold.services.checkpoint import CheckpointDir, Manifest
 from cargohold.services.errors import ConfigError
-from cargohold.services.step import StepReport
+from cargohold.services.step_report import StepReport
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -25,7 +25,8 @@ from tier_stores import (
 )
 
 from cargohold.services.errors import CorruptPartitionError, IncompleteStepError, StepMismatchError
-from cargohold.services.segment_state import SegmentRegistry, SegmentState
+from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.segment_state import SegmentState
 from cargohold.services.tiers.residency import Residency
 from cargohold.services.weight_buffers import WeightBuffers
 
@@ -122,7 +123,8 @@ def test_rss_stays_flat_while_the_whole_ranges_gradients_wait_for_the_norm(tmp_p
         torch.set_num_threads(1)
         from cargohold.cluster.config import TierConfig
         from cargohold.services.optim import AdamWHyperParams
-        from cargohold.services.segment_state import SegmentRegistry, SegmentSpec
+        from cargohold.services.segment_state import SegmentSpec
+        from cargohold.services.segment_registry import SegmentRegistry
         from cargohold.services.tiers.storage import TieredStorage
         from cargohold.services.weight_buffers import WeightBuffers
         from system import proc_status, reset_peak_rss

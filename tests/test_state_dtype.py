@@ -24,7 +24,8 @@ from cargohold.cluster.plan.render import render
 from cargohold.cluster.plan.run import plan_run
 from cargohold.services.errors import CorruptPartitionError
 from cargohold.services.optim import clip_coefficient
-from cargohold.services.segment_state import SegmentRegistry, SegmentState
+from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.segment_state import SegmentState
 from cargohold.services.state_precision import (
     BLOCK_ELEMENTS,
     StateDtype,

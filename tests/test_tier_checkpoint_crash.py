@@ -30,7 +30,7 @@ from tier_checkpoints import (
 from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.checkpoint.writer import ShardCheckpointer
 from cargohold.services.errors import CheckpointError
-from cargohold.services.segment_state import SegmentRegistry
+from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.tiers.storage import TieredStorage
 
 pytestmark = pytest.mark.timeout(120)

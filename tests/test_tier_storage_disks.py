@@ -33,7 +33,7 @@ from tier_stores import (
 
 from cargohold.cluster.config import StateServerConfig, TierConfig
 from cargohold.services.errors import TierError, TierSpaceError
-from cargohold.services.segment_state import SegmentRegistry
+from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.state_server import StateServer
 from cargohold.services.tiers.nvme import check_free_space, remove_tier_folders
 from cargohold.services.tiers.source import tensor_source
@@ -127,7 +127,8 @@ _PRELUDE = textwrap.dedent(f"""
     from cargohold.cluster.config import TierConfig
     from cargohold.services.errors import IncompleteStepError, TierError, TierSpaceError
     from cargohold.services.optim import AdamWHyperParams
-    from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState
+    from cargohold.services.segment_state import SegmentSpec, SegmentState
+    from cargohold.services.segment_registry import SegmentRegistry
     from cargohold.services.tiers.storage import TieredStorage
     HYPER = AdamWHyperParams(max_grad_norm=1.0, weight_decay=0.1)
     N = {NUMEL}

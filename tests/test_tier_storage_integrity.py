@@ -28,7 +28,8 @@ from tier_stores import (
 
 from cargohold.services.errors import CorruptPartitionError, IncompleteStepError
 from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.segment_state import SegmentRegistry, SegmentState
+from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.segment_state import SegmentState
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
 from cargohold.services.transport.grpc_server import GrpcStateServer

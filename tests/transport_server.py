@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState
+from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.segment_state import SegmentSpec, SegmentState
 from cargohold.services.transport.codec import byte_chunks, fill_chunk
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
 from cargohold.services.transport.grpc_server import GrpcStateServer

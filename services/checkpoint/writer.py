@@ -37,7 +37,8 @@ from cargohold.services.checkpoint.reader import CheckpointReader
 from cargohold.services.durable import fsync_directory, fsync_file
 from cargohold.services.errors import CheckpointError, TierError
 from cargohold.services.reshard import Run
-from cargohold.services.segment_state import SegmentRegistry, SegmentSpec, SegmentState
+from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.segment_state import SegmentSpec, SegmentState
 from cargohold.services.tiers.fileformat import ARRAYS
 from cargohold.services.tiers.preserve import PendingWrite, PreservedPartition
 from cargohold.services.tiers.residency import PartitionKey

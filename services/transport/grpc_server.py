@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cargohold.services.errors import CargoholdError
 from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.segment_state import SegmentRegistry
+from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor
 from cargohold.services.transport.bulk_server import BulkServer
 from cargohold.services.transport.codec import MAX_MESSAGE_BYTES, SERVICE_NAME

@@ -21,7 +21,8 @@ from cargohold.services.errors import (
     UnknownShardError,
 )
 from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.segment_state import SegmentRegistry, SegmentState, UpdateOutcome
+from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.segment_state import SegmentState, UpdateOutcome
 from cargohold.services.transport.bulk import Direction
 from cargohold.services.transport.bulk_server import RPC_OF, BulkServer, FetchJob, PushJob
 from cargohold.services.transport.codec import (
