@@ -16,7 +16,6 @@ claimed with the tier folders' ``.lock`` for the worker's life.
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import threading
@@ -41,13 +40,6 @@ def check_weights_root(root: str, direct_io: str = "auto") -> None:
     and a read of a probe file, as each worker's start-up checks its folder
     (:func:`probe_path`: ``root`` made if missing). A file, a read-only filesystem, or one
     that holds no files (``/proc``) is a ConfigError naming the key and the reason."""
-    try:
-        os.makedirs(root, exist_ok=True)
-        read_only = os.statvfs(root).f_flag & os.ST_RDONLY
-    except OSError as error:
-        raise ConfigError(f"{WEIGHTS_KEY}: cannot create {root}: {error.strerror}") from error
-    if read_only:  # asked first: the probe's clean-up fails there too, hiding why
-        raise ConfigError(f"{WEIGHTS_KEY}: cannot write and read {root}: {os.strerror(errno.EROFS)}")
     try:
         probe_path(root, direct_io, BLOCK, key=WEIGHTS_KEY)
     except TierError as error:

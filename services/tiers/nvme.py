@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+from contextlib import suppress
 from dataclasses import dataclass
 
 import torch
@@ -162,9 +163,13 @@ def probe_path(root: str, direct_io: str, probe_bytes: int = PROBE_BYTES, *, key
                 raise kind(f"{key}: cannot write and read {root}: {error.strerror}") from error
         if got != probe_bytes:
             raise TierError(f"{key}: {root} returned {got} of {probe_bytes} probe bytes")
+    except BaseException:
+        with suppress(OSError):  # on a read-only disk this fails too; the first error is the one to report
+            unlink_if_present(probe)
+        raise
     finally:
-        unlink_if_present(probe)
         buffer.close()
+    unlink_if_present(probe)
     return TierPath(
         root=root,
         direct=direct,
