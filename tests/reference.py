@@ -14,6 +14,13 @@ the compute and wire dtypes), torch.optim.AdamW(fused=True) on the sharded param
 W processes over gloo (from three processes its collectives go through shared memory as
 the workers' do: the order of a sum of three or more is theirs). Its state is returned in
 cargohold's flat space.
+
+:func:`grad_scaler_recipe` — torch's documented fp16 recipe, one process: fp32 master
+weights and an fp16 copy that computes, GradScaler's ``scale``, ``unscale_``, then
+``torch.nn.utils.clip_grad_norm_``, then its ``step`` of AdamW(fused=True) and ``update``.
+Its clipping divides by clip_grad_norm_'s fp32 norm, where cargohold divides by the fp64
+norm rounded to fp32 (``fp64_norm=True`` does that, as the other two do with
+``norm="shards"``): docs/api.md, "fp16 compute: which loop is bitwise".
 """
 
 from __future__ import annotations
@@ -209,6 +216,94 @@ def _grad_scaler(config: TrainConfig) -> torch.amp.GradScaler | None:
         growth_factor=rules.growth_factor,
         backoff_factor=rules.backoff_factor,
         growth_interval=rules.growth_interval,
+    )
+
+
+@dataclass
+class RecipeStep:
+    """One step of :func:`grad_scaler_recipe`."""
+
+    loss: float
+    scale: float
+    """GradScaler's scale the step's loss was multiplied by."""
+    skipped: bool
+    """GradScaler skipped the update (the scaled gradients overflowed)."""
+    norm: float
+    """What clip_grad_norm_ returned: the fp32 norm of the unscaled gradients."""
+    gradients: dict[str, torch.Tensor]
+    """The fp16 copy's gradients, by parameter name, as backward left them (scaled)."""
+
+
+@dataclass
+class RecipeRun:
+    steps: list[RecipeStep]
+    state: dict[str, dict[str, torch.Tensor]]
+    """masters / exp_avg / exp_avg_sq after the last step, each by parameter name."""
+
+
+def grad_scaler_recipe(config: TrainConfig, steps: int, *, threads: int = 1, fp64_norm: bool = False) -> RecipeRun:
+    """torch's documented fp16 loop on one process, nothing of cargohold's update in it:
+    fp32 masters (``build_model``) with an fp16 copy that runs forward and backward on rank
+    0's batches, the copy's gradients cast to fp32 as the masters' ``.grad``, then
+    ``scaler.unscale_``, ``clip_grad_norm_(masters, optim.max_grad_norm)``,
+    ``scaler.step`` (AdamW(fused=True), the config's param groups and lr schedule) and
+    ``scaler.update``; the copy takes the masters' new values, rounded to fp16. ``threads``
+    as in :func:`reference_train`. ``fp64_norm``: clip by the norm of all the gradients in
+    fp64, rounded to fp32 (``clip_grads_with_norm_``), as cargohold does, instead."""
+    if config.worker.num_workers != 1 or config.data.micro_batches != 1:
+        raise ValueError("the recipe is one process and one batch a step: set worker.num_workers=1, micro_batches=1")
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _recipe(config, steps, fp64_norm)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _recipe(config: TrainConfig, steps: int, fp64_norm: bool) -> RecipeRun:
+    master_model = build_model(config)
+    names = [name for name, _ in master_model.named_parameters()]
+    masters = list(master_model.parameters())
+    model = copy.deepcopy(master_model).to(torch.float16)
+    optimizer = torch_adamw(config, dict(zip(names, masters)))
+    scaler = _grad_scaler(config)
+    assert scaler is not None, "the recipe is for worker.compute_dtype=float16"
+    data = open_source(config)
+    recorded = []
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            for low, master in zip(model.parameters(), masters):
+                low.copy_(master)
+        batch = data.batch(step, 0, 0)
+        torch.manual_seed(dropout_seed(config.seed, step, 0, 0))
+        model.zero_grad(set_to_none=True)
+        _, loss = model(batch.inputs, batch.targets)
+        if batch.weight != 1.0:
+            loss = loss * batch.weight
+        scale = scaler.get_scale()
+        scaler.scale(loss).backward()
+        gradients = {name: p.grad.detach().clone() for name, p in zip(names, model.parameters())}
+        for master, low in zip(masters, model.parameters()):
+            master.grad = low.grad.to(torch.float32)
+        scaler.unscale_(optimizer)
+        if fp64_norm:
+            norm = torch.cat([m.grad.reshape(-1) for m in masters]).double().norm().float()
+            torch.nn.utils.clip_grads_with_norm_(masters, config.optim.max_grad_norm, norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(masters, config.optim.max_grad_norm)
+        set_lr(optimizer, config.optim.lr_at(step, config.steps))
+        scaler.step(optimizer)
+        scaler.update()
+        skipped = scaler.get_scale() < scale
+        recorded.append(RecipeStep(float(loss.detach()), scale, skipped, float(norm), gradients))
+    state = [optimizer.state[p] for p in masters]
+    return RecipeRun(
+        steps=recorded,
+        state={
+            "masters": {n: p.detach().clone() for n, p in zip(names, masters)},
+            "exp_avg": {n: s["exp_avg"].clone() for n, s in zip(names, state)},
+            "exp_avg_sq": {n: s["exp_avg_sq"].clone() for n, s in zip(names, state)},
+        },
     )
 
 
