@@ -118,7 +118,9 @@ def clip_coefficient(global_norm: float, max_grad_norm: float) -> torch.Tensor |
     """The factor ``clip_grad_norm_`` would multiply gradients by, or None when off.
 
     Computed in fp32 tensor arithmetic in the same order as torch does, so that a norm
-    equal to torch's gives the identical factor.
+    equal to torch's gives the identical factor. The norm the workers commit is the fp64
+    one rounded to fp32, which can be one ulp from clip_grad_norm_'s fp32 norm; the factor
+    is then an ulp away too (docs/api.md, "fp16 compute: which loop is bitwise").
     """
     if max_grad_norm <= 0.0:
         return None
@@ -141,7 +143,8 @@ def unscale_coefficient(coefficient: torch.Tensor | None, inverse: torch.Tensor 
     """One factor for clipping and taking out the loss scale: ``coefficient`` (a
     :func:`clip_coefficient`, or None) times ``inverse`` (an :func:`inverse_scale`, or
     None). The inverse is a power of two, so the product is exact, and one multiplication
-    by it gives the bits GradScaler's unscale and then clip_grad_norm_ give in two."""
+    by it gives the bits of GradScaler's unscale_ and then the clipping multiply of
+    clip_grad_norm_ given the same norm (tests/test_fp16_recipe.py)."""
     if inverse is None:
         return coefficient
     if coefficient is None:
