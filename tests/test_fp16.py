@@ -1,8 +1,9 @@
 """fp16 compute with dynamic loss scaling: the scale follows torch's GradScaler rules, the
 servers take it out exactly, a step whose scaled gradients overflow is skipped by every
 server, and a run equals FSDP2 + torch.amp.GradScaler + AdamW(fused=True) bitwise, overflows
-included; a checkpoint carries the scale and a resume goes on bitwise. Bad settings exit 2
-naming the key."""
+included, with clipping by the workers' fp64 norm (torch's clip_grad_norm_ computes it in
+fp32: tests/test_fp16_recipe.py measures that recipe's difference); a checkpoint carries the
+scale and a resume goes on bitwise. Bad settings exit 2 naming the key."""
 
 from __future__ import annotations
 
