@@ -386,8 +386,9 @@ class ClusterConfig:
     startup_timeout_s: float = 120.0
     """How long to wait for the placement group and every actor to be ready."""
     host_memory_bytes: int | None = None
-    """Host RAM every process of the run may use together (the driver, the workers, the
-    state servers; each process's runtime counted): one budget the planner splits. Each
+    """Host RAM cargohold's processes of the run may use together (the driver, the workers,
+    the state servers; each process's runtime counted; Ray's own processes, its GCS,
+    raylets and agents, are not, so leave them room): one budget the planner splits. Each
     worker and state server takes what the model and config fix (lowering
     worker.weight_window and worker.exchange_slots if need be), and what is left becomes
     the state servers' RAM tier (state_server.tier.ram_budget_bytes, which must then be

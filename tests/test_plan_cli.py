@@ -40,6 +40,18 @@ def test_render_shows_every_tier_and_the_verdict(tmp_path: Path) -> None:
         assert needle in text, needle
 
 
+def test_the_host_budget_says_it_leaves_out_rays_own_processes() -> None:
+    # Issue 40 row 16: Ray's GCS, dashboard, raylets and agents are outside the budget; the
+    # plan says so, with their measured size, in its budget section and its check.
+    text = render(plan_run(tiny_config(cluster__host_memory_bytes=8 * GiB)))
+    budget = text[text.index("Host budget (") :].split("\n\n")[0]
+    assert "Host budget (cluster.host_memory_bytes 8 GiB, cargohold's processes of the run)" in budget
+    assert "counts: the driver, the workers and the state servers, each with its runtime" in budget
+    assert "leaves out: Ray's own processes, about 360 MiB on the head node (GCS, dashboard, raylet, agents)" in budget
+    assert "200 MiB on each other node" in budget and "measured (PSS)" in budget
+    assert "host budget (cluster.host_memory_bytes), cargohold's processes (not Ray's own)" in text
+
+
 # --- the command ---------------------------------------------------------------------------
 @pytest.fixture
 def tiny_yaml(tmp_path: Path) -> Path:

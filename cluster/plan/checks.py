@@ -83,7 +83,7 @@ def check_cluster(
     if host_budget is not None:
         checks.append(
             Check(
-                resource="host budget (cluster.host_memory_bytes), every process of the run",
+                resource="host budget (cluster.host_memory_bytes), cargohold's processes (not Ray's own)",
                 need=host_budget.need_bytes,
                 available=host_budget.budget_bytes,
                 fits=host_budget.fits,

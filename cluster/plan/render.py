@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from cargohold.cluster.plan.budget import HostBudget
 from cargohold.cluster.plan.run import RunPlan
+from cargohold.cluster.plan.runtime import RAY_HEAD_DAEMONS_BYTES, RAY_IDLE_WORKER_BYTES, RAY_NODE_DAEMONS_BYTES
 from cargohold.cluster.sizes import format_bytes
 
 _LABEL = 33
@@ -195,6 +196,13 @@ def _budget_lines(split: HostBudget) -> list[str]:
         ),
         ("= need", split.need_bytes, f"of {b(split.budget_bytes)}"),
     ]
-    return [f"Host budget (cluster.host_memory_bytes {b(split.budget_bytes)}, every process of the run)"] + [
-        f"  {name:<{_LABEL}} {b(n):>10}  {note}" for name, n, note in rows
+    return [
+        f"Host budget (cluster.host_memory_bytes {b(split.budget_bytes)}, cargohold's processes of the run)",
+        *(f"  {name:<{_LABEL}} {b(n):>10}  {note}" for name, n, note in rows),
+        "  counts: the driver, the workers and the state servers, each with its runtime",
+        f"  leaves out: Ray's own processes, about {b(RAY_HEAD_DAEMONS_BYTES)} on the head node (GCS, dashboard, "
+        "raylet, agents)",
+        f"    and {b(RAY_NODE_DAEMONS_BYTES)} on each other node (raylet, agents), plus {b(RAY_IDLE_WORKER_BYTES)} "
+        "per idle Ray worker,",
+        "    measured (PSS) on an idle node with Ray 2.60 (docs/operations.md); leave them room outside the budget",
     ]

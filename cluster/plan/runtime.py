@@ -23,3 +23,15 @@ context's host allocations): an estimate, not measured on this project's machine
 def worker_runtime_bytes(device: str) -> int:
     """A worker's runtime on ``device`` ("cuda" or "cpu")."""
     return WORKER_RUNTIME_BYTES + (CUDA_RUNTIME_BYTES if device == "cuda" else 0)
+
+
+RAY_HEAD_DAEMONS_BYTES = 360 * MiB
+"""Ray's own processes on the node that starts Ray (the GCS, the autoscaler's monitor, the
+dashboard head, the log monitor, the raylet, the dashboard and runtime-env agents), their
+PSS summed on an idle node (Ray 2.60; docs/operations.md "One host budget"). Not in the
+host budget: stated by ``cargohold plan`` so that a node leaves them room."""
+RAY_NODE_DAEMONS_BYTES = 200 * MiB
+"""Ray's own processes on every other node (the raylet, the log monitor and the two
+agents), from the same measurement."""
+RAY_IDLE_WORKER_BYTES = 45 * MiB
+"""Each idle Ray worker process that Ray starts ahead of tasks, from the same measurement."""
