@@ -48,7 +48,7 @@ def save_checkpoint(servers: StateServers, layout: Layout, store: CheckpointDir,
         model_signature=tuple((p.name, p.shape) for p in layout.params),
         layout=layout_record(layout),
         total=layout.total,
-        shards=tuple(sorted((shard for shard, _ in records), key=lambda s: s.start)),
+        segments=tuple(sorted((record for record, _ in records), key=lambda s: s.start)),
         files=tuple(file for _, file in records),
     )
     return store.commit(updates, manifest)

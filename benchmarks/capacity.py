@@ -20,7 +20,7 @@ buffers the worker touched) stays within the limit.
   server, and runs 1 step. A thread of the driver samples every Ray process it started
   every 50 ms: its VmHWM, its RSS and its title (``ray::TrainingWorker.<method>``), so the
   peak is attributed to the call that raised it (``init_process_group``: building the
-  sharded model and the exchange buffers; ``register_shards``: the initial values and the
+  sharded model and the exchange buffers; ``register_segments``: the initial values and the
   fp32 registration; ``train_step``). The state server's memory is host RAM outside the
   worker: reported, not counted against the limit. A configuration whose server would
   need more than ``--server-ram-gib`` (at ~20 B/param) keeps the server's state on an

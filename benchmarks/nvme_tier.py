@@ -10,18 +10,18 @@ In one run, on the disk under ``--path``:
    threads, and fio with libaio and with io_uring at ``--fio-depth`` requests of each of
    ``--fio-block-kib`` in flight (``apt-get install fio``). The best write and the best
    read are the bandwidth the disk offers.
-2. **Tier.** One shard of ``--state-mib`` of optimizer state (fp32 master, exp_avg,
+2. **Tier.** One segment of ``--state-mib`` of optimizer state (fp32 master, exp_avg,
    exp_avg_sq) on a state server with a ``--budget-mib`` RAM budget, so most partitions
    live on disk; ``--steps`` optimizer steps (SegmentState.push, as a PushGradient ends
    in). It reports the bytes swapped in and out per step and their rate, and compares the
    step with the disk time the same bytes would take at the raw bandwidth
    (``read / raw_read + written / raw_write``): ``tier / raw`` is that ideal disk time
    over the measured step time, 1.0 when the tier moves data as fast as the disk can.
-3. **RAM.** The same shard and steps with all state in RAM: the step's compute alone.
+3. **RAM.** The same segment and steps with all state in RAM: the step's compute alone.
 
 With ``--compare-state-dtypes`` it runs instead, on the same disk and budget, the tier
 with the moments stored as float32, bfloat16 and blockwise8 (``optim.state_dtype``): one
-shard of ``--state-mib`` *fp32-equivalent* parameters each (the same parameters, fewer
+segment of ``--state-mib`` *fp32-equivalent* parameters each (the same parameters, fewer
 bytes), stepped in turn (interleaved, so load from other processes falls on all kinds
 alike), and prints per kind the mean update time of steps 2..N and the bytes swapped in
 and out per step, then ``RATIO <kind> / float32 update_time`` and ``... bytes_per_step``.
@@ -90,7 +90,7 @@ class Counter:
 
 
 def run_steps(tier: TierConfig, numel: int, steps: int, observer: Counter | None):
-    registry, state = open_shard(tier, numel, observer, "float32")
+    registry, state = open_segment(tier, numel, observer, "float32")
     gradient = _gradient(numel)
     try:
         times, moved = [], []
@@ -109,8 +109,8 @@ def _gradient(numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(1)).mul_(1e-2)
 
 
-def open_shard(tier: TierConfig, numel: int, observer: Counter | None, state_dtype: StateDtype):
-    """A registry over ``tier`` holding one shard of ``numel`` parameters stored as ``state_dtype``."""
+def open_segment(tier: TierConfig, numel: int, observer: Counter | None, state_dtype: StateDtype):
+    """A registry over ``tier`` holding one segment of ``numel`` parameters stored as ``state_dtype``."""
     spec = SegmentSpec(
         run_id="bench",
         segment_id=0,
@@ -142,7 +142,7 @@ def timed_step(state, step: int, gradient: torch.Tensor, observer: Counter | Non
 
 def compare_state_dtypes(args: argparse.Namespace, base: str, numel: int) -> None:
     """The tier's update time and bytes per step for each ``optim.state_dtype``, interleaved."""
-    shards = {}
+    segments = {}
     try:
         for kind in STATE_DTYPES:
             tier = TierConfig(
@@ -153,21 +153,21 @@ def compare_state_dtypes(args: argparse.Namespace, base: str, numel: int) -> Non
                 io_threads=args.io_threads,
             )
             counter = Counter()
-            registry, state = open_shard(tier, numel, counter, kind)
-            shards[kind] = (registry, state, counter, [], [])
+            registry, state = open_segment(tier, numel, counter, kind)
+            segments[kind] = (registry, state, counter, [], [])
         gradient = _gradient(numel)
         for step in range(1, args.steps + 1):
-            for _, state, counter, times, moved in shards.values():
+            for _, state, counter, times, moved in segments.values():
                 seconds, swapped = timed_step(state, step, gradient, counter)
                 times.append(seconds)
                 moved.append(swapped)
-        by_tier = {kind: shard[0].bytes_by_tier() for kind, shard in shards.items()}
+        by_tier = {kind: segment[0].bytes_by_tier() for kind, segment in segments.items()}
     finally:
-        for registry, *_ in shards.values():
+        for registry, *_ in segments.values():
             registry.close()
     tail = slice(1, None) if args.steps > 1 else slice(None)
     mean_time, per_step = {}, {}
-    for kind, (_, _, counter, times, moved) in shards.items():
+    for kind, (_, _, counter, times, moved) in segments.items():
         mean_time[kind] = statistics.mean(times[tail])
         read_b = statistics.mean(m[0] for m in moved[tail])
         write_b = statistics.mean(m[1] for m in moved[tail])
@@ -186,7 +186,7 @@ def compare_state_dtypes(args: argparse.Namespace, base: str, numel: int) -> Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--path", default=None, help="a directory on the disk to measure (default: a temp dir)")
-    parser.add_argument("--state-mib", type=int, default=1536, help="optimizer state of the shard")
+    parser.add_argument("--state-mib", type=int, default=1536, help="optimizer state of the segment")
     parser.add_argument("--budget-mib", type=int, default=320, help="the state server's RAM budget")
     parser.add_argument("--partition-mib", type=int, default=64)
     parser.add_argument("--buffers", type=int, default=3)

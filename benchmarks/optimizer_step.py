@@ -150,22 +150,22 @@ def run_kernel(numel, fragments, weights, grad, steps, threads, chunk=None) -> t
     return [timed(step) for _ in range(steps)], (master, exp_avg_sq)
 
 
-def run_shard_state(numel, fragments, weights, grad, steps, threads, fetch: bool) -> tuple[list[float], tuple]:
+def run_segment_state(numel, fragments, weights, grad, steps, threads, fetch: bool) -> tuple[list[float], tuple]:
     torch.set_num_threads(threads)
     spec = SegmentSpec(
         run_id="bench", segment_id=0, start=0, numel=numel, fragments=fragments, grad_dtype="float32", hyper=HYPER
     )
-    shard = SegmentState(spec, weights)
+    segment = SegmentState(spec, weights)
     times = []
     for k in range(1, steps + 1):
 
         def step(k: int = k) -> None:
-            shard.apply_gradient(k, grad, global_norm=0.0, lr=LR)
+            segment.apply_gradient(k, grad, global_norm=0.0, lr=LR)
             if fetch:  # as the server does once a fetch has sent its last chunk
-                shard.recycle(shard.weights(k, "bfloat16"))
+                segment.recycle(segment.weights(k, "bfloat16"))
 
         times.append(timed(step))
-    snap = shard.snapshot()
+    snap = segment.snapshot()
     return times, (snap["master"], snap["exp_avg_sq"])
 
 
@@ -231,16 +231,16 @@ def measure_size(target: float, reps: int, chunk: int, all_threads: int) -> tupl
             "SegmentState.push",
             all_threads,
             28,
-            lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, False),
+            lambda t: run_segment_state(numel, fragments, weights, grad, steps, t, False),
         ),
-        ("SegmentState.push", 1, 28, lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, False)),
+        ("SegmentState.push", 1, 28, lambda t: run_segment_state(numel, fragments, weights, grad, steps, t, False)),
         (
             "push + weights(bf16)",
             all_threads,
             30,
-            lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, True),
+            lambda t: run_segment_state(numel, fragments, weights, grad, steps, t, True),
         ),
-        ("push + weights(bf16)", 1, 30, lambda t: run_shard_state(numel, fragments, weights, grad, steps, t, True)),
+        ("push + weights(bf16)", 1, 30, lambda t: run_segment_state(numel, fragments, weights, grad, steps, t, True)),
     ]
     results, reference = [], None
     for name, threads, bytes_per_param, run in variants:

@@ -12,10 +12,10 @@ actor call that raised it). The same is done first for a tiny checkpoint of the 
 architecture (2 x 64), whose peaks are each process's *runtime* (interpreter, torch,
 transformers, Ray, gRPC).
 
-Each process is compared with the goal ``VmHWM <= 1.3 x (its shard + the largest unit) +
+Each process is compared with the goal ``VmHWM <= 1.3 x (its share + the largest unit) +
 runtime``:
 
-* a worker's shard: ``TrainingWorker.resident_bytes()`` (its FSDP2 weights in the compute
+* a worker's share: ``TrainingWorker.resident_bytes()`` (its FSDP2 weights in the compute
   dtype, and its exchange buffers: gradients in the wire dtype, fetched weights);
 * the state server's: the fp32 master weights and both Adam moments of its range (12 B per
   element of the flat space it owns);
@@ -24,7 +24,7 @@ runtime``:
   head and final norm) whole, in fp32 as the checkpoint stores it and as a worker reads
   it.
 
-The printed ratio is ``(VmHWM - runtime) / (shard + largest unit)``, for the peak once the
+The printed ratio is ``(VmHWM - runtime) / (share + largest unit)``, for the peak once the
 session has started (start-up: building, reading the checkpoint, registering) and for the
 peak after the first step (steady state: the state server then also holds the step's
 staged gradients and the weights prepared for the fetch). Nothing is asserted.
@@ -116,7 +116,7 @@ def sizes(folder: str, workers: int, dtype: str, wire: str) -> dict:
 
 
 def rows(result: dict, size: dict) -> list[tuple[str, int, int, int, dict | None]]:
-    """(process, VmHWM once started, VmHWM after the first step, shard bytes, its trace)
+    """(process, VmHWM once started, VmHWM after the first step, share bytes, its trace)
     for every process (the driver's peak is taken at the end only)."""
     out = [
         (f"worker {rank}", w["hwm_at"]["started"], w["hwm"], sum(result["buffers"][rank].values()), w)
@@ -201,13 +201,13 @@ def main() -> None:
         "tiny checkpoint; started = once the session has started (no step yet), step = after the first step"
     )
     print(
-        f"{'process':10} {'started':>9} {'step':>9} {'runtime':>9} {'shard':>9} {'goal':>9} {'ratio':>6} "
+        f"{'process':10} {'started':>9} {'step':>9} {'runtime':>9} {'share':>9} {'goal':>9} {'ratio':>6} "
         f"{'step':>6}  peak during (VmHWM after each call, GiB)"
     )
     ratios = []
-    for process, started, hwm, shard, trace in rows(results["big"], size["big"]):
-        goal = GOAL * (shard + unit) + runtime[process]
-        ratio, after_step = ((peak - runtime[process]) / (shard + unit) for peak in (started, hwm))
+    for process, started, hwm, share, trace in rows(results["big"], size["big"]):
+        goal = GOAL * (share + unit) + runtime[process]
+        ratio, after_step = ((peak - runtime[process]) / (share + unit) for peak in (started, hwm))
         ratios.append((process, ratio, after_step))
         if trace is not None:  # an actor's calls (a server serves gRPC, not Ray calls)
             calls = ", ".join(f"{c} {v / GIB:.2f}" for c, v in trace["hwm_after"].items())
@@ -216,17 +216,17 @@ def main() -> None:
             shared = results["big"]["servers"][int(process.split()[1])]["shared"]
             calls = (
                 f"{shared / GIB:.2f} GiB of its RSS after the step are the workers' shared exchange buffers: "
-                f"without them the step ratio is {(hwm - shared - runtime[process]) / (shard + unit):.2f}"
+                f"without them the step ratio is {(hwm - shared - runtime[process]) / (share + unit):.2f}"
             )
         else:
             calls = ""
         print(
             f"{process:10} {started / GIB:5.2f} GiB {hwm / GIB:5.2f} GiB {runtime[process] / GIB:5.2f} GiB "
-            f"{shard / GIB:5.2f} GiB {goal / GIB:5.2f} GiB {ratio:6.2f} {after_step:6.2f}  {calls}"
+            f"{share / GIB:5.2f} GiB {goal / GIB:5.2f} GiB {ratio:6.2f} {after_step:6.2f}  {calls}"
         )
     for process, ratio, after_step in ratios:
         print(
-            f"RATIO {process} start-up (VmHWM - runtime) / (shard + largest unit) = {ratio:.2f} (goal <= {GOAL}); "
+            f"RATIO {process} start-up (VmHWM - runtime) / (share + largest unit) = {ratio:.2f} (goal <= {GOAL}); "
             f"after the first step {after_step:.2f}"
         )
 

@@ -5,9 +5,9 @@
 
 In one run, on the disk under ``--path``:
 
-1. **Tier.** One shard of ``--state-mib`` of optimizer state on a state server with a
+1. **Tier.** One segment of ``--state-mib`` of optimizer state on a state server with a
    ``--budget-mib`` RAM budget, so most partitions are files; two optimizer steps.
-2. **Our checkpoint** into a folder on the same filesystem (ShardCheckpointer, as a state
+2. **Our checkpoint** into a folder on the same filesystem (SegmentCheckpointer, as a state
    server runs it), with the next optimizer step started right away as training would:
    ``begin`` is what the launcher waits (the hard links), ``next step`` the step that
    runs while the RAM-resident partitions are written (it waits for any it reaches
@@ -15,7 +15,7 @@ In one run, on the disk under ``--path``:
    checkpoint could be committed.
 3. **Baseline: a full copy.** The same partition files copied with ``shutil.copyfile``
    and fsynced, as a checkpoint that copies every byte would at least cost.
-4. **Baseline: through RAM.** What cargohold did before linking: the whole shard read
+4. **Baseline: through RAM.** What cargohold did before linking: the whole segment read
    back into memory (``snapshot``) and written as one file (a partition file since the
    checkpoint format has one payload format), training waiting.
 
@@ -42,7 +42,7 @@ from timing import timed
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.checkpoint import CheckpointReader, FileRecord, Manifest, SegmentRecord
-from cargohold.services.checkpoint.writer import ShardCheckpointer
+from cargohold.services.checkpoint.writer import SegmentCheckpointer
 from cargohold.services.layout import build_layout
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.reshard import layout_record
@@ -69,7 +69,7 @@ def copy_files(sources: list[str], directory: str) -> None:
 
 
 def write_through_ram(state: SegmentState, path: str) -> None:
-    """The whole shard read back into memory and written as one partition file."""
+    """The whole segment read back into memory and written as one partition file."""
     snapshot = state.snapshot()
     layout = FileLayout(state.spec.numel, state.spec.state_dtype)
     buffer = AlignedBuffer(layout.file_bytes)
@@ -134,11 +134,11 @@ def main() -> None:
         shutil.rmtree(baseline)
         os.makedirs(baseline)
         saved = state.snapshot()
-        through_ram = timed(lambda: write_through_ram(state, os.path.join(baseline, "shard.tier")))
+        through_ram = timed(lambda: write_through_ram(state, os.path.join(baseline, "segment.tier")))
         shutil.rmtree(baseline)
 
         os.makedirs(checkpoints)
-        checkpointer = ShardCheckpointer(registry, "server0")
+        checkpointer = SegmentCheckpointer(registry, "server0")
         started = time.perf_counter()
         updates = checkpointer.begin("bench", checkpoints, 3)
         begin = time.perf_counter() - started
@@ -157,7 +157,7 @@ def main() -> None:
             model_signature=flat,
             layout=layout_record(build_layout(flat, num_workers=1, num_servers=1)),
             total=numel,
-            shards=tuple(r for r, _ in records),
+            segments=tuple(r for r, _ in records),
             files=tuple(f for _, f in records),
         )
         reader = CheckpointReader(checkpoints, manifest)

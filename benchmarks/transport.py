@@ -8,7 +8,7 @@ same bytes.
 The state server (``GrpcStateServer`` with its bulk socket, over a ``SegmentRegistry``, 1
 torch thread as the config's default) runs in its own process, as it does under Ray; the
 client (``StateServerClient``, ``bulk=False`` then ``bulk=True``) in this one. One fp32
-shard of ``--megabytes`` is registered; for each path and chunk size the gradient is
+segment of ``--megabytes`` is registered; for each path and chunk size the gradient is
 pushed ``2 x --reps`` times, each push preparing the fp32 weights as a worker's and
 OffloadedAdamW's pushes prepare their compute dtype, and each followed by a fetch of them
 (into a new tensor, or into a preallocated one with ``fetch(out=...)``, as workers call
@@ -120,7 +120,7 @@ def measure_remote(
     (``prepare=``, as a worker and OffloadedAdamW ask for their compute dtype), so the
     fetch after it sends them without reading the state again."""
     numel = gradient.numel()
-    segment_id = 0  # the same shard both ways: register() answers its current step
+    segment_id = 0  # the same segment both ways: register() answers its current update
     spec = SegmentSpec(
         run_id=RUN,
         segment_id=segment_id,
@@ -136,7 +136,7 @@ def measure_remote(
     results = {}
     for chunk in chunk_sizes:
         times: dict[str, list[float]] = {"push": [], "push+update": [], "fetch": [], "fetch into out": []}
-        out = torch.ones(numel)  # a worker's weight shard, already touched
+        out = torch.ones(numel)  # a worker's exchange buffer, already touched
         with StateServerClient(address, chunk_bytes=chunk, bulk=bulk) as client:
             for _ in range(reps):
                 for kind, into in (("fetch", None), ("fetch into out", out)):
@@ -157,7 +157,7 @@ def measure_shared_memory(address: str, gradient: torch.Tensor, reps: int) -> di
     reduce-scatter writes it there); push names it and the server updates straight from
     the mapping (push time = wall time minus the server's update seconds, as for gRPC; a
     staged push adds one copy into a buffer reused from step to step); fetch has the
-    server write the weights into the worker's shared weight shard."""
+    server write the weights into the worker's shared exchange buffer."""
     from cargohold.services.transport.shm import SharedRegion, region_name
 
     numel = gradient.numel()

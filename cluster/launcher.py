@@ -205,9 +205,9 @@ class TrainingSession:
             timeout,
             "forming the worker process group",
         )
-        steps = set(_get([w.register_shards.remote() for w in self.workers], timeout, "registering shards"))
+        steps = set(_get([w.register_segments.remote() for w in self.workers], timeout, "registering segments"))
         if steps != {update}:
-            raise TrainingError(f"workers' shards are at updates {sorted(steps)}, expected {update}")
+            raise TrainingError(f"workers' segments are at updates {sorted(steps)}, expected {update}")
         if self.resume is not None:
             scale = restored_loss_scale(manifest)
             _get([w.load_weights.remote(scale) for w in self.workers], timeout, "loading restored weights")
@@ -311,7 +311,7 @@ class TrainingSession:
                 model_signature=tuple((p.name, p.shape) for p in self.layout.params),
                 layout=layout_record(self.layout),
                 total=self.layout.total,
-                shards=tuple(sorted((shard for shard, _ in records), key=lambda r: r.start)),
+                segments=tuple(sorted((record for record, _ in records), key=lambda r: r.start)),
                 files=tuple(file for _, file in records),
                 loss_scale=(
                     LossScaleRecord(scale=pending.loss_scale.scale, growth_tracker=pending.loss_scale.growth_tracker)

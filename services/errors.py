@@ -13,29 +13,29 @@ class ConfigError(CargoholdError, ValueError):
 
 
 class LayoutError(CargoholdError, ValueError):
-    """A shard layout request cannot be satisfied (sizes, counts, alignment)."""
+    """A layout request cannot be satisfied (sizes, counts, alignment)."""
 
 
-class ShardError(CargoholdError):
-    """A request about a shard is invalid; subclasses say how."""
+class SegmentError(CargoholdError):
+    """A request about a segment is invalid; subclasses say how."""
 
 
-class UnknownShardError(ShardError, KeyError):
-    """No shard is registered under the given (run id, shard id)."""
+class UnknownSegmentError(SegmentError, KeyError):
+    """No segment is registered under the given (run id, segment id)."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
 
 
-class ShardConflictError(ShardError):
-    """A shard is registered again with a different specification."""
+class SegmentConflictError(SegmentError):
+    """A segment is registered again with a different specification."""
 
 
-class StepMismatchError(ShardError):
-    """The step of a push or fetch is not the one the shard can serve."""
+class StepMismatchError(SegmentError):
+    """The step of a push or fetch is not the one the segment can serve."""
 
 
-class InvalidTensorError(ShardError, ValueError):
+class InvalidTensorError(SegmentError, ValueError):
     """A tensor payload has the wrong size, dtype or checksum."""
 
 
@@ -85,7 +85,7 @@ class TierSpaceError(TierError):
 
 
 class IncompleteStepError(TierError):
-    """A shard's update stopped part-way (a failed read or write); retrying the push finishes it."""
+    """A segment's update stopped part-way (a failed read or write); retrying the push finishes it."""
 
 
 def _rebuild_corrupt(message: str, path: str, partition: str) -> CorruptPartitionError:

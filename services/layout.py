@@ -1,4 +1,4 @@
-"""Shard layout: where every parameter element lives in the flat space, which worker holds
+"""The layout: where every parameter element lives in the flat space, which worker holds
 it (FSDP2's dim-0 shards) and which state server owns its Adam state.
 
 Pure arithmetic on sizes; no tensors are touched except by :func:`scatter_params` and

@@ -116,8 +116,8 @@ PHASES: frozenset[str] = frozenset({"compute", "reduce", "update"})
 WORKER_MEMORY_KINDS: frozenset[str] = frozenset({"weights", "exchange", "optimizer", "collectives"})
 PAGE_LOCK_REASONS: frozenset[str] = frozenset(REASONS)
 
-# One shard update on a state server runs from ~100 us (a small shard in RAM) to tens of
-# seconds (a large shard paged in from NVMe under contention); roughly 1-2.5-5 per decade.
+# One segment update on a state server runs from ~100 us (a small segment in RAM) to tens of
+# seconds (a large segment paged in from NVMe under contention); roughly 1-2.5-5 per decade.
 _OPTIMIZER_BUCKETS = (
     1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -211,7 +211,7 @@ class _TransportBytes:
 
 
 class StateServerMetrics(MetricsEndpoint):
-    """Metrics of one state server: traffic, shard updates, resident state, RPC errors."""
+    """Metrics of one state server: traffic, segment updates, resident state, RPC errors."""
 
     def __init__(self, server_id: str) -> None:
         super().__init__()
@@ -220,20 +220,20 @@ class StateServerMetrics(MetricsEndpoint):
         labels = ["server"]
         self._step_seconds = Histogram(
             OPTIMIZER_STEP_SECONDS,
-            "Time to apply one shard update (Adam over the shard, tier I/O included).",
+            "Time to apply one segment update (Adam over the segment, tier I/O included).",
             labels,
             buckets=_OPTIMIZER_BUCKETS,
             registry=self.registry,
         ).labels(server=server_id)
         self._steps = Counter(
             OPTIMIZER_STEPS,
-            "Shard updates applied.",
+            "Segment updates applied.",
             labels,
             registry=self.registry,
         ).labels(server=server_id)
         self._duplicates = Counter(
             OPTIMIZER_DUPLICATE_PUSHES,
-            "Gradient pushes ignored because the shard had already applied that step.",
+            "Gradient pushes ignored because the segment had already applied that update.",
             labels,
             registry=self.registry,
         ).labels(server=server_id)
@@ -282,7 +282,7 @@ class StateServerMetrics(MetricsEndpoint):
         self._prefetch = {r: prefetch.labels(server=server_id, result=r) for r in PREFETCH_RESULTS}
         self._io_wait = Counter(
             TIER_IO_WAIT_SECONDS,
-            "Seconds shard updates stood still waiting for tier I/O.",
+            "Seconds segment updates stood still waiting for tier I/O.",
             labels,
             registry=self.registry,
         ).labels(server=server_id)
@@ -334,7 +334,7 @@ class StateServerMetrics(MetricsEndpoint):
         self._predicted.set(predicted_io_seconds)
 
     def observe_update(self, seconds: float) -> None:
-        """Record one applied shard update and how long it took."""
+        """Record one applied segment update and how long it took."""
         self._step_seconds.observe(seconds)
         self._steps.inc()
 

@@ -76,7 +76,7 @@ def check_layout_bounds(manifest: Manifest, source: str) -> None:
     segment (or more, one per partition), so these counts are bounded by what the
     manifest lists, and so is the work of rebuilding the layout."""
     record, total = manifest.layout, manifest.total
-    units, shards = total // record.align, len(manifest.shards)
+    units, shards = total // record.align, len(manifest.segments)
     if record.num_servers > min(units, shards):
         raise CheckpointError(
             f"{source}: layout.num_servers is {record.num_servers}, more than the payload can hold: its {total} "

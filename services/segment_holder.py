@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from cargohold.services.checkpoint import MANIFEST_NAME, FileRecord, Manifest, SegmentRecord
-from cargohold.services.checkpoint.writer import ShardCheckpointer
+from cargohold.services.checkpoint.writer import SegmentCheckpointer
 from cargohold.services.reshard import Run
 from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.segment_state import SegmentSpec
@@ -20,18 +20,18 @@ class SegmentHolder:
 
     def __init__(self, registry: SegmentRegistry, owner: str) -> None:
         self.registry = registry
-        self._checkpointer = ShardCheckpointer(registry, owner)
+        self._checkpointer = SegmentCheckpointer(registry, owner)
 
     def snapshot(self, run_id: str) -> dict[int, dict[str, torch.Tensor]]:
         """Copies of every segment's fp32 state for a run, by segment id (tests)."""
         return {
-            s.spec.segment_id: {**s.snapshot(), "step": torch.tensor(s.updates)} for s in self.registry.shards(run_id)
+            s.spec.segment_id: {**s.snapshot(), "step": torch.tensor(s.updates)} for s in self.registry.segments(run_id)
         }
 
     def masters(self, run_id: str) -> dict[int, torch.Tensor]:
         """fp32 master weights of every segment of a run, by segment id (export): read a
         partition at a time from the tiers, without the moments."""
-        return {s.spec.segment_id: s.master_weights() for s in self.registry.shards(run_id)}
+        return {s.spec.segment_id: s.master_weights() for s in self.registry.segments(run_id)}
 
     def checkpoint_begin(self, run_id: str, directory: str, step: int) -> int:
         """Start writing the segments of ``run_id`` into ``directory``; returns their update count."""
@@ -41,8 +41,8 @@ class SegmentHolder:
         """The records of the files written, and how many of their bytes are hard links."""
         return self._checkpointer.wait(), self._checkpointer.linked_bytes
 
-    def restore(self, directory: str, manifest_json: str, shards: list[tuple[SegmentSpec, tuple[Run, ...]]]) -> None:
+    def restore(self, directory: str, manifest_json: str, segments: list[tuple[SegmentSpec, tuple[Run, ...]]]) -> None:
         """Create each spec from the checkpoint in ``directory``, reading the saved flat
         elements its runs name (:func:`~cargohold.services.reshard.segment_runs`)."""
         manifest = Manifest.from_json(manifest_json, source=f"{directory}/{MANIFEST_NAME}")
-        self._checkpointer.restore(directory, manifest, shards)
+        self._checkpointer.restore(directory, manifest, segments)

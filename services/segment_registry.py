@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from cargohold.services.errors import ShardConflictError, UnknownShardError
+from cargohold.services.errors import SegmentConflictError, UnknownSegmentError
 from cargohold.services.segment_state import SegmentSpec, SegmentState
 from cargohold.services.tiers.residency import Residency
 from cargohold.services.tiers.source import StateSource
@@ -17,34 +17,34 @@ from cargohold.services.weight_buffers import WeightBuffers
 
 
 class SegmentRegistry:
-    """All shards a server owns, keyed by (run id, shard id), over one tiered storage and
+    """All segments a server owns, keyed by (run id, segment id), over one tiered storage and
     one bounded set of weight buffers."""
 
     def __init__(self, storage: TieredStorage | None = None, buffers: WeightBuffers | None = None) -> None:
         self._lock = threading.Lock()
         self._registering = threading.Lock()
         """Serialises registrations, which may write partition files, without holding
-        ``_lock`` (and so every other shard's lookups) meanwhile."""
-        self._shards: dict[tuple[str, int], SegmentState] = {}
+        ``_lock`` (and so every other segment's lookups) meanwhile."""
+        self._segments: dict[tuple[str, int], SegmentState] = {}
         self.storage = storage if storage is not None else TieredStorage()
         self.buffers = buffers if buffers is not None else WeightBuffers()
 
     def register(self, spec: SegmentSpec, initial_weights: torch.Tensor) -> SegmentState:
-        """Create the shard, or return it unchanged if registered with the same spec."""
+        """Create the segment, or return it unchanged if registered with the same spec."""
         key = (spec.run_id, spec.segment_id)
         with self._registering:
             with self._lock:
-                existing = self._shards.get(key)
+                existing = self._segments.get(key)
             if existing is not None:
                 if existing.spec != spec:
-                    raise ShardConflictError(
-                        f"shard {spec.segment_id} of run {spec.run_id!r} is already registered "
+                    raise SegmentConflictError(
+                        f"segment {spec.segment_id} of run {spec.run_id!r} is already registered "
                         "with a different specification"
                     )
                 return existing
             state = SegmentState(spec, initial_weights, storage=self.storage, buffers=self.buffers)
             with self._lock:
-                self._shards[key] = state
+                self._segments[key] = state
             self._settle()
             return state
 
@@ -54,14 +54,14 @@ class SegmentRegistry:
         key = (spec.run_id, spec.segment_id)
         with self._registering:
             with self._lock:
-                if key in self._shards:
-                    raise ShardConflictError(
-                        f"shard {spec.segment_id} of run {spec.run_id!r} is already registered; "
+                if key in self._segments:
+                    raise SegmentConflictError(
+                        f"segment {spec.segment_id} of run {spec.run_id!r} is already registered; "
                         "restore into a fresh state server"
                     )
             state = SegmentState(spec, storage=self.storage, buffers=self.buffers, source=source, updates=updates)
             with self._lock:
-                self._shards[key] = state
+                self._segments[key] = state
             self._settle()
             return state
 
@@ -71,7 +71,7 @@ class SegmentRegistry:
         segment with partitions to move is held still (its lock) while they move."""
         keys = self.storage.unsettled()
         with self._lock:
-            unsettled = [self._shards[key] for key in keys if key in self._shards]
+            unsettled = [self._segments[key] for key in keys if key in self._segments]
         for into in (Residency.NVME, Residency.RAM):
             for state in unsettled:
                 with state.lock:
@@ -79,17 +79,17 @@ class SegmentRegistry:
 
     def get(self, run_id: str, segment_id: int) -> SegmentState:
         with self._lock:
-            state = self._shards.get((run_id, segment_id))
+            state = self._segments.get((run_id, segment_id))
         if state is None:
-            raise UnknownShardError(f"no shard {segment_id} is registered for run {run_id!r}")
+            raise UnknownSegmentError(f"no segment {segment_id} is registered for run {run_id!r}")
         return state
 
-    def shards(self, run_id: str | None = None) -> list[SegmentState]:
+    def segments(self, run_id: str | None = None) -> list[SegmentState]:
         with self._lock:
-            return [s for (run, _), s in self._shards.items() if run_id in (None, run)]
+            return [s for (run, _), s in self._segments.items() if run_id in (None, run)]
 
     def resident_bytes(self) -> int:
-        """Bytes of optimizer state held in RAM, over every shard."""
+        """Bytes of optimizer state held in RAM, over every segment."""
         return self.storage.state_bytes()[Residency.RAM]
 
     def bytes_by_tier(self) -> dict[str, int]:

@@ -70,19 +70,19 @@ class SegmentSpec:
             raise InvalidTensorError("run_id must not be empty")
         if self.state_dtype not in STATE_DTYPES:
             raise InvalidTensorError(
-                f"shard {self.segment_id}: state dtype {self.state_dtype!r} is not one of {', '.join(STATE_DTYPES)}"
+                f"segment {self.segment_id}: state dtype {self.state_dtype!r} is not one of {', '.join(STATE_DTYPES)}"
             )
         if self.numel <= 0:
-            raise InvalidTensorError(f"shard {self.segment_id}: numel must be > 0, got {self.numel}")
+            raise InvalidTensorError(f"segment {self.segment_id}: numel must be > 0, got {self.numel}")
         if self.grad_dtype not in WIRE_DTYPES:
             raise InvalidTensorError(
-                f"shard {self.segment_id}: grad dtype {self.grad_dtype!r} is not one of {sorted(WIRE_DTYPES)}"
+                f"segment {self.segment_id}: grad dtype {self.grad_dtype!r} is not one of {sorted(WIRE_DTYPES)}"
             )
         end = 0
         for offset, length in self.fragments:
             if offset < end or length <= 0 or offset + length > self.numel:
                 raise InvalidTensorError(
-                    f"shard {self.segment_id}: fragment ({offset}, {length}) overlaps, is empty "
+                    f"segment {self.segment_id}: fragment ({offset}, {length}) overlaps, is empty "
                     f"or leaves the segment of {self.numel} elements"
                 )
             end = offset + length
@@ -90,7 +90,7 @@ class SegmentSpec:
             not 0 <= g < len(self.groups) for g in self.fragment_group
         ):
             raise InvalidTensorError(
-                f"shard {self.segment_id}: fragment groups {self.fragment_group} do not name one of the "
+                f"segment {self.segment_id}: fragment groups {self.fragment_group} do not name one of the "
                 f"{len(self.groups)} param groups for each of the {len(self.fragments)} fragments"
             )
 
@@ -140,7 +140,9 @@ class SegmentState:
         segment; without them it starts fresh with no update applied. ``buffers``: where
         prepared weights are drawn from (the server's, shared by its segments)."""
         if (initial_weights is None) == (source is None):
-            raise InvalidTensorError(f"shard {spec.segment_id}: give initial weights or a source, not both or neither")
+            raise InvalidTensorError(
+                f"segment {spec.segment_id}: give initial weights or a source, not both or neither"
+            )
         if source is None:
             assert initial_weights is not None  # one of the two is given (checked above)
             _check_tensor(spec, initial_weights, torch.float32, "initial weights")
@@ -151,7 +153,7 @@ class SegmentState:
                 None if moments is None else (moments[0].detach().contiguous(), moments[1].detach().contiguous()),
             )
         if updates < 0:
-            raise InvalidTensorError(f"shard {spec.segment_id}: step must be >= 0, got {updates}")
+            raise InvalidTensorError(f"segment {spec.segment_id}: step must be >= 0, got {updates}")
         self.spec = spec
         self.lock = threading.Lock()
         self._storage = storage if storage is not None else TieredStorage()
@@ -419,7 +421,7 @@ class SegmentState:
         current = self._updates
         if update != current:
             raise StepMismatchError(
-                f"shard {self.spec.segment_id} of run {self.spec.run_id!r} holds the weights "
+                f"segment {self.spec.segment_id} of run {self.spec.run_id!r} holds the weights "
                 f"of step {current}, not of step {update}"
             )
         prepared, self._prepared = self._prepared, None
@@ -466,7 +468,7 @@ class SegmentState:
             return self._storage.read_weights(self.spec.run_id, self.spec.segment_id, self._updates, torch.float32)
 
     def preserve(self, directory: str, name_of: Callable[[PartitionKey], str]) -> tuple[int, list[PreservedPartition]]:
-        """Put the shard's partition files into ``directory`` (see
+        """Put the segment's partition files into ``directory`` (see
         :meth:`TieredStorage.preserve`); returns the update count they hold too."""
         with self.lock:
             updates = self._updates
@@ -480,7 +482,7 @@ def repeats_last_update(spec: SegmentSpec, current: int, update: int, *, verb: s
         return True
     if update != current + 1:
         raise StepMismatchError(
-            f"shard {spec.segment_id} of run {spec.run_id!r} is at step {current}; "
+            f"segment {spec.segment_id} of run {spec.run_id!r} is at step {current}; "
             f"it {verb} a gradient for step {current + 1}, got step {update}"
         )
     return False
@@ -488,8 +490,8 @@ def repeats_last_update(spec: SegmentSpec, current: int, update: int, *, verb: s
 
 def _check_tensor(spec: SegmentSpec, tensor: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     if tensor.dtype != dtype:
-        raise InvalidTensorError(f"shard {spec.segment_id}: {what} must be {dtype}, got {tensor.dtype}")
+        raise InvalidTensorError(f"segment {spec.segment_id}: {what} must be {dtype}, got {tensor.dtype}")
     if tensor.dim() != 1 or tensor.numel() != spec.numel:
         raise InvalidTensorError(
-            f"shard {spec.segment_id}: {what} must have {spec.numel} elements, got shape {tuple(tensor.shape)}"
+            f"segment {spec.segment_id}: {what} must have {spec.numel} elements, got shape {tuple(tensor.shape)}"
         )

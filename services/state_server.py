@@ -1,4 +1,4 @@
-"""The state-server process: owns the shard registry, serves it over gRPC on the node's
+"""The state-server process: owns the segment registry, serves it over gRPC on the node's
 own address and exports its metrics. A plain class; the launcher runs it as a Ray actor.
 
 Its optimizer state lives in the tiers ``config.tier`` describes: all in RAM by default,

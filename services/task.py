@@ -43,7 +43,7 @@ class TrainingTask(Protocol):
 
     def initial_values(self, model_on_meta: nn.Module) -> ParameterValues:
         """Full fp32 initial values of named parameters, the same in every process; what
-        it holds is let go once the worker's shards are registered."""
+        it holds is let go once the worker's segments are registered."""
         ...
 
     def buffer_values(self, model_on_meta: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

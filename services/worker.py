@@ -176,7 +176,7 @@ class TrainingWorker(SegmentHolder):
     def layout(self) -> Layout:
         return self._step().layout
 
-    def register_shards(self) -> int:
+    def register_segments(self) -> int:
         """Fill the local shards with the initial values and register this worker's
         segments with their servers; returns the common update count."""
         with torch.device("meta"):

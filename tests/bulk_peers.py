@@ -5,7 +5,7 @@ frames the client would never send, and processes to kill mid-transfer.
 Run as a script it is one of those processes (see :func:`spawn`):
 
     python tests/bulk_peers.py serve NUMEL          a state server (bulk socket on) with a
-                                                    registered shard; prints its address
+                                                    registered segment; prints its address
     python tests/bulk_peers.py half-push ADDRESS    starts a push, sends half its body,
                                                     prints "half", then waits to be killed
 """

@@ -80,7 +80,7 @@ def verify_writer_checkpoint(path: Path) -> int:
     manifest = CheckpointDir(path.parent).load(path)
     assert path.name == f"step-{manifest.step:010d}"
     assert manifest.updates == manifest.step - 1
-    assert [s.start for s in manifest.shards][1:] == writer_cuts(manifest.step)
+    assert [s.start for s in manifest.segments][1:] == writer_cuts(manifest.step)
     got = read_flat_range(path, manifest, 0, WRITER_TOTAL)
     expected = random_data(WRITER_TOTAL, manifest.step)
     for name in ARRAYS:

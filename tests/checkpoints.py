@@ -1,5 +1,5 @@
 """Writing checkpoints for the tests the way state servers and the launcher write them:
-each segment a shard in an all-RAM registry, saved by :class:`ShardCheckpointer`, the
+each segment in an all-RAM registry, saved by :class:`SegmentCheckpointer`, the
 manifest committed last. Used by the checkpoint tests and by their forked writers."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, LayoutRecord, Manifest, check_compatible
-from cargohold.services.checkpoint.writer import Records, ShardCheckpointer
+from cargohold.services.checkpoint.writer import Records, SegmentCheckpointer
 from cargohold.services.layout import Layout, build_layout
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.reshard import layout_record, saved_layout, segment_runs
@@ -58,7 +58,7 @@ def write_segments(
             )
             moments = (data["exp_avg"][start:stop], data["exp_avg_sq"][start:stop])
             registry.restore(spec, tensor_source(data["master"][start:stop], moments), updates)
-        checkpointer = ShardCheckpointer(registry, f"server{server}")
+        checkpointer = SegmentCheckpointer(registry, f"server{server}")
         checkpointer.begin(run, str(directory), step)
         return checkpointer.wait()
     finally:
@@ -75,7 +75,7 @@ def flat_manifest(step: int, updates: int, total: int, records: Records) -> Mani
         model_signature=(("flat", (total,)),),
         layout=flat_layout(total),
         total=total,
-        shards=tuple(sorted((r for r, _ in records), key=lambda r: r.start)),
+        segments=tuple(sorted((r for r, _ in records), key=lambda r: r.start)),
         files=tuple(f for _, f in records),
     )
 
@@ -128,7 +128,7 @@ def save_layout(
         model_signature=tuple((p.name, p.shape) for p in layout.params),
         layout=layout_record(layout),
         total=layout.total,
-        shards=tuple(r for r, _ in records),
+        segments=tuple(r for r, _ in records),
         files=tuple(f for _, f in records),
     )
     return store.commit(step, manifest)
@@ -139,7 +139,7 @@ def restore(path: Path, target: Layout, server: int, registry: SegmentRegistry) 
     manifest = CheckpointDir(path.parent).load(path)
     saved = saved_layout(manifest, str(path / MANIFEST_NAME))
     check_compatible(manifest, model_signature=[(p.name, p.shape) for p in target.params], align=target.align)
-    shards = [
+    segments = [
         (
             SegmentSpec(
                 run_id=RUN,
@@ -154,4 +154,4 @@ def restore(path: Path, target: Layout, server: int, registry: SegmentRegistry) 
         )
         for seg in target.segments_of_server(server)
     ]
-    ShardCheckpointer(registry, f"server{server}").restore(str(path), manifest, shards)
+    SegmentCheckpointer(registry, f"server{server}").restore(str(path), manifest, segments)

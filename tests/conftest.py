@@ -85,7 +85,7 @@ def served() -> Iterator[Served]:
 
 @pytest.fixture
 def stepped(served: Served) -> Served:
-    """Shard 0 registered and at step 1."""
+    """Segment 0 registered and at step 1."""
     assert served.client.register(make_spec(), W0) == (0, True)
     assert served.client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR).applied
     return served

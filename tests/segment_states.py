@@ -20,7 +20,7 @@ PADDING_VALUE = 12345.0
 
 
 def segment_spec(**overrides: object) -> SegmentSpec:
-    """Shard 3 of run 'run-a' (``NUMEL`` elements at 1024, ``FRAGMENTS``, fp32 gradients,
+    """Segment 3 of run 'run-a' (``NUMEL`` elements at 1024, ``FRAGMENTS``, fp32 gradients,
     ``HYPER``), with ``overrides``."""
     fields: dict[str, object] = dict(
         run_id="run-a",

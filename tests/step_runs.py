@@ -25,7 +25,7 @@ def run_ranks(train_all: Callable[..., None], world: int, folder: str, names: It
 def registry_masters(port: LocalPort, layout: Layout, run_id: str = "run") -> torch.Tensor:
     """This rank's range of the fp32 masters the port's registry holds (zeros in padding)."""
     masters = torch.zeros(layout.worker_size)
-    for state in port.registry.shards(run_id):
+    for state in port.registry.segments(run_id):
         segment = layout.segments[state.spec.segment_id]
         masters[segment.local_offset : segment.local_offset + segment.numel] = state.snapshot()["master"]
     return masters

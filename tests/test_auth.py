@@ -65,7 +65,7 @@ def test_calls_without_or_with_a_wrong_token_are_refused_and_change_nothing() ->
                 assert error.value.code == grpc.StatusCode.UNAUTHENTICATED
                 assert reason in error.value.details
                 assert TOKEN not in str(error.value)
-        assert good.stats().shard_steps == {}  # the refused register created nothing
+        assert good.stats().segment_updates == {}  # the refused register created nothing
         good.register(make_spec(), W0)
         with pytest.raises(RemoteError):
             wrong.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR)

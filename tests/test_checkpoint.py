@@ -1,6 +1,6 @@
 """The checkpoint format on real files: round trips under any cut, restoring onto other
 worker and server counts, and the manifest-last rule. The checkpoints are written as
-state servers write them (:class:`ShardCheckpointer`, here all in RAM) and committed as
+state servers write them (:class:`SegmentCheckpointer`, here all in RAM) and committed as
 the launcher commits them (``checkpoints.py``); the manifest's own checks are in
 ``test_checkpoint_manifest.py``, crash consistency in ``test_checkpoint_crash.py``,
 corruption and failed writes in ``test_checkpoint_damage.py``.
@@ -60,8 +60,8 @@ def test_round_trip_latest_and_arbitrary_ranges(tmp_path: Path) -> None:
             assert torch.equal(got[name], data[name][start:stop]), (name, start, stop)
     with pytest.raises(CheckpointError, match=r"\[9999, 10001\) is not a range inside .*\[0, 10000\)"):
         read_flat_range(path, manifest, 9_999, 10_001)
-    assert [(s.start, s.stop) for s in manifest.shards] == [(0, 1_000), (1_000, 6_400), (6_400, 10_000)]
-    middle = manifest.shards[1].file
+    assert [(s.start, s.stop) for s in manifest.segments] == [(0, 1_000), (1_000, 6_400), (6_400, 10_000)]
+    middle = manifest.segments[1].file
     for record in manifest.files:  # the middle file alone holds its range
         if record.name != middle:
             (path / record.name).unlink()
@@ -143,10 +143,10 @@ def test_a_checkpoint_restores_bitwise_onto_any_workers_and_servers(
         registry = SegmentRegistry(TieredStorage(_small_partitions(tmp_path / f"nvme{server}") if tier else None))
         try:
             restore(path, target, server, registry)
-            for shard in registry.shards(RUN):
-                assert shard.updates == 40
-                for key, values in shard.snapshot().items():
-                    got[key][shard.spec.start : shard.spec.start + shard.spec.numel] = values
+            for segment in registry.segments(RUN):
+                assert segment.updates == 40
+                for key, values in segment.snapshot().items():
+                    got[key][segment.spec.start : segment.spec.start + segment.spec.numel] = values
         finally:
             registry.close()
     for key in ARRAYS:
@@ -163,11 +163,11 @@ def test_a_server_reads_only_the_files_its_segments_need(tmp_path: Path) -> None
 
     def needed_by(server: int) -> set[str]:
         return {
-            shard.file
+            segment.file
             for seg in target.segments_of_server(server)
             for _, flat, length in segment_runs(saved, target, seg)
-            for shard in manifest.shards
-            if shard.start < flat + length and flat < shard.stop
+            for segment in manifest.segments
+            if segment.start < flat + length and flat < segment.stop
         }
 
     needed = needed_by(0)
@@ -178,9 +178,9 @@ def test_a_server_reads_only_the_files_its_segments_need(tmp_path: Path) -> None
     registry = SegmentRegistry(TieredStorage(None))
     restore(path, target, 0, registry)
     expected = scatter_params(target, state["exp_avg_sq"])
-    for shard in registry.shards(RUN):
-        spec = shard.spec
-        assert torch.equal(shard.snapshot()["exp_avg_sq"], expected[spec.start : spec.start + spec.numel])
+    for segment in registry.segments(RUN):
+        spec = segment.spec
+        assert torch.equal(segment.snapshot()["exp_avg_sq"], expected[spec.start : spec.start + spec.numel])
     other = next(server for server in range(1, target.num_servers) if needed_by(server) - needed)
     with pytest.raises(CorruptCheckpointError, match="the file is missing"):
         restore(path, target, other, SegmentRegistry(TieredStorage(None)))

@@ -40,10 +40,10 @@ def test_a_flipped_byte_is_caught_naming_the_file(tmp_path: Path, where: str) ->
     store = CheckpointDir(tmp_path)
     path = save(store, 4, random_data(4_000, 4), [1_000])
     manifest = store.load(path)
-    shard = manifest.shards[1]
-    victim = path / shard.file
+    segment = manifest.segments[1]
+    victim = path / segment.file
     raw = bytearray(victim.read_bytes())
-    layout = FileLayout(shard.stop - shard.start)
+    layout = FileLayout(segment.stop - segment.start)
     offset = {
         "magic": 0,
         "header run id": raw.index(b"run-test"),
@@ -52,7 +52,7 @@ def test_a_flipped_byte_is_caught_naming_the_file(tmp_path: Path, where: str) ->
         "data end": layout.offset(2) + layout.array_bytes - 1,
         "padding": layout.file_bytes - 1,
     }[where]
-    assert manifest.files[1].name == shard.file
+    assert manifest.files[1].name == segment.file
     assert layout.file_bytes == len(raw) > layout.offset(2) + layout.array_bytes  # the last region has padding
     raw[offset] ^= 0x10
     victim.write_bytes(raw)
@@ -66,7 +66,7 @@ def test_a_truncated_file_is_caught_and_skipped_by_latest(tmp_path: Path) -> Non
     older = save(store, 1, random_data(3_000, 1), [1_500])
     newer = save(store, 2, random_data(3_000, 2), [1_500])
     manifest = store.load(newer)
-    victim = newer / manifest.shards[0].file
+    victim = newer / manifest.segments[0].file
     for size in (victim.stat().st_size - 1, 50):
         with open(victim, "r+b") as handle:
             handle.truncate(size)

@@ -1,6 +1,6 @@
 """The manifest on real files: every field typed and checked when a checkpoint is read,
 refusals that name the field and the file and lose nothing already saved, checkpoints of
-earlier formats, a file per shard, gaps, and the model check."""
+earlier formats, a file per segment, gaps, and the model check."""
 
 from __future__ import annotations
 
@@ -31,36 +31,38 @@ from cargohold.services.tiers.storage import TieredStorage
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_a_file_holds_exactly_one_shard(tmp_path: Path) -> None:
-    """A partition file holds one shard's range: a manifest that names a file from two
-    shards, or lists one no shard names, is refused; a shard put in another shard's file
+def test_a_file_holds_exactly_one_segment(tmp_path: Path) -> None:
+    """A partition file holds one segment's range: a manifest that names a file from two
+    segments, or lists one no segment names, is refused; a segment put in another segment's file
     is corruption, named."""
     store = CheckpointDir(tmp_path)
     data = random_data(1_000, seed=9)
     path = save(store, 6, data, [600])
     manifest = store.load(path)
-    low, high = manifest.shards
+    low, high = manifest.segments
     fields = {f: getattr(manifest, f) for f in Manifest.__dataclass_fields__}
-    with pytest.raises(CheckpointError, match=rf"file {high.file!r} is named by 2 shards; a partition file holds one"):
+    with pytest.raises(
+        CheckpointError, match=rf"file {high.file!r} is named by 2 segments; a partition file holds one"
+    ):
         Manifest(
             **{
                 **fields,
-                "shards": (
+                "segments": (
                     SegmentRecord(0, 0, 256, 6, high.file),
                     SegmentRecord(1, 256, 600, 6, low.file),
                     SegmentRecord(2, 600, 1_000, 6, high.file),
                 ),
             }
         )
-    with pytest.raises(CheckpointError, match=rf"file {high.file!r} is named by 0 shards"):
-        Manifest(**{**fields, "shards": (low,), "total": 600})
+    with pytest.raises(CheckpointError, match=rf"file {high.file!r} is named by 0 segments"):
+        Manifest(**{**fields, "segments": (low,), "total": 600})
     swapped = (SegmentRecord(0, 0, 600, 6, high.file), SegmentRecord(1, 600, 1_000, 6, low.file))
     with pytest.raises(
         CorruptCheckpointError,
-        match=rf"{high.file} is corrupt: it holds partition 0 of shard 1 .*"
-        r"the manifest puts shard 0 \[0, 600\) of run 'run-test' in it",
+        match=rf"{high.file} is corrupt: it holds partition 0 of segment 1 .*"
+        r"the manifest puts segment 0 \[0, 600\) of run 'run-test' in it",
     ):
-        read_flat_range(path, Manifest(**{**fields, "shards": swapped}), 0, 1_000)
+        read_flat_range(path, Manifest(**{**fields, "segments": swapped}), 0, 1_000)
 
 
 def test_a_checkpoint_of_an_earlier_format_is_refused(tmp_path: Path) -> None:
@@ -97,11 +99,11 @@ def test_a_gap_in_the_shards_is_named(tmp_path: Path) -> None:
     data = random_data(1_000, seed=2)
     path = save(store, 1, data, [300, 700])
     manifest = store.load(path)
-    dropped = next(s for s in manifest.shards if s.start == 300)
+    dropped = next(s for s in manifest.segments if s.start == 300)
     holey = Manifest(
         **{
             **{f: getattr(manifest, f) for f in Manifest.__dataclass_fields__},
-            "shards": tuple(s for s in manifest.shards if s is not dropped),
+            "segments": tuple(s for s in manifest.segments if s is not dropped),
             "files": tuple(f for f in manifest.files if f.name != dropped.file),
         }
     )
@@ -118,7 +120,7 @@ def test_a_gap_in_the_shards_is_named(tmp_path: Path) -> None:
                 **{
                     **{f: getattr(holey, f) for f in Manifest.__dataclass_fields__},
                     "step": 2,
-                    "shards": tuple(SegmentRecord(s.segment_id, s.start, s.stop, 2, s.file) for s in holey.shards),
+                    "segments": tuple(SegmentRecord(s.segment_id, s.start, s.stop, 2, s.file) for s in holey.segments),
                 }
             ),
         )
@@ -148,9 +150,9 @@ BAD_FIELDS = {
     "config not finite": ("config.optim", {"lr": 1e400}, r"not a valid manifest \(JSON: Infinity is not a JSON number"),
     "step not a number": ("step", float("nan"), r"not a valid manifest \(JSON: NaN is not a JSON number"),
     "segment negative": ("shards.0.segment_id", -1, r"shards\[0\]\.segment_id must be an integer >= 0, got -1"),
-    "shard start a string": ("shards.1.start", "500", r"shards\[1\]\.start must be an integer >= 0, got '500'"),
-    "shard empty": ("shards.1.stop", 500, r"shards\[1\]\.stop must be above start, got \[500, 500\)"),
-    "shard file": ("shards.0.file", 3, r"shards\[0\]\.file must be a string, got 3"),
+    "segment start a string": ("shards.1.start", "500", r"shards\[1\]\.start must be an integer >= 0, got '500'"),
+    "segment empty": ("shards.1.stop", 500, r"shards\[1\]\.stop must be above start, got \[500, 500\)"),
+    "segment file": ("shards.0.file", 3, r"shards\[0\]\.file must be a string, got 3"),
     "file size": ("files.0.nbytes", 1.5, r"files\[0\]\.nbytes must be an integer >= 0, got 1\.5"),
     "file crc": ("files.1.crc32c", 1 << 32, r"files\[1\]\.crc32c must be a 32-bit unsigned integer, got 4294967296"),
     "file name": ("files.0.name", "../x", r"files\[0\]\.name '\.\./x' is not a valid payload file name"),
@@ -246,7 +248,7 @@ def test_check_compatible_matches_parameters_by_name(tmp_path: Path) -> None:
 def test_errors_are_cargohold_errors() -> None:
     assert issubclass(CorruptCheckpointError, CheckpointError)
     assert issubclass(CheckpointError, CargoholdError)
-    with pytest.raises(CheckpointError, match="covers no shard|not listed"):
+    with pytest.raises(CheckpointError, match="covers no segment|not listed"):
         Manifest(
             step=1,
             updates=1,
@@ -255,6 +257,6 @@ def test_errors_are_cargohold_errors() -> None:
             model_signature=(),
             layout=flat_layout(10),
             total=10,
-            shards=(SegmentRecord(0, 0, 10, 1, "a.bin"),),
+            segments=(SegmentRecord(0, 0, 10, 1, "a.bin"),),
             files=(FileRecord("b.bin", 0, 0),),
         )

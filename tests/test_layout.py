@@ -1,4 +1,4 @@
-"""Property tests of the shard layout math: every element has exactly one home, each
+"""Property tests of the layout math: every element has exactly one home, each
 worker's chunks are FSDP2's, and every cut is aligned to its slot (which is what keeps the
 offloaded AdamW bitwise)."""
 

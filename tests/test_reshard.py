@@ -33,7 +33,7 @@ def _manifest(layout: Layout) -> Manifest:
         model_signature=tuple((p.name, p.shape) for p in layout.params),
         layout=layout_record(layout),
         total=layout.total,
-        shards=tuple(SegmentRecord(s.segment_id, s.start, s.stop, 1, f"s{s.segment_id}") for s in layout.segments),
+        segments=tuple(SegmentRecord(s.segment_id, s.start, s.stop, 1, f"s{s.segment_id}") for s in layout.segments),
         files=tuple(FileRecord(f"s{s.segment_id}", 0, 0) for s in layout.segments),
     )
 

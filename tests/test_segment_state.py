@@ -65,7 +65,7 @@ def test_push_of_a_step_out_of_order_raises_and_changes_nothing(at: int, pushed:
     with pytest.raises(StepMismatchError) as info:
         state.apply_gradient(pushed, step_gradient(pushed), global_norm=0.5, lr=1e-2)
     assert str(info.value) == (
-        f"shard 3 of run 'run-a' is at step {at}; it accepts a gradient for step {at + 1}, got step {pushed}"
+        f"segment 3 of run 'run-a' is at step {at}; it accepts a gradient for step {at + 1}, got step {pushed}"
     )
     assert state.updates == at
     assert_snapshot_equal(state.snapshot(), before)
@@ -110,7 +110,7 @@ def test_bad_gradient_raises_naming_the_problem_and_changes_nothing(case: str) -
     before = state.snapshot()
     with pytest.raises(InvalidTensorError, match=message) as info:
         state.apply_gradient(2, make(), global_norm=0.5, lr=1e-2)
-    assert str(info.value).startswith("shard 3: gradient must ")
+    assert str(info.value).startswith("segment 3: gradient must ")
     assert state.updates == 1
     assert_snapshot_equal(state.snapshot(), before)
     # Validation comes first: a bad payload for the already applied step is an error too,
@@ -214,7 +214,7 @@ def test_padding_only_shard_counts_steps() -> None:
 
 
 def test_shard_pushes_over_a_layout_match_torch_adamw_bitwise() -> None:
-    """Registry shards built from a real layout reproduce torch.optim.AdamW(fused=True)."""
+    """Registry segments built from a real layout reproduce torch.optim.AdamW(fused=True)."""
     shapes = [(101,), (37, 5), (1,), (1000,)]
     layout = build_layout([(f"p{i}", s) for i, s in enumerate(shapes)], num_workers=2, num_servers=3)
     gen = torch.Generator().manual_seed(5)
@@ -253,8 +253,8 @@ def test_shard_pushes_over_a_layout_match_torch_adamw_bitwise() -> None:
     for step, step_grads in enumerate(grads, start=1):
         flat_grad = flat(step_grads)
         for seg in layout.segments:
-            shard = registry.get("r", seg.segment_id)
-            assert shard.apply_gradient(step, flat_grad[seg.start : seg.stop], global_norm=0.0, lr=1e-2).applied
+            segment = registry.get("r", seg.segment_id)
+            assert segment.apply_gradient(step, flat_grad[seg.start : seg.stop], global_norm=0.0, lr=1e-2).applied
     result = torch.zeros(layout.total)
     for seg in layout.segments:
         result[seg.start : seg.stop] = registry.get("r", seg.segment_id).weights(10, "float32")

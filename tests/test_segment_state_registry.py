@@ -1,5 +1,5 @@
 """SegmentRegistry and SegmentSpec: registration rules (idempotent, conflicts refused,
-keyed by run and shard, initial weights checked and copied), the unknown-shard error, and
+keyed by run and segment, initial weights checked and copied), the unknown-segment error, and
 spec validation."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from segment_states import NUMEL, assert_snapshot_equal, initial_weights, segment_spec, step_gradient
 
-from cargohold.services.errors import CargoholdError, InvalidTensorError, ShardConflictError, UnknownShardError
+from cargohold.services.errors import CargoholdError, InvalidTensorError, SegmentConflictError, UnknownSegmentError
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.segment_state import SegmentState
@@ -32,7 +32,7 @@ def test_register_same_spec_twice_returns_the_same_state() -> None:
     assert second is first
     assert second.updates == 1
     assert_snapshot_equal(second.snapshot(), snap)
-    assert registry.shards() == [first]
+    assert registry.segments() == [first]
     assert registry.get("run-a", 3) is first
     assert registry.resident_bytes() == 3 * NUMEL * 4 == first.resident_bytes
 
@@ -52,24 +52,24 @@ def test_register_with_a_different_spec_raises_conflict(change: dict) -> None:
     original = registry.register(segment_spec(), initial_weights(segment_spec()))
     spec = segment_spec(**change)
     with pytest.raises(
-        ShardConflictError,
-        match=r"shard 3 of run 'run-a' is already registered with a different specification",
+        SegmentConflictError,
+        match=r"segment 3 of run 'run-a' is already registered with a different specification",
     ):
         registry.register(spec, initial_weights(spec))
     assert registry.get("run-a", 3) is original
-    assert registry.shards() == [original]
+    assert registry.segments() == [original]
 
 
-def test_registry_keys_by_run_and_shard() -> None:
+def test_registry_keys_by_run_and_segment() -> None:
     registry = SegmentRegistry()
     a3 = registry.register(segment_spec(), initial_weights(segment_spec()))
     a4 = registry.register(segment_spec(segment_id=4), initial_weights(segment_spec()))
     b3 = registry.register(segment_spec(run_id="run-b"), initial_weights(segment_spec()))
     assert len({id(a3), id(a4), id(b3)}) == 3
-    assert registry.shards("run-a") == [a3, a4]
-    assert registry.shards("run-b") == [b3]
-    assert registry.shards("run-c") == []
-    assert len(registry.shards()) == 3
+    assert registry.segments("run-a") == [a3, a4]
+    assert registry.segments("run-b") == [b3]
+    assert registry.segments("run-c") == []
+    assert len(registry.segments()) == 3
 
 
 def test_register_with_bad_initial_weights_registers_nothing() -> None:
@@ -78,8 +78,8 @@ def test_register_with_bad_initial_weights_registers_nothing() -> None:
         registry.register(segment_spec(), initial_weights(segment_spec()).double())
     with pytest.raises(InvalidTensorError, match=rf"initial weights must have {NUMEL} elements"):
         registry.register(segment_spec(), torch.zeros(NUMEL + 1))
-    assert registry.shards() == []
-    with pytest.raises(UnknownShardError):
+    assert registry.segments() == []
+    with pytest.raises(UnknownSegmentError):
         registry.get("run-a", 3)
 
 
@@ -96,14 +96,14 @@ def test_unknown_shard_error_is_readable_and_pickles() -> None:
     registry = SegmentRegistry()
     registry.register(segment_spec(), initial_weights(segment_spec()))
     for run_id, segment_id in (("run-a", 4), ("run-b", 3)):
-        with pytest.raises(UnknownShardError) as info:
+        with pytest.raises(UnknownSegmentError) as info:
             registry.get(run_id, segment_id)
         error = info.value
-        expected = f"no shard {segment_id} is registered for run {run_id!r}"
+        expected = f"no segment {segment_id} is registered for run {run_id!r}"
         assert str(error) == expected  # not KeyError's quoted repr
         assert isinstance(error, KeyError) and isinstance(error, CargoholdError)
         copy = pickle.loads(pickle.dumps(error))
-        assert type(copy) is UnknownShardError and str(copy) == expected
+        assert type(copy) is UnknownSegmentError and str(copy) == expected
 
 
 # --- spec validation -------------------------------------------------------------------------
@@ -113,11 +113,11 @@ def test_unknown_shard_error_is_readable_and_pickles() -> None:
     ("change", "message"),
     [
         (dict(run_id=""), r"run_id must not be empty"),
-        (dict(numel=0), r"shard 3: numel must be > 0, got 0"),
-        (dict(numel=-5, fragments=()), r"shard 3: numel must be > 0, got -5"),
+        (dict(numel=0), r"segment 3: numel must be > 0, got 0"),
+        (dict(numel=-5, fragments=()), r"segment 3: numel must be > 0, got -5"),
         (
             dict(grad_dtype="float64"),
-            r"shard 3: grad dtype 'float64' is not one of \['bfloat16', 'float16', 'float32'\]",
+            r"segment 3: grad dtype 'float64' is not one of \['bfloat16', 'float16', 'float32'\]",
         ),
         (dict(grad_dtype="fp32"), r"grad dtype 'fp32' is not one of"),
         (dict(fragments=((0, 101), (100, 10))), r"fragment \(100, 10\) overlaps"),

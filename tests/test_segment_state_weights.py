@@ -25,7 +25,7 @@ def test_weights_of_the_current_step_in_both_wire_dtypes() -> None:
     assert fp32.shape == bf16.shape == (NUMEL,)
     assert torch.equal(fp32, master)
     assert torch.equal(bf16, master.to(torch.bfloat16))
-    # Copies: writing to them leaves the shard alone.
+    # Copies: writing to them leaves the segment alone.
     fp32.fill_(0.0)
     bf16.fill_(0.0)
     assert torch.equal(state.snapshot()["master"], master)

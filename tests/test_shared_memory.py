@@ -170,7 +170,7 @@ def _memfd(name: str, size: int, *, sealed: bool) -> int:
     ],
 )
 def test_bad_shared_memory_references_are_refused_and_change_nothing(region, case, message) -> None:
-    """Each refused with INVALID_ARGUMENT naming why; the shard keeps its state."""
+    """Each refused with INVALID_ARGUMENT naming why; the segment keeps its state."""
     with tempfile.TemporaryFile() as regular:
         regular.truncate(NUMEL * 8)
         unsealed = _memfd(f"cargohold-{RUN}:unsealed", NUMEL * 8, sealed=False)

@@ -41,7 +41,7 @@ from tier_checkpoints import (
 )
 
 from cargohold.services.checkpoint import CheckpointDir
-from cargohold.services.checkpoint.writer import ShardCheckpointer
+from cargohold.services.checkpoint.writer import SegmentCheckpointer
 from cargohold.services.errors import CheckpointError
 from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout, parse_header
@@ -53,7 +53,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 def other_filesystem(tmp_path: Path) -> Iterator[Path]:
     """A real 1 MiB tmpfs: another device than tmp_path, room for one checkpoint of the
-    two shards here (~630 KiB in partition files) but not two."""
+    two segments here (~630 KiB in partition files) but not two."""
     with mounted_tmpfs(tmp_path / "other-fs", "1024k") as mount:
         assert os.stat(mount).st_dev != os.stat(tmp_path).st_dev
         yield mount
@@ -91,7 +91,7 @@ def test_disk_partitions_are_hard_linked_and_keep_the_saved_state(tmp_path: Path
 @pytest.mark.parametrize("saved_by", ["all-in-ram", "nvme-tier"])
 def test_one_payload_format_whatever_the_tier(tmp_path: Path, saved_by: str) -> None:
     """All in RAM or with an NVMe tier, a checkpoint's payload is partition files in the
-    tier's format: each is the partition its name and its shard record say, at the
+    tier's format: each is the partition its name and its segment record say, at the
     manifest's update count, with the size and header checksum the manifest records; the
     checkpoint restores bitwise into either kind of storage and training continues."""
     store = CheckpointDir(tmp_path / "ckpt")
@@ -110,21 +110,21 @@ def test_one_payload_format_whatever_the_tier(tmp_path: Path, saved_by: str) -> 
         assert partitions == SHARDS and how == {"linked": 0, "copied": 0, "written": SHARDS}
     else:
         assert partitions > SHARDS and how["linked"] > 0 and sum(how.values()) == partitions
-    assert len(manifest.shards) == len(manifest.files) == partitions == len(list(path.glob("*.tier")))
+    assert len(manifest.segments) == len(manifest.files) == partitions == len(list(path.glob("*.tier")))
     records = {f.name: f for f in manifest.files}
-    for shard in manifest.shards:
-        raw = (path / shard.file).read_bytes()
-        header = parse_header(raw[:HEADER_BYTES], path=shard.file)
-        assert checkpoint_file(path, header.key).name == shard.file
-        assert header.key.run_id == RUN and header.key.segment_id == shard.segment_id
-        assert header.numel == shard.stop - shard.start
+    for segment in manifest.segments:
+        raw = (path / segment.file).read_bytes()
+        header = parse_header(raw[:HEADER_BYTES], path=segment.file)
+        assert checkpoint_file(path, header.key).name == segment.file
+        assert header.key.run_id == RUN and header.key.segment_id == segment.segment_id
+        assert header.numel == segment.stop - segment.start
         assert header.step == manifest.updates == 3
-        assert len(raw) == FileLayout(header.numel).file_bytes == records[shard.file].nbytes
-        assert header.checksum() == records[shard.file].crc32c
+        assert len(raw) == FileLayout(header.numel).file_bytes == records[segment.file].nbytes
+        assert header.checksum() == records[segment.file].crc32c
     for target in (None, tier_config(tmp_path / "b")):
         restored = SegmentRegistry(TieredStorage(target))
         try:
-            ShardCheckpointer(restored, "server0").restore(str(path), manifest, whole_segments())
+            SegmentCheckpointer(restored, "server0").restore(str(path), manifest, whole_segments())
             assert_same_state(state_of(restored), saved)
             push_steps(restored, range(4, 6))
             assert_same_state(state_of(restored), expected)

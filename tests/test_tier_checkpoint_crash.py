@@ -28,7 +28,7 @@ from tier_checkpoints import (
 )
 
 from cargohold.services.checkpoint import CheckpointDir
-from cargohold.services.checkpoint.writer import ShardCheckpointer
+from cargohold.services.checkpoint.writer import SegmentCheckpointer
 from cargohold.services.errors import CheckpointError
 from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.tiers.storage import TieredStorage
@@ -51,7 +51,7 @@ def crash_writer(root: str, tier_root: str) -> None:
     else:
         manifest = store.load(latest)
         registry, step = SegmentRegistry(TieredStorage(tier_config(Path(tier_root)))), manifest.step
-        ShardCheckpointer(registry, "server0").restore(str(latest), manifest, whole_segments())
+        SegmentCheckpointer(registry, "server0").restore(str(latest), manifest, whole_segments())
     print("ready", flush=True)
     while True:
         step += 1

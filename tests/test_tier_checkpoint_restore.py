@@ -1,6 +1,6 @@
 """Restoring a tier checkpoint: onto the same or another partitioning or all-RAM, it
 continues bitwise; within the RAM budget however large the state; damage (a flipped
-byte, a truncated file, another version, a file named for another shard, NaN or Inf
+byte, a truncated file, another version, a file named for another segment, NaN or Inf
 written with every checksum recomputed) is reported naming the file."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from tier_checkpoints import (
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest, read_flat_range
-from cargohold.services.checkpoint.writer import ShardCheckpointer
+from cargohold.services.checkpoint.writer import SegmentCheckpointer
 from cargohold.services.errors import CorruptCheckpointError
 from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.state_precision import StateDtype
@@ -61,7 +61,7 @@ def test_a_tier_checkpoint_restores_and_continues_bitwise(tmp_path: Path, target
     }[target]
     restored = SegmentRegistry(TieredStorage(tier))
     try:
-        ShardCheckpointer(restored, "server0").restore(str(path), store.load(path), whole_segments())
+        SegmentCheckpointer(restored, "server0").restore(str(path), store.load(path), whole_segments())
         assert all(restored.get(RUN, s.segment_id).updates == 3 for s in specs())
         if tier is not None:
             assert disk_rows(restored), "the restored state is back on disk"
@@ -114,15 +114,15 @@ def test_a_partition_file_named_for_another_shard_is_refused(tmp_path: Path) -> 
     finally:
         registry.close()
     manifest = CheckpointDir(tmp_path / "ckpt").load(path)
-    first, second = manifest.shards[0], manifest.shards[len(manifest.shards) // 2]
+    first, second = manifest.segments[0], manifest.segments[len(manifest.segments) // 2]
     swapped = [
         s
         if s not in (first, second)
         else type(s)(s.segment_id, s.start, s.stop, s.step, second.file if s is first else first.file)
-        for s in manifest.shards
+        for s in manifest.segments
     ]
-    bad = Manifest(**{**{f: getattr(manifest, f) for f in manifest.__dataclass_fields__}, "shards": tuple(swapped)})
-    with pytest.raises(CorruptCheckpointError, match="the manifest puts shard"):
+    bad = Manifest(**{**{f: getattr(manifest, f) for f in manifest.__dataclass_fields__}, "segments": tuple(swapped)})
+    with pytest.raises(CorruptCheckpointError, match="the manifest puts segment"):
         read_flat_range(path, bad, 0, TOTAL)
 
 
@@ -146,7 +146,7 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         from pathlib import Path
         from cargohold.cluster.config import TierConfig
         from cargohold.services.checkpoint import CheckpointDir, Manifest
-        from cargohold.services.checkpoint.writer import ShardCheckpointer
+        from cargohold.services.checkpoint.writer import SegmentCheckpointer
         from cargohold.services.layout import build_layout
         from cargohold.services.optim import AdamWHyperParams
         from cargohold.services.reshard import layout_record
@@ -167,20 +167,20 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         state = saving.register(spec, torch.randn(N, generator=torch.Generator().manual_seed(0)))
         state.apply_gradient(1, torch.randn(N, generator=torch.Generator().manual_seed(1)), global_norm=1.0, lr=1e-3)
         expected = state.snapshot()
-        checkpointer = ShardCheckpointer(saving, "server0")
+        checkpointer = SegmentCheckpointer(saving, "server0")
         checkpointer.begin("rss", str(store.begin(1)), 1)
         records = checkpointer.wait()
         flat = (("flat", (N,)),)
         path = store.commit(1, Manifest(step=1, updates=1, run_id="rss", config={}, model_signature=flat,
                                         layout=layout_record(build_layout(flat, num_workers=1, num_servers=1)),
-                                        total=N, shards=tuple(r for r, _ in records),
+                                        total=N, segments=tuple(r for r, _ in records),
                                         files=tuple(f for _, f in records)))
         saving.close()
         del state, saving
         restoring = SegmentRegistry(TieredStorage(tier(root + "/b")))
         manifest = store.load(path)
         base = reset_peak_rss()
-        ShardCheckpointer(restoring, "server0").restore(str(path), manifest, [(spec, ((0, 0, N),))])
+        SegmentCheckpointer(restoring, "server0").restore(str(path), manifest, [(spec, ((0, 0, N),))])
         growth = proc_status("VmHWM") - base
         got = restoring.get("rss", 0).snapshot()
         same = all(torch.equal(got[k], expected[k]) for k in expected)
@@ -214,13 +214,13 @@ BLOCK_2 = r"(the block from )?flat element 14272"
 """Block 2 of segment 1 (its first element): its scale as stored, or its first decoded moment."""
 
 
-def _poison(path: Path, shard: int, array: int, index: int, value: float, *, scale: bool) -> Path:
+def _poison(path: Path, segment: int, array: int, index: int, value: float, *, scale: bool) -> Path:
     """Write fp32 ``value`` as element ``index`` of array ``array`` (or, with ``scale``, as
-    its block scale ``index``) in the file of segment ``shard``'s first partition, then
+    its block scale ``index``) in the file of segment ``segment``'s first partition, then
     recompute every checksum that covers it: the array's in the header, the header's own,
     the manifest's record of the file. Returns the file."""
     manifest = CheckpointDir(path.parent).load(path)
-    record = next(s for s in manifest.shards if s.segment_id == shard)
+    record = next(s for s in manifest.segments if s.segment_id == segment)
     victim = path / record.file
     data = bytearray(victim.read_bytes())
     header = parse_header(data[:HEADER_BYTES], path=str(victim))
@@ -266,9 +266,11 @@ def test_restored_state_that_is_not_finite_is_refused_naming_file_and_segment(
         tier = tier_config(tmp_path / "b", partition_bytes=40 << 10, ram_budget_bytes=6 * (40 << 10))
     restoring = SegmentRegistry(TieredStorage(tier))
     try:
-        shards = [(replace(spec, state_dtype=kind), runs) for spec, runs in whole_segments()]
+        segments = [(replace(spec, state_dtype=kind), runs) for spec, runs in whole_segments()]
         with pytest.raises(CorruptCheckpointError, match=named) as caught:
-            ShardCheckpointer(restoring, "server0").restore(str(path), CheckpointDir(path.parent).load(path), shards)
+            SegmentCheckpointer(restoring, "server0").restore(
+                str(path), CheckpointDir(path.parent).load(path), segments
+            )
     finally:
         restoring.close()
     assert f"checkpoint file {victim} is corrupt" in str(caught.value)

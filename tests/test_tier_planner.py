@@ -1,4 +1,4 @@
-"""The pure parts of the tier store: cutting shards into partitions, the planner's
+"""The pure parts of the tier store: cutting segments into partitions, the planner's
 residency, paths, stream order and cost, and the partition file header. No I/O."""
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ def test_clip_fragments() -> None:
 # --- planner ------------------------------------------------------------------------------
 
 
-def _demands(shards: dict[int, int], nbytes: int = 100) -> list[PartitionDemand]:
-    return [PartitionDemand(PartitionKey("r", s, i), nbytes) for s, count in shards.items() for i in range(count)]
+def _demands(segments: dict[int, int], nbytes: int = 100) -> list[PartitionDemand]:
+    return [PartitionDemand(PartitionKey("r", s, i), nbytes) for s, count in segments.items() for i in range(count)]
 
 
 def test_without_a_budget_everything_stays_in_ram() -> None:
@@ -118,7 +118,7 @@ def test_without_a_budget_everything_stays_in_ram() -> None:
 
 
 def test_budget_pays_for_staging_then_heads_of_shards_round_robin() -> None:
-    # 1000 budget - 300 staging = 700: seven partitions of 100, heads first on every shard.
+    # 1000 budget - 300 staging = 700: seven partitions of 100, heads first on every segment.
     plan = plan_tiers(_demands({0: 5, 1: 5, 2: 1}), ram_budget_bytes=1000, staging_bytes=300, num_paths=2)
     ram = sorted((k.segment_id, k.index) for k, r in plan.residency.items() if r is RAM)
     assert ram == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0)]
@@ -145,7 +145,7 @@ def test_budget_below_staging_is_refused() -> None:
         plan_tiers(_demands({0: 1}), ram_budget_bytes=10, staging_bytes=20)
 
 
-def test_paths_are_round_robin_along_each_shard() -> None:
+def test_paths_are_round_robin_along_each_segment() -> None:
     plan = plan_tiers(_demands({0: 4, 1: 3}), ram_budget_bytes=0, staging_bytes=0, num_paths=3)
     assert [plan.path_index[PartitionKey("r", 0, i)] for i in range(4)] == [0, 1, 2, 0]
     assert [plan.path_index[PartitionKey("r", 1, i)] for i in range(3)] == [1, 2, 0]
@@ -208,7 +208,7 @@ def test_bad_headers_are_refused_naming_file_and_partition(mutate, reason: str) 
 
 def test_header_of_another_partition_or_shape_is_refused() -> None:
     raw = PartitionHeader(key=KEY, numel=64, step=1, checksums=(0, 0, 0)).pack()
-    with pytest.raises(CorruptPartitionError, match="the file holds partition 7 of shard 3"):
+    with pytest.raises(CorruptPartitionError, match="the file holds partition 7 of segment 3"):
         unpack_header(raw, path="f", key=PartitionKey("run-x", 3, 8), numel=64)
     with pytest.raises(CorruptPartitionError, match="expected 128"):
         unpack_header(raw, path="f", key=KEY, numel=128)

@@ -1,6 +1,6 @@
 """The tier store with real files: bitwise equality with the all-RAM store while most
 partitions live on disk, the prefetch/write-behind pipeline and its metrics, the plan as
-shards come and updates run, the direct-I/O setting, and the RAM budget measured as RSS."""
+segments come and updates run, the direct-I/O setting, and the RAM budget measured as RSS."""
 
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ def test_weights_an_update_prepared_are_fetched_without_reading_the_tiers(tmp_pa
 
 
 def test_a_registration_moves_partitions_where_the_new_plan_wants_them_at_once(tmp_path: Path) -> None:
-    """A second shard re-plans the server: each shard's head partition in RAM. The
-    registration moves shard 0's second partition out and shard 1's head in before it
+    """A second segment re-plans the server: each segment's head partition in RAM. The
+    registration moves segment 0's second partition out and segment 1's head in before it
     returns, so every step, the first included, writes exactly the disk partitions (and
     the state stays bitwise that of the all-RAM store)."""
     recorder = Recorder()
@@ -125,7 +125,7 @@ def test_partitions_a_registration_could_not_move_move_after_their_next_update(t
         a = SegmentState(shard_spec(0), seeded_randn(0), storage=storage)
         b = SegmentState(shard_spec(1), seeded_randn(1), storage=storage)
         rows = {(r.key.segment_id, r.key.index): r for r in storage.rows()}
-        # The plan gives each shard its head partition; RAM is still full of shard 0's.
+        # The plan gives each segment its head partition; RAM is still full of segment 0's.
         assert rows[(0, 1)].planned is Residency.NVME and rows[(0, 1)].actual is Residency.RAM
         assert rows[(1, 0)].planned is Residency.RAM and rows[(1, 0)].actual is Residency.NVME
         refs = [SegmentState(shard_spec(0), seeded_randn(0)), SegmentState(shard_spec(1), seeded_randn(1))]
@@ -190,7 +190,7 @@ def test_rss_growth_stays_within_the_budget_while_the_state_is_six_times_larger(
         N = 4 << 20  # 48 MiB of state
         initial = torch.randn(N, generator=torch.Generator().manual_seed(0))
         gradient = torch.randn(N, generator=torch.Generator().manual_seed(1))
-        # Warm up the kernel and the I/O paths on a small shard before measuring.
+        # Warm up the kernel and the I/O paths on a small segment before measuring.
         warm = SegmentRegistry(TieredStorage(config(root + "/warm", 1 << 20, 64 << 10)))
         warmed = warm.register(spec("warm", 1 << 16), initial[: 1 << 16])
         warmed.apply_gradient(1, gradient[: 1 << 16], global_norm=1.0, lr=1e-3)

@@ -45,9 +45,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_free_space_check_names_path_and_setting() -> None:
-    check_free_space("/nvme", 100, 100, "shard 1")
+    check_free_space("/nvme", 100, 100, "segment 1")
     with pytest.raises(TierSpaceError) as caught:
-        check_free_space("/nvme", 101, 100, "shard 1 of run 'r'")
+        check_free_space("/nvme", 101, 100, "segment 1 of run 'r'")
     message = str(caught.value)
     assert "/nvme has 100 bytes free" in message and "needs 101 bytes" in message
     assert "state_server.tier.nvme_paths" in message and "state_server.tier.ram_budget_bytes" in message

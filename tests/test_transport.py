@@ -153,7 +153,7 @@ def test_weights_come_back_in_several_ordered_checksummed_chunks(stepped: Served
         assert_bitwise_equal(
             torch.frombuffer(bytearray(raw), dtype=expected.weights(1, name).dtype), expected.weights(1, name)
         )
-    # chunk_bytes 0 lets the server choose: one chunk for a shard this small.
+    # chunk_bytes 0 lets the server choose: one chunk for a segment this small.
     assert len(fetch_raw(stepped, 1, chunk_bytes=0)) == 1
 
 
@@ -182,11 +182,11 @@ def test_a_failure_after_the_first_weights_chunk_ends_the_call_with_a_status(
 def test_fetch_into_a_given_tensor_and_repeated_fetches_agree(stepped: Served) -> None:
     """``out`` receives the weights in place; the server's recycled buffers change no bits."""
     expected = local_state(make_spec(), [G1])
-    shard = torch.full((NUMEL + 8,), -1.0, dtype=torch.bfloat16)
-    target = shard[4 : 4 + NUMEL]
+    segment = torch.full((NUMEL + 8,), -1.0, dtype=torch.bfloat16)
+    target = segment[4 : 4 + NUMEL]
     assert stepped.client.fetch(RUN, 0, 1, "bfloat16", NUMEL, out=target) is target
     assert_bitwise_equal(target, expected.weights(1, "bfloat16"))
-    assert torch.all(shard[:4] == -1.0) and torch.all(shard[-4:] == -1.0)
+    assert torch.all(segment[:4] == -1.0) and torch.all(segment[-4:] == -1.0)
     for step, gradient in ((2, G2), (3, G1)):  # each push prepares into the buffer the last fetch freed
         stepped.client.push(RUN, 0, step, gradient, global_norm=GLOBAL_NORM, lr=LR, prepare="bfloat16")
         expected.apply_gradient(step, gradient, global_norm=GLOBAL_NORM, lr=LR)
@@ -251,7 +251,7 @@ def test_stats_and_scraped_metrics_agree_with_the_traffic(served: Served) -> Non
     assert stats.received_bytes == registered + pushed
     assert stats.sent_bytes == 2 * NUMEL + 4 * small
     assert (stats.updates_applied, stats.duplicate_pushes) == (2, 1)
-    assert stats.shard_steps == {0: 1, 1: 1}
+    assert stats.segment_updates == {0: 1, 1: 1}
     assert stats.resident_bytes_by_tier == {"ram": 3 * 4 * (NUMEL + small)}
     assert stats.metrics_address == served.metrics.address
 
@@ -287,7 +287,7 @@ def test_remote_error_survives_pickling(served: Served) -> None:
         served.server.address,
         error.details,
     )
-    assert str(copy) == str(error) and "no shard 9" in str(copy) and "NOT_FOUND" in str(copy)
+    assert str(copy) == str(error) and "no segment 9" in str(copy) and "NOT_FOUND" in str(copy)
 
 
 def test_concurrent_pushes_of_one_step_apply_exactly_once(served: Served) -> None:

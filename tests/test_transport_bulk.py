@@ -66,7 +66,7 @@ def bulk(s: Served, **options) -> StateServerClient:
 
 @pytest.fixture
 def bulk_served():
-    """A server with its bulk socket, shard 0 registered and at step 1 (pushed over it)."""
+    """A server with its bulk socket, segment 0 registered and at step 1 (pushed over it)."""
     with serving(bulk=True) as s, bulk(s) as client:
         assert client.register(make_spec(), W0) == (0, True)
         assert client.push(RUN, 0, 1, G1, global_norm=GLOBAL_NORM, lr=LR).applied
@@ -176,7 +176,7 @@ def test_stats_and_metrics_count_the_bulk_bytes(bulk_served: Served) -> None:
         (
             pb.OpenBulkRequest(fetch=pb.FetchWeightsRequest(key=pb.ShardKey(run_id=RUN, shard_id=9), step=1)),
             Code.NOT_FOUND,
-            "no shard 9",
+            "no segment 9",
         ),
         (
             pb.OpenBulkRequest(fetch=pb.FetchWeightsRequest(key=pb.ShardKey(run_id="other", shard_id=0), step=1)),

@@ -78,7 +78,7 @@ def test_a_client_that_stalls_mid_push_is_dropped_after_the_message_timeout() ->
 
 @pytest.fixture
 def doomed_server():
-    """A state server in a process of its own, with a 16 MiB shard at step 0, and a
+    """A state server in a process of its own, with a 16 MiB segment at step 0, and a
     bulk client of it; the test kills the process."""
     process, address = spawn("serve", str(BIG_NUMEL))
     try:

@@ -45,7 +45,7 @@ _U32 = st.integers(0, 2**32 - 1)
 _DOUBLES = st.floats(allow_nan=True, allow_infinity=True)
 _DTYPE = st.one_of(st.sampled_from([0, 2, 3]), st.integers(-(2**31), 2**31 - 1))
 _OTHER_KEY = (
-    st.builds(pb.ShardKey, run_id=st.just(RUN), shard_id=st.integers(1, 2**32 - 1))  # unknown shard
+    st.builds(pb.ShardKey, run_id=st.just(RUN), shard_id=st.integers(1, 2**32 - 1))  # unknown segment
     | st.builds(pb.ShardKey, run_id=st.sampled_from(["", "x"]), shard_id=st.integers(0, 2**32 - 1))
 )
 _CHUNK_FAULTS = ("chunk_offset", "chunk_crc", "chunk_data", "drop_chunk", "truncate", "extra_chunk")
@@ -93,7 +93,7 @@ def _faults(names: tuple[str, ...]) -> st.SearchStrategy[list[str]]:
 
 
 # Requests start valid and get up to two faults each; with none they are harmless
-# repeats (a push of step 1, the identical registration of shard 0), so no fuzzed
+# repeats (a push of step 1, the identical registration of segment 0), so no fuzzed
 # request may change what a worker observes. A push claims step 2 (the one that would
 # apply) only together with a truncated stream.
 _PUSH_FAULTS = (
@@ -130,7 +130,7 @@ def _push(draw) -> list[pb.PushGradientRequest]:
             header.lr = draw(_DOUBLES)
         elif fault in _CHUNK_FAULTS:
             chunks = _spoil_chunks(draw, chunks, fault)
-    if "step_2_truncated" in faults:  # fewer bytes than the shard's: can never complete
+    if "step_2_truncated" in faults:  # fewer bytes than the segment's: can never complete
         header.step = 2
         chunks = chunks[: draw(st.integers(0, max(len(chunks) - 1, 0)))]
         while sum(len(c.data) for c in chunks) >= 4 * NUMEL:

@@ -75,7 +75,7 @@ def _spec_of_run(run_id: str) -> SegmentSpec:
 
 
 # (case, call, status, words the message must contain). Every call runs against a server
-# whose shard 0 is at step 1; afterwards nothing a worker can observe may differ.
+# whose segment 0 is at step 1; afterwards nothing a worker can observe may differ.
 BAD_REQUESTS: list[tuple[str, Callable[[Served], object], grpc.StatusCode, str]] = [
     (
         "gradient of the wrong size",
@@ -90,10 +90,10 @@ BAD_REQUESTS: list[tuple[str, Callable[[Served], object], grpc.StatusCode, str]]
         "got 10240 x bfloat16",
     ),
     (
-        "push for an unknown shard",
+        "push for an unknown segment",
         lambda s: s.client.push(RUN, 9, 1, G1, global_norm=GLOBAL_NORM, lr=LR),
         Code.NOT_FOUND,
-        "no shard 9 is registered for run 'run-transport'",
+        "no segment 9 is registered for run 'run-transport'",
     ),
     (
         "push for another run",
@@ -102,7 +102,7 @@ BAD_REQUESTS: list[tuple[str, Callable[[Served], object], grpc.StatusCode, str]]
         "serves run 'run-transport', not 'other-run'",
     ),
     (
-        "registering a shard of another run",
+        "registering a segment of another run",
         lambda s: s.client.register(_spec_of_run("other-run"), W0),
         Code.PERMISSION_DENIED,
         "serves run 'run-transport', not 'other-run'",
@@ -120,7 +120,7 @@ BAD_REQUESTS: list[tuple[str, Callable[[Served], object], grpc.StatusCode, str]]
         "not 'other-run'",
     ),
     (
-        "describe a shard of another run",
+        "describe a segment of another run",
         lambda s: s.client.describe("other-run", 0),
         Code.PERMISSION_DENIED,
         "not 'other-run'",
@@ -269,7 +269,12 @@ BAD_REQUESTS: list[tuple[str, Callable[[Served], object], grpc.StatusCode, str]]
         Code.FAILED_PRECONDITION,
         "holds the weights of step 1, not of step 2",
     ),
-    ("fetch of an unknown shard", lambda s: s.client.fetch(RUN, 9, 1, "float32", NUMEL), Code.NOT_FOUND, "no shard 9"),
+    (
+        "fetch of an unknown segment",
+        lambda s: s.client.fetch(RUN, 9, 1, "float32", NUMEL),
+        Code.NOT_FOUND,
+        "no segment 9",
+    ),
     (
         "fetch in an unsupported dtype enum value",
         lambda s: fetch_raw(s, 1, dtype=7),
@@ -282,7 +287,7 @@ BAD_REQUESTS: list[tuple[str, Callable[[Served], object], grpc.StatusCode, str]]
         Code.INVALID_ARGUMENT,
         "chunk_bytes must be between",
     ),
-    ("describe of an unknown shard", lambda s: s.client.describe(RUN, 9), Code.NOT_FOUND, "no shard 9"),
+    ("describe of an unknown segment", lambda s: s.client.describe(RUN, 9), Code.NOT_FOUND, "no segment 9"),
 ]
 
 

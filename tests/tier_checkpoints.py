@@ -1,7 +1,7 @@
 """The state server of the tier checkpoint tests: two segments of 11 partitions each (16
 KiB partitions, the last one short) in a registry over an NVMe tier whose RAM budget
 holds a few of them, trained with clipping on, saved as state servers save (each segment
-preserved by :class:`ShardCheckpointer`, the manifest committed last) and read back.
+preserved by :class:`SegmentCheckpointer`, the manifest committed last) and read back.
 Used by the tier checkpoint tests and by their SIGKILLed writer processes."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.checkpoint import CheckpointDir, Manifest, read_flat_range
-from cargohold.services.checkpoint.writer import ShardCheckpointer
+from cargohold.services.checkpoint.writer import SegmentCheckpointer
 from cargohold.services.errors import CheckpointError
 from cargohold.services.layout import build_layout
 from cargohold.services.optim import AdamWHyperParams
@@ -91,8 +91,8 @@ def push_steps(registry: SegmentRegistry, steps: range) -> None:
 
 def state_of(registry: SegmentRegistry) -> dict[str, torch.Tensor]:
     """Every array of the registry's segments, concatenated in flat order."""
-    shards = [registry.get(RUN, spec.segment_id).snapshot() for spec in specs()]
-    return {key: torch.cat([s[key] for s in shards]) for key in ARRAYS}
+    segments = [registry.get(RUN, spec.segment_id).snapshot() for spec in specs()]
+    return {key: torch.cat([s[key] for s in segments]) for key in ARRAYS}
 
 
 def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -104,7 +104,7 @@ def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 def save_checkpoint(store: CheckpointDir, registry: SegmentRegistry, step: int) -> tuple[Path, dict[str, int]]:
     """Save and commit ``step`` as server 0 (aborted on a CheckpointError); the folder,
     and how many partitions were linked, copied and written."""
-    checkpointer = ShardCheckpointer(registry, "server0")
+    checkpointer = SegmentCheckpointer(registry, "server0")
     directory = store.begin(step)
     update = checkpointer.begin(RUN, str(directory), step)
     try:
@@ -120,7 +120,7 @@ def save_checkpoint(store: CheckpointDir, registry: SegmentRegistry, step: int) 
         model_signature=FLAT,
         layout=layout_record(build_layout(FLAT, num_workers=1, num_servers=1, align=1)),
         total=TOTAL,
-        shards=tuple(sorted((r for r, _ in records), key=lambda r: r.start)),
+        segments=tuple(sorted((r for r, _ in records), key=lambda r: r.start)),
         files=tuple(f for _, f in records),
     )
     return store.commit(step, manifest), checkpointer.preserved

@@ -110,7 +110,7 @@ def open_storage(config: TierConfig, observer: Recorder | None = None) -> Iterat
 
 
 def cold_disk_file(storage: TieredStorage) -> str:
-    """A disk partition in the middle of the shard: not among the last ones written, so
+    """A disk partition in the middle of the segment: not among the last ones written, so
     no staging buffer still holds it and the next step must read its file."""
     disk = [r for r in storage.rows() if r.actual is Residency.NVME]
     return disk[len(disk) // 2].path

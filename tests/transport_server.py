@@ -126,19 +126,23 @@ class Observed:
     weights: torch.Tensor
     step: int
     updates_applied: int
-    shards: dict[int, int]
+    segment_updates: dict[int, int]
 
 
 def observe(s: Served, segment_id: int = 0) -> Observed:
     _, step = s.client.describe(RUN, segment_id)
     stats = s.client.stats()
     weights = s.client.fetch(RUN, segment_id, step, "float32", NUMEL)
-    return Observed(weights, step, stats.updates_applied, stats.shard_steps)
+    return Observed(weights, step, stats.updates_applied, stats.segment_updates)
 
 
 def assert_unchanged(s: Served, before: Observed) -> None:
     after = observe(s)
-    assert (after.step, after.updates_applied, after.shards) == (before.step, before.updates_applied, before.shards)
+    assert (after.step, after.updates_applied, after.segment_updates) == (
+        before.step,
+        before.updates_applied,
+        before.segment_updates,
+    )
     assert_bitwise_equal(after.weights, before.weights)
 
 

@@ -102,10 +102,10 @@ class CheckpointDir:
                 raise CheckpointError(f"commit of step {step} got a manifest of step {manifest.step}")
             if not partial.is_dir():
                 raise CheckpointError(f"{partial} does not exist; call begin({step}) before commit")
-            missing = gaps(manifest.shards, 0, manifest.total)
+            missing = gaps(manifest.segments, 0, manifest.total)
             if missing:
                 raise CheckpointError(
-                    f"the manifest of step {step} covers no shard for flat elements {missing[0]} "
+                    f"the manifest of step {step} covers no segment for flat elements {missing[0]} "
                     f"of [0, {manifest.total}); a state server's files are missing from it"
                 )
             _check_files(partial, manifest)

@@ -3,7 +3,7 @@
 The manifest is written last into a checkpoint's directory (:mod:`.directory`) and holds
 everything needed to find, verify and place the payload, and to resume from it: the data
 step and the update count, the run id, the saving run's config, the model signature, the layout
-that saved the flat space, its padded length, the shard records (which flat range each
+that saved the flat space, its padded length, the segment records (which flat range each
 payload file holds) and the size and header CRC-32C of every payload file. Every field
 is typed and validated on construction, so a manifest read from disk is refused, naming
 the field and the file, before anything of it is used.
@@ -26,12 +26,15 @@ FORMAT_VERSION = 4
 """Of the manifest. Version 4 records the saving run's whole configuration (``config``)
 where version 3 had only its hash, so that a resume can name the keys that differ.
 Version 3 replaced the untyped ``extra`` object by the typed fields ``updates`` and
-``layout``, and made every payload file a partition file (versions 1 and 2 also had shard
-files, ``files[].format``). Manifests of earlier versions are refused."""
+``layout``, and made every payload file a partition file (versions 1 and 2 also had files
+in other formats, ``files[].format``). Manifests of earlier versions are refused."""
 MANIFEST_NAME = "manifest.json"
 CONFIG_DEPTH = 8
 """Deepest nesting of objects and lists ``config`` may hold (the schema's is 3)."""
 _Record = TypeVar("_Record", "FileRecord", "SegmentRecord", "LossScaleRecord")
+JSON_KEYS = {"segments": "shards"}
+"""The manifest's fields whose JSON key is another word: the file format keeps "shards"
+for the segment records."""
 LAYOUT_KIND = "worker-major-v1"
 """``layout.kind`` of a checkpoint whose flat space is worker-major
 (:mod:`cargohold.services.layout`)."""
@@ -150,8 +153,8 @@ class LossScaleRecord:
 class Manifest:
     """Everything needed to find, verify and place a checkpoint's payload and to resume.
 
-    Construction validates the fields (types, ranges, no overlapping shards, every shard
-    at ``step``, every file listed once and holding exactly one shard) and raises
+    Construction validates the fields (types, ranges, no overlapping segments, every
+    segment at ``step``, every file listed once and holding exactly one segment) and raises
     :class:`CheckpointError` naming the field.
     """
 
@@ -170,7 +173,8 @@ class Manifest:
     layout: LayoutRecord
     total: int
     """Padded length of the flat buffer the checkpoint was saved from."""
-    shards: tuple[SegmentRecord, ...]
+    segments: tuple[SegmentRecord, ...]
+    """The JSON's ``shards`` (the file format keeps its older word)."""
     files: tuple[FileRecord, ...]
     loss_scale: LossScaleRecord | None = None
     """fp16 runs only; the JSON has the field only then, so other manifests are as before."""
@@ -190,7 +194,7 @@ class Manifest:
             "total": self.total,
             "shards": [
                 {"segment_id": s.segment_id, "start": s.start, "stop": s.stop, "step": s.step, "file": s.file}
-                for s in self.shards
+                for s in self.segments
             ],
             "files": [{"name": f.name, "nbytes": f.nbytes, "crc32c": f.crc32c} for f in self.files],
         }
@@ -224,12 +228,13 @@ class Manifest:
             )
         if version != FORMAT_VERSION or not is_int(version):
             raise CheckpointError(f"format version {version!r}; this build reads version {FORMAT_VERSION}")
-        keys = {"format_version", *cls.__dataclass_fields__} - ({"loss_scale"} - set(body))
+        fields = {JSON_KEYS.get(f, f) for f in cls.__dataclass_fields__}
+        keys = {"format_version", *fields} - ({"loss_scale"} - set(body))
         if set(body) != keys:
             missing, unknown = sorted(keys - set(body)), sorted(set(body) - keys)
             raise CheckpointError(f"manifest fields missing {missing}, unknown {unknown}")
         signature = _list(body["model_signature"], "model_signature")
-        shards = _list(body["shards"], "shards")
+        segments = _list(body["shards"], "shards")
         files = _list(body["files"], "files")
         return cls(
             step=body["step"],
@@ -241,7 +246,7 @@ class Manifest:
             ),
             layout=LayoutRecord.from_body(body["layout"]),
             total=body["total"],
-            shards=tuple(_parsed(SegmentRecord, entry, f"shards[{i}]") for i, entry in enumerate(shards)),
+            segments=tuple(_parsed(SegmentRecord, entry, f"shards[{i}]") for i, entry in enumerate(segments)),
             files=tuple(_parsed(FileRecord, entry, f"files[{i}]") for i, entry in enumerate(files)),
             loss_scale=_parsed(LossScaleRecord, body["loss_scale"], "loss_scale") if "loss_scale" in body else None,
         )
@@ -346,27 +351,27 @@ def _validate_manifest(m: Manifest) -> None:
             raise CheckpointError(f"files[{index}]: file {record.name!r} is listed twice")
         names.add(record.name)
 
-    if not isinstance(m.shards, tuple) or not all(isinstance(s, SegmentRecord) for s in m.shards):
-        raise CheckpointError("shards must be a tuple of SegmentRecord")
-    for index, shard in enumerate(m.shards):
-        where = f"shards[{index}] (segment {shard.segment_id})"
-        if shard.stop > m.total:
-            raise CheckpointError(f"{where}: range [{shard.start}, {shard.stop}) leaves [0, {m.total})")
-        if shard.step != m.step:
-            raise CheckpointError(f"{where} is at step {shard.step}, the checkpoint at step {m.step}")
-        if shard.file not in names:
-            raise CheckpointError(f"{where}: its file {shard.file!r} is not listed in files")
-    holders = Counter(shard.file for shard in m.shards)
+    if not isinstance(m.segments, tuple) or not all(isinstance(s, SegmentRecord) for s in m.segments):
+        raise CheckpointError("segments must be a tuple of SegmentRecord")
+    for index, segment in enumerate(m.segments):
+        where = f"shards[{index}] (segment {segment.segment_id})"
+        if segment.stop > m.total:
+            raise CheckpointError(f"{where}: range [{segment.start}, {segment.stop}) leaves [0, {m.total})")
+        if segment.step != m.step:
+            raise CheckpointError(f"{where} is at step {segment.step}, the checkpoint at step {m.step}")
+        if segment.file not in names:
+            raise CheckpointError(f"{where}: its file {segment.file!r} is not listed in files")
+    holders = Counter(segment.file for segment in m.segments)
     for record in m.files:
         if holders[record.name] != 1:
             raise CheckpointError(
-                f"file {record.name!r} is named by {holders[record.name]} shards; a partition file holds one"
+                f"file {record.name!r} is named by {holders[record.name]} segments; a partition file holds one"
             )
-    ordered = sorted(m.shards, key=lambda s: s.start)
+    ordered = sorted(m.segments, key=lambda s: s.start)
     for left, right in zip(ordered, ordered[1:]):
         if right.start < left.stop:
             raise CheckpointError(
-                f"shards {left.segment_id} [{left.start}, {left.stop}) and {right.segment_id} "
+                f"segments {left.segment_id} [{left.start}, {left.stop}) and {right.segment_id} "
                 f"[{right.start}, {right.stop}) overlap"
             )
 
@@ -391,15 +396,15 @@ def _check_json(value: object, where: str, depth: int) -> None:
         raise CheckpointError(f"{where} must be JSON data, got {type(value).__name__}")
 
 
-def gaps(shards: Iterable[SegmentRecord], start: int, stop: int) -> list[tuple[int, int]]:
-    """The parts of ``[start, stop)`` no shard covers (shards do not overlap)."""
+def gaps(segments: Iterable[SegmentRecord], start: int, stop: int) -> list[tuple[int, int]]:
+    """The parts of ``[start, stop)`` no segment covers (segments do not overlap)."""
     missing, cursor = [], start
-    for shard in sorted(shards, key=lambda s: s.start):
-        if shard.stop <= cursor or shard.start >= stop:
+    for segment in sorted(segments, key=lambda s: s.start):
+        if segment.stop <= cursor or segment.start >= stop:
             continue
-        if shard.start > cursor:
-            missing.append((cursor, shard.start))
-        cursor = shard.stop
+        if segment.start > cursor:
+            missing.append((cursor, segment.start))
+        cursor = segment.stop
     if cursor < stop:
         missing.append((cursor, stop))
     return missing

@@ -1,10 +1,10 @@
 """Payload files and their verification against the manifest.
 
 A checkpoint holds the optimizer state in partition files, the NVMe tier's own format
-(:mod:`cargohold.services.tiers.fileformat`: a 4 KiB header naming the run, shard,
+(:mod:`cargohold.services.tiers.fileformat`: a 4 KiB header naming the run, segment,
 partition and update count, with a CRC-32C per array and one of its own, then master,
 exp_avg and exp_avg_sq, each padded to 4 KiB), whether the tier hard-linked them or they
-were written from RAM. A file holds the flat range of exactly one shard record.
+were written from RAM. A file holds the flat range of exactly one segment record.
 
 The manifest records each file's size and its header's CRC-32C. The header covers the
 identity, the update count and the arrays' checksums, so recording it ties the whole
@@ -61,9 +61,9 @@ def open_sized(path: Path, record: FileRecord) -> tuple[int, int]:
 
 
 def verify(
-    fd: int, path: Path, size: int, record: FileRecord, shard: SegmentRecord, manifest: Manifest, buffer: memoryview
+    fd: int, path: Path, size: int, record: FileRecord, segment: SegmentRecord, manifest: Manifest, buffer: memoryview
 ) -> Payload:
-    """Check the partition file of ``shard`` against its manifest: the header (its
+    """Check the partition file of ``segment`` against its manifest: the header (its
     checksum is the one ``record`` holds), the identity, the update count, the size and
     each array's checksum, streamed through ``buffer``. Raises CorruptCheckpointError
     naming the file."""
@@ -80,12 +80,12 @@ def verify(
         raise corrupt(path, f"it is {size} bytes, its header says {layout.file_bytes} (truncated?)")
     if (header.key.run_id, header.key.segment_id) != (
         manifest.run_id,
-        shard.segment_id,
-    ) or header.numel != shard.stop - shard.start:
+        segment.segment_id,
+    ) or header.numel != segment.stop - segment.start:
         raise corrupt(
             path,
-            f"it holds {header.key} of {header.numel} elements, the manifest puts shard "
-            f"{shard.segment_id} [{shard.start}, {shard.stop}) of run {manifest.run_id!r} in it",
+            f"it holds {header.key} of {header.numel} elements, the manifest puts segment "
+            f"{segment.segment_id} [{segment.start}, {segment.stop}) of run {manifest.run_id!r} in it",
         )
     if header.step != manifest.updates:
         raise corrupt(path, f"it holds the state after {header.step} updates, the manifest's after {manifest.updates}")
@@ -95,7 +95,7 @@ def verify(
             != header.checksums[index]
         ):
             raise corrupt(path, f"{array_name} checksum mismatch")
-    return Payload(path, shard.start, header.numel, layout)
+    return Payload(path, segment.start, header.numel, layout)
 
 
 def read_into(

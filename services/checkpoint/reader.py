@@ -43,8 +43,8 @@ class CheckpointReader:
         self.directory = Path(directory)
         self.manifest = manifest
         self._records = {f.name: f for f in manifest.files}
-        self._shards = sorted(manifest.shards, key=lambda s: s.start)
-        self._stops = [s.stop for s in self._shards]
+        self._segments = sorted(manifest.segments, key=lambda s: s.start)
+        self._stops = [s.stop for s in self._segments]
         self._verified: dict[str, Payload] = {}
         self._buffer = memoryview(bytearray(CHUNK))
 
@@ -54,7 +54,7 @@ class CheckpointReader:
         reused across calls, so a long restore allocates nothing per partition).
 
         The range must lie inside the checkpoint's ``[0, total)`` and every element of it
-        be covered by a shard, else CheckpointError names the range or the gap.
+        be covered by a segment, else CheckpointError names the range or the gap.
         """
         manifest = self.manifest
         if not (is_int(start) and is_int(stop) and 0 <= start <= stop <= manifest.total):
@@ -62,10 +62,10 @@ class CheckpointReader:
                 f"flat range [{start}, {stop}) is not a range inside checkpoint {self.directory}'s "
                 f"[0, {manifest.total})"
             )
-        # shards are sorted and do not overlap: the first that may overlap ends past start
-        shards = self._shards[bisect.bisect_right(self._stops, start) :]
-        shards = list(itertools.takewhile(lambda s: s.start < stop, shards))
-        missing = gaps(shards, start, stop)
+        # segments are sorted and do not overlap: the first that may overlap ends past start
+        segments = self._segments[bisect.bisect_right(self._stops, start) :]
+        segments = list(itertools.takewhile(lambda s: s.start < stop, segments))
+        missing = gaps(segments, start, stop)
         if missing:
             lo, hi = missing[0]
             raise CheckpointError(
@@ -76,17 +76,17 @@ class CheckpointReader:
             out = {name: torch.empty(stop - start, dtype=torch.float32) for name in ARRAYS}
         else:
             out = {name: out[name][: stop - start] for name in ARRAYS}
-        for shard in shards:
-            lo, hi = max(shard.start, start), min(shard.stop, stop)
-            path = self.directory / shard.file
-            fd, size = open_sized(path, self._records[shard.file])
+        for segment in segments:
+            lo, hi = max(segment.start, start), min(segment.stop, stop)
+            path = self.directory / segment.file
+            fd, size = open_sized(path, self._records[segment.file])
             try:
-                payload = self._verified.get(shard.file) or self._verify(fd, path, size, shard)
+                payload = self._verified.get(segment.file) or self._verify(fd, path, size, segment)
                 read_into(fd, payload, lo, hi, out, lo - start)
             finally:
                 os.close(fd)
             for name in ARRAYS:
-                _refuse_unusable(path, shard.segment_id, name, out[name][lo - start : hi - start], lo)
+                _refuse_unusable(path, segment.segment_id, name, out[name][lo - start : hi - start], lo)
         return out
 
     def read_stored(
@@ -100,37 +100,39 @@ class CheckpointReader:
         if dtype == "float32" or start >= stop:
             return None
         at = bisect.bisect_right(self._stops, start)
-        if at >= len(self._shards):
+        if at >= len(self._segments):
             return None
-        shard = self._shards[at]
-        first = start - shard.start
-        if not (shard.start <= start and stop <= shard.stop):
+        segment = self._segments[at]
+        first = start - segment.start
+        if not (segment.start <= start and stop <= segment.stop):
             return None
         if dtype == "blockwise8" and (
-            first % BLOCK_ELEMENTS or ((stop - shard.start) % BLOCK_ELEMENTS and stop != shard.stop)
+            first % BLOCK_ELEMENTS or ((stop - segment.start) % BLOCK_ELEMENTS and stop != segment.stop)
         ):
             return None
-        path = self.directory / shard.file
-        fd, size = open_sized(path, self._records[shard.file])
+        path = self.directory / segment.file
+        fd, size = open_sized(path, self._records[segment.file])
         try:
-            payload = self._verified.get(shard.file) or self._verify(fd, path, size, shard)
+            payload = self._verified.get(segment.file) or self._verify(fd, path, size, segment)
             if payload.layout.dtype != dtype:
                 return None
             master = torch.empty(stop - start, dtype=torch.float32)
             read_into(fd, payload, start, stop, {"master": master}, 0, arrays=1)
-            moments = [read_stored(fd, payload, index, first, stop - shard.start) for index in (1, 2)]
+            moments = [read_stored(fd, payload, index, first, stop - segment.start) for index in (1, 2)]
         finally:
             os.close(fd)
-        _refuse_unusable(path, shard.segment_id, "master", master, start)
+        _refuse_unusable(path, segment.segment_id, "master", master, start)
         for moment in moments:
             if moment.values.is_floating_point():  # 8-bit codes are any byte; their scales are checked
-                _refuse_unusable(path, shard.segment_id, moment.moment, moment.values, start)
-            _refuse_unusable(path, shard.segment_id, f"{moment.moment} block scale", moment.scales, start, blocks=True)
+                _refuse_unusable(path, segment.segment_id, moment.moment, moment.values, start)
+            _refuse_unusable(
+                path, segment.segment_id, f"{moment.moment} block scale", moment.scales, start, blocks=True
+            )
         return master, moments[0], moments[1]
 
-    def _verify(self, fd: int, path: Path, size: int, shard: SegmentRecord) -> Payload:
-        payload = verify(fd, path, size, self._records[shard.file], shard, self.manifest, self._buffer)
-        self._verified[shard.file] = payload
+    def _verify(self, fd: int, path: Path, size: int, segment: SegmentRecord) -> Payload:
+        payload = verify(fd, path, size, self._records[segment.file], segment, self.manifest, self._buffer)
+        self._verified[segment.file] = payload
         return payload
 
 

@@ -1,9 +1,9 @@
-"""A state server's side of checkpoints: put its shards' state into a checkpoint's
+"""A state server's side of checkpoints: put its segments' state into a checkpoint's
 partial directory as partition files (the one payload format,
-:mod:`cargohold.services.tiers.fileformat`), and restore shards from a complete
+:mod:`cargohold.services.tiers.fileformat`), and restore segments from a complete
 checkpoint — cut the way the new layout needs, whatever layout wrote it.
 
-``begin`` holds each shard still for a moment while its tiers preserve every partition
+``begin`` holds each segment still for a moment while its tiers preserve every partition
 (:meth:`~cargohold.services.tiers.storage.TieredStorage.preserve`), then returns; a
 background thread does the rest while training goes on:
 
@@ -48,8 +48,8 @@ logger = logging.getLogger(__name__)
 Records = list[tuple[SegmentRecord, FileRecord]]
 
 
-class ShardCheckpointer:
-    """Saves and restores the shards of one state server's registry."""
+class SegmentCheckpointer:
+    """Saves and restores the segments of one state server's registry."""
 
     def __init__(self, registry: SegmentRegistry, owner: str) -> None:
         """``owner``: what holds ``registry`` ("server0", or "worker1" for a worker's device
@@ -65,19 +65,19 @@ class ShardCheckpointer:
         """Bytes of the last checkpoint's files that are hard links (nothing written)."""
 
     def begin(self, run_id: str, directory: str, step: int) -> int:
-        """Start putting every shard of ``run_id`` into ``directory`` as of data step
+        """Start putting every segment of ``run_id`` into ``directory`` as of data step
         ``step``; returns the update count they are at (lower than ``step`` when steps
         were skipped). A failure, here or in the background, is raised by :meth:`wait`."""
         if self._thread is not None:
             raise CheckpointError("a checkpoint is still being written; wait for it first")
-        shards = self._registry.shards(run_id)
-        updates = {s.updates for s in shards}
+        segments = self._registry.segments(run_id)
+        updates = {s.updates for s in segments}
         if len(updates) > 1:
-            raise CheckpointError(f"shards of run {run_id!r} are at different updates {sorted(updates)}")
+            raise CheckpointError(f"segments of run {run_id!r} are at different updates {sorted(updates)}")
         update = updates.pop() if updates else 0
         self._result = None
         self.preserved, self.linked_bytes = {}, 0
-        self._preserve(directory, step, update, shards)
+        self._preserve(directory, step, update, segments)
         return update
 
     def wait(self) -> Records:
@@ -105,18 +105,18 @@ class ShardCheckpointer:
     def _name_of(self, key: PartitionKey) -> str:
         return f"{self._owner}-shard{key.segment_id:06d}-part{key.index:05d}.tier"
 
-    def _preserve(self, directory: str, step: int, update: int, shards: list[SegmentState]) -> None:
-        """Link every disk partition file of the shards at ``update`` now; write the RAM
+    def _preserve(self, directory: str, step: int, update: int, segments: list[SegmentState]) -> None:
+        """Link every disk partition file of the segments at ``update`` now; write the RAM
         partitions (first: an update may wait for them) and copy what could not be linked
         in the background."""
         preserved: list[tuple[SegmentState, PreservedPartition]] = []
         try:
-            for shard in shards:
-                held, parts = shard.preserve(directory, self._name_of)
-                preserved += [(shard, part) for part in parts]
+            for segment in segments:
+                held, parts = segment.preserve(directory, self._name_of)
+                preserved += [(segment, part) for part in parts]
                 if held != update:
                     raise TierError(
-                        f"shard {shard.spec.segment_id} moved to update {held} while checkpointing "
+                        f"segment {segment.spec.segment_id} moved to update {held} while checkpointing "
                         f"update {update}; a push arrived during the save"
                     )
         except (OSError, TierError) as error:
@@ -156,15 +156,15 @@ class ShardCheckpointer:
             return [
                 (
                     SegmentRecord(
-                        segment_id=shard.spec.segment_id,
-                        start=shard.spec.start + part.start,
-                        stop=shard.spec.start + part.stop,
+                        segment_id=segment.spec.segment_id,
+                        start=segment.spec.start + part.start,
+                        stop=segment.spec.start + part.stop,
                         step=step,
                         file=part.name,
                     ),
                     FileRecord(name=part.name, nbytes=part.nbytes, crc32c=_checksum_of(part, checksums)),
                 )
-                for shard, part in preserved
+                for segment, part in preserved
             ]
 
         if jobs:
@@ -172,7 +172,9 @@ class ShardCheckpointer:
         else:
             self._result = finish()
 
-    def restore(self, directory: str, manifest: Manifest, shards: Sequence[tuple[SegmentSpec, Sequence[Run]]]) -> None:
+    def restore(
+        self, directory: str, manifest: Manifest, segments: Sequence[tuple[SegmentSpec, Sequence[Run]]]
+    ) -> None:
         """Register each spec with the state the checkpoint holds for it, at its update
         count (``manifest.updates``): its ``runs``
         (:func:`~cargohold.services.reshard.segment_runs`) say which saved flat elements
@@ -180,12 +182,12 @@ class ShardCheckpointer:
         time, so a restore stays within the tiers' memory."""
         reader = CheckpointReader(Path(directory), manifest)
         scratch: dict[str, torch.Tensor] = {}
-        for spec, runs in shards:
+        for spec, runs in segments:
             ordered = sorted(runs)
             for offset, _, length in ordered:
                 if offset < 0 or length <= 0 or offset + length > spec.numel:
                     raise CheckpointError(
-                        f"restoring shard {spec.segment_id}: the run of {length} elements at "
+                        f"restoring segment {spec.segment_id}: the run of {length} elements at "
                         f"{offset} leaves its {spec.numel} elements"
                     )
             ends = [offset + length for offset, _, length in ordered]

@@ -4,7 +4,7 @@ layout and checks; the reading and writing is in :mod:`.nvme`.
 
     offset 0        header (HEADER_BYTES): magic, format version, dtype (the moments'
                     stored kind), numel, the moments' region size, step, identity (run,
-                    shard, partition), CRC-32C of each array, CRC-32C of the header itself
+                    segment, partition), CRC-32C of each array, CRC-32C of the header itself
     HEADER_BYTES    master       numel x float32, zero-padded to a multiple of BLOCK
     + master region exp_avg      the moment in its stored form (``optim.state_dtype``,
                                  :mod:`cargohold.services.state_precision`), zero-padded

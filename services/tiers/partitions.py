@@ -1,4 +1,4 @@
-"""Cutting a shard (segment) into partitions: pure arithmetic.
+"""Cutting a segment into partitions: pure arithmetic.
 
 A partition is a contiguous piece of a segment whose master weights, exp_avg and
 exp_avg_sq move between tiers together. Cuts fall at multiples of ``align`` elements

@@ -1,5 +1,5 @@
 """The tier planner: which partitions stay in RAM, which file path each uses, in what
-order a shard's update streams them, and what that costs per step. Pure functions of
+order a segment's update streams them, and what that costs per step. Pure functions of
 sizes, the RAM budget and measured disk bandwidth; no I/O.
 
 Policy, and why:
@@ -7,16 +7,16 @@ Policy, and why:
 * **Residency.** The RAM budget pays first for the staging buffers the NVMe tier streams
   through (``buffer_count`` of them); what is left holds resident partitions. Every
   partition is updated once per step, so each byte on disk costs the same read + write
-  whichever partition it is: what residency changes is *when* a shard's update must
+  whichever partition it is: what residency changes is *when* a segment's update must
   wait. An update stalls only until its first disk partition has arrived, so RAM goes
-  to the heads of the shards, round-robin: partition 0 of every shard, then partition 1
-  of every shard, and so on while they fit. Each update then starts on RAM while the
+  to the heads of the segments, round-robin: partition 0 of every segment, then partition 1
+  of every segment, and so on while they fit. Each update then starts on RAM while the
   pipeline reads its first disk partitions.
-* **Order.** A shard streams its RAM partitions first, then its disk partitions in a
+* **Order.** A segment streams its RAM partitions first, then its disk partitions in a
   direction that alternates with the step's parity. The last partitions written in one
   step are still in the staging buffers, so they are the first ones the next step needs:
   they start warm, with no read at all.
-* **Paths.** Partition ``i`` of shard ``s`` lives on path ``(s + i) % len(paths)``:
+* **Paths.** Partition ``i`` of segment ``s`` lives on path ``(s + i) % len(paths)``:
   consecutive partitions of a stream sit on different drives, so reading k+1 and writing
   k-1 go to different devices. The choice never changes, so files never move.
 * **Cost.** Drives work in parallel; the step's I/O time is the slowest path's
@@ -124,7 +124,7 @@ def plan_tiers(
 
 
 def path_of(key: PartitionKey, num_paths: int) -> int:
-    """Round-robin over the paths along a shard, offset by the shard id."""
+    """Round-robin over the paths along a segment, offset by the segment id."""
     return (key.segment_id + key.index) % num_paths
 
 
@@ -149,7 +149,7 @@ def predict_io_seconds(
 
 
 def stream_order(partitions: Sequence[tuple[int, Residency]], step: int) -> tuple[int, ...]:
-    """The order a shard's update at ``step`` visits its partitions (by index).
+    """The order a segment's update at ``step`` visits its partitions (by index).
 
     RAM partitions first; then disk partitions ascending on odd steps, descending on
     even ones, so each step begins with the partitions the previous one wrote last.

@@ -179,7 +179,7 @@ class PreservedPartition:
     key: PartitionKey
     name: str
     start: int
-    """First element of the partition within its shard."""
+    """First element of the partition within its segment."""
     stop: int
     nbytes: int
     checksum: int | None

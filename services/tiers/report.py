@@ -20,7 +20,7 @@ class PartitionRow:
     planned: Residency
     actual: Residency
     order: int
-    """Position in its shard's stream at the next step."""
+    """Position in its segment's stream at the next step."""
     step: int
     path: str
 

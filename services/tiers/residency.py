@@ -16,11 +16,11 @@ class Residency(enum.Enum):
 
 @dataclass(frozen=True, slots=True, order=True)
 class PartitionKey:
-    """One partition: piece ``index`` of shard ``segment_id`` of run ``run_id``."""
+    """One partition: piece ``index`` of segment ``segment_id`` of run ``run_id``."""
 
     run_id: str
     segment_id: int
     index: int
 
     def __str__(self) -> str:
-        return f"partition {self.index} of shard {self.segment_id} of run {self.run_id!r}"
+        return f"partition {self.index} of segment {self.segment_id} of run {self.run_id!r}"

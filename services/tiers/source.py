@@ -37,13 +37,13 @@ def source_piece(source: StateSource, part: Partition, segment_id: int) -> tuple
         if isinstance(array, StoredMoment):
             if array.dtype != part.state_dtype or array.numel != part.span.numel:
                 raise ValueError(
-                    f"shard {segment_id}: the {name} source gave {array.numel} {array.dtype} elements for "
+                    f"segment {segment_id}: the {name} source gave {array.numel} {array.dtype} elements for "
                     f"{part.key}, expected {part.span.numel} {part.state_dtype}"
                 )
             continue
         if array.dtype != torch.float32 or array.shape != (part.span.numel,):
             raise ValueError(
-                f"shard {segment_id}: the {name} source gave {array.dtype} of shape "
+                f"segment {segment_id}: the {name} source gave {array.dtype} of shape "
                 f"{tuple(array.shape)} for {part.key}, expected float32 ({part.span.numel},)"
             )
     return master, moments

@@ -1,6 +1,6 @@
 """A state server's bulk socket (wire format: services/transport/bulk.py): a listener on
 the gRPC server's host, the tickets OpenBulk grants, and a thread per connection that
-moves one tensor and hands it to the shard exactly as the gRPC handlers do.
+moves one tensor and hands it to the segment exactly as the gRPC handlers do.
 
 What a caller can hold here, as for gRPC calls (docs/operations.md):
 
@@ -359,7 +359,7 @@ class BulkServer:
 
     def _transfer(self, sock: socket.socket, grant: Grant, peer: str) -> None:
         rpc = RPC_OF[grant.direction]
-        what = f"{rpc} of shard {grant.segment_id} step {grant.step} with {peer}"
+        what = f"{rpc} of segment {grant.segment_id} step {grant.step} with {peer}"
         try:
             if isinstance(grant.job, PushJob):
                 self._push(sock, grant, grant.job, what)

@@ -61,7 +61,7 @@ class RemoteError(TransportError):
 
 @dataclass(frozen=True, slots=True)
 class ServerStats:
-    shard_steps: dict[int, int]
+    segment_updates: dict[int, int]
     received_bytes: int
     sent_bytes: int
     updates_applied: int
@@ -69,7 +69,7 @@ class ServerStats:
     resident_bytes_by_tier: dict[str, int]
     metrics_address: str
     partitions: tuple[PartitionRow, ...] = ()
-    """The tier planner's decision for every partition (one per shard without a budget)."""
+    """The tier planner's decision for every partition (one per segment without a budget)."""
     tier: TierSummary | None = None
 
 
@@ -148,7 +148,7 @@ class StateServerClient:
             raise TransportError(f"state server {self.address} is not serving: status {reply.status}")
 
     def register(self, spec: SegmentSpec, initial_weights: torch.Tensor) -> tuple[int, bool]:
-        """Register a shard with its fp32 initial weights; returns (step, created)."""
+        """Register a segment with its fp32 initial weights; returns (step, created)."""
 
         def requests() -> Iterator[pb.RegisterShardRequest]:
             yield pb.RegisterShardRequest(spec=spec_to_proto(spec))
@@ -278,7 +278,7 @@ class StateServerClient:
 
         With ``shm`` (path, byte offset) the server writes them into that shared memory
         and this returns None. With ``out`` (a contiguous CPU tensor of ``numel`` x
-        ``dtype``, such as the caller's slice of its weight shard) the chunks are written
+        ``dtype``, such as the segment's place in the caller's exchange buffer) the chunks are written
         straight into it and it is returned: no new tensor, no copy after; if the call
         fails, part of ``out`` may have been overwritten.
         """
@@ -301,7 +301,7 @@ class StateServerClient:
             fetched = self._fetch_bulk(request, numel, dtype, out)
             if fetched is not None:
                 return fetched
-        assembler = TensorAssembler(numel, dtype, what=f"shard {segment_id} weights from {self.address}", out=out)
+        assembler = TensorAssembler(numel, dtype, what=f"segment {segment_id} weights from {self.address}", out=out)
         try:
             for message in self._stub.FetchWeights(request, timeout=self.timeout_s, metadata=self._metadata):
                 if message.numel != numel or dtype_from_proto(message.dtype) != dtype or message.step != step:
@@ -361,7 +361,7 @@ class StateServerClient:
         connection = self._open_transfer("FetchWeights", grant, Direction.FETCH, request.key, request.step)
         if connection is None:
             return None
-        what = f"shard {request.key.shard_id} weights from {self.address}"
+        what = f"segment {request.key.shard_id} weights from {self.address}"
         weights = new_buffer(numel, dtype, what=what, out=out)
         with self._bulk_call("FetchWeights"), connection as sock:
             receive_tensor(sock, raw_bytes(weights), grant.chunk_bytes, what=what)
@@ -408,7 +408,7 @@ class StateServerClient:
     def stats(self, run_id: str = "") -> ServerStats:
         reply = self._call("GetStats", self._stub.GetStats, pb.GetStatsRequest(run_id=run_id))
         return ServerStats(
-            shard_steps={s.key.shard_id: s.step for s in reply.shards},
+            segment_updates={s.key.shard_id: s.step for s in reply.shards},
             received_bytes=reply.received_bytes,
             sent_bytes=reply.sent_bytes,
             updates_applied=reply.updates_applied,

@@ -18,7 +18,7 @@ from cargohold.services.errors import (
     ForeignRunError,
     InvalidTensorError,
     TruncatedStreamError,
-    UnknownShardError,
+    UnknownSegmentError,
 )
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.segment_registry import SegmentRegistry
@@ -86,12 +86,12 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 spec.numel,
                 "float32",
                 "initial_weights",
-                f"shard {spec.segment_id} initial weights",
+                f"segment {spec.segment_id} initial weights",
                 "RegisterShard",
             )
             try:
                 existing = self._registry.get(spec.run_id, spec.segment_id)
-            except UnknownShardError:
+            except UnknownSegmentError:
                 existing = None
             state = self._registry.register(spec, weights)
             self._report_resident_bytes()
@@ -164,13 +164,13 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         self._metrics.record_sent(rpc, target.numel() * target.element_size())
 
     def _push_target(self, header: pb.PushHeader) -> tuple[SegmentState, str]:
-        """The shard a push header names and its gradient dtype, once the header fits it."""
+        """The segment a push header names and its gradient dtype, once the header fits it."""
         self._admit(header.key.run_id)
         state = self._registry.get(header.key.run_id, header.key.shard_id)
         dtype = dtype_from_proto(header.dtype)
         if header.numel != state.spec.numel or dtype != state.spec.grad_dtype:
             raise InvalidTensorError(
-                f"shard {state.spec.segment_id}: gradient must be {state.spec.numel} x "
+                f"segment {state.spec.segment_id}: gradient must be {state.spec.numel} x "
                 f"{state.spec.grad_dtype}, got {header.numel} x {dtype}"
             )
         return state, dtype
@@ -279,7 +279,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             dtype = dtype_from_proto(request.dtype)
             chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES  # 0: the server's choice
             check_chunk_bytes(chunk_bytes)
-            if request.HasField("shm"):  # written straight into the worker's weight shard
+            if request.HasField("shm"):  # written straight into the worker's exchange buffer
                 target = self._shared_weights(request.shm, request.key.run_id, state, dtype)
                 state.weights(request.step, dtype, out=target)
                 self._count_weights(target, "FetchWeights.shm")
@@ -320,7 +320,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         def handle() -> pb.GetStatsResponse:
             if request.run_id:
                 self._admit(request.run_id)
-            shards = self._registry.shards(self.run_id)
+            segments = self._registry.segments(self.run_id)
             return pb.GetStatsResponse(
                 shards=[
                     pb.ShardStats(
@@ -329,7 +329,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                         numel=s.spec.numel,
                         resident_bytes=s.resident_bytes,
                     )
-                    for s in shards
+                    for s in segments
                 ],
                 received_bytes=self.received_bytes,
                 sent_bytes=self.sent_bytes,

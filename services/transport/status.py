@@ -12,12 +12,12 @@ from cargohold.services.errors import (
     ForeignRunError,
     IncompleteStepError,
     InvalidTensorError,
+    SegmentConflictError,
     ServerBusyError,
-    ShardConflictError,
     StepMismatchError,
     TierError,
     TierSpaceError,
-    UnknownShardError,
+    UnknownSegmentError,
 )
 from cargohold.services.transport.codec import ChecksumError
 
@@ -28,8 +28,8 @@ _STATUS_OF_ERROR: tuple[tuple[type[CargoholdError], grpc.StatusCode], ...] = (
     (ServerBusyError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (IncompleteStepError, grpc.StatusCode.FAILED_PRECONDITION),
     (TierError, grpc.StatusCode.UNAVAILABLE),
-    (UnknownShardError, grpc.StatusCode.NOT_FOUND),
-    (ShardConflictError, grpc.StatusCode.ALREADY_EXISTS),
+    (UnknownSegmentError, grpc.StatusCode.NOT_FOUND),
+    (SegmentConflictError, grpc.StatusCode.ALREADY_EXISTS),
     (StepMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (InvalidTensorError, grpc.StatusCode.INVALID_ARGUMENT),
     (ForeignRunError, grpc.StatusCode.PERMISSION_DENIED),
