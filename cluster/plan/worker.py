@@ -66,7 +66,7 @@ MIMALLOC_KEPT_SHARE = 0.3
 """The share of a CPU worker's per-step buffers (gathered units, gradients, temporaries,
 activations) that mimalloc keeps beyond their live peak: blocks freed in one size that the
 next step asks for in another. Measured peak RSS over the plan without it, both sides on
-mimalloc (docs/benchmarks.md, ninth session): 1.04-1.07 on the demo, 100M and 0.24B models,
+mimalloc (docs/benchmarks.md, "The workers' allocator"): 1.04-1.07 on the demo, 100M and 0.24B models,
 zero2 and zero3, 7-26% of those buffers; glibc's stayed under the plan (0.90 at 100M)."""
 
 
