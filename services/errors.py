@@ -31,8 +31,8 @@ class SegmentConflictError(SegmentError):
     """A segment is registered again with a different specification."""
 
 
-class StepMismatchError(SegmentError):
-    """The step of a push or fetch is not the one the segment can serve."""
+class UpdateMismatchError(SegmentError):
+    """The update number of a push or fetch is not the one the segment can serve."""
 
 
 class InvalidTensorError(SegmentError, ValueError):
@@ -84,7 +84,7 @@ class TierSpaceError(TierError):
     """A tier path cannot hold the state: too little free space, or a write ran out of it."""
 
 
-class IncompleteStepError(TierError):
+class IncompleteUpdateError(TierError):
     """A segment's update stopped part-way (a failed read or write); retrying the push finishes it."""
 
 

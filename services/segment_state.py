@@ -20,7 +20,7 @@ import torch
 
 from cargohold.services.errors import (
     InvalidTensorError,
-    StepMismatchError,
+    UpdateMismatchError,
 )
 from cargohold.services.optim import (
     AdamWHyperParams,
@@ -153,7 +153,7 @@ class SegmentState:
                 None if moments is None else (moments[0].detach().contiguous(), moments[1].detach().contiguous()),
             )
         if updates < 0:
-            raise InvalidTensorError(f"segment {spec.segment_id}: step must be >= 0, got {updates}")
+            raise InvalidTensorError(f"segment {spec.segment_id}: updates must be >= 0, got {updates}")
         self.spec = spec
         self.lock = threading.Lock()
         self._storage = storage if storage is not None else TieredStorage()
@@ -232,7 +232,7 @@ class SegmentState:
                 if call.update == current and call.update > 0:
                     return self._repeated(call, weights_out)
                 if self._staged != call.update or call.update != current + 1:
-                    raise StepMismatchError(
+                    raise UpdateMismatchError(
                         f"segment {self.spec.segment_id} of run {self.spec.run_id!r} has no gradient staged for "
                         f"update {call.update} (it is at update {current}); stage it first (defer_update)"
                     )
@@ -329,7 +329,7 @@ class SegmentState:
         if weights_out is None and prepare is not None:
             out = self._buffers.take(WIRE_DTYPES[prepare], self.spec.numel)
         pooled = out is not weights_out
-        step = torch.tensor(float(call.update), dtype=torch.float32)
+        number = torch.tensor(float(call.update), dtype=torch.float32)
         coefficient = unscale_coefficient(
             clip_coefficient(call.terms.global_norm, self.spec.hyper.max_grad_norm),
             inverse_scale(call.terms.loss_scale),
@@ -341,7 +341,7 @@ class SegmentState:
         try:
             with closing(partitions):  # an update that raises stops the stream, its I/O finished
                 for partition in partitions:
-                    self._adamw(partition, step=step, coefficient=coefficient, lr=call.terms.lr, weights_out=out)
+                    self._adamw(partition, number=number, coefficient=coefficient, lr=call.terms.lr, weights_out=out)
         except BaseException:
             if pooled and out is not None:
                 self._buffers.give(out)
@@ -369,7 +369,7 @@ class SegmentState:
         self,
         partition: PartitionUpdate,
         *,
-        step: torch.Tensor,
+        number: torch.Tensor,
         coefficient: torch.Tensor | None,
         lr: float,
         weights_out: torch.Tensor | None,
@@ -380,13 +380,13 @@ class SegmentState:
         partition's fragments, one call per param group
         (:func:`~cargohold.services.optim.apply_update`; with moments stored in bf16 or
         8 bits, decoded to fp32 around it a piece at a time,
-        :func:`~cargohold.services.state_precision.apply_update_stored`). ``step``: the update number, as
-        torch's AdamW counts it. With ``weights_out`` the new master weights are also
+        :func:`~cargohold.services.state_precision.apply_update_stored`). ``number``: the update number, torch's
+        AdamW ``step``. With ``weights_out`` the new master weights are also
         written there in its dtype while they are in memory (the prepared weights)."""
         span = partition.span
         device = partition.state.master.device
-        if step.device != device:  # a worker's device segments on a GPU: the kernel reads its scalars there
-            step = step.to(device)
+        if number.device != device:  # a worker's device segments on a GPU: the kernel reads its scalars there
+            number = number.to(device)
             coefficient = coefficient.to(device) if coefficient is not None else None
         if span.fragments:
             apply_update_stored(
@@ -398,7 +398,7 @@ class SegmentState:
                     for group in self._groups
                 ],
                 partition.gradient,
-                step=step,
+                step=number,
                 coefficient=coefficient,
                 lr=lr,
                 owned=partition.owned,
@@ -420,9 +420,9 @@ class SegmentState:
         """:meth:`weights`, under the lock."""
         current = self._updates
         if update != current:
-            raise StepMismatchError(
+            raise UpdateMismatchError(
                 f"segment {self.spec.segment_id} of run {self.spec.run_id!r} holds the weights "
-                f"of step {current}, not of step {update}"
+                f"of update {current}, not of update {update}"
             )
         prepared, self._prepared = self._prepared, None
         if prepared is not None and prepared[:2] != (update, dtype):
@@ -477,13 +477,13 @@ class SegmentState:
 
 def repeats_last_update(spec: SegmentSpec, current: int, update: int, *, verb: str) -> bool:
     """True when ``update`` repeats the update the segment already applied (to be
-    ignored); raises StepMismatchError unless it is the next one."""
+    ignored); raises UpdateMismatchError unless it is the next one."""
     if update == current and update > 0:
         return True
     if update != current + 1:
-        raise StepMismatchError(
-            f"segment {spec.segment_id} of run {spec.run_id!r} is at step {current}; "
-            f"it {verb} a gradient for step {current + 1}, got step {update}"
+        raise UpdateMismatchError(
+            f"segment {spec.segment_id} of run {spec.run_id!r} is at update {current}; "
+            f"it {verb} a gradient for update {current + 1}, got update {update}"
         )
     return False
 

@@ -223,10 +223,10 @@ class RemotePort:
 
     def register(self, segment: Segment, initial: torch.Tensor) -> int:
         self.clients[segment.server].wait_ready()
-        step, _ = self.clients[segment.server].register(
+        updates, _ = self.clients[segment.server].register(
             segment_spec(self.config, self.run_id, segment, self.param_groups), initial
         )
-        return step
+        return updates
 
     def update(
         self,

@@ -152,7 +152,7 @@ def _half_push(address: str) -> None:
             grant,
             direction=Direction.PUSH,
             key=pb.ShardKey(run_id=RUN, shard_id=0),
-            step=1,
+            update=1,
             token=None,
             tls=None,
             timeout_s=DEADLINE_S,

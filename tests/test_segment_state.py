@@ -20,7 +20,7 @@ from segment_states import (
     step_gradient,
 )
 
-from cargohold.services.errors import InvalidTensorError, StepMismatchError
+from cargohold.services.errors import InvalidTensorError, UpdateMismatchError
 from cargohold.services.layout import build_layout, fragment_views, scatter_params
 from cargohold.services.optim import AdamWHyperParams
 from cargohold.services.segment_registry import SegmentRegistry
@@ -62,10 +62,10 @@ def test_push_of_a_step_out_of_order_raises_and_changes_nothing(at: int, pushed:
     for step in range(1, at + 1):
         state.apply_gradient(step, step_gradient(step), global_norm=0.5, lr=1e-2)
     before = state.snapshot()
-    with pytest.raises(StepMismatchError) as info:
+    with pytest.raises(UpdateMismatchError) as info:
         state.apply_gradient(pushed, step_gradient(pushed), global_norm=0.5, lr=1e-2)
     assert str(info.value) == (
-        f"segment 3 of run 'run-a' is at step {at}; it accepts a gradient for step {at + 1}, got step {pushed}"
+        f"segment 3 of run 'run-a' is at update {at}; it accepts a gradient for update {at + 1}, got update {pushed}"
     )
     assert state.updates == at
     assert_snapshot_equal(state.snapshot(), before)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from segment_states import NUMEL, fresh_state, initial_weights, step_gradient
 
-from cargohold.services.errors import InvalidTensorError, StepMismatchError
+from cargohold.services.errors import InvalidTensorError, UpdateMismatchError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,7 +36,7 @@ def test_weights_of_another_step_raise_step_mismatch(asked: int) -> None:
     state = fresh_state()
     state.apply_gradient(1, step_gradient(1), global_norm=0.5, lr=1e-2)
     state.apply_gradient(2, step_gradient(2), global_norm=0.5, lr=1e-2)
-    with pytest.raises(StepMismatchError, match=rf"holds the weights of step 2, not of step {asked}$"):
+    with pytest.raises(UpdateMismatchError, match=rf"holds the weights of update 2, not of update {asked}$"):
         state.weights(asked, "float32")
 
 

@@ -24,7 +24,7 @@ from tier_stores import (
     tier_config,
 )
 
-from cargohold.services.errors import CorruptPartitionError, IncompleteStepError, StepMismatchError
+from cargohold.services.errors import CorruptPartitionError, IncompleteUpdateError, UpdateMismatchError
 from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.segment_state import SegmentState
 from cargohold.services.tiers.residency import Residency
@@ -63,12 +63,12 @@ def test_a_staged_update_through_disk_is_bitwise_the_all_ram_one(tmp_path: Path,
 def test_a_commit_needs_the_gradient_of_its_update(tmp_path: Path) -> None:
     with open_storage(tier_config(tmp_path)) as storage:
         state = SegmentRegistry(storage).register(shard_spec(), seeded_randn(0))
-        with pytest.raises(StepMismatchError, match="no gradient staged for update 1"):
+        with pytest.raises(UpdateMismatchError, match="no gradient staged for update 1"):
             state.commit(1, global_norm=CLIPPED, lr=LR)
         state.stage_gradient(1, seeded_randn(1))
-        with pytest.raises(StepMismatchError, match="no gradient staged for update 2"):
+        with pytest.raises(UpdateMismatchError, match="no gradient staged for update 2"):
             state.commit(2, global_norm=CLIPPED, lr=LR)
-        with pytest.raises(StepMismatchError, match="step 3"):
+        with pytest.raises(UpdateMismatchError, match="update 3"):
             state.stage_gradient(3, seeded_randn(3))
         assert state.commit(1, global_norm=CLIPPED, lr=LR).applied
 
@@ -92,7 +92,7 @@ def test_a_damaged_staged_gradient_is_refused_naming_its_file_and_a_repeated_pus
         with pytest.raises(CorruptPartitionError, match=f"{victim}.*staged gradient checksum"):
             tiered.commit(2, global_norm=CLIPPED, lr=LR)
         assert tiered.updates == 1
-        with pytest.raises(IncompleteStepError):
+        with pytest.raises(IncompleteUpdateError):
             tiered.weights(1, "float32")
         tiered.stage_gradient(2, seeded_randn(2))  # the worker pushes again
         assert tiered.commit(2, global_norm=CLIPPED, lr=LR).applied

@@ -118,7 +118,7 @@ def test_one_payload_format_whatever_the_tier(tmp_path: Path, saved_by: str) -> 
         assert checkpoint_file(path, header.key).name == segment.file
         assert header.key.run_id == RUN and header.key.segment_id == segment.segment_id
         assert header.numel == segment.stop - segment.start
-        assert header.step == manifest.updates == 3
+        assert header.updates == manifest.updates == 3
         assert len(raw) == FileLayout(header.numel).file_bytes == records[segment.file].nbytes
         assert header.checksum() == records[segment.file].crc32c
     for target in (None, tier_config(tmp_path / "b")):

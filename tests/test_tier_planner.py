@@ -162,9 +162,9 @@ def test_predicted_io_time_is_the_slowest_path() -> None:
 
 def test_stream_order_puts_ram_first_and_alternates_disk_direction() -> None:
     parts = [(0, RAM), (1, NVME), (2, NVME), (3, RAM), (4, NVME)]
-    assert stream_order(parts, step=1) == (0, 3, 1, 2, 4)
-    assert stream_order(parts, step=2) == (0, 3, 4, 2, 1)
-    # The disk partitions one step writes last are the first the next step reads.
+    assert stream_order(parts, update=1) == (0, 3, 1, 2, 4)
+    assert stream_order(parts, update=2) == (0, 3, 4, 2, 1)
+    # The disk partitions one update writes last are the first the next update reads.
     assert stream_order(parts, 1)[-1] == stream_order(parts, 2)[2]
 
 
@@ -182,7 +182,7 @@ def test_file_layout_is_block_aligned() -> None:
 
 
 def test_header_round_trips() -> None:
-    header = PartitionHeader(key=KEY, numel=5440, step=12, checksums=(1, 2, 0xFFFFFFFF))
+    header = PartitionHeader(key=KEY, numel=5440, updates=12, checksums=(1, 2, 0xFFFFFFFF))
     raw = header.pack()
     assert len(raw) == HEADER_BYTES
     assert unpack_header(raw, path="/x/f.bin", key=KEY, numel=5440) == header
@@ -199,7 +199,7 @@ def test_header_round_trips() -> None:
     ids=["short", "magic", "flipped-step", "version"],
 )
 def test_bad_headers_are_refused_naming_file_and_partition(mutate, reason: str) -> None:
-    raw = PartitionHeader(key=KEY, numel=64, step=1, checksums=(0, 0, 0)).pack()
+    raw = PartitionHeader(key=KEY, numel=64, updates=1, checksums=(0, 0, 0)).pack()
     with pytest.raises(CorruptPartitionError, match=reason) as caught:
         unpack_header(mutate(raw), path="/data/x.bin", key=KEY, numel=64)
     assert caught.value.path == "/data/x.bin"
@@ -207,7 +207,7 @@ def test_bad_headers_are_refused_naming_file_and_partition(mutate, reason: str) 
 
 
 def test_header_of_another_partition_or_shape_is_refused() -> None:
-    raw = PartitionHeader(key=KEY, numel=64, step=1, checksums=(0, 0, 0)).pack()
+    raw = PartitionHeader(key=KEY, numel=64, updates=1, checksums=(0, 0, 0)).pack()
     with pytest.raises(CorruptPartitionError, match="the file holds partition 7 of segment 3"):
         unpack_header(raw, path="f", key=PartitionKey("run-x", 3, 8), numel=64)
     with pytest.raises(CorruptPartitionError, match="expected 128"):

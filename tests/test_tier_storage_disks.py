@@ -125,7 +125,7 @@ def test_run_ids_that_cannot_name_a_directory_are_refused(tmp_path: Path) -> Non
 _PRELUDE = textwrap.dedent(f"""
     import json, os, sys, torch
     from cargohold.cluster.config import TierConfig
-    from cargohold.services.errors import IncompleteStepError, TierError, TierSpaceError
+    from cargohold.services.errors import IncompleteUpdateError, TierError, TierSpaceError
     from cargohold.services.optim import AdamWHyperParams
     from cargohold.services.segment_state import SegmentSpec, SegmentState
     from cargohold.services.segment_registry import SegmentRegistry
@@ -228,7 +228,7 @@ def test_disk_full_at_start_up_and_at_run_time(tmp_path: Path) -> None:
         try:
             state.weights(1, "float32")
             incomplete = False
-        except IncompleteStepError:
+        except IncompleteUpdateError:
             incomplete = True
         os.unlink(filler)
         # the retry finishes the step, and writes all the weights where its caller asks,

@@ -26,7 +26,7 @@ from tier_stores import (
     tier_config,
 )
 
-from cargohold.services.errors import CorruptPartitionError, IncompleteStepError
+from cargohold.services.errors import CorruptPartitionError, IncompleteUpdateError
 from cargohold.services.metrics import StateServerMetrics
 from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.segment_state import SegmentState
@@ -59,7 +59,7 @@ def test_a_corrupted_byte_fails_the_next_step_naming_the_file_and_loses_nothing(
         assert caught.value.path == victim
         assert victim in str(caught.value) and "exp_avg_sq checksum mismatch" in str(caught.value)
         assert state.updates == 1
-        with pytest.raises(IncompleteStepError, match="repeat the push of step 2"):
+        with pytest.raises(IncompleteUpdateError, match="repeat the push of update 2"):
             state.weights(1, "float32")
 
         with open(victim, "r+b") as f:  # repaired (as from a backup): the retry finishes step 2

@@ -97,7 +97,7 @@ def _opened(client: StateServerClient, request, direction: Direction, step: int)
         grant,
         direction=direction,
         key=getattr(request, request.WhichOneof("transfer")).key,
-        step=step,
+        update=step,
         token=None,
         tls=None,
         timeout_s=DEADLINE_S,

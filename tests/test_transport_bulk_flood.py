@@ -142,7 +142,7 @@ def test_a_push_the_bulk_socket_refuses_streams_over_grpc() -> None:
                         grant,
                         direction=Direction.PUSH,
                         key=pb.ShardKey(run_id=RUN, shard_id=segment_id),
-                        step=1,
+                        update=1,
                         token=TOKEN,
                         tls=None,
                         timeout_s=DEADLINE_S,

@@ -75,7 +75,7 @@ def _spec_of_run(run_id: str) -> SegmentSpec:
 
 
 # (case, call, status, words the message must contain). Every call runs against a server
-# whose segment 0 is at step 1; afterwards nothing a worker can observe may differ.
+# whose segment 0 is at update 1; afterwards nothing a worker can observe may differ.
 BAD_REQUESTS: list[tuple[str, Callable[[Served], object], grpc.StatusCode, str]] = [
     (
         "gradient of the wrong size",
@@ -130,13 +130,13 @@ BAD_REQUESTS: list[tuple[str, Callable[[Served], object], grpc.StatusCode, str]]
         "push that skips a step",
         lambda s: s.client.push(RUN, 0, 3, G1, global_norm=GLOBAL_NORM, lr=LR),
         Code.FAILED_PRECONDITION,
-        "is at step 1; it accepts a gradient for step 2, got step 3",
+        "is at update 1; it accepts a gradient for update 2, got update 3",
     ),
     (
         "push for an old step",
         lambda s: s.client.push(RUN, 0, 0, G1, global_norm=GLOBAL_NORM, lr=LR),
         Code.FAILED_PRECONDITION,
-        "accepts a gradient for step 2, got step 0",
+        "accepts a gradient for update 2, got update 0",
     ),
     (
         "push with a NaN learning rate",
@@ -267,7 +267,7 @@ BAD_REQUESTS: list[tuple[str, Callable[[Served], object], grpc.StatusCode, str]]
         "fetch of a step not yet applied",
         lambda s: s.client.fetch(RUN, 0, 2, "float32", NUMEL),
         Code.FAILED_PRECONDITION,
-        "holds the weights of step 1, not of step 2",
+        "holds the weights of update 1, not of update 2",
     ),
     (
         "fetch of an unknown segment",

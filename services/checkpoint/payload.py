@@ -87,8 +87,10 @@ def verify(
             f"it holds {header.key} of {header.numel} elements, the manifest puts segment "
             f"{segment.segment_id} [{segment.start}, {segment.stop}) of run {manifest.run_id!r} in it",
         )
-    if header.step != manifest.updates:
-        raise corrupt(path, f"it holds the state after {header.step} updates, the manifest's after {manifest.updates}")
+    if header.updates != manifest.updates:
+        raise corrupt(
+            path, f"it holds the state after {header.updates} updates, the manifest's after {manifest.updates}"
+        )
     for index, array_name in enumerate(ARRAYS):
         if (
             _stream_crc(fd, path, layout.offset(index), layout.region_bytes_of(index), buffer)

@@ -3,7 +3,7 @@
 layout and checks; the reading and writing is in :mod:`.nvme`.
 
     offset 0        header (HEADER_BYTES): magic, format version, dtype (the moments'
-                    stored kind), numel, the moments' region size, step, identity (run,
+                    stored kind), numel, the moments' region size, update count, identity (run,
                     segment, partition), CRC-32C of each array, CRC-32C of the header itself
     HEADER_BYTES    master       numel x float32, zero-padded to a multiple of BLOCK
     + master region exp_avg      the moment in its stored form (``optim.state_dtype``,
@@ -17,8 +17,8 @@ scale per block of 256 elements. Each array, codes and scales together, has one 
 
 Checksums are CRC-32C (google-crc32c) over each whole padded region, so a flipped byte
 anywhere in the file is caught: in the header by the header's checksum, elsewhere by
-its region's. A file shorter than its layout is torn. The identity and the step in the
-header catch a file that belongs to another partition or to another step.
+its region's. A file shorter than its layout is torn. The identity and the update count
+in the header catch a file that belongs to another partition or to another update.
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ class FileLayout:
 class PartitionHeader:
     key: PartitionKey
     numel: int
-    step: int
+    updates: int
+    """The number of updates its state includes."""
     checksums: tuple[int, int, int]
     """CRC-32C of the master, exp_avg and exp_avg_sq regions (padding included)."""
     version: int = FORMAT_VERSION
@@ -145,7 +146,7 @@ class PartitionHeader:
                 len(ARRAYS),
                 self.numel,
                 FileLayout(self.numel, self.dtype).moment_region_bytes,
-                self.step,
+                self.updates,
                 self.key.segment_id,
                 self.key.index,
                 *self.checksums,
@@ -157,7 +158,7 @@ class PartitionHeader:
         return body + bytes(HEADER_BYTES - len(body))
 
     def checksum(self) -> int:
-        """The CRC-32C the packed header stores: it covers the identity, the step and the
+        """The CRC-32C the packed header stores: it covers the identity, the update count and the
         arrays' checksums, so it stands for the whole file (a checkpoint's manifest
         records it for a partition file instead of a whole-file checksum)."""
         packed = self.pack()
@@ -176,9 +177,22 @@ def parse_header(raw: bytes | memoryview, *, path: str, expected: PartitionKey |
     raw = bytes(raw[:HEADER_BYTES])
     if len(raw) < HEADER_BYTES:
         raise corrupt(f"header is {len(raw)} bytes, shorter than a header")
-    (magic, version, header_bytes, dtype, arrays, numel, region, step, segment_id, index, crc0, crc1, crc2, run_len) = (
-        _FIXED.unpack_from(raw)
-    )
+    (
+        magic,
+        version,
+        header_bytes,
+        dtype,
+        arrays,
+        numel,
+        region,
+        updates,
+        segment_id,
+        index,
+        crc0,
+        crc1,
+        crc2,
+        run_len,
+    ) = _FIXED.unpack_from(raw)
     if magic != MAGIC:
         raise corrupt(f"bad magic {magic!r}, not a cargohold partition file")
     end = _FIXED.size + run_len
@@ -198,7 +212,7 @@ def parse_header(raw: bytes | memoryview, *, path: str, expected: PartitionKey |
     return PartitionHeader(
         key=key,
         numel=numel,
-        step=step,
+        updates=updates,
         checksums=(crc0, crc1, crc2),
         version=version,
         dtype=kind,  # type: ignore[arg-type]
@@ -227,10 +241,12 @@ def check_size(size: int, *, path: str, key: PartitionKey, numel: int, dtype: St
         raise corrupt_error(path, key, f"it is {size} bytes, expected {expected} (a torn write?)")
 
 
-def check_step(header: PartitionHeader, step: int, *, path: str) -> None:
-    """Refuse a file of another version than the one of ``step``."""
-    if header.step != step:
-        raise corrupt_error(path, header.key, f"it holds step {header.step}, expected step {step}")
+def check_updates(header: PartitionHeader, updates: int, *, path: str) -> None:
+    """Refuse a file of another version than the one after ``updates`` updates."""
+    if header.updates != updates:
+        raise corrupt_error(
+            path, header.key, f"it holds the state after {header.updates} updates, expected after {updates}"
+        )
 
 
 def corrupt_error(path: str, key: PartitionKey | None, reason: str) -> CorruptPartitionError:

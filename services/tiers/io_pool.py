@@ -49,7 +49,7 @@ class AlignedBuffer:
             self._view = memoryview(self._map)
             self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.tag: tuple[PartitionKey, int] | None = None
-        """(partition, step) whose stored file these bytes equal, or None."""
+        """(partition, updates) whose stored file these bytes equal, or None."""
 
     @property
     def view(self) -> memoryview:
@@ -80,7 +80,7 @@ class AlignedBuffer:
 class BufferPool:
     """Up to ``count`` staging buffers, allocated on first use.
 
-    A released buffer keeps a tag saying which partition (at which step) it still holds;
+    A released buffer keeps a tag saying which partition (after which update) it still holds;
     staging that partition again takes it back without a read ("warm"). Otherwise the
     least recently released buffer is reused.
     """

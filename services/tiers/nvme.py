@@ -50,7 +50,7 @@ from cargohold.services.tiers.fileformat import (
     FileLayout,
     PartitionHeader,
     check_size,
-    check_step,
+    check_updates,
     corrupt_error,
     crc32c,
     unpack_header,
@@ -343,8 +343,8 @@ class NvmeTier:
         arrays = buffer.arrays(partition.layout)
         if warm:
             return Staged(partition, arrays, warm=True, handle=buffer)
-        step = partition.updates
-        ready = self._io.submit(lambda: self._read(partition, buffer, step, master_only=False))
+        updates = partition.updates
+        ready = self._io.submit(lambda: self._read(partition, buffer, updates, master_only=False))
         return Staged(partition, arrays, ready=ready, handle=buffer)
 
     def commit(self, staged: Staged, update: int) -> Future[None]:
@@ -376,9 +376,9 @@ class NvmeTier:
             raise
         return self._write_async(partition, buffer, partition.updates, release=True)
 
-    def write_from(self, partition: Partition, buffer: AlignedBuffer, step: int) -> Future[None]:
-        """Write a RAM partition's own buffer as the file of ``step`` (a demotion)."""
-        return self._write_async(partition, buffer, step, release=False)
+    def write_from(self, partition: Partition, buffer: AlignedBuffer, updates: int) -> Future[None]:
+        """Write a RAM partition's own buffer as its file after ``updates`` updates (a demotion)."""
+        return self._write_async(partition, buffer, updates, release=False)
 
     def read_master_into(self, partition: Partition, out: torch.Tensor) -> None:
         """Copy (and cast) the stored master weights into ``out``; a warm buffer saves the read."""
@@ -386,26 +386,26 @@ class NvmeTier:
         intact = warm
         try:
             if not warm:
-                step = partition.updates
-                self._io.submit(lambda: self._read(partition, buffer, step, master_only=True)).result()
+                updates = partition.updates
+                self._io.submit(lambda: self._read(partition, buffer, updates, master_only=True)).result()
             out.copy_(buffer.arrays(partition.layout).master)
         finally:
             self._buffers.release(buffer, (partition.key, partition.updates) if intact else None)
 
     # --- I/O jobs (run on the I/O pool) -------------------------------------------------
-    def _write_async(self, partition: Partition, buffer: AlignedBuffer, step: int, *, release: bool) -> Future[None]:
+    def _write_async(self, partition: Partition, buffer: AlignedBuffer, updates: int, *, release: bool) -> Future[None]:
         def job() -> None:
             ok = False
             try:
-                self._write(partition, buffer, step)
+                self._write(partition, buffer, updates)
                 ok = True
             finally:
                 if release:
-                    self._buffers.release(buffer, (partition.key, step) if ok else None)
+                    self._buffers.release(buffer, (partition.key, updates) if ok else None)
 
         return self._io.submit(job)
 
-    def _write(self, partition: Partition, buffer: AlignedBuffer, step: int) -> None:
+    def _write(self, partition: Partition, buffer: AlignedBuffer, updates: int) -> None:
         layout = partition.layout
         target = partition.path
         tier_path = self.paths[partition.path_index]
@@ -417,18 +417,18 @@ class NvmeTier:
                     buffer,
                     partition.key,
                     layout,
-                    step,
+                    updates,
                     direct=tier_path.direct,
                     durable=not tier_path.direct,  # a checkpoint fsyncs what it links
                 )
             except OSError as error:
                 if not tier_path.refused_direct(error):
                     raise
-                write_partition_file(target, buffer, partition.key, layout, step, direct=False)
+                write_partition_file(target, buffer, partition.key, layout, updates, direct=False)
         except OSError as error:
             kind = TierSpaceError if error.errno in SPACE_ERRNOS else TierError
             raise kind(
-                f"writing partition file {target} ({partition.key}) at step {step} failed: "
+                f"writing partition file {target} ({partition.key}) after update {updates} failed: "
                 f"{error.strerror}; the last good file is kept"
                 + (f"; free space or add paths to {NVME_KEY}" if kind is TierSpaceError else "")
             ) from error
@@ -437,7 +437,7 @@ class NvmeTier:
         tier_path.write_seconds += seconds
         self._observer.record_tier_io("write", layout.file_bytes, seconds)
 
-    def _read(self, partition: Partition, buffer: AlignedBuffer, step: int, *, master_only: bool) -> None:
+    def _read(self, partition: Partition, buffer: AlignedBuffer, updates: int, *, master_only: bool) -> None:
         layout = partition.layout
         path = partition.path
         arrays = 1 if master_only else len(ARRAYS)
@@ -454,7 +454,7 @@ class NvmeTier:
         if got != nbytes:
             raise corrupt_error(path, partition.key, f"read {got} of {nbytes} bytes (truncated)")
         header = unpack_header(buffer.view, path=path, key=partition.key, numel=layout.numel, dtype=layout.dtype)
-        check_step(header, step, path=path)
+        check_updates(header, updates, path=path)
         for index in range(arrays):
             start = layout.offset(index)
             if crc32c(buffer.view[start : start + layout.region_bytes_of(index)]) != header.checksums[index]:
@@ -480,13 +480,13 @@ def write_partition_file(
     buffer: AlignedBuffer,
     key: PartitionKey,
     layout: FileLayout,
-    step: int,
+    updates: int,
     *,
     direct: bool,
     durable: bool = True,
 ) -> PartitionHeader:
     """Write a partition held in ``buffer`` (its file layout; the header block is filled
-    here) as the file of ``step`` at ``target`` with
+    here) as its file after ``updates`` updates at ``target`` with
     :func:`~cargohold.services.durable.replace_durably`, or without its fsyncs unless
     ``durable`` (:func:`~cargohold.services.durable.replace_atomically`). Every version is
     a new file renamed into place and none is ever changed in place, which is what lets a
@@ -496,7 +496,7 @@ def write_partition_file(
         crc32c(buffer.view[layout.offset(i) : layout.offset(i) + layout.region_bytes_of(i)]) for i in range(len(ARRAYS))
     )
     checksums = (master, exp_avg, exp_avg_sq)
-    header = PartitionHeader(key=key, numel=layout.numel, step=step, checksums=checksums, dtype=layout.dtype)
+    header = PartitionHeader(key=key, numel=layout.numel, updates=updates, checksums=checksums, dtype=layout.dtype)
     buffer.view[:HEADER_BYTES] = header.pack()
     replace = replace_durably(target, drop_cache=not direct) if durable else replace_atomically(target)
     with replace as temporary:

@@ -148,12 +148,12 @@ def predict_io_seconds(
     )
 
 
-def stream_order(partitions: Sequence[tuple[int, Residency]], step: int) -> tuple[int, ...]:
-    """The order a segment's update at ``step`` visits its partitions (by index).
+def stream_order(partitions: Sequence[tuple[int, Residency]], update: int) -> tuple[int, ...]:
+    """The order a segment's update number ``update`` visits its partitions (by index).
 
-    RAM partitions first; then disk partitions ascending on odd steps, descending on
-    even ones, so each step begins with the partitions the previous one wrote last.
+    RAM partitions first; then disk partitions ascending on odd updates, descending on
+    even ones, so each update begins with the partitions the previous one wrote last.
     """
     ram = sorted(i for i, r in partitions if r is Residency.RAM)
-    disk = sorted((i for i, r in partitions if r is Residency.NVME), reverse=step % 2 == 0)
+    disk = sorted((i for i, r in partitions if r is Residency.NVME), reverse=update % 2 == 0)
     return tuple(ram + disk)

@@ -40,7 +40,7 @@ from cargohold.services.tiers.fileformat import (
     FileLayout,
     PartitionHeader,
     check_size,
-    check_step,
+    check_updates,
     corrupt_error,
     unpack_header,
 )
@@ -97,7 +97,7 @@ class PendingWrite:
     buffer: AlignedBuffer
     key: PartitionKey
     layout: FileLayout
-    step: int
+    updates: int
     target: str
     done: threading.Event
     """Set once the write has ended, well or not: the next update of a partition written
@@ -107,7 +107,7 @@ class PendingWrite:
         """Write (buffered, crash-consistently) and return the header written; raises
         the OSError naming the file."""
         try:
-            return write_partition_file(self.target, self.buffer, self.key, self.layout, self.step, direct=False)
+            return write_partition_file(self.target, self.buffer, self.key, self.layout, self.updates, direct=False)
         except OSError as error:
             raise OSError(error.errno, error.strerror, self.target) from error
         finally:
@@ -119,15 +119,15 @@ class PendingWrite:
 
 
 def link_or_pin(
-    source: str, target: str, *, key: PartitionKey, layout: FileLayout, step: int
+    source: str, target: str, *, key: PartitionKey, layout: FileLayout, updates: int
 ) -> tuple[PartitionHeader, PendingCopy | None]:
-    """Hard-link the file of ``key`` at ``step`` to ``target``, or, where the filesystem
+    """Hard-link the file of ``key`` after ``updates`` updates to ``target``, or, where the filesystem
     refuses, return a :class:`PendingCopy` holding the version open. Raises
-    CorruptPartitionError when the file is not that partition at that step, and the
+    CorruptPartitionError when the file is not that partition after that many updates, and the
     OSError of any other failure."""
     fd = open_file(source)
     try:
-        header = _check(fd, source, key, layout, step)
+        header = _check(fd, source, key, layout, updates)
         try:
             os.link(source, target)
         except OSError as error:
@@ -144,10 +144,10 @@ def link_or_pin(
             os.close(fd)
 
 
-def _check(fd: int, path: str, key: PartitionKey, layout: FileLayout, step: int) -> PartitionHeader:
+def _check(fd: int, path: str, key: PartitionKey, layout: FileLayout, updates: int) -> PartitionHeader:
     check_size(os.fstat(fd).st_size, path=path, key=key, numel=layout.numel, dtype=layout.dtype)
     header = unpack_header(os.pread(fd, HEADER_BYTES, 0), path=path, key=key, numel=layout.numel, dtype=layout.dtype)
-    check_step(header, step, path=path)
+    check_updates(header, updates, path=path)
     return header
 
 
@@ -226,7 +226,7 @@ def preserve_partitions(
                 )
             else:
                 try:
-                    header, pending = link_or_pin(part.path, target, key=part.key, layout=layout, step=part.updates)
+                    header, pending = link_or_pin(part.path, target, key=part.key, layout=layout, updates=part.updates)
                 except OSError as error:  # name the file whatever call failed
                     raise OSError(error.errno, error.strerror, target) from error
                 checksum = header.checksum()

@@ -20,8 +20,9 @@ class PartitionRow:
     planned: Residency
     actual: Residency
     order: int
-    """Position in its segment's stream at the next step."""
-    step: int
+    """Position in its segment's stream at the next update."""
+    updates: int
+    """The updates its stored state includes (the wire's ``step``)."""
     path: str
 
 

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 import torch
 
 from cargohold.cluster.config import TierConfig
-from cargohold.services.errors import IncompleteStepError, TierError
+from cargohold.services.errors import IncompleteUpdateError, TierError
 from cargohold.services.state_precision import StateDtype, stored_bytes
 from cargohold.services.tiers.fileformat import ARRAYS, FileLayout, gradient_file_bytes
 from cargohold.services.tiers.gradients import NvmeWithGradients, StagedGradients
@@ -351,7 +351,7 @@ class TieredStorage:
         pending = [p for p in self._segments[(run_id, segment_id)] if p.updates != update]
         for part in pending:
             if part.updates != update - 1:
-                raise IncompleteStepError(f"{part.key} is at update {part.updates}; cannot {verb} update {update}")
+                raise IncompleteUpdateError(f"{part.key} is at update {part.updates}; cannot {verb} update {update}")
         return pending
 
     def _finish(self, part: Partition, staged: Staged, update: int, planned: Residency) -> Future[None]:
@@ -449,10 +449,10 @@ class TieredStorage:
         behind = [p for p in parts if p.updates != updates]
         if behind:
             ahead = max(p.updates for p in parts)
-            raise IncompleteStepError(
+            raise IncompleteUpdateError(
                 f"segment {segment_id} of run {run_id!r} stopped part-way through update {ahead} "
                 f"({len(parts) - len(behind)} of {len(parts)} partitions after update {updates}); "
-                f"repeat the push of step {ahead} to finish it"
+                f"repeat the push of update {ahead} to finish it"
             )
         return parts
 
@@ -490,7 +490,7 @@ class TieredStorage:
                     planned=plan.of(p.key),
                     actual=p.residency,
                     order=position[p.key.index],
-                    step=p.updates,
+                    updates=p.updates,
                     path=p.path if p.residency is Residency.NVME else "",
                 )
                 for p in parts

@@ -32,7 +32,7 @@ class Partition:
     residency: Residency
     """Where it is now; the plan may want it elsewhere (it moves after its next update)."""
     updates: int = 0
-    """The number of updates its stored state includes (its file's header says "step")."""
+    """The number of updates its stored state includes (its file's header holds it too)."""
     path: str = ""
     """Its file when on (or destined for) the NVMe tier; empty without one."""
     path_index: int = 0

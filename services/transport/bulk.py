@@ -69,11 +69,11 @@ class PeerGoneError(TransportError):
 
 
 def transfer_mac(
-    token: str | None, ticket: bytes, direction: Direction, run_id: str, segment_id: int, step: int, nbytes: int
+    token: str | None, ticket: bytes, direction: Direction, run_id: str, segment_id: int, update: int, nbytes: int
 ) -> bytes:
     """What the hello proves: the sender holds the token, for this ticket and transfer.
     Without a token (auth off) the key is empty and the ticket alone admits."""
-    message = _TRANSFER.pack(direction, segment_id, step, nbytes) + ticket + run_id.encode()
+    message = _TRANSFER.pack(direction, segment_id, update, nbytes) + ticket + run_id.encode()
     return hmac.new((token or "").encode(), message, hashlib.sha256).digest()
 
 

@@ -40,7 +40,7 @@ def open_transfer(
     *,
     direction: Direction,
     key: pb.ShardKey,
-    step: int,
+    update: int,
     token: str | None,
     tls: ssl.SSLContext | None,
     timeout_s: float,
@@ -51,7 +51,7 @@ def open_transfer(
         raise TransportError(f"OpenBulk answered with an unusable grant (chunk_bytes {grant.chunk_bytes})")
     sock = connect(host, grant.port, tls=tls, timeout_s=timeout_s)
     try:
-        mac = transfer_mac(token, grant.ticket, direction, key.run_id, key.shard_id, step, grant.nbytes)
+        mac = transfer_mac(token, grant.ticket, direction, key.run_id, key.shard_id, update, grant.nbytes)
         send_buffers(sock, [pack_hello(grant.ticket, mac)])
         expect_ok(sock)
         return sock

@@ -117,7 +117,7 @@ class Grant:
     direction: Direction
     run_id: str
     segment_id: int
-    step: int
+    update: int
     nbytes: int
     chunk_bytes: int
     job: PushJob | FetchJob
@@ -194,7 +194,7 @@ class BulkServer:
         direction: Direction,
         run_id: str,
         segment_id: int,
-        step: int,
+        update: int,
         nbytes: int,
         chunk_bytes: int,
         job: PushJob | FetchJob,
@@ -202,7 +202,7 @@ class BulkServer:
         """A one-time ticket for a validated transfer."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         now = time.monotonic()
-        grant = Grant(direction, run_id, segment_id, step, nbytes, chunk_bytes, job, now + self._timeout_s)
+        grant = Grant(direction, run_id, segment_id, update, nbytes, chunk_bytes, job, now + self._timeout_s)
         with self._lock:
             for expired in [t for t, g in self._tickets.items() if g.expires <= now]:
                 del self._tickets[expired]
@@ -338,7 +338,7 @@ class BulkServer:
                 reason, grant = "expired ticket", None
             else:
                 expected = transfer_mac(
-                    self._token, ticket, grant.direction, grant.run_id, grant.segment_id, grant.step, grant.nbytes
+                    self._token, ticket, grant.direction, grant.run_id, grant.segment_id, grant.update, grant.nbytes
                 )
                 if not hmac.compare_digest(mac, expected):
                     reason, grant = "wrong ticket MAC (missing or wrong auth token)", None
@@ -359,7 +359,7 @@ class BulkServer:
 
     def _transfer(self, sock: socket.socket, grant: Grant, peer: str) -> None:
         rpc = RPC_OF[grant.direction]
-        what = f"{rpc} of segment {grant.segment_id} step {grant.step} with {peer}"
+        what = f"{rpc} of segment {grant.segment_id} update {grant.update} with {peer}"
         try:
             if isinstance(grant.job, PushJob):
                 self._push(sock, grant, grant.job, what)

@@ -237,7 +237,7 @@ def partition_row_to_proto(row: PartitionRow) -> pb.PartitionPlan:
         planned=_RESIDENCY_TO_PROTO[row.planned],
         actual=_RESIDENCY_TO_PROTO[row.actual],
         order=row.order,
-        step=row.step,
+        step=row.updates,
         path=row.path,
     )
 
@@ -250,7 +250,7 @@ def partition_row_from_proto(message: pb.PartitionPlan) -> PartitionRow:
         planned=_PROTO_TO_RESIDENCY[message.planned],
         actual=_PROTO_TO_RESIDENCY[message.actual],
         order=message.order,
-        step=message.step,
+        updates=message.step,
         path=message.path,
     )
 

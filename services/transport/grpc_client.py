@@ -148,7 +148,7 @@ class StateServerClient:
             raise TransportError(f"state server {self.address} is not serving: status {reply.status}")
 
     def register(self, spec: SegmentSpec, initial_weights: torch.Tensor) -> tuple[int, bool]:
-        """Register a segment with its fp32 initial weights; returns (step, created)."""
+        """Register a segment with its fp32 initial weights; returns (updates, created)."""
 
         def requests() -> Iterator[pb.RegisterShardRequest]:
             yield pb.RegisterShardRequest(spec=spec_to_proto(spec))
@@ -267,14 +267,14 @@ class StateServerClient:
         self,
         run_id: str,
         segment_id: int,
-        step: int,
+        update: int,
         dtype: str,
         numel: int,
         *,
         shm: tuple[str, int] | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """The weights after ``step``; ``numel`` is what the caller expects to receive.
+        """The weights after update ``update``; ``numel`` is what the caller expects to receive.
 
         With ``shm`` (path, byte offset) the server writes them into that shared memory
         and this returns None. With ``out`` (a contiguous CPU tensor of ``numel`` x
@@ -284,7 +284,7 @@ class StateServerClient:
         """
         request = pb.FetchWeightsRequest(
             key=pb.ShardKey(run_id=run_id, shard_id=segment_id),
-            step=step,
+            step=update,
             dtype=dtype_to_proto(dtype),
             chunk_bytes=self.chunk_bytes,
             shm=_shm_ref(shm),
@@ -294,7 +294,7 @@ class StateServerClient:
                 reply = list(self._stub.FetchWeights(request, timeout=self.timeout_s, metadata=self._metadata))
             except grpc.RpcError as error:
                 raise self._error("FetchWeights", error) from error
-            if len(reply) != 1 or reply[0].numel != numel or reply[0].step != step:
+            if len(reply) != 1 or reply[0].numel != numel or reply[0].step != update:
                 raise TransportError(f"FetchWeights to shared memory from {self.address}: unexpected reply")
             return None
         if self.bulk:
@@ -304,11 +304,11 @@ class StateServerClient:
         assembler = TensorAssembler(numel, dtype, what=f"segment {segment_id} weights from {self.address}", out=out)
         try:
             for message in self._stub.FetchWeights(request, timeout=self.timeout_s, metadata=self._metadata):
-                if message.numel != numel or dtype_from_proto(message.dtype) != dtype or message.step != step:
+                if message.numel != numel or dtype_from_proto(message.dtype) != dtype or message.step != update:
                     raise TransportError(
                         f"FetchWeights from {self.address}: got {message.numel} x "
-                        f"{dtype_from_proto(message.dtype)} of step {message.step}, expected "
-                        f"{numel} x {dtype} of step {step}"
+                        f"{dtype_from_proto(message.dtype)} of update {message.step}, expected "
+                        f"{numel} x {dtype} of update {update}"
                     )
                 assembler.add(message.chunk)  # reads the payload once
         except grpc.RpcError as error:
@@ -368,7 +368,7 @@ class StateServerClient:
         return weights
 
     def _open_transfer(
-        self, rpc: str, grant: pb.OpenBulkResponse, direction: Direction, key: pb.ShardKey, step: int
+        self, rpc: str, grant: pb.OpenBulkResponse, direction: Direction, key: pb.ShardKey, update: int
     ) -> socket.socket | None:
         """The connection whose ticket the server accepted; None when the bulk socket
         refused it or closed it before the hello checked out (the call then streams over
@@ -381,7 +381,7 @@ class StateServerClient:
                     grant,
                     direction=direction,
                     key=key,
-                    step=step,
+                    update=update,
                     token=self._token,
                     tls=self._bulk_tls,
                     timeout_s=self.timeout_s,

@@ -218,7 +218,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 header = request.push
                 state, dtype = self._push_target(header)
                 call = call_from_push_header(header)
-                direction, key, step = Direction.PUSH, header.key, header.step
+                direction, key, update = Direction.PUSH, header.key, header.step
 
                 def apply(gradient: torch.Tensor) -> UpdateOutcome:
                     outcome = state.update(call, gradient=gradient, owned=True)
@@ -232,10 +232,10 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 self._admit(fetch.key.run_id)
                 state = self._registry.get(fetch.key.run_id, fetch.key.shard_id)
                 dtype = dtype_from_proto(fetch.dtype)
-                direction, key, step = Direction.FETCH, fetch.key, fetch.step
+                direction, key, update = Direction.FETCH, fetch.key, fetch.step
                 job = FetchJob(lambda: state.weights(fetch.step, dtype), state.recycle)
             nbytes = state.spec.numel * WIRE_DTYPES[dtype].itemsize
-            ticket = bulk.grant(direction, key.run_id, key.shard_id, step, nbytes, chunk_bytes, job)
+            ticket = bulk.grant(direction, key.run_id, key.shard_id, update, nbytes, chunk_bytes, job)
             return pb.OpenBulkResponse(ticket=ticket, port=bulk.port, nbytes=nbytes, chunk_bytes=chunk_bytes)
 
         return self._guard("OpenBulk", context, handle)

@@ -4,7 +4,7 @@ When a worker and a state server run on the same node, the worker's exchange buf
 in a *sealed memfd*: anonymous memory (``memfd_create``) that can no longer shrink or grow
 once made. A push then names (path, byte offset) instead of streaming chunks, and the
 server reads the gradient straight from the mapping; a fetch names where the server writes
-the weights. gRPC still carries the call (run, step, segment): only the payload skips
+the weights. gRPC still carries the call (run, update, segment): only the payload skips
 serialisation.
 
 The path is ``/proc/<worker pid>/fd/<fd>``. The server opens it and accepts only a memfd
