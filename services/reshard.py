@@ -71,26 +71,26 @@ def check_layout_bounds(manifest: Manifest, source: str) -> None:
 
     The units' padded sizes, laid out for ``num_workers``, must add up to ``total``
     (arithmetic over the parameters). Every server's range holds at least one
-    ``align``-sized unit of ``total`` and at least one shard record, and so does every
+    ``align``-sized unit of ``total`` and at least one segment record, and so does every
     worker's range of every non-empty unit (group): a checkpoint has a record for each
     segment (or more, one per partition), so these counts are bounded by what the
     manifest lists, and so is the work of rebuilding the layout."""
     record, total = manifest.layout, manifest.total
-    units, shards = total // record.align, len(manifest.segments)
-    if record.num_servers > min(units, shards):
+    units, records = total // record.align, len(manifest.segments)
+    if record.num_servers > min(units, records):
         raise CheckpointError(
             f"{source}: layout.num_servers is {record.num_servers}, more than the payload can hold: its {total} "
-            f"elements hold {units} units of layout.align {record.align}, its shards list has {shards} records, "
+            f"elements hold {units} units of layout.align {record.align}, it lists {records} segment records, "
             "and each server needs one of each; the manifest is inconsistent"
         )
     sizes = _padded_group_sizes(manifest)
     if sizes is None:
         return  # group_sizes do not fit the parameters: the rebuild names that
     worker_size, active = sum(sizes), sum(1 for size in sizes if size)
-    if record.num_workers * active > shards or record.num_workers > units:
+    if record.num_workers * active > records or record.num_workers > units:
         raise CheckpointError(
             f"{source}: layout.num_workers is {record.num_workers}, more than the payload can hold: its "
-            f"{active} non-empty units need a shard record per worker, and its shards list has {shards} records "
+            f"{active} non-empty units need a segment record per worker, and it lists {records} segment records "
             f"({units} units of layout.align {record.align} in all); the manifest is inconsistent"
         )
     if worker_size * record.num_workers != total:

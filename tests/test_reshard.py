@@ -24,7 +24,7 @@ SHAPES = [("wte", (37, 8)), ("ln_f", (8,)), ("blocks.0.w", (13, 8)), ("blocks.0.
 
 
 def _manifest(layout: Layout) -> Manifest:
-    """A manifest of a checkpoint ``layout`` saved: a shard record (and a file) per segment."""
+    """A manifest of a checkpoint ``layout`` saved: a segment record (and a file) per segment."""
     return Manifest(
         step=1,
         updates=1,
@@ -225,14 +225,14 @@ def test_layout_values_the_payload_cannot_hold_are_refused_at_once(change: dict,
         saved_layout(manifest, "m.json")
 
 
-def test_a_layout_consistent_with_a_huge_total_is_refused_by_its_shards() -> None:
-    """10**7 workers whose padded sizes do add up to the manifest's total: the shard
+def test_a_layout_consistent_with_a_huge_total_is_refused_by_its_segment_records() -> None:
+    """10**7 workers whose padded sizes do add up to the manifest's total: the segment
     records (one per segment the saving layout had) bound them."""
     layout = build_layout([("w", (10**7, 1))], num_workers=1, num_servers=1, align=1)
     body = json.loads(_manifest(layout).to_json())
     body["layout"]["num_workers"] = 10**7
     manifest = Manifest.from_json(json.dumps(body), source="m.json")
-    with pytest.raises(CheckpointError, match=r"m\.json: layout\.num_workers is 10000000.* 1 records"):
+    with pytest.raises(CheckpointError, match=r"m\.json: layout\.num_workers is 10000000.* 1 segment records"):
         saved_layout(manifest, "m.json")
 
 
