@@ -94,7 +94,7 @@ def test_a_checkpoint_of_an_earlier_format_is_refused(tmp_path: Path) -> None:
     assert len(list(path.iterdir())) == 1 + len(body["files"]), "the refused checkpoint's files are all there"
 
 
-def test_a_gap_in_the_shards_is_named(tmp_path: Path) -> None:
+def test_a_gap_in_the_segments_is_named(tmp_path: Path) -> None:
     store = CheckpointDir(tmp_path)
     data = random_data(1_000, seed=2)
     path = save(store, 1, data, [300, 700])

@@ -119,7 +119,7 @@ def test_adamw_step_rejects_mismatched_gradient_count() -> None:
     assert int(state.step) == 0
 
 
-def test_adamw_step_on_an_empty_shard_still_counts_the_step() -> None:
+def test_adamw_step_on_an_empty_segment_still_counts_the_step() -> None:
     state = AdamWState([], [], [], torch.tensor(0.0))
     adamw_step(state, [], lr=1e-3, hyper=AdamWHyperParams(max_grad_norm=1.0), global_norm=2.0)
     assert int(state.step) == 1

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tier_stores import LR, NORM, open_storage, seeded_randn, shard_spec, tier_config
+from tier_stores import LR, NORM, open_storage, seeded_randn, tier_config, tier_segment_spec
 
 from cargohold.services.errors import TierError
 from cargohold.services.private_files import create_file, open_file, private_folders
@@ -42,7 +42,7 @@ def _plant_tier_links(folder: Path, victim: Path) -> list[Path]:
 
 def _train(tmp_path: Path, steps: int = 2) -> None:
     with open_storage(tier_config(tmp_path)) as storage:
-        state = SegmentRegistry(storage).register(shard_spec(), seeded_randn(0))
+        state = SegmentRegistry(storage).register(tier_segment_spec(), seeded_randn(0))
         for update in range(1, steps + 1):
             state.stage_gradient(update, seeded_randn(100 + update))
             state.commit(update, global_norm=NORM, lr=LR)

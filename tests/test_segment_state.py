@@ -203,7 +203,7 @@ def test_padding_stays_exactly_as_registered() -> None:
     assert torch.all(state.weights(5, "float32")[mask] == PADDING_VALUE)
 
 
-def test_padding_only_shard_counts_steps() -> None:
+def test_padding_only_segment_counts_updates() -> None:
     """A segment of padding alone (the tail of the last worker) still follows the steps."""
     spec = segment_spec(fragments=())
     state = SegmentState(spec, torch.zeros(NUMEL))
@@ -213,7 +213,7 @@ def test_padding_only_shard_counts_steps() -> None:
     assert torch.equal(state.weights(2, "float32"), torch.zeros(NUMEL))
 
 
-def test_shard_pushes_over_a_layout_match_torch_adamw_bitwise() -> None:
+def test_segment_pushes_over_a_layout_match_torch_adamw_bitwise() -> None:
     """Registry segments built from a real layout reproduce torch.optim.AdamW(fused=True)."""
     shapes = [(101,), (37, 5), (1,), (1000,)]
     layout = build_layout([(f"p{i}", s) for i, s in enumerate(shapes)], num_workers=2, num_servers=3)

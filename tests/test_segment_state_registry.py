@@ -92,7 +92,7 @@ def test_initial_weights_are_copied() -> None:
     assert torch.equal(state.weights(0, "float32"), kept)
 
 
-def test_unknown_shard_error_is_readable_and_pickles() -> None:
+def test_unknown_segment_error_is_readable_and_pickles() -> None:
     registry = SegmentRegistry()
     registry.register(segment_spec(), initial_weights(segment_spec()))
     for run_id, segment_id in (("run-a", 4), ("run-b", 3)):
@@ -132,11 +132,11 @@ def test_unknown_shard_error_is_readable_and_pickles() -> None:
         (dict(fragments=((10, -3),)), r"fragment \(10, -3\)"),
     ],
 )
-def test_shard_spec_validation(change: dict, message: str) -> None:
+def test_segment_spec_validation(change: dict, message: str) -> None:
     with pytest.raises(InvalidTensorError, match=message):
         segment_spec(**change)
 
 
-def test_shard_spec_accepts_touching_fragments_and_full_cover() -> None:
+def test_segment_spec_accepts_touching_fragments_and_full_cover() -> None:
     assert segment_spec(fragments=((0, 10), (10, 246))).fragments == ((0, 10), (10, 246))
     assert segment_spec(fragments=((0, NUMEL),)).numel == NUMEL

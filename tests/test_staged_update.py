@@ -20,8 +20,8 @@ from tier_stores import (
     assert_same_segment,
     open_storage,
     seeded_randn,
-    shard_spec,
     tier_config,
+    tier_segment_spec,
 )
 
 from cargohold.services.errors import CorruptPartitionError, IncompleteUpdateError, UpdateMismatchError
@@ -39,8 +39,8 @@ CLIPPED, UNCLIPPED = 2.0, 0.5
 )
 def test_a_staged_update_through_disk_is_bitwise_the_all_ram_one(tmp_path: Path, norms: tuple[float, ...]) -> None:
     with open_storage(tier_config(tmp_path)) as storage:
-        tiered = SegmentRegistry(storage).register(shard_spec(), seeded_randn(0))
-        ram = SegmentState(shard_spec(), seeded_randn(0))
+        tiered = SegmentRegistry(storage).register(tier_segment_spec(), seeded_randn(0))
+        ram = SegmentState(tier_segment_spec(), seeded_randn(0))
         rows = storage.rows()
         on_disk = [r for r in rows if r.actual is Residency.NVME]
         assert on_disk and len(on_disk) < len(rows), "some partitions resident, most on disk"
@@ -62,7 +62,7 @@ def test_a_staged_update_through_disk_is_bitwise_the_all_ram_one(tmp_path: Path,
 
 def test_a_commit_needs_the_gradient_of_its_update(tmp_path: Path) -> None:
     with open_storage(tier_config(tmp_path)) as storage:
-        state = SegmentRegistry(storage).register(shard_spec(), seeded_randn(0))
+        state = SegmentRegistry(storage).register(tier_segment_spec(), seeded_randn(0))
         with pytest.raises(UpdateMismatchError, match="no gradient staged for update 1"):
             state.commit(1, global_norm=CLIPPED, lr=LR)
         state.stage_gradient(1, seeded_randn(1))
@@ -75,8 +75,8 @@ def test_a_commit_needs_the_gradient_of_its_update(tmp_path: Path) -> None:
 
 def test_a_damaged_staged_gradient_is_refused_naming_its_file_and_a_repeated_push_finishes(tmp_path: Path) -> None:
     with open_storage(tier_config(tmp_path)) as storage:
-        tiered = SegmentRegistry(storage).register(shard_spec(), seeded_randn(0))
-        ram = SegmentState(shard_spec(), seeded_randn(0))
+        tiered = SegmentRegistry(storage).register(tier_segment_spec(), seeded_randn(0))
+        ram = SegmentState(tier_segment_spec(), seeded_randn(0))
         for state in (tiered, ram):
             state.stage_gradient(1, seeded_randn(1))
             state.commit(1, global_norm=CLIPPED, lr=LR)
@@ -102,8 +102,8 @@ def test_a_damaged_staged_gradient_is_refused_naming_its_file_and_a_repeated_pus
 
 def test_prepared_weights_are_bounded_by_the_servers_buffers() -> None:
     registry = SegmentRegistry(buffers=WeightBuffers(2))
-    states = [registry.register(shard_spec(i), seeded_randn(i)) for i in range(5)]
-    references = [SegmentState(shard_spec(i), seeded_randn(i)) for i in range(5)]
+    states = [registry.register(tier_segment_spec(i), seeded_randn(i)) for i in range(5)]
+    references = [SegmentState(tier_segment_spec(i), seeded_randn(i)) for i in range(5)]
     for state, reference in zip(states, references):
         state.apply_gradient(1, seeded_randn(50), global_norm=UNCLIPPED, lr=LR, prepare="bfloat16")
         reference.apply_gradient(1, seeded_randn(50), global_norm=UNCLIPPED, lr=LR)
@@ -174,7 +174,7 @@ def test_a_resident_partitions_staged_gradient_counts_in_the_budget(tmp_path: Pa
     beside partition 0 (the short last one still does)."""
     for budget, resident in ((BUDGET, [0, 1]), (BUDGET - GRADIENT_BYTES, [0, 10])):
         with open_storage(tier_config(tmp_path / str(budget), ram_budget_bytes=budget)) as storage:
-            SegmentRegistry(storage).register(shard_spec(), seeded_randn(0))
+            SegmentRegistry(storage).register(tier_segment_spec(), seeded_randn(0))
             assert [r.key.index for r in storage.rows() if r.actual is Residency.RAM] == resident
 
 
@@ -184,8 +184,8 @@ def test_concurrent_commits_share_the_staging_buffers_without_deadlock(tmp_path:
     of its own (a second pool) deadlocked here."""
     with open_storage(tier_config(tmp_path)) as storage:
         registry = SegmentRegistry(storage)
-        tiered = [registry.register(shard_spec(i), seeded_randn(i)) for i in range(4)]
-        ram = [SegmentState(shard_spec(i), seeded_randn(i)) for i in range(4)]
+        tiered = [registry.register(tier_segment_spec(i), seeded_randn(i)) for i in range(4)]
+        ram = [SegmentState(tier_segment_spec(i), seeded_randn(i)) for i in range(4)]
         for step in (1, 2, 3):
             for i, (a, b) in enumerate(zip(tiered, ram)):
                 a.stage_gradient(step, seeded_randn(10 * step + i))

@@ -17,7 +17,7 @@ import torch
 from actor_faults import kill_a_worker_in_step
 from plans import nvme_tier
 from reference import reference_train, tiny_config
-from tier_stores import LR, NORM, NUMEL, cold_disk_file, open_storage, seeded_randn, shard_spec, tier_config
+from tier_stores import LR, NORM, NUMEL, cold_disk_file, open_storage, seeded_randn, tier_config, tier_segment_spec
 
 from cargohold.cluster import cli
 from cargohold.cluster.plan.render import render
@@ -47,7 +47,7 @@ BF16_SLOW = [pytest.param("bfloat16", marks=pytest.mark.slow), "blockwise8"]
 
 
 def _spec(kind: StateDtype):
-    return replace(shard_spec(), state_dtype=kind)
+    return replace(tier_segment_spec(), state_dtype=kind)
 
 
 # --- the file layout and the spec ------------------------------------------------------------

@@ -26,7 +26,7 @@ from tier_checkpoints import (
     NUMEL,
     PER_PARTITION,
     RUN,
-    SHARDS,
+    SEGMENTS,
     assert_same_state,
     checkpoint_file,
     disk_rows,
@@ -107,9 +107,9 @@ def test_one_payload_format_whatever_the_tier(tmp_path: Path, saved_by: str) -> 
         original.close()
     manifest = store.load(path)
     if saved_by == "all-in-ram":  # one partition per segment, copied and written
-        assert partitions == SHARDS and how == {"linked": 0, "copied": 0, "written": SHARDS}
+        assert partitions == SEGMENTS and how == {"linked": 0, "copied": 0, "written": SEGMENTS}
     else:
-        assert partitions > SHARDS and how["linked"] > 0 and sum(how.values()) == partitions
+        assert partitions > SEGMENTS and how["linked"] > 0 and sum(how.values()) == partitions
     assert len(manifest.segments) == len(manifest.files) == partitions == len(list(path.glob("*.tier")))
     records = {f.name: f for f in manifest.files}
     for segment in manifest.segments:

@@ -106,7 +106,7 @@ def test_a_damaged_partition_file_is_named(tmp_path: Path, damage: str) -> None:
     assert str(victim) in str(caught.value)
 
 
-def test_a_partition_file_named_for_another_shard_is_refused(tmp_path: Path) -> None:
+def test_a_partition_file_named_for_another_segment_is_refused(tmp_path: Path) -> None:
     registry = fresh_registry(tier_config(tmp_path))
     try:
         push_steps(registry, range(1, 2))

@@ -117,7 +117,7 @@ def test_without_a_budget_everything_stays_in_ram() -> None:
     assert (plan.ram_bytes, plan.nvme_bytes, plan.predicted_io_seconds) == (500, 0, 0.0)
 
 
-def test_budget_pays_for_staging_then_heads_of_shards_round_robin() -> None:
+def test_budget_pays_for_staging_then_heads_of_segments_round_robin() -> None:
     # 1000 budget - 300 staging = 700: seven partitions of 100, heads first on every segment.
     plan = plan_tiers(_demands({0: 5, 1: 5, 2: 1}), ram_budget_bytes=1000, staging_bytes=300, num_paths=2)
     ram = sorted((k.segment_id, k.index) for k, r in plan.residency.items() if r is RAM)

@@ -23,8 +23,8 @@ from tier_stores import (
     assert_same_segment,
     open_storage,
     seeded_randn,
-    shard_spec,
     tier_config,
+    tier_segment_spec,
 )
 
 from cargohold.services.segment_registry import SegmentRegistry
@@ -40,8 +40,8 @@ pytestmark = pytest.mark.timeout(60)
 def test_most_partitions_on_disk_is_bitwise_equal_to_ram(tmp_path: Path) -> None:
     recorder = Recorder()
     with open_storage(tier_config(tmp_path), recorder) as storage:
-        tiered = SegmentRegistry(storage).register(shard_spec(), seeded_randn(0))
-        ram = SegmentState(shard_spec(), seeded_randn(0))
+        tiered = SegmentRegistry(storage).register(tier_segment_spec(), seeded_randn(0))
+        ram = SegmentState(tier_segment_spec(), seeded_randn(0))
         rows = storage.rows()
         assert len(rows) == 11 and [r.actual for r in rows].count(Residency.RAM) == 2
         assert {Path(r.path).parent.parent.parent.name for r in rows if r.path} == {"d0", "d1"}
@@ -76,8 +76,8 @@ def test_weights_an_update_prepared_are_fetched_without_reading_the_tiers(tmp_pa
     another dtype) the fetch reads the state back from the disk partitions."""
     recorder = Recorder()
     with open_storage(tier_config(tmp_path), recorder) as storage:
-        tiered = SegmentRegistry(storage).register(shard_spec(), seeded_randn(0))
-        ram = SegmentState(shard_spec(), seeded_randn(0))
+        tiered = SegmentRegistry(storage).register(tier_segment_spec(), seeded_randn(0))
+        ram = SegmentState(tier_segment_spec(), seeded_randn(0))
         for step, prepare, fetched, reads_file in (
             (1, "bfloat16", "bfloat16", False),
             (2, None, "bfloat16", True),
@@ -99,13 +99,16 @@ def test_a_registration_moves_partitions_where_the_new_plan_wants_them_at_once(t
     recorder = Recorder()
     with open_storage(tier_config(tmp_path), recorder) as storage:
         registry = SegmentRegistry(storage)
-        a = registry.register(shard_spec(0), seeded_randn(0))
+        a = registry.register(tier_segment_spec(0), seeded_randn(0))
         assert [r.key.index for r in storage.rows() if r.actual is Residency.RAM] == [0, 1]
-        b = registry.register(shard_spec(1), seeded_randn(1))
+        b = registry.register(tier_segment_spec(1), seeded_randn(1))
         rows = storage.rows()
         assert all(r.planned is r.actual for r in rows)
         assert [(r.key.segment_id, r.key.index) for r in rows if r.actual is Residency.RAM] == [(0, 0), (1, 0)]
-        refs = [SegmentState(shard_spec(0), seeded_randn(0)), SegmentState(shard_spec(1), seeded_randn(1))]
+        refs = [
+            SegmentState(tier_segment_spec(0), seeded_randn(0)),
+            SegmentState(tier_segment_spec(1), seeded_randn(1)),
+        ]
         disk_partitions = sum(r.actual is Residency.NVME for r in rows)
         for step in (1, 2):
             writes = len(recorder.io["write"])
@@ -122,13 +125,16 @@ def test_partitions_a_registration_could_not_move_move_after_their_next_update(t
     """Outside a registry (or when RAM cannot take a partition yet) a partition the plan
     wants elsewhere moves after its next update, when its state is in memory anyway."""
     with open_storage(tier_config(tmp_path)) as storage:
-        a = SegmentState(shard_spec(0), seeded_randn(0), storage=storage)
-        b = SegmentState(shard_spec(1), seeded_randn(1), storage=storage)
+        a = SegmentState(tier_segment_spec(0), seeded_randn(0), storage=storage)
+        b = SegmentState(tier_segment_spec(1), seeded_randn(1), storage=storage)
         rows = {(r.key.segment_id, r.key.index): r for r in storage.rows()}
         # The plan gives each segment its head partition; RAM is still full of segment 0's.
         assert rows[(0, 1)].planned is Residency.NVME and rows[(0, 1)].actual is Residency.RAM
         assert rows[(1, 0)].planned is Residency.RAM and rows[(1, 0)].actual is Residency.NVME
-        refs = [SegmentState(shard_spec(0), seeded_randn(0)), SegmentState(shard_spec(1), seeded_randn(1))]
+        refs = [
+            SegmentState(tier_segment_spec(0), seeded_randn(0)),
+            SegmentState(tier_segment_spec(1), seeded_randn(1)),
+        ]
         for step in (1, 2):
             for state in (a, b, *refs):
                 state.apply_gradient(step, seeded_randn(step), global_norm=NORM, lr=LR)
@@ -140,9 +146,9 @@ def test_partitions_a_registration_could_not_move_move_after_their_next_update(t
         assert storage.summary().ram_used_bytes <= BUDGET
 
 
-def test_without_a_budget_each_shard_is_one_ram_partition() -> None:
+def test_without_a_budget_each_segment_is_one_ram_partition() -> None:
     registry = SegmentRegistry()
-    registry.register(shard_spec(), seeded_randn(0))
+    registry.register(tier_segment_spec(), seeded_randn(0))
     (row,) = registry.storage.rows()
     assert (row.numel, row.actual, row.path) == (NUMEL, Residency.RAM, "")
     assert registry.bytes_by_tier() == {"ram": 12 * NUMEL}
@@ -151,8 +157,8 @@ def test_without_a_budget_each_shard_is_one_ram_partition() -> None:
 @pytest.mark.parametrize("direct_io", ["off", "auto"])
 def test_direct_io_setting(tmp_path: Path, direct_io: str) -> None:
     with open_storage(tier_config(tmp_path, direct_io=direct_io)) as storage:
-        state = SegmentRegistry(storage).register(shard_spec(), seeded_randn(0))
-        ram = SegmentState(shard_spec(), seeded_randn(0))
+        state = SegmentRegistry(storage).register(tier_segment_spec(), seeded_randn(0))
+        ram = SegmentState(tier_segment_spec(), seeded_randn(0))
         for step in (1, 2):
             state.apply_gradient(step, seeded_randn(step), global_norm=NORM, lr=LR)
             ram.apply_gradient(step, seeded_randn(step), global_norm=NORM, lr=LR)

@@ -27,8 +27,8 @@ from tier_stores import (
     PARTITION_BYTES,
     open_storage,
     seeded_randn,
-    shard_spec,
     tier_config,
+    tier_segment_spec,
 )
 
 from cargohold.cluster.config import StateServerConfig, TierConfig
@@ -81,16 +81,16 @@ def test_two_live_servers_cannot_share_a_tier_folder(tmp_path: Path) -> None:
     partition files and delete them at the end: the second is refused, the first keeps
     its files, and once it is gone the folder can be used again."""
     with open_storage(tier_config(tmp_path)) as first:
-        SegmentRegistry(first).register(shard_spec(), seeded_randn(0))
+        SegmentRegistry(first).register(tier_segment_spec(), seeded_randn(0))
         files = sorted(tmp_path.rglob("*.bin"))
         with (
             open_storage(tier_config(tmp_path)) as second,
             pytest.raises(TierError, match="in use by another live process"),
         ):
-            SegmentRegistry(second).register(shard_spec(), seeded_randn(1))
+            SegmentRegistry(second).register(tier_segment_spec(), seeded_randn(1))
         assert sorted(tmp_path.rglob("*.bin")) == files  # the refused one touched nothing
     with open_storage(tier_config(tmp_path)) as again:
-        SegmentRegistry(again).register(shard_spec(), seeded_randn(2))
+        SegmentRegistry(again).register(tier_segment_spec(), seeded_randn(2))
     assert not list(tmp_path.rglob("*.bin")) and not list(tmp_path.rglob(".lock"))
 
 
@@ -101,7 +101,7 @@ def test_the_sweep_leaves_a_folder_a_live_server_holds(tmp_path: Path) -> None:
     lock first: a live holder keeps its files; a dead one's folder is removed."""
     config = tier_config(tmp_path)
     with open_storage(config) as live:
-        SegmentRegistry(live).register(shard_spec(), seeded_randn(0))
+        SegmentRegistry(live).register(tier_segment_spec(), seeded_randn(0))
         files = sorted(tmp_path.rglob("*.bin"))
         assert files
         remove_tier_folders(config.nvme_paths, "run-t", "server-0", grace_s=0.3)
@@ -116,7 +116,7 @@ def test_the_sweep_leaves_a_folder_a_live_server_holds(tmp_path: Path) -> None:
 
 def test_run_ids_that_cannot_name_a_directory_are_refused(tmp_path: Path) -> None:
     with open_storage(tier_config(tmp_path)) as storage, pytest.raises(TierError, match="cannot name a directory"):
-        SegmentRegistry(storage).register(shard_spec(run_id="../escape"), seeded_randn(0))
+        SegmentRegistry(storage).register(tier_segment_spec(run_id="../escape"), seeded_randn(0))
 
 
 # --- in a private mount namespace: ramfs (no O_DIRECT) and a tmpfs that fills up -------------

@@ -22,8 +22,8 @@ from tier_stores import (
     cold_disk_file,
     open_storage,
     seeded_randn,
-    shard_spec,
     tier_config,
+    tier_segment_spec,
 )
 
 from cargohold.services.errors import CorruptPartitionError, IncompleteUpdateError
@@ -42,8 +42,8 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_a_corrupted_byte_fails_the_next_step_naming_the_file_and_loses_nothing(tmp_path: Path) -> None:
     with open_storage(tier_config(tmp_path)) as storage:
-        state = SegmentRegistry(storage).register(shard_spec(), seeded_randn(0))
-        ram = SegmentState(shard_spec(), seeded_randn(0))
+        state = SegmentRegistry(storage).register(tier_segment_spec(), seeded_randn(0))
+        ram = SegmentState(tier_segment_spec(), seeded_randn(0))
         for s in (state, ram):
             s.apply_gradient(1, seeded_randn(1), global_norm=NORM, lr=LR)
         victim = cold_disk_file(storage)
@@ -74,7 +74,7 @@ def test_a_corrupted_byte_fails_the_next_step_naming_the_file_and_loses_nothing(
 @pytest.mark.parametrize("damage", ["truncate", "header", "other-partition", "missing"])
 def test_torn_or_wrong_files_are_refused_on_read(tmp_path: Path, damage: str) -> None:
     with open_storage(tier_config(tmp_path)) as storage:
-        state = SegmentRegistry(storage).register(shard_spec(), seeded_randn(0))
+        state = SegmentRegistry(storage).register(tier_segment_spec(), seeded_randn(0))
         state.apply_gradient(1, seeded_randn(1), global_norm=NORM, lr=LR)
         victim = cold_disk_file(storage)
         if damage == "truncate":  # a torn write: the tail never reached the disk
@@ -112,7 +112,7 @@ def test_grpc_reports_the_plan_and_maps_corruption_to_data_loss(tmp_path: Path) 
         stack.callback(server.stop, 0.5)
         client = stack.enter_context(StateServerClient(server.address, chunk_bytes=1 << 16, timeout_s=10))
         client.wait_ready(timeout_s=10)
-        client.register(shard_spec(), seeded_randn(0))
+        client.register(tier_segment_spec(), seeded_randn(0))
         client.push("run-t", 0, 1, seeded_randn(1), global_norm=NORM, lr=LR)
         stats = client.stats()
         assert stats.tier is not None and stats.tier.enabled and stats.tier.buffer_count == BUFFERS

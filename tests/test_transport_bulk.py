@@ -206,7 +206,7 @@ def test_a_server_without_the_bulk_socket_says_so_and_its_clients_stream_over_gr
     assert torch.equal(weights, s.client.fetch(RUN, 0, 2, "float32", NUMEL))
 
 
-def test_a_step_the_shard_is_not_at_is_refused_as_over_grpc(bulk_served: Served) -> None:
+def test_an_update_the_segment_is_not_at_is_refused_as_over_grpc(bulk_served: Served) -> None:
     s = bulk_served
     with bulk(s) as client:
         over_bulk = status(lambda: client.fetch(RUN, 0, 3, "float32", NUMEL))

@@ -28,8 +28,8 @@ HYPER = AdamWHyperParams(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, max_
 PER_PARTITION = 1344  # 16 KiB partitions
 NUMEL = 10 * PER_PARTITION + 320  # 11 partitions, the last one short
 FRAGMENTS = ((0, 5000), (5056, 6000), (11072, 2688))
-SHARDS = 2
-TOTAL = SHARDS * NUMEL
+SEGMENTS = 2
+TOTAL = SEGMENTS * NUMEL
 BUFFER_BYTES = FileLayout(PER_PARTITION).file_bytes + gradient_file_bytes(PER_PARTITION, 4)
 """A partition in its file layout with its staged fp32 gradient: what a staging buffer or a
 resident partition costs the budget."""
@@ -53,7 +53,7 @@ def tier_config(root: Path, **changes: object) -> TierConfig:
 
 
 def specs() -> list[SegmentSpec]:
-    """The ``SHARDS`` segments, one after the other in the flat space."""
+    """The ``SEGMENTS`` segments, one after the other in the flat space."""
     return [
         SegmentSpec(
             run_id=RUN,
@@ -64,7 +64,7 @@ def specs() -> list[SegmentSpec]:
             grad_dtype="float32",
             hyper=HYPER,
         )
-        for i in range(SHARDS)
+        for i in range(SEGMENTS)
     ]
 
 

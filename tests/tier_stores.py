@@ -34,7 +34,7 @@ LR = 1e-2
 NORM = 2.0  # > max_grad_norm: clipping is active
 
 
-def shard_spec(segment_id: int = 0, run_id: str = "run-t") -> SegmentSpec:
+def tier_segment_spec(segment_id: int = 0, run_id: str = "run-t") -> SegmentSpec:
     """Segment ``segment_id`` of ``run_id``: ``NUMEL`` elements at 0, ``FRAGMENTS``, fp32 gradients."""
     return SegmentSpec(
         run_id=run_id,
