@@ -37,11 +37,9 @@ with a warning naming the region).
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import socket
-import stat
 
 import torch
 import torch.distributed as dist
@@ -53,7 +51,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMi
 
 from cargohold.services.errors import InvalidTensorError
 from cargohold.services.shared_barrier import SharedBarrier, inbox_nbytes, init_inbox
-from cargohold.services.transport.shm import MEMFD_PREFIX, SEALS, SharedRegion, available, region_name
+from cargohold.services.transport.shm import MEMFD_PREFIX, SharedRegion, available, check_sealed_memfd, region_name
 
 logger = logging.getLogger(__name__)
 
@@ -170,15 +168,7 @@ def _open_peer(path: str, run_id: str, rank: int) -> SharedRegion:
     exchange buffers the same way (:class:`~cargohold.services.transport.shm.RegionCache`)."""
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            raise InvalidTensorError(f"shared memory {path!r} is not a memfd of this worker's user")
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:
-            seals = 0  # not a memfd
-        if seals & SEALS != SEALS:
-            raise InvalidTensorError(f"shared memory {path!r} is not a memfd sealed against resizing")
+        check_sealed_memfd(fd, path, "worker")
         name = os.readlink(f"/proc/self/fd/{fd}")  # what was opened, whatever the path names now
         expected = f"/memfd:{MEMFD_PREFIX}{region_name(run_id, region_label(rank))}"
         if name not in (expected, f"{expected} (deleted)"):

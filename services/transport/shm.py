@@ -158,6 +158,23 @@ class SharedRegion:
             self._fd = None
 
 
+def check_sealed_memfd(fd: int, path: str, who: str) -> tuple[os.stat_result, int]:
+    """The status and seals of ``fd`` (opened from ``path``), refused unless it is a memfd
+    of this process's user sealed against resizing: what a state server asks of a worker's
+    exchange buffers and a worker of a peer's collectives region (``who``: this process,
+    for the message)."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        raise InvalidTensorError(f"shared memory {path!r} is not a memfd of this {who}'s user")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # not a memfd
+    if seals & SEALS != SEALS:
+        raise InvalidTensorError(f"shared memory {path!r} is not a memfd sealed against resizing")
+    return info, seals
+
+
 class RegionCache:
     """The server side: regions opened on demand, checked, kept while their creator holds
     them (a thread looks every ``WATCH_INTERVAL_S``), within ``limits``."""
@@ -210,15 +227,7 @@ class RegionCache:
 
     def _check(self, fd: int, path: str, run_id: str) -> tuple[tuple[int, int], int]:
         """(key, size) of a region the server may map."""
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            raise InvalidTensorError(f"shared memory {path!r} is not a memfd of this server's user")
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:
-            seals = 0  # not a memfd
-        if seals & SEALS != SEALS:
-            raise InvalidTensorError(f"shared memory {path!r} is not a memfd sealed against resizing")
+        info, seals = check_sealed_memfd(fd, path, "server")
         if seals & WRITE_SEALS:
             raise InvalidTensorError(f"shared memory {path!r} is sealed against writing; the server writes weights")
         if info.st_blksize != mmap.PAGESIZE:
