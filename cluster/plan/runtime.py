@@ -25,7 +25,7 @@ def worker_runtime_bytes(device: str) -> int:
     return WORKER_RUNTIME_BYTES + (CUDA_RUNTIME_BYTES if device == "cuda" else 0)
 
 
-RAY_HEAD_DAEMONS_BYTES = 360 * MiB
+RAY_HEAD_DAEMONS_BYTES = 380 * MiB
 """Ray's own processes on the node that starts Ray (the GCS, the autoscaler's monitor, the
 dashboard head, the log monitor, the raylet, the dashboard and runtime-env agents), their
 PSS summed on an idle node (Ray 2.60; docs/operations.md "One host budget"). Not in the
