@@ -1,4 +1,4 @@
-"""The AdamW update over views of a shard, knowing nothing of tiers or transport.
+"""The AdamW update over views of a segment, knowing nothing of tiers or transport.
 
 It calls the same fused CPU kernel as ``torch.optim.AdamW(fused=True)``; given views cut
 at aligned parameter offsets (see :mod:`cargohold.services.layout`) the result is bitwise
@@ -21,7 +21,7 @@ CLIP_EPSILON = 1e-6
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdamWHyperParams:
-    """The per-shard constants of AdamW; the learning rate comes with every step."""
+    """The per-segment constants of AdamW; the learning rate comes with every step."""
 
     beta1: float = 0.9
     beta2: float = 0.999
@@ -102,7 +102,7 @@ def clip_fragments(fragments: Sequence[tuple[int, int]], start: int, stop: int) 
 
 @dataclass(slots=True)
 class AdamWState:
-    """fp32 views of one shard's master weights and moments, plus the step count.
+    """fp32 views of one segment's master weights and moments, plus the step count.
 
     The lists are parallel: entry i of each covers the same elements.
     """
@@ -153,7 +153,7 @@ def unscale_coefficient(coefficient: torch.Tensor | None, inverse: torch.Tensor 
 
 
 def global_norm_from_squares(sum_of_squares: float) -> float:
-    """The L2 norm from the sum of squared gradient elements over all shards."""
+    """The L2 norm from the sum of squared gradient elements over all segments."""
     return math.sqrt(sum_of_squares)
 
 
@@ -162,7 +162,7 @@ SQUARES_CHUNK = 1 << 22
 
 
 def sum_of_squares(gradient: torch.Tensor) -> float:
-    """Squared L2 norm of a gradient shard, accumulated in fp64 so shards add exactly."""
+    """Squared L2 norm of a gradient (a segment, or a worker's chunks), in fp64 so the pieces add exactly."""
     total = 0.0
     for piece in gradient.reshape(-1).split(SQUARES_CHUNK):
         wide = piece.to(torch.float64)
@@ -182,7 +182,7 @@ def apply_update(
     lr: float,
     owned: bool,
 ) -> None:
-    """The state server's update of one piece of a shard: AdamW at ``step`` over the real
+    """The state server's update of one piece of a segment: AdamW at ``step`` over the real
     elements (the ``groups``' fragments) of ``master`` and the moments, with ``gradient``
     (parallel to them, in the wire dtype) clipped by ``coefficient``; one kernel call per
     group, at ``lr`` times its ``lr_scale``.
@@ -216,7 +216,7 @@ def group_lr(lr: float, lr_scale: float) -> float:
 def clip_(gradients: Sequence[torch.Tensor], coefficient: torch.Tensor | None) -> None:
     """Scale gradients in place by a :func:`clip_coefficient` (None: leave them).
 
-    Elementwise, so clipping the views of a shard piece by piece gives the same bits as
+    Elementwise, so clipping the views of a segment piece by piece gives the same bits as
     clipping them all at once.
     """
     if coefficient is not None and gradients:
@@ -246,7 +246,7 @@ def fused_adamw_(
 ) -> None:
     """The fused AdamW kernel alone over the views of ``state``, at ``state.step``.
 
-    No clipping and no step increment: a caller that splits one shard's update over
+    No clipping and no step increment: a caller that splits one segment's update over
     several pieces (the tier store's partitions) clips and counts the step once, then
     runs this per piece with the same step value.
     """
