@@ -169,9 +169,8 @@ class WorkerConfig:
     memory just ahead of the block's forward and again ahead of its backward, and written
     after its update; host memory holds `weight_window` blocks and the root at a time.
     null keeps every chunk in host (or device) memory. On GPU workers it implies
-    offload_params. It may not be, or lie inside or around, checkpoint.dir, export_dir or a
-    tier path; a run that starts its Ray on this machine first writes and reads a probe
-    file there (a file, a read-only or pseudo filesystem such as /proc exits 2)."""
+    offload_params. Not checkpoint.dir, export_dir or a tier path, nor inside or around one;
+    probed before Ray on a local run (a file, a read-only or pseudo filesystem exits 2)."""
     weight_window: int = 3
     """With weights_nvme_path: blocks whose chunks may be in host memory at once (the one in
     use and those read ahead); at least 2, since backward gathers the next block while one

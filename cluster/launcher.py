@@ -43,7 +43,7 @@ from cargohold.services.state_port import segment_spec
 from cargohold.services.state_server import StateServer
 from cargohold.services.step_report import EvalReport, StepReport
 from cargohold.services.task import ConfigTask, TrainingTask
-from cargohold.services.tiers.nvme import remove_tier_folders
+from cargohold.services.tiers.folders import remove_tier_folders
 from cargohold.services.transport.auth import tls_files
 from cargohold.services.weight_files import check_weights_root
 from cargohold.services.worker import TrainingWorker

@@ -26,8 +26,9 @@ import torch
 from cargohold.services.errors import ConfigError, TierError, TierSpaceError
 from cargohold.services.private_files import private_folders
 from cargohold.services.tiers.fileformat import BLOCK, corrupt_error, crc32c, round_up
+from cargohold.services.tiers.folders import lock_folder, remove_folder
 from cargohold.services.tiers.io_pool import AlignedBuffer, BufferPool
-from cargohold.services.tiers.nvme import SPACE_ERRNOS, TierPath, lock_folder, probe_path, remove_folder
+from cargohold.services.tiers.nvme import SPACE_ERRNOS, TierPath, probe_path
 
 WEIGHTS_KEY = "worker.weights_nvme_path"
 READ_BUFFERS = 2

@@ -35,7 +35,8 @@ from cargohold.cluster.config import StateServerConfig, TierConfig
 from cargohold.services.errors import TierError, TierSpaceError
 from cargohold.services.segment_registry import SegmentRegistry
 from cargohold.services.state_server import StateServer
-from cargohold.services.tiers.nvme import check_free_space, remove_tier_folders
+from cargohold.services.tiers.folders import remove_tier_folders
+from cargohold.services.tiers.nvme import check_free_space
 from cargohold.services.tiers.source import tensor_source
 
 pytestmark = pytest.mark.timeout(60)
