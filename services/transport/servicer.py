@@ -123,8 +123,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             if isinstance(call.gradient, SharedRef):
                 if next(request_iterator, None) is not None:
                     raise InvalidTensorError("PushGradient: no chunks may follow a shared-memory header")
-                region = self._regions.open(call.gradient.path, call.run_id)
-                gradient = region.tensor(WIRE_DTYPES[dtype], call.gradient.byte_offset, call.numel)
+                gradient = self._shared_tensor(call.gradient, call.run_id, dtype, call.numel)
                 self._metrics.record_received("PushGradient.shm", gradient.numel() * gradient.element_size())
                 owned = False  # a view of the worker's buffer, which it reuses next step
             else:
@@ -147,17 +146,13 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         if call.weights_to is None:
             return None
         assert call.weights_dtype is not None  # the call's own rule
-        return self._shared_weights(
-            pb.SharedMemoryRef(path=call.weights_to.path, byte_offset=call.weights_to.byte_offset),
-            call.run_id,
-            state,
-            call.weights_dtype,
-        )
+        return self._shared_tensor(call.weights_to, call.run_id, call.weights_dtype, state.spec.numel)
 
-    def _shared_weights(self, ref: pb.SharedMemoryRef, run_id: str, state: SegmentState, dtype: str) -> torch.Tensor:
-        """The worker's shared memory that ``ref`` names, as room for the segment's weights in ``dtype``."""
+    def _shared_tensor(self, ref: SharedRef | pb.SharedMemoryRef, run_id: str, dtype: str, numel: int) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` in the worker's shared memory that ``ref`` names
+        (its region checked against ``run_id`` before it is mapped)."""
         region = self._regions.open(ref.path, run_id)
-        return region.tensor(WIRE_DTYPES[dtype], ref.byte_offset, state.spec.numel)
+        return region.tensor(WIRE_DTYPES[dtype], ref.byte_offset, numel)
 
     def _count_weights(self, target: torch.Tensor, rpc: str) -> None:
         """Account weights written into a worker's shared memory (``target``) under ``rpc``."""
@@ -280,7 +275,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES  # 0: the server's choice
             check_chunk_bytes(chunk_bytes)
             if request.HasField("shm"):  # written straight into the worker's exchange buffer
-                target = self._shared_weights(request.shm, request.key.run_id, state, dtype)
+                target = self._shared_tensor(request.shm, request.key.run_id, dtype, state.spec.numel)
                 state.weights(request.step, dtype, out=target)
                 self._count_weights(target, "FetchWeights.shm")
                 return iter(
