@@ -6,7 +6,7 @@ out), then the manifest is written last and the folder renamed: a checkpoint exi
 complete or not at all, and the store keeps its ``keep_last``. Loading: the manifest is
 read and checked against the optimizer's parameters, then each server restores its new
 segments from the saved flat ranges that hold them, whatever number of servers saved
-them (:mod:`cargohold.services.reshard`).
+them (:mod:`cargohold.services.checkpoint.reshard`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 from cargohold.api.ranks import Shares
 from cargohold.api.servers import StateServers
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest, check_compatible
-from cargohold.services.errors import CheckpointError
-from cargohold.services.layout import Layout
-from cargohold.services.reshard import layout_record, saved_layout, segment_runs
-from cargohold.services.segment_state import SegmentSpec
+from cargohold.services.checkpoint.reshard import layout_record, saved_layout, segment_runs
+from cargohold.services.core.errors import CheckpointError
+from cargohold.services.core.layout import Layout
+from cargohold.services.core.segment_spec import SegmentSpec
 
 
 def save_checkpoint(servers: StateServers, layout: Layout, store: CheckpointDir, *, updates: int, options: Any) -> Path:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cargohold.services.layout import Layout, Segment
+from cargohold.services.core.layout import Layout, Segment
 
 
 class Exchange:

@@ -1,6 +1,6 @@
 """OffloadedAdamW's parameter groups, checked and laid out over the state servers.
 
-Each param group is a group of the flat space (:func:`cargohold.services.layout.build_layout`
+Each param group is a group of the flat space (:func:`cargohold.services.core.layout.build_layout`
 with one worker): its parameters one after the other, each starting at a multiple of 64
 elements, the whole space cut over the servers at multiples of 64. So a group's segments
 hold its parameters only, and are registered with its betas, eps and weight decay; the lr
@@ -18,9 +18,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cargohold.services.errors import LayoutError, OptimizerError
-from cargohold.services.layout import Layout, build_layout
-from cargohold.services.optim import AdamWHyperParams
+from cargohold.services.core.errors import LayoutError, OptimizerError
+from cargohold.services.core.layout import Layout, build_layout
+from cargohold.services.core.optim import AdamWHyperParams
 
 HELD_OPTIONS = ("betas", "eps", "weight_decay")
 """Group options the servers hold from the first step on; only ``lr`` may change after."""

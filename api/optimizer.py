@@ -27,11 +27,11 @@ from cargohold.api.ranks import Shares, share_weights
 from cargohold.api.remote import RemoteSegments
 from cargohold.api.servers import StateServers
 from cargohold.services.checkpoint import CheckpointDir
-from cargohold.services.errors import OptimizerError
-from cargohold.services.layout import Layout, Segment, scatter_params
-from cargohold.services.segment_state import SegmentSpec
-from cargohold.services.state_precision import STATE_DTYPES, StateDtype
-from cargohold.services.wire import DTYPE_NAMES
+from cargohold.services.core.errors import OptimizerError
+from cargohold.services.core.layout import Layout, Segment, scatter_params
+from cargohold.services.core.segment_spec import SegmentSpec
+from cargohold.services.core.state_precision import STATE_DTYPES, StateDtype
+from cargohold.services.core.wire import DTYPE_NAMES
 
 T = TypeVar("T")
 

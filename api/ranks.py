@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from cargohold.api.servers import StateServers, connect_state_servers
-from cargohold.services.errors import OptimizerError
-from cargohold.services.layout import Segment
+from cargohold.services.core.errors import OptimizerError
+from cargohold.services.core.layout import Segment
 
 
 def share_state_servers(servers: StateServers | None, group: dist.ProcessGroup | None = None) -> StateServers:

@@ -1,6 +1,6 @@
 """State servers as Ray actors, for :func:`cargohold.api.servers.start_state_servers`.
 
-Each server is a :class:`~cargohold.services.state_server.StateServer` actor with its
+Each server is a :class:`~cargohold.services.server.state_server.StateServer` actor with its
 config's CPUs and custom resources, named ``<run_id>-state-server-<i>`` as the launcher
 names them. Ray is joined if it runs, else started here and shut down at ``close``.
 """
@@ -15,8 +15,8 @@ from typing import Any
 import ray
 
 from cargohold.cluster.config import StateServerConfig
-from cargohold.services.errors import TrainingError
-from cargohold.services.state_server import StateServer
+from cargohold.services.core.errors import TrainingError
+from cargohold.services.server.state_server import StateServer
 from cargohold.services.transport.auth import TlsFiles
 
 logger = logging.getLogger(__name__)

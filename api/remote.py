@@ -11,12 +11,12 @@ import torch
 
 from cargohold.api.ranks import Shares
 from cargohold.api.servers import StateServers
-from cargohold.services.errors import OptimizerError, TransportError
-from cargohold.services.layout import Segment
-from cargohold.services.segment_state import SegmentSpec
+from cargohold.services.core.errors import OptimizerError, TransportError
+from cargohold.services.core.layout import Segment
+from cargohold.services.core.segment_spec import SegmentSpec
+from cargohold.services.core.update_call import IN_CALL, CommitTerms, UpdateCall
+from cargohold.services.core.wire import DTYPE_NAMES
 from cargohold.services.transport.grpc_client import StateServerClient
-from cargohold.services.update_call import IN_CALL, CommitTerms, UpdateCall
-from cargohold.services.wire import DTYPE_NAMES
 
 MAX_CALLS = 16
 """Segments pushed and fetched at once."""

@@ -21,8 +21,8 @@ from typing import Any, Protocol
 import torch
 
 from cargohold.cluster.config import StateServerConfig
-from cargohold.services.errors import CheckpointError, ConfigError
-from cargohold.services.state_server import StateServer
+from cargohold.services.core.errors import CheckpointError, ConfigError
+from cargohold.services.server.state_server import StateServer
 from cargohold.services.transport.auth import TlsFiles
 
 

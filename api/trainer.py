@@ -15,9 +15,9 @@ from cargohold.api.user_data import Collate
 from cargohold.api.user_task import LossFunction, ModelFactory, UserTask
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.supervise import TrainResult, train
-from cargohold.services.errors import ConfigError
-from cargohold.services.step_report import EvalReport, StepReport
-from cargohold.services.task import ConfigTask, TrainingTask
+from cargohold.services.core.errors import ConfigError
+from cargohold.services.worker.step_report import EvalReport, StepReport
+from cargohold.services.worker.task import ConfigTask, TrainingTask
 
 
 class Trainer:

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from cargohold.services.core.errors import ConfigError, TrainingError
 from cargohold.services.data.batches import BatchShape
-from cargohold.services.errors import ConfigError, TrainingError
 
 Collate = Callable[[list[Any]], Any]
 BatchFunction = Callable[[int, int, int], Any]

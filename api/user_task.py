@@ -1,4 +1,4 @@
-"""A user's model factory, loss and data as a :class:`~cargohold.services.task.TrainingTask`.
+"""A user's model factory, loss and data as a :class:`~cargohold.services.worker.task.TrainingTask`.
 
 Ray pickles the task (cloudpickle: closures and lambdas travel) to every worker, which
 builds the model on the meta device, shards it with FSDP2 per block and materialises only
@@ -19,12 +19,12 @@ from torch import nn
 
 from cargohold.api.user_data import Collate, HeldOutBatches, UserBatch, open_user_data, to_device
 from cargohold.cluster.config import TrainConfig
+from cargohold.services.core.durable import replace_durably
+from cargohold.services.core.errors import ConfigError, ExportError
+from cargohold.services.core.layout import Layout, gather_params
 from cargohold.services.data.batches import BatchShape, DataSource
-from cargohold.services.durable import replace_durably
-from cargohold.services.errors import ConfigError, ExportError
-from cargohold.services.layout import Layout, gather_params
 from cargohold.services.models.blocks import transformer_blocks
-from cargohold.services.step import ParameterValues
+from cargohold.services.worker.step import ParameterValues
 
 ModelFactory = Callable[[], nn.Module]
 LossFunction = Callable[[nn.Module, Any], torch.Tensor]

@@ -7,7 +7,7 @@ Each rank is a process with one thread in a gloo group on loopback, as the worke
 each size (elements per unit, all ranks together) it times the all-gather (each rank's
 chunk into everyone's output) and the average reduce-scatter (every rank's whole input
 into its chunk), fp32, through gloo (``all_gather_into_tensor``, ``reduce_scatter_tensor``)
-and through :mod:`cargohold.services.colocated_collectives` (what the workers plug into
+and through :mod:`cargohold.services.worker.colocated_collectives` (what the workers plug into
 FSDP2). It prints each one's wall time and the rank's CPU time (all its threads: gloo's
 own do the socket work) per call, best of ``--reps`` rounds of ``--calls`` calls after a
 warm-up, and RATIO shared memory / gloo. Results are compared first: both give the same
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cargohold.services.colocated_collectives import connect
+from cargohold.services.worker.colocated_collectives import connect
 
 TIMEOUT = datetime.timedelta(seconds=120)
 

@@ -31,8 +31,8 @@ import grpc
 import torch
 from timing import cpu_seconds
 
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.segment_state import SegmentSpec
+from cargohold.services.core.optim import AdamWHyperParams
+from cargohold.services.core.segment_spec import SegmentSpec
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.shm import SharedRegion, region_name
 
@@ -43,9 +43,9 @@ def serve(conn) -> None:
     """Child process: a state server and a bare unary server on 127.0.0.1 until told to stop."""
     from concurrent import futures
 
-    from cargohold.services.metrics import StateServerMetrics
-    from cargohold.services.segment_registry import SegmentRegistry
-    from cargohold.services.transport.grpc_server import GrpcStateServer
+    from cargohold.services.metrics.server import StateServerMetrics
+    from cargohold.services.segments.segment_registry import SegmentRegistry
+    from cargohold.services.server.grpc_server import GrpcStateServer
 
     torch.set_num_threads(1)
     server = GrpcStateServer(SegmentRegistry(), StateServerMetrics("bench"), run_id=RUN, host="127.0.0.1")

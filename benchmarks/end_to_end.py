@@ -50,11 +50,11 @@ from process_memory import RayProcessWatch
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_io import load_config
 from cargohold.cluster.launcher import TrainingSession
+from cargohold.services.core.wire import WIRE_DTYPES
 from cargohold.services.data.sources import open_source
 from cargohold.services.models.blocks import apply_activation_checkpointing
 from cargohold.services.models.build import build_model
-from cargohold.services.task import ConfigTask
-from cargohold.services.wire import WIRE_DTYPES
+from cargohold.services.worker.task import ConfigTask
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 PHASES = ("compute", "reduce", "update")

@@ -52,10 +52,10 @@ import torch
 from disk_baselines import best, fio_bandwidth, thread_bandwidth
 
 from cargohold.cluster.config import TierConfig
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.segment_state import SegmentSpec
-from cargohold.services.state_precision import STATE_DTYPES, StateDtype
+from cargohold.services.core.optim import AdamWHyperParams
+from cargohold.services.core.segment_spec import SegmentSpec
+from cargohold.services.core.state_precision import STATE_DTYPES, StateDtype
+from cargohold.services.segments.segment_registry import SegmentRegistry
 from cargohold.services.tiers.storage import TieredStorage
 
 MIB = 1 << 20

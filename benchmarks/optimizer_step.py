@@ -38,10 +38,11 @@ import torch
 from timing import timed
 
 from cargohold.cluster.config_model import GPTConfig
-from cargohold.services.layout import build_layout
+from cargohold.services.core.layout import build_layout
+from cargohold.services.core.optim import AdamWHyperParams, AdamWState, fused_adamw_
+from cargohold.services.core.segment_spec import SegmentSpec
 from cargohold.services.models.gpt import GPT, num_parameters
-from cargohold.services.optim import AdamWHyperParams, AdamWState, fused_adamw_
-from cargohold.services.segment_state import SegmentSpec, SegmentState
+from cargohold.services.segments.segment_state import SegmentState
 
 ADAM_BYTES_PER_PARAM = 28
 """Read param, grad, exp_avg, exp_avg_sq (4 x 4 B); write param, exp_avg, exp_avg_sq (3 x 4 B)."""

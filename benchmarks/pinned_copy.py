@@ -4,7 +4,7 @@
     python benchmarks/pinned_copy.py --mib 1024 --repeats 5
 
 Needs CUDA. cargohold's path: a GPU worker's exchange slot, a sealed memfd shared with a
-co-located state server and page-locked in place (services/page_lock.py); a reduced
+co-located state server and page-locked in place (services/worker/page_lock.py); a reduced
 gradient is copied device to host into the slot's gradients, updated weights host to
 device from its weights, with ``non_blocking`` copies on a side stream as the worker does.
 The baseline: the same copies between the device and ``torch.empty(pin_memory=True)``.
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from cargohold.services.state_port import ExchangeBuffers
+from cargohold.services.worker.state_port import ExchangeBuffers
 
 MIB = 1 << 20
 

@@ -43,7 +43,7 @@ from soak import ARRAYS, FaultInjector, final_state, left_behind, soak_config
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.supervise import TrainResult, train
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 
 RUNS = {"run-soak-a": 11, "run-soak-b": 12}
 """Run id -> seed of the data and the initial weights (and of the kills)."""

@@ -38,9 +38,9 @@ import reference  # noqa: E402
 from reference import reference_train, tiny_config  # noqa: E402
 
 from cargohold.cluster.config import TrainConfig  # noqa: E402
-from cargohold.services.layout import Layout, gather_params, scatter_params  # noqa: E402
-from cargohold.services.model_setup import model_layout  # noqa: E402
-from cargohold.services.state_precision import MOMENTS, Moment, StateDtype, decode, encode  # noqa: E402
+from cargohold.services.core.layout import Layout, gather_params, scatter_params  # noqa: E402
+from cargohold.services.core.state_precision import MOMENTS, Moment, StateDtype, decode, encode  # noqa: E402
+from cargohold.services.worker.model_setup import model_layout  # noqa: E402
 
 State = dict[str, dict[str, torch.Tensor]]
 """AdamW's state by parameter name."""

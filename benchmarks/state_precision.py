@@ -3,7 +3,7 @@
     python benchmarks/state_precision.py                        # 64 Mi parameters, 5 rounds
     python benchmarks/state_precision.py --params 16777216 --rounds 3 --threads 1
 
-One flat parameter range per kind (``services/state_precision.py``), the same fp32 gradient
+One flat parameter range per kind (``services/core/state_precision.py``), the same fp32 gradient
 for all, one warm-up update each so the moments hold real values. Then ``--rounds`` rounds,
 each timing one ``adamw_step_`` of every kind in turn (interleaved, so load from other
 processes falls on all kinds alike); a kind's time is the median of its rounds. Also the
@@ -27,8 +27,8 @@ import statistics
 import torch
 from timing import timed
 
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.state_precision import (
+from cargohold.services.core.optim import AdamWHyperParams
+from cargohold.services.core.state_precision import (
     PIECE_ELEMENTS,
     STATE_DTYPES,
     StateDtype,

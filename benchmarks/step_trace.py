@@ -10,8 +10,8 @@ import torch
 from capacity import BLOCK, cargohold_overrides, params_of
 from process_memory import peak_rss, read_text
 
-from cargohold.services.layout import Segment
-from cargohold.services.update_call import CommitTerms
+from cargohold.services.core.layout import Segment
+from cargohold.services.core.update_call import CommitTerms
 
 
 class NullPort:
@@ -44,9 +44,9 @@ def trace_rank(rank: int, world: int, port: int, n_layer: int, width: int, wire:
     from cargohold.cluster.config_io import load_config
     from cargohold.services.data import batch_for_step, load_tokens
     from cargohold.services.data.batches import Batch
-    from cargohold.services.model_setup import exchange_buffers, sharded_model, step_policy
     from cargohold.services.models.build import build_model, parameter_values
-    from cargohold.services.step import ShardedStep
+    from cargohold.services.worker.model_setup import exchange_buffers, sharded_model, step_policy
+    from cargohold.services.worker.step import ShardedStep
 
     torch.set_num_threads(1)
     lines = []

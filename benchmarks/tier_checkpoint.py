@@ -42,12 +42,13 @@ from timing import timed
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.checkpoint import CheckpointReader, FileRecord, Manifest, SegmentRecord
+from cargohold.services.checkpoint.reshard import layout_record
 from cargohold.services.checkpoint.writer import SegmentCheckpointer
-from cargohold.services.layout import build_layout
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.reshard import layout_record
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.segment_state import SegmentSpec, SegmentState
+from cargohold.services.core.layout import build_layout
+from cargohold.services.core.optim import AdamWHyperParams
+from cargohold.services.core.segment_spec import SegmentSpec
+from cargohold.services.segments.segment_registry import SegmentRegistry
+from cargohold.services.segments.segment_state import SegmentState
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.io_pool import AlignedBuffer
 from cargohold.services.tiers.nvme import write_partition_file

@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from timing import timed
 
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.segment_state import SegmentSpec
+from cargohold.services.core.optim import AdamWHyperParams
+from cargohold.services.core.segment_spec import SegmentSpec
 from cargohold.services.transport.codec import TensorAssembler, fill_chunk
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.v1 import state_server_pb2 as pb
@@ -54,9 +54,9 @@ MiB = 1 << 20
 def serve(conn) -> None:
     """Child process: serve a registry on 127.0.0.1 until told to stop."""
     torch.set_num_threads(1)
-    from cargohold.services.metrics import StateServerMetrics
-    from cargohold.services.segment_registry import SegmentRegistry
-    from cargohold.services.transport.grpc_server import GrpcStateServer
+    from cargohold.services.metrics.server import StateServerMetrics
+    from cargohold.services.segments.segment_registry import SegmentRegistry
+    from cargohold.services.server.grpc_server import GrpcStateServer
 
     server = GrpcStateServer(SegmentRegistry(), StateServerMetrics("bench"), run_id=RUN, host="127.0.0.1", bulk=True)
     server.start()

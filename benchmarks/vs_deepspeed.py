@@ -220,7 +220,7 @@ def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: st
     import ray
 
     from cargohold.cluster.launcher import TrainingSession
-    from cargohold.services.host_allocator import loaded_allocator
+    from cargohold.services.worker.host_allocator import loaded_allocator
 
     needed = config.worker.num_workers * config.worker.cpus + config.state_server.num_servers * config.state_server.cpus
     ray.init(
@@ -368,8 +368,8 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
     import torch.distributed as dist
 
     from cargohold.services.data.sources import open_source
-    from cargohold.services.host_allocator import loaded_allocator
     from cargohold.services.models.build import build_model
+    from cargohold.services.worker.host_allocator import loaded_allocator
 
     config = world_config
     torch.set_num_threads(config.worker.torch_threads)

@@ -5,7 +5,7 @@ never write, replace or prune in one folder, nor one inside the other's.
 A claim is an exclusive ``flock`` on the folder itself (no lock file is left in it), and
 a shared one on every folder above it, all held by the launcher process until the run
 ends, however it ends: the kernel drops them with the process. So a second run is refused
-before any actor starts (:class:`~cargohold.services.errors.ConfigError`, exit status 2),
+before any actor starts (:class:`~cargohold.services.core.errors.ConfigError`, exit status 2),
 deleting nothing, when it names a claimed folder, a folder inside one (the exclusive lock
 refuses its shared one: a live run's pruning would delete an export in its step folder),
 or a folder above one (the shared locks refuse its exclusive one). Runs side by side
@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from cargohold.cluster.config import TrainConfig
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 
 SEARCH_LIMIT = 10_000
 """Folders looked through, at most, to name a live run's claimed folder inside a refused one."""

@@ -21,7 +21,7 @@ import sys
 from cargohold import __version__
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_io import load_config
-from cargohold.services.errors import CargoholdError, ConfigError
+from cargohold.services.core.errors import CargoholdError, ConfigError
 
 EXIT_FAILURE = 1
 EXIT_BAD_CONFIG = 2
@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         open_source(config)  # bad data (a missing file, a bad line) is a bad configuration too
         open_eval_set(config)
         if config.optim.param_groups:  # their patterns meet the model's parameter names
-            from cargohold.services.model_setup import model_layout
-            from cargohold.services.param_groups import resolve_param_groups
+            from cargohold.services.worker.model_setup import model_layout
+            from cargohold.services.worker.param_groups import resolve_param_groups
 
             resolve_param_groups(config.optim, model_layout(config)[2].params)
     except ConfigError as error:

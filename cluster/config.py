@@ -14,16 +14,16 @@ from typing import Literal
 from cargohold.cluster.config_eval import EvalConfig
 from cargohold.cluster.config_model import GPTConfig, HFModelConfig
 from cargohold.cluster.config_optim import OptimConfig
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
+from cargohold.services.core.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
 from cargohold.services.tiers.partitions import elements_per_partition
-from cargohold.services.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
 DType = Literal["float32", "bfloat16", "float16"]
 
 
 HostAllocatorSetting = Literal["auto", "mimalloc", "glibc"]
-"""``worker.host_allocator`` (`services/host_allocator.py`)."""
+"""``worker.host_allocator`` (`services/worker/host_allocator.py`)."""
 DataFormat = Literal["bytes", "tokens", "text", "jsonl", "chat", "hf_dataset"]
 TEXT_FIELDS = {"jsonl": "text", "hf_dataset": "text", "chat": "messages"}
 """The record field each format reads when ``data.field`` is not set."""
@@ -228,7 +228,7 @@ class WorkerConfig:
     for the next step: on a 100M-parameter model steps 20% shorter than "glibc", at 1.3
     against 1.1 GiB of resident memory a worker (docs/benchmarks.md). "glibc" maps each large
     buffer (on transparent huge pages) and returns it when freed: the least resident
-    memory, each step faulting its buffers in again (`services/host_allocator.py`). "auto":
+    memory, each step faulting its buffers in again (`services/worker/host_allocator.py`). "auto":
     glibc where the run has one host budget (`cluster.host_memory_bytes`: host memory is
     what is short there), mimalloc otherwise. `cargohold plan` counts what mimalloc keeps.
     The driver's environment wins (``LD_PRELOAD``, ``MIMALLOC_*``, ``MALLOC_*``)."""

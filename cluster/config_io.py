@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 
 from cargohold.cluster.config import TrainConfig
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 
 
 class _YamlLoader(yaml.SafeLoader):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,7 +1,7 @@
 """The optimizer's section of the configuration: AdamW's constants, the learning-rate
 schedule, and which parameters decay and at which lr multiple (``optim.no_decay``,
 ``optim.param_groups``). Patterns are checked against the model's parameter names by
-:mod:`cargohold.services.param_groups`, before anything starts."""
+:mod:`cargohold.services.worker.param_groups`, before anything starts."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cargohold.services.errors import ConfigError
-from cargohold.services.loss_scale import LossScaleRules
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.state_precision import StateDtype, parse_state_dtype
+from cargohold.services.core.errors import ConfigError
+from cargohold.services.core.loss_scale import LossScaleRules
+from cargohold.services.core.optim import AdamWHyperParams
+from cargohold.services.core.state_precision import StateDtype, parse_state_dtype
 
 
 @dataclass(kw_only=True, slots=True)
@@ -107,7 +107,7 @@ class OptimConfig:
     8-bit codes in blocks of 256 elements with an fp32 scale each, Dettmers et al.'s
     8-bit optimizers). The update decodes each partition's moments to fp32 a piece at a
     time and runs the same fused kernel. A resume from a checkpoint saved with another
-    value converts its moments (logged). See `services/state_precision.py`."""
+    value converts its moments (logged). See `services/core/state_precision.py`."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
 
     def __post_init__(self) -> None:

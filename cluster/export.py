@@ -43,10 +43,10 @@ from safetensors.torch import load_file, save_file
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_model import GPTConfig
+from cargohold.services.core.durable import replace_durably
+from cargohold.services.core.errors import ConfigError, ExportError
+from cargohold.services.core.layout import Layout, gather_params
 from cargohold.services.data.tokenizer import TOKENIZER_FILES, load_tokenizer, tokenizer_folder
-from cargohold.services.durable import replace_durably
-from cargohold.services.errors import ConfigError, ExportError
-from cargohold.services.layout import Layout, gather_params
 from cargohold.services.models.build import build_model
 from cargohold.services.models.dimensions import vocab_size
 from cargohold.services.models.gpt import GPT

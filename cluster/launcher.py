@@ -30,23 +30,23 @@ from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.cluster.resume import check_resume
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
 from cargohold.services.checkpoint.manifest import LossScaleRecord
+from cargohold.services.checkpoint.reshard import layout_record, saved_layout, segment_runs
+from cargohold.services.core.errors import CheckpointError, ConfigError, TrainingError
+from cargohold.services.core.layout import Segment
+from cargohold.services.core.loss_scale import LossScaleState
+from cargohold.services.core.node import node_memory_bytes
 from cargohold.services.data.rows import DocumentRows
-from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
-from cargohold.services.host_allocator import HostAllocator, allocator_env, worker_allocator
-from cargohold.services.layout import Segment
-from cargohold.services.loss_scale import LossScaleState
-from cargohold.services.model_setup import check_compute_dtype, model_layout
-from cargohold.services.node import node_memory_bytes
-from cargohold.services.param_groups import resolve_param_groups
-from cargohold.services.reshard import layout_record, saved_layout, segment_runs
-from cargohold.services.state_port import segment_spec
-from cargohold.services.state_server import StateServer
-from cargohold.services.step_report import EvalReport, StepReport
-from cargohold.services.task import ConfigTask, TrainingTask
+from cargohold.services.server.state_server import StateServer
 from cargohold.services.tiers.folders import remove_tier_folders
 from cargohold.services.transport.auth import tls_files
-from cargohold.services.weight_files import check_weights_root
-from cargohold.services.worker import TrainingWorker
+from cargohold.services.worker.actor import TrainingWorker
+from cargohold.services.worker.host_allocator import HostAllocator, allocator_env, worker_allocator
+from cargohold.services.worker.model_setup import check_compute_dtype, model_layout
+from cargohold.services.worker.param_groups import resolve_param_groups
+from cargohold.services.worker.state_port import segment_spec
+from cargohold.services.worker.step_report import EvalReport, StepReport
+from cargohold.services.worker.task import ConfigTask, TrainingTask
+from cargohold.services.worker.weight_files import check_weights_root
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ and those segments."""
 
 def worker_env(allocator: HostAllocator) -> dict[str, str]:
     """The worker actors' environment: what runs ``allocator``
-    (:func:`~cargohold.services.host_allocator.allocator_env`), except where this process's
+    (:func:`~cargohold.services.worker.host_allocator.allocator_env`), except where this process's
     environment sets a variable."""
     return {name: os.environ.get(name, value) for name, value in allocator_env(allocator).items()}
 

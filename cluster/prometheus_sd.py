@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from cargohold.services.durable import replace_durably
+from cargohold.services.core.durable import replace_durably
 
 
 @dataclass(frozen=True, slots=True)

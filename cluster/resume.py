@@ -43,8 +43,8 @@ from typing import Any
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_io import to_dict
 from cargohold.services.checkpoint import CheckpointDir, Manifest, check_compatible
-from cargohold.services.errors import CheckpointError, ResumeRefusedError
-from cargohold.services.layout import Layout
+from cargohold.services.core.errors import CheckpointError, ResumeRefusedError
+from cargohold.services.core.layout import Layout
 
 logger = logging.getLogger(__name__)
 

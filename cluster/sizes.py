@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 
 _DECIMAL = {
     "": 1,

@@ -22,11 +22,11 @@ from cargohold.cluster.export import master_weights
 from cargohold.cluster.launcher import PendingCheckpoint, SavedCheckpoint, TrainingSession
 from cargohold.cluster.resume import resolve_resume
 from cargohold.services.checkpoint import CheckpointDir
-from cargohold.services.errors import CheckpointError, TrainingError
-from cargohold.services.metrics import LauncherMetrics
-from cargohold.services.node import node_ip
-from cargohold.services.step_report import EvalReport, StepReport
-from cargohold.services.task import ConfigTask, TrainingTask
+from cargohold.services.core.errors import CheckpointError, TrainingError
+from cargohold.services.core.node import node_ip
+from cargohold.services.metrics.launcher import LauncherMetrics
+from cargohold.services.worker.step_report import EvalReport, StepReport
+from cargohold.services.worker.task import ConfigTask, TrainingTask
 
 logger = logging.getLogger(__name__)
 

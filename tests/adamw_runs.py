@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from cargohold.services.layout import DEFAULT_ALIGN, build_layout, fragment_views, gather_params, scatter_params
-from cargohold.services.optim import (
+from cargohold.services.core.layout import DEFAULT_ALIGN, build_layout, fragment_views, gather_params, scatter_params
+from cargohold.services.core.optim import (
     AdamWHyperParams,
     AdamWState,
     clip_,

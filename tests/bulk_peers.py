@@ -132,9 +132,9 @@ def spawn(*args: str) -> tuple[subprocess.Popen, str]:
 
 
 def _serve(numel: int) -> None:
-    from cargohold.services.metrics import StateServerMetrics
-    from cargohold.services.segment_registry import SegmentRegistry
-    from cargohold.services.transport.grpc_server import GrpcStateServer
+    from cargohold.services.metrics.server import StateServerMetrics
+    from cargohold.services.segments.segment_registry import SegmentRegistry
+    from cargohold.services.server.grpc_server import GrpcStateServer
 
     server = GrpcStateServer(SegmentRegistry(), StateServerMetrics("peer"), run_id=RUN, host="127.0.0.1", bulk=True)
     server.start()

@@ -21,7 +21,7 @@ import torch
 from checkpoints import random_data, save
 
 from cargohold.services.checkpoint import CheckpointDir, read_flat_range
-from cargohold.services.errors import CheckpointError
+from cargohold.services.core.errors import CheckpointError
 from cargohold.services.tiers.fileformat import ARRAYS
 
 WRITER_TOTAL = 3 * 2**18

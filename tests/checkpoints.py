@@ -10,12 +10,12 @@ import numpy as np
 import torch
 
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, LayoutRecord, Manifest, check_compatible
+from cargohold.services.checkpoint.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.checkpoint.writer import Records, SegmentCheckpointer
-from cargohold.services.layout import Layout, build_layout
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.reshard import layout_record, saved_layout, segment_runs
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.segment_state import SegmentSpec
+from cargohold.services.core.layout import Layout, build_layout
+from cargohold.services.core.optim import AdamWHyperParams
+from cargohold.services.core.segment_spec import SegmentSpec
+from cargohold.services.segments.segment_registry import SegmentRegistry
 from cargohold.services.tiers.fileformat import ARRAYS
 from cargohold.services.tiers.source import tensor_source
 from cargohold.services.tiers.storage import TieredStorage

@@ -13,7 +13,7 @@ from ray_start import started_once_more
 from transport_server import G1, GLOBAL_NORM, LR, RUN, W0, Served, make_spec, serving
 
 # Everything the tests start binds loopback: cargohold's servers (read by
-# cargohold.services.node in every actor, which inherits this environment through the
+# cargohold.services.core.node in every actor, which inherits this environment through the
 # raylets the tests start) and gloo's sockets.
 os.environ["CARGOHOLD_NODE_IP"] = "127.0.0.1"
 os.environ["GLOO_SOCKET_IFNAME"] = "lo"

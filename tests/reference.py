@@ -40,17 +40,17 @@ from ports import free_port
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_io import from_dict
+from cargohold.services.core.layout import Layout, scatter_params
+from cargohold.services.core.optim import clip_, clip_coefficient, global_norm_from_squares, sum_of_squares
+from cargohold.services.core.wire import WIRE_DTYPES
 from cargohold.services.data import dropout_seed
 from cargohold.services.data.evaluation import open_eval_set
 from cargohold.services.data.sources import open_source
-from cargohold.services.layout import Layout, scatter_params
-from cargohold.services.model_setup import model_layout, share_collectives
 from cargohold.services.models.blocks import transformer_blocks
 from cargohold.services.models.build import build_model
-from cargohold.services.optim import clip_, clip_coefficient, global_norm_from_squares, sum_of_squares
-from cargohold.services.param_groups import resolve_param_groups
-from cargohold.services.sharding import local_tensors, params_to_range, units_of
-from cargohold.services.wire import WIRE_DTYPES
+from cargohold.services.worker.model_setup import model_layout, share_collectives
+from cargohold.services.worker.param_groups import resolve_param_groups
+from cargohold.services.worker.sharding import local_tensors, params_to_range, units_of
 
 STATES = ("masters", "exp_avg", "exp_avg_sq")
 
@@ -381,7 +381,7 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
         fully_shard(model, mp_policy=policy, reshard_after_forward=False)
         if world > 2:
             # The workers (one host) reduce through shared memory; from three ranks on the
-            # order of the sum is theirs, not gloo's (services/colocated_collectives.py).
+            # order of the sum is theirs, not gloo's (services/worker/colocated_collectives.py).
             share_collectives(units, layout, config.worker, "cpu", config.run_id or "reference")
         o = config.optim
         params = [dict(model.named_parameters())[slot.name] for slot in layout.params]

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.segment_state import SegmentSpec, SegmentState
+from cargohold.services.core.optim import AdamWHyperParams
+from cargohold.services.core.segment_spec import SegmentSpec
+from cargohold.services.segments.segment_state import SegmentState
 
 HYPER = AdamWHyperParams(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
 """The spec's hyper-parameters: clipping on."""

@@ -11,8 +11,8 @@ import torch
 import torch.multiprocessing as mp
 from ports import free_port
 
-from cargohold.services.layout import Layout
-from cargohold.services.state_port import LocalPort
+from cargohold.services.core.layout import Layout
+from cargohold.services.worker.state_port import LocalPort
 
 
 def run_ranks(train_all: Callable[..., None], world: int, folder: str, names: Iterable[str]) -> dict[str, list[dict]]:

@@ -14,7 +14,7 @@ from test_training_contract import _assert_matches_reference, _layout, _run
 
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.services.data.sources import open_source
-from cargohold.services.metrics import TRANSPORT_SENT_BYTES
+from cargohold.services.metrics.names import TRANSPORT_SENT_BYTES
 
 pytestmark = pytest.mark.integration
 

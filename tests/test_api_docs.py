@@ -12,8 +12,8 @@ import pytest
 import cargohold
 from cargohold.api import reference
 from cargohold.cluster.config_io import load_config
-from cargohold.services.model_setup import model_layout
-from cargohold.services.param_groups import resolve_param_groups
+from cargohold.services.worker.model_setup import model_layout
+from cargohold.services.worker.param_groups import resolve_param_groups
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 

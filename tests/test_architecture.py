@@ -1,9 +1,10 @@
-"""Which module may import which: the core (layout, partitions, planner, optim, file
-format, errors) imports neither Ray nor gRPC, the config schema imports only the core,
-nothing below the Python API imports it, the gRPC client shares types with the server
-instead of importing it, and no module-level import cycle exists. Checked on the source
-(every module's top-level imports) and in a fresh interpreter (what importing a module
-really loads)."""
+"""Which module may import which. The folders show the processes: services/worker runs in
+a training worker, services/server only in a state server, and neither imports the other;
+the folders both use (core, segments, tiers, checkpoint, transport, metrics, data,
+models) import neither. The core (services/core and the tiers' math) imports neither Ray
+nor gRPC, the config schema imports only the core, nothing below the Python API imports
+it, and no module-level import cycle exists. Checked on the source (every module's
+top-level imports) and in a fresh interpreter (what importing a module really loads)."""
 
 from __future__ import annotations
 
@@ -21,21 +22,15 @@ PACKAGES = {
     "cargohold.services": ROOT / "services",
     "cargohold.cluster": ROOT / "cluster",
 }
-CORE = frozenset(
+CORE_EXTRA = frozenset(
     {
-        "cargohold.services.wire",
-        "cargohold.services.errors",
-        "cargohold.services.layout",
-        "cargohold.services.optim",
-        "cargohold.services.loss_scale",
-        "cargohold.services.state_precision",
         "cargohold.services.tiers.fileformat",
         "cargohold.services.tiers.partitions",
         "cargohold.services.tiers.planner",
         "cargohold.services.tiers.residency",
     }
 )
-"""The pure logic: testable without a cluster, importable anywhere."""
+"""The tiers' pure logic (file format, partitions, planner), which the planner imports too."""
 RUNTIMES = ("ray", "grpc", "grpc_health", "transformers", "prometheus_client")
 
 
@@ -69,6 +64,26 @@ def _top_level_imports(path: Path, known: dict[str, Path]) -> set[str]:
 
 PACKAGE_INITS = frozenset(name for name, path in _modules().items() if path.name == "__init__.py")
 GRAPH = {name: _top_level_imports(path, _modules()) - {name} for name, path in _modules().items()}
+CORE = frozenset(m for m in GRAPH if m.startswith("cargohold.services.core.")) | CORE_EXTRA
+"""The pure logic (services/core/ and the tiers' math): testable without a cluster,
+importable anywhere."""
+WORKER = "cargohold.services.worker"
+SERVER = "cargohold.services.server"
+SHARED = tuple(
+    f"cargohold.services.{folder}"
+    for folder in ("core", "segments", "tiers", "checkpoint", "transport", "metrics", "data", "models")
+)
+"""What both processes may import: neither imports the worker's or the server's modules."""
+
+
+def _importing(importers: str, imported: str) -> dict[str, list[str]]:
+    """Modules under ``importers`` that import modules under ``imported``, with what."""
+    found = {
+        module: sorted(t for t in targets if t == imported or t.startswith(imported + "."))
+        for module, targets in GRAPH.items()
+        if module == importers or module.startswith(importers + ".")
+    }
+    return {module: targets for module, targets in found.items() if targets}
 
 
 def _loaded_by(module: str) -> set[str]:
@@ -153,17 +168,31 @@ def test_importing_the_package_root_loads_no_runtime() -> None:
     assert not sorted(m for m in loaded if m.split(".")[0] in (*RUNTIMES, "torch"))
 
 
-def test_the_client_does_not_import_the_server_or_its_storage() -> None:
+def test_the_worker_never_imports_the_servers_modules() -> None:
+    assert not _importing(WORKER, SERVER)
+
+
+def test_the_server_never_imports_the_workers_modules() -> None:
+    assert not _importing(SERVER, WORKER)
+
+
+def test_shared_folders_import_neither_process() -> None:
+    """services/core, segments, tiers, checkpoint, transport, metrics, data and models run
+    in either process: none of them imports services/worker or services/server."""
+    wrong = {f"{folder} -> {side}": _importing(folder, side) for folder in SHARED for side in (WORKER, SERVER)}
+    assert not {k: v for k, v in wrong.items() if v}
+
+
+def test_the_client_does_not_import_the_segment_store() -> None:
+    """The gRPC client shares the update call and the segment's spec (services/core) with the
+    server; a worker whose segments all live on state servers loads no segment store through it."""
     client = GRAPH["cargohold.services.transport.grpc_client"]
-    assert not client & {
-        "cargohold.services.transport.grpc_server",
-        "cargohold.services.transport.servicer",
-        "cargohold.services.tiers.storage",
-    }
+    assert not {t for t in client if t.startswith("cargohold.services.segments.")}
+    assert not client & {"cargohold.services.tiers.storage", "cargohold.services.tiers.nvme"}
 
 
 def test_only_the_launcher_imports_the_worker_actor() -> None:
-    importers = {m for m, targets in GRAPH.items() if "cargohold.services.worker" in targets}
+    importers = {m for m, targets in GRAPH.items() if "cargohold.services.worker.actor" in targets}
     assert importers == {"cargohold.cluster.launcher"}
 
 

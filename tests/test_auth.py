@@ -19,13 +19,13 @@ from bulk_peers import closed_by_peer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transport_server import DEADLINE_S, G1, GLOBAL_NORM, LR, NUMEL, RUN, W0, assert_bitwise_equal, make_spec
 
-from cargohold.services.errors import ConfigError, TransportError
-from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.core.errors import ConfigError, TransportError
+from cargohold.services.metrics.server import StateServerMetrics
+from cargohold.services.segments.segment_registry import SegmentRegistry
+from cargohold.services.server.grpc_server import GrpcStateServer
 from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor, bearer
 from cargohold.services.transport.codec import SERVICE_NAME
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
-from cargohold.services.transport.grpc_server import GrpcStateServer
 from cargohold.services.transport.limits import CallLimits
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

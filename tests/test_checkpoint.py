@@ -30,10 +30,10 @@ from hypothesis import strategies as st
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest, read_flat_range
-from cargohold.services.errors import CheckpointError, CorruptCheckpointError
-from cargohold.services.layout import scatter_params
-from cargohold.services.reshard import segment_runs
-from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.checkpoint.reshard import segment_runs
+from cargohold.services.core.errors import CheckpointError, CorruptCheckpointError
+from cargohold.services.core.layout import scatter_params
+from cargohold.services.segments.segment_registry import SegmentRegistry
 from cargohold.services.tiers.fileformat import ARRAYS, FileLayout
 from cargohold.services.tiers.partitions import elements_per_partition
 from cargohold.services.tiers.storage import TieredStorage

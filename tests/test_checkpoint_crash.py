@@ -17,7 +17,7 @@ import pytest
 from checkpoint_writers import WRITER_KEEP, Zygote, verify_writer_checkpoint
 
 from cargohold.services.checkpoint import CheckpointDir
-from cargohold.services.errors import CheckpointError
+from cargohold.services.core.errors import CheckpointError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -26,7 +26,7 @@ from checkpoints import (
 )
 
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, read_flat_range
-from cargohold.services.errors import CheckpointError, CorruptCheckpointError
+from cargohold.services.core.errors import CheckpointError, CorruptCheckpointError
 from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout
 
 pytestmark = pytest.mark.timeout(120)

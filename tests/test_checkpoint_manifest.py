@@ -23,9 +23,9 @@ from cargohold.services.checkpoint import (
     check_compatible,
     read_flat_range,
 )
-from cargohold.services.errors import CargoholdError, CheckpointError, CorruptCheckpointError
-from cargohold.services.layout import build_layout
-from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.core.errors import CargoholdError, CheckpointError, CorruptCheckpointError
+from cargohold.services.core.layout import build_layout
+from cargohold.services.segments.segment_registry import SegmentRegistry
 from cargohold.services.tiers.storage import TieredStorage
 
 pytestmark = pytest.mark.timeout(120)

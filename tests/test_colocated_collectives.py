@@ -1,4 +1,4 @@
-"""FSDP2's collectives through shared memory (services/colocated_collectives.py): the same
+"""FSDP2's collectives through shared memory (services/worker/colocated_collectives.py): the same
 bits as gloo's at two ranks, the documented order at three, in pieces when a collective
 is larger than a region's half, gloo kept on every rank when any rank cannot join, and a
 clear error, not a hang, when a peer exits.
@@ -17,11 +17,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from ports import free_port
 
-from cargohold.services import colocated_collectives
-from cargohold.services.colocated_collectives import connect
-from cargohold.services.errors import InvalidTensorError, TrainingError
-from cargohold.services.shared_barrier import POLL_S
+from cargohold.services.core.errors import InvalidTensorError, TrainingError
 from cargohold.services.transport.shm import RegionCache
+from cargohold.services.worker import colocated_collectives
+from cargohold.services.worker.colocated_collectives import connect
+from cargohold.services.worker.shared_barrier import POLL_S
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SIZES = (1, 7, 1000, 40_003)

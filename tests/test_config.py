@@ -26,7 +26,7 @@ from cargohold.cluster.config_docs import REGENERATE, render_reference, type_nam
 from cargohold.cluster.config_io import from_dict, load_config, to_dict
 from cargohold.cluster.config_model import GPTConfig
 from cargohold.cluster.config_optim import OptimConfig
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
 

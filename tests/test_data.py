@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.data import batch_for_step, generate_corpus, load_tokens
-from cargohold.services.errors import ConfigError
 
 TOKENS = load_tokens(None, 5_000, seed=0)
 ARGS = dict(step=3, rank=0, world_size=1, batch_size=4, seq_len=16, seed=0)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.data import batch_for_step, load_tokens
 from cargohold.services.data.batches import BatchShape, loss_weight
 from cargohold.services.data.blocks import TokenBlocks
@@ -18,7 +19,6 @@ from cargohold.services.data.chat import counted_tokens, response_spans
 from cargohold.services.data.corpus import ByteCorpus
 from cargohold.services.data.packing import pack, stream_dtype
 from cargohold.services.data.sampling import step_blocks
-from cargohold.services.errors import ConfigError
 from cargohold.services.models.loss import IGNORE_INDEX, mean_token_loss
 
 # --- the global batch -------------------------------------------------------------------

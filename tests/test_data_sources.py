@@ -21,11 +21,11 @@ from reference import tiny_config  # noqa: E402
 
 from cargohold.cluster import cli  # noqa: E402
 from cargohold.cluster.config_io import load_config  # noqa: E402
+from cargohold.services.core.errors import ConfigError  # noqa: E402
 from cargohold.services.data import tokenization  # noqa: E402
 from cargohold.services.data.blocks import TokenBlocks  # noqa: E402
 from cargohold.services.data.rows import DocumentRows  # noqa: E402
 from cargohold.services.data.sources import open_source  # noqa: E402
-from cargohold.services.errors import ConfigError  # noqa: E402
 from cargohold.services.models.dimensions import sequence_length  # noqa: E402
 from cargohold.services.models.loss import IGNORE_INDEX  # noqa: E402
 

@@ -4,7 +4,7 @@ Structural checks only, with no Kubernetes API server: every manifest parses, na
 apiVersion, kind and metadata.name, and carries the fields KubeRay, prometheus-operator
 and Grafana need; the manifests agree with each other and with the code (Ray version,
 custom resources, the training config). Every PromQL expression of the dashboard is
-parsed with promql-parser and may select only metrics that services/metrics.py exports.
+parsed with promql-parser and may select only metrics that services/metrics/names.py exports.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ import yaml
 
 from cargohold.cluster.config import SecurityConfig
 from cargohold.cluster.config_io import load_config
-from cargohold.services.metrics import METRIC_NAMES, LauncherMetrics, StateServerMetrics, WorkerMetrics
+from cargohold.services.metrics.launcher import LauncherMetrics
+from cargohold.services.metrics.names import METRIC_NAMES
+from cargohold.services.metrics.server import StateServerMetrics
+from cargohold.services.metrics.worker import WorkerMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -291,7 +294,7 @@ def _histograms() -> frozenset[str]:
 
 
 def unknown_metrics(expr: str, *, promql: bool = True) -> list[str]:
-    """The `cargohold_` names in `expr` that services/metrics.py does not export.
+    """The `cargohold_` names in `expr` that services/metrics/names.py does not export.
 
     A name counts with a companion suffix stripped: `_bucket`, `_sum`, `_count` only on a
     histogram, `_created` on a histogram or a counter (whose exported name ends `_total`).

@@ -22,9 +22,9 @@ from cargohold.cluster.export import master_weights
 from cargohold.cluster.plan.description import ClusterDescription
 from cargohold.cluster.plan.render import render
 from cargohold.cluster.plan.run import plan_run
-from cargohold.services.errors import LayoutError
-from cargohold.services.layout import DEVICE, build_layout
-from cargohold.services.state_precision import stored_bytes
+from cargohold.services.core.errors import LayoutError
+from cargohold.services.core.layout import DEVICE, build_layout
+from cargohold.services.core.state_precision import stored_bytes
 
 SHAPES = [("wte", (300, 48)), ("ln", (48,)), ("fc", (100, 48)), ("bias", (100,)), ("head", (7, 48))]
 

@@ -21,11 +21,11 @@ from data_fixtures import conversation, make_tokenizer, tiny_llama, write_chat  
 from reference import tiny_config  # noqa: E402
 
 from cargohold.cluster import cli  # noqa: E402
+from cargohold.services.core.errors import ConfigError  # noqa: E402
 from cargohold.services.data.batches import BatchShape  # noqa: E402
 from cargohold.services.data.chat import render_conversation  # noqa: E402
 from cargohold.services.data.rows import DocumentRows, OverlongCounts, place_documents  # noqa: E402
 from cargohold.services.data.sources import open_source  # noqa: E402
-from cargohold.services.errors import ConfigError  # noqa: E402
 from cargohold.services.models.gpt import GPT  # noqa: E402
 from cargohold.services.models.hf import HFCausalLM  # noqa: E402
 from cargohold.services.models.loss import IGNORE_INDEX  # noqa: E402
@@ -303,7 +303,8 @@ def test_the_step_loss_and_gradient_are_the_token_mean_however_rows_are_split(
 def test_a_run_reports_what_the_placement_made_of_the_documents(ray_local, tmp_path: Path, tokenizer_dir: Path) -> None:
     """TrainResult.data_documents and the launcher's gauge carry the counts the log prints."""
     from cargohold.cluster.supervise import train
-    from cargohold.services.metrics import DATA_DOCUMENTS, LauncherMetrics
+    from cargohold.services.metrics.launcher import LauncherMetrics
+    from cargohold.services.metrics.names import DATA_DOCUMENTS
 
     config = dataclasses.replace(_chat_config(tmp_path, tokenizer_dir, block_size=24, overlong="split"), steps=2)
     expected = open_source(config)

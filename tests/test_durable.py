@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from system import mounted_tmpfs
 
-from cargohold.services.durable import TEMP_SUFFIX, replace_durably
+from cargohold.services.core.durable import TEMP_SUFFIX, replace_durably
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,7 +81,7 @@ def test_a_full_disk_keeps_the_previous_file(tmp_path: Path) -> None:
 
 WRITER = textwrap.dedent("""
     import os, resource, signal, sys, time
-    from cargohold.services.durable import replace_durably
+    from cargohold.services.core.durable import replace_durably
 
     target, how = sys.argv[1], sys.argv[2]
     if how == "limit":  # a write past 64 KiB fails with EFBIG instead of killing the process

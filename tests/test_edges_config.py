@@ -26,7 +26,7 @@ from cargohold.cluster import cli
 from cargohold.cluster.claims import claimed_folders
 from cargohold.cluster.config import CheckpointConfig, TrainConfig
 from cargohold.cluster.launcher import TrainingSession
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -25,11 +25,11 @@ from data_fixtures import CHAT_TEMPLATE, make_tokenizer, write_chat  # noqa: E40
 from reference import tiny_config  # noqa: E402
 
 from cargohold.cluster import cli  # noqa: E402
+from cargohold.services.core.errors import ConfigError  # noqa: E402
 from cargohold.services.data import chat  # noqa: E402
 from cargohold.services.data.evaluation import open_eval_set  # noqa: E402
 from cargohold.services.data.sources import open_source  # noqa: E402
-from cargohold.services.errors import ConfigError  # noqa: E402
-from cargohold.services.task import ConfigTask  # noqa: E402
+from cargohold.services.worker.task import ConfigTask  # noqa: E402
 
 VOCAB = 384
 

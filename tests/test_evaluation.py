@@ -16,10 +16,11 @@ from reference import reference_train, tiny_config
 
 from cargohold.cluster import cli
 from cargohold.cluster.supervise import train
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.data import generate_corpus
 from cargohold.services.data.evaluation import EvalSet, open_eval_set
-from cargohold.services.errors import ConfigError
-from cargohold.services.metrics import EVAL_LOSS, EVAL_PERPLEXITY, EVAL_STEP, LauncherMetrics
+from cargohold.services.metrics.launcher import LauncherMetrics
+from cargohold.services.metrics.names import EVAL_LOSS, EVAL_PERPLEXITY, EVAL_STEP
 from cargohold.services.models.loss import IGNORE_INDEX
 
 

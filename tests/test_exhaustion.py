@@ -46,11 +46,11 @@ from transport_server import (
     wait_until,
 )
 
-from cargohold.services.errors import InvalidTensorError
+from cargohold.services.core.errors import InvalidTensorError
+from cargohold.services.core.wire import MIN_CHUNK_BYTES
 from cargohold.services.transport.codec import SERVICE_NAME, fill_chunk
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.limits import CallLimits
-from cargohold.services.wire import MIN_CHUNK_BYTES
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
 
@@ -264,8 +264,8 @@ def test_keepalive_drops_the_calls_of_a_peer_that_stopped_answering() -> None:
 _TOKEN_SERVER = """
 import sys
 from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.transport.grpc_server import GrpcStateServer
+from cargohold.services.segments.segment_registry import SegmentRegistry
+from cargohold.services.server.grpc_server import GrpcStateServer
 server = GrpcStateServer(SegmentRegistry(), StateServerMetrics("s"), run_id="r", host="127.0.0.1", auth_token="t")
 server.start()
 print(server.address, flush=True)

@@ -23,9 +23,9 @@ from data_fixtures import conversation, make_tokenizer, tiny_llama, write_chat  
 from reference import reference_train, tiny_config  # noqa: E402
 
 from cargohold.cluster.export import export_weights  # noqa: E402
-from cargohold.services.layout import gather_params  # noqa: E402
-from cargohold.services.model_setup import model_layout  # noqa: E402
+from cargohold.services.core.layout import gather_params  # noqa: E402
 from cargohold.services.models.build import build_model  # noqa: E402
+from cargohold.services.worker.model_setup import model_layout  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ from actor_faults import kill_actor
 from reference import tiny_config
 
 from cargohold.cluster.launcher import TrainingSession, _get
-from cargohold.services.errors import ConfigError, TrainingError
+from cargohold.services.core.errors import ConfigError, TrainingError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 DETECTION_LIMIT_S = 60.0

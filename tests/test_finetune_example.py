@@ -19,9 +19,9 @@ transformers = pytest.importorskip("transformers")
 
 from cargohold.cluster.config_io import load_config  # noqa: E402
 from cargohold.services.checkpoint import CheckpointDir, read_flat_range  # noqa: E402
-from cargohold.services.layout import gather_params  # noqa: E402
-from cargohold.services.model_setup import model_layout  # noqa: E402
+from cargohold.services.core.layout import gather_params  # noqa: E402
 from cargohold.services.models.build import build_model  # noqa: E402
+from cargohold.services.worker.model_setup import model_layout  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -27,13 +27,13 @@ from cargohold.cluster.plan.run import plan_run
 from cargohold.cluster.supervise import train
 from cargohold.services.checkpoint import CheckpointDir, Manifest, read_flat_range
 from cargohold.services.checkpoint.manifest import LossScaleRecord
-from cargohold.services.errors import CheckpointError, ConfigError, InvalidTensorError
-from cargohold.services.loss_scale import LossScaleRules, LossScaleState, next_state
-from cargohold.services.metrics import WORKER_LOSS_SCALE, WORKER_SKIPPED_STEPS
-from cargohold.services.model_setup import check_compute_dtype
-from cargohold.services.segment_state import SegmentState
-from cargohold.services.step_report import StepReport
-from cargohold.services.wire import check_representable
+from cargohold.services.core.errors import CheckpointError, ConfigError, InvalidTensorError
+from cargohold.services.core.loss_scale import LossScaleRules, LossScaleState, next_state
+from cargohold.services.core.wire import check_representable
+from cargohold.services.metrics.names import WORKER_LOSS_SCALE, WORKER_SKIPPED_STEPS
+from cargohold.services.segments.segment_state import SegmentState
+from cargohold.services.worker.model_setup import check_compute_dtype
+from cargohold.services.worker.step_report import StepReport
 
 FP16 = {"worker__compute_dtype": "float16", "worker__grad_wire_dtype": "float16"}
 OVERFLOWING = {"optim__loss_scale__init_scale": 2.0**18, "optim__loss_scale__growth_interval": 2}

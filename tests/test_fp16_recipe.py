@@ -13,13 +13,13 @@ import pytest
 import torch
 from reference import RecipeRun, ReferenceResult, grad_scaler_recipe, reference_train, tiny_config
 
-from cargohold.services.layout import Layout, scatter_params
-from cargohold.services.model_setup import model_layout
+from cargohold.services.core.layout import Layout, scatter_params
+from cargohold.services.core.optim import global_norm_from_squares, sum_of_squares
 from cargohold.services.models.build import build_model
-from cargohold.services.optim import global_norm_from_squares, sum_of_squares
-from cargohold.services.param_groups import resolve_param_groups
-from cargohold.services.segment_state import SegmentState
-from cargohold.services.state_port import segment_spec
+from cargohold.services.segments.segment_state import SegmentState
+from cargohold.services.worker.model_setup import model_layout
+from cargohold.services.worker.param_groups import resolve_param_groups
+from cargohold.services.worker.state_port import segment_spec
 
 RECIPE = {
     "worker__compute_dtype": "float16",

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from cargohold.cluster.config_model import GPTConfig
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.data import batch_for_step, load_tokens
-from cargohold.services.errors import ConfigError
 from cargohold.services.models.gpt import GPT, num_parameters
 from cargohold.services.models.init import initialize
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from reference import tiny_config
 
 from cargohold.cluster.launcher import TrainingSession, connect_ray
-from cargohold.services.errors import ConfigError
-from cargohold.services.worker import process_group_backend
+from cargohold.services.core.errors import ConfigError
+from cargohold.services.worker.actor import process_group_backend
 
 MORE = torch.cuda.device_count() + 1
 """More GPUs than this node has."""

@@ -18,7 +18,7 @@ import pytest
 import torch
 from reference import tiny_config
 
-from cargohold.services.task import ConfigTask
+from cargohold.services.worker.task import ConfigTask
 
 ROOT = Path(__file__).resolve().parents[1]
 MINUTES_6 = 360
@@ -111,7 +111,7 @@ def test_the_installed_cargohold_is_checked_against_the_tree(tmp_path: Path) -> 
     step = packages["cargohold.services"] / "step.py"
     step.write_text(step.read_text() + "# built from an older tree\n")
     (packages["cargohold.cluster"] / "launcher.py").unlink()
-    assert gpu_check.stale_files(locate) == ["services/step.py", "cluster/launcher.py"]
+    assert gpu_check.stale_files(locate) == ["services/worker/step.py", "cluster/launcher.py"]
 
 
 def test_the_versions_come_first_naming_torch_and_cargohold() -> None:

@@ -23,9 +23,9 @@ from reference import reference_train, tiny_config  # noqa: E402
 
 from cargohold.cluster.export import master_weights  # noqa: E402
 from cargohold.cluster.launcher import TrainingSession  # noqa: E402
-from cargohold.services.errors import ConfigError  # noqa: E402
-from cargohold.services.model_setup import model_layout  # noqa: E402
+from cargohold.services.core.errors import ConfigError  # noqa: E402
 from cargohold.services.models.build import buffer_values, build_model, parameter_values  # noqa: E402
+from cargohold.services.worker.model_setup import model_layout  # noqa: E402
 
 T = transformers
 STEPS = 3

@@ -29,11 +29,11 @@ from cargohold.cluster.export import (  # noqa: E402
     master_weights,
 )
 from cargohold.cluster.launcher import TrainingSession  # noqa: E402
-from cargohold.services.errors import ConfigError, ExportError  # noqa: E402
-from cargohold.services.layout import gather_params, scatter_params  # noqa: E402
-from cargohold.services.model_setup import model_layout  # noqa: E402
+from cargohold.services.core.errors import ConfigError, ExportError  # noqa: E402
+from cargohold.services.core.layout import gather_params, scatter_params  # noqa: E402
 from cargohold.services.models.build import build_model  # noqa: E402
 from cargohold.services.models.hf import HFCausalLM, hf_name  # noqa: E402
+from cargohold.services.worker.model_setup import model_layout  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -32,7 +32,7 @@ LOAD = """
 import sys
 from cargohold.cluster.config_model import HFModelConfig
 from cargohold.services.data.tokenizer import load_tokenizer
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.hf import pretrained_config
 from pathlib import Path
 try:

@@ -14,12 +14,12 @@ import pytest
 
 from cargohold.cluster.config import WorkerConfig
 from cargohold.cluster.launcher import worker_env
-from cargohold.services.host_allocator import loaded_allocator, resolve_allocator
+from cargohold.services.worker.host_allocator import loaded_allocator, resolve_allocator
 
 ALLOCATE_AGAIN = """
 import json, resource
 import torch
-from cargohold.services.host_allocator import loaded_allocator
+from cargohold.services.worker.host_allocator import loaded_allocator
 # A step's buffers, as a unit's gathered weights, gradients and activations: allocated,
 # filled and freed, step after step.
 SIZES = [6 << 20, 6 << 20, 3 << 19, 3 << 19, 24 << 20, 1 << 20]

@@ -16,7 +16,7 @@ from reference import tiny_config
 from cargohold.cluster import cli
 from cargohold.cluster.plan.run import budgeted_config, plan_run
 from cargohold.cluster.plan.runtime import DRIVER_RUNTIME_BYTES, SERVER_RUNTIME_BYTES, WORKER_RUNTIME_BYTES
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 
 MiB = 1 << 20
 

@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 from ports import free_port
 from reference import tiny_config
 
-from cargohold.services.model_setup import sharded_model
-from cargohold.services.sharding import backward_gathered_units
+from cargohold.services.worker.model_setup import sharded_model
+from cargohold.services.worker.sharding import backward_gathered_units
 
 LAYERS = 4
 

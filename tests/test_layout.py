@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cargohold.services.errors import LayoutError
-from cargohold.services.layout import Layout, build_layout, fragment_views, gather_params, scatter_params
+from cargohold.services.core.errors import LayoutError
+from cargohold.services.core.layout import Layout, build_layout, fragment_views, gather_params, scatter_params
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,15 +14,12 @@ from contextlib import contextmanager
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cargohold.services.errors import ConfigError
-from cargohold.services.metrics import (
-    HTTP_THREADS,
-    METRIC_NAMES,
-    LauncherMetrics,
-    MetricsEndpoint,
-    StateServerMetrics,
-    WorkerMetrics,
-)
+from cargohold.services.core.errors import ConfigError
+from cargohold.services.metrics.endpoint import HTTP_THREADS, MetricsEndpoint
+from cargohold.services.metrics.launcher import LauncherMetrics
+from cargohold.services.metrics.names import METRIC_NAMES
+from cargohold.services.metrics.server import StateServerMetrics
+from cargohold.services.metrics.worker import WorkerMetrics
 
 pytestmark = pytest.mark.timeout(60)
 

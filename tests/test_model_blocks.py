@@ -15,7 +15,7 @@ from ports import free_port
 from torch import nn
 
 from cargohold.cluster.config_model import GPTConfig
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.blocks import apply_activation_checkpointing, transformer_blocks
 from cargohold.services.models.gpt import GPT
 from cargohold.services.models.init import initialize

@@ -14,7 +14,7 @@ from test_model_init import max_bytes_per_value
 
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_io import from_dict
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.build import buffer_values, build_model, parameter_values
 from cargohold.services.models.gpt import GPT
 from cargohold.services.models.init import initialize, module_seed

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cargohold.cluster.config_model import GPTConfig
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.gpt import GPT
 from cargohold.services.models.init import init_order, initial_values, initialize, module_seed
 

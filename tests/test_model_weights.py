@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from cargohold.services.errors import ConfigError, LayoutError
+from cargohold.services.core.errors import ConfigError, LayoutError
 from cargohold.services.models.weights import INDEX_FILE, checkpoint_rows, checkpoint_tensors, tensor_files
 
 transformers = pytest.importorskip("transformers")

@@ -8,7 +8,7 @@ import torch
 from reference import tiny_config
 
 from cargohold.cluster.launcher import TrainingSession
-from cargohold.services.errors import TrainingError
+from cargohold.services.core.errors import TrainingError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from cargohold import OffloadedAdamW
 from cargohold.services.checkpoint import CheckpointDir
-from cargohold.services.errors import OptimizerError
+from cargohold.services.core.errors import OptimizerError
 from cargohold.services.tiers.fileformat import parse_header
 
 pytestmark = pytest.mark.timeout(120)

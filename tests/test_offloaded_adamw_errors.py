@@ -14,7 +14,7 @@ from own_loops import LR, TinyMLP, assert_same_bits, local_servers, offloaded, p
 from torch import nn
 
 from cargohold import OffloadedAdamW, connect_state_servers
-from cargohold.services.errors import CheckpointError, OptimizerError, TransportError
+from cargohold.services.core.errors import CheckpointError, OptimizerError, TransportError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -23,8 +23,8 @@ from adamw_runs import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cargohold.services.layout import build_layout
-from cargohold.services.optim import (
+from cargohold.services.core.layout import build_layout
+from cargohold.services.core.optim import (
     AdamWHyperParams,
     AdamWState,
     FragmentGroup,

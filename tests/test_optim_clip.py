@@ -20,7 +20,7 @@ from adamw_runs import (
     torch_reference,
 )
 
-from cargohold.services.optim import (
+from cargohold.services.core.optim import (
     CLIP_EPSILON,
     AdamWHyperParams,
     AdamWState,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cargohold.services.errors import ConfigError
-from cargohold.services.optim import AdamWHyperParams
+from cargohold.services.core.errors import ConfigError
+from cargohold.services.core.optim import AdamWHyperParams
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,11 +10,12 @@ import logging
 import pytest
 import torch
 
-from cargohold.services.metrics import WORKER_PAGE_LOCK_FALLBACKS, WorkerMetrics
-from cargohold.services.page_lock import PageLockRefused, cudart_path, page_lock
-from cargohold.services.state_port import ExchangeBuffers
+from cargohold.services.metrics.names import WORKER_PAGE_LOCK_FALLBACKS
+from cargohold.services.metrics.worker import WorkerMetrics
 from cargohold.services.transport.shm import RegionCache, region_name
-from cargohold.services.worker import report_pageable
+from cargohold.services.worker.actor import report_pageable
+from cargohold.services.worker.page_lock import PageLockRefused, cudart_path, page_lock
+from cargohold.services.worker.state_port import ExchangeBuffers
 
 RUN = "pagelock-run"
 SLOT = 4096
@@ -60,7 +61,7 @@ def test_buffers_not_asked_to_pin_are_not() -> None:
 def test_a_refusal_is_warned_once_naming_the_reason_and_counted(caplog: pytest.LogCaptureFixture) -> None:
     metrics = WorkerMetrics(rank=3)
     refused = ExchangeBuffers([], pin_refused=PageLockRefused("cuda_error", "cudaHostRegister failed with error 2"))
-    with caplog.at_level(logging.WARNING, logger="cargohold.services.worker"):
+    with caplog.at_level(logging.WARNING, logger="cargohold.services.worker.actor"):
         report_pageable(refused, 3, metrics)
         report_pageable(ExchangeBuffers([]), 3, metrics)  # pinned (or not asked): silent
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -14,11 +14,11 @@ from reference import tiny_config
 
 from cargohold.cluster import cli
 from cargohold.cluster.config import TrainConfig
-from cargohold.services.errors import ConfigError
-from cargohold.services.layout import Layout
-from cargohold.services.model_setup import model_layout
-from cargohold.services.optim import UpdateGroup
-from cargohold.services.param_groups import ParamGroups, resolve_param_groups
+from cargohold.services.core.errors import ConfigError
+from cargohold.services.core.layout import Layout
+from cargohold.services.core.optim import UpdateGroup
+from cargohold.services.worker.model_setup import model_layout
+from cargohold.services.worker.param_groups import ParamGroups, resolve_param_groups
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ import pytest
 from cargohold.cluster.plan.description import ClusterDescription, NodeGroup, load_cluster
 from cargohold.cluster.plan.run import plan_run
 from cargohold.cluster.sizes import format_bytes, parse_size
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 from tests.plans import nvme_tier
 from tests.reference import tiny_config
 

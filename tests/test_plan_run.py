@@ -134,7 +134,7 @@ def test_worker_buffers_match_a_real_run(ray_local) -> None:
     checkpointed blocks kept gathered: every worker's buffers are at most the plan's,
     rank 0's equal, and the bytes pushed and fetched are the plan's."""
     from cargohold.cluster.launcher import TrainingSession
-    from cargohold.services.host_allocator import loaded_allocator
+    from cargohold.services.worker.host_allocator import loaded_allocator
 
     config = tiny_config(
         steps=2,

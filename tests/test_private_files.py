@@ -13,10 +13,10 @@ import pytest
 import torch
 from tier_stores import LR, NORM, open_storage, seeded_randn, tier_config, tier_segment_spec
 
-from cargohold.services.errors import TierError
-from cargohold.services.private_files import create_file, open_file, private_folders
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.weight_files import WeightFiles
+from cargohold.services.core.errors import TierError
+from cargohold.services.core.private_files import create_file, open_file, private_folders
+from cargohold.services.segments.segment_registry import SegmentRegistry
+from cargohold.services.worker.weight_files import WeightFiles
 
 pytestmark = pytest.mark.timeout(60)
 VICTIM = b"another user's file\n"

@@ -23,10 +23,10 @@ from system import mounted_tmpfs
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.cluster.supervise import train
 from cargohold.services.checkpoint import CheckpointDir, read_flat_range
-from cargohold.services.errors import CheckpointError, ConfigError, TrainingError
-from cargohold.services.layout import gather_params, scatter_params
-from cargohold.services.metrics import LauncherMetrics
-from cargohold.services.reshard import saved_layout
+from cargohold.services.checkpoint.reshard import saved_layout
+from cargohold.services.core.errors import CheckpointError, ConfigError, TrainingError
+from cargohold.services.core.layout import gather_params, scatter_params
+from cargohold.services.metrics.launcher import LauncherMetrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 STEPS = 8

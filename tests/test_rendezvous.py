@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from cargohold.services.worker import rendezvous_store
+from cargohold.services.worker.actor import rendezvous_store
 
 TIMEOUT = datetime.timedelta(seconds=10)
 

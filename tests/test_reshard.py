@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from cargohold.services.checkpoint import Manifest
 from cargohold.services.checkpoint.manifest import LAYOUT_KIND, FileRecord, SegmentRecord
-from cargohold.services.errors import CheckpointError, LayoutError
-from cargohold.services.layout import Layout, build_layout, scatter_params
-from cargohold.services.reshard import layout_record, saved_layout, segment_runs
+from cargohold.services.checkpoint.reshard import layout_record, saved_layout, segment_runs
+from cargohold.services.core.errors import CheckpointError, LayoutError
+from cargohold.services.core.layout import Layout, build_layout, scatter_params
 
 SHAPES = [("wte", (37, 8)), ("ln_f", (8,)), ("blocks.0.w", (13, 8)), ("blocks.0.b", (13,)), ("blocks.1.s", ())]
 
@@ -242,7 +242,7 @@ def test_a_checkpoint_resumes_under_another_unit_bound(saved_bound: int, new_bou
     embeddings and head): the runs follow them by name."""
     from reference import tiny_config
 
-    from cargohold.services.model_setup import model_layout
+    from cargohold.services.worker.model_setup import model_layout
 
     def layout(bound: int, workers: int) -> Layout:
         return model_layout(tiny_config(model__n_layer=3, worker__num_workers=workers, worker__max_unit_params=bound))[

@@ -18,8 +18,8 @@ from cargohold.cluster import cli
 from cargohold.cluster.config_io import to_dict
 from cargohold.cluster.resume import BEFORE_STATE_DTYPE, REFUSED, Change, check_resume, config_changes
 from cargohold.services.checkpoint import CheckpointDir
-from cargohold.services.errors import ConfigError, ResumeRefusedError
-from cargohold.services.model_setup import model_layout
+from cargohold.services.core.errors import ConfigError, ResumeRefusedError
+from cargohold.services.worker.model_setup import model_layout
 
 pytestmark = pytest.mark.timeout(120)
 BASE = {"steps": 8, "metrics__enabled": False}

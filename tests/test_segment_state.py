@@ -20,11 +20,12 @@ from segment_states import (
     step_gradient,
 )
 
-from cargohold.services.errors import InvalidTensorError, UpdateMismatchError
-from cargohold.services.layout import build_layout, fragment_views, scatter_params
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.segment_state import SegmentSpec, SegmentState, UpdateOutcome
+from cargohold.services.core.errors import InvalidTensorError, UpdateMismatchError
+from cargohold.services.core.layout import build_layout, fragment_views, scatter_params
+from cargohold.services.core.optim import AdamWHyperParams
+from cargohold.services.core.segment_spec import SegmentSpec, UpdateOutcome
+from cargohold.services.segments.segment_registry import SegmentRegistry
+from cargohold.services.segments.segment_state import SegmentState
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from segment_states import NUMEL, assert_snapshot_equal, initial_weights, segment_spec, step_gradient
 
-from cargohold.services.errors import CargoholdError, InvalidTensorError, SegmentConflictError, UnknownSegmentError
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.segment_state import SegmentState
+from cargohold.services.core.errors import CargoholdError, InvalidTensorError, SegmentConflictError, UnknownSegmentError
+from cargohold.services.core.optim import AdamWHyperParams
+from cargohold.services.segments.segment_registry import SegmentRegistry
+from cargohold.services.segments.segment_state import SegmentState
 
 pytestmark = pytest.mark.timeout(60)
 

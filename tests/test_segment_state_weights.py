@@ -7,7 +7,7 @@ import pytest
 import torch
 from segment_states import NUMEL, fresh_state, initial_weights, step_gradient
 
-from cargohold.services.errors import InvalidTensorError, UpdateMismatchError
+from cargohold.services.core.errors import InvalidTensorError, UpdateMismatchError
 
 pytestmark = pytest.mark.timeout(60)
 

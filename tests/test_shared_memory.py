@@ -248,7 +248,7 @@ def test_a_cancelled_call_is_counted_as_cancelled_not_as_a_server_error(caplog) 
         )
         release.wait(30)
 
-    with caplog.at_level(logging.INFO, logger="cargohold.services.transport.servicer"), serving() as s:
+    with caplog.at_level(logging.INFO, logger="cargohold.services.server.servicer"), serving() as s:
         s.client.register(make_spec(), W0)
         # The register call holds its slot until gRPC has finished it, which can be after
         # its reply reached us: a push cancelled while that slot still reads 1 may never

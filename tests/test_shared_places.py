@@ -26,8 +26,8 @@ from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_io import to_dict
 from cargohold.cluster.supervise import train
 from cargohold.services.checkpoint import CheckpointDir, Manifest
-from cargohold.services.errors import ConfigError
-from cargohold.services.step_report import StepReport
+from cargohold.services.core.errors import ConfigError
+from cargohold.services.worker.step_report import StepReport
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -24,11 +24,11 @@ from tier_stores import (
     tier_segment_spec,
 )
 
-from cargohold.services.errors import CorruptPartitionError, IncompleteUpdateError, UpdateMismatchError
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.segment_state import SegmentState
+from cargohold.services.core.errors import CorruptPartitionError, IncompleteUpdateError, UpdateMismatchError
+from cargohold.services.segments.segment_registry import SegmentRegistry
+from cargohold.services.segments.segment_state import SegmentState
+from cargohold.services.segments.weight_buffers import WeightBuffers
 from cargohold.services.tiers.residency import Residency
-from cargohold.services.weight_buffers import WeightBuffers
 
 CLIPPED, UNCLIPPED = 2.0, 0.5
 """Global norms above and below the spec's max_grad_norm (1.0)."""
@@ -122,11 +122,11 @@ def test_rss_stays_flat_while_the_whole_ranges_gradients_wait_for_the_norm(tmp_p
         import json, sys, torch
         torch.set_num_threads(1)
         from cargohold.cluster.config import TierConfig
-        from cargohold.services.optim import AdamWHyperParams
-        from cargohold.services.segment_state import SegmentSpec
-        from cargohold.services.segment_registry import SegmentRegistry
+        from cargohold.services.core.optim import AdamWHyperParams
+        from cargohold.services.core.segment_spec import SegmentSpec
+        from cargohold.services.segments.segment_registry import SegmentRegistry
         from cargohold.services.tiers.storage import TieredStorage
-        from cargohold.services.weight_buffers import WeightBuffers
+        from cargohold.services.segments.weight_buffers import WeightBuffers
         from system import proc_status, reset_peak_rss
 
         root, budget = sys.argv[1], int(sys.argv[2])

@@ -1,5 +1,5 @@
 """``optim.state_dtype`` wired end to end: the moments of a segment stored as bf16 or as
-8-bit blocks (:mod:`cargohold.services.state_precision`) in the RAM tier, in NVMe
+8-bit blocks (:mod:`cargohold.services.core.state_precision`) in the RAM tier, in NVMe
 partition files and in checkpoints, with the update decoding them around the same fused
 kernel. The kernel's own accuracy is tests/test_state_precision.py's; here: the tiers
 keep the stored form exactly (all in RAM, on disk, restored), files of a new kind are
@@ -22,11 +22,9 @@ from tier_stores import LR, NORM, NUMEL, cold_disk_file, open_storage, seeded_ra
 from cargohold.cluster import cli
 from cargohold.cluster.plan.render import render
 from cargohold.cluster.plan.run import plan_run
-from cargohold.services.errors import CorruptPartitionError
-from cargohold.services.optim import clip_coefficient
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.segment_state import SegmentState
-from cargohold.services.state_precision import (
+from cargohold.services.core.errors import CorruptPartitionError
+from cargohold.services.core.optim import clip_coefficient
+from cargohold.services.core.state_precision import (
     BLOCK_ELEMENTS,
     StateDtype,
     apply_update_stored,
@@ -36,6 +34,8 @@ from cargohold.services.state_precision import (
     stored_bytes,
     zeros,
 )
+from cargohold.services.segments.segment_registry import SegmentRegistry
+from cargohold.services.segments.segment_state import SegmentState
 from cargohold.services.tiers.fileformat import HEADER_BYTES, FileLayout, unpack_header
 from cargohold.services.tiers.residency import Residency
 from cargohold.services.transport.codec import spec_from_proto, spec_to_proto
@@ -218,7 +218,7 @@ most 4.5% (step 12, a transient spike; every other step within 1.4%), mean 0.53%
 0.18%; 8-bit at most 29% (step 11, a spike), mean 2.0%, last 0.72%. So the 1% of every
 step does not hold on this config: at its lr (0.01) steps 10-13 amplify any disturbance of
 the moments, fp32's too (benchmarks/state_dtype_spike.py, and the module docstring of
-services/state_precision.py). tests/test_state_precision.py's 200-step regressions found
+services/core/state_precision.py). tests/test_state_precision.py's 200-step regressions found
 the same (1% bf16, 30% 8-bit); LONG_TOLERANCE below is the bound over 200 steps."""
 
 

@@ -1,4 +1,4 @@
-"""The moments' stored precision (``services/state_precision.py``): each encoding's round
+"""The moments' stored precision (``services/core/state_precision.py``): each encoding's round
 trip within its stated bound, one update against a float64 AdamW within the bound the
 quantization implies, fp32 bitwise ``torch.optim.AdamW(fused=True)``, the update's pieces
 invisible in the result, clear errors for bad input, and 200-step runs of a small
@@ -27,9 +27,9 @@ import math
 import pytest
 import torch
 
-from cargohold.services.errors import ConfigError
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.state_precision import (
+from cargohold.services.core.errors import ConfigError
+from cargohold.services.core.optim import AdamWHyperParams
+from cargohold.services.core.state_precision import (
     BLOCK_ELEMENTS,
     MOMENTS,
     PIECE_ELEMENTS,

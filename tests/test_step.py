@@ -19,11 +19,11 @@ from step_runs import registry_masters, run_ranks
 
 from cargohold.services.data import dropout_seed
 from cargohold.services.data.sources import open_source
-from cargohold.services.model_setup import exchange_buffers, model_layout, sharded_model, step_policy
 from cargohold.services.models.build import build_model, parameter_values
-from cargohold.services.param_groups import resolve_param_groups
-from cargohold.services.state_port import ExchangeBuffers, LocalPort
-from cargohold.services.step import ShardedStep
+from cargohold.services.worker.model_setup import exchange_buffers, model_layout, sharded_model, step_policy
+from cargohold.services.worker.param_groups import resolve_param_groups
+from cargohold.services.worker.state_port import ExchangeBuffers, LocalPort
+from cargohold.services.worker.step import ShardedStep
 
 STRATEGIES = {
     "staged": dict(),

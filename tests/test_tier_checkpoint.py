@@ -42,8 +42,8 @@ from tier_checkpoints import (
 
 from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.checkpoint.writer import SegmentCheckpointer
-from cargohold.services.errors import CheckpointError
-from cargohold.services.segment_registry import SegmentRegistry
+from cargohold.services.core.errors import CheckpointError
+from cargohold.services.segments.segment_registry import SegmentRegistry
 from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout, parse_header
 from cargohold.services.tiers.storage import TieredStorage
 

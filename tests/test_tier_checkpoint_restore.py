@@ -32,9 +32,9 @@ from tier_checkpoints import (
 from cargohold.cluster.config import TierConfig
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest, read_flat_range
 from cargohold.services.checkpoint.writer import SegmentCheckpointer
-from cargohold.services.errors import CorruptCheckpointError
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.state_precision import StateDtype
+from cargohold.services.core.errors import CorruptCheckpointError
+from cargohold.services.core.state_precision import StateDtype
+from cargohold.services.segments.segment_registry import SegmentRegistry
 from cargohold.services.tiers.fileformat import HEADER_BYTES, FileLayout, crc32c, parse_header
 from cargohold.services.tiers.storage import TieredStorage
 
@@ -147,11 +147,11 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         from cargohold.cluster.config import TierConfig
         from cargohold.services.checkpoint import CheckpointDir, Manifest
         from cargohold.services.checkpoint.writer import SegmentCheckpointer
-        from cargohold.services.layout import build_layout
-        from cargohold.services.optim import AdamWHyperParams
-        from cargohold.services.reshard import layout_record
-        from cargohold.services.segment_state import SegmentSpec
-        from cargohold.services.segment_registry import SegmentRegistry
+        from cargohold.services.core.layout import build_layout
+        from cargohold.services.core.optim import AdamWHyperParams
+        from cargohold.services.checkpoint.reshard import layout_record
+        from cargohold.services.core.segment_spec import SegmentSpec
+        from cargohold.services.segments.segment_registry import SegmentRegistry
         from cargohold.services.tiers.storage import TieredStorage
         from system import proc_status, reset_peak_rss
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cargohold.services.errors import ConfigError, CorruptPartitionError
-from cargohold.services.layout import DEFAULT_ALIGN, build_layout
+from cargohold.services.core.errors import ConfigError, CorruptPartitionError
+from cargohold.services.core.layout import DEFAULT_ALIGN, build_layout
 from cargohold.services.tiers.fileformat import (
     BLOCK,
     HEADER_BYTES,

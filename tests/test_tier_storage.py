@@ -27,8 +27,8 @@ from tier_stores import (
     tier_segment_spec,
 )
 
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.segment_state import SegmentState
+from cargohold.services.segments.segment_registry import SegmentRegistry
+from cargohold.services.segments.segment_state import SegmentState
 from cargohold.services.tiers.residency import Residency
 
 pytestmark = pytest.mark.timeout(60)
@@ -180,9 +180,9 @@ def test_rss_growth_stays_within_the_budget_while_the_state_is_six_times_larger(
         import json, sys, torch
         torch.set_num_threads(1)
         from cargohold.cluster.config import TierConfig
-        from cargohold.services.optim import AdamWHyperParams
-        from cargohold.services.segment_state import SegmentSpec
-        from cargohold.services.segment_registry import SegmentRegistry
+        from cargohold.services.core.optim import AdamWHyperParams
+        from cargohold.services.core.segment_spec import SegmentSpec
+        from cargohold.services.segments.segment_registry import SegmentRegistry
         from cargohold.services.tiers.storage import TieredStorage
         from system import proc_status, reset_peak_rss
 

@@ -32,9 +32,9 @@ from tier_stores import (
 )
 
 from cargohold.cluster.config import StateServerConfig, TierConfig
-from cargohold.services.errors import TierError, TierSpaceError
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.state_server import StateServer
+from cargohold.services.core.errors import TierError, TierSpaceError
+from cargohold.services.segments.segment_registry import SegmentRegistry
+from cargohold.services.server.state_server import StateServer
 from cargohold.services.tiers.folders import remove_tier_folders
 from cargohold.services.tiers.nvme import check_free_space
 from cargohold.services.tiers.source import tensor_source
@@ -126,10 +126,11 @@ def test_run_ids_that_cannot_name_a_directory_are_refused(tmp_path: Path) -> Non
 _PRELUDE = textwrap.dedent(f"""
     import json, os, sys, torch
     from cargohold.cluster.config import TierConfig
-    from cargohold.services.errors import IncompleteUpdateError, TierError, TierSpaceError
-    from cargohold.services.optim import AdamWHyperParams
-    from cargohold.services.segment_state import SegmentSpec, SegmentState
-    from cargohold.services.segment_registry import SegmentRegistry
+    from cargohold.services.core.errors import IncompleteUpdateError, TierError, TierSpaceError
+    from cargohold.services.core.optim import AdamWHyperParams
+    from cargohold.services.core.segment_spec import SegmentSpec
+    from cargohold.services.segments.segment_state import SegmentState
+    from cargohold.services.segments.segment_registry import SegmentRegistry
     from cargohold.services.tiers.storage import TieredStorage
     HYPER = AdamWHyperParams(max_grad_norm=1.0, weight_decay=0.1)
     N = {NUMEL}

@@ -26,13 +26,13 @@ from tier_stores import (
     tier_segment_spec,
 )
 
-from cargohold.services.errors import CorruptPartitionError, IncompleteUpdateError
-from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.segment_state import SegmentState
+from cargohold.services.core.errors import CorruptPartitionError, IncompleteUpdateError
+from cargohold.services.metrics.server import StateServerMetrics
+from cargohold.services.segments.segment_registry import SegmentRegistry
+from cargohold.services.segments.segment_state import SegmentState
+from cargohold.services.server.grpc_server import GrpcStateServer
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
-from cargohold.services.transport.grpc_server import GrpcStateServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,9 +21,9 @@ import cargohold
 from cargohold.api.user_data import MapStyleBatches, open_user_data
 from cargohold.api.user_task import UserTask, batch_shape_of
 from cargohold.cluster.config import TrainConfig
-from cargohold.services.errors import ConfigError, TrainingError
-from cargohold.services.model_setup import model_layout
-from cargohold.services.param_groups import resolve_param_groups
+from cargohold.services.core.errors import ConfigError, TrainingError
+from cargohold.services.worker.model_setup import model_layout
+from cargohold.services.worker.param_groups import resolve_param_groups
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,10 +12,10 @@ import torch
 from reference import fsdp_reference_train, reference_train, tiny_config
 
 from cargohold.cluster.launcher import TrainingSession
+from cargohold.services.core.layout import Layout
 from cargohold.services.data.sources import open_source
-from cargohold.services.layout import Layout
-from cargohold.services.model_setup import model_layout
 from cargohold.services.tiers.partitions import elements_per_partition
+from cargohold.services.worker.model_setup import model_layout
 
 pytestmark = pytest.mark.integration
 

@@ -46,8 +46,8 @@ from transport_server import (
     total,
 )
 
-from cargohold.services.errors import CargoholdError, InvalidTensorError, TransportError
-from cargohold.services.segment_state import SegmentState
+from cargohold.services.core.errors import CargoholdError, InvalidTensorError, TransportError
+from cargohold.services.segments.segment_state import SegmentState
 from cargohold.services.transport.codec import SERVICE_NAME
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
 from cargohold.v1 import state_server_pb2 as pb
@@ -161,7 +161,7 @@ def test_a_failure_after_the_first_weights_chunk_ends_the_call_with_a_status(
     stepped: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Chunks are built as they are sent; one that cannot be built still aborts the call."""
-    from cargohold.services.transport import servicer
+    from cargohold.services.server import servicer
 
     real, built = servicer.fill_chunk, []
 

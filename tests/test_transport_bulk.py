@@ -45,11 +45,11 @@ from transport_server import (
     total,
 )
 
-from cargohold.services.errors import TransportError
-from cargohold.services.metrics import TRANSPORT_RECEIVED_BYTES, TRANSPORT_SENT_BYTES
-from cargohold.services.segment_state import SegmentState
+from cargohold.services.core.errors import TransportError
+from cargohold.services.metrics.names import TRANSPORT_RECEIVED_BYTES, TRANSPORT_SENT_BYTES
+from cargohold.services.segments.segment_state import SegmentState
+from cargohold.services.server.bulk_server import BufferPool
 from cargohold.services.transport.bulk import OUTCOME, Direction, receive_tensor, send_tensor
-from cargohold.services.transport.bulk_server import BufferPool
 from cargohold.services.transport.codec import ChecksumError, raw_bytes
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.limits import CallLimits

@@ -28,7 +28,7 @@ from transport_server import (
     wait_until,
 )
 
-from cargohold.services.errors import TransportError
+from cargohold.services.core.errors import TransportError
 from cargohold.services.transport import bulk_client
 from cargohold.services.transport.bulk import Direction, PeerGoneError, receive_tensor
 from cargohold.services.transport.codec import raw_bytes

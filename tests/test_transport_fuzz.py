@@ -31,8 +31,8 @@ from transport_server import (
     serving,
 )
 
+from cargohold.services.core.wire import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from cargohold.services.transport.codec import SERVICE_NAME, spec_to_proto
-from cargohold.services.wire import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from cargohold.v1 import state_server_pb2 as pb
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

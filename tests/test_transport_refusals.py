@@ -34,8 +34,8 @@ from transport_server import (
     status,
 )
 
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.segment_state import SegmentSpec
+from cargohold.services.core.optim import AdamWHyperParams
+from cargohold.services.core.segment_spec import SegmentSpec
 from cargohold.services.transport.codec import (
     spec_to_proto,
 )

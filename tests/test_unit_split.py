@@ -11,7 +11,7 @@ from cargohold.cluster.config_model import GPTConfig
 from cargohold.cluster.plan.run import plan_run
 from cargohold.services.models.blocks import transformer_blocks
 from cargohold.services.models.gpt import GPT
-from cargohold.services.sharding import ROOT, units_of
+from cargohold.services.worker.sharding import ROOT, units_of
 
 transformers = pytest.importorskip("transformers")
 

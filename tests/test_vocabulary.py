@@ -18,9 +18,9 @@ FOLDERS = ("api", "services", "cluster", "benchmarks")
 
 KEPT_IN_NAMES = (
     "fully_shard",  # FSDP2's API
-    "reshard",  # FSDP2's reshard_after_forward; services/reshard.py reads a checkpoint under another layout
+    "reshard",  # FSDP2's reshard_after_forward; services/checkpoint/reshard.py reads a checkpoint under another layout
     "sharded",  # FSDP2's sharded form of the model: ShardedStep, sharded_model
-    "sharding",  # services/sharding.py, FSDP2 on a worker
+    "sharding",  # services/worker/sharding.py, FSDP2 on a worker
     "shard_units",  # applies fully_shard to each unit
     "RegisterShard",  # the wire's RPC names (proto/): the servicer's handlers are called by them
     "DescribeShard",

@@ -17,17 +17,23 @@ from reference import reference_train, tiny_config
 from step_runs import registry_masters, run_ranks
 from system import mounted_tmpfs
 
+from cargohold.services.core.errors import CorruptPartitionError, TierError, TierSpaceError, TrainingError
 from cargohold.services.data import dropout_seed
 from cargohold.services.data.sources import open_source
-from cargohold.services.errors import CorruptPartitionError, TierError, TierSpaceError, TrainingError
-from cargohold.services.model_setup import exchange_buffers, model_layout, sharded_model, step_policy, weight_window
 from cargohold.services.models.build import build_model, parameter_values
-from cargohold.services.param_groups import resolve_param_groups
-from cargohold.services.sharding import local_tensors
-from cargohold.services.state_port import LocalPort
-from cargohold.services.step import ShardedStep
-from cargohold.services.weight_files import WeightFiles
-from cargohold.services.window_schedule import (
+from cargohold.services.worker.model_setup import (
+    exchange_buffers,
+    model_layout,
+    sharded_model,
+    step_policy,
+    weight_window,
+)
+from cargohold.services.worker.param_groups import resolve_param_groups
+from cargohold.services.worker.sharding import local_tensors
+from cargohold.services.worker.state_port import LocalPort
+from cargohold.services.worker.step import ShardedStep
+from cargohold.services.worker.weight_files import WeightFiles
+from cargohold.services.worker.window_schedule import (
     BACKWARD,
     FORWARD,
     WindowSchedule,

@@ -12,13 +12,13 @@ import torch
 
 from cargohold.cluster.config import TierConfig
 from cargohold.services.checkpoint import CheckpointDir, Manifest, read_flat_range
+from cargohold.services.checkpoint.reshard import layout_record
 from cargohold.services.checkpoint.writer import SegmentCheckpointer
-from cargohold.services.errors import CheckpointError
-from cargohold.services.layout import build_layout
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.reshard import layout_record
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.segment_state import SegmentSpec
+from cargohold.services.core.errors import CheckpointError
+from cargohold.services.core.layout import build_layout
+from cargohold.services.core.optim import AdamWHyperParams
+from cargohold.services.core.segment_spec import SegmentSpec
+from cargohold.services.segments.segment_registry import SegmentRegistry
 from cargohold.services.tiers.fileformat import ARRAYS, FileLayout, gradient_file_bytes
 from cargohold.services.tiers.residency import PartitionKey, Residency
 from cargohold.services.tiers.storage import TieredStorage

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from cargohold.cluster.config import TierConfig
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.segment_state import SegmentSpec, SegmentState
+from cargohold.services.core.optim import AdamWHyperParams
+from cargohold.services.core.segment_spec import SegmentSpec
+from cargohold.services.segments.segment_state import SegmentState
 from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
 from cargohold.services.tiers.residency import Residency
 from cargohold.services.tiers.storage import TieredStorage

@@ -14,13 +14,14 @@ import grpc
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from cargohold.services.metrics import StateServerMetrics
-from cargohold.services.optim import AdamWHyperParams
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.segment_state import SegmentSpec, SegmentState
+from cargohold.services.core.optim import AdamWHyperParams
+from cargohold.services.core.segment_spec import SegmentSpec
+from cargohold.services.metrics.server import StateServerMetrics
+from cargohold.services.segments.segment_registry import SegmentRegistry
+from cargohold.services.segments.segment_state import SegmentState
+from cargohold.services.server.grpc_server import GrpcStateServer
 from cargohold.services.transport.codec import byte_chunks, fill_chunk
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
-from cargohold.services.transport.grpc_server import GrpcStateServer
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
 

@@ -2,7 +2,7 @@
 map in docs/architecture.md is checked against this).
 
 One worker and one state server in one process, built from the same functions the worker
-and the server actors use (services/worker.py, services/state_server.py), with the default
+and the server actors use (services/worker/actor.py, services/server/state_server.py), with the default
 settings (clipping on, so the update is staged; RAM tier). Step 1 warms everything up;
 step 2 is traced with a profile function installed before any thread exists
 (``threading.setprofile``). A file is on the update's path when, during step 2, it runs
@@ -42,7 +42,11 @@ class PathTracer:
             return
         code = frame.f_code
         on_main = threading.get_ident() == self._main
-        if on_main and code.co_name == "hook" and code.co_filename.endswith(os.path.join("services", "step.py")):
+        if (
+            on_main
+            and code.co_name == "hook"
+            and code.co_filename.endswith(os.path.join("services", "worker", "step.py"))
+        ):
             self._in_hook += 1 if event == "call" else -1
         if event != "call" or (on_main and self._in_hook <= 0):
             return
@@ -68,15 +72,15 @@ def _run(tracer: PathTracer, colocated: bool) -> list[str]:
 
     from cargohold.cluster.config_io import load_config
     from cargohold.services.data import dropout_seed
-    from cargohold.services.metrics import WorkerMetrics
-    from cargohold.services.model_setup import exchange_buffers, sharded_model, step_policy, weight_window
-    from cargohold.services.param_groups import resolve_param_groups
-    from cargohold.services.state_port import RemotePort
-    from cargohold.services.state_server import StateServer
-    from cargohold.services.step import ShardedStep
-    from cargohold.services.task import ConfigTask
+    from cargohold.services.metrics.worker import WorkerMetrics
+    from cargohold.services.server.state_server import StateServer
     from cargohold.services.transport import shm
     from cargohold.services.transport.grpc_client import StateServerClient
+    from cargohold.services.worker.model_setup import exchange_buffers, sharded_model, step_policy, weight_window
+    from cargohold.services.worker.param_groups import resolve_param_groups
+    from cargohold.services.worker.state_port import RemotePort
+    from cargohold.services.worker.step import ShardedStep
+    from cargohold.services.worker.task import ConfigTask
 
     run_id = f"trace-{os.getpid()}"
     config = load_config(

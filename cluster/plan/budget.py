@@ -23,7 +23,7 @@ from cargohold.cluster.plan.runtime import DRIVER_RUNTIME_BYTES
 from cargohold.cluster.plan.server import ServerPlan
 from cargohold.cluster.plan.worker import WorkerPlan
 from cargohold.cluster.sizes import format_bytes
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 
 MiB = 1 << 20
 

@@ -12,7 +12,7 @@ from typing import Any
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.config_io import read_yaml_mapping
 from cargohold.cluster.sizes import parse_size
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cargohold.services.wire import WIRE_DTYPES
+from cargohold.services.core.wire import WIRE_DTYPES
 
 DTYPE_BYTES: dict[str, int] = {name: dtype.itemsize for name, dtype in WIRE_DTYPES.items()}
 """Bytes per element of each compute and wire dtype, by its config name."""

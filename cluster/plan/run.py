@@ -19,12 +19,12 @@ from cargohold.cluster.plan.description import ClusterDescription, NodeGroup
 from cargohold.cluster.plan.runtime import DRIVER_RUNTIME_BYTES
 from cargohold.cluster.plan.server import ServerPlan, plan_server
 from cargohold.cluster.plan.worker import WorkerPlan, plan_worker
-from cargohold.services.errors import ConfigError, LayoutError
-from cargohold.services.layout import Layout
+from cargohold.services.core.errors import ConfigError, LayoutError
+from cargohold.services.core.layout import Layout
 
 if TYPE_CHECKING:
-    from cargohold.services.sharding import Unit
-    from cargohold.services.task import TrainingTask
+    from cargohold.services.worker.sharding import Unit
+    from cargohold.services.worker.task import TrainingTask
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -176,8 +176,8 @@ def plan_parts(
 def _layout(config: TrainConfig, task: TrainingTask | None = None) -> tuple[torch.nn.Module, list[Unit], Layout]:
     """The meta-device model, its FSDP2 units and the layout every worker computes
     (shapes only; nothing allocated, nothing read)."""
-    from cargohold.services.model_setup import model_layout
-    from cargohold.services.param_groups import resolve_param_groups
+    from cargohold.services.worker.model_setup import model_layout
+    from cargohold.services.worker.param_groups import resolve_param_groups
 
     try:
         model, units, layout = model_layout(config, task)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.itemsize import DTYPE_BYTES, FP32_BYTES
 from cargohold.cluster.plan.runtime import SERVER_RUNTIME_BYTES
-from cargohold.services.layout import Layout
-from cargohold.services.state_precision import stored_bytes
+from cargohold.services.core.layout import Layout
+from cargohold.services.core.state_precision import stored_bytes
 from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
 from cargohold.services.tiers.partitions import elements_per_partition, partition_align, split_segment
 from cargohold.services.tiers.planner import PartitionDemand, TierPlan, plan_tiers

@@ -13,7 +13,7 @@ one unit's unsharded gradients with FSDP2's reduce-scatter input and output (wir
 dtype), and the activations (all of them, or with ``worker.activation_checkpointing:
 blocks`` each block's input plus one block's recomputed activations; see
 :mod:`.activations`). The other units are the blocks, or with ``worker.max_unit_params``
-the pieces no larger than it (:func:`~cargohold.services.sharding.split_modules`): every
+the pieces no larger than it (:func:`~cargohold.services.worker.sharding.split_modules`): every
 per-unit figure then follows the largest piece.
 """
 
@@ -27,17 +27,17 @@ import torch
 from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.itemsize import DTYPE_BYTES, FP32_BYTES
 from cargohold.cluster.plan.runtime import worker_runtime_bytes
-from cargohold.services.colocated_collectives import region_nbytes
-from cargohold.services.host_allocator import worker_allocator
-from cargohold.services.layout import Layout
-from cargohold.services.model_setup import collectives_in_shared_memory, largest_collective_bytes
-from cargohold.services.optim import SQUARES_CHUNK
-from cargohold.services.sharding import backward_gathered_units
-from cargohold.services.state_port import exchange_nbytes
-from cargohold.services.state_precision import bytes_per_parameter, stored_bytes
+from cargohold.services.core.layout import Layout
+from cargohold.services.core.optim import SQUARES_CHUNK
+from cargohold.services.core.state_precision import bytes_per_parameter, stored_bytes
 from cargohold.services.tiers.fileformat import round_up
-from cargohold.services.weight_files import READ_BUFFERS as WEIGHT_READ_BUFFERS
-from cargohold.services.window_schedule import reads_per_micro_batch
+from cargohold.services.worker.colocated_collectives import region_nbytes
+from cargohold.services.worker.host_allocator import worker_allocator
+from cargohold.services.worker.model_setup import collectives_in_shared_memory, largest_collective_bytes
+from cargohold.services.worker.sharding import backward_gathered_units
+from cargohold.services.worker.state_port import exchange_nbytes
+from cargohold.services.worker.weight_files import READ_BUFFERS as WEIGHT_READ_BUFFERS
+from cargohold.services.worker.window_schedule import reads_per_micro_batch
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,7 +57,7 @@ class WorkerTraffic:
     weight_read_bytes: int = 0
     """With weights on NVMe: its units' files read per step (each unit ahead of every
     micro-batch's forward, and again ahead of its backward when resharded unless the
-    window still holds it: :func:`~cargohold.services.window_schedule.reads_per_micro_batch`)."""
+    window still holds it: :func:`~cargohold.services.worker.window_schedule.reads_per_micro_batch`)."""
     weight_write_bytes: int = 0
     """With weights on NVMe: its units' files written per step (once, after the update)."""
 

@@ -16,15 +16,15 @@ verification), :mod:`.files` (opening them: regular files in the folder only),
 :mod:`.reader` (any flat range, whatever cut the files), :mod:`.directory`
 (build, commit, prune, find the checkpoints under a root) and :mod:`.writer` (a state
 server's side: save its segments, restore them). Files are written with
-:func:`cargohold.services.durable.replace_durably`.
+:func:`cargohold.services.core.durable.replace_durably`.
 
 Where a parameter element sits in the flat space depends on the worker count and the
 grouping, so restoring onto another layout reads each new segment's elements from their
-saved positions (:mod:`cargohold.services.reshard`, from the layout the manifest
+saved positions (:mod:`cargohold.services.checkpoint.reshard`, from the layout the manifest
 records).
 
 :mod:`.writer` is imported from there: it needs the tiers and the segment registry, which
-the launcher and the plan do not, and it imports :mod:`cargohold.services.reshard`,
+the launcher and the plan do not, and it imports :mod:`cargohold.services.checkpoint.reshard`,
 which imports the manifest from here.
 """
 

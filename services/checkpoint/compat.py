@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from cargohold.services.checkpoint.manifest import Manifest
-from cargohold.services.errors import CheckpointError
+from cargohold.services.core.errors import CheckpointError
 
 
 def check_compatible(

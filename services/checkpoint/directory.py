@@ -24,8 +24,8 @@ from pathlib import Path
 from cargohold.services.checkpoint.errors import os_error
 from cargohold.services.checkpoint.files import check_regular, open_regular
 from cargohold.services.checkpoint.manifest import MANIFEST_NAME, Manifest, gaps, is_int
-from cargohold.services.durable import fsync_directory, replace_durably
-from cargohold.services.errors import CheckpointError
+from cargohold.services.core.durable import fsync_directory, replace_durably
+from cargohold.services.core.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

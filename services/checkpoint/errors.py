@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-from cargohold.services.errors import CheckpointError, CorruptCheckpointError
+from cargohold.services.core.errors import CheckpointError, CorruptCheckpointError
 
 
 def free_space_hint(error: OSError) -> str:

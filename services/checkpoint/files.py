@@ -15,8 +15,8 @@ import os
 import stat
 from pathlib import Path
 
-from cargohold.services.errors import CorruptCheckpointError
-from cargohold.services.private_files import open_file
+from cargohold.services.core.errors import CorruptCheckpointError
+from cargohold.services.core.private_files import open_file
 
 _KINDS = (
     (stat.S_ISLNK, "a symbolic link"),
@@ -30,7 +30,7 @@ _KINDS = (
 
 def open_regular(path: Path) -> int:
     """A read-only descriptor of the regular file ``path`` (opened as every file a run
-    touches is: services/private_files.py). A file of another kind is refused with
+    touches is: services/core/private_files.py). A file of another kind is refused with
     CorruptCheckpointError naming it; the open's own OSErrors propagate
     (FileNotFoundError: the file is missing)."""
     try:

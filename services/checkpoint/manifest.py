@@ -18,9 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from cargohold.services.durable import TEMP_SUFFIX
-from cargohold.services.errors import CheckpointError
-from cargohold.services.loss_scale import is_power_of_two
+from cargohold.services.core.durable import TEMP_SUFFIX
+from cargohold.services.core.errors import CheckpointError
+from cargohold.services.core.loss_scale import is_power_of_two
 
 FORMAT_VERSION = 4
 """Of the manifest. Version 4 records the saving run's whole configuration (``config``)
@@ -37,7 +37,7 @@ JSON_KEYS = {"segments": "shards"}
 for the segment records."""
 LAYOUT_KIND = "worker-major-v1"
 """``layout.kind`` of a checkpoint whose flat space is worker-major
-(:mod:`cargohold.services.layout`)."""
+(:mod:`cargohold.services.core.layout`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +84,7 @@ class SegmentRecord:
 @dataclass(frozen=True, slots=True)
 class LayoutRecord:
     """What placed the parameters in the saved flat space, besides the model signature:
-    :func:`cargohold.services.reshard.saved_layout` rebuilds the layout from it.
+    :func:`cargohold.services.checkpoint.reshard.saved_layout` rebuilds the layout from it.
     Construction checks the types; whether the numbers rebuild a layout of the manifest's
     ``total`` is checked when they are used."""
 
@@ -136,7 +136,7 @@ class LayoutRecord:
 @dataclass(frozen=True, slots=True)
 class LossScaleRecord:
     """The dynamic loss scale of an fp16 run at the checkpoint
-    (:class:`~cargohold.services.loss_scale.LossScaleState`), so that a resume goes on with
+    (:class:`~cargohold.services.core.loss_scale.LossScaleState`), so that a resume goes on with
     the same scale and the same count towards its next growth."""
 
     scale: float

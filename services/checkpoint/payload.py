@@ -26,8 +26,8 @@ import torch
 from cargohold.services.checkpoint.errors import corrupt, os_error
 from cargohold.services.checkpoint.files import open_regular
 from cargohold.services.checkpoint.manifest import FileRecord, Manifest, SegmentRecord
-from cargohold.services.errors import CorruptPartitionError
-from cargohold.services.state_precision import BLOCK_ELEMENTS, STORED_TORCH_DTYPES, StoredMoment, decode_range
+from cargohold.services.core.errors import CorruptPartitionError
+from cargohold.services.core.state_precision import BLOCK_ELEMENTS, STORED_TORCH_DTYPES, StoredMoment, decode_range
 from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout, crc32c, parse_header
 
 CHUNK = 1 << 20

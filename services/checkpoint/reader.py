@@ -24,8 +24,8 @@ import torch
 from cargohold.services.checkpoint.errors import corrupt
 from cargohold.services.checkpoint.manifest import Manifest, SegmentRecord, gaps, is_int
 from cargohold.services.checkpoint.payload import CHUNK, Payload, open_sized, read_into, read_stored, verify
-from cargohold.services.errors import CheckpointError
-from cargohold.services.state_precision import BLOCK_ELEMENTS, StateDtype, StoredMoment
+from cargohold.services.core.errors import CheckpointError
+from cargohold.services.core.state_precision import BLOCK_ELEMENTS, StateDtype, StoredMoment
 from cargohold.services.tiers.fileformat import ARRAYS
 
 

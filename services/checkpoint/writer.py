@@ -34,11 +34,12 @@ import torch
 from cargohold.services.checkpoint.errors import free_space_hint
 from cargohold.services.checkpoint.manifest import FileRecord, Manifest, SegmentRecord
 from cargohold.services.checkpoint.reader import CheckpointReader
-from cargohold.services.durable import fsync_directory, fsync_file
-from cargohold.services.errors import CheckpointError, TierError
-from cargohold.services.reshard import Run
-from cargohold.services.segment_registry import SegmentRegistry
-from cargohold.services.segment_state import SegmentSpec, SegmentState
+from cargohold.services.checkpoint.reshard import Run
+from cargohold.services.core.durable import fsync_directory, fsync_file
+from cargohold.services.core.errors import CheckpointError, TierError
+from cargohold.services.core.segment_spec import SegmentSpec
+from cargohold.services.segments.segment_registry import SegmentRegistry
+from cargohold.services.segments.segment_state import SegmentState
 from cargohold.services.tiers.fileformat import ARRAYS
 from cargohold.services.tiers.preserve import PendingWrite, PreservedPartition
 from cargohold.services.tiers.residency import PartitionKey
@@ -177,7 +178,7 @@ class SegmentCheckpointer:
     ) -> None:
         """Register each spec with the state the checkpoint holds for it, at its update
         count (``manifest.updates``): its ``runs``
-        (:func:`~cargohold.services.reshard.segment_runs`) say which saved flat elements
+        (:func:`~cargohold.services.checkpoint.reshard.segment_runs`) say which saved flat elements
         fill which of its elements; the rest (padding) is zero. Read a partition at a
         time, so a restore stays within the tiers' memory."""
         reader = CheckpointReader(Path(directory), manifest)

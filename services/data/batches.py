@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

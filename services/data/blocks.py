@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.data.batches import Batch, BatchShape, inputs_and_targets, loss_weight
 from cargohold.services.data.sampling import step_blocks
-from cargohold.services.errors import ConfigError
 from cargohold.services.models.loss import IGNORE_INDEX
 
 

@@ -6,7 +6,7 @@ change to any of them makes another key (the old entry is simply no longer read)
 An entry is a folder: ``tokens.bin`` (raw ids), ``counted.bin`` (uint8 flags; chat only),
 ``ends.bin`` (uint64: where each document ends in the stream, exclusive) and
 ``meta.json``, written last, so an entry without it is incomplete (a crash) and is
-written anew. Each file goes through :func:`~cargohold.services.durable.replace_durably`.
+written anew. Each file goes through :func:`~cargohold.services.core.durable.replace_durably`.
 Writers of one entry (workers of another node missing it at once) take turns on a lock.
 
 ``meta.json`` records each file's size and CRC-32C, and a CRC-32C of its own content. An
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from cargohold.services.core.durable import replace_durably
 from cargohold.services.data.packing import Piece
-from cargohold.services.durable import replace_durably
 from cargohold.services.tiers.fileformat import crc32c
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -18,9 +18,9 @@ import re
 
 import torch
 
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.data.batches import Batch, BatchShape
 from cargohold.services.data.seeds import stable_seed
-from cargohold.services.errors import ConfigError
 
 BYTE_VOCAB = 256
 """Token ids of byte-level data: 0..255."""

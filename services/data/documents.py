@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 
 TEXT_PIECE_CHARS = 1 << 20
 """A long text file is tokenized in pieces of about this many characters, each ending at

@@ -20,13 +20,13 @@ import numpy as np
 import torch
 
 from cargohold.cluster.config import TrainConfig
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.data.batches import Batch, BatchShape
 from cargohold.services.data.blocks import TokenBlocks
 from cargohold.services.data.corpus import load_tokens
 from cargohold.services.data.rows import DocumentRows, Overlong, refuse_overlong
 from cargohold.services.data.tokenization import document_places, tokenized_stream
 from cargohold.services.data.tokens import check_dtype_holds_vocab, check_ids_in_vocab, open_token_file
-from cargohold.services.errors import ConfigError
 from cargohold.services.models.dimensions import sequence_length, vocab_size
 
 

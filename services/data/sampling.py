@@ -14,8 +14,8 @@ import functools
 
 import torch
 
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.data.seeds import stable_seed
-from cargohold.services.errors import ConfigError
 
 
 def step_blocks(num_blocks: int, step: int, rows: int, seed: int) -> torch.Tensor:

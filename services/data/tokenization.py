@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cargohold.cluster.config import DataConfig, TrainConfig
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.data.cache import CachedStream, TokenCache, cache_key, content_digest
 from cargohold.services.data.chat import (
     MAX_CONVERSATION_CHARS,
@@ -26,7 +27,6 @@ from cargohold.services.data.chat import (
 from cargohold.services.data.documents import Record, dataset_records, jsonl_records, text_files, text_pieces
 from cargohold.services.data.packing import Document, Piece, pack, stream_dtype
 from cargohold.services.data.tokenizer import load_tokenizer, tokenizer_digest, tokenizer_folder
-from cargohold.services.errors import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

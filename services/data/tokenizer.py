@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cargohold.cluster.config import TrainConfig
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.hf import model_folder, refuse_folder_code
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 
 BIN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
 SCAN_IDS = 1 << 24

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from torch import nn
 from torch.distributed._composable import checkpoint
 
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 
 
 def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from cargohold.cluster.config import TrainConfig
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.dimensions import check_model_fits_data
 from cargohold.services.models.gpt import GPT
 from cargohold.services.models.hf import build_hf_model, hf_name

@@ -8,8 +8,8 @@ vocabulary (:mod:`cargohold.services.data.sources`).
 from __future__ import annotations
 
 from cargohold.cluster.config import TrainConfig
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.data.corpus import BYTE_VOCAB
-from cargohold.services.errors import ConfigError
 from cargohold.services.models.hf import pretrained_config
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")

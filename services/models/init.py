@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cargohold.services.errors import ConfigError
+from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.hf import HFCausalLM
 
 Rule = Callable[[str, nn.Module], None]

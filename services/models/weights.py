@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from cargohold.services.errors import ConfigError, LayoutError
+from cargohold.services.core.errors import ConfigError, LayoutError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

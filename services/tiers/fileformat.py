@@ -7,7 +7,7 @@ layout and checks; the reading and writing is in :mod:`.nvme`.
                     segment, partition), CRC-32C of each array, CRC-32C of the header itself
     HEADER_BYTES    master       numel x float32, zero-padded to a multiple of BLOCK
     + master region exp_avg      the moment in its stored form (``optim.state_dtype``,
-                                 :mod:`cargohold.services.state_precision`), zero-padded
+                                 :mod:`cargohold.services.core.state_precision`), zero-padded
     + moment region exp_avg_sq   likewise
 
 A moment's stored form: ``float32`` numel x float32 (the whole file then is byte for byte
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import google_crc32c
 import torch
 
-from cargohold.services.errors import CorruptPartitionError
-from cargohold.services.state_precision import BLOCK_ELEMENTS, STORED_TORCH_DTYPES, StateDtype, StoredMoment
+from cargohold.services.core.errors import CorruptPartitionError
+from cargohold.services.core.state_precision import BLOCK_ELEMENTS, STORED_TORCH_DTYPES, StateDtype, StoredMoment
 from cargohold.services.tiers.residency import PartitionKey
 
 MAGIC = b"CGHTIER\0"

@@ -12,8 +12,8 @@ import shutil
 import time
 from collections.abc import Sequence
 
-from cargohold.services.errors import TierError
-from cargohold.services.private_files import open_file
+from cargohold.services.core.errors import TierError
+from cargohold.services.core.private_files import open_file
 
 logger = logging.getLogger(__name__)
 

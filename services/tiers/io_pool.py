@@ -24,7 +24,7 @@ from typing import Literal, TypeVar, overload
 
 import torch
 
-from cargohold.services.errors import TierError
+from cargohold.services.core.errors import TierError
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.residency import PartitionKey
 from cargohold.services.tiers.tier import PartitionArrays, TierObserver

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cargohold.services.durable import fsync_file, replace_atomically, replace_durably
-from cargohold.services.errors import TierError, TierSpaceError
-from cargohold.services.private_files import create_file, open_file, private_folders
+from cargohold.services.core.durable import fsync_file, replace_atomically, replace_durably
+from cargohold.services.core.errors import TierError, TierSpaceError
+from cargohold.services.core.private_files import create_file, open_file, private_folders
 from cargohold.services.tiers.fileformat import (
     ARRAYS,
     BLOCK,
@@ -411,8 +411,8 @@ def write_partition_file(
 ) -> PartitionHeader:
     """Write a partition held in ``buffer`` (its file layout; the header block is filled
     here) as its file after ``updates`` updates at ``target`` with
-    :func:`~cargohold.services.durable.replace_durably`, or without its fsyncs unless
-    ``durable`` (:func:`~cargohold.services.durable.replace_atomically`). Every version is
+    :func:`~cargohold.services.core.durable.replace_durably`, or without its fsyncs unless
+    ``durable`` (:func:`~cargohold.services.core.durable.replace_atomically`). Every version is
     a new file renamed into place and none is ever changed in place, which is what lets a
     checkpoint hard-link one. Raises the OSError, leaving no temporary file and ``target``
     as it was."""

@@ -3,7 +3,7 @@
 A partition is a contiguous piece of a segment whose master weights, exp_avg and
 exp_avg_sq move between tiers together. Cuts fall at multiples of ``align`` elements
 from the segment start; segments and parameters start at multiples of ``align`` in the
-flat buffer (:mod:`cargohold.services.layout`), so every cut is at a parameter-relative
+flat buffer (:mod:`cargohold.services.core.layout`), so every cut is at a parameter-relative
 multiple of ``align`` too, and the fused kernel over a partition's fragments rounds
 every element exactly as over the whole parameter.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cargohold.services.errors import ConfigError
-from cargohold.services.layout import DEFAULT_ALIGN
-from cargohold.services.optim import clip_fragments
-from cargohold.services.state_precision import BLOCK_ELEMENTS, StateDtype
+from cargohold.services.core.errors import ConfigError
+from cargohold.services.core.layout import DEFAULT_ALIGN
+from cargohold.services.core.optim import clip_fragments
+from cargohold.services.core.state_precision import BLOCK_ELEMENTS, StateDtype
 
 STATE_BYTES_PER_ELEMENT = 12
 """fp32 master weight, exp_avg and exp_avg_sq: what ``partition_bytes`` is counted in

@@ -33,8 +33,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cargohold.services.durable import replace_durably
-from cargohold.services.private_files import create_file, open_file
+from cargohold.services.core.durable import replace_durably
+from cargohold.services.core.private_files import create_file, open_file
 from cargohold.services.tiers.fileformat import (
     HEADER_BYTES,
     FileLayout,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from cargohold.services.state_precision import StoredMoment
+from cargohold.services.core.state_precision import StoredMoment
 from cargohold.services.tiers.fileformat import ARRAYS
 from cargohold.services.tiers.tier import Partition
 

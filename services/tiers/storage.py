@@ -4,7 +4,7 @@ register (and moves partitions to where the new plan wants them), and streams ea
 update through memory (:mod:`.stream`). The AdamW call itself is the caller's:
 :meth:`TieredStorage.update_partitions` yields each partition's state and gradient in
 turn, and the segment state's own loop
-(:class:`~cargohold.services.segment_state.SegmentState`) updates it.
+(:class:`~cargohold.services.segments.segment_state.SegmentState`) updates it.
 
 Without ``ram_budget_bytes`` every segment is one partition in RAM, and an update is the
 same single kernel call over the whole segment as without tiers.
@@ -27,8 +27,8 @@ from concurrent.futures import Future
 import torch
 
 from cargohold.cluster.config import TierConfig
-from cargohold.services.errors import IncompleteUpdateError, TierError
-from cargohold.services.state_precision import StateDtype, stored_bytes
+from cargohold.services.core.errors import IncompleteUpdateError, TierError
+from cargohold.services.core.state_precision import StateDtype, stored_bytes
 from cargohold.services.tiers.fileformat import ARRAYS, FileLayout, gradient_file_bytes
 from cargohold.services.tiers.gradients import NvmeWithGradients, StagedGradients
 from cargohold.services.tiers.io_pool import BufferPool, IoPool

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from cargohold.services.state_precision import (
+from cargohold.services.core.state_precision import (
     PIECE_ELEMENTS,
     StateDtype,
     StoredMoment,

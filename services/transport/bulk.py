@@ -38,7 +38,7 @@ import struct
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from cargohold.services.errors import TransportError
+from cargohold.services.core.errors import TransportError
 from cargohold.services.tiers.fileformat import crc32c
 from cargohold.services.transport.codec import ChecksumError
 

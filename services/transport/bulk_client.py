@@ -8,7 +8,8 @@ import ssl
 
 import grpc
 
-from cargohold.services.errors import TransportError
+from cargohold.services.core.errors import TransportError
+from cargohold.services.core.wire import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from cargohold.services.transport.bulk import (
     OUTCOME,
     TICKET_BYTES,
@@ -21,7 +22,6 @@ from cargohold.services.transport.bulk import (
     transfer_mac,
 )
 from cargohold.services.transport.status import status_from_number
-from cargohold.services.wire import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from cargohold.v1 import state_server_pb2 as pb
 
 

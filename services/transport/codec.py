@@ -18,15 +18,15 @@ import google_crc32c
 import numpy as np
 import torch
 
-from cargohold.services.errors import InvalidTensorError, TruncatedStreamError
-from cargohold.services.optim import AdamWHyperParams, UpdateGroup
-from cargohold.services.segment_state import SegmentSpec
-from cargohold.services.state_precision import StateDtype
+from cargohold.services.core.errors import InvalidTensorError, TruncatedStreamError
+from cargohold.services.core.optim import AdamWHyperParams, UpdateGroup
+from cargohold.services.core.segment_spec import SegmentSpec
+from cargohold.services.core.state_precision import StateDtype
+from cargohold.services.core.update_call import IN_CALL, STAGED, CommitTerms, SharedRef, UpdateCall
+from cargohold.services.core.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, WIRE_DTYPES
 from cargohold.services.tiers.planner import Bandwidth
 from cargohold.services.tiers.report import PartitionRow, TierSummary
 from cargohold.services.tiers.residency import PartitionKey, Residency
-from cargohold.services.update_call import IN_CALL, STAGED, CommitTerms, SharedRef, UpdateCall
-from cargohold.services.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, WIRE_DTYPES
 from cargohold.v1 import state_server_pb2 as pb
 
 SERVICE_NAME = "cargohold.v1.StateServer"
@@ -293,7 +293,7 @@ def tier_summary_from_proto(message: pb.TierPlanSummary) -> TierSummary:
     )
 
 
-# --- the update call (services/update_call.py): one encoding for both ends ---------------
+# --- the update call (services/core/update_call.py): one encoding for both ends ---------------
 
 
 def _ref_to_proto(ref: SharedRef | None) -> pb.SharedMemoryRef | None:

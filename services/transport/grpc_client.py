@@ -13,8 +13,10 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cargohold.services.errors import TransportError
-from cargohold.services.segment_state import SegmentSpec, UpdateOutcome
+from cargohold.services.core.errors import TransportError
+from cargohold.services.core.segment_spec import SegmentSpec, UpdateOutcome
+from cargohold.services.core.update_call import IN_CALL, STAGED, CommitTerms, SharedRef, UpdateCall
+from cargohold.services.core.wire import DEFAULT_CHUNK_BYTES, DTYPE_NAMES, WIRE_DTYPES
 from cargohold.services.tiers.report import PartitionRow, TierSummary
 from cargohold.services.transport import bulk_client
 from cargohold.services.transport.auth import TlsFiles, bearer
@@ -37,8 +39,6 @@ from cargohold.services.transport.codec import (
     spec_to_proto,
     tier_summary_from_proto,
 )
-from cargohold.services.update_call import IN_CALL, STAGED, CommitTerms, SharedRef, UpdateCall
-from cargohold.services.wire import DEFAULT_CHUNK_BYTES, DTYPE_NAMES, WIRE_DTYPES
 from cargohold.v1 import state_server_pb2 as pb
 from cargohold.v1 import state_server_pb2_grpc as pb_grpc
 
@@ -169,7 +169,7 @@ class StateServerClient:
         return spec_from_proto(reply.spec), reply.step
 
     def update(self, call: UpdateCall, gradient: torch.Tensor | None = None) -> UpdateOutcome:
-        """Carry out ``call`` (services/update_call.py) on the server; harmless to repeat.
+        """Carry out ``call`` (services/core/update_call.py) on the server; harmless to repeat.
         A stage or apply call sends ``gradient`` (gRPC chunks or the bulk socket), or only
         says where it is in shared memory (``call.gradient``); a commit sends none. With
         ``call.weights_to`` the weights after the update are in that shared memory when

@@ -13,7 +13,7 @@ until the deadline the caller itself chose. So a state server
   ``message_timeout_s`` (the time the server spends computing does not count);
 - pings idle connections (keepalive) and drops those whose peer no longer answers: a
   host that died without closing its connection;
-- on its bulk socket (services/transport/bulk_server.py), gives a connection
+- on its bulk socket (services/server/bulk_server.py), gives a connection
   ``hello_timeout_s`` for its whole hello and holds at most ``max_calls`` connections
   not yet authenticated, the oldest dropped for a new one;
 - maps at most what ``mapping`` allows of the workers' shared memory
@@ -33,7 +33,7 @@ from typing import Any
 
 import grpc
 
-from cargohold.services.errors import CargoholdError, ConfigError
+from cargohold.services.core.errors import CargoholdError, ConfigError
 from cargohold.services.transport.shm import MappingLimits
 
 logger = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cargohold.services.errors import ConfigError, InvalidTensorError, ServerBusyError
+from cargohold.services.core.errors import ConfigError, InvalidTensorError, ServerBusyError
 
 MEMFD_PREFIX = "cargohold-"
 RUN_END = ":"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 
-from cargohold.services.errors import (
+from cargohold.services.core.errors import (
     CargoholdError,
     CorruptPartitionError,
     ForeignRunError,

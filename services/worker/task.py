@@ -1,0 +1,108 @@
+"""What a run trains, apart from how: the model, its initial values, its FSDP2 blocks, the
+loss of a batch, and the data. The launcher and every worker ask a :class:`TrainingTask`.
+
+:class:`ConfigTask` is the task a config describes (the built-in GPT or a transformers
+causal LM, ``data.*`` and ``eval.*``); ``cargohold.Trainer`` gives workers a user's own
+model factory, loss and dataset through the same protocol. Workers receive the task
+pickled by Ray, so a task holds only what every process can rebuild its part from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from cargohold.cluster.config import TrainConfig
+from cargohold.services.core.layout import Layout
+from cargohold.services.data.batches import Batch, DataSource
+from cargohold.services.data.evaluation import EvalSource, open_eval_set
+from cargohold.services.data.sources import open_source
+from cargohold.services.models.blocks import transformer_blocks
+from cargohold.services.models.build import buffer_values, build_model, parameter_values
+from cargohold.services.worker.step import ParameterValues, model_loss
+
+
+class TrainingTask(Protocol):
+    """The model, loss and data of a run. Every method is called in every process that
+    needs it (the launcher to check and lay out, each worker to train its share)."""
+
+    eval_every_steps: int
+    """Validate every this many steps, and after the last; 0: after the last only."""
+
+    def build(self) -> nn.Module:
+        """The model in fp32; under ``torch.device("meta")`` shapes only."""
+        ...
+
+    def blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``(qualified name, module)`` of each FSDP2 unit below the root, in forward order."""
+        ...
+
+    def initial_values(self, model_on_meta: nn.Module) -> ParameterValues:
+        """Full fp32 initial values of named parameters, the same in every process; what
+        it holds is let go once the worker's segments are registered."""
+        ...
+
+    def buffer_values(self, model_on_meta: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every buffer's value, which a model built on the meta device lacks."""
+        ...
+
+    def loss(self, model: nn.Module, batch: Any, device: torch.device) -> torch.Tensor:
+        """The scalar loss of one rank's micro-batch ``batch`` (moved to ``device``)."""
+        ...
+
+    def open_data(self) -> DataSource:
+        """The training batches, a pure function of (step, rank, micro-batch)."""
+        ...
+
+    def open_eval(self) -> EvalSource | None:
+        """The held-out batches, or None when the run does not validate."""
+        ...
+
+    def export(self, layout: Layout, flat: torch.Tensor, directory: Path) -> Path:
+        """Write the fp32 master weights ``flat`` for use outside cargohold."""
+        ...
+
+
+class ConfigTask:
+    """The task ``config`` describes: ``model``/``hf``, ``data.*``, ``eval.*``."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.eval_every_steps = config.eval.every_steps
+        self._checked: set[str] = set()
+        """What this task's data checks read whole ("data", "eval": a token file's every
+        id) in the launcher, so that the workers it is pickled to read only their batches."""
+
+    def build(self) -> nn.Module:
+        return build_model(self.config)
+
+    def blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return transformer_blocks(model)
+
+    def initial_values(self, model_on_meta: nn.Module) -> ParameterValues:
+        return lambda names: parameter_values(self.config, model_on_meta, names)
+
+    def buffer_values(self, model_on_meta: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        return buffer_values(self.config, model_on_meta)
+
+    def loss(self, model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
+        return model_loss(model, batch, device)
+
+    def open_data(self) -> DataSource:
+        source = open_source(self.config, check_token_file="data" not in self._checked)
+        self._checked.add("data")
+        return source
+
+    def open_eval(self) -> EvalSource | None:
+        held_out = open_eval_set(self.config, check_token_file="eval" not in self._checked)
+        self._checked.add("eval")
+        return held_out
+
+    def export(self, layout: Layout, flat: torch.Tensor, directory: Path) -> Path:
+        from cargohold.cluster.export import export_weights  # the export layer sits above services
+
+        return export_weights(self.config, layout, flat, directory)
