@@ -232,7 +232,7 @@ def test_outside_the_main_thread_a_slow_template_is_refused_after_rendering(
     tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(chat, "RENDER_SECONDS", 0.05)
-    slow = "{% for i in range(300) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"  # ~0.1-1 s a render
+    slow = "{% for i in range(300) %}{% for j in range(10000) %}{% endfor %}{% endfor %}"  # ~0.2-2 s a render
     folder = _with_template(tmp_path, tokenizer_dir, slow + CHAT_TEMPLATE)
     path = write_chat(tmp_path / "chat.jsonl", 4)
     errors: list[BaseException] = []

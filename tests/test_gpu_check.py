@@ -100,7 +100,7 @@ def test_the_gpu_tests_collect_with_only_what_the_gpu_machine_has() -> None:
 def test_the_installed_cargohold_is_checked_against_the_tree(tmp_path: Path) -> None:
     assert gpu_check.stale_files() == []  # the editable install is the tree
     packages = {}
-    for package in ("cargohold", "cargohold.services", "cargohold.cluster"):
+    for package in ("cargohold", "cargohold.services.worker", "cargohold.cluster"):
         packages[package] = folder = tmp_path / package
         shutil.copytree(gpu_check._installed_folder(package), folder, ignore=shutil.ignore_patterns("__pycache__"))
 
@@ -108,7 +108,7 @@ def test_the_installed_cargohold_is_checked_against_the_tree(tmp_path: Path) -> 
         return packages.get(package) or gpu_check._installed_folder(package)
 
     assert gpu_check.stale_files(locate) == []
-    step = packages["cargohold.services"] / "step.py"
+    step = packages["cargohold.services.worker"] / "step.py"
     step.write_text(step.read_text() + "# built from an older tree\n")
     (packages["cargohold.cluster"] / "launcher.py").unlink()
     assert gpu_check.stale_files(locate) == ["services/worker/step.py", "cluster/launcher.py"]
