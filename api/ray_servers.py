@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from cargohold.cluster.config import StateServerConfig
+from cargohold.cluster.schema.server import StateServerConfig
 from cargohold.services.core.errors import TrainingError
 from cargohold.services.server.state_server import StateServer
 from cargohold.services.transport.auth import TlsFiles

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import cargohold
-from cargohold.cluster.config_docs import class_docstrings
+from cargohold.cluster.schema.reference import class_docstrings
 
 DOC = Path("docs/api.md")
 REGENERATE = "python -m cargohold.api.reference"

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from cargohold.cluster.config import StateServerConfig
+from cargohold.cluster.schema.server import StateServerConfig
 from cargohold.services.core.errors import CheckpointError, ConfigError
 from cargohold.services.server.state_server import StateServer
 from cargohold.services.transport.auth import TlsFiles

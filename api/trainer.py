@@ -13,7 +13,7 @@ from typing import Any
 
 from cargohold.api.user_data import Collate
 from cargohold.api.user_task import LossFunction, ModelFactory, UserTask
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.cluster.supervise import TrainResult, train
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.worker.step_report import EvalReport, StepReport

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from cargohold.api.user_data import Collate, HeldOutBatches, UserBatch, open_user_data, to_device
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.durable import replace_durably
 from cargohold.services.core.errors import ConfigError, ExportError
 from cargohold.services.core.layout import Layout, gather_params

@@ -63,7 +63,7 @@ from pathlib import Path
 import torch
 from process_memory import ProcessTrace, RayProcessWatch, peak_rss, read_text, start_local_ray
 
-from cargohold.cluster.config_model import GPTConfig
+from cargohold.cluster.schema.model import GPTConfig
 from cargohold.services.models.gpt import GPT, num_parameters
 
 BLOCK = 128
@@ -161,8 +161,8 @@ def run_session(overrides: list[str], workers: int) -> dict:
     :class:`RayProcessWatch`, and report every process's memory (this one's too)."""
     import ray
 
-    from cargohold.cluster.config_io import load_config
     from cargohold.cluster.launcher import TrainingSession
+    from cargohold.cluster.schema.io import load_config
 
     run_id = f"bench-{os.getpid()}-{int(time.time())}"
     config = load_config(None, [*overrides, f"run_id={run_id}"])

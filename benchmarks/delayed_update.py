@@ -15,8 +15,8 @@ import argparse
 import statistics
 from pathlib import Path
 
-from cargohold.cluster.config_io import load_config
 from cargohold.cluster.launcher import TrainingSession
+from cargohold.cluster.schema.io import load_config
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 

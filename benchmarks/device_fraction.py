@@ -24,7 +24,7 @@ import ray
 import torch
 from end_to_end import DEMO, PHASES, run_cargohold
 
-from cargohold.cluster.config_io import load_config
+from cargohold.cluster.schema.io import load_config
 
 
 def main() -> None:

@@ -47,9 +47,9 @@ import ray
 import torch
 from process_memory import RayProcessWatch
 
-from cargohold.cluster.config import TrainConfig
-from cargohold.cluster.config_io import load_config
 from cargohold.cluster.launcher import TrainingSession
+from cargohold.cluster.schema.io import load_config
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.wire import WIRE_DTYPES
 from cargohold.services.data.sources import open_source
 from cargohold.services.models.blocks import apply_activation_checkpointing

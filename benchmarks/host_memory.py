@@ -195,9 +195,9 @@ NVME_BYTES = (
 def child(args: argparse.Namespace) -> None:
     import ray
 
-    from cargohold.cluster.config_io import load_config
     from cargohold.cluster.launcher import TrainingSession
     from cargohold.cluster.plan.run import plan_run
+    from cargohold.cluster.schema.io import load_config
 
     root = Path(args.root)
     model = llama_folder(root / "model", *SIZES[args.size])

@@ -51,7 +51,7 @@ from dataclasses import replace
 import torch
 from disk_baselines import best, fio_bandwidth, thread_bandwidth
 
-from cargohold.cluster.config import TierConfig
+from cargohold.cluster.schema.server import TierConfig
 from cargohold.services.core.optim import AdamWHyperParams
 from cargohold.services.core.segment_spec import SegmentSpec
 from cargohold.services.core.state_precision import STATE_DTYPES, StateDtype

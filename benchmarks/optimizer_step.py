@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from timing import timed
 
-from cargohold.cluster.config_model import GPTConfig
+from cargohold.cluster.schema.model import GPTConfig
 from cargohold.services.core.layout import build_layout
 from cargohold.services.core.optim import AdamWHyperParams, AdamWState, fused_adamw_
 from cargohold.services.core.segment_spec import SegmentSpec

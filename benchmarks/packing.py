@@ -50,8 +50,8 @@ def main() -> None:
 
     import transformers
 
-    from cargohold.cluster.config import TrainConfig
-    from cargohold.cluster.config_io import from_dict
+    from cargohold.cluster.schema.io import from_dict
+    from cargohold.cluster.schema.train import TrainConfig
     from cargohold.services.data.blocks import TokenBlocks
     from cargohold.services.data.rows import DocumentRows
     from cargohold.services.data.sources import open_source

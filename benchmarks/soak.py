@@ -42,9 +42,9 @@ from pathlib import Path
 import ray
 import torch
 
-from cargohold.cluster.config import TrainConfig
-from cargohold.cluster.config_io import from_dict
 from cargohold.cluster.launcher import TrainingSession
+from cargohold.cluster.schema.io import from_dict
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.cluster.supervise import TrainResult, train
 from cargohold.services.checkpoint.directory import CheckpointDir
 from cargohold.services.checkpoint.reader import read_flat_range

@@ -41,7 +41,7 @@ import ray
 import torch
 from soak import ARRAYS, FaultInjector, final_state, left_behind, soak_config
 
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.cluster.supervise import TrainResult, train
 from cargohold.services.core.errors import ConfigError
 

@@ -99,7 +99,7 @@ def run_child(*args: str, env: dict[str, str] | None = None) -> dict | None:
 
 def sizes(folder: str, workers: int, dtype: str, wire: str) -> dict:
     """Parameters, the largest unit (fp32 bytes) and each server's state bytes, from the layout."""
-    from cargohold.cluster.config_io import load_config
+    from cargohold.cluster.schema.io import load_config
     from cargohold.services.worker.model_setup import model_layout
 
     config = load_config(None, overrides(folder, workers, dtype, wire))

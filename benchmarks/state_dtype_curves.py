@@ -25,7 +25,7 @@ TAIL = 20
 
 
 def run(kind: str, steps: int, out: Path, extra: list[str]) -> None:
-    from cargohold.cluster.config_io import load_config
+    from cargohold.cluster.schema.io import load_config
     from cargohold.cluster.supervise import train
 
     overrides = [f"steps={steps}", "progress=false", f"optim.state_dtype={kind}", *extra]

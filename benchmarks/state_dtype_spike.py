@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the re
 import reference  # noqa: E402
 from reference import reference_train, tiny_config  # noqa: E402
 
-from cargohold.cluster.config import TrainConfig  # noqa: E402
+from cargohold.cluster.schema.train import TrainConfig  # noqa: E402
 from cargohold.services.core.layout import Layout, gather_params, scatter_params  # noqa: E402
 from cargohold.services.core.state_precision import MOMENTS, Moment, StateDtype, decode, encode  # noqa: E402
 from cargohold.services.worker.model_setup import model_layout  # noqa: E402

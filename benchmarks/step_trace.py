@@ -41,7 +41,7 @@ def trace_rank(rank: int, world: int, port: int, n_layer: int, width: int, wire:
     phase, the peak reset in between (``/proc/self/clear_refs``)."""
     import torch.distributed as dist
 
-    from cargohold.cluster.config_io import load_config
+    from cargohold.cluster.schema.io import load_config
     from cargohold.services.data import batch_for_step, load_tokens
     from cargohold.services.data.batches import Batch
     from cargohold.services.models.build import build_model, parameter_values

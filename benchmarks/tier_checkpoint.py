@@ -40,7 +40,7 @@ import time
 import torch
 from timing import timed
 
-from cargohold.cluster.config import TierConfig
+from cargohold.cluster.schema.server import TierConfig
 from cargohold.services.checkpoint import CheckpointReader, FileRecord, Manifest, SegmentRecord
 from cargohold.services.checkpoint.reshard import layout_record
 from cargohold.services.checkpoint.writer import SegmentCheckpointer

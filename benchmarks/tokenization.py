@@ -36,8 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from cargohold.cluster.config import TrainConfig
-from cargohold.cluster.config_io import from_dict
+from cargohold.cluster.schema.io import from_dict
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.data.corpus import generate_corpus
 from cargohold.services.data.tokenization import DOCUMENTS_PER_PIECE, tokenized_stream
 

@@ -132,7 +132,7 @@ def peak_rss(pid: int) -> int:
 
 
 def load(config_path: str, overrides: list[str]):
-    from cargohold.cluster.config_io import load_config
+    from cargohold.cluster.schema.io import load_config
 
     return load_config(config_path, overrides)
 
@@ -196,7 +196,7 @@ def nvme_tier_settings(config, root: Path, partition_mib: float) -> list[str]:
     budget of a quarter of it (at least the staging buffers and one resident partition)."""
     import torch
 
-    from cargohold.cluster.config import TierConfig
+    from cargohold.cluster.schema.server import TierConfig
     from cargohold.services.models.build import build_model
 
     with torch.device("meta"):

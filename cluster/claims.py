@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import ConfigError
 
 SEARCH_LIMIT = 10_000

@@ -19,8 +19,8 @@ import logging
 import sys
 
 from cargohold import __version__
-from cargohold.cluster.config import TrainConfig
-from cargohold.cluster.config_io import load_config
+from cargohold.cluster.schema.io import load_config
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import CargoholdError, ConfigError
 
 EXIT_FAILURE = 1

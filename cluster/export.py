@@ -41,8 +41,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from cargohold.cluster.config import TrainConfig
-from cargohold.cluster.config_model import GPTConfig
+from cargohold.cluster.schema.model import GPTConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.durable import replace_durably
 from cargohold.services.core.errors import ConfigError, ExportError
 from cargohold.services.core.layout import Layout, gather_params

@@ -22,12 +22,12 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cargohold.cluster.config import TrainConfig
-from cargohold.cluster.config_io import to_dict
 from cargohold.cluster.plan.budget import check_budget_memory
 from cargohold.cluster.plan.run import budgeted_config
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.cluster.resume import check_resume
+from cargohold.cluster.schema.io import to_dict
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
 from cargohold.services.checkpoint.manifest import LossScaleRecord
 from cargohold.services.checkpoint.reshard import layout_record, saved_layout, segment_runs

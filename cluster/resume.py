@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cargohold.cluster.config import TrainConfig
-from cargohold.cluster.config_io import to_dict
+from cargohold.cluster.schema.io import to_dict
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.checkpoint import CheckpointDir, Manifest, check_compatible
 from cargohold.services.core.errors import CheckpointError, ResumeRefusedError
 from cargohold.services.core.layout import Layout

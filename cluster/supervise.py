@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cargohold.cluster.claims import claimed_folders
-from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.export import master_weights
 from cargohold.cluster.launcher import PendingCheckpoint, SavedCheckpoint, TrainingSession
 from cargohold.cluster.resume import resolve_resume
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.core.errors import CheckpointError, TrainingError
 from cargohold.services.core.node import node_ip

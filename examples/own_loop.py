@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import cargohold
-from cargohold.cluster.config import StateServerConfig
+from cargohold.cluster.schema.server import StateServerConfig
 
 MICRO_BATCHES = 2
 PLANNED_STEPS = 100

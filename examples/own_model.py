@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import cargohold
-from cargohold.cluster.config import TrainConfig
-from cargohold.cluster.config_io import from_dict
+from cargohold.cluster.schema.io import from_dict
+from cargohold.cluster.schema.train import TrainConfig
 
 
 class Block(nn.Module):

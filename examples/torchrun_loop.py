@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import cargohold
-from cargohold.cluster.config import StateServerConfig
+from cargohold.cluster.schema.server import StateServerConfig
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from cargohold import OffloadedAdamW, StateServers, start_state_servers
-from cargohold.cluster.config import StateServerConfig
+from cargohold.cluster.schema.server import StateServerConfig
 
 LR = 3e-3
 MICRO_BATCHES = 2

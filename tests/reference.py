@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from ports import free_port
 
-from cargohold.cluster.config import TrainConfig
-from cargohold.cluster.config_io import from_dict
+from cargohold.cluster.schema.io import from_dict
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.layout import Layout, scatter_params
 from cargohold.services.core.optim import clip_, clip_coefficient, global_norm_from_squares, sum_of_squares
 from cargohold.services.core.wire import WIRE_DTYPES

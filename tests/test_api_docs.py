@@ -11,7 +11,7 @@ import pytest
 
 import cargohold
 from cargohold.api import reference
-from cargohold.cluster.config_io import load_config
+from cargohold.cluster.schema.io import load_config
 from cargohold.services.worker.model_setup import model_layout
 from cargohold.services.worker.param_groups import resolve_param_groups
 

@@ -287,7 +287,7 @@ def test_missing_tls_files_are_a_config_error(tmp_path: Path) -> None:
 
 
 def test_partial_tls_config_names_the_missing_keys() -> None:
-    from cargohold.cluster.config_io import load_config
+    from cargohold.cluster.schema.io import load_config
 
     with pytest.raises(ConfigError, match="security.tls_ca_file, security.tls_key_file must be set"):
         load_config(None, ["security.tls_cert_file=/x.pem"])

@@ -28,7 +28,7 @@ from checkpoints import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cargohold.cluster.config import TierConfig
+from cargohold.cluster.schema.server import TierConfig
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest, read_flat_range
 from cargohold.services.checkpoint.reshard import segment_runs
 from cargohold.services.core.errors import CheckpointError, CorruptCheckpointError

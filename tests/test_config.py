@@ -13,19 +13,17 @@ import pytest
 import yaml
 
 from cargohold import __version__
-from cargohold.cluster import cli, config_docs
-from cargohold.cluster.config import (
-    ClusterConfig,
-    DataConfig,
-    MetricsConfig,
-    StateServerConfig,
-    TrainConfig,
-    WorkerConfig,
-)
-from cargohold.cluster.config_docs import REGENERATE, render_reference, type_name
-from cargohold.cluster.config_io import from_dict, load_config, to_dict
-from cargohold.cluster.config_model import GPTConfig
-from cargohold.cluster.config_optim import OptimConfig
+from cargohold.cluster import cli
+from cargohold.cluster.schema import reference as config_reference
+from cargohold.cluster.schema.data import DataConfig
+from cargohold.cluster.schema.io import from_dict, load_config, to_dict
+from cargohold.cluster.schema.model import GPTConfig
+from cargohold.cluster.schema.optim import OptimConfig
+from cargohold.cluster.schema.reference import REGENERATE, render_reference, type_name
+from cargohold.cluster.schema.run import ClusterConfig, MetricsConfig
+from cargohold.cluster.schema.server import StateServerConfig
+from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.schema.worker import WorkerConfig
 from cargohold.services.core.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
@@ -463,11 +461,11 @@ def test_type_names_are_readable(hint: object, name: str) -> None:
 
 def test_docs_check_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     current = _write(tmp_path, render_reference(), "current.md")
-    assert config_docs.main(["--check", str(current)]) == 0
+    assert config_reference.main(["--check", str(current)]) == 0
     stale = _write(tmp_path, render_reference() + "edited\n", "stale.md")
-    assert config_docs.main(["--check", str(stale)]) != 0
+    assert config_reference.main(["--check", str(stale)]) != 0
     assert str(stale) in capsys.readouterr().err
-    assert config_docs.main(["--check", str(tmp_path / "absent.md")]) != 0
+    assert config_reference.main(["--check", str(tmp_path / "absent.md")]) != 0
     assert REGENERATE in capsys.readouterr().err
 
 

@@ -20,7 +20,7 @@ from data_fixtures import EOS, make_tokenizer, tiny_llama, write_chat, write_jso
 from reference import tiny_config  # noqa: E402
 
 from cargohold.cluster import cli  # noqa: E402
-from cargohold.cluster.config_io import load_config  # noqa: E402
+from cargohold.cluster.schema.io import load_config  # noqa: E402
 from cargohold.services.core.errors import ConfigError  # noqa: E402
 from cargohold.services.data import tokenization  # noqa: E402
 from cargohold.services.data.blocks import TokenBlocks  # noqa: E402

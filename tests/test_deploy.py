@@ -20,8 +20,8 @@ import promql_parser
 import pytest
 import yaml
 
-from cargohold.cluster.config import SecurityConfig
-from cargohold.cluster.config_io import load_config
+from cargohold.cluster.schema.io import load_config
+from cargohold.cluster.schema.run import SecurityConfig
 from cargohold.services.metrics.launcher import LauncherMetrics
 from cargohold.services.metrics.names import METRIC_NAMES
 from cargohold.services.metrics.server import StateServerMetrics

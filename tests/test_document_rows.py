@@ -249,7 +249,7 @@ def test_a_packed_batch_of_the_built_in_gpt_gives_each_conversation_alone_s_loss
     config = _chat_config(tmp_path, tokenizer_dir)
     batch = open_source(config).batch(1, 0)
     torch.manual_seed(0)
-    from cargohold.cluster.config_model import GPTConfig
+    from cargohold.cluster.schema.model import GPTConfig
 
     gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=SEQ, vocab_size=VOCAB)).eval()
     with torch.no_grad():
@@ -276,7 +276,7 @@ def test_the_step_loss_and_gradient_are_the_token_mean_however_rows_are_split(
     source = open_source(split)
     source.shape = shape
     torch.manual_seed(0)
-    from cargohold.cluster.config_model import GPTConfig
+    from cargohold.cluster.schema.model import GPTConfig
 
     gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=SEQ, vocab_size=VOCAB))
     reference = whole.batch(1, 0)

@@ -24,8 +24,9 @@ from system import mounted_tmpfs
 
 from cargohold.cluster import cli
 from cargohold.cluster.claims import claimed_folders
-from cargohold.cluster.config import CheckpointConfig, TrainConfig
 from cargohold.cluster.launcher import TrainingSession
+from cargohold.cluster.schema.run import CheckpointConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
@@ -195,7 +196,7 @@ def test_a_pickle_only_model_folder_exits_2_before_ray(tmp_path: Path, capsys: p
     and the file named), and nothing in it runs."""
     import pickle
 
-    from cargohold.cluster.config_model import HFModelConfig
+    from cargohold.cluster.schema.model import HFModelConfig
     from cargohold.services.models.hf import build_hf_model
 
     folder = _tiny_gpt2(tmp_path / "pickled")

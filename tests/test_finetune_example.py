@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from cargohold.cluster.config_io import load_config  # noqa: E402
+from cargohold.cluster.schema.io import load_config  # noqa: E402
 from cargohold.services.checkpoint import CheckpointDir, read_flat_range  # noqa: E402
 from cargohold.services.core.layout import gather_params  # noqa: E402
 from cargohold.services.models.build import build_model  # noqa: E402

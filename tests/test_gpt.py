@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from cargohold.cluster.config_model import GPTConfig
+from cargohold.cluster.schema.model import GPTConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.data import batch_for_step, load_tokens
 from cargohold.services.models.gpt import GPT, num_parameters

@@ -20,7 +20,6 @@ transformers = pytest.importorskip("transformers")
 
 from reference import reference_train, tiny_config  # noqa: E402
 
-from cargohold.cluster.config_io import load_config  # noqa: E402
 from cargohold.cluster.export import (  # noqa: E402
     GPT_CONFIG_FILE,
     WEIGHTS_FILE,
@@ -29,6 +28,7 @@ from cargohold.cluster.export import (  # noqa: E402
     master_weights,
 )
 from cargohold.cluster.launcher import TrainingSession  # noqa: E402
+from cargohold.cluster.schema.io import load_config  # noqa: E402
 from cargohold.services.core.errors import ConfigError, ExportError  # noqa: E402
 from cargohold.services.core.layout import gather_params, scatter_params  # noqa: E402
 from cargohold.services.models.build import build_model  # noqa: E402

@@ -30,7 +30,7 @@ class CustomConfig(LlamaConfig):
 """
 LOAD = """
 import sys
-from cargohold.cluster.config_model import HFModelConfig
+from cargohold.cluster.schema.model import HFModelConfig
 from cargohold.services.data.tokenizer import load_tokenizer
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.hf import pretrained_config

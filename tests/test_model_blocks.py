@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from ports import free_port
 from torch import nn
 
-from cargohold.cluster.config_model import GPTConfig
+from cargohold.cluster.schema.model import GPTConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.blocks import apply_activation_checkpointing, transformer_blocks
 from cargohold.services.models.gpt import GPT

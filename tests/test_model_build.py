@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_model_init import max_bytes_per_value
 
-from cargohold.cluster.config import TrainConfig
-from cargohold.cluster.config_io import from_dict
+from cargohold.cluster.schema.io import from_dict
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.build import buffer_values, build_model, parameter_values
 from cargohold.services.models.gpt import GPT

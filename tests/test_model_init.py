@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cargohold.cluster.config_model import GPTConfig
+from cargohold.cluster.schema.model import GPTConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.gpt import GPT
 from cargohold.services.models.init import init_order, initial_values, initialize, module_seed

@@ -19,7 +19,7 @@ from torch import nn
 import cargohold
 from cargohold.api.groups import group_layout
 from cargohold.api.ranks import Shares
-from cargohold.cluster.config import StateServerConfig
+from cargohold.cluster.schema.server import StateServerConfig
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.integration]
 

@@ -12,7 +12,7 @@ import pytest
 from own_loops import STEPS, TinyMLP, assert_same_bits, offloaded, reference, schedule, train
 
 from cargohold import StateServers, start_state_servers
-from cargohold.cluster.config import StateServerConfig, TierConfig
+from cargohold.cluster.schema.server import StateServerConfig, TierConfig
 from cargohold.services.transport.grpc_client import StateServerClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

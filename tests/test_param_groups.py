@@ -13,7 +13,7 @@ import pytest
 from reference import tiny_config
 
 from cargohold.cluster import cli
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.core.layout import Layout
 from cargohold.services.core.optim import UpdateGroup

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cargohold.cluster.config import TierConfig
 from cargohold.cluster.plan.description import ClusterDescription
 from cargohold.cluster.plan.render import render
 from cargohold.cluster.plan.run import plan_run
 from cargohold.cluster.plan.worker import MIMALLOC_KEPT_SHARE
+from cargohold.cluster.schema.server import TierConfig
 from cargohold.services.core.layout import Layout
 from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT

@@ -105,7 +105,7 @@ def test_cli_json(tiny_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def _cli_config(path: Path, args: list[str]):
-    from cargohold.cluster.config_io import load_config
+    from cargohold.cluster.schema.io import load_config
 
     overrides = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
     config = load_config(path, overrides)
@@ -176,7 +176,7 @@ def at_the_repository_root(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_an_example_plan_fits_24_gib_gpus(
     at_the_repository_root, path: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from cargohold.cluster.config_io import load_config
+    from cargohold.cluster.schema.io import load_config
 
     flags, workers, parameters = EXAMPLES[path]
     assert cli.main(["plan", "--config", path, *flags]) == 0
@@ -215,7 +215,7 @@ def test_an_example_plan_fits_24_gib_gpus(
 
 def test_the_example_figures(at_the_repository_root) -> None:
     """The figures the examples' comments and the docs quote."""
-    from cargohold.cluster.config_io import load_config
+    from cargohold.cluster.schema.io import load_config
 
     def plan(path: str):
         flags = EXAMPLES[path][0]

@@ -15,8 +15,8 @@ from checkpoints import random_data, save_layout
 from reference import tiny_config
 
 from cargohold.cluster import cli
-from cargohold.cluster.config_io import to_dict
 from cargohold.cluster.resume import BEFORE_STATE_DTYPE, REFUSED, Change, check_resume, config_changes
+from cargohold.cluster.schema.io import to_dict
 from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.core.errors import ConfigError, ResumeRefusedError
 from cargohold.services.worker.model_setup import model_layout

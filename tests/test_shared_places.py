@@ -22,8 +22,8 @@ import yaml
 from reference import tiny_config
 
 from cargohold.cluster.claims import claimed_folders
-from cargohold.cluster.config import TrainConfig
-from cargohold.cluster.config_io import to_dict
+from cargohold.cluster.schema.io import to_dict
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.cluster.supervise import train
 from cargohold.services.checkpoint import CheckpointDir, Manifest
 from cargohold.services.core.errors import ConfigError

@@ -31,7 +31,7 @@ from tier_stores import (
     tier_segment_spec,
 )
 
-from cargohold.cluster.config import StateServerConfig, TierConfig
+from cargohold.cluster.schema.server import StateServerConfig, TierConfig
 from cargohold.services.core.errors import TierError, TierSpaceError
 from cargohold.services.segments.segment_registry import SegmentRegistry
 from cargohold.services.server.state_server import StateServer
@@ -125,7 +125,7 @@ def test_run_ids_that_cannot_name_a_directory_are_refused(tmp_path: Path) -> Non
 
 _PRELUDE = textwrap.dedent(f"""
     import json, os, sys, torch
-    from cargohold.cluster.config import TierConfig
+    from cargohold.cluster.schema import TierConfig
     from cargohold.services.core.errors import IncompleteUpdateError, TierError, TierSpaceError
     from cargohold.services.core.optim import AdamWHyperParams
     from cargohold.services.core.segment_spec import SegmentSpec

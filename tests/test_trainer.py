@@ -20,7 +20,7 @@ from user_models import Regressor, Stream, batch_function, items, regression_los
 import cargohold
 from cargohold.api.user_data import MapStyleBatches, open_user_data
 from cargohold.api.user_task import UserTask, batch_shape_of
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import ConfigError, TrainingError
 from cargohold.services.worker.model_setup import model_layout
 from cargohold.services.worker.param_groups import resolve_param_groups

@@ -7,8 +7,8 @@ import pytest
 import torch
 from reference import tiny_config
 
-from cargohold.cluster.config_model import GPTConfig
 from cargohold.cluster.plan.run import plan_run
+from cargohold.cluster.schema.model import GPTConfig
 from cargohold.services.models.blocks import transformer_blocks
 from cargohold.services.models.gpt import GPT
 from cargohold.services.worker.sharding import ROOT, units_of

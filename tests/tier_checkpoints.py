@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from cargohold.cluster.config import TierConfig
+from cargohold.cluster.schema.server import TierConfig
 from cargohold.services.checkpoint import CheckpointDir, Manifest, read_flat_range
 from cargohold.services.checkpoint.reshard import layout_record
 from cargohold.services.checkpoint.writer import SegmentCheckpointer

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from cargohold.cluster.config import TierConfig
+from cargohold.cluster.schema.server import TierConfig
 from cargohold.services.core.optim import AdamWHyperParams
 from cargohold.services.core.segment_spec import SegmentSpec
 from cargohold.services.segments.segment_state import SegmentState

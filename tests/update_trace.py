@@ -70,7 +70,7 @@ def _run(tracer: PathTracer, colocated: bool) -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from cargohold.cluster.config_io import load_config
+    from cargohold.cluster.schema.io import load_config
     from cargohold.services.data import dropout_seed
     from cargohold.services.metrics.worker import WorkerMetrics
     from cargohold.services.server.state_server import StateServer

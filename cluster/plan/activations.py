@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.itemsize import DTYPE_BYTES, FP32_BYTES
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.models.dimensions import sequence_length
 
 

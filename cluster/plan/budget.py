@@ -18,10 +18,10 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.runtime import DRIVER_RUNTIME_BYTES
 from cargohold.cluster.plan.server import ServerPlan
 from cargohold.cluster.plan.worker import WorkerPlan
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.cluster.sizes import format_bytes
 from cargohold.services.core.errors import ConfigError
 

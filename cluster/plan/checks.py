@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.budget import HostBudget
 from cargohold.cluster.plan.description import ClusterDescription, NodeGroup
 from cargohold.cluster.plan.runtime import DRIVER_RUNTIME_BYTES
 from cargohold.cluster.plan.server import ServerPlan
 from cargohold.cluster.plan.worker import WorkerPlan
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.cluster.sizes import format_bytes
 
 

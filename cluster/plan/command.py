@@ -8,10 +8,10 @@ import argparse
 import json
 import sys
 
-from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.description import load_cluster
 from cargohold.cluster.plan.render import render
 from cargohold.cluster.plan.run import plan_run
+from cargohold.cluster.schema.train import TrainConfig
 
 EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 3

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.activations import activation_bytes_estimate
 from cargohold.cluster.plan.budget import HostBudget, PlanParts, apply_host_budget, split_host_budget
 from cargohold.cluster.plan.checks import Check, check_cluster
@@ -19,6 +18,7 @@ from cargohold.cluster.plan.description import ClusterDescription, NodeGroup
 from cargohold.cluster.plan.runtime import DRIVER_RUNTIME_BYTES
 from cargohold.cluster.plan.server import ServerPlan, plan_server
 from cargohold.cluster.plan.worker import WorkerPlan, plan_worker
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import ConfigError, LayoutError
 from cargohold.services.core.layout import Layout
 

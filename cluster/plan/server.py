@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.itemsize import DTYPE_BYTES, FP32_BYTES
 from cargohold.cluster.plan.runtime import SERVER_RUNTIME_BYTES
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.layout import Layout
 from cargohold.services.core.state_precision import stored_bytes
 from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes

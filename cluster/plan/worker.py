@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cargohold.cluster.config import TrainConfig
 from cargohold.cluster.plan.itemsize import DTYPE_BYTES, FP32_BYTES
 from cargohold.cluster.plan.runtime import worker_runtime_bytes
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.layout import Layout
 from cargohold.services.core.optim import SQUARES_CHUNK
 from cargohold.services.core.state_precision import bytes_per_parameter, stored_bytes

@@ -166,7 +166,7 @@ class Manifest:
     run_id: str
     config: dict[str, Any]
     """The configuration of the run that saved it, as plain data
-    (:func:`cargohold.cluster.config_io.to_dict`): a resume compares it with its own
+    (:func:`cargohold.cluster.schema.io.to_dict`): a resume compares it with its own
     (:mod:`cargohold.cluster.resume`). Checked here only as JSON data."""
     model_signature: tuple[tuple[str, tuple[int, ...]], ...]
     """Parameter names and shapes, in layout order."""

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.data.batches import Batch, BatchShape
 from cargohold.services.data.blocks import TokenBlocks

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cargohold.cluster.config import DataConfig, TrainConfig
+from cargohold.cluster.schema.data import DataConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.data.cache import CachedStream, TokenCache, cache_key, content_digest
 from cargohold.services.data.chat import (

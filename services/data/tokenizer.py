@@ -12,7 +12,7 @@ import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.hf import model_folder, refuse_folder_code
 

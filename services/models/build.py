@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.dimensions import check_model_fits_data
 from cargohold.services.models.gpt import GPT

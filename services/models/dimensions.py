@@ -7,7 +7,7 @@ vocabulary (:mod:`cargohold.services.data.sources`).
 
 from __future__ import annotations
 
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.data.corpus import BYTE_VOCAB
 from cargohold.services.models.hf import pretrained_config

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cargohold.cluster.config_model import GPTConfig
+from cargohold.cluster.schema.model import GPTConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.loss import mean_token_loss
 

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from cargohold.cluster.config_model import HFModelConfig
+from cargohold.cluster.schema.model import HFModelConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.loss import mean_token_loss
 from cargohold.services.models.weights import require_safetensors

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from cargohold.cluster.config import WILDCARD_HOSTS, StateServerConfig
+from cargohold.cluster.schema.server import WILDCARD_HOSTS, StateServerConfig
 from cargohold.services.core.node import node_ip
 from cargohold.services.metrics.server import StateServerMetrics
 from cargohold.services.segments.segment_holder import SegmentHolder

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 
 import torch
 
-from cargohold.cluster.config import TierConfig
+from cargohold.cluster.schema.server import TierConfig
 from cargohold.services.core.errors import IncompleteUpdateError, TierError
 from cargohold.services.core.state_precision import StateDtype, stored_bytes
 from cargohold.services.tiers.fileformat import ARRAYS, FileLayout, gradient_file_bytes

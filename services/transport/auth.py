@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from cargohold.cluster.config import SecurityConfig
+from cargohold.cluster.schema.run import SecurityConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.transport.health import CHECK_METHOD
 from cargohold.services.transport.limits import refusal

@@ -45,7 +45,7 @@ from cargohold.services.core.errors import ConfigError, InvalidTensorError, Serv
 
 MEMFD_PREFIX = "cargohold-"
 RUN_END = ":"
-"""Ends the run id in a region's name; run ids have none (cluster/config.py RUN_ID)."""
+"""Ends the run id in a region's name; run ids have none (cluster/schema/train.py RUN_ID)."""
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 """What a region must be sealed against: any change of its size."""
 F_SEAL_FUTURE_WRITE = 0x10

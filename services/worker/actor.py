@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import ConfigError, TrainingError
 from cargohold.services.core.layout import Layout
 from cargohold.services.core.loss_scale import LossScaleState

@@ -23,7 +23,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
-from cargohold.cluster.config import HostAllocatorSetting, TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.schema.worker import HostAllocatorSetting
 from cargohold.services.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from cargohold.cluster.config import TrainConfig, WorkerConfig
+from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.schema.worker import WorkerConfig
 from cargohold.services.core.errors import ConfigError, TrainingError
 from cargohold.services.core.layout import Layout
 from cargohold.services.core.wire import WIRE_DTYPES

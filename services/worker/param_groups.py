@@ -17,7 +17,7 @@ import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cargohold.cluster.config_optim import OptimConfig
+from cargohold.cluster.schema.optim import OptimConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.core.layout import Layout, ParamSlot, Segment
 from cargohold.services.core.optim import UpdateGroup

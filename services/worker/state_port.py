@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.layout import Segment
 from cargohold.services.core.segment_spec import SegmentSpec
 from cargohold.services.core.update_call import IN_CALL, STAGED, CommitTerms, GradientIn, SharedRef, UpdateCall

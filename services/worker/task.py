@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.layout import Layout
 from cargohold.services.data.batches import Batch, DataSource
 from cargohold.services.data.evaluation import EvalSource, open_eval_set

@@ -1,5 +1,5 @@
 """Reading a run's configuration: YAML files, ``key.path=value`` overrides, and building
-the typed dataclasses of :mod:`cargohold.cluster.config` from plain data, every key and
+the typed dataclasses of :mod:`cargohold.cluster.schema` from plain data, every key and
 value checked and named by its dotted path."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import yaml
 
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import ConfigError
 
 

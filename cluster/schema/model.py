@@ -1,5 +1,5 @@
 """The model a run trains: the built-in GPT's shape (``model.*``) or a local Hugging Face
-causal LM (``hf.*``). Sections of :class:`cargohold.cluster.config.TrainConfig`."""
+causal LM (``hf.*``). Sections of :class:`cargohold.cluster.schema.train.TrainConfig`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The ``eval`` section of the config: validation on held-out data (docs/data.md,
-"Validation"). Kept beside :mod:`cargohold.cluster.config`, which holds the other sections."""
+"Validation"). Kept beside :mod:`cargohold.cluster.schema`, which holds the other sections."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Render the configuration reference (``docs/configuration.md``) from the schema.
 
-    python -m cargohold.cluster.config_docs > docs/configuration.md   # regenerate
-    python -m cargohold.cluster.config_docs --check docs/configuration.md
+    python -m cargohold.cluster.schema.reference > docs/configuration.md   # regenerate
+    python -m cargohold.cluster.schema.reference --check docs/configuration.md
 
-Types and defaults come from the dataclasses in :mod:`cargohold.cluster.config`;
+Types and defaults come from the dataclasses in :mod:`cargohold.cluster.schema`;
 descriptions are the attribute docstrings (the string literal right after a field in the
 class body), read with ``ast``. A field without one gets an empty description: the text
 lives in the schema, never here.
@@ -24,12 +24,12 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from cargohold.cluster.config import TrainConfig
+from cargohold.cluster.schema.train import TrainConfig
 
-REGENERATE = "python -m cargohold.cluster.config_docs > docs/configuration.md"
+REGENERATE = "python -m cargohold.cluster.schema.reference > docs/configuration.md"
 
 _INTRO = f"""\
-<!-- Generated from the schema in cluster/config.py; do not edit by hand.
+<!-- Generated from the schema in cluster/schema/; do not edit by hand.
      Regenerate with: {REGENERATE} -->
 
 # Configuration reference
@@ -69,7 +69,7 @@ def render_reference() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m cargohold.cluster.config_docs",
+        prog="python -m cargohold.cluster.schema.reference",
         description="Print the configuration reference (Markdown) generated from the schema.",
     )
     parser.add_argument(

@@ -1,0 +1,124 @@
+"""The run's surroundings: the Ray cluster (``cluster.*``), checkpoints, security, metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from cargohold.cluster.schema.checks import check_output_folder, non_negative, positive
+from cargohold.services.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from cargohold.cluster.schema.train import TrainConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    address: str | None = None
+    """None starts a Ray cluster in-process; "auto" joins the running one (ray job submit)."""
+    num_cpus: int | None = None
+    """Logical CPUs of the in-process cluster; None sizes it to fit the run."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement-group strategy over the worker and state-server bundles."""
+    startup_timeout_s: float = 120.0
+    """How long to wait for the placement group and every actor to be ready."""
+    host_memory_bytes: int | None = None
+    """Host RAM cargohold's processes of the run may use together (the driver, the workers,
+    the state servers; each process's runtime counted; Ray's own processes, its GCS,
+    raylets and agents, are not, so leave them room): one budget the planner splits. Each
+    worker and state server takes what the model and config fix (lowering
+    worker.weight_window and worker.exchange_slots if need be), and what is left becomes
+    the state servers' RAM tier (state_server.tier.ram_budget_bytes, which must then be
+    unset); a run that cannot fit it is refused before it starts. `cargohold plan` prints
+    the split. null: no budget (each part as configured)."""
+
+    def __post_init__(self) -> None:
+        if self.num_cpus is not None:
+            positive("cluster.num_cpus", self.num_cpus)
+        positive("cluster.startup_timeout_s", self.startup_timeout_s)
+        if self.host_memory_bytes is not None:
+            positive("cluster.host_memory_bytes", self.host_memory_bytes)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Where checkpoints go (step-<N>/ folders with a manifest.json written last); None
+    takes none, and then a failure cannot be recovered from."""
+    every_steps: int = 0
+    """Take a checkpoint every this many steps (and after the last); 0 only at the end."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted after a new one lands."""
+    resume: str | None = None
+    """Start from "latest" (in dir) or from a checkpoint folder; None starts fresh. Keys
+    of the checkpoint's config that give its state its meaning (model shape, Adam betas,
+    seed and data) must be unchanged; other changed keys are logged as a warning."""
+    max_failures: int = 0
+    """Actor failures to recover from (restart everything from the run's latest
+    checkpoint, or from where it started when none has landed) before the run gives up."""
+    on_save_error: Literal["stop", "continue"] = "stop"
+    """A checkpoint that cannot be written (its folder cannot be created, disk full,
+    unwritable): stop the run with the reason (max_failures does not restart it), or log
+    it and keep training (earlier checkpoints stay intact either way)."""
+
+    def __post_init__(self) -> None:
+        non_negative("checkpoint.every_steps", self.every_steps)
+        positive("checkpoint.keep_last", self.keep_last)
+        non_negative("checkpoint.max_failures", self.max_failures)
+        if (self.every_steps or self.max_failures or self.resume == "latest") and not self.dir:
+            raise ConfigError(
+                "checkpoint.dir must be set for checkpoint.every_steps, checkpoint.max_failures "
+                "or checkpoint.resume=latest"
+            )
+        if self.dir:
+            check_output_folder("checkpoint.dir", self.dir)
+        if self.resume not in (None, "latest") and not Path(self.resume).expanduser().is_dir():
+            raise ConfigError(
+                f"checkpoint.resume {self.resume!r} is not a folder: name a checkpoint folder, a folder "
+                "of checkpoints, or latest (with checkpoint.dir)"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class SecurityConfig:
+    auth_token_env: str | None = "CARGOHOLD_AUTH_TOKEN"
+    """Environment variable (read by the launcher) holding the token every state-server
+    call must carry; unset or empty makes a random token per run. None turns
+    authentication off."""
+    tls_cert_file: str | None = None
+    """PEM certificate each end presents for mutual TLS (with its key and the CA); its
+    subjectAltName must cover the nodes' addresses. All three set, or none."""
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("tls_cert_file", "tls_key_file", "tls_ca_file") if getattr(self, k)]
+        if given and len(given) != 3:
+            missing = sorted({"tls_cert_file", "tls_key_file", "tls_ca_file"} - set(given))
+            raise ConfigError(f"security.{', security.'.join(missing)} must be set too, for mutual TLS")
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    enabled: bool = True
+    """Serve Prometheus metrics from every worker and state server."""
+    port: int = 0
+    """0: each actor's endpoint takes a free port. Otherwise the first of a range:
+    state server i serves on port + i, worker rank r on port + num_servers + r, the
+    launcher on the port after the last worker's (fixed ports for Kubernetes pod
+    monitors and static scrape configs)."""
+    file_sd_path: str | None = None
+    """Write the run's metrics endpoints here as a Prometheus file_sd target list
+    (labels: job, run, role, index), replaced atomically when the run starts."""
+
+    def __post_init__(self) -> None:
+        if not (self.port == 0 or 1024 <= self.port <= 65535):
+            raise ConfigError(f"metrics.port must be 0 (any free port) or in 1024..65535, got {self.port}")
+
+    def port_for(self, role: str, index: int, config: TrainConfig) -> int:
+        """The port an actor's endpoint binds (0 = any free port)."""
+        if self.port == 0:
+            return 0
+        offset = index if role == "state_server" else config.state_server.num_servers + index
+        return self.port + offset  # the launcher is "worker" num_workers: the last port
