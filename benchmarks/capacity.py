@@ -26,9 +26,9 @@ buffers the worker touched) stays within the limit.
   need more than ``--server-ram-gib`` (at ~20 B/param) keeps the server's state on an
   NVMe tier under ``--tier-path``, so that the probes fit a shared machine; the workers do
   not change. ``--env`` sets variables in the probes' environment, which Ray's processes
-  inherit and which win over the launcher's allocator environment (``worker.host_allocator``:
+  inherit and which win over the launcher's allocator environment (``tuning.worker.host_allocator``:
   mimalloc keeps what a step frees, and glibc's ``MALLOC_MMAP_THRESHOLD_`` changes the
-  workers' peak a lot: see docs/benchmarks.md; ``--set worker.host_allocator=glibc`` for
+  workers' peak a lot: see docs/benchmarks.md; ``--set tuning.worker.host_allocator=glibc`` for
   the figures recorded there).
 
 The search per configuration: a first probe of the tiny model (width 64) gives the
@@ -128,10 +128,9 @@ def session_overrides(workers: int, dtype: str, wire: str) -> list[str]:
         f"worker.compute_dtype={dtype}",
         f"worker.grad_wire_dtype={wire}",
         f"worker.num_workers={workers}",
-        "worker.torch_threads=1",
         "state_server.num_servers=1",
         "cluster.startup_timeout_s=1200",
-        "state_server.rpc_timeout_s=1200",
+        "tuning.state_server.rpc_timeout_s=1200",
     ]
 
 

@@ -4,7 +4,7 @@
 
 Trains the demo model (examples/demo.yaml) with the same seed and data: once normally,
 once with worker.delayed_update=true from the first step, and once more for each
-``--after N`` with worker.delayed_update_after_steps=N (N normal steps first). Prints the
+``--after N`` with tuning.worker.delayed_update_after_steps=N (N normal steps first). Prints the
 loss curves, the mean loss of the last 10 steps and the mean step time (first 2 steps
 excluded), with the ratios to the baseline.
 """
@@ -28,7 +28,7 @@ def run(steps: int, delayed: bool, after: int, extra: list[str]) -> tuple[list[f
             f"steps={steps}",
             "progress=false",
             f"worker.delayed_update={str(delayed).lower()}",
-            f"worker.delayed_update_after_steps={after}",
+            f"tuning.worker.delayed_update_after_steps={after}",
             *extra,
         ],
     )

@@ -63,7 +63,7 @@ def soak_config(root: Path, checkpoints: Path, steps: int, every: int) -> TrainC
             "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32},
             "data": {"batch_size": 4, "corpus_bytes": 100_000},
             "optim": {"lr": 0.01, "weight_decay": 0.1, "max_grad_norm": 1.0, "warmup_steps": 3, "schedule": "cosine"},
-            "worker": {"num_workers": 2, "cpus": 0.5, "torch_threads": 1},
+            "worker": {"num_workers": 2, "cpus": 0.5},
             "state_server": {
                 "num_servers": 2,
                 "cpus": 0.5,

@@ -336,7 +336,7 @@ class TrainingSession:
         return SavedCheckpoint(path=path, written_bytes=total - linked, linked_bytes=linked)
 
     def _ignore_outcomes(self, refs: list) -> None:
-        """Wait (up to ``state_server.rpc_timeout_s``) for calls of a checkpoint being
+        """Wait (up to ``tuning.state_server.rpc_timeout_s``) for calls of a checkpoint being
         given up to end; their errors are expected (a dead server, a failed save, nothing
         begun) and dropped."""
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.state_server.rpc_timeout_s)
@@ -474,7 +474,7 @@ class TrainingSession:
 def restored_loss_scale(manifest: Manifest | None) -> LossScaleState | None:
     """The dynamic loss scale a resume goes on with: the checkpoint's, where it has one
     (an fp16 run saved it); else None, and an fp16 run starts from
-    ``optim.loss_scale.init_scale``."""
+    ``tuning.optim.loss_scale.init_scale``."""
     if manifest is None or manifest.loss_scale is None:
         return None
     return LossScaleState(manifest.loss_scale.scale, manifest.loss_scale.growth_tracker)

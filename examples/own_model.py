@@ -64,7 +64,7 @@ def config(args: argparse.Namespace) -> TrainConfig:
             "progress": False,
             "data": {"batch_size": 16},
             "optim": {"lr": 3e-3, "weight_decay": 0.01, "no_decay": "biases_and_norms", "warmup_steps": 2},
-            "worker": {"num_workers": 2, "cpus": 1, "torch_threads": 1},
+            "worker": {"num_workers": 2, "cpus": 1},
             "state_server": {"num_servers": 2, "cpus": 1},
             "checkpoint": {"dir": args.checkpoint_dir, "every_steps": 10 if args.checkpoint_dir else 0},
             "export_dir": args.export,

@@ -206,7 +206,7 @@ def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.
 
 
 def _grad_scaler(config: TrainConfig) -> torch.amp.GradScaler | None:
-    """torch's GradScaler with the config's ``optim.loss_scale`` for fp16 compute."""
+    """torch's GradScaler with the config's ``tuning.optim.loss_scale`` for fp16 compute."""
     if config.worker.compute_dtype != "float16":
         return None
     rules = config.optim.loss_scale
@@ -333,7 +333,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def fsdp_reference_train(config: TrainConfig, steps: int, *, norm: str = "torch") -> FlatReference:
     """FSDP2 + AdamW(fused=True) over ``config.worker.num_workers`` gloo processes; with
-    fp16 compute, torch.amp.GradScaler with the config's ``optim.loss_scale`` (unscale_,
+    fp16 compute, torch.amp.GradScaler with the config's ``tuning.optim.loss_scale`` (unscale_,
     then clipping, then its step and update). ``norm`` as in :func:`reference_train`."""
     world = config.worker.num_workers
     with tempfile.TemporaryDirectory(prefix="cargohold-fsdp-ref-") as folder:
@@ -446,7 +446,7 @@ def tiny_config(**overrides) -> TrainConfig:
         "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32},
         "data": {"batch_size": 4, "corpus_bytes": 100_000},
         "optim": {"lr": 0.01, "weight_decay": 0.1, "max_grad_norm": 1.0e6, "warmup_steps": 3, "schedule": "cosine"},
-        "worker": {"num_workers": 2, "cpus": 1, "torch_threads": 1},
+        "worker": {"num_workers": 2, "cpus": 1},
         "state_server": {"num_servers": 1, "cpus": 1},
     }
     for dotted, value in overrides.items():

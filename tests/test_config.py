@@ -16,13 +16,14 @@ from cargohold import __version__
 from cargohold.cluster import cli
 from cargohold.cluster.schema import reference as config_reference
 from cargohold.cluster.schema.data import DataConfig
-from cargohold.cluster.schema.io import from_dict, load_config, to_dict
+from cargohold.cluster.schema.io import from_dict, load_config, to_dict, to_user_dict
 from cargohold.cluster.schema.model import GPTConfig
 from cargohold.cluster.schema.optim import OptimConfig
 from cargohold.cluster.schema.reference import REGENERATE, render_reference, type_name
 from cargohold.cluster.schema.run import ClusterConfig, MetricsConfig
 from cargohold.cluster.schema.server import StateServerConfig
 from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.schema.tuning import is_tuning, tuning_keys
 from cargohold.cluster.schema.worker import WorkerConfig
 from cargohold.services.core.errors import ConfigError
 
@@ -86,50 +87,29 @@ CONFIG_SURFACE = [
     "optim.min_lr_ratio",
     "optim.nonfinite",
     "optim.state_dtype",
-    "optim.loss_scale.init_scale",
-    "optim.loss_scale.growth_factor",
-    "optim.loss_scale.backoff_factor",
-    "optim.loss_scale.growth_interval",
     "worker.num_workers",
     "worker.device",
     "worker.compute_dtype",
     "worker.grad_wire_dtype",
     "worker.reshard_after_forward",
-    "worker.kept_gathered_units",
-    "worker.shared_memory_collectives",
     "worker.offload_params",
     "worker.weights_nvme_path",
-    "worker.weight_window",
     "worker.max_unit_params",
     "worker.activation_checkpointing",
     "worker.delayed_update",
-    "worker.delayed_update_after_steps",
-    "worker.exchange_slots",
-    "worker.shared_memory",
     "worker.cpus",
     "worker.gpus",
-    "worker.torch_threads",
     "worker.optimizer_on_device_fraction",
-    "worker.host_allocator",
     "worker.resources",
     "state_server.num_servers",
     "state_server.cpus",
-    "state_server.torch_threads",
     "state_server.bind_host",
     "state_server.allow_wildcard_bind",
     "state_server.rpc_threads",
-    "state_server.chunk_bytes",
-    "state_server.data_plane",
-    "state_server.rpc_timeout_s",
-    "state_server.max_concurrent_calls",
-    "state_server.message_timeout_s",
     "state_server.resources",
     "state_server.tier.nvme_paths",
     "state_server.tier.ram_budget_bytes",
     "state_server.tier.partition_bytes",
-    "state_server.tier.buffer_count",
-    "state_server.tier.io_threads",
-    "state_server.tier.direct_io",
     "cluster.address",
     "cluster.num_cpus",
     "cluster.placement_strategy",
@@ -148,6 +128,25 @@ CONFIG_SURFACE = [
     "checkpoint.resume",
     "checkpoint.max_failures",
     "checkpoint.on_save_error",
+    "tuning.optim.loss_scale.init_scale",
+    "tuning.optim.loss_scale.growth_factor",
+    "tuning.optim.loss_scale.backoff_factor",
+    "tuning.optim.loss_scale.growth_interval",
+    "tuning.worker.kept_gathered_units",
+    "tuning.worker.shared_memory_collectives",
+    "tuning.worker.weight_window",
+    "tuning.worker.delayed_update_after_steps",
+    "tuning.worker.exchange_slots",
+    "tuning.worker.shared_memory",
+    "tuning.worker.host_allocator",
+    "tuning.state_server.chunk_bytes",
+    "tuning.state_server.data_plane",
+    "tuning.state_server.rpc_timeout_s",
+    "tuning.state_server.max_concurrent_calls",
+    "tuning.state_server.message_timeout_s",
+    "tuning.state_server.tier.buffer_count",
+    "tuning.state_server.tier.io_threads",
+    "tuning.state_server.tier.direct_io",
 ]
 
 
@@ -164,14 +163,16 @@ def _assert_names(error: pytest.ExceptionInfo[ConfigError], key: str) -> None:
 
 
 def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
-    """Every key of ``cls``; a list of sections is a key, and its items' keys follow it
-    (``optim.param_groups``, then ``optim.param_groups[].name``)."""
+    """Every key of ``cls`` a user sets outside ``tuning:``; a list of sections is a key,
+    and its items' keys follow it (``optim.param_groups``, then ``optim.param_groups[].name``)."""
     keys = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
             keys += _dotted_keys(hint, f"{prefix}{f.name}.")
+            continue
+        if is_tuning(f):
             continue
         keys.append(prefix + f.name)
         if typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
@@ -202,7 +203,7 @@ def test_demo_yaml_loads_the_expected_values() -> None:
         optim=OptimConfig(
             lr=0.001, beta2=0.95, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=10, schedule="cosine"
         ),
-        worker=WorkerConfig(num_workers=2, torch_threads=1),
+        worker=WorkerConfig(num_workers=2),
         state_server=StateServerConfig(num_servers=1),
         cluster=ClusterConfig(),
         metrics=MetricsConfig(),
@@ -253,13 +254,12 @@ def test_override_below_a_scalar_is_refused() -> None:
 
 def test_tier_paths_are_a_list_from_yaml_and_overrides(tmp_path: Path) -> None:
     text = "state_server:\n  tier:\n    nvme_paths: [/mnt/nvme0, /mnt/nvme1]\n    ram_budget_bytes: 8000000000\n"
-    config = load_config(_write(tmp_path, text), ["state_server.tier.direct_io=off"])
+    config = load_config(_write(tmp_path, text), ["tuning.state_server.tier.direct_io=off"])
     tier = config.state_server.tier
     assert tier.nvme_paths == ["/mnt/nvme0", "/mnt/nvme1"] and tier.ram_budget_bytes == 8_000_000_000
     assert tier.direct_io == "off"  # YAML 1.1 reads a bare off as false; the schema wants the word
-    assert (
-        load_config(_write(tmp_path, "state_server:\n  tier:\n    direct_io: on\n")).state_server.tier.direct_io == "on"
-    )
+    on = load_config(_write(tmp_path, "tuning:\n  state_server:\n    tier:\n      direct_io: on\n"))
+    assert on.state_server.tier.direct_io == "on"
     # 3 partitions, each with room for its staged fp32 gradient after it
     assert 3 * (64 << 20) * 16 // 12 - 4096 <= tier.staging_bytes() <= 3 * ((64 << 20) * 16 // 12 + 5 * 4096)
     assert load_config(None, ["state_server.tier.nvme_paths=[/x]"]).state_server.tier.nvme_paths == ["/x"]
@@ -307,7 +307,7 @@ def test_unknown_override_key_is_refused() -> None:
         ("cluster:\n  num_cpus: four\n", "cluster.num_cpus"),
         ("state_server:\n  tier:\n    nvme_paths: /mnt/nvme0\n", "state_server.tier.nvme_paths"),
         ("state_server:\n  tier:\n    nvme_paths: [/mnt/a, 7]\n", "state_server.tier.nvme_paths[1]"),
-        ("state_server:\n  tier:\n    direct_io: maybe\n", "state_server.tier.direct_io"),
+        ("state_server:\n  tier:\n    direct_io: maybe\n", "tuning.state_server.tier.direct_io"),
     ],
 )
 def test_wrong_types_are_refused_naming_the_key(tmp_path: Path, text: str, key: str) -> None:
@@ -322,7 +322,7 @@ def test_wrong_types_are_refused_naming_the_key(tmp_path: Path, text: str, key: 
         ("worker:\n  num_workers: 0\n", "worker.num_workers"),
         ("optim:\n  beta1: 1.5\n", "optim.beta1"),
         ("model:\n  n_embd: 100\n  n_head: 6\n", "model.n_embd"),
-        ("state_server:\n  chunk_bytes: 10\n", "state_server.chunk_bytes"),
+        ("state_server:\n  chunk_bytes: 10\n", "tuning.state_server.chunk_bytes"),
         ("steps: 0\n", "steps"),
         ("optim:\n  lr: .nan\n", "optim.lr"),
         ("model:\n  dropout: 1.0\n", "model.dropout"),
@@ -332,17 +332,17 @@ def test_wrong_types_are_refused_naming_the_key(tmp_path: Path, text: str, key: 
             "state_server:\n  tier:\n    nvme_paths: [/a]\n    ram_budget_bytes: 1000\n",
             "state_server.tier.ram_budget_bytes",
         ),
-        ("state_server:\n  tier:\n    buffer_count: 1\n", "state_server.tier.buffer_count"),
+        ("state_server:\n  tier:\n    buffer_count: 1\n", "tuning.state_server.tier.buffer_count"),
         ("state_server:\n  tier:\n    partition_bytes: 100\n", "state_server.tier.partition_bytes"),
         ("state_server:\n  tier:\n    nvme_paths: [/a, /a]\n", "state_server.tier.nvme_paths"),
-        ("state_server:\n  tier:\n    io_threads: 0\n", "state_server.tier.io_threads"),
-        ("state_server:\n  rpc_timeout_s: .inf\n", "state_server.rpc_timeout_s"),
-        ("state_server:\n  max_concurrent_calls: 4\n", "state_server.max_concurrent_calls"),
-        ("state_server:\n  message_timeout_s: 0\n", "state_server.message_timeout_s"),
+        ("state_server:\n  tier:\n    io_threads: 0\n", "tuning.state_server.tier.io_threads"),
+        ("state_server:\n  rpc_timeout_s: .inf\n", "tuning.state_server.rpc_timeout_s"),
+        ("state_server:\n  max_concurrent_calls: 4\n", "tuning.state_server.max_concurrent_calls"),
+        ("state_server:\n  message_timeout_s: 0\n", "tuning.state_server.message_timeout_s"),
         ("worker:\n  cpus: .inf\n", "worker.cpus"),
         ("worker:\n  max_unit_params: -1\n", "worker.max_unit_params"),
-        ("worker:\n  kept_gathered_units: -1\n", "worker.kept_gathered_units"),
-        ("worker:\n  weight_window: 1\n", "worker.weight_window"),
+        ("worker:\n  kept_gathered_units: -1\n", "tuning.worker.kept_gathered_units"),
+        ("worker:\n  weight_window: 1\n", "tuning.worker.weight_window"),
         ("worker:\n  weights_nvme_path: ''\n", "worker.weights_nvme_path"),
         ("metrics:\n  port: 1\n", "metrics.port"),
         ("state_server:\n  bind_host: 0.0.0.0\n", "state_server.allow_wildcard_bind"),
@@ -406,7 +406,7 @@ def test_from_dict_of_to_dict_round_trips(tmp_path: Path, overrides: list[str]) 
     config = load_config(DEMO, overrides)
     assert from_dict(TrainConfig, to_dict(config)) == config
     # ... and through a YAML file, the documented channel.
-    dumped = _write(tmp_path, yaml.safe_dump(to_dict(config)), "dumped.yaml")
+    dumped = _write(tmp_path, yaml.safe_dump(to_user_dict(config)), "dumped.yaml")
     assert load_config(dumped) == config
 
 
@@ -414,7 +414,7 @@ def test_from_dict_of_to_dict_round_trips(tmp_path: Path, overrides: list[str]) 
 
 
 def test_config_surface_is_frozen() -> None:
-    keys = _dotted_keys(TrainConfig)
+    keys = _dotted_keys(TrainConfig) + [f"tuning.{key}" for key in tuning_keys(TrainConfig)]
     assert len(keys) == len(set(keys))
     added, removed = sorted(set(keys) - set(CONFIG_SURFACE)), sorted(set(CONFIG_SURFACE) - set(keys))
     assert not added and not removed, (

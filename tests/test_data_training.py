@@ -42,7 +42,6 @@ optim:
   schedule: cosine
 worker:
   num_workers: 2
-  torch_threads: 1
 state_server:
   num_servers: 1
 checkpoint:

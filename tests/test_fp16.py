@@ -89,10 +89,10 @@ def test_the_servers_take_the_scale_out_exactly() -> None:
 @pytest.mark.parametrize(
     ("settings", "named"),
     [
-        (["optim.loss_scale.init_scale=1000"], "optim.loss_scale.init_scale must be a power of two"),
-        (["optim.loss_scale.growth_factor=0.5"], "optim.loss_scale.growth_factor must be > 1"),
-        (["optim.loss_scale.backoff_factor=3"], "optim.loss_scale.backoff_factor must be a power of two"),
-        (["optim.loss_scale.growth_interval=0"], "optim.loss_scale.growth_interval must be >= 1"),
+        (["tuning.optim.loss_scale.init_scale=1000"], "tuning.optim.loss_scale.init_scale must be a power of two"),
+        (["tuning.optim.loss_scale.growth_factor=0.5"], "tuning.optim.loss_scale.growth_factor must be > 1"),
+        (["tuning.optim.loss_scale.backoff_factor=3"], "tuning.optim.loss_scale.backoff_factor must be a power of two"),
+        (["tuning.optim.loss_scale.growth_interval=0"], "tuning.optim.loss_scale.growth_interval must be >= 1"),
         (["worker.compute_dtype=float16", "optim.nonfinite=fail"], "needs optim.nonfinite=skip"),
         (["worker.grad_wire_dtype=float16"], "worker.grad_wire_dtype=float16 needs worker.compute_dtype=float16"),
     ],

@@ -1,4 +1,4 @@
-"""``worker.kept_gathered_units``: with ZeRO-3 resharding, the last units stay gathered
+"""``tuning.worker.kept_gathered_units``: with ZeRO-3 resharding, the last units stay gathered
 from their forward to their backward (FSDP2 skips their backward all-gather); the others
 are freed after their forward and gathered again. The training contract (bitwise equal to
 AdamW) covers every count in tests/test_training_contract.py and tests/test_weights_nvme.py."""

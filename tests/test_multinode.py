@@ -105,7 +105,7 @@ def test_every_actor_on_its_own_node(four_nodes, tmp_path) -> None:
         updates = _value(samples, "cargohold_optimizer_steps", "cargohold_optimizer_steps_total")
         assert _value(samples, "cargohold_optimizer_step_seconds", "cargohold_optimizer_step_seconds_count") == updates
         assert _value(samples, "cargohold_optimizer_step_seconds", "cargohold_optimizer_step_seconds_sum") > 0
-        # Between nodes the gradients' bytes go over the bulk socket (state_server.data_plane:
+        # Between nodes the gradients' bytes go over the bulk socket (tuning.state_server.data_plane:
         # socket, the default); gRPC's PushGradient carries only the call.
         received = _value(
             samples,

@@ -139,7 +139,7 @@ def test_the_plan_says_how_many_units_the_gpu_could_keep_gathered() -> None:
     assert gpu_plan(1, peaks[3] - 1).kept_gathered_fit == 2
     assert gpu_plan(1, 1 << 40).kept_gathered_fit == 8  # every block
     assert gpu_plan(1, peaks[0] - 1).kept_gathered_fit == 0
-    assert "worker.kept_gathered_units: up to 3 fit the GPU memory (set: 1;" in render(gpu_plan(1, peaks[3]))
+    assert "tuning.worker.kept_gathered_units: up to 3 fit the GPU memory (set: 1;" in render(gpu_plan(1, peaks[3]))
     assert plan_run(tiny_config(model__n_layer=8)).kept_gathered_fit is None  # a CPU worker
 
 

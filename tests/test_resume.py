@@ -16,7 +16,7 @@ from reference import tiny_config
 
 from cargohold.cluster import cli
 from cargohold.cluster.resume import BEFORE_STATE_DTYPE, REFUSED, Change, check_resume, config_changes
-from cargohold.cluster.schema.io import to_dict
+from cargohold.cluster.schema.io import to_dict, to_user_dict
 from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.core.errors import ConfigError, ResumeRefusedError
 from cargohold.services.worker.model_setup import model_layout
@@ -65,7 +65,7 @@ def test_a_key_that_changes_what_the_state_means_is_refused(tmp_path: Path, key:
 def test_the_command_exits_2_naming_the_key_before_anything_starts(tmp_path: Path, capsys) -> None:
     path = _saved(tmp_path / "ckpt")
     config_file = tmp_path / "run.yaml"
-    config_file.write_text(yaml.safe_dump(to_dict(tiny_config(**BASE))))
+    config_file.write_text(yaml.safe_dump(to_user_dict(tiny_config(**BASE))))
     status = cli.main(["train", "--config", str(config_file), "--resume", str(path), "--set", "model.n_head=4"])
     assert status == 2
     err = capsys.readouterr().err

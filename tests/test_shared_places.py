@@ -22,7 +22,7 @@ import yaml
 from reference import tiny_config
 
 from cargohold.cluster.claims import claimed_folders
-from cargohold.cluster.schema.io import to_dict
+from cargohold.cluster.schema.io import to_user_dict
 from cargohold.cluster.schema.train import TrainConfig
 from cargohold.cluster.supervise import train
 from cargohold.services.checkpoint import CheckpointDir, Manifest
@@ -168,7 +168,7 @@ def test_a_second_run_with_a_live_runs_id_and_tier_path_deletes_nothing(ray_loca
     nvme = tmp_path / "nvme"
     config = tiny_config(steps=6, run_id="run-shared", state_server__tier=_tier(nvme))
     second = tmp_path / "second.yaml"
-    second.write_text(yaml.safe_dump(to_dict(dataclasses.replace(config, steps=2))))
+    second.write_text(yaml.safe_dump(to_user_dict(dataclasses.replace(config, steps=2))))
     outcome: list[subprocess.CompletedProcess] = []
 
     def start_the_second(report: StepReport) -> None:

@@ -192,7 +192,7 @@ def test_o_direct_refused_by_the_filesystem_falls_back_to_buffered_io(tmp_path: 
         storage.close()
     """,
     )
-    assert "refuses O_DIRECT" in result["refused"] and "state_server.tier.direct_io" in result["refused"]
+    assert "refuses O_DIRECT" in result["refused"] and "tuning.state_server.tier.direct_io" in result["refused"]
     assert result["direct"] == [False] and result["same"]
 
 

@@ -70,7 +70,7 @@ decay, one of norms (so no decay) at a quarter of the lr."""
 
 CASES = {
     # Workers and servers share the node, so payloads go through shared memory unless
-    # worker.shared_memory is off (then they take state_server.data_plane, as across
+    # tuning.worker.shared_memory is off (then they take tuning.state_server.data_plane, as across
     # hosts: the bulk socket by default, or gRPC streams).
     # Clipping configured (inactive): gradients staged, then CommitStep.
     "1-server-fp32": dict(state_server__num_servers=1),

@@ -197,7 +197,7 @@ def test_a_server_without_the_bulk_socket_says_so_and_its_clients_stream_over_gr
     s = stepped
     header = pb.PushHeader(key=pb.ShardKey(run_id=RUN, shard_id=0), step=2)
     code, details = status(lambda: s.stub.OpenBulk(pb.OpenBulkRequest(push=header), timeout=DEADLINE_S))
-    assert code == Code.UNIMPLEMENTED and "state_server.data_plane" in details
+    assert code == Code.UNIMPLEMENTED and "tuning.state_server.data_plane" in details
     with bulk(s) as client:
         outcome = client.push(RUN, 0, 2, G2, global_norm=GLOBAL_NORM, lr=LR)
         assert not client.bulk  # asked once; gRPC streams from then on

@@ -1,7 +1,7 @@
 """A stranger cannot stall the bulk socket (issue 27, row C): connections that never send
 a hello, or trickle it, hold no slot a worker needs, and a transfer the socket refuses
 streams over gRPC instead of failing the step. Everything on 127.0.0.1, with the caps
-scaled down through ``max_calls`` (``state_server.max_concurrent_calls``) except in the
+scaled down through ``max_calls`` (``tuning.state_server.max_concurrent_calls``) except in the
 one test at the default cap."""
 
 from __future__ import annotations

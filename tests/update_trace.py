@@ -13,7 +13,7 @@ step 2 is traced with a profile function installed before any thread exists
   local shards) and the server's gRPC and bulk-socket threads.
 
 ``colocated``: the server shares the node (shared memory); otherwise it is remote (gRPC
-and the bulk socket, as ``state_server.data_plane: socket``, the default).
+and the bulk socket, as ``tuning.state_server.data_plane: socket``, the default).
 """
 
 from __future__ import annotations
@@ -85,7 +85,11 @@ def _run(tracer: PathTracer, colocated: bool) -> list[str]:
     run_id = f"trace-{os.getpid()}"
     config = load_config(
         str(ROOT / "examples" / "tiny.yaml"),
-        ["worker.num_workers=1", "metrics.enabled=false", f"worker.shared_memory={'auto' if colocated else 'off'}"],
+        [
+            "worker.num_workers=1",
+            "metrics.enabled=false",
+            f"tuning.worker.shared_memory={'auto' if colocated else 'off'}",
+        ],
     )
     torch.set_num_threads(1)
     server = StateServer(config.state_server, run_id=run_id, server_index=0, metrics_enabled=False)

@@ -24,7 +24,7 @@ does), and each state server's partitions are placed by the tier planner itself
 (``plan_tiers`` over the same ``PartitionDemand`` list ``TieredStorage`` builds). So:
 
 * a worker's **buffers** (``weights``: its FSDP2 shards, the most any rank holds;
-  ``exchange``: ``worker.exchange_slots`` gradient and weight slots of the largest unit,
+  ``exchange``: ``tuning.worker.exchange_slots`` gradient and weight slots of the largest unit,
   and the weights of its whole range with the delayed update) are
   exactly the sizes ``TrainingWorker.resident_bytes()`` reports;
 * a state server's **state in RAM / on NVMe** (12 bytes per element) is exactly what it

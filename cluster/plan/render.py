@@ -81,7 +81,7 @@ def render(plan: RunPlan) -> str:
         )
     if plan.kept_gathered_fit is not None:
         lines.append(
-            f"  worker.kept_gathered_units: up to {plan.kept_gathered_fit} fit the GPU memory (set: "
+            f"  tuning.worker.kept_gathered_units: up to {plan.kept_gathered_fit} fit the GPU memory (set: "
             f"{plan.kept_gathered_units}; each kept unit skips its backward all-gather)"
         )
 

@@ -58,9 +58,9 @@ class RunPlan:
     """The largest fraction that fits the GPU's memory left over (``--device-memory``);
     None for CPU workers or an unsized GPU."""
     kept_gathered_units: int = 0
-    """``worker.kept_gathered_units``, as planned."""
+    """``tuning.worker.kept_gathered_units``, as planned."""
     kept_gathered_fit: int | None = None
-    """The most units ``worker.kept_gathered_units`` may keep gathered within the GPU's
+    """The most units ``tuning.worker.kept_gathered_units`` may keep gathered within the GPU's
     memory (``--device-memory``); None for CPU workers, an unsized GPU, or without
     ``worker.reshard_after_forward``."""
 
@@ -138,7 +138,7 @@ def plan_run(config: TrainConfig, cluster: ClusterDescription | None = None) -> 
 
 
 def kept_gathered_fit(config: TrainConfig, parts: PlanParts, units: int, device_memory_bytes: int) -> int:
-    """The largest ``worker.kept_gathered_units`` (up to ``units``) whose worker plan's
+    """The largest ``tuning.worker.kept_gathered_units`` (up to ``units``) whose worker plan's
     device total fits ``device_memory_bytes``; 0 where even none fits. Each unit kept
     adds to the units gathered at once, so the totals only grow with it."""
 
@@ -207,7 +207,7 @@ def budgeted_config(config: TrainConfig, task: TrainingTask | None = None) -> Tr
 
 
 def _transport(config: TrainConfig, groups: Sequence[NodeGroup]) -> str:
-    """Shared memory where a worker and a state server share a node (worker.shared_memory);
+    """Shared memory where a worker and a state server share a node (tuning.worker.shared_memory);
     a GPU worker's is page-locked too."""
     if config.worker.shared_memory == "off":
         return "grpc"

@@ -6,7 +6,7 @@ device, or in pinned host memory with ``worker.offload_params``) and its exchang
 buffers (host memory). During a step the device also holds, at most, the root unit
 (every parameter outside the other units: gathered from forward to backward) and two
 other units (the one computed and the one FSDP2 prefetches; every unit with
-``worker.reshard_after_forward: false``; with ``worker.kept_gathered_units`` above 1, those
+``worker.reshard_after_forward: false``; with ``tuning.worker.kept_gathered_units`` above 1, those
 kept and one more) unsharded in the compute dtype, the all-gather
 buffer of the unit arriving, the root's gradients (reduced only when backward ends) and
 one unit's unsharded gradients with FSDP2's reduce-scatter input and output (wire
@@ -81,11 +81,11 @@ class WorkerPlan:
     on a GPU)."""
     buffers: dict[str, int]
     """What it holds between steps, keyed as ``TrainingWorker.resident_bytes()``: its FSDP2
-    weight shards (compute dtype; with weights on NVMe the root's, ``worker.weight_window``
+    weight shards (compute dtype; with weights on NVMe the root's, ``tuning.worker.weight_window``
     units' and the files' two read buffers) and its exchange buffers (slots of the
     largest unit's gradients in the wire dtype and weights in the compute dtype; with the
     delayed update also ``range_elements`` weights); CPU workers on one host also their
-    region for FSDP2's collectives ("collectives", ``worker.shared_memory_collectives``)."""
+    region for FSDP2's collectives ("collectives", ``tuning.worker.shared_memory_collectives``)."""
     device_state_bytes: int = 0
     """Its device segments' AdamW state (``worker.optimizer_on_device_fraction``) on the
     compute device: master weights and moments as ``optim.state_dtype`` stores them, and
@@ -100,7 +100,7 @@ class WorkerPlan:
     nvme_weight_bytes: int = 0
     """Its units' weight files under ``worker.weights_nvme_path`` (0: weights in memory)."""
     weight_window: int = 0
-    """With weights on NVMe: units in host memory at once (``worker.weight_window``)."""
+    """With weights on NVMe: units in host memory at once (``tuning.worker.weight_window``)."""
     range_elements: int
     """Elements of its range of the flat space (``layout.worker_size``)."""
     units: int
@@ -114,7 +114,7 @@ class WorkerPlan:
     """``worker.reshard_after_forward``: units are gathered again for backward."""
     kept_gathered_units: int
     """With ``reshard_after_forward``, the last units kept gathered from forward to
-    backward (``worker.kept_gathered_units``, at most every unit)."""
+    backward (``tuning.worker.kept_gathered_units``, at most every unit)."""
     gathered_bytes: int
     """Units unsharded at once on the device, in the compute dtype (upper bound): the root,
     the unit computed and the one prefetched (every unit without
@@ -146,7 +146,7 @@ class WorkerPlan:
     """Training text in host memory (at most data.corpus_bytes)."""
     allocator_kept_bytes: int = 0
     """Freed host memory the worker's allocator keeps for the next step: on a CPU worker
-    running mimalloc (``worker.host_allocator``), :data:`MIMALLOC_KEPT_SHARE` of the step's
+    running mimalloc (``tuning.worker.host_allocator``), :data:`MIMALLOC_KEPT_SHARE` of the step's
     buffers; 0 with glibc, which returns them, and on a GPU worker, whose step buffers are
     the CUDA caching allocator's."""
     runtime_bytes: int

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 
 from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.schema.tuning import gather_tuning, relocate_tuning, tuning_keys
 from cargohold.services.core.errors import ConfigError
 
 
@@ -30,10 +31,12 @@ _YamlLoader.add_implicit_resolver(
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> TrainConfig:
-    """Read YAML (or start from defaults) and apply ``dotted.key=value`` overrides."""
+    """Read YAML (or start from defaults) and apply ``dotted.key=value`` overrides; tuning
+    values are read from the ``tuning:`` section only (:mod:`.tuning`)."""
     data: dict[str, Any] = read_yaml_mapping(path, "config file") if path is not None else {}
     for override in overrides:
         _apply_override(data, override)
+    data = relocate_tuning(data, tuning_keys(TrainConfig))
     config = from_dict(TrainConfig, data)
     _check_hf_block_size(data, config)
     return config
@@ -92,8 +95,15 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 
 
 def to_dict(config: Any) -> dict[str, Any]:
-    """Plain data (for YAML/JSON output); ``from_dict(type(c), to_dict(c)) == c``."""
+    """Plain data, every value in its section (as manifests hold it);
+    ``from_dict(type(c), to_dict(c)) == c``."""
     return dataclasses.asdict(config)
+
+
+def to_user_dict(config: TrainConfig) -> dict[str, Any]:
+    """Plain data as a user writes it (tuning values under ``tuning:``), for a YAML file
+    that :func:`load_config` reads back as ``config``."""
+    return gather_tuning(to_dict(config), tuning_keys(TrainConfig))
 
 
 def _coerce(hint: Any, value: Any, key: str) -> Any:

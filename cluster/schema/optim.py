@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from cargohold.cluster.schema.tuning import tuning
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.core.loss_scale import LossScaleRules
 from cargohold.services.core.optim import AdamWHyperParams
@@ -51,14 +52,14 @@ class LossScaleConfig:
     defaults of torch's `GradScaler` (unused in other dtypes). The scale and factors must
     be powers of two: taking the scale out of the gradients is then exact."""
 
-    init_scale: float = 65536.0
+    init_scale: float = tuning(65536.0)
     """The scale of the first step (2**16)."""
-    growth_factor: float = 2.0
+    growth_factor: float = tuning(2.0)
     """The scale is multiplied by this after `growth_interval` steps in a row without overflow."""
-    backoff_factor: float = 0.5
+    backoff_factor: float = tuning(0.5)
     """The scale is multiplied by this after a step whose scaled gradients overflowed (that
     step's update is skipped)."""
-    growth_interval: int = 2000
+    growth_interval: int = tuning(2000)
 
     def __post_init__(self) -> None:
         self.rules()

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.schema.tuning import SECTION as TUNING_SECTION
+from cargohold.cluster.schema.tuning import is_tuning
 
 REGENERATE = "python -m cargohold.cluster.schema.reference > docs/configuration.md"
 
@@ -58,12 +60,31 @@ status 2. So is a file or a `--set` value nested deeper than the YAML parser rea
 (a few hundred levels; a configuration nests a few), naming the file or the override.
 """
 
+_TUNING_INTRO = """\
+Defaults chosen by measurement; change one only with a benchmark that shows it helps on
+your machine (docs/benchmarks.md gives the commands). They are set under this one section
+by the path of the section that uses them, e.g.:
+
+```yaml
+tuning:
+  state_server:
+    tier:
+      partition_bytes: 268435456
+```
+
+(`--set state_server.tier.partition_bytes=268435456` on the command line). A tuning
+value written in its own section (`state_server.tier.partition_bytes`) is refused, naming
+where it belongs; so is anything else under `tuning`."""
+
 
 def render_reference() -> str:
     """The Markdown reference for every section of :class:`TrainConfig`, in field order."""
     parts = [_INTRO]
-    for title, prefix, cls in _sections(TrainConfig, ""):
-        parts.append(_render_section(title, prefix, cls))
+    sections = _sections(TrainConfig, "")
+    for title, prefix, cls in sections:
+        if any(not is_tuning(f) for f in dataclasses.fields(cls)):
+            parts.append(_render_section(title, prefix, cls))
+    parts.append(_render_tuning(sections))
     return "\n".join(parts)
 
 
@@ -121,17 +142,34 @@ def _render_section(title: str, prefix: str, cls: type) -> str:
     lines += ["", "| Key | Type | Default | Description |", "| --- | --- | --- | --- |"]
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if not f.init or _is_section(hints[f.name]):
-            continue
-        cells = (
-            f"`{prefix}{f.name}`",
-            f"`{type_name(hints[f.name])}`",
-            f"`{_format_default(_default(f))}`",
-            _one_line(field_docs.get(f.name, "")),
-        )
-        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        if f.init and not _is_section(hints[f.name]) and not is_tuning(f):
+            lines.append(_row(prefix, f, hints[f.name], field_docs))
     lines.append("")
     return "\n".join(lines)
+
+
+def _render_tuning(sections: list[tuple[str, str, type]]) -> str:
+    """One table of every tuning value, under the path a user sets it by."""
+    lines = [f"## `{TUNING_SECTION}`", "", _TUNING_INTRO, ""]
+    lines += ["| Key | Type | Default | Description |", "| --- | --- | --- | --- |"]
+    for _, prefix, cls in sections:
+        _, field_docs = class_docstrings(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if is_tuning(f):
+                lines.append(_row(f"{TUNING_SECTION}.{prefix}", f, hints[f.name], field_docs))
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _row(prefix: str, f: dataclasses.Field, hint: Any, field_docs: dict[str, str]) -> str:
+    cells = (
+        f"`{prefix}{f.name}`",
+        f"`{type_name(hint)}`",
+        f"`{_format_default(_default(f))}`",
+        _one_line(field_docs.get(f.name, "")),
+    )
+    return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
 def type_name(hint: Any) -> str:

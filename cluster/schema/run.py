@@ -28,7 +28,7 @@ class ClusterConfig:
     the state servers; each process's runtime counted; Ray's own processes, its GCS,
     raylets and agents, are not, so leave them room): one budget the planner splits. Each
     worker and state server takes what the model and config fix (lowering
-    worker.weight_window and worker.exchange_slots if need be), and what is left becomes
+    tuning.worker.weight_window and tuning.worker.exchange_slots if need be), and what is left becomes
     the state servers' RAM tier (state_server.tier.ram_budget_bytes, which must then be
     unset); a run that cannot fit it is refused before it starts. `cargohold plan` prints
     the split. null: no budget (each part as configured)."""

@@ -47,17 +47,19 @@ class LossScaleRules:
             value = getattr(self, name)
             if not is_power_of_two(value):
                 raise ConfigError(
-                    f"optim.loss_scale.{name} must be a power of two (so that taking the scale out of "
+                    f"tuning.optim.loss_scale.{name} must be a power of two (so that taking the scale out of "
                     f"the gradients is exact), got {value}"
                 )
         if not self.growth_factor > 1.0:
-            raise ConfigError(f"optim.loss_scale.growth_factor must be > 1, got {self.growth_factor}")
+            raise ConfigError(f"tuning.optim.loss_scale.growth_factor must be > 1, got {self.growth_factor}")
         if not self.backoff_factor < 1.0:
-            raise ConfigError(f"optim.loss_scale.backoff_factor must be < 1, got {self.backoff_factor}")
+            raise ConfigError(f"tuning.optim.loss_scale.backoff_factor must be < 1, got {self.backoff_factor}")
         if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int):
-            raise ConfigError(f"optim.loss_scale.growth_interval must be an integer, got {self.growth_interval!r}")
+            raise ConfigError(
+                f"tuning.optim.loss_scale.growth_interval must be an integer, got {self.growth_interval!r}"
+            )
         if self.growth_interval < 1:
-            raise ConfigError(f"optim.loss_scale.growth_interval must be >= 1, got {self.growth_interval}")
+            raise ConfigError(f"tuning.optim.loss_scale.growth_interval must be >= 1, got {self.growth_interval}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -199,7 +199,8 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             self._metrics.record_error("OpenBulk", grpc.StatusCode.UNIMPLEMENTED.name)
             context.abort(
                 grpc.StatusCode.UNIMPLEMENTED,
-                "this state server serves no bulk socket (state_server.data_plane: grpc); push and fetch over gRPC",
+                "this state server serves no bulk socket (tuning.state_server.data_plane: grpc); "
+                "push and fetch over gRPC",
             )
 
         def handle() -> pb.OpenBulkResponse:

@@ -318,7 +318,7 @@ class StateServerClient:
     def _open_bulk(self, request: pb.OpenBulkRequest) -> pb.OpenBulkResponse | None:
         """The server's grant of a bulk transfer; None when the call streams over gRPC
         instead: from now on when the server serves no bulk socket
-        (``state_server.data_plane: grpc``), this call only when it has granted all the
+        (``tuning.state_server.data_plane: grpc``), this call only when it has granted all the
         transfers it may."""
         try:
             return self._call("OpenBulk", self._stub.OpenBulk, request)

@@ -53,12 +53,12 @@ def mimalloc_library() -> Path:
         distribution = metadata.distribution(MIMALLOC_DISTRIBUTION)
     except metadata.PackageNotFoundError:
         raise ConfigError(
-            f"worker.host_allocator 'mimalloc' needs the {MIMALLOC_DISTRIBUTION} package, which is not "
-            "installed (it is one of cargohold's dependencies on Linux); or set worker.host_allocator: glibc"
+            f"tuning.worker.host_allocator 'mimalloc' needs the {MIMALLOC_DISTRIBUTION} package, which is not "
+            "installed (it is one of cargohold's dependencies on Linux); or set tuning.worker.host_allocator: glibc"
         ) from None
     library = Path(str(distribution.locate_file(MIMALLOC_LIBRARY)))
     if not library.is_file():
-        raise ConfigError(f"worker.host_allocator 'mimalloc': {library} is missing from {MIMALLOC_DISTRIBUTION}")
+        raise ConfigError(f"tuning.worker.host_allocator 'mimalloc': {library} is missing from {MIMALLOC_DISTRIBUTION}")
     return library
 
 
@@ -71,7 +71,7 @@ def resolve_allocator(setting: HostAllocatorSetting, host_budget_bytes: int | No
 
 
 def worker_allocator(config: TrainConfig) -> HostAllocator:
-    """The allocator the workers of ``config`` run (``worker.host_allocator`` resolved)."""
+    """The allocator the workers of ``config`` run (``tuning.worker.host_allocator`` resolved)."""
     return resolve_allocator(config.worker.host_allocator, config.cluster.host_memory_bytes)
 
 
@@ -96,4 +96,4 @@ def check_loaded_allocator(allocator: HostAllocator) -> None:
     library at the driver's path: the loader ignores the preload)."""
     loaded = loaded_allocator()
     if loaded != allocator:
-        logger.warning("worker.host_allocator is %r but this process runs %r", allocator, loaded)
+        logger.warning("tuning.worker.host_allocator is %r but this process runs %r", allocator, loaded)

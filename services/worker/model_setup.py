@@ -99,7 +99,7 @@ def sharded_model(
 
 def collectives_in_shared_memory(worker: WorkerConfig, device_type: str) -> bool:
     """Whether the workers try shared memory for FSDP2's collectives: several CPU workers
-    with ``worker.shared_memory_collectives: auto``. Whether they all share a host is
+    with ``tuning.worker.shared_memory_collectives: auto``. Whether they all share a host is
     found when they start (:func:`colocated_collectives.connect`)."""
     return device_type == "cpu" and worker.num_workers > 1 and worker.shared_memory_collectives == "auto"
 
@@ -217,7 +217,7 @@ def _set_buffers(task: TrainingTask, model: nn.Module) -> None:
 def exchange_buffers(
     config: TrainConfig, layout: Layout, *, shared_name: str | None = None, pin: bool = False
 ) -> ExchangeBuffers:
-    """``worker.exchange_slots`` slots of the largest unit, and the whole range's weights
+    """``tuning.worker.exchange_slots`` slots of the largest unit, and the whole range's weights
     with the delayed update."""
     worker = config.worker
     return ExchangeBuffers.allocate(

@@ -34,7 +34,7 @@ class WindowSchedule:
 
     def __init__(self, window: int) -> None:
         if window < 2:
-            raise TrainingError(f"worker.weight_window must be >= 2, got {window}")
+            raise TrainingError(f"tuning.worker.weight_window must be >= 2, got {window}")
         self.window = window
         self._entries: list[Entry] = []
         self._position: dict[Entry, int] = {}
