@@ -23,16 +23,14 @@ install-test: $(BIN)/python
 demo: install
 	$(BIN)/cargohold train --config examples/demo.yaml
 
-# mypy resolves cargohold.* through links shaped like the installed package (package-dir).
+# mypy resolves cargohold.* through a tree shaped like the installed package (package-dir:
+# api/ is cargohold itself, beside it services/, cluster/ and proto/cargohold/v1/), built of
+# links; static tools cannot follow setuptools' editable-install finder.
 TYPECHECK := .typecheck/cargohold
 
 lint: install-test
-	mkdir -p $(TYPECHECK)
-	ln -sfn ../../proto/cargohold/__init__.py $(TYPECHECK)/__init__.py
-	ln -sfn ../../proto/cargohold/v1 $(TYPECHECK)/v1
-	ln -sfn ../../api $(TYPECHECK)/api
-	ln -sfn ../../services $(TYPECHECK)/services
-	ln -sfn ../../cluster $(TYPECHECK)/cluster
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)
+	ln -s $(CURDIR)/api/*.py $(CURDIR)/services $(CURDIR)/cluster $(CURDIR)/proto/cargohold/v1 $(TYPECHECK)/
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cargohold.api.ranks import Shares
-from cargohold.api.servers import StateServers
+from cargohold.ranks import Shares
+from cargohold.servers import StateServers
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest, check_compatible
 from cargohold.services.checkpoint.reshard import layout_record, saved_layout, segment_runs
 from cargohold.services.core.errors import CheckpointError

@@ -87,7 +87,7 @@ def check_held(index: int, group: Mapping[str, Any], held: tuple[Any, ...]) -> N
 def group_layout(groups: Sequence[NamedShapes], num_servers: int, ranks: int = 1) -> Layout:
     """The flat space of the groups' parameters (name, shape), in group order, cut over
     ``num_servers x ranks`` pieces: with ranks, each server's range in one piece per rank
-    (:class:`~cargohold.api.ranks.Shares`)."""
+    (:class:`~cargohold.ranks.Shares`)."""
     try:
         return build_layout(
             [entry for group in groups for entry in group],

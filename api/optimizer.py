@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import ParamsT
 
-from cargohold.api.checkpoints import read_checkpoint, restore_checkpoint, save_checkpoint
-from cargohold.api.exchange import Exchange
-from cargohold.api.groups import (
+from cargohold.checkpoints import read_checkpoint, restore_checkpoint, save_checkpoint
+from cargohold.exchange import Exchange
+from cargohold.groups import (
     HELD_OPTIONS,
     check_held,
     group_hyper,
@@ -23,9 +23,9 @@ from cargohold.api.groups import (
     group_name,
     held_options,
 )
-from cargohold.api.ranks import Shares, share_weights
-from cargohold.api.remote import RemoteSegments
-from cargohold.api.servers import StateServers
+from cargohold.ranks import Shares, share_weights
+from cargohold.remote import RemoteSegments
+from cargohold.servers import StateServers
 from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.core.errors import OptimizerError
 from cargohold.services.core.layout import Layout, Segment, scatter_params

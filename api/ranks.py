@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cargohold.api.servers import StateServers, connect_state_servers
+from cargohold.servers import StateServers, connect_state_servers
 from cargohold.services.core.errors import OptimizerError
 from cargohold.services.core.layout import Segment
 

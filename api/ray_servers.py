@@ -1,4 +1,4 @@
-"""State servers as Ray actors, for :func:`cargohold.api.servers.start_state_servers`.
+"""State servers as Ray actors, for :func:`cargohold.servers.start_state_servers`.
 
 Each server is a :class:`~cargohold.services.server.state_server.StateServer` actor with its
 config's CPUs and custom resources, named ``<run_id>-state-server-<i>`` as the launcher

@@ -1,7 +1,7 @@
 """Render the Python API reference of ``docs/api.md`` from the public names' docstrings.
 
-    python -m cargohold.api.reference                          # rewrite docs/api.md's reference
-    python -m cargohold.api.reference --check docs/api.md      # exit 1 if it is stale
+    python -m cargohold.reference                          # rewrite docs/api.md's reference
+    python -m cargohold.reference --check docs/api.md      # exit 1 if it is stale
 
 Everything above :data:`MARKER` in the file (the examples) is kept as written; everything
 below is generated here, from the signatures and docstrings of the names the package
@@ -23,7 +23,7 @@ import cargohold
 from cargohold.cluster.schema.reference import class_docstrings
 
 DOC = Path("docs/api.md")
-REGENERATE = "python -m cargohold.api.reference"
+REGENERATE = "python -m cargohold.reference"
 MARKER = f"<!-- Generated below from the docstrings by `{REGENERATE}`; do not edit by hand. -->"
 PUBLIC = (
     "Trainer",

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from cargohold.api.ranks import Shares
-from cargohold.api.servers import StateServers
+from cargohold.ranks import Shares
+from cargohold.servers import StateServers
 from cargohold.services.core.errors import OptimizerError, TransportError
 from cargohold.services.core.layout import Segment
 from cargohold.services.core.segment_spec import SegmentSpec

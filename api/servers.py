@@ -1,4 +1,4 @@
-"""State servers for :class:`~cargohold.api.optimizer.OffloadedAdamW`: started by
+"""State servers for :class:`~cargohold.optimizer.OffloadedAdamW`: started by
 :func:`start_state_servers` (Ray actors with the tiers of a ``StateServerConfig``, or
 servers in this process), or found by address with :func:`connect_state_servers`.
 
@@ -119,7 +119,7 @@ def start_state_servers(
     if in_process:
         owner: ServerOwner = LocalServers(config, run_id=run_id, token=token, tls=tls)
     else:
-        from cargohold.api.ray_servers import RayServers  # Ray is imported only when used
+        from cargohold.ray_servers import RayServers  # Ray is imported only when used
 
         owner = RayServers(config, run_id=run_id, token=token, tls=tls, ray_address=ray_address, timeout_s=timeout_s)
     addresses = owner.on_each("address", [()] * config.num_servers)

@@ -11,13 +11,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cargohold.api.user_data import Collate
-from cargohold.api.user_task import LossFunction, ModelFactory, UserTask
 from cargohold.cluster.schema.train import TrainConfig
 from cargohold.cluster.supervise import TrainResult, train
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.worker.step_report import EvalReport, StepReport
 from cargohold.services.worker.task import ConfigTask, TrainingTask
+from cargohold.user_data import Collate
+from cargohold.user_task import LossFunction, ModelFactory, UserTask
 
 
 class Trainer:

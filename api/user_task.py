@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from cargohold.api.user_data import Collate, HeldOutBatches, UserBatch, open_user_data, to_device
 from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.durable import replace_durably
 from cargohold.services.core.errors import ConfigError, ExportError
@@ -25,6 +24,7 @@ from cargohold.services.core.layout import Layout, gather_params
 from cargohold.services.data.batches import BatchShape, DataSource
 from cargohold.services.models.blocks import transformer_blocks
 from cargohold.services.worker.step import ParameterValues
+from cargohold.user_data import Collate, HeldOutBatches, UserBatch, open_user_data, to_device
 
 ModelFactory = Callable[[], nn.Module]
 LossFunction = Callable[[nn.Module, Any], torch.Tensor]

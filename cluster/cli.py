@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from importlib import metadata
 
-from cargohold import __version__
 from cargohold.cluster.schema.io import load_config
 from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import CargoholdError, ConfigError
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(config: TrainConfig) -> int:
-    from cargohold.api.trainer import Trainer  # the CLI is a thin layer over the Python API
+    from cargohold.trainer import Trainer  # the CLI is a thin layer over the Python API
 
     result = Trainer(config=config).fit()
     first, last = result.losses[0], result.losses[-1]
@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Train models with Adam state offloaded to host state servers.",
         epilog="Docs: docs/architecture.md, docs/configuration.md",
     )
-    parser.add_argument("--version", action="version", version=f"cargohold {__version__}")
+    parser.add_argument("--version", action="version", version=f"cargohold {metadata.version('cargohold')}")
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     commands = parser.add_subparsers(dest="command")
     train = commands.add_parser("train", help="run a training job (the embedded demo by default)")

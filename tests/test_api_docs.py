@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import cargohold
-from cargohold.api import reference
+from cargohold import reference
 from cargohold.cluster.schema.io import load_config
 from cargohold.services.worker.model_setup import model_layout
 from cargohold.services.worker.param_groups import resolve_param_groups

@@ -20,7 +20,6 @@ from reference import fsdp_reference_train, reference_train, tiny_config
 from segment_states import initial_weights, segment_spec, step_gradient
 from test_training_contract import _assert_matches_reference, _layout, _run, _server_state
 
-from cargohold.api.trainer import ProgressLine
 from cargohold.cluster import cli
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.cluster.plan.run import plan_run
@@ -34,6 +33,7 @@ from cargohold.services.metrics.names import WORKER_LOSS_SCALE, WORKER_SKIPPED_S
 from cargohold.services.segments.segment_state import SegmentState
 from cargohold.services.worker.model_setup import check_compute_dtype
 from cargohold.services.worker.step_report import StepReport
+from cargohold.trainer import ProgressLine
 
 FP16 = {"worker__compute_dtype": "float16", "worker__grad_wire_dtype": "float16"}
 OVERFLOWING = {"optim__loss_scale__init_scale": 2.0**18, "optim__loss_scale__growth_interval": 2}

@@ -17,9 +17,9 @@ from ports import free_port
 from torch import nn
 
 import cargohold
-from cargohold.api.groups import group_layout
-from cargohold.api.ranks import Shares
 from cargohold.cluster.schema.server import StateServerConfig
+from cargohold.groups import group_layout
+from cargohold.ranks import Shares
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.integration]
 

@@ -18,12 +18,12 @@ from safetensors.torch import load_file
 from user_models import Regressor, Stream, batch_function, items, regression_loss
 
 import cargohold
-from cargohold.api.user_data import MapStyleBatches, open_user_data
-from cargohold.api.user_task import UserTask, batch_shape_of
 from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.core.errors import ConfigError, TrainingError
 from cargohold.services.worker.model_setup import model_layout
 from cargohold.services.worker.param_groups import resolve_param_groups
+from cargohold.user_data import MapStyleBatches, open_user_data
+from cargohold.user_task import UserTask, batch_shape_of
 
 pytestmark = pytest.mark.timeout(300)
 

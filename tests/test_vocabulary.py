@@ -46,7 +46,6 @@ _SHARD = re.compile("shard", re.IGNORECASE)
 
 def _sources() -> list[Path]:
     found = [path for folder in FOLDERS for path in sorted((ROOT / folder).rglob("*.py"))]
-    found.append(ROOT / "proto" / "cargohold" / "__init__.py")
     return [path for path in found if "_pb2" not in path.name]
 
 
