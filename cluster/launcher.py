@@ -7,9 +7,6 @@ them, take checkpoints, and tear everything down, on success or failure.
 from __future__ import annotations
 
 import logging
-import math
-import os
-import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -22,10 +19,11 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cargohold.cluster.connect import check_budget_on_cluster, connect_ray, resolve_auth_token
 from cargohold.cluster.plan.budget import check_budget_memory
 from cargohold.cluster.plan.run import budgeted_config
 from cargohold.cluster.prometheus_sd import Target, write_file_sd
-from cargohold.cluster.resume import check_resume
+from cargohold.cluster.resume import check_resume, restored_loss_scale
 from cargohold.cluster.schema.io import to_dict
 from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
@@ -40,7 +38,7 @@ from cargohold.services.server.state_server import StateServer
 from cargohold.services.tiers.folders import remove_tier_folders
 from cargohold.services.transport.auth import tls_files
 from cargohold.services.worker.actor import TrainingWorker
-from cargohold.services.worker.host_allocator import HostAllocator, allocator_env, worker_allocator
+from cargohold.services.worker.host_allocator import worker_allocator, worker_env
 from cargohold.services.worker.model_setup import check_compute_dtype, model_layout
 from cargohold.services.worker.param_groups import resolve_param_groups
 from cargohold.services.worker.state_port import segment_spec
@@ -53,13 +51,6 @@ logger = logging.getLogger(__name__)
 Holder = tuple[Any, tuple[Segment, ...]]
 """An actor holding segments' state (a state server, or a worker with device segments)
 and those segments."""
-
-
-def worker_env(allocator: HostAllocator) -> dict[str, str]:
-    """The worker actors' environment: what runs ``allocator``
-    (:func:`~cargohold.services.worker.host_allocator.allocator_env`), except where this process's
-    environment sets a variable."""
-    return {name: os.environ.get(name, value) for name, value in allocator_env(allocator).items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +128,7 @@ class TrainingSession:
         manifest = check_resume(self.resume, cfg, self.layout) if self.resume is not None else None
         self._owns_ray = connect_ray(cfg)
         if cfg.cluster.address is not None or not self._owns_ray:  # a cluster this machine need not hold
-            _check_budget_on_cluster(cfg)
+            check_budget_on_cluster(cfg)
         timeout = cfg.cluster.startup_timeout_s
         worker_bundle = {"CPU": cfg.worker.cpus, "GPU": cfg.worker.gpus, **cfg.worker.resources}
         server_bundle = {"CPU": cfg.state_server.cpus, **cfg.state_server.resources}
@@ -471,15 +462,6 @@ class TrainingSession:
             self._owns_ray = False
 
 
-def restored_loss_scale(manifest: Manifest | None) -> LossScaleState | None:
-    """The dynamic loss scale a resume goes on with: the checkpoint's, where it has one
-    (an fp16 run saved it); else None, and an fp16 run starts from
-    ``tuning.optim.loss_scale.init_scale``."""
-    if manifest is None or manifest.loss_scale is None:
-        return None
-    return LossScaleState(manifest.loss_scale.scale, manifest.loss_scale.growth_tracker)
-
-
 def _discard(store: CheckpointDir, step: int) -> None:
     """Remove the partial folder of a checkpoint that will not be committed; a failure
     only warns (the folder is never read, and the next commit removes it)."""
@@ -487,72 +469,6 @@ def _discard(store: CheckpointDir, step: int) -> None:
         store.abort(step)
     except CheckpointError as error:
         logger.warning("%s", error)
-
-
-def resolve_auth_token(env_name: str | None) -> str | None:
-    """The token state-server calls carry: from the environment, else fresh for this run.
-    Never logged; actors receive it as an argument, outside the config."""
-    if env_name is None:
-        return None
-    return os.environ.get(env_name) or secrets.token_urlsafe(32)
-
-
-def connect_ray(config: TrainConfig) -> bool:
-    """Use the running Ray, join ``cluster.address``, or start one in-process.
-
-    Returns True when this call started Ray (and so must shut it down).
-    """
-    if ray.is_initialized() or config.cluster.address is not None:
-        owns = not ray.is_initialized()
-        if owns:
-            ray.init(address=config.cluster.address, log_to_driver=True)
-        _warn_if_short_of_gpus(config)
-        return owns
-    # Ray's own GPU detection (NVML) can see none where torch sees them; this process's
-    # count is the node's, and a shortfall fails now rather than after startup_timeout_s.
-    gpus = torch.cuda.device_count()
-    _check_gpus(config, gpus, gpus, "this node (torch.cuda.device_count())")
-    needed = config.worker.num_workers * config.worker.cpus + config.state_server.num_servers * config.state_server.cpus
-    ray.init(
-        address="local",  # a new cluster even when another runs on this machine
-        num_cpus=config.cluster.num_cpus or max(1, math.ceil(needed)),
-        num_gpus=gpus,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=True,
-    )
-    return True
-
-
-def _check_gpus(config: TrainConfig, largest: float, total: float, where: str) -> None:
-    """ConfigError where no node has ``worker.gpus`` GPUs or all of them together fall
-    short of the workers' (``largest``: the most on one node, ``total``: on all)."""
-    per_worker, workers = config.worker.gpus, config.worker.num_workers
-    if per_worker and (largest < per_worker or total < per_worker * workers):
-        raise ConfigError(
-            f"worker.gpus={per_worker:g} x worker.num_workers={workers} needs {per_worker * workers:g} GPUs, "
-            f"{where} has {total:g} (at most {largest:g} on one node); lower worker.gpus or "
-            "worker.num_workers, or set worker.device=cpu and worker.gpus=0"
-        )
-
-
-def _check_budget_on_cluster(config: TrainConfig) -> None:
-    """The host budget against the memory of the Ray cluster's live nodes, as Ray reports
-    it (each node's ``memory`` and ``object_store_memory`` resources: what was free when
-    it started)."""
-    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
-    memory = int(sum(node.get("memory", 0.0) + node.get("object_store_memory", 0.0) for node in nodes))
-    check_budget_memory(config, memory, f"the Ray cluster ({len(nodes)} live node(s), as Ray reports their memory)")
-
-
-def _warn_if_short_of_gpus(config: TrainConfig) -> None:
-    """On a cluster this process joined, nodes may still be joining: warn, and leave the
-    placement group to wait (cluster.startup_timeout_s)."""
-    counts = [node["Resources"].get("GPU", 0.0) for node in ray.nodes() if node["Alive"]]
-    try:
-        _check_gpus(config, max(counts, default=0.0), sum(counts), "the Ray cluster")
-    except ConfigError as short:
-        logger.warning("%s; waiting up to cluster.startup_timeout_s for nodes to join", short)
 
 
 BLOCKED_GRACE_S = 1.0

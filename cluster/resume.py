@@ -45,6 +45,7 @@ from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.checkpoint import CheckpointDir, Manifest, check_compatible
 from cargohold.services.core.errors import CheckpointError, ResumeRefusedError
 from cargohold.services.core.layout import Layout
+from cargohold.services.core.loss_scale import LossScaleState
 
 logger = logging.getLogger(__name__)
 
@@ -188,3 +189,12 @@ def _flatten(data: dict[str, Any], sections: frozenset[str], prefix: str = "") -
 def _shown(flat: dict[str, Any], key: str) -> str:
     """The value as JSON text, which tells 1, 1.0, true and "1" apart."""
     return json.dumps(flat[key], sort_keys=True) if key in flat else "absent"
+
+
+def restored_loss_scale(manifest: Manifest | None) -> LossScaleState | None:
+    """The dynamic loss scale a resume goes on with: the checkpoint's, where it has one
+    (an fp16 run saved it); else None, and an fp16 run starts from
+    ``tuning.optim.loss_scale.init_scale``."""
+    if manifest is None or manifest.loss_scale is None:
+        return None
+    return LossScaleState(manifest.loss_scale.scale, manifest.loss_scale.growth_tracker)

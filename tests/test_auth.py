@@ -294,7 +294,7 @@ def test_partial_tls_config_names_the_missing_keys() -> None:
 
 
 def test_the_launcher_token_comes_from_the_environment_or_is_fresh(monkeypatch) -> None:
-    from cargohold.cluster.launcher import resolve_auth_token
+    from cargohold.cluster.connect import resolve_auth_token
 
     monkeypatch.setenv("CARGOHOLD_TEST_TOKEN", "from-env")
     assert resolve_auth_token("CARGOHOLD_TEST_TOKEN") == "from-env"

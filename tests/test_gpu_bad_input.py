@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from reference import tiny_config
 
-from cargohold.cluster.launcher import TrainingSession, connect_ray
+from cargohold.cluster.connect import connect_ray
+from cargohold.cluster.launcher import TrainingSession
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.worker.actor import process_group_backend
 

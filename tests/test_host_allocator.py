@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cargohold.cluster.launcher import worker_env
 from cargohold.cluster.schema.worker import WorkerConfig
-from cargohold.services.worker.host_allocator import loaded_allocator, resolve_allocator
+from cargohold.services.worker.host_allocator import loaded_allocator, resolve_allocator, worker_env
 
 ALLOCATE_AGAIN = """
 import json, resource

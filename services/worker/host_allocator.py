@@ -19,6 +19,7 @@ budget keeps glibc unless told otherwise (:func:`resolve_allocator`), the least 
 from __future__ import annotations
 
 import logging
+import os
 from importlib import metadata
 from pathlib import Path
 from typing import Literal
@@ -97,3 +98,10 @@ def check_loaded_allocator(allocator: HostAllocator) -> None:
     loaded = loaded_allocator()
     if loaded != allocator:
         logger.warning("tuning.worker.host_allocator is %r but this process runs %r", allocator, loaded)
+
+
+def worker_env(allocator: HostAllocator) -> dict[str, str]:
+    """The worker actors' environment: what runs ``allocator``
+    (:func:`allocator_env`), except where this process's
+    environment sets a variable."""
+    return {name: os.environ.get(name, value) for name, value in allocator_env(allocator).items()}
