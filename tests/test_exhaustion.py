@@ -263,7 +263,7 @@ def test_keepalive_drops_the_calls_of_a_peer_that_stopped_answering() -> None:
 
 _TOKEN_SERVER = """
 import sys
-from cargohold.services.metrics import StateServerMetrics
+from cargohold.services.metrics.server import StateServerMetrics
 from cargohold.services.segments.segment_registry import SegmentRegistry
 from cargohold.services.server.grpc_server import GrpcStateServer
 server = GrpcStateServer(SegmentRegistry(), StateServerMetrics("s"), run_id="r", host="127.0.0.1", auth_token="t")

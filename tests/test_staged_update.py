@@ -121,7 +121,7 @@ def test_rss_stays_flat_while_the_whole_ranges_gradients_wait_for_the_norm(tmp_p
     script = textwrap.dedent("""
         import json, sys, torch
         torch.set_num_threads(1)
-        from cargohold.cluster.schema import TierConfig
+        from cargohold.cluster.schema.server import TierConfig
         from cargohold.services.core.optim import AdamWHyperParams
         from cargohold.services.core.segment_spec import SegmentSpec
         from cargohold.services.segments.segment_registry import SegmentRegistry

@@ -144,7 +144,7 @@ def test_a_restore_stays_within_the_ram_budget_while_the_state_is_six_times_larg
         import json, sys, torch
         torch.set_num_threads(1)
         from pathlib import Path
-        from cargohold.cluster.schema import TierConfig
+        from cargohold.cluster.schema.server import TierConfig
         from cargohold.services.checkpoint import CheckpointDir, Manifest
         from cargohold.services.checkpoint.writer import SegmentCheckpointer
         from cargohold.services.core.layout import build_layout

@@ -179,7 +179,7 @@ def test_rss_growth_stays_within_the_budget_while_the_state_is_six_times_larger(
     script = textwrap.dedent("""
         import json, sys, torch
         torch.set_num_threads(1)
-        from cargohold.cluster.schema import TierConfig
+        from cargohold.cluster.schema.server import TierConfig
         from cargohold.services.core.optim import AdamWHyperParams
         from cargohold.services.core.segment_spec import SegmentSpec
         from cargohold.services.segments.segment_registry import SegmentRegistry

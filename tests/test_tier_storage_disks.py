@@ -125,7 +125,7 @@ def test_run_ids_that_cannot_name_a_directory_are_refused(tmp_path: Path) -> Non
 
 _PRELUDE = textwrap.dedent(f"""
     import json, os, sys, torch
-    from cargohold.cluster.schema import TierConfig
+    from cargohold.cluster.schema.server import TierConfig
     from cargohold.services.core.errors import IncompleteUpdateError, TierError, TierSpaceError
     from cargohold.services.core.optim import AdamWHyperParams
     from cargohold.services.core.segment_spec import SegmentSpec
