@@ -154,7 +154,7 @@ def probe_path(root: str, direct_io: str, probe_bytes: int = PROBE_BYTES, *, key
                     if direct_io == "on":
                         raise TierError(
                             f"{key}: {root} refuses O_DIRECT ({error.strerror}); set "
-                            f"{key.rpartition('.')[0]}.direct_io to auto or off"
+                            f"tuning.{key.rpartition('.')[0]}.direct_io to auto or off"
                         ) from error
                     logger.info("%s refuses O_DIRECT; using buffered I/O there", root)
                     direct = False
