@@ -13,7 +13,7 @@ import yaml
 from cargohold.cluster.schema.io import load_config, read_yaml_mapping
 from cargohold.cluster.schema.server import StateServerConfig
 from cargohold.cluster.schema.train import TrainConfig
-from cargohold.cluster.schema.tuning import SECTION, relocate_tuning, tuning_keys
+from cargohold.cluster.schema.tuning import SECTION, split_tuning, tuning_keys
 from cargohold.cluster.schema.worker import WorkerConfig
 from cargohold.services.core.errors import ConfigError
 
@@ -69,7 +69,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 def test_no_shipped_example_sets_a_tuning_value(path: Path) -> None:
     data = read_yaml_mapping(path, "example")
     assert SECTION not in data, f"{path.name} sets tuning values"
-    relocate_tuning(data, tuning_keys(TrainConfig))  # and none sits in its section either (refused there)
+    split_tuning(data, tuning_keys(TrainConfig))  # and none sits in its section either (refused there)
 
 
 def test_the_kuberay_config_has_no_tuning_section() -> None:

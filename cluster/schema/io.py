@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 
 from cargohold.cluster.schema.train import TrainConfig
-from cargohold.cluster.schema.tuning import gather_tuning, relocate_tuning, tuning_keys
+from cargohold.cluster.schema.tuning import SECTION, gather_tuning, split_tuning, tuning_keys
 from cargohold.services.core.errors import ConfigError
 
 
@@ -36,7 +36,9 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     data: dict[str, Any] = read_yaml_mapping(path, "config file") if path is not None else {}
     for override in overrides:
         _apply_override(data, override)
-    data = relocate_tuning(data, tuning_keys(TrainConfig))
+    data, tuning = split_tuning(data, tuning_keys(TrainConfig))
+    for key, value in tuning:
+        _set(data, key, value, f"{SECTION}.{key}")
     config = from_dict(TrainConfig, data)
     _check_hf_block_size(data, config)
     return config
@@ -174,13 +176,19 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         raise ConfigError(f"override {shown!r}: value is not valid YAML: {error}") from error
     except RecursionError:
         raise ConfigError(f"override {shown!r}: value is nested too deeply {TOO_DEEP}") from None
-    *parents, leaf = dotted.strip().split(".")
+    _set(data, dotted.strip(), value, f"override {shown!r}")
+
+
+def _set(data: dict[str, Any], dotted: str, value: Any, source: str) -> None:
+    """Set ``dotted`` (``a.b.c``) in ``data``, making absent sections; ``source`` names
+    the input in the error where a section on the way holds a value."""
+    *parents, leaf = dotted.split(".")
     node = data
     for index, part in enumerate(parents):
         child = node.get(part)
         if child is None:  # an absent or empty section (``optim:``) means defaults
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"override {shown!r}: {'.'.join(parents[: index + 1])} is not a section")
+            raise ConfigError(f"{source}: {'.'.join(parents[: index + 1])} is not a section")
         node = child
     node[leaf] = value

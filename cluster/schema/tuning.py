@@ -5,8 +5,9 @@ A tuning value is a field of the section that uses it (``WorkerConfig.exchange_s
 marked with :func:`tuning`. A user sets it only under the one ``tuning:`` section, by
 the same path (``tuning.worker.exchange_slots``), so that a config file says at a glance
 which of its values are decisions (the model, the data, the machines) and which are
-measurements someone else made; :func:`relocate_tuning` moves those values to their
-sections before the config is built. The configuration reference lists them apart.
+measurements someone else made; :func:`split_tuning` takes those values out for the
+loader to set in their sections before the config is built. The configuration reference
+lists them apart.
 """
 
 from __future__ import annotations
@@ -43,43 +44,32 @@ def tuning_keys(cls: type, prefix: str = "") -> tuple[str, ...]:
     return tuple(keys)
 
 
-def relocate_tuning(data: dict[str, Any], keys: typing.Collection[str]) -> dict[str, Any]:
-    """``data`` as a user wrote it (tuning values under ``tuning:``) with each tuning value
-    moved to its section; a tuning value outside ``tuning:``, or anything else inside it,
-    is refused naming the key."""
+def split_tuning(data: dict[str, Any], keys: typing.Collection[str]) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """``data`` as a user wrote it, without its ``tuning:`` section, and the section's
+    values by dotted key (each to be set in its own section); a tuning value outside
+    ``tuning:``, or anything else inside it, is refused naming the key."""
     for key in keys:
         if _lookup(data, key) is not _ABSENT:
             raise ConfigError(
                 f"{key} is a tuning value (its default was chosen by measurement): set it as {SECTION}.{key}, "
                 "and only with a benchmark that shows it helps"
             )
+    rest = {k: v for k, v in data.items() if k != SECTION}
     given = data.get(SECTION)
     if given is None:
-        return {k: v for k, v in data.items() if k != SECTION}
+        return rest, []
     if not isinstance(given, dict):
         raise ConfigError(f"{SECTION} must be a mapping, got {given!r}")
-    moved = {k: v for k, v in data.items() if k != SECTION}
-    for key, value in _flatten(given, keys):
+    values = _flatten(given, keys)
+    for key, _ in values:
         if key not in keys:
             known = ", ".join(sorted(keys))
             raise ConfigError(f"{SECTION}.{key} is not a tuning value; the tuning values are: {known}")
-        *parents, leaf = key.split(".")
-        node = moved
-        for index, part in enumerate(parents):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(f"{'.'.join(parents[: index + 1])} must be a mapping, got {child!r}")
-            else:
-                child = node[part] = dict(child)
-            node = child
-        node[leaf] = value
-    return moved
+    return rest, values
 
 
 def gather_tuning(data: dict[str, Any], keys: typing.Collection[str]) -> dict[str, Any]:
-    """The inverse of :func:`relocate_tuning`: ``data`` (a config as plain data) with each
+    """The inverse of :func:`split_tuning`: ``data`` (a config as plain data) with each
     tuning value moved under ``tuning:``, as a user writes it."""
     gathered = _copy_sections(data)
     moved: dict[str, Any] = {}
