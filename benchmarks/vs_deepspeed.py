@@ -208,7 +208,7 @@ def nvme_tier_settings(config, root: Path, partition_mib: float) -> list[str]:
     return [
         f"state_server.tier.nvme_paths=[{root / 'cargohold-nvme'}]",
         f"state_server.tier.ram_budget_bytes={budget}",
-        f"state_server.tier.partition_bytes={partition}",
+        f"tuning.state_server.tier.partition_bytes={partition}",
         "tuning.state_server.tier.buffer_count=3",
     ]
 

@@ -105,11 +105,9 @@ CONFIG_SURFACE = [
     "state_server.cpus",
     "state_server.bind_host",
     "state_server.allow_wildcard_bind",
-    "state_server.rpc_threads",
     "state_server.resources",
     "state_server.tier.nvme_paths",
     "state_server.tier.ram_budget_bytes",
-    "state_server.tier.partition_bytes",
     "cluster.address",
     "cluster.num_cpus",
     "cluster.placement_strategy",
@@ -139,11 +137,13 @@ CONFIG_SURFACE = [
     "tuning.worker.exchange_slots",
     "tuning.worker.shared_memory",
     "tuning.worker.host_allocator",
+    "tuning.state_server.rpc_threads",
     "tuning.state_server.chunk_bytes",
     "tuning.state_server.data_plane",
     "tuning.state_server.rpc_timeout_s",
     "tuning.state_server.max_concurrent_calls",
     "tuning.state_server.message_timeout_s",
+    "tuning.state_server.tier.partition_bytes",
     "tuning.state_server.tier.buffer_count",
     "tuning.state_server.tier.io_threads",
     "tuning.state_server.tier.direct_io",
@@ -260,8 +260,10 @@ def test_tier_paths_are_a_list_from_yaml_and_overrides(tmp_path: Path) -> None:
     assert tier.direct_io == "off"  # YAML 1.1 reads a bare off as false; the schema wants the word
     on = load_config(_write(tmp_path, "tuning:\n  state_server:\n    tier:\n      direct_io: on\n"))
     assert on.state_server.tier.direct_io == "on"
-    # 3 partitions, each with room for its staged fp32 gradient after it
-    assert 3 * (64 << 20) * 16 // 12 - 4096 <= tier.staging_bytes() <= 3 * ((64 << 20) * 16 // 12 + 5 * 4096)
+    # 256 MiB partitions (their 3 staging buffers take a quarter of 8 GB at most), each
+    # buffer with room for its partition's staged fp32 gradient after it
+    assert tier.partition_size() == 256 << 20
+    assert 3 * (256 << 20) * 16 // 12 - 4096 <= tier.staging_bytes() <= 3 * ((256 << 20) * 16 // 12 + 5 * 4096)
     assert load_config(None, ["state_server.tier.nvme_paths=[/x]"]).state_server.tier.nvme_paths == ["/x"]
     assert from_dict(TrainConfig, to_dict(config)) == config
 
@@ -333,7 +335,10 @@ def test_wrong_types_are_refused_naming_the_key(tmp_path: Path, text: str, key: 
             "state_server.tier.ram_budget_bytes",
         ),
         ("state_server:\n  tier:\n    buffer_count: 1\n", "tuning.state_server.tier.buffer_count"),
-        ("state_server:\n  tier:\n    partition_bytes: 100\n", "state_server.tier.partition_bytes"),
+        (
+            "tuning:\n  state_server:\n    tier:\n      partition_bytes: 100\n",
+            "tuning.state_server.tier.partition_bytes",
+        ),
         ("state_server:\n  tier:\n    nvme_paths: [/a, /a]\n", "state_server.tier.nvme_paths"),
         ("state_server:\n  tier:\n    io_threads: 0\n", "tuning.state_server.tier.io_threads"),
         ("state_server:\n  rpc_timeout_s: .inf\n", "tuning.state_server.rpc_timeout_s"),

@@ -17,6 +17,7 @@ from cargohold.cluster import cli
 from cargohold.cluster.plan.run import budgeted_config, plan_run
 from cargohold.cluster.plan.runtime import DRIVER_RUNTIME_BYTES, SERVER_RUNTIME_BYTES, WORKER_RUNTIME_BYTES
 from cargohold.services.core.errors import ConfigError
+from cargohold.services.tiers.partitions import derived_partition_bytes
 
 MiB = 1 << 20
 
@@ -58,18 +59,39 @@ def test_the_split_gives_the_servers_what_the_workers_and_runtimes_leave(tmp_pat
     assert budgeted_config(effective) == effective
 
 
-def test_a_tight_budget_lowers_the_slots_then_the_window_before_refusing(tmp_path: Path) -> None:
+def test_without_a_partition_size_the_split_derives_it_from_each_servers_ram_tier(tmp_path: Path) -> None:
+    tier = nvme_tier(tmp_path)
+    del tier["ram_budget_bytes"], tier["partition_bytes"]
+    config = tiny_config(state_server__tier=tier, cluster__host_memory_bytes=2048 * MiB)
+    split = plan_run(config).host_budget
+    assert split is not None and split.fits and split.partition_bytes is not None
+    assert split.partition_bytes == derived_partition_bytes(split.tier_bytes, tier["buffer_count"])
+    effective = budgeted_config(config)
+    assert effective.state_server.tier.partition_bytes == split.partition_bytes
+    assert effective.state_server.tier.ram_budget_bytes == split.tier_bytes
+    assert budgeted_config(effective) == effective
+    # A smaller budget leaves a smaller tier, cut into smaller partitions.
+    small = budgeted_config(
+        dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, host_memory_bytes=1900 * MiB))
+    )
+    assert small.state_server.tier.ram_budget_bytes < split.tier_bytes
+    assert small.state_server.tier.partition_bytes < split.partition_bytes
+
+
+def test_a_tight_budget_lowers_the_threads_the_slots_then_the_window_before_refusing(tmp_path: Path) -> None:
     roomy = plan_run(_config(tmp_path, 4096 * MiB)).host_budget
-    assert roomy is not None
-    # Just enough for the least tier once the slots and the window are lowered.
-    least = _config(tmp_path, 4096 * MiB, worker__exchange_slots=1, worker__weight_window=2)
+    assert roomy is not None and roomy.rpc_threads == 8
+    # Just enough for the least tier once the threads, the slots and the window are lowered.
+    least = _config(
+        tmp_path, 4096 * MiB, worker__exchange_slots=1, worker__weight_window=2, state_server__rpc_threads=2
+    )
     lowest = plan_run(least).host_budget
     assert lowest is not None
     staging = least.state_server.tier.staging_bytes()
     tight = lowest.driver_bytes + 2 * lowest.worker_bytes + lowest.server_bytes + staging
     split = plan_run(_config(tmp_path, tight)).host_budget
     assert split is not None and split.fits
-    assert (split.weight_window, split.exchange_slots) == (2, 1) and split.tier_bytes == staging
+    assert (split.weight_window, split.exchange_slots, split.rpc_threads) == (2, 1, 2) and split.tier_bytes == staging
     # A MiB less cannot fit: the plan says so (exit 3) and a run is refused before Ray starts.
     config = _config(tmp_path, tight - MiB)
     plan = plan_run(config)

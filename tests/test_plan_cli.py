@@ -87,7 +87,7 @@ def test_cli_json(tiny_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture
         "--set",
         "state_server.tier.ram_budget_bytes=327680",
         "--set",
-        "state_server.tier.partition_bytes=65536",
+        "tuning.state_server.tier.partition_bytes=65536",
         "--set",
         f"state_server.tier.nvme_paths=[{tmp_path / 'nvme'}]",
     ]

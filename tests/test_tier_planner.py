@@ -17,10 +17,14 @@ from cargohold.services.tiers.fileformat import (
     unpack_header,
 )
 from cargohold.services.tiers.partitions import (
+    MAX_PARTITION_BYTES,
+    MIN_PARTITION_BYTES,
     STATE_BYTES_PER_ELEMENT,
     clip_fragments,
+    derived_partition_bytes,
     elements_per_partition,
     split_segment,
+    staging_bytes,
 )
 from cargohold.services.tiers.planner import (
     Bandwidth,
@@ -45,6 +49,24 @@ def test_elements_per_partition_is_a_multiple_of_the_alignment() -> None:
     assert elements_per_partition(4096) == 320
     with pytest.raises(ConfigError, match="partition_bytes"):
         elements_per_partition(700)
+
+
+@given(budget=st.integers(min_value=1 << 20, max_value=1 << 40), buffers=st.integers(min_value=2, max_value=8))
+def test_a_derived_partition_is_the_largest_power_of_two_whose_staging_takes_a_quarter(budget, buffers) -> None:
+    size = derived_partition_bytes(budget, buffers)
+    assert MIN_PARTITION_BYTES <= size <= MAX_PARTITION_BYTES and size & (size - 1) == 0
+    if size > MIN_PARTITION_BYTES:  # fits a quarter of the tier; the smallest is taken anyway
+        assert 4 * staging_bytes(size, buffers) <= budget
+    if size < MAX_PARTITION_BYTES:  # twice as large would not
+        assert 4 * staging_bytes(2 * size, buffers) > budget
+
+
+def test_derived_partitions_at_common_tier_sizes() -> None:
+    assert derived_partition_bytes(64 << 30, 3) == 256 << 20
+    assert derived_partition_bytes(8 << 30, 3) == 256 << 20
+    assert derived_partition_bytes(4 << 30, 3) == 128 << 20  # 256 MiB's buffers are 44 KB over 1 GiB
+    assert derived_partition_bytes(1 << 30, 3) == 32 << 20
+    assert derived_partition_bytes(100 << 10, 3) == MIN_PARTITION_BYTES
 
 
 def test_split_keeps_the_segment_whole_without_a_size() -> None:

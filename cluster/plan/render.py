@@ -187,12 +187,14 @@ def _budget_lines(split: HostBudget) -> list[str]:
         (
             f"{split.num_servers} x state server",
             split.num_servers * split.server_bytes,
-            f"{b(split.server_bytes)} each: runtime, a step's transfers (or start-up's registration)",
+            f"{b(split.server_bytes)} each: runtime, a step's transfers (or start-up's registration); "
+            f"{split.rpc_threads} handler threads",
         ),
         (
             f"{split.num_servers} x RAM tier",
             split.num_servers * split.tier_bytes,
-            f"{b(split.tier_bytes)} each: what is left (state_server.tier.ram_budget_bytes)",
+            f"{b(split.tier_bytes)} each: what is left (state_server.tier.ram_budget_bytes)"
+            + (f", partitions of {b(split.partition_bytes)}" if split.partition_bytes else ""),
         ),
         ("= need", split.need_bytes, f"of {b(split.budget_bytes)}"),
     ]

@@ -106,7 +106,7 @@ def plan_server(config: TrainConfig, layout: Layout, index: int, transport: str)
     budget = tier.ram_budget_bytes
     kind = config.optim.state_dtype  # how the moments are stored: the files' layout and the bytes
     align = partition_align(kind)
-    max_elements = elements_per_partition(tier.partition_bytes, align) if budget is not None else None
+    max_elements = elements_per_partition(tier.partition_size(), align) if budget is not None else None
     run_id = config.run_id or "plan"
     segments = layout.segments_of_server(index)
     spans = {

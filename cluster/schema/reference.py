@@ -69,11 +69,11 @@ by the path of the section that uses them, e.g.:
 tuning:
   state_server:
     tier:
-      partition_bytes: 268435456
+      buffer_count: 4
 ```
 
-(`--set state_server.tier.partition_bytes=268435456` on the command line). A tuning
-value written in its own section (`state_server.tier.partition_bytes`) is refused, naming
+(`--set tuning.state_server.tier.buffer_count=4` on the command line). A tuning
+value written in its own section (`state_server.tier.buffer_count`) is refused, naming
 where it belongs; so is anything else under `tuning`."""
 
 

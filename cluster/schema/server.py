@@ -9,8 +9,7 @@ from cargohold.cluster.schema.checks import non_negative, positive
 from cargohold.cluster.schema.tuning import tuning
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.core.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
-from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
-from cargohold.services.tiers.partitions import elements_per_partition
+from cargohold.services.tiers.partitions import MAX_PARTITION_BYTES, derived_partition_bytes, staging_bytes
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
 """Addresses that serve every interface of a node."""
@@ -27,9 +26,10 @@ class TierConfig:
     ram_budget_bytes: int | None = None
     """Hard limit on the memory a state server's optimizer state may use, staging buffers
     included; null keeps all state in RAM."""
-    partition_bytes: int = 64 << 20
+    partition_bytes: int | None = tuning(None)
     """Optimizer state (12 bytes per parameter) per partition, the unit that moves between RAM
-    and disk; 16-256 MiB suits NVMe."""
+    and disk; null derives it from the RAM tier: 256 MiB, or the largest power of two whose
+    staging buffers take at most a quarter of `ram_budget_bytes`."""
     buffer_count: int = tuning(3)
     """Staging buffers of one partition each that disk partitions stream through: 2
     double-buffers, 3 overlaps a read, an update and a write."""
@@ -39,9 +39,8 @@ class TierConfig:
     """O_DIRECT for partition files: auto uses it where the filesystem accepts it, on requires it, off never uses it."""
 
     def __post_init__(self) -> None:
-        positive("state_server.tier.partition_bytes", self.partition_bytes)
-        if self.partition_bytes < 4096:
-            raise ConfigError(f"state_server.tier.partition_bytes must be >= 4096, got {self.partition_bytes}")
+        if self.partition_bytes is not None and self.partition_bytes < 4096:
+            raise ConfigError(f"tuning.state_server.tier.partition_bytes must be >= 4096, got {self.partition_bytes}")
         if self.buffer_count < 2:
             raise ConfigError(f"tuning.state_server.tier.buffer_count must be >= 2, got {self.buffer_count}")
         positive("tuning.state_server.tier.io_threads", self.io_threads)
@@ -62,14 +61,22 @@ class TierConfig:
             raise ConfigError(
                 f"state_server.tier.ram_budget_bytes={self.ram_budget_bytes} cannot hold the "
                 f"{self.buffer_count} staging buffers ({staging} bytes); raise it, or lower "
-                "state_server.tier.partition_bytes or tuning.state_server.tier.buffer_count"
+                "tuning.state_server.tier.partition_bytes or tuning.state_server.tier.buffer_count"
             )
+
+    def partition_size(self) -> int:
+        """Bytes of state per partition: ``partition_bytes``, or derived from the RAM tier's
+        budget (without one, segments stay whole and the size is not used)."""
+        if self.partition_bytes is not None:
+            return self.partition_bytes
+        if self.ram_budget_bytes is None:
+            return MAX_PARTITION_BYTES
+        return derived_partition_bytes(self.ram_budget_bytes, self.buffer_count)
 
     def staging_bytes(self) -> int:
         """Memory of the staging buffers: ``buffer_count`` partitions in their file layout,
         and as many buffers for a partition's staged gradient (fp32 at most)."""
-        elements = elements_per_partition(self.partition_bytes)
-        return self.buffer_count * (FileLayout(elements).file_bytes + gradient_file_bytes(elements, 4))
+        return staging_bytes(self.partition_size(), self.buffer_count)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,8 +92,9 @@ class StateServerConfig:
     allow_wildcard_bind: bool = False
     """Let `bind_host` be a wildcard address, serving on every interface of the node (a
     warning is logged): only behind a network that admits nobody else."""
-    rpc_threads: int = 8
-    """gRPC handler threads per state server."""
+    rpc_threads: int = tuning(8)
+    """gRPC handler threads per state server; each may hold two segments' weights for a
+    fetch, so a host budget lowers them (to 2) before it refuses a run."""
     chunk_bytes: int = tuning(DEFAULT_CHUNK_BYTES)
     """Bytes per streamed message, or per checksummed chunk on the bulk socket; between 4
     KiB and 32 MiB."""
@@ -116,7 +124,7 @@ class StateServerConfig:
 
     def __post_init__(self) -> None:
         positive("state_server.num_servers", self.num_servers)
-        positive("state_server.rpc_threads", self.rpc_threads)
+        positive("tuning.state_server.rpc_threads", self.rpc_threads)
         non_negative("state_server.cpus", self.cpus)
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ConfigError(
@@ -127,7 +135,7 @@ class StateServerConfig:
         if self.max_concurrent_calls < self.rpc_threads:
             raise ConfigError(
                 f"tuning.state_server.max_concurrent_calls ({self.max_concurrent_calls}) must be at least "
-                f"state_server.rpc_threads ({self.rpc_threads}): threads beyond it would never run a call"
+                f"tuning.state_server.rpc_threads ({self.rpc_threads}): threads beyond it would never run a call"
             )
         positive("tuning.state_server.message_timeout_s", self.message_timeout_s)
         if self.bind_host in WILDCARD_HOSTS and not self.allow_wildcard_bind:

@@ -17,6 +17,7 @@ from cargohold.services.core.errors import ConfigError
 from cargohold.services.core.layout import DEFAULT_ALIGN
 from cargohold.services.core.optim import clip_fragments
 from cargohold.services.core.state_precision import BLOCK_ELEMENTS, StateDtype
+from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
 
 STATE_BYTES_PER_ELEMENT = 12
 """fp32 master weight, exp_avg and exp_avg_sq: what ``partition_bytes`` is counted in
@@ -53,10 +54,38 @@ def elements_per_partition(partition_bytes: int, align: int = DEFAULT_ALIGN) -> 
     elements = (partition_bytes // STATE_BYTES_PER_ELEMENT) // align * align
     if elements < align:
         raise ConfigError(
-            f"state_server.tier.partition_bytes={partition_bytes} holds fewer than {align} elements "
+            f"tuning.state_server.tier.partition_bytes={partition_bytes} holds fewer than {align} elements "
             f"({STATE_BYTES_PER_ELEMENT * align} bytes); raise it"
         )
     return elements
+
+
+MAX_PARTITION_BYTES = 256 << 20
+"""The largest derived partition: NVMe reads and writes reach the drive's bandwidth well
+below it (docs/benchmarks.md, "NVMe tier"), and a larger one only delays the first
+update of a step behind a longer first read."""
+MIN_PARTITION_BYTES = 64 << 10
+"""The smallest derived partition; a RAM tier too small for its staging is refused."""
+STAGING_SHARE = 4
+"""The staging buffers take at most 1/STAGING_SHARE of the RAM tier: the rest holds
+resident partitions, which a step updates without disk traffic."""
+
+
+def staging_bytes(partition_bytes: int, buffer_count: int) -> int:
+    """Memory of ``buffer_count`` staging buffers: each a partition in its file layout and
+    room for the partition's staged gradient (fp32 at most)."""
+    elements = elements_per_partition(partition_bytes)
+    return buffer_count * (FileLayout(elements).file_bytes + gradient_file_bytes(elements, 4))
+
+
+def derived_partition_bytes(ram_budget_bytes: int, buffer_count: int) -> int:
+    """The partition size of a RAM tier of ``ram_budget_bytes``: the largest power of two
+    up to :data:`MAX_PARTITION_BYTES` whose ``buffer_count`` staging buffers take at most
+    a :data:`STAGING_SHARE` of the tier (:data:`MIN_PARTITION_BYTES` at least)."""
+    size = MAX_PARTITION_BYTES
+    while size > MIN_PARTITION_BYTES and STAGING_SHARE * staging_bytes(size, buffer_count) > ram_budget_bytes:
+        size //= 2
+    return size
 
 
 def split_segment(

@@ -89,7 +89,7 @@ class TieredStorage:
             self._ram = RamTier(None, device)
             self._gradients = StagedGradients(None, None, None, device=device)
             return
-        self._max_elements = elements_per_partition(self.config.partition_bytes)
+        self._max_elements = elements_per_partition(self.config.partition_size())
         # A staging buffer holds a partition in its file layout and, after it, the
         # partition's staged gradient (fp32 at most): read in with the state.
         buffer_bytes = FileLayout(self._max_elements).file_bytes + gradient_file_bytes(self._max_elements, 4)
@@ -198,7 +198,7 @@ class TieredStorage:
         align = partition_align(state_dtype)
         if self._max_elements is None:
             return None, align
-        return elements_per_partition(self.config.partition_bytes, align), align
+        return elements_per_partition(self.config.partition_size(), align), align
 
     def _replan(self, new: Sequence[Partition] = (), new_itemsize: int = 0) -> TierPlan:
         segments = [(parts, self._gradient_itemsize[key]) for key, parts in self._segments.items()]
