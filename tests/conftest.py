@@ -1,5 +1,5 @@
-"""Shared fixtures: one in-process Ray cluster per test module that asks for it, and one
-checkpoint-writer zygote per test module that asks for it."""
+"""Shared fixtures: one in-process Ray cluster for the test modules that ask for it, and
+one checkpoint-writer zygote per test module that asks for it."""
 
 from __future__ import annotations
 
@@ -22,7 +22,11 @@ SHM = Path("/dev/shm")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` run where torch sees a CUDA device, and are skipped elsewhere."""
+    """The modules that ask for ``ray_local`` run last, one after another, on one Ray (see
+    :func:`ray_between_modules`); tests marked ``gpu`` run where torch sees a CUDA device,
+    and are skipped elsewhere."""
+    shared = {getattr(item, "module", None) for item in items if "ray_local" in item.fixturenames}
+    items.sort(key=lambda item: getattr(item, "module", None) in shared)  # stable: each module's order kept
     import torch
 
     if torch.cuda.is_available():
@@ -43,11 +47,34 @@ def leaves_no_shared_memory():
     assert not left, f"left in /dev/shm: {left}"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ray_between_modules(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The Ray of ``ray_local`` outlives its module, for the next module that asks for it
+    (starting one costs 5-7 s on 2 cores, once per module before); a module that does not
+    ask for it finds none running (its tests start Ray themselves, expect the launcher to,
+    or check that nothing started it)."""
+    if ray.is_initialized() and not any(
+        "ray_local" in item.fixturenames for item in request.session.items if item.module is request.module
+    ):
+        ray.shutdown()
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_stopped_at_the_end() -> Iterator[None]:
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module")
-def ray_local():
+def ray_local() -> Iterator[None]:
     """A single-node Ray on loopback with enough logical CPUs for several actors, and the
     GPUs torch sees (Ray's own detection can report none: the gpu tests would wait for
-    their placement groups)."""
+    their placement groups); the one already running where an earlier module started it."""
+    if ray.is_initialized():
+        yield
+        return
     import torch
 
     settings = {
@@ -60,7 +87,6 @@ def ray_local():
     }
     started_once_more(lambda: ray.init(**settings))
     yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,9 @@ from cargohold.services.core.layout import gather_params  # noqa: E402
 from cargohold.services.models.build import build_model  # noqa: E402
 from cargohold.services.worker.model_setup import model_layout  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+# slow: the chat contract (tests/test_training_contract.py, the masked chat loss bitwise) and
+# tests/test_export_hf.py cover its behaviour in the default run.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"

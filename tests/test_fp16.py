@@ -213,6 +213,7 @@ def test_fp16_matches_fsdp2_with_grad_scaler_bitwise(ray_local, tmp_path, case) 
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # fast: test_fp16_matches_fsdp2_with_grad_scaler_bitwise (one and two workers)
 def test_fp16_gradients_of_three_workers_match_fsdp2_bitwise(ray_local) -> None:
     """At W=3 FSDP2 divides fp16 gradients by 2 before the reduce-scatter and by 1.5 only
     after its all-reduce hook, where the workers push them: what they push must carry that
@@ -254,6 +255,7 @@ def test_one_fp16_worker_matches_single_process_grad_scaler_bitwise(ray_local, d
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # fast: test_a_manifest_keeps_the_loss_scale_and_refuses_a_bad_one
 def test_an_fp16_resume_goes_on_with_the_saved_scale_bitwise(ray_local, tmp_path) -> None:
     """Saved at step 2 (one clean step towards the scale's next growth) and resumed: the
     skipped steps, the scale and the state at step 6 equal the uninterrupted run's."""

@@ -13,7 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.timeout(180)
+# slow: tests/test_trainer.py covers the Python API's training, validation, checkpoints and
+# export in the default run.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "own_model.py"
 

@@ -99,6 +99,7 @@ def _tier(root: Path, partition_kib: int) -> dict[str, object]:
     }
 
 
+@pytest.mark.slow  # fast: tests/test_tier_checkpoint.py (the links) and test_stop_and_resume_onto_any_number_of_servers
 def test_an_nvme_tier_checkpoint_links_its_files_and_resumes_bitwise(uninterrupted, tmp_path) -> None:
     """Saved with most state on the NVMe tier: the checkpoint hard-links the tier's
     partition files (they have a second name while the tier holds that version). Resumed
@@ -212,6 +213,7 @@ def test_a_killed_actor_is_recovered_from_the_last_checkpoint(
     assert scraped["cargohold_checkpoint_stall_seconds_count"] == scraped["cargohold_checkpoints_total"]
 
 
+@pytest.mark.slow  # fast: test_a_killed_actor_is_recovered_from_the_last_checkpoint and tests/test_weights_nvme.py
 def test_weights_on_nvme_with_a_killed_worker_end_where_weights_in_memory_end(
     uninterrupted, tmp_path, monkeypatch
 ) -> None:
@@ -250,7 +252,11 @@ def test_weights_on_nvme_with_a_killed_worker_end_where_weights_in_memory_end(
 
 @pytest.mark.parametrize(
     ("victim", "earlier_run"),
-    [pytest.param("state-server", False, marks=pytest.mark.slow), ("state-server", True), ("worker", True)],
+    [
+        pytest.param("state-server", False, marks=pytest.mark.slow),
+        ("state-server", True),  # the default run's one state-server recovery
+        pytest.param("worker", True, marks=pytest.mark.slow),  # killed_actor_is_recovered[worker] covers it
+    ],
 )
 def test_a_failure_before_the_first_checkpoint_lands_is_recovered_leaving_nothing_behind(
     uninterrupted, uninterrupted_root, tmp_path, monkeypatch, caplog, victim: str, earlier_run: bool
