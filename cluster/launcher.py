@@ -19,6 +19,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cargohold.cluster.actor_calls import get_all
 from cargohold.cluster.connect import check_budget_on_cluster, connect_ray, resolve_auth_token
 from cargohold.cluster.plan.budget import check_budget_memory
 from cargohold.cluster.plan.run import budgeted_config
@@ -26,16 +27,16 @@ from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.cluster.resume import check_resume, restored_loss_scale
 from cargohold.cluster.schema.io import to_dict
 from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.sweep import sweep_tier_folders
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
 from cargohold.services.checkpoint.manifest import LossScaleRecord
 from cargohold.services.checkpoint.reshard import layout_record, saved_layout, segment_runs
-from cargohold.services.core.errors import CheckpointError, ConfigError, TrainingError
+from cargohold.services.core.errors import CheckpointError, TrainingError
 from cargohold.services.core.layout import Segment
 from cargohold.services.core.loss_scale import LossScaleState
 from cargohold.services.core.node import node_memory_bytes
 from cargohold.services.data.rows import DocumentRows
 from cargohold.services.server.state_server import StateServer
-from cargohold.services.tiers.folders import remove_tier_folders
 from cargohold.services.transport.auth import tls_files
 from cargohold.services.worker.actor import TrainingWorker
 from cargohold.services.worker.host_allocator import worker_allocator, worker_env
@@ -100,9 +101,15 @@ class TrainingSession:
         self.validates = self.task.open_eval() is not None  # the same for held-out data
         self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.step_count = 0
+        self.updates_after: dict[int, int] = {}
+        """The servers' update number after each step (a skipped step applies none): where a
+        live recovery's settled update puts the run (:mod:`.live_recovery`)."""
         self.servers: list = []
         self.workers: list = []
         self.server_addresses: list[str] = []
+        self._server_nodes: list[str] = []
+        self._worker_generation = 0
+        """How many times the workers were started (a live recovery starts them again)."""
         self._placement: PlacementGroup | None = None
         self._owns_ray = False
         self._collective_calls: list = []
@@ -144,17 +151,12 @@ class TrainingSession:
                 "add nodes"
             )
 
-        placement = self._placement
-
-        def on_bundle(index: int) -> PlacementGroupSchedulingStrategy:
-            return PlacementGroupSchedulingStrategy(placement_group=placement, placement_group_bundle_index=index)
-
         server_cls = ray.remote(StateServer)
         self.servers = [
             server_cls.options(
                 num_cpus=cfg.state_server.cpus,
                 resources=dict(cfg.state_server.resources),
-                scheduling_strategy=on_bundle(i),
+                scheduling_strategy=self._on_bundle(i),
                 name=f"{self.run_id}-state-server-{i}",
             ).remote(
                 cfg.state_server,
@@ -169,39 +171,17 @@ class TrainingSession:
         ]
         # The workers start (a process each, torch imported, the data opened) while the
         # servers do: they need the servers' addresses only to form their process group.
-        worker_cls = ray.remote(TrainingWorker)
-        first_worker_bundle = cfg.state_server.num_servers
-        self.workers = [
-            worker_cls.options(
-                num_cpus=cfg.worker.cpus,
-                num_gpus=cfg.worker.gpus,
-                resources=dict(cfg.worker.resources),
-                scheduling_strategy=on_bundle(first_worker_bundle + rank),
-                name=f"{self.run_id}-worker-{rank}",
-                runtime_env={"env_vars": worker_env(worker_allocator(cfg))},
-            ).remote(cfg, rank=rank, run_id=self.run_id, auth_token=self._auth_token, task=self.task)
-            for rank in range(cfg.worker.num_workers)
-        ]
-        self.server_addresses = _get([s.address.remote() for s in self.servers], timeout, "starting state servers")
-        server_nodes = _get([s.node_id.remote() for s in self.servers], timeout, "starting state servers")
+        self.workers = self.new_workers()
+        self.server_addresses = get_all([s.address.remote() for s in self.servers], timeout, "starting state servers")
+        self._server_nodes = get_all([s.node_id.remote() for s in self.servers], timeout, "starting state servers")
 
         update = 0
         if self.resume is not None and manifest is not None:
             update, self.step_count = self._restore(self.resume, manifest, self._server_holders(), timeout)
             if device_holders := self._worker_holders():
                 self._restore(self.resume, manifest, device_holders, timeout)
-        host, port = _get(self.workers[0].rendezvous_address.remote(), timeout, "starting workers")
-        _get(
-            [w.init_process_group.remote(host, port, self.server_addresses, server_nodes) for w in self.workers],
-            timeout,
-            "forming the worker process group",
-        )
-        steps = set(_get([w.register_segments.remote() for w in self.workers], timeout, "registering segments"))
-        if steps != {update}:
-            raise TrainingError(f"workers' segments are at updates {sorted(steps)}, expected {update}")
-        if self.resume is not None:
-            scale = restored_loss_scale(manifest)
-            _get([w.load_weights.remote(scale) for w in self.workers], timeout, "loading restored weights")
+        self.join_workers(update, load=self.resume is not None, loss_scale=restored_loss_scale(manifest))
+        self.updates_after = {self.step_count: update}
         logger.info(
             "run %s: %d workers, %d state servers at %s",
             self.run_id,
@@ -209,17 +189,63 @@ class TrainingSession:
             len(self.servers),
             ", ".join(self.server_addresses),
         )
+        self.announce_metrics()
+
+    def announce_metrics(self) -> None:
+        """Log every actor's metrics endpoint and write them for Prometheus's file-based
+        discovery (``metrics.file_sd_path``); again when replaced workers serve new ones."""
         targets = self.metrics_targets()
         logger.info("metrics endpoints: %s", ", ".join(f"{t.role}-{t.index} {t.address}" for t in targets))
-        if cfg.metrics.file_sd_path:
-            write_file_sd(cfg.metrics.file_sd_path, self.run_id, targets)
+        if self.config.metrics.file_sd_path:
+            write_file_sd(self.config.metrics.file_sd_path, self.run_id, targets)
+
+    def _on_bundle(self, index: int) -> PlacementGroupSchedulingStrategy:
+        assert self._placement is not None, "the placement group is reserved first"
+        return PlacementGroupSchedulingStrategy(placement_group=self._placement, placement_group_bundle_index=index)
+
+    def new_workers(self) -> list:
+        """A worker actor per rank, each on its bundle of the placement group (a lost
+        worker's replacement takes its bundle again; Ray places a bundle whose node went
+        away elsewhere when it can)."""
+        cfg = self.config
+        self._worker_generation += 1
+        suffix = "" if self._worker_generation == 1 else f"-{self._worker_generation}"
+        worker_cls = ray.remote(TrainingWorker)
+        return [
+            worker_cls.options(
+                num_cpus=cfg.worker.cpus,
+                num_gpus=cfg.worker.gpus,
+                resources=dict(cfg.worker.resources),
+                scheduling_strategy=self._on_bundle(cfg.state_server.num_servers + rank),
+                name=f"{self.run_id}-worker-{rank}{suffix}",
+                runtime_env={"env_vars": worker_env(worker_allocator(cfg))},
+            ).remote(cfg, rank=rank, run_id=self.run_id, auth_token=self._auth_token, task=self.task)
+            for rank in range(cfg.worker.num_workers)
+        ]
+
+    def join_workers(self, update: int, *, load: bool, loss_scale: LossScaleState | None = None) -> None:
+        """Form the workers' process group, connect them to the servers and register their
+        segments, which must stand at ``update``; ``load``: then fetch the servers' weights
+        (a restore, a replacement), with the dynamic loss scale ``loss_scale`` (fp16)."""
+        timeout = self.config.cluster.startup_timeout_s
+        host, port = get_all(self.workers[0].rendezvous_address.remote(), timeout, "starting workers")
+        get_all(
+            [w.init_process_group.remote(host, port, self.server_addresses, self._server_nodes) for w in self.workers],
+            timeout,
+            "forming the worker process group",
+        )
+        steps = set(get_all([w.register_segments.remote() for w in self.workers], timeout, "registering segments"))
+        if steps != {update}:
+            raise TrainingError(f"workers' segments are at updates {sorted(steps)}, expected {update}")
+        if load:
+            get_all([w.load_weights.remote(loss_scale) for w in self.workers], timeout, "loading the servers' weights")
 
     def _restore(self, directory: Path, manifest: Manifest, holders: list[Holder], timeout: float) -> tuple[int, int]:
         """Restore the segments of ``holders`` (servers, or workers' device segments) from
         a checkpoint (checked by :func:`~cargohold.cluster.resume.check_resume`),
         whatever layout saved it; returns (updates, data step)."""
         saved = saved_layout(manifest, str(directory / MANIFEST_NAME))
-        _get(
+        get_all(
             [
                 actor.restore.remote(
                     str(directory),
@@ -266,10 +292,10 @@ class TrainingSession:
         try:
             self.settle()
             begun = [h.checkpoint_begin.remote(self.run_id, str(directory), step) for h, _ in self._holders()]
-            updates = set(_get(begun, None, f"checkpointing step {step}"))
+            updates = set(get_all(begun, None, f"checkpointing step {step}"))
             if len(updates) != 1:
                 raise TrainingError(f"segments are at different updates {sorted(updates)} at step {step}")
-            scales = set(_get([w.loss_scale.remote() for w in self.workers], None, "reading the loss scale"))
+            scales = set(get_all([w.loss_scale.remote() for w in self.workers], None, "reading the loss scale"))
             if len(scales) != 1:
                 raise TrainingError(f"workers hold different loss scales {sorted(map(str, scales))} at step {step}")
         except BaseException:  # a failure, or Ctrl-C / SIGTERM while the servers begin
@@ -292,7 +318,7 @@ class TrainingSession:
         manifest: the checkpoint is complete. On failure its folder is gone."""
         waits = [h.checkpoint_wait.remote() for h, _ in self._holders()]
         try:
-            waited = _get(waits, timeout, f"writing checkpoint {pending.step}")
+            waited = get_all(waits, timeout, f"writing checkpoint {pending.step}")
             records = [r for rs, _ in waited for r in rs]
             manifest = Manifest(
                 step=pending.step,
@@ -342,6 +368,7 @@ class TrainingSession:
         step = self.step_count + 1
         reports: list[StepReport] = self._on_workers(lambda w: w.train_step.remote(step), f"step {step}")
         self.step_count = step
+        self.updates_after[step] = self.updates_after[step - 1] + (not reports[0].skipped)
         return reports[0]
 
     def evaluate(self) -> EvalReport:
@@ -383,9 +410,25 @@ class TrainingSession:
         Remembered until all end, so that :meth:`close` can tell a worker still blocked
         in a collective with a peer whose call failed."""
         self._collective_calls = [call(w) for w in self.workers]
-        results = _get(self._collective_calls, None, what)
+        results = get_all(self._collective_calls, None, what)
         self._collective_calls = []
         return results
+
+    def stop_workers(self) -> None:
+        """Kill every worker at once (a live recovery: their process group cannot lose a
+        member and go on), forgetting their calls; returns once Ray fails calls to each,
+        then removes the weight files they could not."""
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        probes = [w.__ray_call__.remote(lambda actor: None) for w in self.workers]
+        for probe in probes:
+            try:
+                ray.get(probe, timeout=self.config.cluster.startup_timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass  # dead, as asked
+        self.workers, self._collective_calls = [], []
+        if self._placement is not None:
+            sweep_tier_folders(self.config, self.run_id, self._placement, len(self.servers), servers_too=False)
 
     def _blocked_workers(self) -> set[int]:
         """Ranks whose last collective call is still running ``BLOCKED_GRACE_S`` after
@@ -411,31 +454,6 @@ class TrainingSession:
     def worker_resident_bytes(self) -> dict[str, int]:
         return ray.get(self.workers[0].resident_bytes.remote())
 
-    def _sweep_tier_folders(self, placement: PlacementGroup, servers: int) -> None:
-        """What a killed actor could not delete: a state server's NVMe tier folder of this
-        run, a worker's weight files, each removed on its own node (the actor's placement
-        bundle) after the actors stop."""
-        config = self.config
-        server_roots = list(config.state_server.tier.nvme_paths)
-        weight_roots = [config.worker.weights_nvme_path] if config.worker.weights_nvme_path else []
-        folders = [(index, server_roots, f"server-{index}") for index in range(servers)] + [
-            (servers + rank, weight_roots, f"worker-{rank}") for rank in range(config.worker.num_workers)
-        ]
-        sweep = ray.remote(num_cpus=0)(remove_tier_folders)
-        refs = [
-            sweep.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=placement, placement_group_bundle_index=bundle
-                )
-            ).remote(roots, self.run_id, folder)
-            for bundle, roots, folder in folders
-            if roots
-        ]
-        try:
-            ray.get(refs, timeout=60)
-        except Exception as error:  # teardown must go on
-            logger.warning("could not remove the tier folders of run %s: %s", self.run_id, error)
-
     def close(self) -> None:
         """Stop actors and release the placement group; shut Ray down if we started it.
         A worker still blocked in a collective after a failed step is killed at once (its
@@ -454,7 +472,7 @@ class TrainingSession:
             ray.kill(actor)
         servers, self.workers, self.servers = len(self.servers), [], []
         if self._placement is not None:
-            self._sweep_tier_folders(self._placement, servers)
+            sweep_tier_folders(self.config, self.run_id, self._placement, servers)
             remove_placement_group(self._placement)
             self._placement = None
         if self._owns_ray and ray.is_initialized():
@@ -474,25 +492,3 @@ def _discard(store: CheckpointDir, step: int) -> None:
 BLOCKED_GRACE_S = 1.0
 """At teardown after a failed step: how long a worker's step may still take to end on its
 own before it counts as blocked in a collective."""
-
-
-def _get(refs, timeout: float | None, what: str):
-    """ray.get that fails as soon as any one call fails, instead of waiting in list order
-    for calls that may be blocked in a collective with the failed one."""
-    pending = list(refs) if isinstance(refs, list) else [refs]
-    deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        while pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-            if not ready:
-                raise TrainingError(f"timed out after {timeout}s {what}")
-            ray.get(ready[0])
-        return ray.get(refs)
-    except ray.exceptions.RayActorError as error:
-        raise TrainingError(f"an actor died while {what}: {error}") from error
-    except ray.exceptions.RayTaskError as error:
-        cause = error.cause if error.cause else error
-        if isinstance(cause, ConfigError):  # found where the config meets the node: still exit status 2
-            raise ConfigError(f"{what}: {cause}") from error
-        raise TrainingError(f"{what} failed: {cause}") from error

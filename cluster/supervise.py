@@ -1,5 +1,7 @@
-"""Drive a run to its end: the steps, checkpoints as configured, and restarts of every
-actor from the latest checkpoint after a failure (``checkpoint.max_failures``).
+"""Drive a run to its end: the steps, checkpoints as configured, and recovery after a
+failure (``checkpoint.max_failures``): a lost worker replaced from the state servers'
+live state where it can be (:mod:`.live_recovery`), else every actor restarted from the
+latest checkpoint.
 
 :class:`~cargohold.cluster.launcher.TrainingSession` owns one attempt's actors; this
 module decides when to checkpoint, what a failed save does (``checkpoint.on_save_error``)
@@ -19,6 +21,7 @@ from pathlib import Path
 from cargohold.cluster.claims import claimed_folders
 from cargohold.cluster.export import master_weights
 from cargohold.cluster.launcher import PendingCheckpoint, SavedCheckpoint, TrainingSession
+from cargohold.cluster.live_recovery import replace_workers
 from cargohold.cluster.resume import resolve_resume
 from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.checkpoint import CheckpointDir
@@ -54,6 +57,9 @@ class TrainResult:
     checkpoint_stall_seconds: list[float] = field(default_factory=list)
     """How long each checkpoint held training up (the snapshot, not the writing)."""
     restarts: int = 0
+    live_recoveries: int = 0
+    """Of the restarts, those that replaced the workers from the state servers' live state
+    (no checkpoint read, no completed step computed again: :mod:`.live_recovery`)."""
     recovery_seconds: list[float] = field(default_factory=list)
     """From each failure's restart to training again."""
     evals: list[EvalReport] = field(default_factory=list)
@@ -201,7 +207,13 @@ def _train_session(
         saves = _Saves(session, store, config, result, metrics, callbacks.on_checkpoint)
         try:
             while session.step_count < config.steps:
-                report = session.step()
+                try:
+                    report = session.step()
+                except TrainingError as error:
+                    saves.recover()  # a checkpoint begun before the failure lands first (the servers are alive)
+                    if not _recovered_live(session, error, result, metrics):
+                        raise
+                    continue
                 result.losses.append(report.loss)
                 result.step_seconds.append(report.seconds)
                 if report.skipped:
@@ -228,6 +240,46 @@ def _train_session(
             task.export(
                 session.layout, master_weights(session.layout, session.server_masters()), Path(config.export_dir)
             )
+
+
+def _recovered_live(
+    session: TrainingSession, error: TrainingError, result: TrainResult, metrics: LauncherMetrics
+) -> bool:
+    """Replace the workers of ``session`` after ``error`` from the state servers' live
+    state (:mod:`.live_recovery`), within ``checkpoint.max_failures``; False where the run
+    must restart from a checkpoint instead (the reason logged)."""
+    limit = session.config.checkpoint.max_failures
+    if result.restarts >= limit:
+        return False
+    started = time.perf_counter()
+    before = session.step_count
+    try:
+        step = replace_workers(session)
+    except TrainingError as refusal:  # UnsettledError too: the restart from a checkpoint counts the failure
+        logger.warning("step %d failed (%s); no live recovery: %s", before + 1, error, refusal)
+        return False
+    metrics.record_failure()
+    result.restarts += 1
+    result.live_recoveries += 1
+    result.recovery_seconds.append(time.perf_counter() - started)
+    metrics.observe_recovery(result.recovery_seconds[-1], live=True)
+    done = step - (result.first_step or 0)
+    if done > len(result.losses):  # the lost step's update was applied everywhere; its report was lost
+        result.losses.append(float("nan"))
+        result.step_seconds.append(float("nan"))
+    del result.losses[done:], result.step_seconds[done:]
+    result.skipped_steps = [s for s in result.skipped_steps if s <= step]
+    result.evals = [e for e in result.evals if e.step <= step]
+    logger.warning(
+        "step %d failed (%s); workers replaced from the state servers' live state (recovery %d of %d), "
+        "going on after step %d",
+        before + 1,
+        error,
+        result.restarts,
+        limit,
+        step,
+    )
+    return True
 
 
 def _evaluates(config: TrainConfig, session: TrainingSession) -> bool:

@@ -50,12 +50,12 @@ def leaves_no_shared_memory():
 @pytest.fixture(scope="module", autouse=True)
 def ray_between_modules(request: pytest.FixtureRequest) -> Iterator[None]:
     """The Ray of ``ray_local`` outlives its module, for the next module that asks for it
-    (starting one costs 5-7 s on 2 cores, once per module before); a module that does not
-    ask for it finds none running (its tests start Ray themselves, expect the launcher to,
-    or check that nothing started it)."""
-    if ray.is_initialized() and not any(
-        "ray_local" in item.fixturenames for item in request.session.items if item.module is request.module
-    ):
+    (starting one costs 5-7 s on 2 cores, once per module before). A module whose first
+    test does not ask for it finds none running, as before: its tests start Ray
+    themselves, expect the launcher to, or check that nothing started it (``ray_local``
+    starts one again at the module's first test that asks)."""
+    first = next(item for item in request.session.items if item.module is request.module)
+    if ray.is_initialized() and "ray_local" not in first.fixturenames:
         ray.shutdown()
     yield
 

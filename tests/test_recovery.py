@@ -172,9 +172,12 @@ def _scrape(address: str) -> dict[str, float]:
         "worker",
     ],  # a killed server: tests/test_faults.py, the soaks
 )
-def test_a_killed_actor_is_recovered_from_the_last_checkpoint(
+def test_a_killed_actor_is_recovered_live_or_from_the_last_checkpoint(
     uninterrupted, tmp_path, monkeypatch, victim: str
 ) -> None:
+    """A killed worker is replaced from the state servers' live state; a killed state
+    server restarts everything from the last checkpoint. Either way the run ends where the
+    uninterrupted one does and takes the same checkpoints."""
     original_step = TrainingSession.step
     killed = []
 
@@ -200,27 +203,29 @@ def test_a_killed_actor_is_recovered_from_the_last_checkpoint(
     finally:
         metrics.stop()
     assert killed == [victim] and result.restarts == 1 and len(result.recovery_seconds) == 1
+    assert result.live_recoveries == (victim == "worker")
     assert len(result.losses) == STEPS
     _assert_same(_final_state(tmp_path), uninterrupted)
     # A checkpoint lands one step after it began: steps 2 and 4 before the kill (before
-    # step 6), then 6 and 8 after the restart from step 4.
+    # step 6), then 6 and 8 after the recovery (from step 4 after a server's death).
     assert [p.name for p in result.checkpoints] == [f"step-{s:010d}" for s in (2, 4, 6, 8)]
     # The launcher's metrics, scraped.
     assert scraped["cargohold_failures_total"] == 1 and scraped["cargohold_restarts_total"] == 1
+    assert scraped["cargohold_live_recoveries_total"] == (victim == "worker")
     assert scraped["cargohold_recovery_seconds_count"] == 1 and scraped["cargohold_recovery_seconds_sum"] > 0
     assert scraped["cargohold_checkpoints_total"] == 4
     assert scraped["cargohold_checkpoint_bytes_total"] > 0
     assert scraped["cargohold_checkpoint_stall_seconds_count"] == scraped["cargohold_checkpoints_total"]
 
 
-@pytest.mark.slow  # fast: test_a_killed_actor_is_recovered_from_the_last_checkpoint and tests/test_weights_nvme.py
+@pytest.mark.slow  # fast: test_a_killed_actor_is_recovered_live_or_from_the_last_checkpoint, tests/test_weights_nvme.py
 def test_weights_on_nvme_with_a_killed_worker_end_where_weights_in_memory_end(
     uninterrupted, tmp_path, monkeypatch
 ) -> None:
     """Every block's weights in files (the window of 2 blocks) and most of the optimizer
     state on the NVMe tier (the update streamed through it, gradients staged beside the
-    disk partitions), worker 1 SIGKILLed after the checkpoint of step 4: the restarted
-    workers rebuild their files from the servers, the run ends bitwise where the run with
+    disk partitions), worker 1 SIGKILLed after the checkpoint of step 4: the replaced
+    workers rebuild their files from the servers' live state, the run ends bitwise where the run with
     everything in memory ends, and the killed worker's folder and the tier are swept."""
     original_step = TrainingSession.step
     killed = []
@@ -244,30 +249,23 @@ def test_weights_on_nvme_with_a_killed_worker_end_where_weights_in_memory_end(
         state_server__tier=_tier(tmp_path, partition_kib=64),
     )
     result = train(config)
-    assert killed and result.restarts == 1
+    assert killed and result.restarts == 1 and result.live_recoveries == 1
     _assert_same(_final_state(tmp_path / "checkpoints"), uninterrupted)
     assert not any(weights.iterdir()), f"left behind: {sorted(p.name for p in weights.rglob('*'))}"
     assert not any((tmp_path / "nvme").iterdir()), "tier files left behind"
 
 
-@pytest.mark.parametrize(
-    ("victim", "earlier_run"),
-    [
-        pytest.param("state-server", False, marks=pytest.mark.slow),
-        ("state-server", True),  # the default run's one state-server recovery
-        pytest.param("worker", True, marks=pytest.mark.slow),  # killed_actor_is_recovered[worker] covers it
-    ],
-)
+@pytest.mark.parametrize("earlier_run", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_failure_before_the_first_checkpoint_lands_is_recovered_leaving_nothing_behind(
-    uninterrupted, uninterrupted_root, tmp_path, monkeypatch, caplog, victim: str, earlier_run: bool
+    uninterrupted, uninterrupted_root, tmp_path, monkeypatch, caplog, earlier_run: bool
 ) -> None:
-    """An actor dies while the first checkpoint is being written (begun after step 2, its
-    manifest not yet landed). With a server killed its files are incomplete: the
-    checkpoint is discarded and the run restarts from the initial state, never from a
-    checkpoint of an earlier run sharing the folder; with a worker killed the servers
-    still finish it, and the run restarts from it. Either way the run ends bitwise where
-    the uninterrupted one does, and the restart finds nothing of the dead attempt: no
-    tier folder (the killed server's too), no partial checkpoint, no actor."""
+    """A state server dies while the first checkpoint is being written (begun after step
+    2, its manifest not yet landed): its files are incomplete, so the checkpoint is
+    discarded and the run restarts from the initial state, never from a checkpoint of an
+    earlier run sharing the folder. The run ends bitwise where the uninterrupted one does,
+    and the restart finds nothing of the dead attempt: no tier folder (the killed
+    server's too), no partial checkpoint, no actor. (A lost worker recovers live, the
+    servers finishing the checkpoint first: tests/test_live_recovery.py.)"""
     checkpoints, nvme = tmp_path / "checkpoints", tmp_path / "nvme"
     if earlier_run:  # an identical earlier run's last checkpoint, later than any of this run's
         shutil.copytree(uninterrupted_root / "step-0000000008", checkpoints / "step-0000000008")
@@ -288,7 +286,7 @@ def test_a_failure_before_the_first_checkpoint_lands_is_recovered_leaving_nothin
 
     def step_with_fault(session: TrainingSession):
         if len(starts) == 1 and session.step_count == 2:  # the checkpoint of step 2 is pending
-            kill_actor(session.servers[1] if victim == "state-server" else session.workers[1])
+            kill_actor(session.servers[1])  # a lost worker recovers live: tests/test_live_recovery.py
         return original_step(session)
 
     monkeypatch.setattr(TrainingSession, "_start", observed_start)
@@ -308,11 +306,9 @@ def test_a_failure_before_the_first_checkpoint_lands_is_recovered_leaving_nothin
     # A worker whose push met the dead server fails its step; its peer waits for it in a
     # collective, and is stopped at once, not after its shutdown's 30 s timeout.
     assert not [m for m in teardown if "timed out" in m], teardown
-    if victim == "state-server":
-        assert [m for m in teardown if "blocked in a collective" in m], teardown
+    assert [m for m in teardown if "blocked in a collective" in m], teardown
     first, restart = starts
-    expected = None if victim == "state-server" else checkpoints / "step-0000000002"
-    assert restart["resume"] == expected
+    assert restart["resume"] is None  # the pending checkpoint lost a server's files
     assert restart["tier"] == [], "the dead attempt's tier folders are swept before the restart"
     assert restart["partial"] == [], "the pending checkpoint is completed or discarded before the restart"
     assert not [a for a in restart["actors"] if a.startswith(first["run_id"])]

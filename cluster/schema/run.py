@@ -55,8 +55,10 @@ class CheckpointConfig:
     of the checkpoint's config that give its state its meaning (model shape, Adam betas,
     seed and data) must be unchanged; other changed keys are logged as a warning."""
     max_failures: int = 0
-    """Actor failures to recover from (restart everything from the run's latest
-    checkpoint, or from where it started when none has landed) before the run gives up."""
+    """Actor failures to recover from before the run gives up: a lost worker is replaced
+    from the state servers' live state where it can be (no checkpoint read, no completed
+    step computed again); otherwise everything restarts from the run's latest checkpoint,
+    or from where it started when none has landed."""
     on_save_error: Literal["stop", "continue"] = "stop"
     """A checkpoint that cannot be written (its folder cannot be created, disk full,
     unwritable): stop the run with the reason (max_failures does not restart it), or log

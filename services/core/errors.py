@@ -61,6 +61,11 @@ class TrainingError(CargoholdError):
     """The training run failed; raised by the launcher with the cause."""
 
 
+class UnsettledError(TrainingError):
+    """After a worker is lost, the segments' live state cannot be brought to one update
+    (:mod:`~cargohold.services.core.settlement`): the run recovers from a checkpoint."""
+
+
 class TierError(CargoholdError):
     """The tiered storage of optimizer state (RAM, NVMe files) failed; subclasses say how."""
 

@@ -16,6 +16,7 @@ from cargohold.services.metrics.names import (
     EVAL_PERPLEXITY,
     EVAL_STEP,
     FAILURES,
+    LIVE_RECOVERIES,
     RECOVERY_SECONDS,
     RESTARTS,
 )
@@ -53,7 +54,14 @@ class LauncherMetrics(MetricsEndpoint):
         )
         self._checkpoints = Counter(CHECKPOINTS, "Checkpoints completed.", registry=self.registry)
         self._failures = Counter(FAILURES, "Run failures (an actor died or a step failed).", registry=self.registry)
-        self._restarts = Counter(RESTARTS, "Restarts from a checkpoint after a failure.", registry=self.registry)
+        self._restarts = Counter(
+            RESTARTS, "Recoveries after a failure, live or from a checkpoint.", registry=self.registry
+        )
+        self._live = Counter(
+            LIVE_RECOVERIES,
+            "Of the recoveries, lost workers replaced from the state servers' live state (no checkpoint read).",
+            registry=self.registry,
+        )
         self._recovery = Histogram(
             RECOVERY_SECONDS,
             "Seconds from a failure to training again.",
@@ -102,6 +110,8 @@ class LauncherMetrics(MetricsEndpoint):
     def record_failure(self) -> None:
         self._failures.inc()
 
-    def observe_recovery(self, seconds: float) -> None:
+    def observe_recovery(self, seconds: float, *, live: bool = False) -> None:
         self._restarts.inc()
+        if live:
+            self._live.inc()
         self._recovery.observe(seconds)

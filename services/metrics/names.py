@@ -37,6 +37,7 @@ CHECKPOINT_LINKED_BYTES = "cargohold_checkpoint_linked_bytes_total"
 CHECKPOINTS = "cargohold_checkpoints_total"
 FAILURES = "cargohold_failures_total"
 RESTARTS = "cargohold_restarts_total"
+LIVE_RECOVERIES = "cargohold_live_recoveries_total"
 RECOVERY_SECONDS = "cargohold_recovery_seconds"
 EVAL_LOSS = "cargohold_eval_loss"
 DATA_DOCUMENTS = "cargohold_data_documents"
@@ -76,6 +77,7 @@ METRIC_NAMES: tuple[str, ...] = (
     CHECKPOINTS,
     FAILURES,
     RESTARTS,
+    LIVE_RECOVERIES,
     RECOVERY_SECONDS,
     EVAL_LOSS,
     EVAL_PERPLEXITY,

@@ -11,6 +11,8 @@ from cargohold.services.checkpoint import MANIFEST_NAME, FileRecord, Manifest, S
 from cargohold.services.checkpoint.reshard import Run
 from cargohold.services.checkpoint.writer import SegmentCheckpointer
 from cargohold.services.core.segment_spec import SegmentSpec
+from cargohold.services.core.settlement import HolderStanding
+from cargohold.services.core.update_call import CommitTerms
 from cargohold.services.segments.segment_registry import SegmentRegistry
 
 
@@ -32,6 +34,26 @@ class SegmentHolder:
         """fp32 master weights of every segment of a run, by segment id (export): read a
         partition at a time from the tiers, without the moments."""
         return {s.spec.segment_id: s.master_weights() for s in self.registry.segments(run_id)}
+
+    def standing(self, run_id: str) -> HolderStanding:
+        """Where the segments of ``run_id`` stand, for settling a step a lost worker left
+        part-way (:func:`~cargohold.services.core.settlement.settle`)."""
+        segments, newest = [], None
+        for state in self.registry.segments(run_id):
+            segment, terms = state.standing()
+            segments.append(segment)
+            if terms is not None and (newest is None or segment.updates > newest[0]):
+                newest = (segment.updates, terms)
+        return HolderStanding(tuple(segments), newest)
+
+    def finish_update(self, run_id: str, update: int, terms: CommitTerms) -> int:
+        """Commit the gradient staged for ``update`` on each segment of ``run_id`` still
+        one update behind, with ``terms`` (those the other segments applied it with);
+        returns how many it committed."""
+        behind = [s for s in self.registry.segments(run_id) if s.updates == update - 1]
+        for state in behind:
+            state.commit(update, global_norm=terms.global_norm, lr=terms.lr, loss_scale=terms.loss_scale)
+        return len(behind)
 
     def checkpoint_begin(self, run_id: str, directory: str, step: int) -> int:
         """Start writing the segments of ``run_id`` into ``directory``; returns their update count."""

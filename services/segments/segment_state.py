@@ -29,6 +29,7 @@ from cargohold.services.core.optim import (
     unscale_coefficient,
 )
 from cargohold.services.core.segment_spec import SegmentSpec, UpdateOutcome
+from cargohold.services.core.settlement import SegmentStanding
 from cargohold.services.core.state_precision import apply_update_stored
 from cargohold.services.core.update_call import IN_CALL, STAGED, CommitTerms, GradientIn, UpdateCall
 from cargohold.services.core.wire import WIRE_DTYPES
@@ -102,6 +103,9 @@ class SegmentState:
         self._updates = updates
         self._staged = 0
         """The update whose gradient :meth:`stage_gradient` kept (0: none)."""
+        self._last_terms: CommitTerms | None = None
+        """The terms the last update was applied with (None: none since registration or
+        restore), which settle a step a lost worker left part-committed."""
         self._groups = spec.fragment_groups()
         self._prepared: tuple[int, str, torch.Tensor] | None = None
         """(update, dtype, weights) that the latest update prepared, until fetched once;
@@ -111,6 +115,12 @@ class SegmentState:
     def updates(self) -> int:
         """The number of updates applied; weights read now are those after the last one."""
         return self._updates
+
+    def standing(self) -> tuple[SegmentStanding, CommitTerms | None]:
+        """Its update number, the update whose gradient is staged, and the terms of its
+        last update (:mod:`~cargohold.services.core.settlement`)."""
+        with self.lock:
+            return SegmentStanding(self.spec.segment_id, self._updates, self._staged), self._last_terms
 
     @property
     def resident_bytes(self) -> int:
@@ -278,6 +288,7 @@ class SegmentState:
                 self._buffers.give(out)
             raise
         self._updates = call.update
+        self._last_terms = call.terms
         if weights_out is not None:
             if report.resumed:  # the partitions updated before the failure were not written
                 self._storage.read_weights(

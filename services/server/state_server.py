@@ -9,6 +9,7 @@ cannot be created, written or read fails the constructor, naming it.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -24,6 +25,10 @@ from cargohold.services.transport.auth import TlsFiles
 from cargohold.services.transport.limits import CallLimits
 
 logger = logging.getLogger(__name__)
+
+QUIET_S = 0.2
+"""How long a state server must see no call in flight before a live recovery reads its
+segments' standing: a killed worker's last calls have ended, and it starts none."""
 
 
 class StateServer(SegmentHolder):
@@ -85,6 +90,24 @@ class StateServer(SegmentHolder):
         import ray
 
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+    def quiet(self, timeout_s: float, for_s: float = QUIET_S) -> bool:
+        """Wait, up to ``timeout_s``, until no call has been in flight for ``for_s`` (health
+        checks aside): after a worker is lost, the calls it had begun end before its
+        segments' standing is read
+        (:meth:`~cargohold.services.segments.segment_holder.SegmentHolder.standing`).
+        True when quiet."""
+        deadline = time.monotonic() + timeout_s
+        quiet_since = None
+        while time.monotonic() < deadline:
+            if self._grpc.calls_in_flight:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= for_s:
+                return True
+            time.sleep(0.01)
+        return False
 
     def metrics_address(self) -> str:
         return self.metrics.address if self.metrics.serving else ""

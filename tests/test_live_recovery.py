@@ -1,0 +1,121 @@
+"""Live recovery with real actors (cluster/live_recovery.py): a worker SIGKILLed before or
+during a step is replaced from the state servers' live state. The run ends bitwise where
+the uninterrupted run ends, every loss it reports is the uninterrupted run's, and no
+checkpoint is read (the run has none to read)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from actor_faults import kill_a_worker_in_step
+from reference import tiny_config
+
+from cargohold.cluster.launcher import TrainingSession
+from cargohold.cluster.live_recovery import live_refusal
+from cargohold.cluster.supervise import train
+from cargohold.services.checkpoint import CheckpointDir, read_flat_range
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+STEPS = 8
+
+
+def _config(root: Path, **overrides):
+    """Two workers, two servers; a checkpoint only after the last step (to compare the
+    final state), never one a recovery could read."""
+    return tiny_config(
+        steps=STEPS,
+        state_server__num_servers=2,
+        checkpoint__dir=str(root),
+        checkpoint__every_steps=STEPS,
+        **overrides,
+    )
+
+
+def _final(root: Path) -> dict[str, torch.Tensor]:
+    store = CheckpointDir(root)
+    (step,) = store.complete_steps()
+    assert step == STEPS
+    path = store.final_dir(step)
+    return read_flat_range(path, store.load(path), 0, store.load(path).total)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_local, tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[float]]:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    result = train(_config(root))
+    return _final(root), result.losses
+
+
+def _assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(got[key], expected[key]), f"{key} differs"
+
+
+def test_a_worker_killed_before_a_step_is_replaced_live_and_the_run_ends_bitwise(
+    uninterrupted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    starts = []
+    original_start = TrainingSession._start
+    monkeypatch.setattr(TrainingSession, "_start", lambda session: (starts.append(1), original_start(session)))
+    killed = kill_a_worker_in_step(monkeypatch, 5)
+    result = train(_config(tmp_path, checkpoint__max_failures=1))
+    state, losses = uninterrupted
+    assert len(killed) == 1 and result.restarts == 1 and result.live_recoveries == 1
+    assert len(starts) == 1, "the placement group and the state servers were kept"
+    assert result.losses == losses, "no step computed again, every loss the uninterrupted run's"
+    _assert_same(_final(tmp_path), state)
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.7])
+def test_a_worker_killed_during_a_step_is_replaced_live_and_the_run_ends_bitwise(
+    uninterrupted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fraction: float
+) -> None:
+    """Killed ``fraction`` of step 4's time into step 5 (early: forward and backward; late:
+    the pushes and the commit): the step in flight is settled on the servers (finished
+    where some segments committed it) and the run goes on from there."""
+    original_step = TrainingSession.step
+    timers: list[threading.Timer] = []
+    began: list[float] = []
+
+    def step_with_fault(session: TrainingSession):
+        began.append(time.monotonic())
+        if not timers and session.step_count == 4:  # the pid now: an actor in a step answers no call
+            pid = ray.get(session.workers[1].__ray_call__.remote(lambda actor: os.getpid()))
+            delay = fraction * (began[-1] - began[-2])
+            timers.append(threading.Timer(delay, os.kill, [pid, signal.SIGKILL]))
+            timers[0].start()
+        return original_step(session)
+
+    monkeypatch.setattr(TrainingSession, "step", step_with_fault)
+    started = time.monotonic()
+    result = train(_config(tmp_path, checkpoint__max_failures=1))
+    timers[0].join()
+    state, losses = uninterrupted
+    assert result.restarts == 1 and result.live_recoveries == 1, f"{time.monotonic() - started:.1f}s"
+    assert len(result.losses) == STEPS
+    # A step the kill did not stop before its update landed everywhere has no report (nan).
+    assert all(got == want or math.isnan(got) for got, want in zip(result.losses, losses, strict=True))
+    _assert_same(_final(tmp_path), state)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"worker__compute_dtype": "float16"}, "fp16"),
+        ({"worker__delayed_update": True}, "delayed_update"),
+        ({"worker__optimizer_on_device_fraction": 0.5}, "optimizer_on_device_fraction"),
+    ],
+)
+def test_what_the_live_state_cannot_carry_is_named(overrides: dict, named: str) -> None:
+    assert live_refusal(tiny_config()) is None
+    reason = live_refusal(tiny_config(**overrides))
+    assert reason is not None and named in reason
