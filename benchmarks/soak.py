@@ -277,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
             "reference_minutes": round(reference_seconds / 60, 1),
             "kills": faults.kills,
             "restarts": soaked.restarts,
+            "live_recoveries": soaked.live_recoveries,
             "recovery_seconds": {
                 "count": len(soaked.recovery_seconds),
                 "mean": round(sum(soaked.recovery_seconds) / max(1, len(soaked.recovery_seconds)), 2),

@@ -11,7 +11,8 @@ import ray
 from actor_faults import kill_actor
 from reference import tiny_config
 
-from cargohold.cluster.launcher import TrainingSession, _get
+from cargohold.cluster.actor_calls import get_all
+from cargohold.cluster.launcher import TrainingSession
 from cargohold.services.core.errors import ConfigError, TrainingError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -78,7 +79,7 @@ def test_a_config_refused_inside_an_actor_stays_a_config_error(ray_local) -> Non
     config status and names the key; other failures of a call are training errors."""
     actor = _NodeCheck.remote()
     with pytest.raises(ConfigError, match="worker.offload_params") as error:
-        _get(actor.refuse.remote(), 60, "forming the worker process group")
+        get_all(actor.refuse.remote(), 60, "forming the worker process group")
     assert str(error.value).startswith("forming the worker process group: ")
     with pytest.raises(TrainingError, match="boom"):
-        _get(actor.fail.remote(), 60, "forming the worker process group")
+        get_all(actor.fail.remote(), 60, "forming the worker process group")
