@@ -70,6 +70,13 @@ class TrainResult:
     padding tokens, and the over-long ones truncated, dropped, split, or dropped for having
     no counted target left (``data.overlong``)."""
 
+    def rewind(self, step: int) -> None:
+        """Forget what came after ``step``: a recovery goes on from there."""
+        done = step - (self.first_step or 0)
+        del self.losses[done:], self.step_seconds[done:]
+        self.skipped_steps = [s for s in self.skipped_steps if s <= step]
+        self.evals = [e for e in self.evals if e.step <= step]
+
 
 def train(
     config: TrainConfig,
@@ -200,10 +207,7 @@ def _train_session(
         metrics.observe_documents(session.data_documents)
         if result.first_step is None:
             result.first_step = session.step_count
-        done = session.step_count - result.first_step  # a recovery repeats what came after
-        del result.losses[done:], result.step_seconds[done:]
-        result.skipped_steps = [step for step in result.skipped_steps if step <= session.step_count]
-        result.evals = [e for e in result.evals if e.step <= session.step_count]
+        result.rewind(session.step_count)  # a recovery from a checkpoint repeats what came after
         saves = _Saves(session, store, config, result, metrics, callbacks.on_checkpoint)
         try:
             while session.step_count < config.steps:
@@ -263,13 +267,10 @@ def _recovered_live(
     result.live_recoveries += 1
     result.recovery_seconds.append(time.perf_counter() - started)
     metrics.observe_recovery(result.recovery_seconds[-1], live=True)
-    done = step - (result.first_step or 0)
-    if done > len(result.losses):  # the lost step's update was applied everywhere; its report was lost
+    if step - (result.first_step or 0) > len(result.losses):  # the lost step's update landed; its report did not
         result.losses.append(float("nan"))
         result.step_seconds.append(float("nan"))
-    del result.losses[done:], result.step_seconds[done:]
-    result.skipped_steps = [s for s in result.skipped_steps if s <= step]
-    result.evals = [e for e in result.evals if e.step <= step]
+    result.rewind(step)
     logger.warning(
         "step %d failed (%s); workers replaced from the state servers' live state (recovery %d of %d), "
         "going on after step %d",
