@@ -102,8 +102,9 @@ class TrainingSession:
         self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.step_count = 0
         self.updates_after: dict[int, int] = {}
-        """The servers' update number after each step (a skipped step applies none): where a
-        live recovery's settled update puts the run (:mod:`.live_recovery`)."""
+        """The servers' update number after each recent step (a skipped step applies none;
+        steps two updates back are dropped): where a live recovery's settled update puts the
+        run (:mod:`.live_recovery`)."""
         self.servers: list = []
         self.workers: list = []
         self.server_addresses: list[str] = []
@@ -368,7 +369,9 @@ class TrainingSession:
         step = self.step_count + 1
         reports: list[StepReport] = self._on_workers(lambda w: w.train_step.remote(step), f"step {step}")
         self.step_count = step
-        self.updates_after[step] = self.updates_after[step - 1] + (not reports[0].skipped)
+        updates = self.updates_after[step] = self.updates_after[step - 1] + (not reports[0].skipped)
+        while (oldest := next(iter(self.updates_after))) < step and self.updates_after[oldest] < updates - 1:
+            del self.updates_after[oldest]  # at most one update is in flight: older ones are never settled to
         return reports[0]
 
     def evaluate(self) -> EvalReport:

@@ -65,7 +65,10 @@ def replace_workers(session: TrainingSession) -> int:
             f"finishing update {settlement.update}",
         )
         logger.info("run %s: update %d finished on %d segments", run_id, settlement.update, sum(finished))
-    step = max(s for s, updates in session.updates_after.items() if updates <= settlement.update)
+    reached = [s for s, updates in session.updates_after.items() if updates <= settlement.update]
+    if not reached:
+        raise UnsettledError(f"the servers stand at update {settlement.update}, behind every step the run recalls")
+    step = max(reached)
     if session.updates_after[step] < settlement.update:  # the lost step's update was applied everywhere
         step += 1
         session.updates_after[step] = settlement.update
