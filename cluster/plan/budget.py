@@ -76,26 +76,33 @@ def split_host_budget(config: TrainConfig, plan_parts: PlanParts) -> tuple[HostB
     if budget is None:
         raise ConfigError("cluster.host_memory_bytes is not set")
     tier = config.state_server.tier
-    split = least = None
     # A server's share of the budget bounds its RAM tier, and so its partitions; the split
     # is taken again with smaller ones where the tier it leaves is smaller.
     share = budget // config.state_server.num_servers
     largest = tier.partition_bytes or derived_partition_bytes(share, tier.buffer_count)
-    for settings in _settings(config):
+
+    def trial(settings: tuple[int, int, int]) -> tuple[HostBudget, TrainConfig]:
         split, least = _split(config, plan_parts, settings, largest)
         if tier.nvme_paths and tier.partition_bytes is None:
             smaller = derived_partition_bytes(split.tier_bytes, tier.buffer_count)
             if smaller < largest:
                 split, least = _split(config, plan_parts, settings, smaller)
+        return split, least
+
+    ordered = list(_settings(config))
+    split, least = trial(ordered[0])
+    if not split.fits and len(ordered) > 1:
+        split, least = trial(ordered[-1])  # where the least settings do not fit, none do
         if split.fits:
-            derived = split.tier_bytes if tier.nvme_paths else None
-            if tier.ram_budget_bytes is not None and tier.ram_budget_bytes != derived:
-                raise ConfigError(
-                    f"state_server.tier.ram_budget_bytes is derived from cluster.host_memory_bytes "
-                    f"({derived} here), but the config sets it to {tier.ram_budget_bytes}; unset one of them"
-                )
-            return split, _with(least, ram_budget=derived)
-    assert split is not None and least is not None  # _settings yields at least the configured values
+            split, least = next((t for t in map(trial, ordered[1:-1]) if t[0].fits), (split, least))
+    if split.fits:
+        derived = split.tier_bytes if tier.nvme_paths else None
+        if tier.ram_budget_bytes is not None and tier.ram_budget_bytes != derived:
+            raise ConfigError(
+                f"state_server.tier.ram_budget_bytes is derived from cluster.host_memory_bytes "
+                f"({derived} here), but the config sets it to {tier.ram_budget_bytes}; unset one of them"
+            )
+        return split, _with(least, ram_budget=derived)
     return split, least
 
 

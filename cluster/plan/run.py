@@ -166,9 +166,16 @@ def plan_parts(
     transport = _transport(config, cluster.groups(config))
     activations = activation_bytes_estimate(config, model)
 
+    # The servers' plans depend on the variant's server section only (the worker settings
+    # a variant changes are the window, the slots and the gathered units): planned once each.
+    servers_of: dict[str, tuple[ServerPlan, ...]] = {}
+
     def parts(variant: TrainConfig) -> tuple[WorkerPlan, tuple[ServerPlan, ...]]:
         worker = plan_worker(variant, layout, model, device, transport, activations)
-        return worker, tuple(plan_server(variant, layout, s, transport) for s in range(layout.num_servers))
+        key = repr(variant.state_server)
+        if key not in servers_of:
+            servers_of[key] = tuple(plan_server(variant, layout, s, transport) for s in range(layout.num_servers))
+        return worker, servers_of[key]
 
     return layout, parts
 
