@@ -43,6 +43,7 @@ from transport_server import (
     serving,
     status,
     total,
+    wait_until,
 )
 
 from cargohold.services.core.errors import TransportError
@@ -287,6 +288,23 @@ def test_an_expired_ticket_is_refused() -> None:
         with dialled(s.server.address, grant) as sock:
             sock.sendall(hello(grant, Direction.PUSH, 1))
             assert status_of(sock) == (Code.UNAUTHENTICATED, "expired ticket")
+
+
+def test_a_transfer_under_way_counts_as_a_call_in_flight_until_its_peer_is_gone(bulk_served: Served) -> None:
+    """A live recovery waits for the lost worker's calls to end before it reads where the
+    segments stand (``StateServer.quiet``); a push over the bulk socket runs outside any
+    gRPC call once its ticket is granted, so it is counted too."""
+    s = bulk_served
+    before = observe(s)
+    grant = grant_for(s.client, push_request(2))
+    wait_until(lambda: s.server.calls_in_flight == 0, "OpenBulk ended: a granted ticket alone moves nothing")
+    with dialled(s.server.address, grant) as sock:
+        sock.sendall(hello(grant, Direction.PUSH, 2))
+        assert status_of(sock)[0] == Code.OK
+        sock.sendall(body(G2)[: NBYTES // 2])  # the sender dies half-way
+        wait_until(lambda: s.server.calls_in_flight == 1, "the half-sent push counted")
+    wait_until(lambda: s.server.calls_in_flight == 0, "the push ended with its peer")
+    assert_unchanged(s, before)
 
 
 # --- integrity ---------------------------------------------------------------------------

@@ -180,6 +180,8 @@ class BulkServer:
         self._waiting: dict[_Connection, None] = {}
         """The connections whose hello has not checked out, oldest first."""
         self._authenticated = 0
+        self._moving = 0
+        """Transfers moving bytes or applying them now."""
         self._acceptor = threading.Thread(target=self._accept, name="state-server-bulk-accept", daemon=True)
         self._watch = threading.Thread(target=self._watch_hellos, name="state-server-bulk-hello", daemon=True)
 
@@ -188,6 +190,13 @@ class BulkServer:
         """Connections open now."""
         with self._lock:
             return len(self._connections)
+
+    @property
+    def transfers_in_flight(self) -> int:
+        """Transfers moving bytes or applying them now (a lost worker's push may still be
+        applied after its process died)."""
+        with self._lock:
+            return self._moving
 
     def grant(
         self,
@@ -291,7 +300,13 @@ class BulkServer:
             grant = self._redeem(connection, peer)
             if grant is not None:
                 with self._transfers:
-                    self._transfer(connection.sock, grant, peer)
+                    with self._lock:
+                        self._moving += 1
+                    try:
+                        self._transfer(connection.sock, grant, peer)
+                    finally:
+                        with self._lock:
+                            self._moving -= 1
         except (PeerGoneError, OSError) as error:  # before the hello checked out (or a status to a peer gone)
             self._count_failure(connection, peer, error)
         except Exception:  # a bug: report it, keep serving

@@ -102,8 +102,10 @@ class GrpcStateServer:
 
     @property
     def calls_in_flight(self) -> int:
-        """State-server calls admitted and not yet finished (health checks aside)."""
-        return self._limiter.in_flight
+        """State-server calls admitted and not yet finished (health checks aside), bulk
+        socket transfers included."""
+        bulk = self.servicer.bulk
+        return self._limiter.in_flight + (bulk.transfers_in_flight if bulk is not None else 0)
 
     def start(self) -> None:
         self._limiter.start()
