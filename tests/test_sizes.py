@@ -20,7 +20,6 @@ OVER: dict[str, int] = {
     "services/tiers/storage.py": 548,
     "services/core/layout.py:build_layout": 116,
     "services/tiers/storage.py:add_segment": 82,
-    "cluster/plan/render.py:render": 149,
     "cluster/plan/worker.py:plan_worker": 114,
 }
 """What is still over the limits, at its size today: may shrink, never grow."""
