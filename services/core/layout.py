@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -249,6 +249,32 @@ def build_layout(
     parameters (None: one group of all) and split the space over workers and servers,
     ``device_fraction`` of each group's range of each worker (rounded to ``align``) to
     the worker itself."""
+    _check_counts(num_workers, num_servers, align, device_fraction)
+    shapes = _shapes(named_shapes)
+    sizes = list(group_sizes) if group_sizes is not None else [len(shapes)]
+    if any(size < 0 for size in sizes) or sum(sizes) != len(shapes):
+        raise LayoutError(f"group sizes {sizes} do not add up to the {len(shapes)} parameters")
+    names = list(group_names) if group_names is not None else [f"group{i}" for i in range(len(sizes))]
+    if len(names) != len(sizes):
+        raise LayoutError(f"{len(names)} group names for {len(sizes)} groups")
+    params, groups, worker_size = _place(shapes, sizes, names, num_workers, align)
+    server_bounds = _server_bounds(worker_size * num_workers, num_servers, align)
+    return Layout(
+        params=params,
+        groups=groups,
+        total=worker_size * num_workers,
+        worker_size=worker_size,
+        num_workers=num_workers,
+        num_servers=num_servers,
+        align=align,
+        server_bounds=server_bounds,
+        segments=_cut_segments(params, groups, num_workers, worker_size, server_bounds, align, device_fraction),
+        device_fraction=device_fraction,
+    )
+
+
+def _check_counts(num_workers: int, num_servers: int, align: int, device_fraction: float) -> None:
+    """Refuse counts that place nothing, and a device fraction outside [0, 1]."""
     if num_workers < 1:
         raise LayoutError(f"num_workers must be >= 1, got {num_workers}")
     if num_servers < 1:
@@ -257,17 +283,26 @@ def build_layout(
         raise LayoutError(f"align must be >= 1, got {align}")
     if not 0.0 <= device_fraction <= 1.0:
         raise LayoutError(f"the device fraction must be in [0, 1], got {device_fraction}")
+
+
+def _shapes(named_shapes: Iterable[NamedShape]) -> list[tuple[str, tuple[int, ...]]]:
+    """The shapes as tuples of ints, none with a negative dimension."""
     shapes = [(name, tuple(int(d) for d in shape)) for name, shape in named_shapes]
     for name, shape in shapes:
         if any(d < 0 for d in shape):
             raise LayoutError(f"parameter {name!r} has a negative dimension: {shape}")
-    sizes = list(group_sizes) if group_sizes is not None else [len(shapes)]
-    if any(size < 0 for size in sizes) or sum(sizes) != len(shapes):
-        raise LayoutError(f"group sizes {sizes} do not add up to the {len(shapes)} parameters")
-    names = list(group_names) if group_names is not None else [f"group{i}" for i in range(len(sizes))]
-    if len(names) != len(sizes):
-        raise LayoutError(f"{len(names)} group names for {len(sizes)} groups")
+    return shapes
 
+
+def _place(
+    shapes: Sequence[tuple[str, tuple[int, ...]]],
+    sizes: Sequence[int],
+    names: Sequence[str],
+    num_workers: int,
+    align: int,
+) -> tuple[tuple[ParamSlot, ...], tuple[Group, ...], int]:
+    """Each parameter's slot and each group's range inside a worker's range, and that
+    range's size: slots one after another, each at a multiple of ``align``."""
     params: list[ParamSlot] = []
     groups: list[Group] = []
     offset = 0
@@ -292,65 +327,72 @@ def build_layout(
         )
     if not params or sum(p.numel for p in params) == 0:
         raise LayoutError("the model has no parameter elements to place")
+    return tuple(params), tuple(groups), offset
 
-    worker_size = offset
-    total = worker_size * num_workers
+
+def _server_bounds(total: int, num_servers: int, align: int) -> tuple[int, ...]:
+    """``num_servers + 1`` cut points of a flat space of ``total`` elements, at multiples
+    of ``align``, the servers' ranges as even as that allows."""
     units = total // align
     if units < num_servers:
         raise LayoutError(
             f"{num_servers} servers cannot each own at least {align} of {total} elements; use fewer state servers"
         )
-    server_bounds = tuple(align * ((units * s) // num_servers) for s in range(num_servers + 1))
+    return tuple(align * ((units * s) // num_servers) for s in range(num_servers + 1))
 
-    segments: list[Segment] = []
+
+def _cut_segments(
+    params: Sequence[ParamSlot],
+    groups: Sequence[Group],
+    num_workers: int,
+    worker_size: int,
+    server_bounds: Sequence[int],
+    align: int,
+    device_fraction: float,
+) -> tuple[Segment, ...]:
+    """Every segment, numbered worker by worker and group by group."""
     placed = [group for group in groups if group.start < group.stop]  # an empty group has no segment
-
-    def add(group: Group, worker: int, server: int, start: int, stop: int) -> None:
-        base = worker * worker_size
-        fragments = _fragments(
-            params[group.first_param : group.stop_param], group.first_param, worker, start - base, stop - base
-        )
-        segments.append(
-            Segment(
-                segment_id=len(segments),
-                group=group.index,
-                worker=worker,
-                server=server,
-                start=start,
-                stop=stop,
-                local_offset=start - base,
-                fragments=tuple(fragments),
-            )
-        )
-
+    segments: list[Segment] = []
     for worker in range(num_workers):
         base = worker * worker_size
         for group in placed:
-            on_device = align * round(device_fraction * (group.stop - group.start) / align)
-            if on_device:
-                add(group, worker, DEVICE, base + group.start, base + group.start + on_device)
-            lo, hi = base + group.start + on_device, base + group.stop
-            # only the servers whose ranges meet the rest: the loop is as long as its
-            # output, whatever the counts of workers and servers
-            first_server = max(0, bisect.bisect_right(server_bounds, lo) - 1)
-            for server in range(first_server, num_servers):
-                if server_bounds[server] >= hi:
-                    break
-                start, stop = max(lo, server_bounds[server]), min(hi, server_bounds[server + 1])
-                if start < stop:
-                    add(group, worker, server, start, stop)
-    return Layout(
-        params=tuple(params),
-        groups=tuple(groups),
-        total=total,
-        worker_size=worker_size,
-        num_workers=num_workers,
-        num_servers=num_servers,
-        align=align,
-        server_bounds=server_bounds,
-        segments=tuple(segments),
-        device_fraction=device_fraction,
-    )
+            slots = params[group.first_param : group.stop_param]
+            cuts = _cuts(base + group.start, base + group.stop, server_bounds, align, device_fraction)
+            for server, start, stop in cuts:
+                segments.append(
+                    Segment(
+                        segment_id=len(segments),
+                        group=group.index,
+                        worker=worker,
+                        server=server,
+                        start=start,
+                        stop=stop,
+                        local_offset=start - base,
+                        fragments=tuple(_fragments(slots, group.first_param, worker, start - base, stop - base)),
+                    )
+                )
+    return tuple(segments)
+
+
+def _cuts(
+    lo: int, hi: int, server_bounds: Sequence[int], align: int, device_fraction: float
+) -> Iterator[tuple[int, int, int]]:
+    """``(server, start, stop)`` of the segments of one group's flat range ``[lo, hi)`` of
+    one worker: its device segment first (``device_fraction`` of it, rounded to ``align``),
+    then the rest cut by the server ranges it meets."""
+    on_device = align * round(device_fraction * (hi - lo) / align)
+    if on_device:
+        yield DEVICE, lo, lo + on_device
+    lo += on_device
+    # only the servers whose ranges meet the rest: the loop is as long as its output,
+    # whatever the counts of workers and servers
+    first_server = max(0, bisect.bisect_right(server_bounds, lo) - 1)
+    for server in range(first_server, len(server_bounds) - 1):
+        if server_bounds[server] >= hi:
+            break
+        start, stop = max(lo, server_bounds[server]), min(hi, server_bounds[server + 1])
+        if start < stop:
+            yield server, start, stop
 
 
 def scatter_params(
