@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.sections import config_task
 from cargohold.cluster.supervise import TrainResult, train
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.worker.step_report import EvalReport, StepReport
-from cargohold.services.worker.task import ConfigTask, TrainingTask
+from cargohold.services.worker.task import TrainingTask
 from cargohold.user_data import Collate
 from cargohold.user_task import LossFunction, ModelFactory, UserTask
 
@@ -105,7 +106,7 @@ def _task(
         for name, value in {"eval_data": eval_data, "blocks": blocks, "collate": collate}.items():
             if value is not None:
                 raise ConfigError(f"{name} is for a model of your own: give model_fn, loss_fn and data too")
-        return ConfigTask(config)
+        return config_task(config)
     missing = [name for name, value in own.items() if value is None]
     if missing:
         raise ConfigError(f"model_fn, loss_fn and data go together; {', '.join(missing)} missing")

@@ -50,11 +50,10 @@ from process_memory import RayProcessWatch
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.cluster.schema.io import load_config
 from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.sections import config_task, model_spec
 from cargohold.services.core.wire import WIRE_DTYPES
-from cargohold.services.data.sources import open_source
 from cargohold.services.models.blocks import apply_activation_checkpointing
 from cargohold.services.models.build import build_model
-from cargohold.services.worker.task import ConfigTask
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 PHASES = ("compute", "reduce", "update")
@@ -95,9 +94,9 @@ def baseline_model(config: TrainConfig, device: torch.device) -> torch.nn.Module
     """The config's model on ``device`` in fp32, for training in memory, with the workers'
     activation checkpointing (each block's forward run again in backward) where the config
     asks for it: like is compared with like."""
-    model = build_model(config).to(device).train()
+    model = build_model(model_spec(config), config.data).to(device).train()
     if config.worker.activation_checkpointing == "blocks":
-        apply_activation_checkpointing([block for _, block in ConfigTask(config).blocks(model)])
+        apply_activation_checkpointing([block for _, block in config_task(config).blocks(model)])
     return model
 
 
@@ -113,7 +112,7 @@ def run_in_memory(config: TrainConfig, warmup: int, threads: int, device: torch.
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
         )
-        data = open_source(config)
+        data = config_task(config).open_data()
         world = config.worker.num_workers
         times = []
         for step in range(1, config.steps + 1):

@@ -52,9 +52,9 @@ def main() -> None:
 
     from cargohold.cluster.schema.io import from_dict
     from cargohold.cluster.schema.train import TrainConfig
+    from cargohold.cluster.sections import config_task
     from cargohold.services.data.blocks import TokenBlocks
     from cargohold.services.data.rows import DocumentRows
-    from cargohold.services.data.sources import open_source
     from cargohold.services.models.hf import HFCausalLM
 
     torch.set_num_threads(1)
@@ -89,7 +89,7 @@ def main() -> None:
                     "worker": {"num_workers": 1},
                 },
             )
-            source = open_source(config)
+            source = config_task(config).open_data()
             torch.manual_seed(0)
             model = HFCausalLM(
                 transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir))

@@ -100,10 +100,10 @@ def run_child(*args: str, env: dict[str, str] | None = None) -> dict | None:
 def sizes(folder: str, workers: int, dtype: str, wire: str) -> dict:
     """Parameters, the largest unit (fp32 bytes) and each server's state bytes, from the layout."""
     from cargohold.cluster.schema.io import load_config
-    from cargohold.services.worker.model_setup import model_layout
+    from cargohold.cluster.sections import config_layout
 
     config = load_config(None, overrides(folder, workers, dtype, wire))
-    _, _, layout = model_layout(config)
+    _, _, layout = config_layout(config)
     units = [sum(slot.numel for slot in layout.group_params(g.index)) for g in layout.groups]
     largest = max(range(len(units)), key=units.__getitem__)
     servers = [12 * (stop - start) for start, stop in (layout.server_range(s) for s in range(layout.num_servers))]

@@ -42,6 +42,7 @@ def trace_rank(rank: int, world: int, port: int, n_layer: int, width: int, wire:
     import torch.distributed as dist
 
     from cargohold.cluster.schema.io import load_config
+    from cargohold.cluster.sections import config_task, model_spec
     from cargohold.services.data import batch_for_step, load_tokens
     from cargohold.services.data.batches import Batch
     from cargohold.services.models.build import build_model, parameter_values
@@ -62,14 +63,16 @@ def trace_rank(rank: int, world: int, port: int, n_layer: int, width: int, wire:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     config = load_config(None, cargohold_overrides(n_layer, width, world, "bfloat16", wire))
     cpu = torch.device("cpu")
-    model, units, layout = sharded_model(config, cpu)
+    model, units, layout = sharded_model(config_task(config), config.worker, config.state_server.num_servers, cpu)
     mark("sharded_model")
-    buffers = exchange_buffers(config, layout)
-    step = ShardedStep(model, units, layout, rank, NullPort(), buffers, step_policy(config), device=cpu)
+    buffers = exchange_buffers(config.worker, config.push_dtype, layout)
+    step = ShardedStep(
+        model, units, layout, rank, NullPort(), buffers, step_policy(config.optim, config.worker), device=cpu
+    )
     mark("exchange buffers, ShardedStep")
     with torch.device("meta"):
-        shapes = build_model(config)
-    step.register(lambda names: parameter_values(config, shapes, names))
+        shapes = build_model(model_spec(config), config.data)
+    step.register(lambda names: parameter_values(model_spec(config), shapes, names))
     mark("register")
     tokens = load_tokens(None, config.data.corpus_bytes, 0, seq_len=BLOCK)
     for number in range(1, steps + 1):

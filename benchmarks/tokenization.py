@@ -114,7 +114,8 @@ def warm_seconds(root: Path, fmt: str, vocab_size: int) -> tuple[float, float, i
     import transformers  # noqa: F401  (once per process, whatever the cache holds)
 
     imported = time.perf_counter()
-    stream = tokenized_stream(run_config(root, fmt, vocab_size), vocab_size)
+    config = run_config(root, fmt, vocab_size)
+    stream = tokenized_stream(config.data, config.hf, vocab_size)
     return time.perf_counter() - imported, imported - start, len(stream.tokens)
 
 
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
         base = baseline_seconds(root / "tokenizer", docs)  # first: the page cache then holds the data for both
         start = time.perf_counter()
-        stream = tokenized_stream(config, args.vocab_size)
+        stream = tokenized_stream(config.data, config.hf, args.vocab_size)
         cold = time.perf_counter() - start
         tokens = len(stream.tokens)
         with multiprocessing.get_context("spawn").Pool(1) as child:  # a new run: nothing memoised

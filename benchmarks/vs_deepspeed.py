@@ -18,8 +18,8 @@ Variants, cargohold / DeepSpeed:
   (ZeRO-Infinity) with ``offload_optimizer: nvme`` (libaio, ``aio`` settings below) and
   ``offload_param: cpu``; both write under ``--root``.
 
-Both sides build the model with ``build_model(config)`` (cargohold's GPT or the config's
-Hugging Face model, the same initial values), train on ``open_source(config)``'s batches
+Both sides build the model with ``build_model`` (cargohold's GPT or the config's
+Hugging Face model, the same initial values), train on ``open_source``'s batches
 (rank r's rows of each step on both: what cargohold's workers read), with AdamW (betas, eps, weight decay, the
 scheduled lr of each step), clipping at ``optim.max_grad_norm``, fp32 or the config's compute
 dtype (DeepSpeed's bf16 mode), ``worker.num_workers`` ranks over gloo with
@@ -197,10 +197,11 @@ def nvme_tier_settings(config, root: Path, partition_mib: float) -> list[str]:
     import torch
 
     from cargohold.cluster.schema.server import TierConfig
+    from cargohold.cluster.sections import model_spec
     from cargohold.services.models.build import build_model
 
     with torch.device("meta"):
-        parameters = sum(p.numel() for p in build_model(config).parameters())
+        parameters = sum(p.numel() for p in build_model(model_spec(config), config.data).parameters())
     partition = int(partition_mib * (1 << 20)) // 4096 * 4096
     staging = TierConfig(partition_bytes=partition, buffer_count=3).staging_bytes()
     per_server = 12 * parameters // config.state_server.num_servers
@@ -367,7 +368,7 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
     import torch
     import torch.distributed as dist
 
-    from cargohold.services.data.sources import open_source
+    from cargohold.cluster.sections import config_task, model_spec
     from cargohold.services.models.build import build_model
     from cargohold.services.worker.host_allocator import loaded_allocator
 
@@ -377,13 +378,13 @@ def deepspeed_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> 
     if gpu:
         torch.cuda.set_device(rank)
     deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo")
-    model = build_model(config)
+    model = build_model(model_spec(config), config.data)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
         config=deepspeed_config(config, args.variant, Path(args.root), args.deepspeed_zero),
     )
-    data = open_source(config)
+    data = config_task(config).open_data()
     seconds, losses = [], []
     for step in range(1, config.steps + 1):
         batch = data.batch(step, rank)

@@ -43,16 +43,15 @@ def main(argv: list[str] | None = None) -> int:
             from cargohold.cluster.plan.command import plan_command
 
             return plan_command(config, args)  # 0 fits, 3 does not; a bad cluster is a ConfigError
-        from cargohold.services.data.evaluation import open_eval_set
-        from cargohold.services.data.sources import open_source
+        from cargohold.cluster.sections import config_layout, config_task
 
-        open_source(config)  # bad data (a missing file, a bad line) is a bad configuration too
-        open_eval_set(config)
+        task = config_task(config)
+        task.open_data()  # bad data (a missing file, a bad line) is a bad configuration too
+        task.open_eval()
         if config.optim.param_groups:  # their patterns meet the model's parameter names
-            from cargohold.services.worker.model_setup import model_layout
             from cargohold.services.worker.param_groups import resolve_param_groups
 
-            resolve_param_groups(config.optim, model_layout(config)[2].params)
+            resolve_param_groups(config.optim, config_layout(config, task)[2].params)
     except ConfigError as error:
         print(f"cargohold: bad configuration: {error}", file=sys.stderr)
         return EXIT_BAD_CONFIG

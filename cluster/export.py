@@ -41,8 +41,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from cargohold.cluster.schema.model import GPTConfig
-from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.schema.data import DataConfig
+from cargohold.cluster.schema.model import GPTConfig, HFModelConfig
 from cargohold.services.core.durable import replace_durably
 from cargohold.services.core.errors import ConfigError, ExportError
 from cargohold.services.core.layout import Layout, gather_params
@@ -51,6 +51,7 @@ from cargohold.services.models.build import build_model
 from cargohold.services.models.dimensions import vocab_size
 from cargohold.services.models.gpt import GPT
 from cargohold.services.models.hf import HFCausalLM, hf_name, model_folder
+from cargohold.services.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -80,16 +81,18 @@ def master_weights(layout: Layout, masters: list[dict[int, torch.Tensor]]) -> to
     return flat
 
 
-def export_weights(config: TrainConfig, layout: Layout, flat: torch.Tensor, out_dir: str | Path) -> Path:
-    """Write the fp32 weights ``flat`` (laid out by ``layout``) of the model ``config``
-    describes into ``out_dir`` (created if needed); returns the folder."""
+def export_weights(
+    model_spec: ModelSpec, data: DataConfig, layout: Layout, flat: torch.Tensor, out_dir: str | Path
+) -> Path:
+    """Write the fp32 weights ``flat`` (laid out by ``layout``) of the model ``model_spec``
+    describes, trained on ``data``, into ``out_dir`` (created if needed); returns the folder."""
     if flat.dtype != torch.float32 or flat.dim() != 1 or flat.numel() != layout.total:
         raise ExportError(
             f"export needs the flat fp32 master weights ({layout.total} elements), got "
             f"{flat.dtype} of shape {tuple(flat.shape)}"
         )
     with torch.device("meta"):  # names and shapes only
-        model = build_model(config)
+        model = build_model(model_spec, data)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if expected != {p.name: p.shape for p in layout.params}:
         raise ExportError(
@@ -98,14 +101,14 @@ def export_weights(config: TrainConfig, layout: Layout, flat: torch.Tensor, out_
     out = Path(out_dir)
     gathered = gather_params(layout, flat.cpu())
     weights = {name: gathered[name] for name in expected}  # the model's order, not the layout's groups
-    tokenizer = exported_tokenizer(config)
+    tokenizer = exported_tokenizer(model_spec, data)
     try:
         out.mkdir(parents=True, exist_ok=True)
         if isinstance(model, HFCausalLM):
-            model.hf.generation_config = _generation_config(config, model.hf, tokenizer)
+            model.hf.generation_config = _generation_config(model_spec.hf, model.hf, tokenizer)
             model.hf.save_pretrained(out, state_dict={hf_name(n): w for n, w in weights.items()})
         else:
-            _save_gpt(config.model, weights, out)
+            _save_gpt(model_spec.gpt, weights, out)
         if tokenizer is not None:
             tokenizer.save_pretrained(out)
     except (OSError, ValueError) as error:  # ValueError: transformers refuses an invalid generation config
@@ -113,20 +116,21 @@ def export_weights(config: TrainConfig, layout: Layout, flat: torch.Tensor, out_
     return out
 
 
-def exported_tokenizer(config: TrainConfig) -> PreTrainedTokenizerBase | None:
-    """The tokenizer an export of ``config``'s run carries: the one its data was tokenized
-    with (``data.tokenizer``, else the ``hf`` model's folder), or for pre-tokenized data
-    the one found there; None for byte-level data, or when no folder holds one."""
-    if config.data.format == "bytes":
+def exported_tokenizer(model: ModelSpec, data: DataConfig) -> PreTrainedTokenizerBase | None:
+    """The tokenizer an export of a run of ``model`` on ``data`` carries: the one its data
+    was tokenized with (``data.tokenizer``, else the ``hf`` model's folder), or for
+    pre-tokenized data the one found there; None for byte-level data, or when no folder
+    holds one."""
+    if data.format == "bytes":
         return None
     try:
-        folder, key = tokenizer_folder(config)
+        folder, key = tokenizer_folder(data, model.hf)
     except ConfigError:  # pre-tokenized data, and neither data.tokenizer nor an hf model
         return None
-    if config.data.format == "tokens" and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+    if data.format == "tokens" and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return None
     try:
-        return load_tokenizer(folder, key, vocab_size(config))
+        return load_tokenizer(folder, key, vocab_size(model))
     except ConfigError as error:
         raise ExportError(f"cannot export the tokenizer: {error}") from error
 
@@ -153,13 +157,13 @@ def load_exported_gpt(directory: str | Path) -> GPT:
 
 
 def _generation_config(
-    config: TrainConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None
+    hf: HFModelConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None
 ) -> GenerationConfig:
     """The model folder's generation config as it is, else the model's own with the
     tokenizer's special ids where it has none (see the module docstring)."""
     from transformers import GenerationConfig
 
-    folder = model_folder(config.hf)
+    folder = model_folder(hf)
     if (folder / GENERATION_CONFIG_FILE).is_file():
         try:
             return GenerationConfig.from_pretrained(folder, local_files_only=True)

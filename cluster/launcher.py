@@ -27,6 +27,7 @@ from cargohold.cluster.prometheus_sd import Target, write_file_sd
 from cargohold.cluster.resume import check_resume, restored_loss_scale
 from cargohold.cluster.schema.io import to_dict
 from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.sections import config_layout, config_task, port_config
 from cargohold.cluster.sweep import sweep_tier_folders
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
 from cargohold.services.checkpoint.manifest import LossScaleRecord
@@ -40,11 +41,11 @@ from cargohold.services.server.state_server import StateServer
 from cargohold.services.transport.auth import tls_files
 from cargohold.services.worker.actor import TrainingWorker
 from cargohold.services.worker.host_allocator import worker_allocator, worker_env
-from cargohold.services.worker.model_setup import check_compute_dtype, model_layout
+from cargohold.services.worker.model_setup import check_compute_dtype
 from cargohold.services.worker.param_groups import resolve_param_groups
 from cargohold.services.worker.state_port import segment_spec
 from cargohold.services.worker.step_report import EvalReport, StepReport
-from cargohold.services.worker.task import ConfigTask, TrainingTask
+from cargohold.services.worker.task import TrainingTask
 from cargohold.services.worker.weight_files import check_weights_root
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class TrainingSession:
     def __init__(self, config: TrainConfig, *, resume: Path | None = None, task: TrainingTask | None = None) -> None:
         """``resume``: a complete checkpoint folder to restore the servers' state from.
         ``task``: what to train (by default the model and data the config names)."""
-        self.task = task or ConfigTask(config)
+        self.task = task or config_task(config)
         if config.cluster.address is None and not ray.is_initialized():  # the run's Ray starts on this machine
             check_budget_memory(config, node_memory_bytes(), "this machine")
             if config.worker.weights_nvme_path is not None:
@@ -92,8 +93,8 @@ class TrainingSession:
         config = budgeted_config(config, self.task)  # the host budget's split, kept by every process
         self.config = config
         self.resume = resume
-        model, _, self.layout = model_layout(config, self.task)
-        check_compute_dtype(config, model)  # before any actor starts
+        model, _, self.layout = config_layout(config, self.task)
+        check_compute_dtype(config.worker.compute_dtype, model)  # before any actor starts
         self.param_groups = resolve_param_groups(config.optim, self.layout.params)  # bad patterns: before any actor
         data = self.task.open_data()  # refuses bad data before any actor starts; fills the cache the workers read
         self.data_documents: dict[str, int] = data.summary() if isinstance(data, DocumentRows) else {}
@@ -219,7 +220,7 @@ class TrainingSession:
                 resources=dict(cfg.worker.resources),
                 scheduling_strategy=self._on_bundle(cfg.state_server.num_servers + rank),
                 name=f"{self.run_id}-worker-{rank}{suffix}",
-                runtime_env={"env_vars": worker_env(worker_allocator(cfg))},
+                runtime_env={"env_vars": worker_env(worker_allocator(cfg.worker, cfg.cluster))},
             ).remote(cfg, rank=rank, run_id=self.run_id, auth_token=self._auth_token, task=self.task)
             for rank in range(cfg.worker.num_workers)
         ]
@@ -253,7 +254,7 @@ class TrainingSession:
                     manifest.to_json(),
                     [
                         (
-                            segment_spec(self.config, self.run_id, seg, self.param_groups),
+                            segment_spec(port_config(self.config), self.run_id, seg, self.param_groups),
                             segment_runs(saved, self.layout, seg),
                         )
                         for seg in segments

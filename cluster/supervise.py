@@ -24,12 +24,13 @@ from cargohold.cluster.launcher import PendingCheckpoint, SavedCheckpoint, Train
 from cargohold.cluster.live_recovery import replace_workers
 from cargohold.cluster.resume import resolve_resume
 from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.sections import config_task
 from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.core.errors import CheckpointError, TrainingError
 from cargohold.services.core.node import node_ip
 from cargohold.services.metrics.launcher import LauncherMetrics
 from cargohold.services.worker.step_report import EvalReport, StepReport
-from cargohold.services.worker.task import ConfigTask, TrainingTask
+from cargohold.services.worker.task import TrainingTask
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def train(
             metrics.start(host=node_ip(), port=config.metrics.port_for("launcher", config.worker.num_workers, config))
             logger.info("launcher metrics on %s", metrics.address)
     try:
-        return _train(config, _Callbacks(on_step, on_eval, on_checkpoint), metrics, task or ConfigTask(config))
+        return _train(config, _Callbacks(on_step, on_eval, on_checkpoint), metrics, task or config_task(config))
     finally:
         if own_metrics:
             metrics.stop()

@@ -40,15 +40,14 @@ from ports import free_port
 
 from cargohold.cluster.schema.io import from_dict
 from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.sections import config_layout, config_task, model_spec
 from cargohold.services.core.layout import Layout, scatter_params
 from cargohold.services.core.optim import clip_, clip_coefficient, global_norm_from_squares, sum_of_squares
 from cargohold.services.core.wire import WIRE_DTYPES
 from cargohold.services.data import dropout_seed
-from cargohold.services.data.evaluation import open_eval_set
-from cargohold.services.data.sources import open_source
 from cargohold.services.models.blocks import transformer_blocks
 from cargohold.services.models.build import build_model
-from cargohold.services.worker.model_setup import model_layout, share_collectives
+from cargohold.services.worker.model_setup import share_collectives
 from cargohold.services.worker.param_groups import resolve_param_groups
 from cargohold.services.worker.sharding import local_tensors, params_to_range, units_of
 
@@ -109,7 +108,7 @@ def reference_train(
 def _evaluate(config: TrainConfig, model: torch.nn.Module, weights: list[torch.Tensor]) -> float:
     """The held-out loss on ``weights``, summed as the workers sum it: each rank's batches
     in order (each mean scaled by its weight over the number of batches), then the ranks."""
-    held_out = open_eval_set(config)
+    held_out = config_task(config).open_eval()
     assert held_out is not None
     count, world = held_out.num_batches, config.worker.num_workers
     with torch.no_grad():
@@ -133,7 +132,7 @@ def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.
     world, micro_batches = config.worker.num_workers, config.data.micro_batches
     compute = WIRE_DTYPES[config.worker.compute_dtype]
     wire = WIRE_DTYPES[config.worker.grad_wire_dtype]
-    master_model = build_model(config)
+    master_model = build_model(model_spec(config), config.data)
     names = [name for name, _ in master_model.named_parameters()]
     masters = list(master_model.parameters())
     model = copy.deepcopy(master_model).to(device=device, dtype=compute)
@@ -144,7 +143,7 @@ def _train(config: TrainConfig, steps: int, eval_steps: set[int], device: torch.
     warm_up = config.worker.delayed_update_after_steps
     o = config.optim
     optimizer = torch_adamw(config, dict(zip(names, masters)))
-    data = open_source(config)
+    data = config_task(config).open_data()
     losses = []
     evals: dict[int, float] = {}
     scaler = _grad_scaler(config)
@@ -261,14 +260,14 @@ def grad_scaler_recipe(config: TrainConfig, steps: int, *, threads: int = 1, fp6
 
 
 def _recipe(config: TrainConfig, steps: int, fp64_norm: bool) -> RecipeRun:
-    master_model = build_model(config)
+    master_model = build_model(model_spec(config), config.data)
     names = [name for name, _ in master_model.named_parameters()]
     masters = list(master_model.parameters())
     model = copy.deepcopy(master_model).to(torch.float16)
     optimizer = torch_adamw(config, dict(zip(names, masters)))
     scaler = _grad_scaler(config)
     assert scaler is not None, "the recipe is for worker.compute_dtype=float16"
-    data = open_source(config)
+    data = config_task(config).open_data()
     recorded = []
     for step in range(1, steps + 1):
         with torch.no_grad():
@@ -312,7 +311,7 @@ def torch_adamw(config: TrainConfig, params: dict[str, torch.nn.Parameter]) -> t
     gives them (``optim.no_decay``, ``optim.param_groups``): each group's weight decay,
     and its lr multiplier kept as ``lr_mult`` for :func:`set_lr`."""
     o = config.optim
-    layout = model_layout(config)[2]
+    layout = config_layout(config)[2]
     resolved = resolve_param_groups(o, layout.params)
     groups = [
         {
@@ -369,8 +368,8 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
     torch.set_num_threads(config.worker.torch_threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        model = build_model(config)
-        _, _, layout = model_layout(config)
+        model = build_model(model_spec(config), config.data)
+        _, _, layout = config_layout(config)
         units = units_of(model, transformer_blocks(model), max_params=config.worker.max_unit_params)
         policy = MixedPrecisionPolicy(
             param_dtype=WIRE_DTYPES[config.worker.compute_dtype],
@@ -386,7 +385,7 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
         o = config.optim
         params = [dict(model.named_parameters())[slot.name] for slot in layout.params]
         optimizer = torch_adamw(config, dict(model.named_parameters()))
-        data = open_source(config)
+        data = config_task(config).open_data()
         losses: list[float] = []
         loss_scales: list[float] = []
         skipped: list[int] = []

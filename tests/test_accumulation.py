@@ -13,7 +13,7 @@ from reference import fsdp_reference_train, reference_train, tiny_config
 from test_training_contract import _assert_matches_reference, _layout, _run
 
 from cargohold.cluster.launcher import TrainingSession
-from cargohold.services.data.sources import open_source
+from cargohold.cluster.sections import config_task
 from cargohold.services.metrics.names import TRANSPORT_SENT_BYTES
 
 pytestmark = pytest.mark.integration
@@ -98,7 +98,7 @@ def test_accumulated_chat_loss_is_the_token_mean_bitwise(ray_local, tmp_path) ->
     config = tiny_config(
         steps=6, model__vocab_size=384, worker__shared_memory="off", **{f"data__{k}": v for k, v in data.items()}
     )
-    source = open_source(config)
+    source = config_task(config).open_data()
     shares = [source.batch(step, rank, micro).weight for step in (1, 2) for rank in range(2) for micro in range(2)]
     assert len(set(shares)) > 1, "ranks and micro-batches count different numbers of tokens"
     layout, losses, weights, server = _run(config)

@@ -12,7 +12,7 @@ import pytest
 import cargohold
 from cargohold import reference
 from cargohold.cluster.schema.io import load_config
-from cargohold.services.worker.model_setup import model_layout
+from cargohold.cluster.sections import config_layout
 from cargohold.services.worker.param_groups import resolve_param_groups
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
@@ -48,5 +48,5 @@ def test_the_launcher_example_is_a_valid_config(tmp_path: Path) -> None:
     (tmp_path / "run.yaml").write_text(match.group(1))
     config = load_config(str(tmp_path / "run.yaml"), [])
     assert config.state_server.num_servers == 2 and config.checkpoint.every_steps == 50
-    groups = resolve_param_groups(config.optim, model_layout(config)[2].params)  # its patterns match
+    groups = resolve_param_groups(config.optim, config_layout(config)[2].params)  # its patterns match
     assert len(groups.groups) == 3  # the head (no decay, lr x 1) shares the biases and norms' kernel call

@@ -21,11 +21,11 @@ from reference import tiny_config  # noqa: E402
 
 from cargohold.cluster import cli  # noqa: E402
 from cargohold.cluster.schema.io import load_config  # noqa: E402
+from cargohold.cluster.sections import config_task, model_spec  # noqa: E402
 from cargohold.services.core.errors import ConfigError  # noqa: E402
 from cargohold.services.data import tokenization  # noqa: E402
 from cargohold.services.data.blocks import TokenBlocks  # noqa: E402
 from cargohold.services.data.rows import DocumentRows  # noqa: E402
-from cargohold.services.data.sources import open_source  # noqa: E402
 from cargohold.services.models.dimensions import sequence_length  # noqa: E402
 from cargohold.services.models.loss import IGNORE_INDEX  # noqa: E402
 
@@ -69,7 +69,7 @@ def test_token_files_are_memory_mapped_and_batched(tmp_path: Path, suffix: str, 
     path = tmp_path / f"tokens{suffix}"
     np.save(path, ids) if suffix == ".npy" else ids.tofile(path)
     config = tiny_config(data__format="tokens", data__path=str(path), data__token_dtype=dtype)
-    source = open_source(config)
+    source = config_task(config).open_data()
     assert isinstance(source.tokens, np.memmap) and np.array_equal(source.tokens, ids)
     batch = source.batch(1, 1)
     assert batch.inputs.shape == (4, 32) and torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1])
@@ -85,18 +85,18 @@ def test_token_file_dtype_is_checked_against_the_vocabulary(tmp_path: Path) -> N
         data__format="tokens", data__path=str(path), model__vocab_size=70_000, model__n_embd=8, model__n_head=1
     )
     with pytest.raises(ConfigError, match=r"data.path .*tokens.bin.* uint16 ids .* 70000 ids.*data.token_dtype=uint32"):
-        open_source(big)
+        config_task(big).open_data()
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\0" * 7)
     with pytest.raises(ConfigError, match="odd.bin.*not a whole number of uint16 ids"):
-        open_source(tiny_config(data__format="tokens", data__path=str(odd)))
+        config_task(tiny_config(data__format="tokens", data__path=str(odd))).open_data()
     floats = tmp_path / "floats.npy"
     np.save(floats, np.zeros(100, dtype=np.float32))
     with pytest.raises(ConfigError, match="floats.npy.*float32"):
-        open_source(tiny_config(data__format="tokens", data__path=str(floats)))
+        config_task(tiny_config(data__format="tokens", data__path=str(floats))).open_data()
     with pytest.raises(ConfigError, match=r"token id 300 .*vocabulary of 256"):
         np.full(1000, 300, dtype=np.uint16).tofile(path)
-        open_source(tiny_config(data__format="tokens", data__path=str(path))).batch(1, 0)
+        config_task(tiny_config(data__format="tokens", data__path=str(path))).open_data().batch(1, 0)
 
 
 # --- text, JSON lines and datasets, tokenized -------------------------------------------
@@ -110,16 +110,18 @@ def test_text_files_are_tokenized_and_packed_with_eos(tmp_path: Path, tokenizer_
         (folder / name).write_text(text)
     eos = tokenizer.eos_token_id
     expected = [*tokenizer(documents["a.txt"])["input_ids"], eos, *tokenizer(documents["b.txt"])["input_ids"], eos]
-    source = open_source(_config(tmp_path, tokenizer_dir, format="text", path=str(folder), block_size=4))
+    source = config_task(_config(tmp_path, tokenizer_dir, format="text", path=str(folder), block_size=4)).open_data()
     assert _stream(source).tolist() == expected and _stream(source).dtype == np.uint16
-    single = open_source(_config(tmp_path, tokenizer_dir, format="text", path=str(folder / "b.txt"), block_size=4))
+    single = config_task(
+        _config(tmp_path, tokenizer_dir, format="text", path=str(folder / "b.txt"), block_size=4)
+    ).open_data()
     assert _stream(single).tolist() == [*tokenizer(documents["b.txt"])["input_ids"], eos]
 
 
 def test_jsonl_documents_are_the_field_of_each_line(tmp_path: Path, tokenizer_dir: Path, tokenizer) -> None:
     path = write_jsonl(tmp_path / "docs.jsonl", 20, field="body")
     texts = [json.loads(line)["body"] for line in path.read_text().splitlines()]
-    source = open_source(_config(tmp_path, tokenizer_dir, format="jsonl", path=str(path), field="body"))
+    source = config_task(_config(tmp_path, tokenizer_dir, format="jsonl", path=str(path), field="body")).open_data()
     expected = [i for text in texts for i in [*tokenizer(text)["input_ids"], tokenizer.eos_token_id]]
     assert _stream(source).tolist() == expected
     batch = source.batch(1, 0)
@@ -130,7 +132,7 @@ def test_a_datasets_folder_parquet_and_arrow_give_the_jsonl_stream(tmp_path: Pat
     datasets = pytest.importorskip("datasets")
     path = write_jsonl(tmp_path / "docs.jsonl", 20)
     texts = [json.loads(line)["text"] for line in path.read_text().splitlines()]
-    expected = _stream(open_source(_config(tmp_path, tokenizer_dir, format="jsonl", path=str(path))))
+    expected = _stream(config_task(_config(tmp_path, tokenizer_dir, format="jsonl", path=str(path))).open_data())
     table = datasets.Dataset.from_dict({"id": list(range(20)), "text": texts})
     table.save_to_disk(tmp_path / "saved")
     datasets.DatasetDict({"train": table, "test": table.select(range(2))}).save_to_disk(tmp_path / "splits")
@@ -138,13 +140,15 @@ def test_a_datasets_folder_parquet_and_arrow_give_the_jsonl_stream(tmp_path: Pat
     arrow = next((tmp_path / "saved").glob("*.arrow"))
     for where in ("saved", "splits", "docs.parquet", arrow):
         config = _config(tmp_path, tokenizer_dir, format="hf_dataset", path=str(tmp_path / where))
-        assert np.array_equal(_stream(open_source(config)), expected), where
+        assert np.array_equal(_stream(config_task(config).open_data()), expected), where
     with pytest.raises(ConfigError, match=r"data.split 'validation' .*\['test', 'train'\]"):
-        open_source(
+        config_task(
             _config(tmp_path, tokenizer_dir, format="hf_dataset", path=str(tmp_path / "splits"), split="validation")
-        )
+        ).open_data()
     with pytest.raises(ConfigError, match=r"data.field 'body' is not a column .*\['id', 'text'\]"):
-        open_source(_config(tmp_path, tokenizer_dir, format="hf_dataset", path=str(tmp_path / "saved"), field="body"))
+        config_task(
+            _config(tmp_path, tokenizer_dir, format="hf_dataset", path=str(tmp_path / "saved"), field="body")
+        ).open_data()
 
 
 # --- chat -------------------------------------------------------------------------------
@@ -152,7 +156,7 @@ def test_a_datasets_folder_parquet_and_arrow_give_the_jsonl_stream(tmp_path: Pat
 
 def test_chat_counts_the_assistants_tokens_only(tmp_path: Path, tokenizer_dir: Path, tokenizer) -> None:
     path = write_chat(tmp_path / "chat.jsonl", 50)
-    source = open_source(_config(tmp_path, tokenizer_dir, format="chat", path=str(path)))
+    source = config_task(_config(tmp_path, tokenizer_dir, format="chat", path=str(path))).open_data()
     stream, counted = _stream(source), np.asarray(source.counted)
     # the counted tokens, read back, are the responses and the end of their turns
     spans = np.flatnonzero(np.diff(np.concatenate([[0], counted, [0]])))
@@ -178,16 +182,16 @@ def test_chat_refuses_a_tokenizer_without_template_and_a_bad_line(tmp_path: Path
     plain = make_tokenizer(tmp_path / "plain", chat_template=False)
     path = write_chat(tmp_path / "chat.jsonl", 5)
     with pytest.raises(ConfigError, match=r"data.tokenizer .*plain.* no chat template"):
-        open_source(_config(tmp_path, plain, format="chat", path=str(path)))
+        config_task(_config(tmp_path, plain, format="chat", path=str(path))).open_data()
     lines = path.read_text().splitlines()
     lines[3] = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ConfigError, match=r"chat.jsonl:4: the conversation has no 'assistant' message"):
-        open_source(_config(tmp_path, tokenizer_dir, format="chat", path=str(path)))
+        config_task(_config(tmp_path, tokenizer_dir, format="chat", path=str(path))).open_data()
     lines[3] = json.dumps({"conversation": []})
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ConfigError, match=r"chat.jsonl:4 has no field 'messages' \(data.field\)"):
-        open_source(_config(tmp_path, tokenizer_dir, format="chat", path=str(path)))
+        config_task(_config(tmp_path, tokenizer_dir, format="chat", path=str(path))).open_data()
 
 
 @pytest.mark.parametrize(
@@ -205,7 +209,7 @@ def test_a_bad_jsonl_line_is_refused_naming_file_and_line(tmp_path: Path, tokeni
     lines[2] = line
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ConfigError, match=message):
-        open_source(_config(tmp_path, tokenizer_dir, format="jsonl", path=str(path)))
+        config_task(_config(tmp_path, tokenizer_dir, format="jsonl", path=str(path))).open_data()
 
 
 # --- the tokenization cache -------------------------------------------------------------
@@ -216,7 +220,7 @@ def test_a_second_run_reads_the_cache_and_a_change_invalidates_it(
 ) -> None:
     path = write_chat(tmp_path / "chat.jsonl", 20)
     config = _config(tmp_path, tokenizer_dir, format="chat", path=str(path))
-    first = _stream(open_source(config)).copy()
+    first = _stream(config_task(config).open_data()).copy()
     entries = list((tmp_path / "cache").iterdir())
     assert len(entries) == 1 and {p.name for p in entries[0].iterdir()} >= {"tokens.bin", "counted.bin", "meta.json"}
 
@@ -225,19 +229,19 @@ def test_a_second_run_reads_the_cache_and_a_change_invalidates_it(
 
     with monkeypatch.context() as patch:
         patch.setattr(tokenization, "_pieces", no_tokenizing)
-        assert np.array_equal(_stream(open_source(config)), first)
+        assert np.array_equal(_stream(config_task(config).open_data()), first)
 
     write_chat(path, 21)  # new content: a new entry
-    assert len(_stream(open_source(config))) > len(first)
+    assert len(_stream(config_task(config).open_data())) > len(first)
     tokenizer_copy = shutil.copytree(tokenizer_dir, tmp_path / "tokenizer-copy")
     assert np.array_equal(
-        _stream(open_source(_config(tmp_path, tokenizer_copy, format="chat", path=str(path)))),
-        _stream(open_source(config)),
+        _stream(config_task(_config(tmp_path, tokenizer_copy, format="chat", path=str(path))).open_data()),
+        _stream(config_task(config).open_data()),
     )  # same files elsewhere: the same entry
     template = tokenizer_copy / "chat_template.jinja"
     template.write_text(template.read_text().replace("<|end|>", "<|end|>\n"))
-    changed = _stream(open_source(_config(tmp_path, tokenizer_copy, format="chat", path=str(path))))
-    assert len(changed) > len(_stream(open_source(config)))
+    changed = _stream(config_task(_config(tmp_path, tokenizer_copy, format="chat", path=str(path))).open_data())
+    assert len(changed) > len(_stream(config_task(config).open_data()))
     assert len(list((tmp_path / "cache").iterdir())) == 3
 
     entry = next(
@@ -245,7 +249,7 @@ def test_a_second_run_reads_the_cache_and_a_change_invalidates_it(
     )
     (entry / "meta.json").unlink()  # as a crash before the entry was complete leaves it
     write_chat(path, 20)
-    assert np.array_equal(_stream(open_source(config)), first) and (entry / "meta.json").is_file()
+    assert np.array_equal(_stream(config_task(config).open_data()), first) and (entry / "meta.json").is_file()
 
 
 # --- the model's own vocabulary and context ---------------------------------------------
@@ -255,26 +259,28 @@ def test_an_hf_models_folder_gives_the_tokenizer_vocabulary_and_context(tmp_path
     path = write_chat(tmp_path / "chat.jsonl", 20)
     data = {"format": "chat", "path": str(path), "cache_dir": str(tmp_path / "cache")}
     config = tiny_config(hf__config_path=str(llama_dir), **{f"data__{k}": v for k, v in data.items()})
-    assert sequence_length(config) == 32  # max_position_embeddings
-    batch = open_source(config).batch(1, 0)
+    assert sequence_length(model_spec(config), config.data) == 32  # max_position_embeddings
+    batch = config_task(config).open_data().batch(1, 0)
     assert batch.inputs.shape == (4, 32) and int(batch.inputs.max()) < VOCAB
-    assert sequence_length(tiny_config(hf__config_path=str(llama_dir), data__block_size=16)) == 16
-    assert sequence_length(tiny_config()) == 32 and sequence_length(tiny_config(data__block_size=8)) == 8
+    sized = tiny_config(hf__config_path=str(llama_dir), data__block_size=16)
+    assert sequence_length(model_spec(sized), sized.data) == 16
+    plain, short = tiny_config(), tiny_config(data__block_size=8)
+    assert sequence_length(model_spec(plain), plain.data) == 32 and sequence_length(model_spec(short), short.data) == 8
     with pytest.raises(ConfigError, match=r"data.block_size \(33\) exceeds max_position_embeddings \(32\)"):
-        open_source(tiny_config(hf__config_path=str(llama_dir), data__block_size=33))
+        config_task(tiny_config(hf__config_path=str(llama_dir), data__block_size=33)).open_data()
     with pytest.raises(ConfigError, match=r"data.block_size \(33\) exceeds model.block_size \(32\)"):
-        open_source(tiny_config(data__block_size=33))
+        config_task(tiny_config(data__block_size=33)).open_data()
     small = tiny_llama(tmp_path / "small", 300)
     with pytest.raises(ConfigError, match=r"data.tokenizer .* 3\d\d ids, more than the model's vocabulary of 300"):
-        open_source(
+        config_task(
             tiny_config(
                 hf__config_path=str(small), data__tokenizer=str(llama_dir), **{f"data__{k}": v for k, v in data.items()}
             )
-        )
+        ).open_data()
     with pytest.raises(ConfigError, match=r"hf.config_path .*small.* holds no tokenizer files"):
-        open_source(tiny_config(hf__config_path=str(small), **{f"data__{k}": v for k, v in data.items()}))
+        config_task(tiny_config(hf__config_path=str(small), **{f"data__{k}": v for k, v in data.items()})).open_data()
     with pytest.raises(ConfigError, match=r"set data.tokenizer"):
-        open_source(tiny_config(**{f"data__{k}": v for k, v in data.items()}))
+        config_task(tiny_config(**{f"data__{k}": v for k, v in data.items()})).open_data()
 
 
 # --- configuration ----------------------------------------------------------------------

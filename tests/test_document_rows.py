@@ -21,11 +21,11 @@ from data_fixtures import conversation, make_tokenizer, tiny_llama, write_chat  
 from reference import tiny_config  # noqa: E402
 
 from cargohold.cluster import cli  # noqa: E402
+from cargohold.cluster.sections import config_task  # noqa: E402
 from cargohold.services.core.errors import ConfigError  # noqa: E402
 from cargohold.services.data.batches import BatchShape  # noqa: E402
 from cargohold.services.data.chat import render_conversation  # noqa: E402
 from cargohold.services.data.rows import DocumentRows, OverlongCounts, place_documents  # noqa: E402
-from cargohold.services.data.sources import open_source  # noqa: E402
 from cargohold.services.models.gpt import GPT  # noqa: E402
 from cargohold.services.models.hf import HFCausalLM  # noqa: E402
 from cargohold.services.models.loss import IGNORE_INDEX  # noqa: E402
@@ -151,7 +151,7 @@ def test_a_chat_batch_holds_whole_conversations_and_counts_only_their_assistant_
     tmp_path: Path, tokenizer_dir: Path
 ) -> None:
     config = _chat_config(tmp_path, tokenizer_dir)
-    source = open_source(config)
+    source = config_task(config).open_data()
     assert isinstance(source, DocumentRows)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     eos = tokenizer.eos_token_id
@@ -228,7 +228,7 @@ def test_a_packed_batch_of_a_transformers_llama_gives_each_conversation_alone_s_
     tmp_path: Path, tokenizer_dir: Path
 ) -> None:
     config = _chat_config(tmp_path, tokenizer_dir)
-    batch = open_source(config).batch(1, 0)
+    batch = config_task(config).open_data().batch(1, 0)
     folder = tiny_llama(tmp_path / "llama", VOCAB, max_position_embeddings=SEQ)
     torch.manual_seed(0)
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(folder)).eval()
@@ -247,7 +247,7 @@ def test_a_packed_batch_of_the_built_in_gpt_gives_each_conversation_alone_s_loss
     tmp_path: Path, tokenizer_dir: Path
 ) -> None:
     config = _chat_config(tmp_path, tokenizer_dir)
-    batch = open_source(config).batch(1, 0)
+    batch = config_task(config).open_data().batch(1, 0)
     torch.manual_seed(0)
     from cargohold.cluster.schema.model import GPTConfig
 
@@ -270,10 +270,10 @@ def test_the_step_loss_and_gradient_are_the_token_mean_however_rows_are_split(
     ranks and micro-batches (FSDP2's mean, accumulation's sum / M), is the mean over every
     counted token of the step's rows, as one cross_entropy(reduction="mean") over them."""
     config = _chat_config(tmp_path, tokenizer_dir)
-    whole = open_source(config)  # 1 worker x 4 rows: the reference split
+    whole = config_task(config).open_data()  # 1 worker x 4 rows: the reference split
     shape = BatchShape(world_size=world, batch_size=batch_size, seq_len=SEQ, micro_batches=micro)
     split = _chat_config(tmp_path, tokenizer_dir)
-    source = open_source(split)
+    source = config_task(split).open_data()
     source.shape = shape
     torch.manual_seed(0)
     from cargohold.cluster.schema.model import GPTConfig
@@ -307,7 +307,7 @@ def test_a_run_reports_what_the_placement_made_of_the_documents(ray_local, tmp_p
     from cargohold.services.metrics.names import DATA_DOCUMENTS
 
     config = dataclasses.replace(_chat_config(tmp_path, tokenizer_dir, block_size=24, overlong="split"), steps=2)
-    expected = open_source(config)
+    expected = config_task(config).open_data()
     assert isinstance(expected, DocumentRows) and expected.overlong.split > 0
     metrics = LauncherMetrics()
     result = train(config, metrics=metrics)
@@ -324,9 +324,11 @@ def test_json_lines_take_whole_documents_as_an_option_and_stream_stays_their_def
     from cargohold.services.data.blocks import TokenBlocks
 
     path = str(write_jsonl(tmp_path / "docs.jsonl", 30))
-    stream = open_source(_chat_config(tmp_path, tokenizer_dir, format="jsonl", path=path))
+    stream = config_task(_chat_config(tmp_path, tokenizer_dir, format="jsonl", path=path)).open_data()
     assert isinstance(stream, TokenBlocks)
-    rows = open_source(_chat_config(tmp_path, tokenizer_dir, format="jsonl", path=path, packing="documents"))
+    rows = config_task(
+        _chat_config(tmp_path, tokenizer_dir, format="jsonl", path=path, packing="documents")
+    ).open_data()
     assert isinstance(rows, DocumentRows) and rows.documents == 30 and rows.overlong == OverlongCounts()
     eos = transformers.AutoTokenizer.from_pretrained(tokenizer_dir).eos_token_id
     batch = rows.batch(1, 0)
@@ -357,6 +359,6 @@ def test_a_family_that_would_attend_across_documents_is_refused_for_whole_docume
     config = _chat_config(tmp_path, tokenizer_dir)
     config = dataclasses.replace(config, hf=dataclasses.replace(config.hf, config_path=str(folder / "config.json")))
     with pytest.raises(ConfigError, match=r"\(opt\) does not confine attention .* set data.packing: stream"):
-        open_source(config)
+        config_task(config).open_data()
     stream = dataclasses.replace(config, data=dataclasses.replace(config.data, packing="stream"))
-    open_source(stream)  # the old packing stays available
+    config_task(stream).open_data()  # the old packing stays available

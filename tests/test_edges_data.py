@@ -25,11 +25,9 @@ from data_fixtures import CHAT_TEMPLATE, make_tokenizer, write_chat  # noqa: E40
 from reference import tiny_config  # noqa: E402
 
 from cargohold.cluster import cli  # noqa: E402
+from cargohold.cluster.sections import config_task  # noqa: E402
 from cargohold.services.core.errors import ConfigError  # noqa: E402
 from cargohold.services.data import chat  # noqa: E402
-from cargohold.services.data.evaluation import open_eval_set  # noqa: E402
-from cargohold.services.data.sources import open_source  # noqa: E402
-from cargohold.services.worker.task import ConfigTask  # noqa: E402
 
 VOCAB = 384
 
@@ -73,7 +71,7 @@ def test_a_token_id_beyond_the_vocabulary_exits_2_before_ray_naming_file_and_pos
     assert code == 2, err
     assert re.search(rf"data.path '{re.escape(str(path))}' holds token id 300 at position 77777, outside", err), err
     with pytest.raises(ConfigError, match="position 77777"):  # the Python API refuses it as it opens the data
-        open_source(tiny_config(data__format="tokens", data__path=str(path)))
+        config_task(tiny_config(data__format="tokens", data__path=str(path))).open_data()
 
 
 def test_a_negative_token_id_is_refused(tmp_path: Path) -> None:
@@ -82,7 +80,7 @@ def test_a_negative_token_id_is_refused(tmp_path: Path) -> None:
     ids[4_000] = -1
     np.save(path, ids)
     with pytest.raises(ConfigError, match=r"token id -1 at position 4000, outside the model's vocabulary of 256"):
-        open_source(tiny_config(data__format="tokens", data__path=str(path)))
+        config_task(tiny_config(data__format="tokens", data__path=str(path))).open_data()
 
 
 def test_workers_given_the_launchers_task_read_only_their_batches_each_checked(tmp_path: Path) -> None:
@@ -91,11 +89,12 @@ def test_workers_given_the_launchers_task_read_only_their_batches_each_checked(t
     in between is still refused, naming the block)."""
     path = tmp_path / "tokens.bin"
     (np.arange(10_000) % 256).astype(np.uint16).tofile(path)
-    launcher = ConfigTask(tiny_config(data__format="tokens", data__path=str(path)))
+    config = tiny_config(data__format="tokens", data__path=str(path))
+    launcher = config_task(config)
     launcher.open_data()
     np.full(10_000, 300, dtype=np.uint16).tofile(path)  # changed after the launcher's check
     with pytest.raises(ConfigError, match="position 0"):
-        ConfigTask(launcher.config).open_data()  # a fresh task reads it whole
+        config_task(config).open_data()  # a fresh task reads it whole
     worker = pickle.loads(pickle.dumps(launcher)).open_data()
     with pytest.raises(ConfigError, match=r"token id 300 \(in block \d+\), outside the model's vocabulary"):
         worker.batch(1, 0)
@@ -134,7 +133,7 @@ def test_overlong_error_exits_2_before_ray_naming_the_first_offenders_by_file_an
     assert "7 of 40 documents are longer than a sequence of data.block_size + 1 = 64 tokens" in err, err
     assert "and 2 more" in err and "data.overlong to truncate, drop or split" in err, err
     dropped = _config(tmp_path, tokenizer_dir, format="chat", path=str(path), block_size=63, overlong="drop")
-    assert open_source(dropped).summary()["dropped"] == 7  # what the message offers opens the same data
+    assert config_task(dropped).open_data().summary()["dropped"] == 7  # what the message offers opens the same data
 
 
 def test_overlong_error_names_held_out_files_and_text_files(tmp_path: Path, tokenizer_dir: Path) -> None:
@@ -143,16 +142,16 @@ def test_overlong_error_names_held_out_files_and_text_files(tmp_path: Path, toke
     held_out.write_text(held_out.read_text() + json.dumps(_long_conversation(3)) + "\n")
     config = _config(tmp_path, tokenizer_dir, format="chat", path=str(train), overlong="error", block_size=63)
     config.eval.path = str(held_out)
-    open_source(config)  # the training file fits
+    config_task(config).open_data()  # the training file fits
     with pytest.raises(ConfigError, match=rf"eval.path .*: 1 of 41 documents .*{re.escape(str(held_out))}:41 \("):
-        open_eval_set(config)
+        config_task(config).open_eval()
     folder = tmp_path / "texts"
     folder.mkdir()
     (folder / "a.txt").write_text("Anna has a cat.")
     (folder / "b.txt").write_text("Ben has a red fox. " * 40)
     texts = _config(tmp_path, tokenizer_dir, format="text", path=str(folder), packing="documents", overlong="error")
     with pytest.raises(ConfigError, match=rf"1 of 2 documents .*: {re.escape(str(folder / 'b.txt'))} \(\d+ tokens\)"):
-        open_source(texts)
+        config_task(texts).open_data()
 
 
 # --- row 7: a chat record's size and turns, bounded before rendering ----------------------
@@ -175,7 +174,7 @@ def test_a_chat_record_too_large_to_tokenize_is_refused_naming_file_and_line(
     path = _chat_file(tmp_path / "chat.jsonl", {3: huge})
     bound = f"{chat.MAX_CONVERSATION_CHARS:,}"
     with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}:3 holds [\d,]+ characters, more than the {bound}"):
-        open_source(_config(tmp_path, tokenizer_dir, format="chat", path=str(path)))
+        config_task(_config(tmp_path, tokenizer_dir, format="chat", path=str(path))).open_data()
 
 
 def test_a_conversation_of_too_many_turns_is_refused_naming_file_and_line(tmp_path: Path, tokenizer_dir: Path) -> None:
@@ -183,7 +182,7 @@ def test_a_conversation_of_too_many_turns_is_refused_naming_file_and_line(tmp_pa
     path = _chat_file(tmp_path / "chat.jsonl", {2: json.dumps(many)})
     message = rf"{re.escape(str(path))}:2: the conversation has {chat.MAX_TURNS + 2} messages, more than the"
     with pytest.raises(ConfigError, match=message):
-        open_source(_config(tmp_path, tokenizer_dir, format="chat", path=str(path)))
+        config_task(_config(tmp_path, tokenizer_dir, format="chat", path=str(path))).open_data()
 
 
 def test_a_million_turns_exit_2_before_ray_in_seconds(
@@ -222,7 +221,7 @@ def test_a_chat_template_that_loops_is_refused_at_its_deadline(
     started = time.monotonic()
     message = rf"{re.escape(str(path))}:1: the chat template in data.tokenizer '{re.escape(str(folder))}' "
     with pytest.raises(ConfigError, match=message + r"\(chat_template.jinja\) took more than 1 s"):
-        open_source(_config(tmp_path, folder, format="chat", path=str(path)))
+        config_task(_config(tmp_path, folder, format="chat", path=str(path))).open_data()
     assert time.monotonic() - started < 10
     assert signal.getitimer(signal.ITIMER_REAL)[0] == pytest.approx(before, abs=15)  # armed again, time left
     assert signal.getsignal(signal.SIGALRM) is not None
@@ -239,7 +238,7 @@ def test_outside_the_main_thread_a_slow_template_is_refused_after_rendering(
 
     def opening() -> None:
         try:
-            open_source(_config(tmp_path, folder, format="chat", path=str(path)))
+            config_task(_config(tmp_path, folder, format="chat", path=str(path))).open_data()
         except BaseException as error:
             errors.append(error)
 
@@ -329,17 +328,17 @@ def test_a_damaged_cache_entry_is_named_in_a_warning_and_rebuilt(
 ) -> None:
     path = write_chat(tmp_path / "chat.jsonl", 30)
     config = _config(tmp_path, tokenizer_dir, format="chat", path=str(path))
-    first = open_source(config)
+    first = config_task(config).open_data()
     tokens, counted = np.array(first.tokens), np.array(first.counted)
     (entry,) = (tmp_path / "cache").iterdir()
     _edit(entry, name, how)
     with caplog.at_level(logging.WARNING, logger=CACHE_LOGGER):
-        again = open_source(config)
+        again = config_task(config).open_data()
     warned = [r.getMessage() for r in caplog.records if r.name == CACHE_LOGGER]
     assert len(warned) == 1 and re.search(rf"entry {re.escape(str(entry))} is damaged \({reason}", warned[0]), warned
     assert np.array_equal(again.tokens, tokens) and np.array_equal(again.counted, counted)  # tokenized again
     caplog.clear()
-    assert np.array_equal(open_source(config).tokens, tokens)
+    assert np.array_equal(config_task(config).open_data().tokens, tokens)
     assert not [r for r in caplog.records if r.name == CACHE_LOGGER]  # the rebuilt entry holds
 
 
@@ -352,7 +351,7 @@ def test_a_cache_entry_whose_checksums_were_recomputed_still_needs_ordered_docum
 
     path = write_chat(tmp_path / "chat.jsonl", 30)
     config = _config(tmp_path, tokenizer_dir, format="chat", path=str(path))
-    tokens = np.array(open_source(config).tokens)
+    tokens = np.array(config_task(config).open_data().tokens)
     (entry,) = (tmp_path / "cache").iterdir()
     _edit(entry, "ends.bin", "reversed")
     meta = json.loads((entry / "meta.json").read_text())
@@ -362,5 +361,5 @@ def test_a_cache_entry_whose_checksums_were_recomputed_still_needs_ordered_docum
     meta["checksum"] = cache._checksum(meta)
     (entry / "meta.json").write_text(json.dumps(meta))
     with caplog.at_level(logging.WARNING, logger=CACHE_LOGGER):
-        assert np.array_equal(open_source(config).tokens, tokens)
+        assert np.array_equal(config_task(config).open_data().tokens, tokens)
     assert any("document ends are not increasing" in r.getMessage() for r in caplog.records), caplog.records

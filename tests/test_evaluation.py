@@ -15,10 +15,11 @@ import torch
 from reference import reference_train, tiny_config
 
 from cargohold.cluster import cli
+from cargohold.cluster.sections import config_task
 from cargohold.cluster.supervise import train
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.data import generate_corpus
-from cargohold.services.data.evaluation import EvalSet, open_eval_set
+from cargohold.services.data.evaluation import EvalSet
 from cargohold.services.metrics.launcher import LauncherMetrics
 from cargohold.services.metrics.names import EVAL_LOSS, EVAL_PERPLEXITY, EVAL_STEP
 from cargohold.services.models.loss import IGNORE_INDEX
@@ -136,7 +137,7 @@ def test_held_out_loss_matches_the_reference_bitwise_and_reaches_result_and_metr
     config = tiny_config(
         steps=5, data__micro_batches=2, eval__path=str(_held_out(tmp_path)), eval__every_steps=2, eval__max_batches=3
     )
-    assert open_eval_set(config).num_batches == 3
+    assert config_task(config).open_eval().num_batches == 3
     metrics, shown = LauncherMetrics(), []
     try:
         result = train(config, on_eval=shown.append, metrics=metrics)

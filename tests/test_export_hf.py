@@ -23,9 +23,9 @@ from data_fixtures import conversation, make_tokenizer, tiny_llama, write_chat  
 from reference import reference_train, tiny_config  # noqa: E402
 
 from cargohold.cluster.export import export_weights  # noqa: E402
+from cargohold.cluster.sections import config_layout, model_spec  # noqa: E402
 from cargohold.services.core.layout import gather_params  # noqa: E402
 from cargohold.services.models.build import build_model  # noqa: E402
-from cargohold.services.worker.model_setup import model_layout  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,7 +42,7 @@ def _chat_config(tmp_path: Path, **overrides):
 
 
 def _trained_logits(config, masters: torch.Tensor, layout, ids: torch.Tensor) -> torch.Tensor:
-    model = build_model(config).eval()
+    model = build_model(model_spec(config), config.data).eval()
     weights = gather_params(layout, masters)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -54,9 +54,9 @@ def test_export_loads_with_transformers_alone_and_gives_the_masters_logits(tmp_p
     # No bos/eos in the model's config: the generation config takes the tokenizer's.
     model_dir = tiny_llama(make_tokenizer(tmp_path / "model"), VOCAB, bos_token_id=None, eos_token_id=None)
     config = _chat_config(tmp_path, hf__config_path=str(model_dir), steps=3)
-    _, _, layout = model_layout(config)
+    _, _, layout = config_layout(config)
     masters = reference_train(config, config.steps).flat(layout)
-    out = export_weights(config, layout, masters, tmp_path / "export")
+    out = export_weights(model_spec(config), config.data, layout, masters, tmp_path / "export")
 
     files = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= files, files
@@ -98,8 +98,8 @@ def test_a_checkpoints_generation_config_is_kept(tmp_path: Path) -> None:
     model.save_pretrained(source)
     make_tokenizer(source)
     config = _chat_config(tmp_path, hf__checkpoint_dir=str(source))
-    _, _, layout = model_layout(config)
-    out = export_weights(config, layout, torch.zeros(layout.total), tmp_path / "export")
+    _, _, layout = config_layout(config)
+    out = export_weights(model_spec(config), config.data, layout, torch.zeros(layout.total), tmp_path / "export")
     saved = json.loads((out / "generation_config.json").read_text())
     assert saved["eos_token_id"] == [1, 4] and saved["max_new_tokens"] == 7 and saved["temperature"] == 0.5
     assert (out / "tokenizer.json").is_file()
@@ -109,7 +109,7 @@ def test_byte_level_data_exports_no_tokenizer(tmp_path: Path) -> None:
     """Byte ids are not the tokenizer's: the model folder's tokenizer stays behind."""
     model_dir = tiny_llama(make_tokenizer(tmp_path / "model"), VOCAB)
     config = tiny_config(hf__config_path=str(model_dir))
-    _, _, layout = model_layout(config)
-    out = export_weights(config, layout, torch.zeros(layout.total), tmp_path / "export")
+    _, _, layout = config_layout(config)
+    out = export_weights(model_spec(config), config.data, layout, torch.zeros(layout.total), tmp_path / "export")
     assert (out / "model.safetensors").is_file()
     assert not [p.name for p in out.iterdir() if p.name.startswith("tokenizer")]

@@ -18,10 +18,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from cargohold.cluster.schema.io import load_config  # noqa: E402
+from cargohold.cluster.sections import config_layout, model_spec  # noqa: E402
 from cargohold.services.checkpoint import CheckpointDir, read_flat_range  # noqa: E402
 from cargohold.services.core.layout import gather_params  # noqa: E402
 from cargohold.services.models.build import build_model  # noqa: E402
-from cargohold.services.worker.model_setup import model_layout  # noqa: E402
 
 # slow: the chat contract (tests/test_training_contract.py, the masked chat loss bitwise) and
 # tests/test_export_hf.py cover its behaviour in the default run.
@@ -70,9 +70,9 @@ def test_the_example_fine_tunes_and_its_export_loads_with_transformers(
     final = store.final_dir(STEPS)
     manifest = store.load(final)
     config = load_config(CONFIG, overrides)
-    _, _, layout = model_layout(config)
+    _, _, layout = config_layout(config)
     masters = gather_params(layout, read_flat_range(final, manifest, 0, manifest.total)["master"])
-    trained = build_model(config).eval()
+    trained = build_model(model_spec(config), config.data).eval()
     with torch.no_grad():
         for name, param in trained.named_parameters():
             param.copy_(masters[name])

@@ -109,8 +109,8 @@ def test_fp16_refuses_a_model_built_in_bf16_and_weights_beyond_its_range() -> No
     config = tiny_config(**FP16)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).to(torch.bfloat16))
     with pytest.raises(ConfigError, match=r"worker.compute_dtype=float16, but the model holds bfloat16 parameters"):
-        check_compute_dtype(config, model)
-    check_compute_dtype(tiny_config(worker__compute_dtype="bfloat16"), model)  # bf16 compute takes it
+        check_compute_dtype(config.worker.compute_dtype, model)
+    check_compute_dtype("bfloat16", model)  # bf16 compute takes it
     check_representable("w", torch.tensor([65504.0, -3.0]), "float16")
     with pytest.raises(ConfigError, match=r"parameter 'w' holds 70000, beyond float16's largest"):
         check_representable("w", torch.tensor([1.0, -70000.0]), "float16")

@@ -13,11 +13,11 @@ import pytest
 import torch
 from reference import RecipeRun, ReferenceResult, grad_scaler_recipe, reference_train, tiny_config
 
+from cargohold.cluster.sections import config_layout, model_spec, port_config
 from cargohold.services.core.layout import Layout, scatter_params
 from cargohold.services.core.optim import global_norm_from_squares, sum_of_squares
 from cargohold.services.models.build import build_model
 from cargohold.services.segments.segment_state import SegmentState
-from cargohold.services.worker.model_setup import model_layout
 from cargohold.services.worker.param_groups import resolve_param_groups
 from cargohold.services.worker.state_port import segment_spec
 
@@ -70,7 +70,7 @@ def test_the_first_applied_update_differs_from_the_recipe_only_in_the_norm() -> 
     recipe = grad_scaler_recipe(config, 2)
     assert [s.skipped for s in recipe.steps] == [True, False]
     first = recipe.steps[1]
-    _, _, layout = model_layout(config)
+    _, _, layout = config_layout(config)
     scaled = scatter_params(layout, first.gradients, dtype=torch.float16)
     ours = _norm_as_the_workers_send_it(layout, scaled, first.scale)
     assert ours == pytest.approx(3.4075048, abs=1e-7) and first.norm == pytest.approx(3.4075050, abs=1e-7)
@@ -79,12 +79,14 @@ def test_the_first_applied_update_differs_from_the_recipe_only_in_the_norm() -> 
     assert float(torch.tensor(ours)) == float(torch.tensor(exact)), "the workers' norm is the fp64 one, rounded"
 
     groups = resolve_param_groups(config.optim, layout.params)
-    initial = scatter_params(layout, dict(build_model(config).named_parameters()))
+    initial = scatter_params(layout, dict(build_model(model_spec(config), config.data).named_parameters()))
 
     def committed(global_norm: float) -> dict[str, torch.Tensor]:
         flats = {key: torch.zeros(layout.total) for key in STATES}
         for segment in layout.segments:
-            state = SegmentState(segment_spec(config, "recipe", segment, groups), initial[segment.start : segment.stop])
+            state = SegmentState(
+                segment_spec(port_config(config), "recipe", segment, groups), initial[segment.start : segment.stop]
+            )
             state.stage_gradient(1, scaled[segment.start : segment.stop].clone())
             state.commit(1, global_norm=global_norm, lr=config.optim.lr_at(2, config.steps), loss_scale=first.scale)
             for key, value in state.snapshot().items():

@@ -18,7 +18,7 @@ import pytest
 import torch
 from reference import tiny_config
 
-from cargohold.services.worker.task import ConfigTask
+from cargohold.cluster.sections import config_task
 
 ROOT = Path(__file__).resolve().parents[1]
 MINUTES_6 = 360
@@ -154,7 +154,7 @@ def test_the_all_in_memory_baseline_recomputes_as_the_workers_do(checkpointing: 
     config = tiny_config(worker__activation_checkpointing=checkpointing)
     model = _benchmark("end_to_end").baseline_model(config, torch.device("cpu"))
     calls: list[int] = []
-    block = ConfigTask(config).blocks(model)[0][1]
+    block = config_task(config).blocks(model)[0][1]
     block.register_forward_pre_hook(lambda *_: calls.append(1))
     tokens = torch.randint(0, 256, (2, 8))
     _, loss = model(tokens, tokens)

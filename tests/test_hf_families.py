@@ -23,9 +23,9 @@ from reference import reference_train, tiny_config  # noqa: E402
 
 from cargohold.cluster.export import master_weights  # noqa: E402
 from cargohold.cluster.launcher import TrainingSession  # noqa: E402
+from cargohold.cluster.sections import config_layout, model_spec  # noqa: E402
 from cargohold.services.core.errors import ConfigError  # noqa: E402
 from cargohold.services.models.build import buffer_values, build_model, parameter_values  # noqa: E402
-from cargohold.services.worker.model_setup import model_layout  # noqa: E402
 
 T = transformers
 STEPS = 3
@@ -83,8 +83,8 @@ def test_family_trains_bitwise(ray_local, tmp_path: Path, family: str, make: Cal
     make().save_pretrained(tmp_path)
     extra = {"data__block_size": 32} if family in NO_CONTEXT else {}
     config = tiny_config(hf__config_path=str(tmp_path), steps=STEPS, **extra)
-    assert build_model(config).hf.config.model_type == family
-    _, _, layout = model_layout(config)
+    assert build_model(model_spec(config), config.data).hf.config.model_type == family
+    _, _, layout = config_layout(config)
     with TrainingSession(config) as session:
         losses = [session.step().loss for _ in range(config.steps)]
         masters = master_weights(layout, session.server_masters())
@@ -115,10 +115,10 @@ def test_families_whose_initialisation_is_outside_init_weights_are_refused(
     make().save_pretrained(tmp_path)
     config = tiny_config(hf__config_path=str(tmp_path))
     with torch.device("meta"):
-        model = build_model(config)
+        model = build_model(model_spec(config), config.data)
     with pytest.raises(ConfigError, match=named):
-        list(parameter_values(config, model))
-        list(buffer_values(config, model))
+        list(parameter_values(model_spec(config), model))
+        list(buffer_values(config.seed, model))
 
 
 @pytest.mark.parametrize(("family", "make"), PARAMS)

@@ -29,11 +29,11 @@ from cargohold.cluster.export import (  # noqa: E402
 )
 from cargohold.cluster.launcher import TrainingSession  # noqa: E402
 from cargohold.cluster.schema.io import load_config  # noqa: E402
+from cargohold.cluster.sections import config_layout, config_task, model_spec  # noqa: E402
 from cargohold.services.core.errors import ConfigError, ExportError  # noqa: E402
 from cargohold.services.core.layout import gather_params, scatter_params  # noqa: E402
 from cargohold.services.models.build import build_model  # noqa: E402
 from cargohold.services.models.hf import HFCausalLM, hf_name  # noqa: E402
-from cargohold.services.worker.model_setup import model_layout  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,7 +92,7 @@ def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_forward_is_the_transformers_model_with_unshifted_mean_loss(llama_dir: Path) -> None:
-    model = build_model(tiny_config(hf__config_path=str(llama_dir)))
+    model = config_task(tiny_config(hf__config_path=str(llama_dir))).build()
     assert isinstance(model, HFCausalLM) and isinstance(model.hf, transformers.LlamaForCausalLM)
     x, y = _batch()
     logits, loss = model.train()(x, y)
@@ -106,18 +106,18 @@ def test_forward_is_the_transformers_model_with_unshifted_mean_loss(llama_dir: P
 
 def test_build_is_seeded_and_meta_gives_the_same_shapes(llama_dir: Path) -> None:
     config = tiny_config(hf__config_path=str(llama_dir))
-    first, second = build_model(config), build_model(config)
+    first, second = build_model(model_spec(config), config.data), build_model(model_spec(config), config.data)
     assert all(torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters()))
-    other = build_model(tiny_config(hf__config_path=str(llama_dir), seed=8))
+    other = config_task(tiny_config(hf__config_path=str(llama_dir), seed=8)).build()
     assert not torch.equal(next(first.parameters()), next(other.parameters()))
     with torch.device("meta"):
-        meta = build_model(config)
+        meta = build_model(model_spec(config), config.data)
     assert [(n, p.shape) for n, p in meta.named_parameters()] == [(n, p.shape) for n, p in first.named_parameters()]
     assert all(name.startswith("hf.") for name, _ in first.named_parameters())
 
 
 def test_dropout_stays_off_in_train_mode(gpt2_dir: Path) -> None:
-    model = build_model(tiny_config(hf__config_path=str(gpt2_dir)))
+    model = config_task(tiny_config(hf__config_path=str(gpt2_dir))).build()
     assert model.hf.config.resid_pdrop > 0  # the config asks for dropout ...
     x, y = _batch()
     model.train()
@@ -129,21 +129,21 @@ def test_dropout_stays_off_in_train_mode(gpt2_dir: Path) -> None:
 def test_tied_embedding_is_one_slot_of_the_root_unit(gpt2_dir: Path) -> None:
     """A tied parameter is placed once, in the root unit, and survives the flat space."""
     config = tiny_config(hf__config_path=str(gpt2_dir))
-    model = build_model(config)
+    model = build_model(model_spec(config), config.data)
     assert model.hf.lm_head.weight is model.hf.transformer.wte.weight
-    _, _, layout = model_layout(config)
+    _, _, layout = config_layout(config)
     names = [slot.name for slot in layout.params]
     assert names.count("hf.transformer.wte.weight") == 1 and "hf.lm_head.weight" not in names
     assert "hf.transformer.wte.weight" in [slot.name for slot in layout.group_params(0)]
 
     weights = gather_params(layout, scatter_params(layout, dict(model.named_parameters())))
-    tied = _load(build_model(tiny_config(hf__config_path=str(gpt2_dir), seed=8)), weights)
+    tied = _load(config_task(tiny_config(hf__config_path=str(gpt2_dir), seed=8)).build(), weights)
     assert tied.hf.lm_head.weight is tied.hf.transformer.wte.weight
     assert all(torch.equal(a, b) for a, b in zip(tied.parameters(), model.parameters()))
 
 
 def test_buffers_stay_fp32_and_follow_the_input(llama_dir: Path) -> None:
-    model = build_model(tiny_config(hf__config_path=str(llama_dir)))
+    model = config_task(tiny_config(hf__config_path=str(llama_dir))).build()
     low = copy.deepcopy(model).to(torch.bfloat16)  # what the reference does for bf16 workers
     assert low.hf.model.rotary_emb.inv_freq.dtype == torch.bfloat16
     x, y = _batch()
@@ -154,7 +154,7 @@ def test_buffers_stay_fp32_and_follow_the_input(llama_dir: Path) -> None:
 
 def test_checkpoint_dir_starts_from_its_weights(gpt2_checkpoint) -> None:
     path, saved = gpt2_checkpoint
-    model = build_model(tiny_config(hf__checkpoint_dir=str(path), seed=99))
+    model = config_task(tiny_config(hf__checkpoint_dir=str(path), seed=99)).build()
     loaded = {hf_name(name): p for name, p in model.named_parameters()}
     assert loaded.keys() == saved.keys()  # named_parameters() lists the tied weight once
     for name, param in loaded.items():
@@ -174,7 +174,10 @@ def test_config_keys_load_from_yaml_and_overrides(tmp_path: Path, llama_dir: Pat
     config = load_config(None, [f"hf.config_path={llama_dir}", "data.block_size=64", f"export_dir={tmp_path}"])
     assert config.hf.config_path == str(llama_dir) and config.hf.enabled and config.export_dir == str(tmp_path)
     file_itself = load_config(None, [f"hf.config_path={llama_dir / 'config.json'}"])
-    assert file_itself.hf.enabled and build_model(file_itself).hf.config.vocab_size == LLAMA["vocab_size"]
+    assert (
+        file_itself.hf.enabled
+        and build_model(model_spec(file_itself), file_itself.data).hf.config.vocab_size == LLAMA["vocab_size"]
+    )
     assert not load_config().hf.enabled
 
 
@@ -208,7 +211,7 @@ def test_bad_inputs_are_refused_naming_the_key(tmp_path: Path, llama_dir: Path, 
         "empty-export-dir": lambda: ["export_dir=''"],
     }[case]()
     with pytest.raises(ConfigError) as error, torch.device("meta"):  # what every process does first
-        build_model(load_config(None, overrides))
+        config_task(load_config(None, overrides)).build()
     for key in keys:
         assert re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", str(error.value)), f"{key} not in {error.value}"
 
@@ -228,32 +231,38 @@ def _garbage(path: Path) -> str:
 
 def test_builtin_gpt_export_round_trips(tmp_path: Path) -> None:
     config = tiny_config(steps=3)
-    _, _, layout = model_layout(config)
-    assert [p.name for p in layout.params] != [n for n, _ in build_model(config).named_parameters()], (
-        "the layout orders parameters by unit, not as the model lists them"
-    )
+    _, _, layout = config_layout(config)
+    assert [p.name for p in layout.params] != [
+        n for n, _ in build_model(model_spec(config), config.data).named_parameters()
+    ], "the layout orders parameters by unit, not as the model lists them"
     flat = reference_train(config, 3).flat(layout)
-    assert export_weights(config, layout, flat, tmp_path / "out") == tmp_path / "out"
+    assert export_weights(model_spec(config), config.data, layout, flat, tmp_path / "out") == tmp_path / "out"
     assert {p.name for p in (tmp_path / "out").iterdir()} == {WEIGHTS_FILE, GPT_CONFIG_FILE}
 
     loaded = load_exported_gpt(tmp_path / "out")
     assert loaded.config == config.model and not loaded.training
     weights = gather_params(layout, flat)
-    assert [n for n, _ in loaded.named_parameters()] == [n for n, _ in build_model(config).named_parameters()]
+    assert [n for n, _ in loaded.named_parameters()] == [
+        n for n, _ in build_model(model_spec(config), config.data).named_parameters()
+    ]
     for name, param in loaded.named_parameters():
         assert torch.equal(weights[name], param), name
-    fresh = _load(build_model(config).eval(), weights)
+    fresh = _load(build_model(model_spec(config), config.data).eval(), weights)
     x, _ = _batch()
     assert torch.equal(loaded(x)[0], fresh(x)[0])
 
 
 def test_export_refuses_other_weights_and_unreadable_exports(tmp_path: Path) -> None:
     config = tiny_config()
-    _, _, layout = model_layout(config)
+    _, _, layout = config_layout(config)
     with pytest.raises(ExportError, match="fp32"):
-        export_weights(config, layout, torch.zeros(layout.total, dtype=torch.bfloat16), tmp_path)
+        export_weights(
+            model_spec(config), config.data, layout, torch.zeros(layout.total, dtype=torch.bfloat16), tmp_path
+        )
     with pytest.raises(ExportError, match="layout"):
-        export_weights(tiny_config(model__n_embd=32), layout, torch.zeros(layout.total), tmp_path)
+        export_weights(
+            model_spec(tiny_config(model__n_embd=32)), config.data, layout, torch.zeros(layout.total), tmp_path
+        )
     with pytest.raises(ExportError, match=re.escape(str(tmp_path))):
         load_exported_gpt(tmp_path)
 
@@ -262,14 +271,14 @@ def test_export_refuses_other_weights_and_unreadable_exports(tmp_path: Path) -> 
 
 
 def _train(config, export_dir: Path | None = None):
-    _, _, layout = model_layout(config)
+    _, _, layout = config_layout(config)
     with TrainingSession(config) as session:
         initial = session.all_worker_weights()
         losses = [session.step().loss for _ in range(config.steps)]
         weights = session.all_worker_weights()
         masters = master_weights(layout, session.server_masters())
     if export_dir is not None:
-        export_weights(config, layout, masters, export_dir)
+        export_weights(model_spec(config), config.data, layout, masters, export_dir)
     return layout, initial, losses, weights, masters
 
 
@@ -289,7 +298,7 @@ def _assert_export_loads(export_dir: Path, config, layout, masters: torch.Tensor
     assert named.keys() == ours.keys()
     for name, tensor in ours.items():
         assert torch.equal(named[name], tensor), name
-    fresh = _load(build_model(config).eval(), weights)
+    fresh = _load(build_model(model_spec(config), config.data).eval(), weights)
     x, _ = _batch()
     assert torch.equal(loaded(input_ids=x).logits, fresh(x)[0])
     return loaded

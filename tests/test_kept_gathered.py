@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from ports import free_port
 from reference import tiny_config
 
+from cargohold.cluster.sections import config_task
 from cargohold.services.worker.model_setup import sharded_model
 from cargohold.services.worker.sharding import backward_gathered_units
 
@@ -39,7 +40,9 @@ def _states(rank: int, port: int, out: Path) -> None:
         states = {}
         for kept in (0, 1, 2):
             config = tiny_config(model__n_layer=LAYERS, worker__kept_gathered_units=kept)
-            model, units, _ = sharded_model(config, torch.device("cpu"))
+            model, units, _ = sharded_model(
+                config_task(config), config.worker, config.state_server.num_servers, torch.device("cpu")
+            )
             for parameter in model.parameters():
                 torch.nn.init.normal_(parameter.to_local(), std=0.02)
             x = torch.randint(0, 256, (2, 16))

@@ -14,6 +14,7 @@ from test_model_init import max_bytes_per_value
 
 from cargohold.cluster.schema.io import from_dict
 from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.sections import config_task, model_spec
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.build import buffer_values, build_model, parameter_values
 from cargohold.services.models.gpt import GPT
@@ -39,13 +40,13 @@ def _config(seed: int = 7, **hf: str) -> TrainConfig:
 
 def _meta(config: TrainConfig) -> torch.nn.Module:
     with torch.device("meta"):
-        return build_model(config)
+        return build_model(model_spec(config), config.data)
 
 
 def _assert_values_are_the_built_model(config: TrainConfig, names: list[str] | None = None) -> torch.nn.Module:
-    full = build_model(config)
+    full = build_model(model_spec(config), config.data)
     params = dict(full.named_parameters())
-    got = list(parameter_values(config, _meta(config), names))
+    got = list(parameter_values(model_spec(config), _meta(config), names))
     assert [name for name, _ in got] == (names if names is not None else list(params))
     for name, value in got:
         assert value.dtype == torch.float32 and torch.equal(value, params[name]), name
@@ -90,7 +91,7 @@ def gpt2_checkpoint(request, transformers, tmp_path_factory) -> tuple[Path, dict
 def test_gpt_is_initialize_of_the_seed_and_meta_is_shapes_only() -> None:
     config = _config()
     state = torch.get_rng_state()
-    built, meta = build_model(config), _meta(config)
+    built, meta = build_model(model_spec(config), config.data), _meta(config)
     assert torch.equal(torch.get_rng_state(), state)  # building draws nothing from the caller's RNG
     expected = GPT(config.model)
     initialize(expected, config.seed)
@@ -118,7 +119,7 @@ def test_transformers_from_config_values_are_the_built_model(model: str, llama_d
 
 
 def test_tied_embedding_keeps_lm_heads_init_and_parents_rescale_projections(gpt2_dir: Path) -> None:
-    full = build_model(_config(config_path=str(gpt2_dir)))
+    full = config_task(_config(config_path=str(gpt2_dir))).build()
     assert full.hf.lm_head.weight is full.hf.transformer.wte.weight
     names = [name for name, _ in full.named_parameters()]
     assert "hf.transformer.wte.weight" in names and "hf.lm_head.weight" not in names
@@ -133,7 +134,7 @@ def test_tied_embedding_keeps_lm_heads_init_and_parents_rescale_projections(gpt2
 
 def test_transformers_init_overwrites_to_empty_garbage_and_ignores_skip_flags(llama_dir: Path) -> None:
     config = _config(config_path=str(llama_dir))
-    built = build_model(config)
+    built = build_model(model_spec(config), config.data)
     model = _meta(config).to_empty(device="cpu")
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
@@ -144,7 +145,7 @@ def test_transformers_init_overwrites_to_empty_garbage_and_ignores_skip_flags(ll
         assert torch.equal(a, b), name
     # The rotary embedding's rule recomputes its buffers too.
     assert torch.equal(model.hf.model.rotary_emb.inv_freq, built.hf.model.rotary_emb.inv_freq)
-    other = build_model(_config(seed=8, config_path=str(llama_dir)))
+    other = config_task(_config(seed=8, config_path=str(llama_dir))).build()
     assert all(not torch.equal(a, b) for a, b in zip(built.parameters(), other.parameters()) if a.std() > 0)
 
 
@@ -185,8 +186,8 @@ def _assert_meta_fill_is_the_built_model(config: TrainConfig, source: str) -> No
     """What a worker does (unsharded here): build on meta, ``to_empty``, fill parameters
     and buffers from the values; the forward is then the built model's, bitwise. (A plain
     ``to_empty`` unties tied parameters, FSDP2's does not: fill every alias here.)"""
-    built, meta = build_model(config), _meta(config)
-    buffers = dict(buffer_values(config, meta))
+    built, meta = build_model(model_spec(config), config.data), _meta(config)
+    buffers = dict(buffer_values(config.seed, meta))
     assert buffers.keys() == dict(built.named_buffers()).keys()
     if source == "llama":
         assert buffers.keys() == {"hf.model.rotary_emb.inv_freq", "hf.model.rotary_emb.original_inv_freq"}
@@ -194,7 +195,7 @@ def _assert_meta_fill_is_the_built_model(config: TrainConfig, source: str) -> No
     for name, param in meta.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), []).append(name)
     aliases = {names[0]: names for names in by_id.values()}
-    values = list(parameter_values(config, meta))
+    values = list(parameter_values(model_spec(config), meta))
     model = meta.to_empty(device="cpu")
     with torch.no_grad():
         for name, value in values:
@@ -222,4 +223,4 @@ def test_a_buffer_no_rule_computes_is_refused() -> None:
     with torch.device("meta"):
         model = Counter()
     with pytest.raises(ConfigError, match="does not compute buffer steps"):
-        list(buffer_values(_config(), model))
+        list(buffer_values((_config()).seed, model))

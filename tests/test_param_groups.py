@@ -14,10 +14,10 @@ from reference import tiny_config
 
 from cargohold.cluster import cli
 from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.sections import config_layout
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.core.layout import Layout
 from cargohold.services.core.optim import UpdateGroup
-from cargohold.services.worker.model_setup import model_layout
 from cargohold.services.worker.param_groups import ParamGroups, resolve_param_groups
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def _resolve(**overrides: object) -> tuple[Layout, ParamGroups]:
     config = tiny_config(**overrides)
-    layout = model_layout(config)[2]
+    layout = config_layout(config)[2]
     return layout, resolve_param_groups(config.optim, layout.params)
 
 

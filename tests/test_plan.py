@@ -20,18 +20,18 @@ from cargohold.cluster.plan.render import render
 from cargohold.cluster.plan.run import plan_run
 from cargohold.cluster.plan.worker import MIMALLOC_KEPT_SHARE
 from cargohold.cluster.schema.server import TierConfig
+from cargohold.cluster.sections import config_layout
 from cargohold.services.core.layout import Layout
 from cargohold.services.tiers.fileformat import FileLayout, gradient_file_bytes
 from cargohold.services.tiers.partitions import STATE_BYTES_PER_ELEMENT
 from cargohold.services.tiers.source import tensor_source
 from cargohold.services.tiers.storage import TieredStorage
-from cargohold.services.worker.model_setup import model_layout
 from tests.plans import nvme_tier
 from tests.reference import tiny_config
 
 
 def _layout(config) -> Layout:
-    return model_layout(config)[2]
+    return config_layout(config)[2]
 
 
 def _units(layout: Layout) -> list[tuple[int, int]]:

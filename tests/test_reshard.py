@@ -242,10 +242,10 @@ def test_a_checkpoint_resumes_under_another_unit_bound(saved_bound: int, new_bou
     embeddings and head): the runs follow them by name."""
     from reference import tiny_config
 
-    from cargohold.services.worker.model_setup import model_layout
+    from cargohold.cluster.sections import config_layout
 
     def layout(bound: int, workers: int) -> Layout:
-        return model_layout(tiny_config(model__n_layer=3, worker__num_workers=workers, worker__max_unit_params=bound))[
+        return config_layout(tiny_config(model__n_layer=3, worker__num_workers=workers, worker__max_unit_params=bound))[
             2
         ]
 

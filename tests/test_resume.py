@@ -17,9 +17,9 @@ from reference import tiny_config
 from cargohold.cluster import cli
 from cargohold.cluster.resume import BEFORE_STATE_DTYPE, REFUSED, Change, check_resume, config_changes
 from cargohold.cluster.schema.io import to_dict, to_user_dict
+from cargohold.cluster.sections import config_layout
 from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.core.errors import ConfigError, ResumeRefusedError
-from cargohold.services.worker.model_setup import model_layout
 
 pytestmark = pytest.mark.timeout(120)
 BASE = {"steps": 8, "metrics__enabled": False}
@@ -29,7 +29,7 @@ def _saved(root: Path, *, without: tuple[str, str] | None = None, **overrides) -
     """A checkpoint of step 2 of the tiny model, its manifest holding the config (less the
     key ``without``, (section, key), as in a checkpoint saved before that key existed)."""
     config = tiny_config(**{**BASE, **overrides})
-    _, _, layout = model_layout(config)
+    _, _, layout = config_layout(config)
     saved = to_dict(config)
     if without is not None:
         del saved[without[0]][without[1]]
@@ -38,7 +38,7 @@ def _saved(root: Path, *, without: tuple[str, str] | None = None, **overrides) -
 
 def _check(path: Path, **overrides):
     config = tiny_config(**{**BASE, "checkpoint__resume": str(path), **overrides})
-    return check_resume(path, config, model_layout(config)[2])
+    return check_resume(path, config, config_layout(config)[2])
 
 
 REFUSALS = {

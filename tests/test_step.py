@@ -17,10 +17,10 @@ from ports import free_port
 from reference import reference_train, tiny_config
 from step_runs import registry_masters, run_ranks
 
+from cargohold.cluster.sections import config_layout, config_task, model_spec, port_config
 from cargohold.services.data import dropout_seed
-from cargohold.services.data.sources import open_source
 from cargohold.services.models.build import build_model, parameter_values
-from cargohold.services.worker.model_setup import exchange_buffers, model_layout, sharded_model, step_policy
+from cargohold.services.worker.model_setup import exchange_buffers, sharded_model, step_policy
 from cargohold.services.worker.param_groups import resolve_param_groups
 from cargohold.services.worker.state_port import ExchangeBuffers, LocalPort
 from cargohold.services.worker.step import ShardedStep
@@ -59,14 +59,16 @@ def _train_all(rank: int, world: int, port: int, folder: str) -> None:
 def _train(rank: int, config, folder: Path) -> None:
     """Shard, register with an in-process registry, train, save this rank's state."""
     device = torch.device("cpu")
-    model, units, layout = sharded_model(config, device)
-    buffers = exchange_buffers(config, layout)
-    port_ = LocalPort(config, "run", resolve_param_groups(config.optim, layout.params))
-    step = ShardedStep(model, units, layout, rank, port_, buffers, step_policy(config), device=device)
+    model, units, layout = sharded_model(config_task(config), config.worker, config.state_server.num_servers, device)
+    buffers = exchange_buffers(config.worker, config.push_dtype, layout)
+    port_ = LocalPort(port_config(config), "run", resolve_param_groups(config.optim, layout.params))
+    step = ShardedStep(
+        model, units, layout, rank, port_, buffers, step_policy(config.optim, config.worker), device=device
+    )
     with torch.device("meta"):
-        shapes = build_model(config)
-    assert step.register(lambda names: parameter_values(config, shapes, names)) == 0
-    data = open_source(config)
+        shapes = build_model(model_spec(config), config.data)
+    assert step.register(lambda names: parameter_values(model_spec(config), shapes, names)) == 0
+    data = config_task(config).open_data()
     micros = range(config.data.micro_batches)
     losses, norms = [], []
     for number in range(1, config.steps + 1):
@@ -89,7 +91,7 @@ def test_step_without_ray_matches_adamw_bitwise(world: int) -> None:
         results = run_ranks(_train_all, world, folder, STRATEGIES)
     for name, ranks in results.items():
         config = tiny_config(steps=6, worker__num_workers=world, **STRATEGIES[name])
-        layout = model_layout(config)[2]
+        layout = config_layout(config)[2]
         clipping = config.optim.max_grad_norm < 1  # scales every update: clipped by the workers' norm
         reference = reference_train(config, config.steps, norm="shards" if clipping else "torch")
         assert ranks[0]["losses"] == reference.losses, name
@@ -144,16 +146,27 @@ def _overlap(rank: int, port: int, folder: str, config) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        model, units, layout = sharded_model(config, torch.device("cpu"))
-        gated = _GatedPort(LocalPort(config, "run", resolve_param_groups(config.optim, layout.params)), gated=2)
-        policy = step_policy(config)
+        model, units, layout = sharded_model(
+            config_task(config), config.worker, config.state_server.num_servers, torch.device("cpu")
+        )
+        gated = _GatedPort(
+            LocalPort(port_config(config), "run", resolve_param_groups(config.optim, layout.params)), gated=2
+        )
+        policy = step_policy(config.optim, config.worker)
         step = ShardedStep(
-            model, units, layout, 0, gated, exchange_buffers(config, layout), policy, device=torch.device("cpu")
+            model,
+            units,
+            layout,
+            0,
+            gated,
+            exchange_buffers(config.worker, config.push_dtype, layout),
+            policy,
+            device=torch.device("cpu"),
         )
         with torch.device("meta"):
-            shapes = build_model(config)
-        step.register(lambda names: parameter_values(config, shapes, names))
-        data = open_source(config)
+            shapes = build_model(model_spec(config), config.data)
+        step.register(lambda names: parameter_values(model_spec(config), shapes, names))
+        data = config_task(config).open_data()
         losses = []
         for number in range(1, config.steps + 1):
             seeds = [dropout_seed(config.seed, number, 0, 0)]

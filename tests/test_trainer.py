@@ -19,8 +19,8 @@ from user_models import Regressor, Stream, batch_function, items, regression_los
 
 import cargohold
 from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.sections import config_layout
 from cargohold.services.core.errors import ConfigError, TrainingError
-from cargohold.services.worker.model_setup import model_layout
 from cargohold.services.worker.param_groups import resolve_param_groups
 from cargohold.user_data import MapStyleBatches, open_user_data
 from cargohold.user_task import UserTask, batch_shape_of
@@ -54,7 +54,7 @@ def _reference(config: TrainConfig, data: object) -> tuple[dict[str, torch.Tenso
 
 def _reference_run(config: TrainConfig, data: object) -> tuple[dict[str, torch.Tensor], list[float]]:
     task = UserTask(config, Regressor, regression_loss, data)
-    layout = model_layout(config, task)[2]
+    layout = config_layout(config, task)[2]
     groups = resolve_param_groups(config.optim, layout.params)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)

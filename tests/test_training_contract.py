@@ -12,16 +12,15 @@ import torch
 from reference import fsdp_reference_train, reference_train, tiny_config
 
 from cargohold.cluster.launcher import TrainingSession
+from cargohold.cluster.sections import config_layout, config_task
 from cargohold.services.core.layout import Layout
-from cargohold.services.data.sources import open_source
 from cargohold.services.tiers.partitions import elements_per_partition
-from cargohold.services.worker.model_setup import model_layout
 
 pytestmark = pytest.mark.integration
 
 
 def _layout(config) -> Layout:
-    return model_layout(config)[2]
+    return config_layout(config)[2]
 
 
 def _server_state(session: TrainingSession, layout: Layout, key: str) -> torch.Tensor:
@@ -178,7 +177,7 @@ def test_masked_chat_loss_matches_torch_adamw_bitwise(ray_local, tmp_path) -> No
     config = tiny_config(
         state_server__num_servers=2, model__vocab_size=384, **{f"data__{key}": value for key, value in data.items()}
     )
-    source = open_source(config)
+    source = config_task(config).open_data()
     shares = [source.batch(step, rank).weight for step in range(1, config.steps + 1) for rank in range(2)]
     assert sum(share != 1.0 for share in shares) > len(shares) // 2, "ranks count different numbers of tokens"
     layout, losses, weights, server = _run(config)

@@ -17,13 +17,12 @@ from reference import reference_train, tiny_config
 from step_runs import registry_masters, run_ranks
 from system import mounted_tmpfs
 
+from cargohold.cluster.sections import config_layout, config_task, model_spec, port_config
 from cargohold.services.core.errors import CorruptPartitionError, TierError, TierSpaceError, TrainingError
 from cargohold.services.data import dropout_seed
-from cargohold.services.data.sources import open_source
 from cargohold.services.models.build import build_model, parameter_values
 from cargohold.services.worker.model_setup import (
     exchange_buffers,
-    model_layout,
     sharded_model,
     step_policy,
     weight_window,
@@ -93,18 +92,28 @@ def _train_all(rank: int, world: int, port: int, folder: str) -> None:
 
 def _train(rank: int, config, folder: Path) -> None:
     device = torch.device("cpu")
-    model, units, layout = sharded_model(config, device)
+    model, units, layout = sharded_model(config_task(config), config.worker, config.state_server.num_servers, device)
     if folder.name == "fixed-size-chunks":
         _fix_chunk_storages(units[1:])
-    window = weight_window(config, model, units, layout, rank=rank, run_id="run")
+    window = weight_window(config.worker, model, units, layout, rank=rank, run_id="run")
     assert window is not None
-    buffers = exchange_buffers(config, layout)
-    port_ = LocalPort(config, "run", resolve_param_groups(config.optim, layout.params))
-    step = ShardedStep(model, units, layout, rank, port_, buffers, step_policy(config), device=device, window=window)
+    buffers = exchange_buffers(config.worker, config.push_dtype, layout)
+    port_ = LocalPort(port_config(config), "run", resolve_param_groups(config.optim, layout.params))
+    step = ShardedStep(
+        model,
+        units,
+        layout,
+        rank,
+        port_,
+        buffers,
+        step_policy(config.optim, config.worker),
+        device=device,
+        window=window,
+    )
     with torch.device("meta"):
-        shapes = build_model(config)
-    step.register(lambda names: parameter_values(config, shapes, names))
-    data = open_source(config)
+        shapes = build_model(model_spec(config), config.data)
+    step.register(lambda names: parameter_values(model_spec(config), shapes, names))
+    data = config_task(config).open_data()
     micros = range(config.data.micro_batches)
     losses, peaks = [], []
     in_memory = _blocks_in_memory(step)
@@ -169,7 +178,7 @@ def test_weights_on_nvme_train_bitwise_as_adamw(world: int) -> None:
         assert not os.listdir(Path(folder) / "nvme"), "weight files left behind"
     for name, ranks in results.items():
         config = _config(world, "/unused", STRATEGIES[name])
-        layout = model_layout(config)[2]
+        layout = config_layout(config)[2]
         clipping = config.optim.max_grad_norm < 1
         reference = reference_train(config, config.steps, norm="shards" if clipping else "torch")
         assert ranks[0]["losses"] == reference.losses, name

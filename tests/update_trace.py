@@ -71,6 +71,7 @@ def _run(tracer: PathTracer, colocated: bool) -> list[str]:
     import torch.distributed as dist
 
     from cargohold.cluster.schema.io import load_config
+    from cargohold.cluster.sections import config_task, port_config
     from cargohold.services.data import dropout_seed
     from cargohold.services.metrics.worker import WorkerMetrics
     from cargohold.services.server.state_server import StateServer
@@ -80,7 +81,6 @@ def _run(tracer: PathTracer, colocated: bool) -> list[str]:
     from cargohold.services.worker.param_groups import resolve_param_groups
     from cargohold.services.worker.state_port import RemotePort
     from cargohold.services.worker.step import ShardedStep
-    from cargohold.services.worker.task import ConfigTask
 
     run_id = f"trace-{os.getpid()}"
     config = load_config(
@@ -97,14 +97,19 @@ def _run(tracer: PathTracer, colocated: bool) -> list[str]:
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     client = StateServerClient(server.address(), bulk=config.state_server.data_plane == "socket")
     try:
-        task = ConfigTask(config)
+        task = config_task(config)
         data = task.open_data()
-        model, units, layout = sharded_model(config, torch.device("cpu"), task)
+        model, units, layout = sharded_model(task, config.worker, config.state_server.num_servers, torch.device("cpu"))
         shared = {0} if colocated else set()
-        buffers = exchange_buffers(config, layout, shared_name=shm.region_name(run_id, "rank0") if colocated else None)
+        buffers = exchange_buffers(
+            config.worker,
+            config.push_dtype,
+            layout,
+            shared_name=shm.region_name(run_id, "rank0") if colocated else None,
+        )
         param_groups = resolve_param_groups(config.optim, layout.params)
-        port = RemotePort(config, run_id, [client], buffers, shared, WorkerMetrics(0), param_groups)
-        window = weight_window(config, model, units, layout, rank=0, run_id=run_id, observer=None)
+        port = RemotePort(port_config(config), run_id, [client], buffers, shared, WorkerMetrics(0), param_groups)
+        window = weight_window(config.worker, model, units, layout, rank=0, run_id=run_id, observer=None)
         step = ShardedStep(
             model,
             units,
@@ -112,7 +117,7 @@ def _run(tracer: PathTracer, colocated: bool) -> list[str]:
             0,
             port,
             buffers,
-            step_policy(config),
+            step_policy(config.optim, config.worker),
             device=torch.device("cpu"),
             loss=task.loss,
             window=window,

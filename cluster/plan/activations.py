@@ -6,6 +6,7 @@ import torch
 
 from cargohold.cluster.plan.itemsize import DTYPE_BYTES, FP32_BYTES
 from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.sections import model_spec
 from cargohold.services.models.dimensions import sequence_length
 
 
@@ -39,7 +40,7 @@ def activation_bytes_estimate(config: TrainConfig, model: torch.nn.Module | None
     if model is not None and intermediate != width:
         up_projections = max(1, _matrices_of_width(model, width, intermediate) - 1)  # less the down-projection
     compute = DTYPE_BYTES[config.worker.compute_dtype]
-    tokens = config.data.batch_size * sequence_length(config)
+    tokens = config.data.batch_size * sequence_length(model_spec(config), config.data)
     per_layer = tokens * (18 * width + 4 * up_projections * intermediate) * compute // 2
     logits = tokens * vocab * (compute + 2 * FP32_BYTES)
     if config.worker.activation_checkpointing == "blocks":

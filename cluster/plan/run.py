@@ -183,11 +183,11 @@ def plan_parts(
 def _layout(config: TrainConfig, task: TrainingTask | None = None) -> tuple[torch.nn.Module, list[Unit], Layout]:
     """The meta-device model, its FSDP2 units and the layout every worker computes
     (shapes only; nothing allocated, nothing read)."""
-    from cargohold.services.worker.model_setup import model_layout
+    from cargohold.cluster.sections import config_layout
     from cargohold.services.worker.param_groups import resolve_param_groups
 
     try:
-        model, units, layout = model_layout(config, task)
+        model, units, layout = config_layout(config, task)
     except LayoutError as error:
         raise ConfigError(f"the model cannot be laid out: {error}") from error
     resolve_param_groups(config.optim, layout.params)  # a pattern matching nothing is refused here too

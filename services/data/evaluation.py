@@ -19,7 +19,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.schema.data import DataConfig
+from cargohold.cluster.schema.eval import EvalConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.data.batches import Batch, BatchShape
 from cargohold.services.data.blocks import TokenBlocks
@@ -28,6 +29,7 @@ from cargohold.services.data.rows import DocumentRows, Overlong, refuse_overlong
 from cargohold.services.data.tokenization import document_places, tokenized_stream
 from cargohold.services.data.tokens import check_dtype_holds_vocab, check_ids_in_vocab, open_token_file
 from cargohold.services.models.dimensions import sequence_length, vocab_size
+from cargohold.services.models.spec import ModelSpec
 
 
 class EvalSource(Protocol):
@@ -102,14 +104,16 @@ class EvalSet:
         return self._blocks.rows_of(self._order, rank, index, self._counted)
 
 
-def open_eval_set(config: TrainConfig, *, check_token_file: bool = True) -> EvalSet | None:
-    """The held-out data ``eval.*`` names, read as ``data.format`` reads training data;
-    None when validation is off. ConfigError names the key and file that are wrong.
-    ``check_token_file``: as :func:`~.sources.open_source`'s."""
-    held_out = config.eval
+def open_eval_set(
+    model: ModelSpec, data: DataConfig, held_out: EvalConfig, num_workers: int, *, check_token_file: bool = True
+) -> EvalSet | None:
+    """The held-out data ``eval.*`` (``held_out``) names, read as ``data.format`` reads
+    training data, for ``num_workers`` workers; None when validation is off. ConfigError
+    names the key and file that are wrong. ``check_token_file``: as
+    :func:`~.sources.open_source`'s."""
     if not held_out.enabled:
         return None
-    data, seq_len, vocab = config.data, sequence_length(config), vocab_size(config)
+    seq_len, vocab = sequence_length(model, data), vocab_size(model)
     counted: np.ndarray | None = None
     documents: tuple[np.ndarray, Overlong] | None = None
     name = f"eval.path {held_out.path!r}"
@@ -123,7 +127,7 @@ def open_eval_set(config: TrainConfig, *, check_token_file: bool = True) -> Eval
             check_ids_in_vocab(path, tokens, vocab, name)
     else:
         source = dataclasses.replace(data, path=held_out.path or data.path, split=held_out.split or data.split)
-        stream = tokenized_stream(config, vocab, source, "eval")
+        stream = tokenized_stream(source, model.hf, vocab, "eval")
         tokens, counted = stream.tokens, stream.counted
         documents = (stream.ends, data.overlong) if data.whole_documents else None
         name = f"eval.path {source.path!r}" + (f" (split {source.split!r})" if data.format == "hf_dataset" else "")
@@ -132,7 +136,7 @@ def open_eval_set(config: TrainConfig, *, check_token_file: bool = True) -> Eval
     return EvalSet(
         tokens,
         counted,
-        world_size=config.worker.num_workers,
+        world_size=num_workers,
         batch_size=held_out.batch_size or data.batch_size,
         seq_len=seq_len,
         max_batches=held_out.max_batches,

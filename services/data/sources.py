@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.schema.data import DataConfig
 from cargohold.services.data.batches import BatchShape, DataSource
 from cargohold.services.data.blocks import TokenBlocks
 from cargohold.services.data.corpus import ByteCorpus, load_tokens
@@ -20,32 +20,33 @@ from cargohold.services.data.rows import DocumentRows, OverlongCounts, refuse_ov
 from cargohold.services.data.tokenization import document_places, tokenized_stream
 from cargohold.services.data.tokens import check_dtype_holds_vocab, check_ids_in_vocab, open_token_file
 from cargohold.services.models.dimensions import check_model_fits_data, sequence_length, vocab_size
+from cargohold.services.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
 
-def batch_shape(config: TrainConfig) -> BatchShape:
-    """The global batch of a step of ``config``."""
+def batch_shape(model: ModelSpec, data: DataConfig, num_workers: int) -> BatchShape:
+    """The global batch of a step of ``num_workers`` workers training ``model`` on ``data``."""
     return BatchShape(
-        world_size=config.worker.num_workers,
-        batch_size=config.data.batch_size,
-        seq_len=sequence_length(config),
-        micro_batches=config.data.micro_batches,
+        world_size=num_workers,
+        batch_size=data.batch_size,
+        seq_len=sequence_length(model, data),
+        micro_batches=data.micro_batches,
     )
 
 
-def open_source(config: TrainConfig, *, check_token_file: bool = True) -> DataSource:
-    """The batches of ``config.data``, checked against the model: its vocabulary numbers
-    every token id, its context covers ``data.block_size``. ConfigError names what is wrong
-    (key, file, line) before anything trains. ``check_token_file=False`` (a worker, after
-    its launcher checked) leaves a token file's ids to be checked as batches read them."""
-    data = config.data
-    check_model_fits_data(config)
-    shape = batch_shape(config)
+def open_source(model: ModelSpec, data: DataConfig, num_workers: int, *, check_token_file: bool = True) -> DataSource:
+    """The batches of ``data`` for ``num_workers`` workers, checked against ``model``: its
+    vocabulary numbers every token id, its context covers ``data.block_size``. ConfigError
+    names what is wrong (key, file, line) before anything trains. ``check_token_file=False``
+    (a worker, after its launcher checked) leaves a token file's ids to be checked as
+    batches read them."""
+    check_model_fits_data(model, data)
+    shape = batch_shape(model, data, num_workers)
     if data.format == "bytes":
         tokens = load_tokens(data.corpus_path, data.corpus_bytes, data.seed, seq_len=shape.seq_len)
         return ByteCorpus(tokens, shape, seed=data.seed)
-    vocab = vocab_size(config)
+    vocab = vocab_size(model)
     if data.format == "tokens":
         path = Path(data.path or "").expanduser()
         ids = open_token_file(path, data.token_dtype)
@@ -53,7 +54,7 @@ def open_source(config: TrainConfig, *, check_token_file: bool = True) -> DataSo
         if check_token_file:
             check_ids_in_vocab(path, ids, vocab, f"data.path {str(path)!r}")
         return TokenBlocks(ids, None, shape, seed=data.seed, vocab_size=vocab, name=f"data.path {str(path)!r}")
-    stream = tokenized_stream(config, vocab)
+    stream = tokenized_stream(data, model.hf, vocab)
     name = f"data.path {data.path!r} (tokenized)"
     if not data.whole_documents:
         return TokenBlocks(stream.tokens, stream.counted, shape, seed=data.seed, vocab_size=vocab, name=name)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cargohold.cluster.schema.data import DataConfig
-from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.schema.model import HFModelConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.data.cache import CachedStream, TokenCache, cache_key, content_digest
 from cargohold.services.data.chat import (
@@ -39,13 +39,11 @@ DOCUMENTS_PER_PIECE = 256
 """Documents tokenized in one call (the fast tokenizers batch them across threads)."""
 
 
-def tokenized_stream(
-    config: TrainConfig, vocab_size: int, data: DataConfig | None = None, section: str = "data"
-) -> CachedStream:
-    """The packed stream of ``data`` (default ``config.data``): read from the cache, or
-    tokenized into it. Held-out data passes its own, ``section`` naming its keys (eval)."""
-    data = data or config.data
-    folder, key = tokenizer_folder(config)
+def tokenized_stream(data: DataConfig, hf: HFModelConfig, vocab_size: int, section: str = "data") -> CachedStream:
+    """The packed stream of ``data``, tokenized by the tokenizer it names (or the ``hf``
+    model's): read from the cache, or tokenized into it. Held-out data passes its own,
+    ``section`` naming its keys (eval)."""
+    folder, key = tokenizer_folder(data, hf)
     tokenizer = load_tokenizer(folder, key, vocab_size)
     template = ""
     if data.format == "chat":

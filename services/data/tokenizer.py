@@ -12,7 +12,8 @@ import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.schema.data import DataConfig
+from cargohold.cluster.schema.model import HFModelConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.hf import model_folder, refuse_folder_code
 
@@ -36,14 +37,15 @@ TOKENIZER_FILES = (
 what the tokenization cache's key hashes. Weights next to them are not read."""
 
 
-def tokenizer_folder(config: TrainConfig) -> tuple[Path, str]:
-    """The tokenizer's folder and the key that named it, for messages."""
-    if config.data.tokenizer is not None:
-        return Path(config.data.tokenizer).expanduser().resolve(), "data.tokenizer"
-    if config.hf.enabled:
-        return model_folder(config.hf), config.hf.key
+def tokenizer_folder(data: DataConfig, hf: HFModelConfig) -> tuple[Path, str]:
+    """The tokenizer's folder (``data.tokenizer``, else the ``hf`` model's) and the key
+    that named it, for messages."""
+    if data.tokenizer is not None:
+        return Path(data.tokenizer).expanduser().resolve(), "data.tokenizer"
+    if hf.enabled:
+        return model_folder(hf), hf.key
     raise ConfigError(
-        f"data.format={config.data.format} is tokenized: set data.tokenizer to a local tokenizer folder "
+        f"data.format={data.format} is tokenized: set data.tokenizer to a local tokenizer folder "
         "(or train an hf model whose folder holds its tokenizer)"
     )
 

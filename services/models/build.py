@@ -18,49 +18,51 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.schema.data import DataConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.models.dimensions import check_model_fits_data
 from cargohold.services.models.gpt import GPT
 from cargohold.services.models.hf import build_hf_model, hf_name
 from cargohold.services.models.init import Rule, init_order, init_rule, initial_values, initialize, module_seed
+from cargohold.services.models.spec import ModelSpec
 from cargohold.services.models.weights import checkpoint_tensors, tensor_files
 
 
-def build_model(config: TrainConfig) -> nn.Module:
-    """The transformers causal LM that ``config.hf`` names, else the built-in GPT: in fp32
-    on the CPU with the checkpoint's weights or :func:`initialize`'s from ``config.seed``;
-    under ``torch.device("meta")`` shapes only (nothing drawn, nothing read). The caller's
-    RNG state is left as it was."""
+def build_model(model: ModelSpec, data: DataConfig) -> nn.Module:
+    """The transformers causal LM that ``model.hf`` names, else the built-in GPT: in fp32
+    on the CPU with the checkpoint's weights or :func:`initialize`'s from ``model.seed``;
+    under ``torch.device("meta")`` shapes only (nothing drawn, nothing read). Refused first
+    when ``data`` cannot train it (:func:`check_model_fits_data`). The caller's RNG state
+    is left as it was."""
     on_meta = torch.get_default_device().type == "meta"
-    check_model_fits_data(config)
+    check_model_fits_data(model, data)
     with torch.random.fork_rng(devices=[]):  # construction draws torch's default inits
-        model = build_hf_model(config.hf) if config.hf.enabled else GPT(config.model)
-    if not on_meta and config.hf.checkpoint_dir is None:
-        initialize(model, config.seed)
-    return model
+        built = build_hf_model(model.hf) if model.hf.enabled else GPT(model.gpt)
+    if not on_meta and model.hf.checkpoint_dir is None:
+        initialize(built, model.seed)
+    return built
 
 
 def parameter_values(
-    config: TrainConfig, model_on_meta: nn.Module, names: Iterable[str] | None = None
+    model: ModelSpec, model_on_meta: nn.Module, names: Iterable[str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, fp32 CPU tensor)`` for each of ``names`` (default: every parameter, in
-    ``named_parameters()`` order) of ``model_on_meta`` (``build_model(config)`` built on
-    the meta device, not sharded), bitwise what ``build_model(config)`` holds; one
+    ``named_parameters()`` order) of ``model_on_meta`` (``build_model(model, ...)`` built on
+    the meta device, not sharded), bitwise what ``build_model(model, ...)`` holds; one
     parameter (or one module's) in memory at a time."""
-    if config.hf.checkpoint_dir is None:
-        yield from initial_values(model_on_meta, config.seed, names)
+    if model.hf.checkpoint_dir is None:
+        yield from initial_values(model_on_meta, model.seed, names)
         return
     wanted = list(names) if names is not None else [name for name, _ in model_on_meta.named_parameters()]
-    stored = _stored_names(Path(config.hf.checkpoint_dir), model_on_meta)
+    stored = _stored_names(Path(model.hf.checkpoint_dir), model_on_meta)
     in_checkpoint = [stored.get(name, hf_name(name)) for name in wanted]
-    for name, (_, value) in zip(wanted, checkpoint_tensors(Path(config.hf.checkpoint_dir), in_checkpoint), strict=True):
+    for name, (_, value) in zip(wanted, checkpoint_tensors(Path(model.hf.checkpoint_dir), in_checkpoint), strict=True):
         yield name, value
 
 
-def buffer_values(config: TrainConfig, model_on_meta: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, CPU tensor)`` of every buffer of ``model_on_meta``, as ``build_model(config)``
-    holds it. Buffers are made at construction (Llama's rotary ``inv_freq``): a meta build
+def buffer_values(seed: int, model_on_meta: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, CPU tensor)`` of every buffer of ``model_on_meta``, as the model built with
+    seed ``seed`` holds it. Buffers are made at construction (Llama's rotary ``inv_freq``): a meta build
     has none and FSDP2's ``to_empty`` leaves them uninitialised. Each module's are
     recomputed by its initialisation rule (transformers' recomputes rotary frequencies)."""
     rule = init_rule(model_on_meta)
@@ -69,7 +71,7 @@ def buffer_values(config: TrainConfig, model_on_meta: nn.Module) -> Iterator[tup
         if not keys:
             continue
         # Run the rule on two differently filled copies: a buffer it does not compute differs.
-        zeros, ones = (_buffers_by_rule(rule, config.seed, name, module, keys, fill) for fill in (0, 1))
+        zeros, ones = (_buffers_by_rule(rule, seed, name, module, keys, fill) for fill in (0, 1))
         for key in keys:
             qualified = f"{name}.{key}" if name else key
             if not torch.equal(zeros[key], ones[key]):

@@ -7,31 +7,32 @@ vocabulary (:mod:`cargohold.services.data.sources`).
 
 from __future__ import annotations
 
-from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.schema.data import DataConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.data.corpus import BYTE_VOCAB
 from cargohold.services.models.hf import pretrained_config
+from cargohold.services.models.spec import ModelSpec
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 """Where transformers configs keep their context length, in the order they are looked up."""
 
 
-def vocab_size(config: TrainConfig) -> int:
+def vocab_size(model: ModelSpec) -> int:
     """Token ids the model embeds: ``model.vocab_size``, or the transformers config's."""
-    if not config.hf.enabled:
-        return config.model.vocab_size
-    vocab = getattr(pretrained_config(config.hf), "vocab_size", None)
+    if not model.hf.enabled:
+        return model.gpt.vocab_size
+    vocab = getattr(pretrained_config(model.hf), "vocab_size", None)
     if not isinstance(vocab, int) or vocab <= 0:
-        raise ConfigError(f"the model at {config.hf.key}={config.hf.path!r} has no vocab_size in its config")
+        raise ConfigError(f"the model at {model.hf.key}={model.hf.path!r} has no vocab_size in its config")
     return vocab
 
 
-def context_length(config: TrainConfig) -> int | None:
+def context_length(model: ModelSpec) -> int | None:
     """The longest sequence the model takes: ``model.block_size``, or the transformers
     config's ``max_position_embeddings`` (or its other name); None when it states none."""
-    if not config.hf.enabled:
-        return config.model.block_size
-    loaded = pretrained_config(config.hf)
+    if not model.hf.enabled:
+        return model.gpt.block_size
+    loaded = pretrained_config(model.hf)
     for key in CONTEXT_KEYS:
         value = getattr(loaded, key, None)
         if isinstance(value, int) and value > 0:
@@ -39,39 +40,40 @@ def context_length(config: TrainConfig) -> int | None:
     return None
 
 
-def sequence_length(config: TrainConfig) -> int:
+def sequence_length(model: ModelSpec, data: DataConfig) -> int:
     """Tokens per training sequence: ``data.block_size``, else the model's context length."""
-    if config.data.block_size is not None:
-        return config.data.block_size
-    context = context_length(config)
+    if data.block_size is not None:
+        return data.block_size
+    context = context_length(model)
     if context is None:
         raise ConfigError(
-            f"the model at {config.hf.key}={config.hf.path!r} states no context length "
+            f"the model at {model.hf.key}={model.hf.path!r} states no context length "
             f"({', '.join(CONTEXT_KEYS)}); set data.block_size"
         )
     return context
 
 
-def check_model_fits_data(config: TrainConfig) -> None:
+def check_model_fits_data(model: ModelSpec, data: DataConfig) -> None:
     """Refuse a model that the configured data cannot train: byte-level data with fewer
     than 256 token ids, or sequences longer than the model's context."""
-    vocab, context, length = vocab_size(config), context_length(config), sequence_length(config)
-    if config.hf.enabled:
-        model_vocab = f"the model at {config.hf.key}={config.hf.path!r} has vocab_size {vocab}"
-        model_context = f"max_position_embeddings ({context}) of the model at {config.hf.key}={config.hf.path!r}"
+    vocab, context, length = vocab_size(model), context_length(model), sequence_length(model, data)
+    hf = model.hf
+    if hf.enabled:
+        model_vocab = f"the model at {hf.key}={hf.path!r} has vocab_size {vocab}"
+        model_context = f"max_position_embeddings ({context}) of the model at {hf.key}={hf.path!r}"
     else:
         model_vocab, model_context = f"model.vocab_size is {vocab}", f"model.block_size ({context})"
-    if config.data.format == "bytes" and vocab < BYTE_VOCAB:
+    if data.format == "bytes" and vocab < BYTE_VOCAB:
         raise ConfigError(f"{model_vocab}; data.format=bytes is byte-level and needs vocab_size >= {BYTE_VOCAB}")
     if context is not None and length > context:
         raise ConfigError(f"data.block_size ({length}) exceeds {model_context}; lower data.block_size")
-    if config.hf.enabled and config.data.whole_documents:
-        family = getattr(pretrained_config(config.hf), "model_type", None)
+    if hf.enabled and data.whole_documents:
+        family = getattr(pretrained_config(hf), "model_type", None)
         if family not in DOCUMENT_MASKING_FAMILIES:
             raise ConfigError(
-                f"the model at {config.hf.key}={config.hf.path!r} ({family}) does not confine attention to each "
+                f"the model at {hf.key}={hf.path!r} ({family}) does not confine attention to each "
                 f"document from restarting position ids, which rows of whole documents rely on "
-                f"(data.packing={config.data.packing}, data.format={config.data.format}); set data.packing: stream"
+                f"(data.packing={data.packing}, data.format={data.format}); set data.packing: stream"
             )
 
 

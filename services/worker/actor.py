@@ -42,10 +42,17 @@ from cargohold.services.worker.model_setup import (
 )
 from cargohold.services.worker.param_groups import resolve_param_groups
 from cargohold.services.worker.sharding import local_tensors
-from cargohold.services.worker.state_port import ExchangeBuffers, LocalPort, RemotePort, SplitPort, StatePort
+from cargohold.services.worker.state_port import (
+    ExchangeBuffers,
+    LocalPort,
+    PortConfig,
+    RemotePort,
+    SplitPort,
+    StatePort,
+)
 from cargohold.services.worker.step import ShardedStep
 from cargohold.services.worker.step_report import EvalReport, StepReport
-from cargohold.services.worker.task import ConfigTask, TrainingTask
+from cargohold.services.worker.task import TrainingTask
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 60.0
@@ -68,13 +75,15 @@ class TrainingWorker(SegmentHolder):
         rank: int,
         run_id: str,
         auth_token: str | None = None,
-        task: TrainingTask | None = None,
+        task: TrainingTask,
     ) -> None:
-        """``task``: what to train (by default the model and data the config names). The
-        state servers' addresses come with :meth:`init_process_group`, so that a worker
-        starts while the servers do."""
+        """``config``: the run's whole config, as the launcher sends it; the worker is the one
+        service that takes it whole, and hands each part the sections it reads. ``task``:
+        what to train (the launcher's, e.g. the model and data the config names). The state
+        servers' addresses come with :meth:`init_process_group`, so that a worker starts
+        while the servers do."""
         torch.set_num_threads(config.worker.torch_threads)
-        check_loaded_allocator(worker_allocator(config))
+        check_loaded_allocator(worker_allocator(config.worker, config.cluster))
         self.config = config
         self.rank = rank
         self.run_id = run_id
@@ -85,7 +94,7 @@ class TrainingWorker(SegmentHolder):
             SegmentRegistry(TieredStorage(device=self.device), WeightBuffers(device=self.device)), f"worker{rank}"
         )
         self._auth_token = auth_token
-        self.task = task or ConfigTask(config)
+        self.task = task
         self.data = self.task.open_data()
         self.eval_set = self.task.open_eval()
         self.metrics = WorkerMetrics(rank)
@@ -130,12 +139,13 @@ class TrainingWorker(SegmentHolder):
             world_size=self.world_size,
             timeout=timeout,
         )
-        model, units, layout = sharded_model(self.config, self.device, self.task)
         config = self.config
+        model, units, layout = sharded_model(self.task, config.worker, config.state_server.num_servers, self.device)
         self._collectives = share_collectives(units, layout, config.worker, self.device.type, self.run_id)
         shared = self._colocated_servers(server_node_ids)
         buffers = exchange_buffers(
-            config,
+            config.worker,
+            config.push_dtype,
             layout,
             shared_name=shm.region_name(self.run_id, f"rank{self.rank}") if shared else None,
             pin=self.device.type == "cuda",
@@ -153,9 +163,14 @@ class TrainingWorker(SegmentHolder):
             for address in server_addresses
         ]
         param_groups = resolve_param_groups(config.optim, layout.params)
-        state_port: StatePort = RemotePort(config, self.run_id, clients, buffers, shared, self.metrics, param_groups)
+        port_config = PortConfig(
+            optim=config.optim, push_dtype=config.push_dtype, compute_dtype=config.worker.compute_dtype
+        )
+        state_port: StatePort = RemotePort(
+            port_config, self.run_id, clients, buffers, shared, self.metrics, param_groups
+        )
         if layout.device_segments(self.rank):
-            state_port = SplitPort(state_port, LocalPort(config, self.run_id, param_groups, self.registry))
+            state_port = SplitPort(state_port, LocalPort(port_config, self.run_id, param_groups, self.registry))
         self.step = ShardedStep(
             model,
             units,
@@ -163,11 +178,11 @@ class TrainingWorker(SegmentHolder):
             self.rank,
             state_port,
             buffers,
-            step_policy(config),
+            step_policy(config.optim, config.worker),
             device=self.device,
             loss=self.task.loss,
             window=weight_window(
-                config, model, units, layout, rank=self.rank, run_id=self.run_id, observer=self.metrics
+                config.worker, model, units, layout, rank=self.rank, run_id=self.run_id, observer=self.metrics
             ),
         )
         self._report_resident_bytes()

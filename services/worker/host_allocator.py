@@ -24,8 +24,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
-from cargohold.cluster.schema.train import TrainConfig
-from cargohold.cluster.schema.worker import HostAllocatorSetting
+from cargohold.cluster.schema.run import ClusterConfig
+from cargohold.cluster.schema.worker import HostAllocatorSetting, WorkerConfig
 from cargohold.services.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -71,9 +71,10 @@ def resolve_allocator(setting: HostAllocatorSetting, host_budget_bytes: int | No
     return "glibc" if host_budget_bytes is not None else "mimalloc"
 
 
-def worker_allocator(config: TrainConfig) -> HostAllocator:
-    """The allocator the workers of ``config`` run (``tuning.worker.host_allocator`` resolved)."""
-    return resolve_allocator(config.worker.host_allocator, config.cluster.host_memory_bytes)
+def worker_allocator(worker: WorkerConfig, cluster: ClusterConfig) -> HostAllocator:
+    """The allocator the workers run (``tuning.worker.host_allocator`` resolved against
+    ``cluster.host_memory_bytes``)."""
+    return resolve_allocator(worker.host_allocator, cluster.host_memory_bytes)
 
 
 def allocator_env(allocator: HostAllocator) -> dict[str, str]:

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from cargohold.cluster.schema.train import TrainConfig
-from cargohold.cluster.schema.worker import WorkerConfig
+from cargohold.cluster.schema.optim import OptimConfig
+from cargohold.cluster.schema.worker import DType, WorkerConfig
 from cargohold.services.core.errors import ConfigError, TrainingError
 from cargohold.services.core.layout import Layout
 from cargohold.services.core.wire import WIRE_DTYPES
@@ -36,7 +36,7 @@ from cargohold.services.worker.sharding import (
 )
 from cargohold.services.worker.state_port import ExchangeBuffers
 from cargohold.services.worker.step import StepPolicy
-from cargohold.services.worker.task import ConfigTask, TrainingTask
+from cargohold.services.worker.task import TrainingTask
 from cargohold.services.worker.weight_files import WeightFiles, WeightObserver
 from cargohold.services.worker.weight_window import WeightWindow
 
@@ -50,33 +50,31 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
-def model_layout(config: TrainConfig, task: TrainingTask | None = None) -> tuple[nn.Module, list[Unit], Layout]:
-    """The meta-device model, its FSDP2 units and the layout every process derives from
-    the config and the task (by default the model the config names): workers, launcher,
-    plan, tests."""
-    task = task or ConfigTask(config)
+def model_layout(task: TrainingTask, worker: WorkerConfig, num_servers: int) -> tuple[nn.Module, list[Unit], Layout]:
+    """The meta-device model of ``task``, its FSDP2 units (``worker.max_unit_params``) and
+    the layout over ``worker.num_workers`` workers and ``num_servers`` state servers that
+    every process derives: workers, launcher, plan, tests."""
     with torch.device("meta"):
         model = task.build()
-    units = units_of(model, task.blocks(model), max_params=config.worker.max_unit_params)
+    units = units_of(model, task.blocks(model), max_params=worker.max_unit_params)
     layout = layout_for_units(
         model,
         units,
-        num_workers=config.worker.num_workers,
-        num_servers=config.state_server.num_servers,
-        device_fraction=config.worker.optimizer_on_device_fraction,
+        num_workers=worker.num_workers,
+        num_servers=num_servers,
+        device_fraction=worker.optimizer_on_device_fraction,
     )
     return model, units, layout
 
 
 def sharded_model(
-    config: TrainConfig, device: torch.device, task: TrainingTask | None = None
+    task: TrainingTask, worker: WorkerConfig, num_servers: int, device: torch.device
 ) -> tuple[nn.Module, list[Unit], Layout]:
-    """The model sharded with FSDP2 (the process group must exist), local shards
-    allocated on ``device`` (host memory when offloaded) but not yet filled."""
-    task = task or ConfigTask(config)
-    model, units, layout = model_layout(config, task)
-    worker = config.worker
-    offload = params_in_host_memory(config)
+    """The model of ``task`` sharded with FSDP2 (the process group must exist) as
+    :func:`model_layout` lays it out, local shards allocated on ``device`` (host memory
+    when offloaded) but not yet filled."""
+    model, units, layout = model_layout(task, worker, num_servers)
+    offload = params_in_host_memory(worker)
     if offload and device.type == "cuda":
         _check_pinned_memory()
     model.to(WIRE_DTYPES[worker.compute_dtype])  # FSDP2 keeps the shards in the dtype it finds
@@ -131,10 +129,11 @@ def largest_collective_bytes(layout: Layout, worker: WorkerConfig) -> int:
     return chunks * worker.num_workers * itemsize
 
 
-def check_compute_dtype(config: TrainConfig, model: nn.Module) -> None:
-    """Refuse fp16 compute for a model that holds bf16 parameters as built: their values
-    may lie beyond fp16's range (65504), and a model made in bf16 was meant for it."""
-    if config.worker.compute_dtype != "float16":
+def check_compute_dtype(compute_dtype: DType, model: nn.Module) -> None:
+    """Refuse fp16 compute (``worker.compute_dtype``) for a model that holds bf16
+    parameters as built: their values may lie beyond fp16's range (65504), and a model
+    made in bf16 was meant for it."""
+    if compute_dtype != "float16":
         return
     bf16 = [name for name, param in model.named_parameters() if param.dtype == torch.bfloat16]
     if bf16:
@@ -145,14 +144,14 @@ def check_compute_dtype(config: TrainConfig, model: nn.Module) -> None:
         )
 
 
-def params_in_host_memory(config: TrainConfig) -> bool:
+def params_in_host_memory(worker: WorkerConfig) -> bool:
     """The chunks live in host memory (FSDP2's CPU offload): asked for, or implied by
     weights on NVMe, which are read into host memory."""
-    return config.worker.offload_params or config.worker.weights_nvme_path is not None
+    return worker.offload_params or worker.weights_nvme_path is not None
 
 
 def weight_window(
-    config: TrainConfig,
+    worker: WorkerConfig,
     model: nn.Module,
     units: list[Unit],
     layout: Layout,
@@ -163,7 +162,6 @@ def weight_window(
 ) -> WeightWindow | None:
     """With ``worker.weights_nvme_path``, the window the blocks' weights come into memory
     through (hooks on the sharded ``model``); None keeps every chunk in memory."""
-    worker = config.worker
     if worker.weights_nvme_path is None:
         return None
     itemsize = WIRE_DTYPES[worker.compute_dtype].itemsize
@@ -215,14 +213,14 @@ def _set_buffers(task: TrainingTask, model: nn.Module) -> None:
 
 
 def exchange_buffers(
-    config: TrainConfig, layout: Layout, *, shared_name: str | None = None, pin: bool = False
+    worker: WorkerConfig, push_dtype: DType, layout: Layout, *, shared_name: str | None = None, pin: bool = False
 ) -> ExchangeBuffers:
-    """``tuning.worker.exchange_slots`` slots of the largest unit, and the whole range's weights
-    with the delayed update."""
-    worker = config.worker
+    """``tuning.worker.exchange_slots`` slots of the largest unit (gradients in
+    ``push_dtype``, weights in the compute dtype), and the whole range's weights with the
+    delayed update."""
     return ExchangeBuffers.allocate(
         layout.largest_group,
-        WIRE_DTYPES[config.push_dtype],
+        WIRE_DTYPES[push_dtype],
         WIRE_DTYPES[worker.compute_dtype],
         slots=worker.exchange_slots,
         held_numel=layout.worker_size if worker.delayed_update else 0,
@@ -231,8 +229,7 @@ def exchange_buffers(
     )
 
 
-def step_policy(config: TrainConfig) -> StepPolicy:
-    optim, worker = config.optim, config.worker
+def step_policy(optim: OptimConfig, worker: WorkerConfig) -> StepPolicy:
     return StepPolicy(
         staged=optim.staged,
         nonfinite=optim.nonfinite,

@@ -18,7 +18,8 @@ from typing import Protocol
 
 import torch
 
-from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.schema.optim import OptimConfig
+from cargohold.cluster.schema.worker import DType
 from cargohold.services.core.layout import Segment
 from cargohold.services.core.segment_spec import SegmentSpec
 from cargohold.services.core.update_call import IN_CALL, STAGED, CommitTerms, GradientIn, SharedRef, UpdateCall
@@ -30,7 +31,21 @@ from cargohold.services.worker.page_lock import PageLock, PageLockRefused, page_
 from cargohold.services.worker.param_groups import ParamGroups
 
 
-def segment_spec(config: TrainConfig, run_id: str, segment: Segment, param_groups: ParamGroups) -> SegmentSpec:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PortConfig:
+    """What a port reads from the run's config: what the servers are told about each
+    segment, and the dtypes gradients go and weights come back in."""
+
+    optim: OptimConfig
+    """``optim.*``: each segment's AdamW terms, param groups' settings and state dtype."""
+    push_dtype: DType
+    """The dtype gradients travel in: ``worker.grad_wire_dtype``, or float32 when
+    micro-batches are accumulated (the config's ``push_dtype``)."""
+    compute_dtype: DType
+    """``worker.compute_dtype``: the dtype the workers' weights come back in."""
+
+
+def segment_spec(config: PortConfig, run_id: str, segment: Segment, param_groups: ParamGroups) -> SegmentSpec:
     """What a state server is told about one segment it owns."""
     groups, fragment_group = param_groups.of_segment(segment)
     return SegmentSpec(
@@ -205,7 +220,7 @@ class RemotePort:
 
     def __init__(
         self,
-        config: TrainConfig,
+        config: PortConfig,
         run_id: str,
         clients: list[StateServerClient],
         buffers: ExchangeBuffers,
@@ -248,7 +263,7 @@ class RemotePort:
             numel=segment.numel,
             gradient=where,
             terms=terms,
-            weights_dtype=None if terms is None else self.config.worker.compute_dtype,
+            weights_dtype=None if terms is None else self.config.compute_dtype,
             weights_to=SharedRef(*self.buffers.shared_ref(out)) if shared and out is not None and terms else None,
         )
         client = self.clients[segment.server]
@@ -275,7 +290,7 @@ class RemotePort:
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
         shm = self.buffers.shared_ref(out) if segment.server in self.shared else None
-        dtype = self.config.worker.compute_dtype
+        dtype = self.config.compute_dtype
         weights = self.clients[segment.server].fetch(
             self.run_id, segment.segment_id, update, dtype, segment.numel, shm=shm, out=out if shm is None else None
         )
@@ -299,7 +314,7 @@ class LocalPort:
     """State in this process: the same registry a state server runs."""
 
     def __init__(
-        self, config: TrainConfig, run_id: str, param_groups: ParamGroups, registry: SegmentRegistry | None = None
+        self, config: PortConfig, run_id: str, param_groups: ParamGroups, registry: SegmentRegistry | None = None
     ) -> None:
         self.config = config
         self.run_id = run_id
@@ -328,7 +343,7 @@ class LocalPort:
             numel=segment.numel,
             gradient=STAGED if gradient is None else IN_CALL,
             terms=terms,
-            weights_dtype=None if terms is None else self.config.worker.compute_dtype,
+            weights_dtype=None if terms is None else self.config.compute_dtype,
         )
         applied = state.update(call, gradient=gradient).applied
         if out is not None:
@@ -336,7 +351,7 @@ class LocalPort:
         return applied and not call.stages
 
     def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
-        dtype = self.config.worker.compute_dtype
+        dtype = self.config.compute_dtype
         self.registry.get(self.run_id, segment.segment_id).weights(update, dtype, out=out)
 
     def close(self) -> None:

@@ -16,13 +16,15 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.schema.data import DataConfig
+from cargohold.cluster.schema.eval import EvalConfig
 from cargohold.services.core.layout import Layout
 from cargohold.services.data.batches import Batch, DataSource
 from cargohold.services.data.evaluation import EvalSource, open_eval_set
 from cargohold.services.data.sources import open_source
 from cargohold.services.models.blocks import transformer_blocks
 from cargohold.services.models.build import buffer_values, build_model, parameter_values
+from cargohold.services.models.spec import ModelSpec
 from cargohold.services.worker.step import ParameterValues, model_loss
 
 
@@ -68,41 +70,47 @@ class TrainingTask(Protocol):
 
 
 class ConfigTask:
-    """The task ``config`` describes: ``model``/``hf``, ``data.*``, ``eval.*``."""
+    """The task a config describes: ``model``/``hf`` (``model``), ``data.*`` and ``eval.*``
+    (``held_out``), read by ``num_workers`` workers."""
 
-    def __init__(self, config: TrainConfig) -> None:
-        self.config = config
-        self.eval_every_steps = config.eval.every_steps
+    def __init__(self, model: ModelSpec, data: DataConfig, held_out: EvalConfig, num_workers: int) -> None:
+        self.model = model
+        self.data = data
+        self.held_out = held_out
+        self.num_workers = num_workers
+        self.eval_every_steps = held_out.every_steps
         self._checked: set[str] = set()
         """What this task's data checks read whole ("data", "eval": a token file's every
         id) in the launcher, so that the workers it is pickled to read only their batches."""
 
     def build(self) -> nn.Module:
-        return build_model(self.config)
+        return build_model(self.model, self.data)
 
     def blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return transformer_blocks(model)
 
     def initial_values(self, model_on_meta: nn.Module) -> ParameterValues:
-        return lambda names: parameter_values(self.config, model_on_meta, names)
+        return lambda names: parameter_values(self.model, model_on_meta, names)
 
     def buffer_values(self, model_on_meta: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        return buffer_values(self.config, model_on_meta)
+        return buffer_values(self.model.seed, model_on_meta)
 
     def loss(self, model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
         return model_loss(model, batch, device)
 
     def open_data(self) -> DataSource:
-        source = open_source(self.config, check_token_file="data" not in self._checked)
+        source = open_source(self.model, self.data, self.num_workers, check_token_file="data" not in self._checked)
         self._checked.add("data")
         return source
 
     def open_eval(self) -> EvalSource | None:
-        held_out = open_eval_set(self.config, check_token_file="eval" not in self._checked)
+        held_out = open_eval_set(
+            self.model, self.data, self.held_out, self.num_workers, check_token_file="eval" not in self._checked
+        )
         self._checked.add("eval")
         return held_out
 
     def export(self, layout: Layout, flat: torch.Tensor, directory: Path) -> Path:
         from cargohold.cluster.export import export_weights  # the export layer sits above services
 
-        return export_weights(self.config, layout, flat, directory)
+        return export_weights(self.model, self.data, layout, flat, directory)
