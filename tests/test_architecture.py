@@ -3,14 +3,18 @@ a training worker, services/server only in a state server, and neither imports t
 the folders both use (core, segments, tiers, checkpoint, transport, metrics, data,
 models) import neither. The core (services/core and the tiers' math) imports neither Ray
 nor gRPC, the config schema imports only the core, nothing below the Python API imports
-it, and no module-level import cycle exists. Checked on the source (every module's
-top-level imports) and in a fresh interpreter (what importing a module really loads)."""
+it, and no module-level import cycle exists. The schema reaches services only through
+the sections and values they read: none but the worker actor names the whole
+``TrainConfig``. Checked on the source (every module's top-level imports, and every
+mention of ``TrainConfig``) and in a fresh interpreter (what importing a module really
+loads)."""
 
 from __future__ import annotations
 
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -187,6 +191,75 @@ def test_the_client_does_not_import_the_segment_store() -> None:
     client = GRAPH["cargohold.services.transport.grpc_client"]
     assert not {t for t in client if t.startswith("cargohold.services.segments.")}
     assert not client & {"cargohold.services.tiers.storage", "cargohold.services.tiers.nvme"}
+
+
+WHOLE_CONFIG = "TrainConfig"
+TAKES_THE_WHOLE_CONFIG = frozenset({"cargohold.services.worker.actor"})
+"""The one service that receives the run's whole config: the launcher sends it to each
+worker actor over Ray, and the actor hands every part below it the sections it reads."""
+
+
+def _mentions_of_whole_config(source: str) -> list[int]:
+    """Lines of ``source`` that import ``TrainConfig``, name it in code, or annotate with
+    it (quoted annotations too); docstrings and comments aside."""
+    tree = ast.parse(source)
+    annotations = [
+        node.annotation if isinstance(node, (ast.arg, ast.AnnAssign)) else node.returns
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.arg, ast.AnnAssign, ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    quoted = {
+        id(node)
+        for annotation in annotations
+        if annotation is not None
+        for node in ast.walk(annotation)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [alias.name.rpartition(".")[2] for alias in node.names]
+        elif isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif id(node) in quoted:
+            names = re.findall(r"\w+", node.value)
+        else:
+            continue
+        if WHOLE_CONFIG in names:
+            lines.add(node.lineno)
+    return sorted(lines)
+
+
+def test_services_take_config_sections_not_the_whole_config() -> None:
+    """A service takes the sections it reads (``DataConfig``, ``WorkerConfig``, ...), the
+    values, or a small record of them (``ModelSpec``, ``PortConfig``), never the whole
+    ``TrainConfig``: the launcher, the plan, the CLI and the API hand them down
+    (``cluster/sections.py``), and so does the worker actor, the one exception."""
+    wrong = {
+        module: lines
+        for module, path in _modules().items()
+        if module.startswith("cargohold.services.") and module not in TAKES_THE_WHOLE_CONFIG
+        if (lines := _mentions_of_whole_config(path.read_text()))
+    }
+    assert not wrong, f"services naming the whole TrainConfig (module: lines): {wrong}"
+
+
+def test_the_whole_config_check_sees_imports_and_annotations() -> None:
+    """The check above catches each way a module could come to take the whole config."""
+    caught = [
+        "from cargohold.cluster.schema.train import TrainConfig",
+        "from cargohold.cluster.schema.train import TrainConfig as Config",
+        "if TYPE_CHECKING:\n    from cargohold.cluster.schema import train\ndef f(c: train.TrainConfig) -> None: ...",
+        "def f(c: 'TrainConfig') -> None: ...",
+        "def f() -> TrainConfig | None: ...",
+        "config: TrainConfig",
+        "import cargohold.cluster.schema.train\nconfig = cargohold.cluster.schema.train.TrainConfig()",
+    ]
+    assert [source for source in caught if not _mentions_of_whole_config(source)] == []
+    passed = '"""Takes the sections of a TrainConfig."""\nfrom cargohold.cluster.schema.data import DataConfig'
+    assert _mentions_of_whole_config(passed) == []
 
 
 def test_only_the_launcher_imports_the_worker_actor() -> None:
