@@ -17,9 +17,6 @@ MAX_FUNCTION_LINES = 80
 
 OVER: dict[str, int] = {
     "services/worker/step.py": 599,
-    "services/tiers/storage.py": 548,
-    "services/tiers/storage.py:add_segment": 82,
-    "cluster/plan/worker.py:plan_worker": 114,
 }
 """What is still over the limits, at its size today: may shrink, never grow."""
 

@@ -20,6 +20,7 @@ per-unit figure then follows the largest piece.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -225,84 +226,69 @@ def _unit_sizes(layout: Layout) -> list[_UnitSize]:
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class _Itemsizes:
+    """Bytes per element of what a worker holds and moves."""
+
+    compute: int
+    """Weights, gathered units and their gradients (``worker.compute_dtype``)."""
+    wire: int
+    """Gradients in FSDP2's reduce-scatter (``worker.grad_wire_dtype``)."""
+    push: int
+    """Gradients pushed to the state servers (fp32 when micro-batches are accumulated)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _DeviceOptimizer:
+    """The device segments' share of the compute device (``worker.optimizer_on_device_fraction``)."""
+
+    state_bytes: int
+    """Their AdamW state and, with the staged update, their staged gradients: these stay."""
+    update_bytes: int
+    """The weights each update in flight (one per exchange slot) prepares, in the compute dtype."""
+    per_element: float
+    """What one more element of device segments would cost."""
+
+
 def plan_worker(
     config: TrainConfig, layout: Layout, model: torch.nn.Module, device: str, transport: str, activations: int
 ) -> WorkerPlan:
     """Rank 0 of ``layout`` computing on ``device`` ("cuda" or "cpu"), exchanging with the
     state servers over ``transport``; ``activations`` is the activation estimate."""
     settings = config.worker
-    compute = DTYPE_BYTES[settings.compute_dtype]
-    wire = DTYPE_BYTES[settings.grad_wire_dtype]
-    push = DTYPE_BYTES[config.push_dtype]  # fp32 when micro-batches are accumulated
-    world = layout.num_workers
+    size = _Itemsizes(
+        compute=DTYPE_BYTES[settings.compute_dtype],
+        wire=DTYPE_BYTES[settings.grad_wire_dtype],
+        push=DTYPE_BYTES[config.push_dtype],
+    )
     on_nvme = settings.weights_nvme_path is not None
     offload = (settings.offload_params or on_nvme) and device == "cuda"
-    # FSDP2's local shards, in the compute dtype; rank 0 holds the most (the last ranks'
-    # dim-0 chunks run short or empty). With weights on NVMe, the root's, a window of
-    # units (their padded chunks, as allocated) and the files' read buffers.
-    unit_files = [round_up((g.stop - g.start) * compute) for g in layout.groups[1:]]  # as written: whole units
+    unit_files = [round_up((g.stop - g.start) * size.compute) for g in layout.groups[1:]]  # as written: whole units
     if on_nvme:
-        root_weights = sum(slot.local_numel(0) for slot in layout.group_params(0)) * compute
-        largest_chunks = max(sum(s.slot_numel for s in layout.group_params(g.index)) for g in layout.groups[1:])
-        read_buffers = WEIGHT_READ_BUFFERS * max(unit_files)
-        weights = root_weights + settings.weight_window * largest_chunks * compute + read_buffers
+        weights = _windowed_shards(layout, size, settings.weight_window, unit_files)
     else:
-        weights = sum(slot.local_numel(0) for slot in layout.params) * compute
+        weights = _all_shards(layout, size)
     exchange = exchange_nbytes(
         layout.largest_group,
-        push,
-        compute,
+        size.push,
+        size.compute,
         slots=settings.exchange_slots,
         held_numel=layout.worker_size if settings.delayed_update else 0,
     )
     shared = collectives_in_shared_memory(settings, device)
-    collectives = region_nbytes(largest_collective_bytes(layout, settings), world) if shared else 0
+    collectives = region_nbytes(largest_collective_bytes(layout, settings), layout.num_workers) if shared else 0
     units = _unit_sizes(layout)
-    root, others = units[0], units[1:]
     regathered = backward_gathered_units(len(units), settings.reshard_after_forward, settings.kept_gathered_units)
-    kept = [u.numel for g, u in enumerate(others, start=1) if g not in regathered]
-    freed = [u.numel for g, u in enumerate(others, start=1) if g in regathered]
-    # The unit computed and the one prefetched; the units kept from their forward to their
-    # backward, with the one prefetched after them (every unit without resharding).
-    in_flight = max(sum(sorted((u.numel for u in others), reverse=True)[:2]), sum(kept) + max(freed, default=0))
-    gather_buffer = max(world * u.chunk for u in units) if world > 1 else 0  # none to gather alone
-    gathered = (root.numel + in_flight + gather_buffer) * compute
-
-    def reduce_scatter(unit: _UnitSize) -> int:  # FSDP2's input (W chunks) and output, wire dtype
-        return (world + 1) * unit.chunk * wire
-
-    gradients = root.numel * compute + max(
-        max(u.numel * compute + reduce_scatter(u) for u in others), reduce_scatter(root)
-    )
+    gathered = _gathered_bytes(units, regathered, layout.num_workers, size)
+    gradients = _gradient_bytes(units, layout.num_workers, size)
     chunk = max(u.chunk for u in units)
-    squares = min(chunk, SQUARES_CHUNK) * 8  # the norm's fp64 cast, a piece at a time
-    transient = squares + (chunk * compute if wire != compute else 0) + (2 * chunk * compute if offload else 0)
-    # Device segments: their state and staged gradients stay; each update in flight (one
-    # per exchange slot) prepares its weights in the compute dtype.
-    on_device = layout.device_segments(0)
-    staged = push if config.optim.staged else 0
-    device_state = sum(stored_bytes(config.optim.state_dtype, s.numel) + s.numel * staged for s in on_device)
-    device_update = settings.exchange_slots * max((s.numel for s in on_device), default=0) * compute
-    per_element = bytes_per_parameter(config.optim.state_dtype) + staged
-    per_element += settings.exchange_slots * compute * layout.largest_group / layout.worker_size
-
+    transient = _transient_bytes(chunk, size, offload)
+    optimizer = _device_optimizer(config, layout, size)
     on_host = weights if offload or device == "cpu" else 0
-    one_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     runtime = worker_runtime_bytes(device)
-    startup = (
-        runtime
-        + exchange
-        + collectives
-        + on_host
-        + config.data.corpus_bytes
-        + one_module * FP32_BYTES
-        + max(g.stop - g.start for g in layout.groups) * FP32_BYTES
-    )
-    gathers = sum(u.chunk for u in units) + sum(units[g].chunk for g in regathered)
-    weight_reads = 0
-    if on_nvme:
-        reads = reads_per_micro_batch(range(1, len(units)), window=settings.weight_window, backward=regathered)
-        weight_reads = config.data.micro_batches * sum(unit_files[g - 1] for g in reads)
+    startup = runtime + exchange + collectives + on_host + config.data.corpus_bytes
+    startup += _initial_values_bytes(model, layout)
+    others = units[1:]
     return WorkerPlan(
         device=device,
         offload=offload,
@@ -312,7 +298,7 @@ def plan_worker(
         max_unit_params=settings.max_unit_params,
         largest_unit=max((u.numel for u in others), default=0),
         reshard_after_forward=settings.reshard_after_forward,
-        kept_gathered_units=len(kept) if settings.reshard_after_forward else 0,
+        kept_gathered_units=len(others) - len(regathered) if settings.reshard_after_forward else 0,
         gathered_bytes=gathered,
         gradient_bytes=gradients,
         transient_bytes=transient,
@@ -320,28 +306,118 @@ def plan_worker(
         activation_checkpointing=settings.activation_checkpointing,
         pinned_bytes=exchange + (weights if offload else 0) if device == "cuda" else 0,
         shared_memory_bytes=exchange if transport != "grpc" else 0,
-        host_transient_bytes=chunk * compute if offload else 0,
+        host_transient_bytes=chunk * size.compute if offload else 0,
         corpus_bytes=config.data.corpus_bytes,
         allocator_kept_bytes=_allocator_kept(config, device, gathered + gradients + transient + activations),
         runtime_bytes=runtime,
         startup_host_bytes=startup,
-        traffic=WorkerTraffic(
-            reduce_scatter_bytes=(world - 1) * sum(u.chunk for u in units) * wire,
-            all_gather_bytes=(world - 1) * gathers * compute,
-            push_bytes=layout.worker_size * push,
-            fetch_bytes=layout.worker_size * compute,
-            weight_read_bytes=weight_reads,
-            weight_write_bytes=sum(unit_files) if on_nvme else 0,  # each file once, after the update
-        ),
+        traffic=_traffic(config, layout, units, regathered, unit_files if on_nvme else None, size),
         nvme_weight_bytes=sum(unit_files) if on_nvme else 0,
-        device_state_bytes=device_state,
-        device_update_bytes=device_update,
-        device_state_per_element=per_element,
+        device_state_bytes=optimizer.state_bytes,
+        device_update_bytes=optimizer.update_bytes,
+        device_state_per_element=optimizer.per_element,
         weight_window=settings.weight_window if on_nvme else 0,
+    )
+
+
+def _all_shards(layout: Layout, size: _Itemsizes) -> int:
+    """FSDP2's local shards of every unit, in the compute dtype; rank 0 holds the most (the
+    last ranks' dim-0 chunks run short or empty)."""
+    return sum(slot.local_numel(0) for slot in layout.params) * size.compute
+
+
+def _windowed_shards(layout: Layout, size: _Itemsizes, window: int, unit_files: Sequence[int]) -> int:
+    """With weights on NVMe, the weight shards in memory: the root's, ``window`` units
+    (their padded chunks, as allocated) and the files' read buffers."""
+    root_weights = sum(slot.local_numel(0) for slot in layout.group_params(0)) * size.compute
+    largest_chunks = max(sum(s.slot_numel for s in layout.group_params(g.index)) for g in layout.groups[1:])
+    read_buffers = WEIGHT_READ_BUFFERS * max(unit_files)
+    return root_weights + window * largest_chunks * size.compute + read_buffers
+
+
+def _gathered_bytes(units: Sequence[_UnitSize], regathered: Collection[int], world: int, size: _Itemsizes) -> int:
+    """Units unsharded at once on the device (upper bound): the root, the units in flight
+    and the all-gather buffer of the unit arriving (none to gather alone)."""
+    root, others = units[0], units[1:]
+    kept = [u.numel for g, u in enumerate(others, start=1) if g not in regathered]
+    freed = [u.numel for g, u in enumerate(others, start=1) if g in regathered]
+    # The unit computed and the one prefetched; the units kept from their forward to their
+    # backward, with the one prefetched after them (every unit without resharding).
+    in_flight = max(sum(sorted((u.numel for u in others), reverse=True)[:2]), sum(kept) + max(freed, default=0))
+    gather_buffer = max(world * u.chunk for u in units) if world > 1 else 0
+    return (root.numel + in_flight + gather_buffer) * size.compute
+
+
+def _gradient_bytes(units: Sequence[_UnitSize], world: int, size: _Itemsizes) -> int:
+    """Gradients on the device during backward (upper bound): the root's, and the larger of
+    a unit's with its reduce-scatter and the root's reduce-scatter."""
+
+    def reduce_scatter(unit: _UnitSize) -> int:  # FSDP2's input (W chunks) and output, wire dtype
+        return (world + 1) * unit.chunk * size.wire
+
+    root, others = units[0], units[1:]
+    return root.numel * size.compute + max(
+        max(u.numel * size.compute + reduce_scatter(u) for u in others), reduce_scatter(root)
+    )
+
+
+def _transient_bytes(chunk: int, size: _Itemsizes, offload: bool) -> int:
+    """Other per-step temporaries on the device (upper bound), for units of at most
+    ``chunk`` elements on a worker."""
+    squares = min(chunk, SQUARES_CHUNK) * 8  # the norm's fp64 cast, a piece at a time
+    cast = chunk * size.compute if size.wire != size.compute else 0
+    return squares + cast + (2 * chunk * size.compute if offload else 0)
+
+
+def _device_optimizer(config: TrainConfig, layout: Layout, size: _Itemsizes) -> _DeviceOptimizer:
+    """What rank 0's device segments take of its compute device."""
+    on_device = layout.device_segments(0)
+    staged = size.push if config.optim.staged else 0
+    slots = config.worker.exchange_slots
+    per_element = bytes_per_parameter(config.optim.state_dtype) + staged
+    per_element += slots * size.compute * layout.largest_group / layout.worker_size
+    return _DeviceOptimizer(
+        state_bytes=sum(stored_bytes(config.optim.state_dtype, s.numel) + s.numel * staged for s in on_device),
+        update_bytes=slots * max((s.numel for s in on_device), default=0) * size.compute,
+        per_element=per_element,
+    )
+
+
+def _initial_values_bytes(model: torch.nn.Module, layout: Layout) -> int:
+    """Host memory the initial values take while the worker starts: one module's full fp32
+    values and one unit's fp32 chunk (registered with the servers a unit at a time)."""
+    one_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return one_module * FP32_BYTES + max(g.stop - g.start for g in layout.groups) * FP32_BYTES
+
+
+def _traffic(
+    config: TrainConfig,
+    layout: Layout,
+    units: Sequence[_UnitSize],
+    regathered: Collection[int],
+    unit_files: Sequence[int] | None,
+    size: _Itemsizes,
+) -> WorkerTraffic:
+    """The bytes rank 0 moves per step; ``unit_files`` are its units' weight files (None:
+    weights in memory)."""
+    world = layout.num_workers
+    gathers = sum(u.chunk for u in units) + sum(units[g].chunk for g in regathered)
+    weight_reads = 0
+    if unit_files is not None:
+        window = config.worker.weight_window
+        reads = reads_per_micro_batch(range(1, len(units)), window=window, backward=regathered)
+        weight_reads = config.data.micro_batches * sum(unit_files[g - 1] for g in reads)
+    return WorkerTraffic(
+        reduce_scatter_bytes=(world - 1) * sum(u.chunk for u in units) * size.wire,
+        all_gather_bytes=(world - 1) * gathers * size.compute,
+        push_bytes=layout.worker_size * size.push,
+        fetch_bytes=layout.worker_size * size.compute,
+        weight_read_bytes=weight_reads,
+        weight_write_bytes=sum(unit_files) if unit_files is not None else 0,  # each file once, after the update
     )
 
 
 def _allocator_kept(config: TrainConfig, device: str, step_buffers: int) -> int:
     """What the worker's allocator keeps of ``step_buffers`` (the per-step buffers)."""
-    kept = worker_allocator(config.worker, config.cluster) == "mimalloc" and device == "cpu"
+    kept = worker_allocator(config) == "mimalloc" and device == "cpu"
     return round(MIMALLOC_KEPT_SHARE * step_buffers) if kept else 0
