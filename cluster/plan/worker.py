@@ -419,5 +419,5 @@ def _traffic(
 
 def _allocator_kept(config: TrainConfig, device: str, step_buffers: int) -> int:
     """What the worker's allocator keeps of ``step_buffers`` (the per-step buffers)."""
-    kept = worker_allocator(config) == "mimalloc" and device == "cpu"
+    kept = worker_allocator(config.worker, config.cluster) == "mimalloc" and device == "cpu"
     return round(MIMALLOC_KEPT_SHARE * step_buffers) if kept else 0
