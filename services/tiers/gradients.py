@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -30,7 +30,7 @@ from cargohold.services.tiers.fileformat import corrupt_error, crc32c, gradient_
 from cargohold.services.tiers.io_pool import AlignedBuffer, BufferPool, IoPool
 from cargohold.services.tiers.nvme import SPACE_ERRNOS, NvmeTier
 from cargohold.services.tiers.residency import PartitionKey, Residency
-from cargohold.services.tiers.tier import NullObserver, Partition, Staged, TierObserver
+from cargohold.services.tiers.tier import NullObserver, Partition, Staged, StagingTier, TierObserver
 
 GRADIENT_SUFFIX = ".grad"
 
@@ -64,9 +64,14 @@ class StagedGradients:
         buffers: BufferPool | None,
         observer: TierObserver | None = None,
         device: torch.device | None = None,
+        *,
+        in_files: Collection[Residency] = (),
     ) -> None:
-        """``device``: where the pieces kept in memory are (host memory when None)."""
+        """``device``: where the pieces kept in memory are (host memory when None).
+        ``in_files``: the tiers that keep files (:attr:`.tier.Tier.keeps_files`), whose
+        partitions' pieces go to a file beside theirs; the others' stay in memory."""
         self._nvme = nvme
+        self._in_files = frozenset(in_files) if nvme is not None else frozenset()
         self._device = device
         self._observer = observer or NullObserver()
         """Where the files' reads and writes are counted, with the state's."""
@@ -76,10 +81,10 @@ class StagedGradients:
         piece is written to its file through one."""
         self._lock = threading.Lock()
         self._pieces: dict[PartitionKey, _Piece] = {}
-        self._ram: dict[PartitionKey, AlignedBuffer] = {}
-        """Each resident partition's piece buffer (4 KiB aligned, as the plan counts it),
-        kept from step to step: the budget pays for it, and a fresh allocation's page
-        faults would cost as much as the copy."""
+        self._ram: dict[PartitionKey, tuple[AlignedBuffer, torch.Tensor]] = {}
+        """Each resident partition's piece buffer (4 KiB aligned, as the plan counts it)
+        and the piece's view of it, kept from step to step: the budget pays for it, and a
+        fresh allocation's page faults would cost as much as the copy."""
 
     def stage(self, parts: Sequence[Partition], update: int, gradient: torch.Tensor) -> None:
         """Keep ``gradient``'s piece of each partition in ``parts`` for ``update``: resident
@@ -90,7 +95,7 @@ class StagedGradients:
         try:
             for part in parts:
                 piece = gradient[part.span.start : part.span.stop]
-                if part.residency is Residency.RAM or self._nvme is None:
+                if part.residency not in self._in_files:
                     self._stage_in_ram(part, update, piece)
                 else:
                     writes.append(self._stage_on_disk(part, update, piece))
@@ -102,16 +107,15 @@ class StagedGradients:
 
     def _stage_in_ram(self, part: Partition, update: int, piece: torch.Tensor) -> None:
         key = part.key
-        nbytes = gradient_file_bytes(piece.numel(), piece.element_size())
         with self._lock:
-            buffer = self._ram.get(key)
-        if buffer is None or buffer.nbytes != nbytes:
-            buffer = AlignedBuffer(nbytes, self._device)
-        held = buffer.tensor[: piece.numel() * piece.element_size()].view(piece.dtype)
-        held.copy_(piece)
+            kept = self._ram.get(key)
+        if kept is None or kept[1].dtype != piece.dtype or kept[1].numel() != piece.numel():
+            buffer = AlignedBuffer(gradient_file_bytes(piece.numel(), piece.element_size()), self._device)
+            kept = (buffer, buffer.tensor[: piece.numel() * piece.element_size()].view(piece.dtype))
+        kept[1].copy_(piece)
         with self._lock:
-            self._ram[key] = buffer
-            self._pieces[key] = _Piece(update, piece.dtype, piece.numel(), ram=held)
+            self._ram[key] = kept
+            self._pieces[key] = _Piece(update, piece.dtype, piece.numel(), ram=kept[1])
 
     def _stage_on_disk(self, part: Partition, update: int, piece: torch.Tensor) -> Future[None]:
         assert self._nvme is not None and self._io is not None and self._buffers is not None
@@ -166,7 +170,7 @@ class StagedGradients:
                 piece = self._pieces.get(part.key)
                 if piece is not None and piece.update == update:
                     del self._pieces[part.key]
-                if part.residency is not Residency.RAM:
+                if part.residency in self._in_files:
                     self._ram.pop(part.key, None)
 
     def holds(self, key: PartitionKey) -> bool:
@@ -183,7 +187,7 @@ class StagedGradients:
     def ram_bytes(self) -> int:
         """Memory the resident partitions' pieces hold."""
         with self._lock:
-            return sum(buffer.nbytes for buffer in self._ram.values())
+            return sum(buffer.nbytes for buffer, _ in self._ram.values())
 
     # --- reading back -------------------------------------------------------------------
     def read_later(self, part: Partition, piece: _Piece, view: memoryview) -> Future[None]:
@@ -222,7 +226,7 @@ class GradientReads:
         self._views: dict[PartitionKey, torch.Tensor] = {}
         """Pieces read into their partition's staging buffer, until taken."""
 
-    def stage(self, tier: NvmeTier, partition: Partition, *, block: bool) -> Staged | None:
+    def stage(self, tier: StagingTier, partition: Partition, *, block: bool) -> Staged | None:
         """``tier.stage``, with the partition's piece read beside its state."""
         staged = tier.stage(partition, block=block)
         piece = self._pieces[partition.key]
@@ -251,15 +255,17 @@ class GradientReads:
         return view, True
 
 
-class NvmeWithGradients:
-    """The NVMe tier as an update that applies staged gradients streams it: each
+class WithGradients:
+    """A tier that keeps files as an update that applies staged gradients streams it: each
     partition's piece is read with its state (:meth:`GradientReads.stage`)."""
 
-    residency = Residency.NVME
-
-    def __init__(self, tier: NvmeTier, reads: GradientReads) -> None:
+    def __init__(self, tier: StagingTier, reads: GradientReads) -> None:
         self._tier = tier
         self._reads = reads
+
+    @property
+    def keeps_files(self) -> bool:
+        return self._tier.keeps_files
 
     def stage(self, partition: Partition, *, block: bool) -> Staged | None:
         return self._reads.stage(self._tier, partition, block=block)
@@ -269,9 +275,6 @@ class NvmeWithGradients:
 
     def discard(self, staged: Staged, *, intact: bool) -> None:
         self._tier.discard(staged, intact=intact)
-
-    def drop(self, partition: Partition) -> None:
-        self._tier.drop(partition)
 
 
 def _both(first: Future[None], second: Future[None]) -> Future[None]:

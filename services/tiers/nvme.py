@@ -32,7 +32,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import suppress
 from dataclasses import dataclass
@@ -52,6 +52,7 @@ from cargohold.services.tiers.fileformat import (
     check_updates,
     corrupt_error,
     crc32c,
+    gradient_file_bytes,
     unpack_header,
 )
 from cargohold.services.tiers.folders import lock_folder, remove_folder
@@ -179,8 +180,8 @@ def probe_path(root: str, direct_io: str, probe_bytes: int = PROBE_BYTES, *, key
 
 
 def _buffer_of(staged: Staged) -> AlignedBuffer:
-    """The staging buffer this tier put in ``staged.handle``."""
-    assert isinstance(staged.handle, AlignedBuffer), "a partition staged by another tier"
+    """The buffer holding ``staged`` in its file layout (``staged.handle``)."""
+    assert isinstance(staged.handle, AlignedBuffer), "a partition staged without its buffer"
     return staged.handle
 
 
@@ -188,6 +189,8 @@ class NvmeTier:
     """Partition files on one or several paths, moved through a shared buffer pool."""
 
     residency = Residency.NVME
+    keeps_files = True
+    capacity_bytes: int | None = None
 
     def __init__(
         self, paths: Sequence[TierPath], *, server_index: int, io: IoPool, buffers: BufferPool, observer: TierObserver
@@ -231,15 +234,17 @@ class NvmeTier:
                 raise
             self._runs[run_id] = locks
 
-    def check_space(self, files: Iterable[tuple[int, int]], what: str) -> None:
-        """Refuse, before anything is written, when the (path index, bytes) of new files
-        plus room for a full set of writes in flight exceed a filesystem's free space."""
+    def check_room(self, parts: Sequence[Partition], gradient_itemsize: int, what: str) -> None:
+        """Refuse, before anything is written, when new partitions' files and their staged
+        gradients' beside them, plus room for a full set of writes in flight, exceed a
+        filesystem's free space."""
         need: dict[int, int] = {}
         root_of: dict[int, str] = {}
-        for path_index, nbytes in files:
-            device = self.paths[path_index].device
+        for part in parts:
+            device = self.paths[part.path_index].device
+            nbytes = part.layout.file_bytes + gradient_file_bytes(part.span.numel, gradient_itemsize)
             need[device] = need.get(device, 0) + nbytes
-            root_of.setdefault(device, self.paths[path_index].root)
+            root_of.setdefault(device, self.paths[part.path_index].root)
         for device, nbytes in need.items():
             usage = shutil.disk_usage(root_of[device])
             if usage.total == 0:
@@ -247,7 +252,25 @@ class NvmeTier:
             nbytes += self._buffers.count * self._buffers.nbytes
             check_free_space(root_of[device], nbytes, usage.free, what)
 
-    def remove_runs(self) -> None:
+    @property
+    def memory_bytes(self) -> int:
+        return self._buffers.allocated_bytes  # the staging buffers allocated so far
+
+    def prepare(self, run_id: str, parts: Sequence[Partition], path_index: Mapping[PartitionKey, int]) -> None:
+        """Create the run's folders and name each partition's file on its planned path
+        (every partition has one, since any may move here later)."""
+        self.prepare_run(run_id)
+        for part in parts:
+            part.path_index = path_index[part.key]
+            part.path = self.file_of(part.key, part.path_index)
+
+    def reserve(self, partition: Partition) -> bool:
+        return True  # the space was checked (check_room) before anything is written
+
+    def buffer(self, partition: Partition) -> AlignedBuffer:
+        raise TierError(f"{partition.key} is kept in a file, not a buffer")
+
+    def close(self) -> None:
         """Delete this server's partition files of every run it held."""
         with self._lock:
             runs, self._runs = dict(self._runs), {}
@@ -286,7 +309,7 @@ class NvmeTier:
         unlink_if_present(partition.path)
 
     # --- moves in and out of the tier ---------------------------------------------------
-    def create(self, partition: Partition, master: torch.Tensor, moments: Moments | None = None) -> Future[None]:
+    def load(self, partition: Partition, master: torch.Tensor, moments: Moments | None = None) -> Future[None]:
         """Write a new partition file at ``partition.updates``: ``master`` and the moments
         (zero unless given, as when restoring a checkpoint; fp32 ones encoded into the
         partition's stored form)."""
@@ -300,9 +323,10 @@ class NvmeTier:
             raise
         return self._write_async(partition, buffer, partition.updates, release=True)
 
-    def write_from(self, partition: Partition, buffer: AlignedBuffer, updates: int) -> Future[None]:
-        """Write a RAM partition's own buffer as its file after ``updates`` updates (a demotion)."""
-        return self._write_async(partition, buffer, updates, release=False)
+    def receive(self, partition: Partition, staged: Staged, updates: int) -> Future[None] | None:
+        """Write a partition staged elsewhere (a RAM partition's own buffer) as its file
+        after ``updates`` updates (a demotion)."""
+        return self._write_async(partition, _buffer_of(staged), updates, release=False)
 
     def read_master_into(self, partition: Partition, out: torch.Tensor) -> None:
         """Copy (and cast) the stored master weights into ``out``; a warm buffer saves the read."""

@@ -85,10 +85,13 @@ def plan_tiers(
     staging_bytes: int,
     bandwidths: Sequence[Bandwidth] = (),
     num_paths: int = 1,
+    capacities: Sequence[tuple[Residency, int | None]] = (),
 ) -> TierPlan:
     """Place every partition; ``ram_budget_bytes=None`` keeps everything in RAM.
 
-    ``bandwidths`` (one per path, may be empty while unmeasured) only feed the cost
+    ``capacities``: the storage's tiers, fastest first, and what each may hold (None: no
+    limit, the last one); by default RAM with the budget less the staging buffers, then
+    NVMe. ``bandwidths`` (one per path, may be empty while unmeasured) only feed the cost
     estimate. Raises ValueError when the budget cannot even hold the staging buffers.
     """
     demands = sorted(partitions, key=lambda d: d.key)
@@ -104,12 +107,9 @@ def plan_tiers(
         raise ValueError(
             f"RAM budget {ram_budget_bytes} bytes is smaller than the {staging_bytes} bytes of staging buffers"
         )
-    residency: dict[PartitionKey, Residency] = {d.key: Residency.NVME for d in demands}
-    ram_bytes = 0
-    for demand in sorted(demands, key=lambda d: (d.key.index, d.key.run_id, d.key.segment_id)):
-        if ram_bytes + demand.ram_bytes <= capacity:
-            residency[demand.key] = Residency.RAM
-            ram_bytes += demand.ram_bytes
+    tiers = list(capacities) or [(Residency.RAM, capacity), (Residency.NVME, None)]
+    residency = _fill(demands, tiers)
+    ram_bytes = sum(d.ram_bytes for d in demands if residency[d.key] is Residency.RAM)
     path_index = {d.key: path_of(d.key, num_paths) for d in demands}
     on_disk = [d for d in demands if residency[d.key] is Residency.NVME]
     return TierPlan(
@@ -121,6 +121,23 @@ def plan_tiers(
         nvme_bytes=sum(d.state_bytes for d in on_disk),
         predicted_io_seconds=predict_io_seconds(on_disk, path_index, bandwidths),
     )
+
+
+def _fill(
+    demands: Sequence[PartitionDemand], tiers: Sequence[tuple[Residency, int | None]]
+) -> dict[PartitionKey, Residency]:
+    """The heads of the segments first (partition 0 of every segment, then 1, ...), each
+    into the fastest tier with room left for it; the last tier takes the rest."""
+    left = [capacity for _, capacity in tiers]
+    residency: dict[PartitionKey, Residency] = {}
+    for demand in sorted(demands, key=lambda d: (d.key.index, d.key.run_id, d.key.segment_id)):
+        for n, (tier, _) in enumerate(tiers):
+            room = left[n]
+            if room is None or n == len(tiers) - 1 or demand.ram_bytes <= room:
+                residency[demand.key] = tier
+                left[n] = None if room is None else room - demand.ram_bytes
+                break
+    return residency
 
 
 def path_of(key: PartitionKey, num_paths: int) -> int:
@@ -151,9 +168,12 @@ def predict_io_seconds(
 def stream_order(partitions: Sequence[tuple[int, Residency]], update: int) -> tuple[int, ...]:
     """The order a segment's update number ``update`` visits its partitions (by index).
 
-    RAM partitions first; then disk partitions ascending on odd updates, descending on
-    even ones, so each update begins with the partitions the previous one wrote last.
+    RAM partitions first, ascending; then each slower tier's (in the order ``Residency``
+    names them) ascending on odd updates, descending on even ones, so each update begins
+    with the partitions the previous one wrote last.
     """
-    ram = sorted(i for i, r in partitions if r is Residency.RAM)
-    disk = sorted((i for i, r in partitions if r is Residency.NVME), reverse=update % 2 == 0)
-    return tuple(ram + disk)
+    order: list[int] = []
+    for tier in Residency:
+        indices = sorted((i for i, r in partitions if r is tier), reverse=tier is not Residency.RAM and update % 2 == 0)
+        order += indices
+    return tuple(order)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from cargohold.services.core.durable import replace_durably
@@ -47,7 +47,7 @@ from cargohold.services.tiers.fileformat import (
 from cargohold.services.tiers.io_pool import AlignedBuffer
 from cargohold.services.tiers.nvme import unlink_if_present, write_partition_file
 from cargohold.services.tiers.residency import PartitionKey, Residency
-from cargohold.services.tiers.tier import Partition
+from cargohold.services.tiers.tier import Partition, Tier
 
 LINK_REFUSED = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP})
 """errnos of ``link`` that mean "not here", answered by copying."""
@@ -197,18 +197,16 @@ class PreservedPartition:
 
 def preserve_partitions(
     parts: Sequence[Partition],
-    ram_buffer: Callable[[Partition], AlignedBuffer],
+    tiers: Mapping[Residency, Tier],
     directory: str,
     name_of: Callable[[PartitionKey], str],
-    *,
-    in_place: bool,
 ) -> list[PreservedPartition]:
     """Put each of ``parts`` into ``directory`` as a partition file named ``name_of(key)``
-    (see :meth:`.storage.TieredStorage.preserve`): a disk partition's file linked or
-    pinned for a copy, a RAM partition (its buffer from ``ram_buffer``) given a
-    :class:`PendingWrite` of the buffer itself when ``in_place`` (its next update waits
-    for it), else of a copy taken now. Raises OSError or a TierError, having cancelled
-    its jobs."""
+    (see :meth:`.storage.TieredStorage.preserve`): the file of a partition in a tier that
+    keeps files (``tiers[residency]``) linked or pinned for a copy, a partition in memory
+    given a :class:`PendingWrite` of its buffer itself when its tier has a capacity (a
+    copy would break it; its next update waits for the write), else of a copy taken now.
+    Raises OSError or a TierError, having cancelled its jobs."""
     preserved: list[PreservedPartition] = []
     try:
         for part in parts:
@@ -217,12 +215,13 @@ def preserve_partitions(
             layout = part.layout
             checksum: int | None = None
             pending: PendingCopy | PendingWrite | None = None
-            if part.residency is Residency.RAM and in_place:
+            tier = tiers[part.residency]
+            if not tier.keeps_files and tier.capacity_bytes is not None:
                 part.saving = threading.Event()
-                pending = PendingWrite(ram_buffer(part), part.key, layout, part.updates, target, part.saving)
-            elif part.residency is Residency.RAM:
+                pending = PendingWrite(tier.buffer(part), part.key, layout, part.updates, target, part.saving)
+            elif not tier.keeps_files:
                 pending = PendingWrite(
-                    ram_buffer(part).clone(), part.key, layout, part.updates, target, threading.Event()
+                    tier.buffer(part).clone(), part.key, layout, part.updates, target, threading.Event()
                 )
             else:
                 try:

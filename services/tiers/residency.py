@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 
 class Residency(enum.Enum):
-    """The tier holding a partition's fp32 master weights and Adam moments."""
+    """The tier holding a partition's fp32 master weights and Adam moments, one member per
+    tier class, fastest first (the stream order follows it)."""
 
     RAM = "ram"
     NVME = "nvme"

@@ -9,7 +9,7 @@ which tier each partition is staged from and kept in.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
@@ -17,7 +17,7 @@ import torch
 
 from cargohold.services.tiers.partitions import PartitionSpan
 from cargohold.services.tiers.residency import Residency
-from cargohold.services.tiers.tier import Partition, PartitionArrays, Staged, Tier, TierObserver
+from cargohold.services.tiers.tier import Partition, PartitionArrays, Staged, StagingTier, TierObserver
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +51,15 @@ class StreamReport:
 def stream_partitions(
     order: Sequence[Partition],
     *,
-    store_of: Callable[[Partition], Tier],
+    tiers: Mapping[Residency, StagingTier],
     piece_of: Callable[[Partition], tuple[torch.Tensor, bool]],
     finish: Callable[[Partition, Staged], Future[None]],
     observer: TierObserver,
     report: StreamReport,
 ) -> Generator[PartitionUpdate]:
     """Each partition of ``order`` in memory with its gradient piece (``piece_of``: the
-    piece, and whether it may be scaled in place), for the consumer to update; finished
+    piece, and whether it may be scaled in place), staged from the tier of its residency
+    in ``tiers``, for the consumer to update; finished
     (``finish``) when the consumer asks for the next. While one is updated, the next are
     read in as far as free buffers allow, and finished ones are written back behind it.
     Ends once all are durable.
@@ -77,7 +78,7 @@ def stream_partitions(
         nonlocal issued
         while issued < len(order):
             partition = order[issued]
-            ahead = store_of(partition).stage(partition, block=False)
+            ahead = tiers[partition.residency].stage(partition, block=False)
             if ahead is None:
                 return  # no free buffer now; try again after the next update
             ahead.prefetched = True
@@ -89,7 +90,7 @@ def stream_partitions(
             failed = next((w.exception() for w in writes if w.done() and w.exception() is not None), None)
             if failed is not None:
                 raise failed  # a write-back failed (disk full?): stop updating, keep the rest as it was
-            store = store_of(partition)
+            store = tiers[partition.residency]
             if position >= issued:
                 # Nothing staged ahead is held now, so waiting for a buffer cannot deadlock:
                 # every buffer in use is being read or written and will come back.
@@ -101,7 +102,7 @@ def stream_partitions(
                 issued = position + 1
             prefetch()
             current = staged.pop(position)
-            if partition.residency is Residency.NVME:
+            if store.keeps_files:  # staged through a buffer: a read may have been waited for
                 _count_prefetch(current, report, observer)
             try:
                 _wait_ready(current, writes, prefetch, report)
@@ -115,7 +116,7 @@ def stream_partitions(
     except BaseException as error:
         failure = error
         for ahead in staged.values():
-            store_of(ahead.partition).discard(ahead, intact=True)
+            tiers[ahead.partition.residency].discard(ahead, intact=True)
     finally:
         waited = time.perf_counter()
         for write in writes:

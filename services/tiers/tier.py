@@ -1,12 +1,17 @@
 """The seam every tier implements (:class:`Tier`), the records it trades in, and the
-observer the tiers report their I/O to (the state server's metrics satisfy it)."""
+observer the tiers report their I/O to (the state server's metrics satisfy it).
+
+A tier is one place a partition's state can live (RAM, NVMe files); the storage holds its
+tiers in a list, fastest first, and asks each what is particular to it (whether it keeps
+files, its capacity) rather than naming them."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -21,6 +26,22 @@ from cargohold.services.core.state_precision import (
 from cargohold.services.tiers.fileformat import FileLayout
 from cargohold.services.tiers.partitions import PartitionSpan
 from cargohold.services.tiers.residency import PartitionKey, Residency
+
+if TYPE_CHECKING:
+    from cargohold.services.tiers.io_pool import AlignedBuffer
+    from cargohold.services.tiers.nvme import TierPath
+    from cargohold.services.tiers.source import Moments
+
+
+def _done() -> Future[None]:
+    future: Future[None] = Future()
+    future.set_result(None)
+    return future
+
+
+DONE = _done()
+"""A future that has already completed: what a tier that updates in place commits with.
+Shared, since a completed future never changes."""
 
 
 @dataclass(slots=True, eq=False)
@@ -42,11 +63,13 @@ class Partition:
     waits for the event."""
     state_dtype: StateDtype = "float32"
     """How its moments are stored (``optim.state_dtype``)."""
+    planned: Residency = Residency.RAM
+    """Where the server's tier plan wants it (set whenever the plan changes)."""
+    layout: FileLayout = field(init=False)
+    """Its file layout, which its buffers share."""
 
-    @property
-    def layout(self) -> FileLayout:
-        """Its file layout, which its buffers share."""
-        return FileLayout(self.span.numel, self.state_dtype)
+    def __post_init__(self) -> None:
+        self.layout = FileLayout(self.span.numel, self.state_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,12 +120,6 @@ class PartitionArrays:
                 decode_range(stored, start, out[start : start + PIECE_ELEMENTS])
 
 
-def _done() -> Future[None]:
-    future: Future[None] = Future()
-    future.set_result(None)
-    return future
-
-
 @dataclass(slots=True, eq=False)
 class Staged:
     """A partition made addressable for one update or read.
@@ -112,20 +129,28 @@ class Staged:
 
     partition: Partition
     arrays: PartitionArrays
-    ready: Future[None] = field(default_factory=_done)
+    ready: Future[None] = DONE
     warm: bool = False
     """The bytes were already in memory: no read was needed."""
     prefetched: bool = False
     """Staged ahead of the update that uses it (set by the pipeline)."""
     handle: object = None
-    """The tier's own token (the NVMe tier's buffer)."""
+    """The buffer holding ``arrays`` in the partition's file layout (the RAM tier's own,
+    or the NVMe tier's staging buffer)."""
 
 
-class Tier(Protocol):
-    """One storage tier. The pipeline stages a partition, the kernel updates its arrays in
-    place, then the tier commits them (or discards them unchanged)."""
+class StagingTier(Protocol):
+    """What an update's stream (:mod:`.stream`) asks of a tier: the pipeline stages a
+    partition, the kernel updates its arrays in place, then the tier commits them (or
+    discards them unchanged)."""
 
-    residency: Residency
+    @property
+    def keeps_files(self) -> bool:
+        """Whether it keeps each partition as an immutable file (``Partition.path``) staged
+        through the shared staging buffers: a checkpoint hard-links that file, and a
+        staged gradient goes to a file beside it. Otherwise the partition's bytes stay in
+        memory (:meth:`Tier.buffer`), updated in place."""
+        ...
 
     def stage(self, partition: Partition, *, block: bool) -> Staged | None:
         """Make the partition's arrays addressable, reading them in if needed. With
@@ -142,8 +167,70 @@ class Tier(Protocol):
         equal the stored state (a read that was not modified)."""
         ...
 
+
+class Tier(StagingTier, Protocol):
+    """One storage tier: what a stream asks of it, and what registration, moves between
+    tiers, reads and checkpoints do. What differs between tiers is asked of them here,
+    never tested by name."""
+
+    residency: Residency
+    """The tier's value in the one residency enum (what the plan and the reports say)."""
+    capacity_bytes: int | None
+    """What the planner may place in it (partitions in their file layout and the gradients
+    staged beside them); None: no limit. The last tier of a storage has none."""
+
+    @property
+    def memory_bytes(self) -> int:
+        """Host (or device) memory it holds now."""
+        ...
+
+    @property
+    def paths(self) -> Sequence[TierPath]:
+        """The disk paths it keeps files on (none for a memory tier)."""
+        ...
+
+    # --- registration --------------------------------------------------------------
+    def prepare(self, run_id: str, parts: Sequence[Partition], path_index: Mapping[PartitionKey, int]) -> None:
+        """Get ready for a new segment's partitions (whichever tier they start in): a tier
+        that keeps files names each one's file (``path_index``: the plan's disk path)."""
+        ...
+
+    def reserve(self, partition: Partition) -> bool:
+        """Take a new partition in (its state written later by :meth:`load`); False, with
+        nothing changed, when there is no room now."""
+        ...
+
+    def check_room(self, parts: Sequence[Partition], gradient_itemsize: int, what: str) -> None:
+        """Refuse (TierSpaceError naming ``what``), before any is written, new partitions
+        and their staged gradients that the tier's storage cannot hold."""
+        ...
+
+    def load(self, partition: Partition, master: torch.Tensor, moments: Moments | None) -> Future[None]:
+        """Set a reserved partition's first state (zero moments for None)."""
+        ...
+
+    def receive(self, partition: Partition, staged: Staged, updates: int) -> Future[None] | None:
+        """Take in a partition another tier staged (``staged.handle`` in its file layout)
+        as its state after ``updates``; None, with nothing changed, when there is no room
+        now. The future fails when the partition could not be kept here."""
+        ...
+
     def drop(self, partition: Partition) -> None:
         """Forget the partition and free what it held in this tier."""
+        ...
+
+    # --- reads ---------------------------------------------------------------------
+    def read_master_into(self, partition: Partition, out: torch.Tensor) -> None:
+        """Copy (and cast) the stored master weights into ``out``."""
+        ...
+
+    def buffer(self, partition: Partition) -> AlignedBuffer:
+        """The memory holding a partition in its file layout, which a checkpoint writes
+        out; only a tier that keeps no files has one."""
+        ...
+
+    def close(self) -> None:
+        """Delete what the tier holds outside this process (its files)."""
         ...
 
 
@@ -178,8 +265,3 @@ class NullObserver:
 
     def set_tier_plan(self, partitions: dict[str, int], predicted_io_seconds: float) -> None:
         pass
-
-
-def done_future() -> Future[None]:
-    """A future that has already completed."""
-    return _done()
