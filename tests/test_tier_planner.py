@@ -162,6 +162,19 @@ def test_a_smaller_partition_that_fits_still_goes_to_ram() -> None:
     assert plan.of(PartitionKey("r", 0, 0)) is NVME and plan.of(PartitionKey("r", 0, 1)) is RAM
 
 
+def test_the_tiers_fill_fastest_first_as_their_capacities_say() -> None:
+    demands = _demands({0: 5, 1: 5, 2: 1})
+    default = plan_tiers(demands, ram_budget_bytes=1000, staging_bytes=300, num_paths=2)
+    listed = plan_tiers(
+        demands, ram_budget_bytes=1000, staging_bytes=300, num_paths=2, capacities=[(RAM, 700), (NVME, None)]
+    )
+    assert listed == default  # the storage's tier list names the same two tiers
+    smaller = plan_tiers(
+        demands, ram_budget_bytes=1000, staging_bytes=300, num_paths=2, capacities=[(RAM, 300), (NVME, None)]
+    )
+    assert sorted((k.segment_id, k.index) for k, r in smaller.residency.items() if r is RAM) == [(0, 0), (1, 0), (2, 0)]
+
+
 def test_budget_below_staging_is_refused() -> None:
     with pytest.raises(ValueError, match="staging"):
         plan_tiers(_demands({0: 1}), ram_budget_bytes=10, staging_bytes=20)
