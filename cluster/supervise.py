@@ -63,6 +63,9 @@ class TrainResult:
     (no checkpoint read, no completed step computed again: :mod:`.live_recovery`)."""
     recovery_seconds: list[float] = field(default_factory=list)
     """From each failure's restart to training again."""
+    steps_recomputed: int = 0
+    """Completed steps the recoveries computed again: those after the checkpoint a restart
+    resumed (none for a live recovery)."""
     evals: list[EvalReport] = field(default_factory=list)
     """Validations on the held-out set (``eval.*``), in step order; the last is after the
     last step."""
@@ -71,12 +74,17 @@ class TrainResult:
     padding tokens, and the over-long ones truncated, dropped, split, or dropped for having
     no counted target left (``data.overlong``)."""
 
-    def rewind(self, step: int) -> None:
-        """Forget what came after ``step``: a recovery goes on from there."""
+    def rewind(self, step: int) -> int:
+        """Forget what came after ``step``: a recovery goes on from there. Returns how many
+        completed steps that forgot (they are computed again), counted in
+        :attr:`steps_recomputed`."""
         done = step - (self.first_step or 0)
+        forgotten = max(0, len(self.losses) - done)
+        self.steps_recomputed += forgotten
         del self.losses[done:], self.step_seconds[done:]
         self.skipped_steps = [s for s in self.skipped_steps if s <= step]
         self.evals = [e for e in self.evals if e.step <= step]
+        return forgotten
 
 
 def train(
@@ -195,9 +203,12 @@ def _train_session(
     with TrainingSession(config, resume=resume, task=task) as session:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _terminated)  # again: ray.init, when the session started Ray, set its own
+        if result.first_step is None:
+            result.first_step = session.step_count
+        recomputed = result.rewind(session.step_count)  # a recovery from a checkpoint repeats what came after
         if result.restarts:
             result.recovery_seconds.append(time.perf_counter() - recovering)
-            metrics.observe_recovery(result.recovery_seconds[-1])
+            metrics.observe_recovery(result.recovery_seconds[-1], recomputed)
         result.run_id = session.run_id
         if store is not None:
             store.own(session.run_id)
@@ -206,9 +217,6 @@ def _train_session(
         result.worker_resident_bytes = session.worker_resident_bytes()
         result.data_documents = dict(session.data_documents)
         metrics.observe_documents(session.data_documents)
-        if result.first_step is None:
-            result.first_step = session.step_count
-        result.rewind(session.step_count)  # a recovery from a checkpoint repeats what came after
         saves = _Saves(session, store, config, result, metrics, callbacks.on_checkpoint)
         try:
             while session.step_count < config.steps:
@@ -266,12 +274,12 @@ def _recovered_live(
     metrics.record_failure()
     result.restarts += 1
     result.live_recoveries += 1
-    result.recovery_seconds.append(time.perf_counter() - started)
-    metrics.observe_recovery(result.recovery_seconds[-1], live=True)
     if step - (result.first_step or 0) > len(result.losses):  # the lost step's update landed; its report did not
         result.losses.append(float("nan"))
         result.step_seconds.append(float("nan"))
-    result.rewind(step)
+    recomputed = result.rewind(step)  # 0: the servers stand after the last completed step
+    result.recovery_seconds.append(time.perf_counter() - started)
+    metrics.observe_recovery(result.recovery_seconds[-1], recomputed, live=True)
     logger.warning(
         "step %d failed (%s); workers replaced from the state servers' live state (recovery %d of %d), "
         "going on after step %d",

@@ -259,12 +259,13 @@ def test_a_resume_under_another_fraction_ends_bitwise_where_the_uninterrupted_ru
 def test_a_killed_worker_is_recovered_ending_bitwise_where_the_uninterrupted_run_ends(
     uninterrupted, tmp_path: Path, monkeypatch
 ) -> None:
-    """A worker SIGKILLed in step 5 takes its device segments' state with it: the launcher
-    restarts from the checkpoint of step 4, which holds them, and the run ends where the
-    uninterrupted one does."""
+    """A worker SIGKILLed before step 6 takes its device segments' state with it: the
+    launcher restarts from the checkpoint of step 4, which holds them (no live recovery),
+    computes step 5 again, and the run ends where the uninterrupted one does."""
     from cargohold.cluster.supervise import train
 
-    killed = kill_a_worker_in_step(monkeypatch, 5)
+    killed = kill_a_worker_in_step(monkeypatch, 6)
     result = train(_config(tmp_path, 0.5, checkpoint__every_steps=2, checkpoint__max_failures=1))
     assert len(killed) == 1 and result.restarts == 1 and len(result.losses) == STEPS
+    assert result.live_recoveries == 0 and result.steps_recomputed == 1
     _assert_same(_final(tmp_path), uninterrupted)

@@ -403,7 +403,7 @@ def test_metric_names_lists_exactly_what_is_exported(server: StateServerMetrics,
     try:
         launcher.observe_checkpoint(0.01, 0.5, 1024, 4096)
         launcher.record_failure()
-        launcher.observe_recovery(3.0)
+        launcher.observe_recovery(3.0, 2)
         launcher_names = _exported_names(launcher)
     finally:
         launcher.stop()

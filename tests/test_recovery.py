@@ -204,6 +204,8 @@ def test_a_killed_actor_is_recovered_live_or_from_the_last_checkpoint(
         metrics.stop()
     assert killed == [victim] and result.restarts == 1 and len(result.recovery_seconds) == 1
     assert result.live_recoveries == (victim == "worker")
+    # A server's death restarts from step 4's checkpoint: step 5, completed, is computed again.
+    assert result.steps_recomputed == (victim == "state-server")
     assert len(result.losses) == STEPS
     _assert_same(_final_state(tmp_path), uninterrupted)
     # A checkpoint lands one step after it began: steps 2 and 4 before the kill (before
@@ -212,6 +214,7 @@ def test_a_killed_actor_is_recovered_live_or_from_the_last_checkpoint(
     # The launcher's metrics, scraped.
     assert scraped["cargohold_failures_total"] == 1 and scraped["cargohold_restarts_total"] == 1
     assert scraped["cargohold_live_recoveries_total"] == (victim == "worker")
+    assert scraped["cargohold_steps_recomputed_total"] == result.steps_recomputed
     assert scraped["cargohold_recovery_seconds_count"] == 1 and scraped["cargohold_recovery_seconds_sum"] > 0
     assert scraped["cargohold_checkpoints_total"] == 4
     assert scraped["cargohold_checkpoint_bytes_total"] > 0

@@ -19,6 +19,7 @@ from cargohold.services.metrics.names import (
     LIVE_RECOVERIES,
     RECOVERY_SECONDS,
     RESTARTS,
+    STEPS_RECOMPUTED,
 )
 
 _LAUNCHER_BUCKETS = (
@@ -60,6 +61,11 @@ class LauncherMetrics(MetricsEndpoint):
         self._live = Counter(
             LIVE_RECOVERIES,
             "Of the recoveries, lost workers replaced from the state servers' live state (no checkpoint read).",
+            registry=self.registry,
+        )
+        self._recomputed = Counter(
+            STEPS_RECOMPUTED,
+            "Completed steps computed again after a recovery (0 for a live one).",
             registry=self.registry,
         )
         self._recovery = Histogram(
@@ -110,8 +116,10 @@ class LauncherMetrics(MetricsEndpoint):
     def record_failure(self) -> None:
         self._failures.inc()
 
-    def observe_recovery(self, seconds: float, *, live: bool = False) -> None:
+    def observe_recovery(self, seconds: float, recomputed: int, *, live: bool = False) -> None:
+        """A recovery that took ``seconds`` and computes ``recomputed`` completed steps again."""
         self._restarts.inc()
+        self._recomputed.inc(recomputed)
         if live:
             self._live.inc()
         self._recovery.observe(seconds)

@@ -38,6 +38,7 @@ CHECKPOINTS = "cargohold_checkpoints_total"
 FAILURES = "cargohold_failures_total"
 RESTARTS = "cargohold_restarts_total"
 LIVE_RECOVERIES = "cargohold_live_recoveries_total"
+STEPS_RECOMPUTED = "cargohold_steps_recomputed_total"
 RECOVERY_SECONDS = "cargohold_recovery_seconds"
 EVAL_LOSS = "cargohold_eval_loss"
 DATA_DOCUMENTS = "cargohold_data_documents"
@@ -78,6 +79,7 @@ METRIC_NAMES: tuple[str, ...] = (
     FAILURES,
     RESTARTS,
     LIVE_RECOVERIES,
+    STEPS_RECOMPUTED,
     RECOVERY_SECONDS,
     EVAL_LOSS,
     EVAL_PERPLEXITY,
