@@ -5,6 +5,7 @@ checkpoint is read (the run has none to read)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -71,6 +72,7 @@ def test_a_worker_killed_before_a_step_is_replaced_live_and_the_run_ends_bitwise
     state, losses = uninterrupted
     assert len(killed) == 1 and result.restarts == 1 and result.live_recoveries == 1
     assert len(starts) == 1, "the placement group and the state servers were kept"
+    assert result.steps_recomputed == 0
     assert result.losses == losses, "no step computed again, every loss the uninterrupted run's"
     _assert_same(_final(tmp_path), state)
 
@@ -104,6 +106,53 @@ def test_a_worker_killed_during_a_step_is_replaced_live_and_the_run_ends_bitwise
     assert len(result.losses) == STEPS
     # A step the kill did not stop before its update landed everywhere has no report (nan).
     assert all(got == want or math.isnan(got) for got, want in zip(result.losses, losses, strict=True))
+    _assert_same(_final(tmp_path), state)
+
+
+def test_an_update_a_lost_worker_committed_on_some_segments_is_finished_on_the_rest(
+    uninterrupted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker dies between two of its commits of step 5's update: the servers hold
+    that update applied on some segments and staged on others; the live recovery finishes
+    it on those with the terms the others were committed with, and the run goes on from
+    step 6, ending bitwise where the uninterrupted run ends."""
+
+    def die_after_the_first_commit(actor) -> int:  # defined here: Ray pickles it by value
+        """Run in a worker actor: from now on, its process kills itself right after its first
+        commit of the next update lands; its other segments' commits (issued from a pool,
+        at once) wait and are never sent. Returns how many segments it commits."""
+        port, next_update = actor.step.port, actor.step.updates + 1
+        original, first = port.update, threading.Lock()
+
+        def update_then_die(segment, update, *, gradient, terms, out=None):
+            if update == next_update and gradient is None and terms is not None:
+                if not first.acquire(blocking=False):
+                    threading.Event().wait()  # until the first commit's kill
+                original(segment, update, gradient=gradient, terms=terms, out=out)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(segment, update, gradient=gradient, terms=terms, out=out)
+
+        port.update = update_then_die
+        return len(actor.step.segments)
+
+    original_step = TrainingSession.step
+    segments: list[int] = []
+
+    def step_with_fault(session: TrainingSession):
+        if not segments and session.step_count == 4:
+            segments.append(ray.get(session.workers[1].__ray_call__.remote(die_after_the_first_commit)))
+        return original_step(session)
+
+    monkeypatch.setattr(TrainingSession, "step", step_with_fault)
+    caplog.set_level(logging.INFO, logger="cargohold.cluster.live_recovery")
+    result = train(_config(tmp_path, checkpoint__max_failures=1))
+    state, losses = uninterrupted
+    assert segments[0] >= 2, "the worker must commit more than one segment for a part-committed update"
+    finished = [r.args for r in caplog.records if r.getMessage().split(": ")[-1].startswith("update 5 finished on")]
+    assert finished, "the update was not finished on the segments left staged"
+    assert finished[0][-1] >= segments[0] - 1, "every segment but the one committed was finished"
+    assert result.restarts == 1 and result.live_recoveries == 1
+    assert result.losses[:4] == losses[:4] and result.losses[5:] == losses[5:]
     _assert_same(_final(tmp_path), state)
 
 
