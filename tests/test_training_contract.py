@@ -148,9 +148,13 @@ FSDP_CASES = {
 
 @pytest.mark.parametrize(
     "overrides",
-    [pytest.param(v, marks=pytest.mark.slow) if k in ("3-workers-bf16", "fp32") else v for k, v in FSDP_CASES.items()],
+    [
+        pytest.param(v, marks=pytest.mark.slow) if k in ("3-workers-bf16", "3-workers-bf16-param-groups", "fp32") else v
+        for k, v in FSDP_CASES.items()
+    ],
     ids=FSDP_CASES.keys(),
-)  # slow: 3-workers-bf16 (its param-groups twin covers it), fp32 (bf16 and the fp32 AdamW cases cover it)
+)  # slow: 3-workers-bf16 and its param-groups variant (three workers: the gloo case; param groups: the
+# 2-servers-param-groups AdamW case), fp32 (bf16 and the fp32 AdamW cases cover it)
 def test_matches_fsdp2_with_torch_adamw_bitwise(ray_local, overrides: dict) -> None:
     """The reference a user would compare against: the same model under FSDP2 with
     torch.optim.AdamW(fused=True) on its sharded parameters, at the same world size."""
