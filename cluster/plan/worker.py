@@ -265,9 +265,9 @@ def plan_worker(
     offload = (settings.offload_params or on_nvme) and device == "cuda"
     unit_files = [round_up((g.stop - g.start) * size.compute) for g in layout.groups[1:]]  # as written: whole units
     if on_nvme:
-        weights = _windowed_shards(layout, size, settings.weight_window, unit_files)
+        weights = _weights_in_window(layout, size, settings.weight_window, unit_files)
     else:
-        weights = _all_shards(layout, size)
+        weights = _weights_all_in_memory(layout, size)
     exchange = exchange_nbytes(
         layout.largest_group,
         size.push,
@@ -320,13 +320,13 @@ def plan_worker(
     )
 
 
-def _all_shards(layout: Layout, size: _Itemsizes) -> int:
+def _weights_all_in_memory(layout: Layout, size: _Itemsizes) -> int:
     """FSDP2's local shards of every unit, in the compute dtype; rank 0 holds the most (the
     last ranks' dim-0 chunks run short or empty)."""
     return sum(slot.local_numel(0) for slot in layout.params) * size.compute
 
 
-def _windowed_shards(layout: Layout, size: _Itemsizes, window: int, unit_files: Sequence[int]) -> int:
+def _weights_in_window(layout: Layout, size: _Itemsizes, window: int, unit_files: Sequence[int]) -> int:
     """With weights on NVMe, the weight shards in memory: the root's, ``window`` units
     (their padded chunks, as allocated) and the files' read buffers."""
     root_weights = sum(slot.local_numel(0) for slot in layout.group_params(0)) * size.compute
