@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from cargohold.services.core.durable import TEMP_SUFFIX
 from cargohold.services.core.errors import CheckpointError
-from cargohold.services.core.loss_scale import is_power_of_two
+from cargohold.services.core.update_call import is_power_of_two
 
 FORMAT_VERSION = 4
 """Of the manifest. Version 4 records the saving run's whole configuration (``config``)

@@ -23,14 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from cargohold.services.core.errors import ConfigError
+from cargohold.services.core.update_call import is_power_of_two
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
 """The largest finite fp16 number, 65504."""
-
-
-def is_power_of_two(value: float) -> bool:
-    """Whether ``value`` is 2**k for an integer k (negative k included)."""
-    return math.isfinite(value) and value > 0 and math.frexp(value)[0] == 0.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,8 +25,12 @@ from dataclasses import dataclass
 from enum import Enum
 
 from cargohold.services.core.errors import InvalidTensorError
-from cargohold.services.core.loss_scale import is_power_of_two
 from cargohold.services.core.wire import WIRE_DTYPES
+
+
+def is_power_of_two(value: float) -> bool:
+    """Whether ``value`` is 2**k for an integer k (negative k included)."""
+    return math.isfinite(value) and value > 0 and math.frexp(value)[0] == 0.5
 
 
 @dataclass(frozen=True, slots=True)

@@ -183,22 +183,36 @@ def local_tensors(model: nn.Module, layout: Layout) -> list[torch.Tensor]:
     return [_local(params[slot.name]).view(-1) for slot in layout.params]
 
 
-def copy_range_into_params(
-    layout: Layout,
-    worker: int,
-    source: torch.Tensor,
-    targets: Sequence[torch.Tensor],
-    group: int | None = None,
-    source_start: int = 0,
-) -> None:
-    """Copy ``source``, the part of the worker's range from ``source_start`` on, into the
-    local shards ``targets`` (layout order); only ``group``'s parameters when given."""
-    slots = layout.params if group is None else layout.group_params(group)
-    first = 0 if group is None else layout.groups[group].first_param
-    for index, slot in enumerate(slots, start=first):
-        numel = slot.local_numel(worker)
-        if numel:
-            at = slot.offset - source_start
+@dataclass(frozen=True, slots=True)
+class ParamCopies:
+    """Where each of a worker's local chunks lies in its range, worked out once from the
+    layout: the copy of a unit's fetched weights into FSDP2's local shards, every update,
+    reads no layout."""
+
+    spans: tuple[tuple[tuple[int, int, int], ...], ...]
+    """By group: (parameter index, offset in the worker's range, elements) of each of its
+    parameters this worker holds rows of."""
+
+    @classmethod
+    def of(cls, layout: Layout, worker: int) -> ParamCopies:
+        return cls(
+            tuple(
+                tuple(
+                    (index, slot.offset, slot.local_numel(worker))
+                    for index, slot in enumerate(layout.group_params(group.index), start=group.first_param)
+                    if slot.local_numel(worker)
+                )
+                for group in layout.groups
+            )
+        )
+
+    def into_params(
+        self, source: torch.Tensor, targets: Sequence[torch.Tensor], group: int, source_start: int = 0
+    ) -> None:
+        """Copy ``source``, the part of the worker's range from ``source_start`` on, into
+        group ``group``'s local shards among ``targets`` (layout order)."""
+        for index, offset, numel in self.spans[group]:
+            at = offset - source_start
             targets[index].copy_(source[at : at + numel], non_blocking=True)
 
 

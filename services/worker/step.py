@@ -61,8 +61,8 @@ from cargohold.services.core.wire import DTYPE_NAMES, check_representable
 from cargohold.services.data.batches import Batch
 from cargohold.services.worker.accumulation import Accumulator
 from cargohold.services.worker.sharding import (
+    ParamCopies,
     Unit,
-    copy_range_into_params,
     divisor_after_reduce_hook,
     local_tensors,
     params_to_range,
@@ -181,6 +181,7 @@ class ShardedStep:
         """The micro-batches' summed gradients; allocated by the first step that has several."""
         with torch.no_grad():
             self._targets = local_tensors(model, layout)
+        self._copies = ParamCopies.of(layout, rank)
         """Each parameter's local chunk, FSDP2's storage for it (the same tensors for the
         model's life): looked up once, not per unit and step (a DTensor's ``to_local`` costs
         Python time, ~50 ms a step on the demo when done per unit)."""
@@ -407,8 +408,9 @@ class ShardedStep:
         """FSDP2's hook after unit ``group``'s reduce-scatter: ``reduced`` holds this
         worker's padded chunk of each of the unit's parameters, back to back."""
         slots = self.layout.group_params(group)
-        expected = sum(slot.slot_numel for slot in slots)
         base, stop = self.layout.groups[group].start, self.layout.groups[group].stop
+        spans = [(slot.offset - base, slot.slot_numel) for slot in slots]  # in the slot: read no layout per step
+        expected = sum(numel for _, numel in spans)
         gaps = _gaps(slots, base, stop)
 
         def hook(reduced: torch.Tensor) -> None:
@@ -436,11 +438,9 @@ class ShardedStep:
                     self._accumulator.total_into(slots, reduced, slot.grads, base)
                 else:
                     at = 0
-                    for param in slots:
-                        slot.grads[param.offset - base : param.offset - base + param.slot_numel].copy_(
-                            reduced[at : at + param.slot_numel], non_blocking=True
-                        )
-                        at += param.slot_numel
+                    for lo, numel in spans:
+                        slot.grads[lo : lo + numel].copy_(reduced[at : at + numel], non_blocking=True)
+                        at += numel
                 for lo, hi in gaps:
                     slot.grads[lo:hi].zero_()
                 self._sum_squares += sum_of_squares(reduced if count == 1 else slot.grads[: stop - base])
@@ -527,7 +527,7 @@ class ShardedStep:
                 self.window.write(index, source[g.start - start : g.stop - start])
                 continue
             with torch.no_grad(), torch.cuda.stream(self._copy_stream):
-                copy_range_into_params(self.layout, self.rank, source, targets, group=index, source_start=start)
+                self._copies.into_params(source, targets, index, source_start=start)
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
 

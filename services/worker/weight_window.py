@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from cargohold.services.core.errors import TrainingError
 from cargohold.services.core.layout import Layout
-from cargohold.services.worker.sharding import Unit, copy_range_into_params, local_tensors
+from cargohold.services.worker.sharding import ParamCopies, Unit, local_tensors
 from cargohold.services.worker.weight_files import WeightFiles
 from cargohold.services.worker.window_schedule import BACKWARD, FORWARD, Entry, WindowSchedule, pass_entries
 
@@ -78,6 +78,7 @@ class WeightWindow:
             resizable_chunks(units[group].module)
         with torch.no_grad():
             self._targets = local_tensors(model, layout)
+        self._copies = ParamCopies.of(layout, rank)
         self._storages = {g: self._group_storages(g) for g in self.tiered}
         self._dtype = self._targets[0].dtype
         self._lock = threading.Lock()
@@ -203,7 +204,7 @@ class WeightWindow:
             g = self.layout.groups[group]
             source = buffer.tensor[: (g.stop - g.start) * self._dtype.itemsize].view(self._dtype)
             with torch.no_grad():
-                copy_range_into_params(self.layout, self.rank, source, self._targets, group=group, source_start=g.start)
+                self._copies.into_params(source, self._targets, group, source_start=g.start)
         finally:
             self.files.done(buffer)
 
