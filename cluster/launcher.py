@@ -102,6 +102,7 @@ class TrainingSession:
         self.validates = self.task.open_eval() is not None  # the same for held-out data
         self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.step_count = 0
+        self.leaving: list[int] = []  # ranks whose last step reported a preemption notice
         self.updates_after: dict[int, int] = {}
         """The servers' update number after each recent step (a skipped step applies none;
         steps two updates back are dropped): where a live recovery's settled update puts the
@@ -369,6 +370,7 @@ class TrainingSession:
         """Run the next step on every worker; returns rank 0's report."""
         step = self.step_count + 1
         reports: list[StepReport] = self._on_workers(lambda w: w.train_step.remote(step), f"step {step}")
+        self.leaving = [r.rank for r in reports if r.leaving]
         self.step_count = step
         updates = self.updates_after[step] = self.updates_after[step - 1] + (not reports[0].skipped)
         while (oldest := next(iter(self.updates_after))) < step and self.updates_after[oldest] < updates - 1:

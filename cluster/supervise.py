@@ -63,6 +63,9 @@ class TrainResult:
     (no checkpoint read, no completed step computed again: :mod:`.live_recovery`)."""
     recovery_seconds: list[float] = field(default_factory=list)
     """From each failure's restart to training again."""
+    preemptions: int = 0
+    """Preemption notices the run acted on: the workers replaced at a step boundary
+    (:mod:`.live_recovery`), no failure counted."""
     steps_recomputed: int = 0
     """Completed steps the recoveries computed again: those after the checkpoint a restart
     resumed (none for a live recovery)."""
@@ -241,6 +244,8 @@ def _train_session(
                     if callbacks.on_eval is not None:
                         callbacks.on_eval(evaluation)
                 saves.finish()  # a pending checkpoint's files were written while this step ran
+                if session.leaving:
+                    _replace_on_notice(session, result, metrics)
                 if store is not None and (
                     session.step_count == config.steps or _take_request() or (every and session.step_count % every == 0)
                 ):
@@ -290,6 +295,30 @@ def _recovered_live(
         step,
     )
     return True
+
+
+def _replace_on_notice(session: TrainingSession, result: TrainResult, metrics: LauncherMetrics) -> None:
+    """Some workers reported a preemption notice with their last step: replace the workers
+    now, from the state servers' live state, before the leaving ones are gone (a planned
+    loss: no failure is counted). Where the live state cannot carry the run, the run goes
+    on and the loss, when it comes, recovers as any failure does."""
+    leaving, step = session.leaving, session.step_count
+    started = time.perf_counter()
+    try:
+        session.settle()  # the step's updates land first: nothing is left to settle
+        replace_workers(session)
+    except TrainingError as refusal:
+        logger.warning("worker(s) %s leaving after step %d; not replaced now: %s", leaving, step, refusal)
+        return
+    result.preemptions += 1
+    metrics.record_preemption()
+    logger.warning(
+        "worker(s) %s leaving (preemption notice) after step %d: workers replaced from the state servers' "
+        "live state in %.1fs",
+        leaving,
+        step,
+        time.perf_counter() - started,
+    )
 
 
 def _evaluates(config: TrainConfig, session: TrainingSession) -> bool:

@@ -156,6 +156,47 @@ def test_an_update_a_lost_worker_committed_on_some_segments_is_finished_on_the_r
     _assert_same(_final(tmp_path), state)
 
 
+def test_a_worker_given_a_preemption_notice_finishes_its_step_and_is_replaced_without_a_failure(
+    uninterrupted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM (a spot reclaim's notice) reaches worker 1 in the middle of step 5: it
+    finishes the step and reports that it is leaving; the launcher replaces the workers
+    after step 5 from the servers' live state, counting no failure and recomputing
+    nothing, and the run ends bitwise where the uninterrupted run ends."""
+
+    def notice_in_the_next_forward(actor) -> None:  # defined here: Ray pickles it by value
+        """Run in a worker actor: its next step's first loss sends this process SIGTERM."""
+        original = actor.step.loss
+
+        def loss_then_notice(model, batch, device):
+            actor.step.loss = original
+            os.kill(os.getpid(), signal.SIGTERM)  # handled on this, the main, thread: during the step
+            return original(model, batch, device)
+
+        actor.step.loss = loss_then_notice
+
+    starts = []
+    original_start, original_step = TrainingSession._start, TrainingSession.step
+    monkeypatch.setattr(TrainingSession, "_start", lambda session: (starts.append(1), original_start(session)))
+    noticed: list[list[int]] = []  # the ranks leaving after each step
+
+    def step_with_notice(session: TrainingSession):
+        if session.step_count == 4 and len(noticed) == 4:
+            ray.get(session.workers[1].__ray_call__.remote(notice_in_the_next_forward))
+        report = original_step(session)
+        noticed.append(list(session.leaving))
+        return report
+
+    monkeypatch.setattr(TrainingSession, "step", step_with_notice)
+    result = train(_config(tmp_path, checkpoint__max_failures=0))  # a planned loss is no failure
+    state, losses = uninterrupted
+    assert noticed[4] == [1] and not any(noticed[5:]), "worker 1 reported leaving with step 5, and only then"
+    assert result.preemptions == 1 and result.restarts == 0 and result.steps_recomputed == 0
+    assert len(starts) == 1, "the placement group and the state servers were kept"
+    assert result.losses == losses
+    _assert_same(_final(tmp_path), state)
+
+
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [

@@ -17,6 +17,7 @@ from cargohold.services.metrics.names import (
     EVAL_STEP,
     FAILURES,
     LIVE_RECOVERIES,
+    PREEMPTIONS,
     RECOVERY_SECONDS,
     RESTARTS,
     STEPS_RECOMPUTED,
@@ -68,6 +69,11 @@ class LauncherMetrics(MetricsEndpoint):
             "Completed steps computed again after a recovery (0 for a live one).",
             registry=self.registry,
         )
+        self._preemptions = Counter(
+            PREEMPTIONS,
+            "Preemption notices acted on: the workers replaced at a step boundary, before the lost one failed.",
+            registry=self.registry,
+        )
         self._recovery = Histogram(
             RECOVERY_SECONDS,
             "Seconds from a failure to training again.",
@@ -115,6 +121,9 @@ class LauncherMetrics(MetricsEndpoint):
 
     def record_failure(self) -> None:
         self._failures.inc()
+
+    def record_preemption(self) -> None:
+        self._preemptions.inc()
 
     def observe_recovery(self, seconds: float, recomputed: int, *, live: bool = False) -> None:
         """A recovery that took ``seconds`` and computes ``recomputed`` completed steps again."""

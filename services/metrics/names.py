@@ -39,6 +39,7 @@ FAILURES = "cargohold_failures_total"
 RESTARTS = "cargohold_restarts_total"
 LIVE_RECOVERIES = "cargohold_live_recoveries_total"
 STEPS_RECOMPUTED = "cargohold_steps_recomputed_total"
+PREEMPTIONS = "cargohold_preemptions_total"
 RECOVERY_SECONDS = "cargohold_recovery_seconds"
 EVAL_LOSS = "cargohold_eval_loss"
 DATA_DOCUMENTS = "cargohold_data_documents"
@@ -80,6 +81,7 @@ METRIC_NAMES: tuple[str, ...] = (
     RESTARTS,
     LIVE_RECOVERIES,
     STEPS_RECOMPUTED,
+    PREEMPTIONS,
     RECOVERY_SECONDS,
     EVAL_LOSS,
     EVAL_PERPLEXITY,

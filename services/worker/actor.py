@@ -9,6 +9,7 @@ memory, metrics, lifecycle; the step itself is :class:`~cargohold.services.worke
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import time
@@ -41,6 +42,7 @@ from cargohold.services.worker.model_setup import (
     weight_window,
 )
 from cargohold.services.worker.param_groups import resolve_param_groups
+from cargohold.services.worker.preemption import PreemptionNotice
 from cargohold.services.worker.sharding import local_tensors
 from cargohold.services.worker.state_port import (
     ExchangeBuffers,
@@ -101,6 +103,7 @@ class TrainingWorker(SegmentHolder):
         if config.metrics.enabled:
             self.metrics.start(host=node_ip(), port=config.metrics.port_for("worker", rank, config))
         self.step: ShardedStep | None = None
+        self.preemption = PreemptionNotice(f"worker {rank}")
         self._store: dist.TCPStore | None = None
         self._collectives: SharedMemoryGroup | None = None
 
@@ -251,13 +254,14 @@ class TrainingWorker(SegmentHolder):
         seeds = [dropout_seed(config.seed, step, self.rank, micro) for micro in micros]
         started = time.perf_counter()
         lr = config.optim.lr_at(step, config.steps)
-        report = self._step().run(step, batches, lr, dropout_seeds=seeds)
+        with self.preemption.stepping():
+            report = self._step().run(step, batches, lr, dropout_seeds=seeds)
         for phase, seconds in report.phases.items():
             self.metrics.add_phase(phase, seconds)
         self.metrics.observe_step(
             time.perf_counter() - started, report.loss, skipped=report.skipped, loss_scale=report.loss_scale
         )
-        return report
+        return dataclasses.replace(report, leaving=True) if self.preemption.received else report
 
     def evaluate(self, step: int) -> EvalReport:
         """Validate on the held-out set (``eval.*``) after data step ``step``."""

@@ -43,3 +43,6 @@ class StepReport:
     fp16, the scaled gradients overflowed)."""
     loss_scale: float | None = None
     """fp16 compute: the loss scale this step's gradients were computed with."""
+    leaving: bool = False
+    """The worker was told during the step that it will be taken away (a preemption
+    notice, services/worker/preemption.py): the launcher replaces the workers now."""
