@@ -4,10 +4,12 @@ once did, failing a whole module's fixture."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeVar
 
 import ray
+from ray.cluster_utils import Cluster
 
 if TYPE_CHECKING:
     import psutil
@@ -50,3 +52,29 @@ def ray_processes() -> list[psutil.Process]:
             return False
 
     return [p for p in psutil.Process().children(recursive=True) if is_ray(p)]
+
+
+@contextmanager
+def cluster_of(*resources: str) -> Iterator[Cluster]:
+    """A Ray cluster of several nodes on this machine, this process connected to it: a
+    head without CPUs and a node of 2 CPUs per name in ``resources``, each with that
+    custom resource (to pin actors to it)."""
+
+    def start() -> Cluster:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        try:
+            for resource in resources:
+                cluster.add_node(num_cpus=2, resources={resource: 1})
+        except Exception:
+            cluster.shutdown()
+            raise
+        return cluster
+
+    cluster = started_once_more(start)
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    try:
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

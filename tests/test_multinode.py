@@ -13,8 +13,7 @@ import ray
 import torch
 from ports import free_port_range
 from prometheus_client.parser import text_string_to_metric_families
-from ray.cluster_utils import Cluster
-from ray_start import started_once_more
+from ray_start import cluster_of
 from reference import reference_train, tiny_config
 
 from cargohold.cluster.launcher import TrainingSession
@@ -25,22 +24,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def four_nodes():
     # cargohold's servers bind loopback through CARGOHOLD_NODE_IP (conftest.py).
-    def start() -> Cluster:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-        try:
-            for resource in ("trainer", "trainer", "hold", "hold"):
-                cluster.add_node(num_cpus=2, resources={resource: 1})
-        except Exception:
-            cluster.shutdown()
-            raise
-        return cluster
-
-    cluster = started_once_more(start)
-    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-    cluster.wait_for_nodes()
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    with cluster_of("trainer", "trainer", "hold", "hold") as cluster:
+        yield cluster
 
 
 def _node_of(actor) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from ray_start import started_once_more
+from ray_start import cluster_of
 from reference import reference_train, tiny_config
 
 from cargohold.cluster.launcher import TrainingSession
@@ -23,23 +23,8 @@ STEPS = 8
 @pytest.fixture
 def three_nodes():
     """A head without CPUs, two worker nodes and one for the state server."""
-
-    def start() -> Cluster:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-        try:
-            for resource in ("trainer", "trainer", "hold"):
-                cluster.add_node(num_cpus=2, resources={resource: 1})
-        except Exception:
-            cluster.shutdown()
-            raise
-        return cluster
-
-    cluster = started_once_more(start)
-    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-    cluster.wait_for_nodes()
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    with cluster_of("trainer", "trainer", "hold") as cluster:
+        yield cluster
 
 
 def _node_of(actor) -> str:
