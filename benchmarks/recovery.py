@@ -84,7 +84,7 @@ def measure(args: argparse.Namespace, path: str) -> Recovery:
     original_step, original_replace = TrainingSession.step, supervise.replace_workers
     killed_at: list[float] = []
     done_at: dict[int, float] = {}
-    restored: list[str] = []
+    restored: list[int] = []  # the bytes of the checkpoint the restart restores
     with tempfile.TemporaryDirectory(prefix="cargohold-recovery-") as root:
         overrides = [
             f"steps={args.steps}",
@@ -101,7 +101,8 @@ def measure(args: argparse.Namespace, path: str) -> Recovery:
         if path == "checkpoint":
 
             def refuse(session: TrainingSession) -> int:
-                restored.append(max(_checkpoint_bytes(Path(root)).items())[0])
+                sizes = _checkpoint_bytes(Path(root))  # now: the run's later checkpoints prune it
+                restored.append(sizes[max(sizes)])
                 raise UnsettledError("benchmarks/recovery.py: the checkpoint path")
 
             supervise.replace_workers = refuse  # type: ignore[assignment]
@@ -109,7 +110,6 @@ def measure(args: argparse.Namespace, path: str) -> Recovery:
             started = time.perf_counter()
             result: TrainResult = train(config, lambda report: done_at.setdefault(report.step, time.perf_counter()))
             run_s = time.perf_counter() - started
-            sizes = _checkpoint_bytes(Path(root))
         finally:
             TrainingSession.step, supervise.replace_workers = original_step, original_replace  # type: ignore[method-assign]
     if result.restarts != 1 or not killed_at:
@@ -121,7 +121,7 @@ def measure(args: argparse.Namespace, path: str) -> Recovery:
         lost_s=after - killed_at[0] - step_s,
         step_s=step_s,
         steps_recomputed=result.steps_recomputed,
-        checkpoint_read_bytes=sizes.get(restored[0], 0) if restored else 0,
+        checkpoint_read_bytes=restored[0] if restored else 0,
         run_s=run_s,
     )
 
