@@ -23,7 +23,7 @@ from cargohold.services.core.errors import ConfigError, ExportError
 from cargohold.services.core.layout import Layout, gather_params
 from cargohold.services.data.batches import BatchShape, DataSource
 from cargohold.services.models.blocks import transformer_blocks
-from cargohold.services.worker.step import ParameterValues
+from cargohold.services.worker.task import ParameterValues
 from cargohold.user_data import Collate, HeldOutBatches, UserBatch, open_user_data, to_device
 
 ModelFactory = Callable[[], nn.Module]

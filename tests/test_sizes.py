@@ -15,9 +15,7 @@ PACKAGE = ("api", "services", "cluster", "proto")
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
-OVER: dict[str, int] = {
-    "services/worker/step.py": 599,
-}
+OVER: dict[str, int] = {}
 """What is still over the limits, at its size today: may shrink, never grow."""
 
 

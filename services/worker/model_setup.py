@@ -35,7 +35,7 @@ from cargohold.services.worker.sharding import (
     units_of,
 )
 from cargohold.services.worker.state_port import ExchangeBuffers
-from cargohold.services.worker.step import StepPolicy
+from cargohold.services.worker.step_policy import StepPolicy
 from cargohold.services.worker.task import TrainingTask
 from cargohold.services.worker.weight_files import WeightFiles, WeightObserver
 from cargohold.services.worker.weight_window import WeightWindow

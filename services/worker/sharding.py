@@ -14,7 +14,7 @@ output.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -25,7 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
 from cargohold.services.core.errors import TrainingError
-from cargohold.services.core.layout import DEFAULT_ALIGN, Layout, build_layout
+from cargohold.services.core.layout import DEFAULT_ALIGN, Layout, ParamSlot, build_layout
 
 ROOT = ""
 """The root unit's name: the parameters outside every block."""
@@ -230,6 +230,19 @@ def params_to_range(
         if numel:
             out[slot.offset : slot.offset + numel].copy_(sources[index])
     return out
+
+
+def padding_gaps(slots: Iterable[ParamSlot], start: int, stop: int) -> list[tuple[int, int]]:
+    """Parts of a unit's range ``[start, stop)`` that no parameter's chunk covers (the
+    alignment padding), relative to ``start``: what the step zeroes in a reused exchange slot."""
+    gaps, at = [], start
+    for slot in slots:
+        if slot.offset > at:
+            gaps.append((at - start, slot.offset - start))
+        at = slot.offset + slot.slot_numel
+    if stop > at:
+        gaps.append((at - start, stop - start))
+    return gaps
 
 
 def check_unit_order(model: nn.Module, units: Sequence[Unit]) -> None:

@@ -1,50 +1,22 @@
 """One worker's training step over an FSDP2-sharded model, independent of Ray and of the
 transport (the state servers are reached through a :class:`StatePort`).
 
-The shape of a step:
-
-1. forward and backward. FSDP2 gathers each unit before its forward and backward and
-   frees it after, then reduce-scatters the unit's gradients. Its all-reduce hook hands
-   us the unit's reduced gradient (this worker's chunk of each parameter, in the wire
-   dtype): it is copied into the exchange buffer and its segments are pushed at once,
-   while backward goes on. FSDP2's own sharded gradients are dropped as they appear: the
-   state servers hold the optimizer, so nothing on the worker needs them.
-   With several micro-batches (gradient accumulation) every micro-batch's backward still
-   reduce-scatters, but the hook adds the reduced chunks into :class:`Accumulator`, an
-   fp32 buffer of the worker's range in host memory, as FSDP2 would add them into fp32
-   parameters' ``.grad``; only the last micro-batch's hook pushes, the sum, in fp32. So a
-   step makes one push per segment whatever the micro-batches, and the worker holds 1/W
-   of the gradient between them. (FSDP2's ``set_requires_gradient_sync(False)`` would
-   skip the reduce-scatters instead, at the price of every unit's unsharded gradient, the
-   whole model's, held on every worker until the last micro-batch.)
-   The exchange buffer is one of a few unit-sized slots (:class:`ExchangeBuffers`): a
-   unit's transfers hold it until its weights are back in FSDP2's shards, so what the
-   worker holds besides its shards does not grow with the model.
-2. one all-reduce of (sum of squares, loss): the global gradient norm.
-3. the update, by one of three strategies:
-   - *immediate*: no clipping and no non-finite check, so each segment was applied on
-     arrival and its weights fetched right after, still during backward;
-   - *staged*: the servers held the pushes until the norm is known; commit, then fetch;
-   - *delayed* (ZeRO-Offload's DPU): adopt the weights of the previous update, fetched
-     during this step's compute, and leave this update's weights to arrive during the
-     next step. Staged, its commit runs then too: the servers' AdamW overlaps the next
-     step's forward and backward, and a segment's next push waits only for its own
-     commit.
-   Fetched weights land in the unit's slot and are copied into FSDP2's local shards at
-   once: a unit's shards are not read again in a step after its gradients are reduced.
-   Only the delayed update's weights wait for the next backward to end, in the buffers'
-   ``held`` range.
+Forward and backward; FSDP2's all-reduce hook hands over each unit's reduced chunks,
+which are copied into an exchange slot (:class:`ExchangeBuffers`, a few unit-sized ones)
+and pushed at once while backward goes on (with several micro-batches, summed in an
+:class:`Accumulator` and pushed with the last one); FSDP2's own sharded gradients are
+dropped. One all-reduce of (sum of squares, loss) gives the global norm. The update is
+*immediate* (applied on arrival, the weights fetched during backward), *staged* (commit
+with the norm, then fetch) or *delayed* (ZeRO-Offload's DPU: adopt the previous update's
+weights, this one's arriving during the next step). Fetched weights are copied into the
+unit's local shards at once. docs/architecture.md ("A step, in order") tells it whole.
 """
 
 from __future__ import annotations
 
-import inspect
-import logging
-import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -53,64 +25,25 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from cargohold.services.core.errors import TrainingError
-from cargohold.services.core.layout import Layout, ParamSlot, Segment
-from cargohold.services.core.loss_scale import LossScaleRules, LossScaleState, next_state
+from cargohold.services.core.layout import Layout, Segment
+from cargohold.services.core.loss_scale import LossScaleState, next_state
 from cargohold.services.core.optim import global_norm_from_squares, sum_of_squares
 from cargohold.services.core.update_call import CommitTerms
 from cargohold.services.core.wire import DTYPE_NAMES, check_representable
-from cargohold.services.data.batches import Batch
 from cargohold.services.worker.accumulation import Accumulator
 from cargohold.services.worker.sharding import (
     ParamCopies,
     Unit,
     divisor_after_reduce_hook,
     local_tensors,
+    padding_gaps,
     params_to_range,
 )
 from cargohold.services.worker.state_port import ExchangeBuffers, ExchangeSlot, StatePort
+from cargohold.services.worker.step_policy import StepPolicy
 from cargohold.services.worker.step_report import StepReport
+from cargohold.services.worker.task import BatchLoss, ParameterValues, model_loss, scalar_loss
 from cargohold.services.worker.weight_window import WeightWindow
-
-logger = logging.getLogger(__name__)
-
-BatchLoss = Callable[[nn.Module, Any, torch.device], torch.Tensor]
-"""The scalar loss of one micro-batch: ``(model, batch, device)``; it moves the batch."""
-
-
-def model_loss(model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
-    """The loss the config's models compute themselves: ``model(inputs, targets)[1]``,
-    with the position ids of rows of whole documents."""
-    if batch.position_ids is None:
-        _, loss = model(batch.inputs.to(device), batch.targets.to(device))
-        return loss
-    if "position_ids" not in inspect.signature(model.forward).parameters:
-        raise TrainingError(
-            f"{type(model).__name__}.forward takes no position_ids, which rows of whole documents need "
-            "(data.packing: documents); add the argument or set data.packing: stream"
-        )
-    _, loss = model(batch.inputs.to(device), batch.targets.to(device), position_ids=batch.position_ids.to(device))
-    return loss
-
-
-ParameterValues = Callable[[Iterable[str]], Iterator[tuple[str, torch.Tensor]]]
-"""Full fp32 initial values of the named parameters, one at a time."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepPolicy:
-    """How updates are applied (from the ``optim`` and ``worker`` config)."""
-
-    staged: bool
-    """Clipping is on or non-finite norms are checked: servers stage until the norm is known."""
-    nonfinite: str = "ignore"
-    """ignore, skip or fail, for a step whose global gradient norm is not finite."""
-    delayed_after: int | None = None
-    """Data steps past this one use the delayed update; None never does."""
-    loss_scale: LossScaleRules | None = None
-    """fp16 compute: the dynamic loss scale's rules (staged, non-finite steps skipped)."""
-
-    def delayed(self, step: int) -> bool:
-        return self.delayed_after is not None and step > self.delayed_after
 
 
 class ShardedStep:
@@ -166,12 +99,12 @@ class ShardedStep:
         next push waits for it (a server stages one gradient per segment)."""
         self._transfers: list[Future] = []
         self._settling: dict[int, Future] = {}
-        self._waited = 0.0
-        """Seconds this step's forward waited for the previous update's units (its phases
-        count them as update, not compute)."""
         """The staged update's commit, fetch and adoption of each unit, still running when
         :meth:`run` returned: the unit's forward in the next step waits for its own (a
         pre-forward hook), so the update overlaps the units before it, with the same bits."""
+        self._waited = 0.0
+        """Seconds this step's forward waited for the previous update's units (its phases
+        count them as update, not compute)."""
         self._sum_squares = 0.0
         self._context: tuple[int, float, bool, bool] = (0, 0.0, False, False)
         """(update, lr, defer, fetch) of the step in progress, for the hooks."""
@@ -271,18 +204,9 @@ class ShardedStep:
         mean_loss = float(totals[1]) / self.world_size
         lap("reduce")
 
-        skipped = not math.isfinite(global_norm) and policy.nonfinite != "ignore"
+        skipped = policy.skips(step, global_norm, loss_scale if self.loss_scale is not None else None)
         if self.loss_scale is not None and policy.loss_scale is not None:
             self.loss_scale = next_state(self.loss_scale, policy.loss_scale, found_inf=skipped)
-        if skipped and self.loss_scale is not None:
-            logger.info("step %d: the scaled gradients overflowed, update skipped, loss scale %s", step, loss_scale)
-        elif skipped and policy.nonfinite == "fail":
-            raise TrainingError(
-                f"the gradient norm of step {step} is {global_norm}; set optim.nonfinite=skip "
-                "to skip such steps, or lower optim.lr"
-            )
-        elif skipped:
-            logger.warning("step %d: gradient norm %s, update skipped", step, global_norm)
         if skipped:
             applied = self._adopt_pending()  # the staged gradients are replaced by the next push
         else:
@@ -316,10 +240,7 @@ class ShardedStep:
                 torch.manual_seed(dropout_seeds[micro])  # CPU and every GPU
             if self.window is not None:
                 self.window.begin(backward=True)
-            loss = self._loss_of(batch, step)
-            scale = batch.weight / count
-            if scale != 1.0:  # 1.0 leaves the graph (and every bit) as it was
-                loss = loss * scale
+            loss = self._loss_of(batch, count, step)
             (loss * scale_tensor if self.loss_scale is not None else loss).backward()  # as GradScaler.scale
             step_loss += float(loss.detach())
         return step_loss
@@ -367,10 +288,7 @@ class ShardedStep:
                 for batch in batches:
                     if self.window is not None:
                         self.window.begin(backward=False)
-                    loss = self._loss_of(batch, None)
-                    scale = batch.weight / count
-                    if scale != 1.0:
-                        loss = loss * scale
+                    loss = self._loss_of(batch, count, None)
                     total += float(loss)
         finally:
             self.model.train()
@@ -378,17 +296,12 @@ class ShardedStep:
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         return float(summed[0]) / self.world_size
 
-    def _loss_of(self, batch: Any, step: int | None) -> torch.Tensor:
-        loss = self.loss(self.model, batch, self.device)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-            what = f"step {step}" if step is not None else "evaluation"
-            got = (
-                f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
-                if isinstance(loss, torch.Tensor)
-                else type(loss).__name__
-            )
-            raise TrainingError(f"{what}: the loss function must return a floating-point scalar tensor, got {got}")
-        return loss.reshape(())
+    def _loss_of(self, batch: Any, count: int, step: int | None) -> torch.Tensor:
+        """``batch``'s loss scaled by its weight over ``count`` (a scale of 1.0 leaves the
+        graph, and every bit, as it was); ``step`` None: in an evaluation."""
+        loss = scalar_loss(self.loss(self.model, batch, self.device), step)
+        scale = batch.weight / count
+        return loss * scale if scale != 1.0 else loss
 
     def _before_forward(self, group: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -411,7 +324,7 @@ class ShardedStep:
         base, stop = self.layout.groups[group].start, self.layout.groups[group].stop
         spans = [(slot.offset - base, slot.slot_numel) for slot in slots]  # in the slot: read no layout per step
         expected = sum(numel for _, numel in spans)
-        gaps = _gaps(slots, base, stop)
+        gaps = padding_gaps(slots, base, stop)
 
         def hook(reduced: torch.Tensor) -> None:
             if reduced.numel() != expected:
@@ -571,19 +484,6 @@ class ShardedStep:
         self._pool.shutdown(wait=True)
         if self.window is not None:
             self.window.close()
-
-
-def _gaps(slots: Iterable[ParamSlot], start: int, stop: int) -> list[tuple[int, int]]:
-    """Parts of a unit's range ``[start, stop)`` that no parameter's chunk covers (the
-    alignment padding), relative to ``start``: zeroed in a reused slot."""
-    gaps, at = [], start
-    for slot in slots:
-        if slot.offset > at:
-            gaps.append((at - start, slot.offset - start))
-        at = slot.offset + slot.slot_numel
-    if stop > at:
-        gaps.append((at - start, stop - start))
-    return gaps
 
 
 def _drop_grad(param: torch.Tensor) -> None:

@@ -9,7 +9,8 @@ pickled by Ray, so a task holds only what every process can rebuild its part fro
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from cargohold.cluster.schema.data import DataConfig
 from cargohold.cluster.schema.eval import EvalConfig
+from cargohold.services.core.errors import TrainingError
 from cargohold.services.core.layout import Layout
 from cargohold.services.data.batches import Batch, DataSource
 from cargohold.services.data.evaluation import EvalSource, open_eval_set
@@ -25,7 +27,12 @@ from cargohold.services.data.sources import open_source
 from cargohold.services.models.blocks import transformer_blocks
 from cargohold.services.models.build import buffer_values, build_model, parameter_values
 from cargohold.services.models.spec import ModelSpec
-from cargohold.services.worker.step import ParameterValues, model_loss
+
+ParameterValues = Callable[[Iterable[str]], Iterator[tuple[str, torch.Tensor]]]
+"""Full fp32 initial values of the named parameters, one at a time."""
+
+BatchLoss = Callable[[nn.Module, Any, torch.device], torch.Tensor]
+"""The scalar loss of one micro-batch: ``(model, batch, device)``; it moves the batch."""
 
 
 class TrainingTask(Protocol):
@@ -114,3 +121,32 @@ class ConfigTask:
         from cargohold.cluster.export import export_weights  # the export layer sits above services
 
         return export_weights(self.model, self.data, layout, flat, directory)
+
+
+def model_loss(model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
+    """The loss the config's models compute themselves: ``model(inputs, targets)[1]``,
+    with the position ids of rows of whole documents."""
+    if batch.position_ids is None:
+        _, loss = model(batch.inputs.to(device), batch.targets.to(device))
+        return loss
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise TrainingError(
+            f"{type(model).__name__}.forward takes no position_ids, which rows of whole documents need "
+            "(data.packing: documents); add the argument or set data.packing: stream"
+        )
+    _, loss = model(batch.inputs.to(device), batch.targets.to(device), position_ids=batch.position_ids.to(device))
+    return loss
+
+
+def scalar_loss(loss: object, step: int | None) -> torch.Tensor:
+    """A task's loss of a batch as a 0-d tensor; refused unless it is a floating-point
+    tensor of one element, naming data step ``step`` (None: an evaluation)."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        what = f"step {step}" if step is not None else "evaluation"
+        got = (
+            f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
+        raise TrainingError(f"{what}: the loss function must return a floating-point scalar tensor, got {got}")
+    return loss.reshape(())
