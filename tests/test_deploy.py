@@ -5,13 +5,19 @@ apiVersion, kind and metadata.name, and carries the fields KubeRay, prometheus-o
 and Grafana need; the manifests agree with each other and with the code (Ray version,
 custom resources, the training config). Every PromQL expression of the dashboard is
 parsed with promql-parser and may select only metrics that services/metrics/names.py exports.
+
+deploy/kuberay holds two examples: the main one (configmap.yaml, raycluster.yaml,
+rayjob.yaml) and the spot variant (the *-spot.yaml files: GPU workers on spot nodes
+whose preStop hook passes the preemption notice to the workers).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import re
+import shlex
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +28,7 @@ import yaml
 
 from cargohold.cluster.schema.io import load_config
 from cargohold.cluster.schema.run import SecurityConfig
+from cargohold.cluster.schema.train import TrainConfig
 from cargohold.services.metrics.launcher import LauncherMetrics
 from cargohold.services.metrics.names import METRIC_NAMES
 from cargohold.services.metrics.server import StateServerMetrics
@@ -37,6 +44,19 @@ CARGOHOLD_TOKEN_ENV = "CARGOHOLD_AUTH_TOKEN"
 COMPANION_SUFFIXES = ("_bucket", "_sum", "_count", "_created")
 # Grafana's built-in interval variables, which are not PromQL; a real duration stands in.
 GRAFANA_INTERVALS = re.compile(r"\$__(rate_interval|interval|range)\b|\$\{__(rate_interval|interval|range)\}")
+# The spot variant's files: raycluster-spot.yaml, configmap-spot.yaml, checkpoints-spot.yaml.
+SPOT_SUFFIX = "-spot"
+# Node labels that put a pod on spot (preemptible) capacity: GKE, EKS managed node
+# groups, Karpenter, AKS.
+SPOT_LABELS = {
+    "cloud.google.com/gke-spot": "true",
+    "eks.amazonaws.com/capacityType": "SPOT",
+    "karpenter.sh/capacity-type": "spot",
+    "kubernetes.azure.com/scalesetpriority": "spot",
+}
+# The process title Ray gives every training worker: ray::<the actor class's name>
+# (ray::<name>.<method> while it runs one); the spot preStop hook signals it.
+WORKER_TITLE = "ray::TrainingWorker"
 
 
 def _documents() -> Iterator[tuple[Path, dict]]:
@@ -46,9 +66,15 @@ def _documents() -> Iterator[tuple[Path, dict]]:
                 yield path, doc
 
 
-def _one(kind: str) -> dict:
-    found = [doc for _, doc in _documents() if doc["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind} in {KUBERAY}, found {len(found)}"
+def _is_spot(path: Path) -> bool:
+    return path.stem.endswith(SPOT_SUFFIX)
+
+
+def _one(kind: str, *, spot: bool = False) -> dict:
+    """The one `kind` of the main example, or with `spot` of the spot variant."""
+    found = [doc for path, doc in _documents() if doc["kind"] == kind and _is_spot(path) == spot]
+    where = f"{KUBERAY}/*{SPOT_SUFFIX}.yaml" if spot else f"{KUBERAY} (but *{SPOT_SUFFIX}.yaml)"
+    assert len(found) == 1, f"expected one {kind} in {where}, found {len(found)}"
     return found[0]
 
 
@@ -60,8 +86,20 @@ def _groups(spec: dict) -> dict[str, dict]:
     return {g["groupName"]: g for g in spec["workerGroupSpecs"]}
 
 
-def _train_config() -> tuple[dict, dict]:
-    configmap = _one("ConfigMap")
+def _spot_spec() -> dict:
+    return _one("RayCluster", spot=True)["spec"]
+
+
+# The Ray clusters the structural tests run on: raycluster.yaml, rayjob.yaml's and the spot one.
+VARIANTS = ["RayCluster", "RayJob", "spot"]
+
+
+def _spec(variant: str) -> dict:
+    return _spot_spec() if variant == "spot" else _cluster_specs()[variant]
+
+
+def _train_config(*, spot: bool = False) -> tuple[dict, dict]:
+    configmap = _one("ConfigMap", spot=spot)
     return configmap, yaml.safe_load(configmap["data"]["train.yaml"])
 
 
@@ -82,7 +120,16 @@ def _custom_resources(group: dict) -> dict[str, float]:
 
 def test_every_manifest_parses_and_is_named() -> None:
     docs = list(_documents())
-    assert {doc["kind"] for _, doc in docs} == {"ConfigMap", "RayCluster", "RayJob", "ServiceMonitor", "PodMonitor"}
+    assert {doc["kind"] for _, doc in docs} == {
+        "ConfigMap",
+        "RayCluster",
+        "RayJob",
+        "ServiceMonitor",
+        "PodMonitor",
+        "PersistentVolumeClaim",
+    }
+    names = [(doc["kind"], doc["metadata"]["name"]) for _, doc in docs]
+    assert len(names) == len(set(names)), f"two objects of one kind share a name: {sorted(names)}"
     for path, doc in docs:
         assert doc.get("apiVersion") and doc.get("kind"), path
         assert doc["metadata"]["name"], path
@@ -93,9 +140,9 @@ def test_every_manifest_parses_and_is_named() -> None:
             assert doc["apiVersion"] == "monitoring.coreos.com/v1"
 
 
-@pytest.mark.parametrize("kind", ["RayCluster", "RayJob"])
+@pytest.mark.parametrize("kind", VARIANTS)
 def test_ray_cluster_spec_has_head_gpu_workers_and_state_servers(kind: str) -> None:
-    spec = _cluster_specs()[kind]
+    spec = _spec(kind)
     assert spec["rayVersion"] == _ray_pin(), "rayVersion must equal the ray pin in pyproject.toml"
     head = spec["headGroupSpec"]
     assert isinstance(head["rayStartParams"], dict)
@@ -115,9 +162,9 @@ def test_ray_cluster_spec_has_head_gpu_workers_and_state_servers(kind: str) -> N
     assert len(images) == 1, f"one image for every Ray node, got {images}"
 
 
-@pytest.mark.parametrize("kind", ["RayCluster", "RayJob"])
+@pytest.mark.parametrize("kind", VARIANTS)
 def test_gpus_only_on_the_gpu_group_and_nvme_on_state_servers(kind: str) -> None:
-    spec = _cluster_specs()[kind]
+    spec = _spec(kind)
     groups = _groups(spec)
     gpu = groups["gpu-workers"]["template"]["spec"]["containers"][0]["resources"]
     assert int(gpu["limits"]["nvidia.com/gpu"]) >= 1
@@ -130,10 +177,10 @@ def test_gpus_only_on_the_gpu_group_and_nvme_on_state_servers(kind: str) -> None
     state_pod = groups["state-servers"]["template"]["spec"]
     mounts = {m["name"]: m for m in state_pod["containers"][0]["volumeMounts"]}
     volumes = {v["name"]: v for v in state_pod["volumes"]}
-    _, train = _train_config()
+    _, train = _train_config(spot=kind == "spot")
     assert mounts["nvme"]["mountPath"] in train["state_server"]["tier"]["nvme_paths"]
     nvme = volumes["nvme"]
-    if kind == "RayCluster":
+    if kind in ("RayCluster", "spot"):
         assert nvme["hostPath"]["path"] and nvme["hostPath"]["type"] == "DirectoryOrCreate"
         env = {e["name"] for e in state_pod["containers"][0]["env"]}
         assert "POD_NAME" in env and mounts["nvme"]["subPathExpr"] == "$(POD_NAME)"
@@ -150,10 +197,10 @@ def _secret_env(container: dict) -> dict[str, dict]:
     }
 
 
-@pytest.mark.parametrize("kind", ["RayCluster", "RayJob"])
+@pytest.mark.parametrize("kind", VARIANTS)
 def test_auth_tokens_come_from_the_secret(kind: str) -> None:
-    spec = _cluster_specs()[kind]
-    _, train = _train_config()
+    spec = _spec(kind)
+    _, train = _train_config(spot=kind == "spot")
     config_env = train.get("security", {}).get("auth_token_env", SecurityConfig().auth_token_env)
     assert config_env == CARGOHOLD_TOKEN_ENV, "the manifests must set the variable the launcher reads"
     head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
@@ -165,7 +212,7 @@ def test_auth_tokens_come_from_the_secret(kind: str) -> None:
         plain = {e["name"]: e.get("value") for e in container.get("env", [])}
         if group is not spec["headGroupSpec"]:
             assert CARGOHOLD_TOKEN_ENV not in refs, "only the head needs the state servers' token"
-        if kind == "RayCluster":  # Ray's token set by hand, so any KubeRay version works
+        if kind in ("RayCluster", "spot"):  # Ray's token set by hand, so any KubeRay version works
             assert plain["RAY_AUTH_MODE"] == "token"
             assert refs["RAY_AUTH_TOKEN"] == {"name": SECRET, "key": "auth_token"}
         else:  # KubeRay generates and injects Ray's token; it must know it to follow the job
@@ -203,11 +250,16 @@ def test_rayjob_runs_the_configmap_config_on_the_same_cluster_as_raycluster() ->
 
 
 def test_training_config_is_valid_and_fits_the_cluster(tmp_path: Path) -> None:
-    configmap, _ = _train_config()
+    _assert_config_fits(tmp_path, *_train_config(), _cluster_specs()["RayCluster"])
+
+
+def _assert_config_fits(tmp_path: Path, configmap: dict, train: dict, spec: dict) -> TrainConfig:
+    """`configmap`'s train.yaml loads with cargohold's own loader and fits `spec`'s groups."""
+    assert "tuning" not in train, "no shipped config sets a tuning value (tests/test_tuning.py)"
     path = tmp_path / "train.yaml"
     path.write_text(configmap["data"]["train.yaml"])
     config = load_config(path)
-    groups = _groups(_cluster_specs()["RayCluster"])
+    groups = _groups(spec)
     gpu, state = groups["gpu-workers"], groups["state-servers"]
     gpus = int(gpu["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
     assert config.worker.num_workers == gpus * gpu["replicas"]
@@ -221,10 +273,148 @@ def test_training_config_is_valid_and_fits_the_cluster(tmp_path: Path) -> None:
         offered = _custom_resources(group)
         for name, amount in needed.items():
             assert offered[name] * group["replicas"] >= amount * count, (name, offered)
+    return config
+
+
+# --- the spot variant: GPU workers on spot nodes, the rest on stable ones ------------
+
+
+def _pod(group: dict) -> dict:
+    return group["template"]["spec"]
+
+
+def _spot_selection(pod: dict) -> dict[str, str]:
+    """The spot labels `pod`'s nodeSelector asks for."""
+    return {k: v for k, v in pod.get("nodeSelector", {}).items() if SPOT_LABELS.get(k) == v}
+
+
+def _excludes(pod: dict, key: str, value: str) -> bool:
+    """Whether `pod`'s required node affinity keeps it off nodes labelled key=value: every
+    term (the terms are ORed) rules the label out."""
+    affinity = pod.get("affinity", {}).get("nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+    if not affinity:
+        return False
+
+    def rules_out(expression: dict) -> bool:
+        return expression["key"] == key and (
+            expression["operator"] == "DoesNotExist"
+            or (expression["operator"] == "NotIn" and value in expression["values"])
+        )
+
+    return all(any(map(rules_out, term.get("matchExpressions", []))) for term in affinity["nodeSelectorTerms"])
+
+
+def test_spot_gpu_workers_run_on_spot_nodes_and_the_rest_stays_off_them() -> None:
+    spec = _spot_spec()
+    groups = _groups(spec)
+    gpu = groups["gpu-workers"]
+    pod = _pod(gpu)
+    ((key, value),) = _spot_selection(pod).items()  # exactly one spot label
+    tolerations = pod["tolerations"]
+    assert any(
+        t["key"] == key
+        and t["effect"] == "NoSchedule"
+        and (t["operator"] == "Exists" or (t["operator"] == "Equal" and t["value"] == value))
+        for t in tolerations
+    ), f"the GPU pods must tolerate the spot pool's taint {key}"
+    assert any(t["key"] == "nvidia.com/gpu" and t["operator"] == "Exists" for t in tolerations)
+    # Several smaller pods: one reclaim loses some of the workers, not all.
+    assert gpu["replicas"] >= 2 and gpu["minReplicas"] == gpu["replicas"]
+
+    for name, group in (("head", spec["headGroupSpec"]), ("state-servers", groups["state-servers"])):
+        stable = _pod(group)
+        assert stable.get("nodeSelector"), f"{name}: pinned to the stable pool"
+        assert not _spot_selection(stable), f"{name} selects spot nodes"
+        assert not any(t["key"] in SPOT_LABELS for t in stable.get("tolerations", [])), f"{name} tolerates spot"
+        assert _excludes(stable, key, value), f"{name} must be kept off nodes labelled {key}={value}"
+
+
+def _prestop_commands(container: dict) -> list[list[str]]:
+    """The commands of `container`'s preStop exec hook, a `/bin/sh -c` script of simple
+    commands separated by ';' or new lines, each split as the shell splits it."""
+    hook = container.get("lifecycle", {}).get("preStop", {}).get("exec")
+    assert hook, f"{container['name']}: no preStop exec hook"
+    command = hook["command"]
+    assert command[:2] == ["/bin/sh", "-c"] and len(command) == 3, command
+    return [shlex.split(part) for part in re.split(r"[;\n]", command[2]) if part.strip()]
+
+
+def test_spot_gpu_workers_pass_the_preemption_notice_to_the_workers() -> None:
+    spec = _spot_spec()
+    groups = _groups(spec)
+    pod = _pod(groups["gpu-workers"])
+    for container in pod["containers"]:
+        commands = _prestop_commands(container)
+        signals = [c for c in commands if c[0] == "pkill"]
+        sleeps = [c for c in commands if c[0] == "sleep"]
+        assert len(signals) == 1 and sleeps, f"preStop: one pkill, then a sleep: {commands}"
+        assert commands.index(signals[0]) < commands.index(sleeps[0]), "the signal goes first, then the wait"
+        (pkill,) = signals
+        assert pkill[1:-1] == ["-TERM", "-f"], f"SIGTERM, matched on the whole command line: {pkill}"
+        pattern = re.compile(pkill[-1])  # pkill's POSIX extended regex; these read the same in Python
+        assert pkill[-1] == f"^{re.escape(WORKER_TITLE)}", f"anchored on exactly the workers' title: {pkill}"
+        assert pattern.search(WORKER_TITLE) and pattern.search(f"{WORKER_TITLE}.train_step")
+        for other in ("ray::StateServer", "ray::StateServer.push", "ray::IDLE", "raylet --node_id=x", "python"):
+            assert not pattern.search(other), other
+        # pkill would match the shell running the hook, whose command line holds the
+        # pattern, and end it: the wait would never happen.
+        assert not pattern.search(" ".join(container["lifecycle"]["preStop"]["exec"]["command"]))
+        sleep_s = sum(float(c[1]) for c in sleeps)
+        grace = pod["terminationGracePeriodSeconds"]
+        assert isinstance(grace, int) and grace > sleep_s > 0, (grace, sleep_s)
+    for name, group in (("head", spec["headGroupSpec"]), ("state-servers", groups["state-servers"])):
+        for container in _pod(group)["containers"]:
+            hooks = json.dumps(container.get("lifecycle", {}))
+            assert "kill" not in hooks and "TrainingWorker" not in hooks, f"{name} must not signal workers"
+
+
+def test_the_hook_signals_the_title_ray_gives_the_training_workers() -> None:
+    """Ray titles an actor's process ray::<its class's __name__> (ray::<name>.<method>
+    while it runs a method); the launcher starts TrainingWorker as the worker actor. A
+    renamed class needs the spot manifest's preStop hook (WORKER_TITLE) renamed too."""
+    from cargohold.cluster.launcher import TrainingSession
+    from cargohold.services.worker.actor import TrainingWorker
+
+    assert "ray.remote(TrainingWorker)" in inspect.getsource(TrainingSession.new_workers)
+    assert f"ray::{TrainingWorker.__name__}" == WORKER_TITLE
+
+
+def test_spot_training_config_fits_recovers_live_and_checkpoints_on_a_shared_volume(tmp_path: Path) -> None:
+    from cargohold.cluster.live_recovery import live_refusal
+
+    spec = _spot_spec()
+    configmap, train = _train_config(spot=True)
+    config = _assert_config_fits(tmp_path, configmap, train, spec)
+    groups = _groups(spec)
+    assert config.worker.num_workers > int(
+        _pod(groups["gpu-workers"])["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    ), "the workers span several GPU pods"
+    assert live_refusal(config) is None, "a reclaimed worker must be replaceable from the servers' live state"
+    assert config.checkpoint.dir and config.checkpoint.every_steps > 0
+    assert config.checkpoint.max_failures >= 2, "a reclaim can cost a failure; a lost server restarts"
+
+    # The head mounts this config, and the head (the launcher: manifests) and every state
+    # server (their partition files) mount one shared claim holding checkpoint.dir.
+    head = _pod(spec["headGroupSpec"])
+    volumes = {v["name"]: v for v in head["volumes"]}
+    assert volumes["train-config"]["configMap"]["name"] == configmap["metadata"]["name"]
+    claim = _one("PersistentVolumeClaim", spot=True)
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"] and claim["spec"]["resources"]["requests"]["storage"]
+    for name, pod in (("head", head), ("state-servers", _pod(groups["state-servers"]))):
+        pod_volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = [
+            m
+            for m in pod["containers"][0]["volumeMounts"]
+            if pod_volumes[m["name"]].get("persistentVolumeClaim", {}).get("claimName") == claim["metadata"]["name"]
+        ]
+        assert any(Path(config.checkpoint.dir).is_relative_to(m["mountPath"]) for m in mounts), name
+    # Guaranteed QoS for the state servers: requests equal limits.
+    resources = _pod(groups["state-servers"])["containers"][0]["resources"]
+    assert resources["requests"] == resources["limits"]
 
 
 def test_monitors_select_the_ray_pods_metrics_port() -> None:
-    specs = _cluster_specs()
+    specs = {**_cluster_specs(), "spot": _spot_spec()}
     for spec in specs.values():
         for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
             assert group["rayStartParams"]["metrics-export-port"] == "8080"
