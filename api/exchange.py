@@ -1,7 +1,8 @@
-"""The host buffers OffloadedAdamW's gradients and weights pass through: per param group,
-one flat buffer of its part of the flat space for gradients and one for weights, in the
-group's dtype. A segment's gradient and weights are slices of them, sent and received in
-place; the padding between parameters stays zero."""
+"""The host buffers OffloadedAdamW's gradients and weights pass through: per param group
+(each one unit of the layout), one flat buffer of its part of the flat space for
+gradients and one for weights, in the group's dtype. A segment's gradient and weights
+are slices of them, sent and received in place; the padding between parameters stays
+zero."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ class Exchange:
     """Gradients gathered from the parameters, weights scattered back into them."""
 
     def __init__(self, layout: Layout, params: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]) -> None:
-        """``params`` in layout order; ``dtypes`` one per group: its parameters' dtype,
+        """``params`` in layout order; ``dtypes`` one per param group (unit): its parameters' dtype,
         which is also the gradients' wire dtype and the weights' fetch dtype."""
         self.layout = layout
         self.params = list(params)
-        self.grads = [torch.zeros(g.stop - g.start, dtype=d) for g, d in zip(layout.groups, dtypes)]
-        self.weights = [torch.empty(g.stop - g.start, dtype=d) for g, d in zip(layout.groups, dtypes)]
+        self.grads = [torch.zeros(u.stop - u.start, dtype=d) for u, d in zip(layout.units, dtypes)]
+        self.weights = [torch.empty(u.stop - u.start, dtype=d) for u, d in zip(layout.units, dtypes)]
 
     def gradient(self, segment: Segment) -> torch.Tensor:
         return self._slice(self.grads, segment)
@@ -33,18 +34,18 @@ class Exchange:
         """Copy every parameter's gradient into the gradient buffers (from any device)."""
         for slot, param in zip(self.layout.params, self.params):
             assert param.grad is not None  # the optimizer checked every one before
-            self._param_view(self.grads, slot.group, slot.offset, slot.numel).copy_(param.grad.reshape(-1))
+            self._param_view(self.grads, slot.unit, slot.offset, slot.numel).copy_(param.grad.reshape(-1))
 
     @torch.no_grad()
     def scatter_weights(self) -> None:
         """Copy the fetched weights into the parameters (to any device)."""
         for slot, param in zip(self.layout.params, self.params):
-            param.copy_(self._param_view(self.weights, slot.group, slot.offset, slot.numel).view(slot.shape))
+            param.copy_(self._param_view(self.weights, slot.unit, slot.offset, slot.numel).view(slot.shape))
 
     def _slice(self, buffers: list[torch.Tensor], segment: Segment) -> torch.Tensor:
-        base = self.layout.groups[segment.group].start
-        return buffers[segment.group][segment.start - base : segment.stop - base]
+        base = self.layout.units[segment.unit].start
+        return buffers[segment.unit][segment.start - base : segment.stop - base]
 
-    def _param_view(self, buffers: list[torch.Tensor], group: int, offset: int, numel: int) -> torch.Tensor:
-        base = self.layout.groups[group].start
-        return buffers[group][offset - base : offset - base + numel]
+    def _param_view(self, buffers: list[torch.Tensor], unit: int, offset: int, numel: int) -> torch.Tensor:
+        base = self.layout.units[unit].start
+        return buffers[unit][offset - base : offset - base + numel]

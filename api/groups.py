@@ -1,6 +1,6 @@
 """OffloadedAdamW's parameter groups, checked and laid out over the state servers.
 
-Each param group is a group of the flat space (:func:`cargohold.services.core.layout.build_layout`
+Each param group is a unit of the flat space (:func:`cargohold.services.core.layout.build_layout`
 with one worker): its parameters one after the other, each starting at a multiple of 64
 elements, the whole space cut over the servers at multiples of 64. So a group's segments
 hold its parameters only, and are registered with its betas, eps and weight decay; the lr
@@ -93,8 +93,8 @@ def group_layout(groups: Sequence[NamedShapes], num_servers: int, ranks: int = 1
             [entry for group in groups for entry in group],
             num_workers=1,
             num_servers=num_servers * ranks,
-            group_sizes=[len(group) for group in groups],
-            group_names=[group_name(i) for i in range(len(groups))],
+            unit_sizes=[len(group) for group in groups],  # one unit per param group
+            unit_names=[group_name(i) for i in range(len(groups))],
         )
     except LayoutError as error:
         raise OptimizerError(

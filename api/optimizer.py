@@ -181,7 +181,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._remote.update(
             self._own,
             updates + 1,
-            lr_of=lambda segment: lrs[segment.group],
+            lr_of=lambda segment: lrs[segment.unit],  # a param group's unit has its index
             gradient=self._exchange.gradient,
             weights=self._exchange.weights_of,
         )
@@ -319,8 +319,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 start=s.start,
                 numel=s.numel,
                 fragments=tuple((f.segment_start, f.length) for f in s.fragments),
-                grad_dtype=DTYPE_NAMES[self._dtypes[s.group]],
-                hyper=hypers[s.group],
+                grad_dtype=DTYPE_NAMES[self._dtypes[s.unit]],
+                hyper=hypers[s.unit],
                 state_dtype=self._state_dtype,
             )
             for s in self._segments

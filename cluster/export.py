@@ -100,7 +100,7 @@ def export_weights(
         )
     out = Path(out_dir)
     gathered = gather_params(layout, flat.cpu())
-    weights = {name: gathered[name] for name in expected}  # the model's order, not the layout's groups
+    weights = {name: gathered[name] for name in expected}  # the model's order, not the layout's units
     tokenizer = exported_tokenizer(model_spec, data)
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -101,13 +101,13 @@ SHAPES = [
     ("blocks.1.scale", ()),
     ("blocks.1.b", (7,)),
 ]
-GROUPS = {"group_sizes": [3, 2, 3], "group_names": ["", "blocks.0", "blocks.1"]}
+UNITS = {"unit_sizes": [3, 2, 3], "unit_names": ["", "blocks.0", "blocks.1"]}
 RUN = "run-r"
 
 
-def group_layout(workers: int, servers: int) -> Layout:
-    """The layout of ``SHAPES`` in ``GROUPS`` over ``workers`` and ``servers``."""
-    return build_layout(SHAPES, num_workers=workers, num_servers=servers, **GROUPS)
+def unit_layout(workers: int, servers: int) -> Layout:
+    """The layout of ``SHAPES`` in ``UNITS`` over ``workers`` and ``servers``."""
+    return build_layout(SHAPES, num_workers=workers, num_servers=servers, **UNITS)
 
 
 def save_layout(

@@ -18,11 +18,11 @@ import torch
 from checkpoints import (
     RUN,
     SHAPES,
-    group_layout,
     random_data,
     restore,
     save,
     save_layout,
+    unit_layout,
     write_segments,
 )
 from hypothesis import HealthCheck, given, settings
@@ -132,11 +132,11 @@ def test_a_checkpoint_restores_bitwise_onto_any_workers_and_servers(
     server's restore path: every parameter element of every array where the new layout
     puts it, padding zero."""
     state = _model_state(seed=5)
-    saved = group_layout(*saved_at)
+    saved = unit_layout(*saved_at)
     path = save_layout(
         CheckpointDir(tmp_path / "ckpt"), 40, saved, {key: scatter_params(saved, state[key]) for key in ARRAYS}
     )
-    target = group_layout(*restored_at)
+    target = unit_layout(*restored_at)
     expected = {key: scatter_params(target, state[key]) for key in ARRAYS}
     got = {key: torch.full((target.total,), float("nan")) for key in ARRAYS}
     for server in range(target.num_servers):
@@ -157,7 +157,7 @@ def test_a_server_reads_only_the_files_its_segments_need(tmp_path: Path) -> None
     """The other files of the checkpoint may be gone: a server restoring its segments
     never opens them."""
     state = _model_state(seed=6)
-    saved, target = group_layout(2, 4), group_layout(4, 4)
+    saved, target = unit_layout(2, 4), unit_layout(4, 4)
     path = save_layout(CheckpointDir(tmp_path), 1, saved, {key: scatter_params(saved, state[key]) for key in ARRAYS})
     manifest = CheckpointDir(tmp_path).load(path)
 

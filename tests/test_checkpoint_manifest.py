@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import flat_layout, group_layout, random_data, restore, save, save_layout
+from checkpoints import flat_layout, random_data, restore, save, save_layout, unit_layout
 
 from cargohold.services.checkpoint import (
     FORMAT_VERSION,
@@ -71,7 +71,7 @@ def test_a_checkpoint_of_an_earlier_format_is_refused(tmp_path: Path) -> None:
     the worker-major layout, earlier ones with none: the former parameter-ordered flat
     space). They are refused naming the manifest, never deleted."""
     store = CheckpointDir(tmp_path)
-    layout = group_layout(2, 1)
+    layout = unit_layout(2, 1)
     path = save_layout(store, 3, layout, random_data(layout.total, 3))
     body = json.loads((path / MANIFEST_NAME).read_text())
     del body["config"]

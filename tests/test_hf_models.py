@@ -134,7 +134,7 @@ def test_tied_embedding_is_one_slot_of_the_root_unit(gpt2_dir: Path) -> None:
     _, _, layout = config_layout(config)
     names = [slot.name for slot in layout.params]
     assert names.count("hf.transformer.wte.weight") == 1 and "hf.lm_head.weight" not in names
-    assert "hf.transformer.wte.weight" in [slot.name for slot in layout.group_params(0)]
+    assert "hf.transformer.wte.weight" in [slot.name for slot in layout.unit_params(0)]
 
     weights = gather_params(layout, scatter_params(layout, dict(model.named_parameters())))
     tied = _load(config_task(tiny_config(hf__config_path=str(gpt2_dir), seed=8)).build(), weights)

@@ -47,12 +47,12 @@ def _states(rank: int, port: int, out: Path) -> None:
                 torch.nn.init.normal_(parameter.to_local(), std=0.02)
             x = torch.randint(0, 256, (2, 16))
             loss = model(x, x)[1]
-            groups = [u.module._get_fsdp_state()._fsdp_param_group for u in units]
-            after_forward = [g.is_unsharded for g in groups]
+            fsdp_param_groups = [u.module._get_fsdp_state()._fsdp_param_group for u in units]
+            after_forward = [g.is_unsharded for g in fsdp_param_groups]
             loss.backward()
-            after_backward = [g.is_unsharded for g in groups]
+            after_backward = [g.is_unsharded for g in fsdp_param_groups]
             states[kept] = after_forward, after_backward
-            del model, units, groups, loss
+            del model, units, fsdp_param_groups, loss
         torch.save(states, out / f"rank{rank}.pt")
         dist.barrier()  # neither rank tears gloo down while the other still uses it
     finally:

@@ -38,17 +38,17 @@ def _named(shapes: list[tuple[int, ...]]) -> list[tuple[str, tuple[int, ...]]]:
     return [(f"p{i}", shape) for i, shape in enumerate(shapes)]
 
 
-def _groups(data: st.DataObject, count: int) -> list[int]:
-    """Random consecutive group sizes adding up to ``count`` (empty groups allowed)."""
+def _units(data: st.DataObject, count: int) -> list[int]:
+    """Random consecutive unit sizes adding up to ``count`` (empty units allowed)."""
     cuts = sorted(data.draw(st.lists(st.integers(0, count), max_size=4)))
     bounds = [0, *cuts, count]
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def _layout_or_none(data: st.DataObject, shapes, workers: int, servers: int, align: int) -> Layout | None:
-    groups = _groups(data, len(shapes))
+    units = _units(data, len(shapes))
     try:
-        return build_layout(_named(shapes), num_workers=workers, num_servers=servers, align=align, group_sizes=groups)
+        return build_layout(_named(shapes), num_workers=workers, num_servers=servers, align=align, unit_sizes=units)
     except LayoutError as error:
         assert "fewer state servers" in str(error)
         return None
@@ -80,8 +80,8 @@ def test_every_element_has_one_home_and_the_chunks_are_fsdp2s(data, shapes, work
         assert lo <= segment.start < segment.stop <= hi
         assert layout.server_range(segment.server)[0] <= segment.start
         assert segment.stop <= layout.server_range(segment.server)[1]
-        group = layout.groups[segment.group]
-        assert lo + group.start <= segment.start and segment.stop <= lo + group.stop
+        unit = layout.units[segment.unit]
+        assert lo + unit.start <= segment.start and segment.stop <= lo + unit.stop
         for fragment in segment.fragments:
             slot = layout.params[fragment.param_index]
             at = segment.start + fragment.segment_start
@@ -111,8 +111,8 @@ def test_slots_servers_and_runs_are_consistent(data, shapes, workers, servers, a
     for slot in layout.params:
         assert slot.offset % align == 0
         assert slot.rows_per_worker == -(-(slot.shape[0] if slot.shape else 1) // workers)
-    for group in layout.groups:
-        assert all(layout.params[i].group == group.index for i in range(group.first_param, group.stop_param))
+    for unit in layout.units:
+        assert all(layout.params[i].unit == unit.index for i in range(unit.first_param, unit.stop_param))
     start = data.draw(st.integers(0, layout.total))
     stop = data.draw(st.integers(start, layout.total))
     for index, param_start, flat_start, length in layout.param_runs(start, stop):
@@ -126,14 +126,14 @@ def test_two_workers_split_rows_like_fsdp2() -> None:
         num_workers=2,
         num_servers=1,
         align=8,
-        group_sizes=[1, 1],
-        group_names=["", "block"],
+        unit_sizes=[1, 1],
+        unit_names=["", "block"],
     )
     a, b = layout.params
     assert (a.rows_per_worker, a.slot_numel, a.offset) == (3, 9, 0)
     assert (b.rows_per_worker, b.slot_numel, b.offset) == (4, 4, 16)
     assert layout.worker_size == 24 and layout.total == 48
-    assert [(s.worker, s.group, s.start, s.stop) for s in layout.segments] == [
+    assert [(s.worker, s.unit, s.start, s.stop) for s in layout.segments] == [
         (0, 0, 0, 16),
         (0, 1, 16, 24),
         (1, 0, 24, 40),
@@ -151,8 +151,8 @@ def test_two_workers_split_rows_like_fsdp2() -> None:
         (dict(num_workers=1, num_servers=0), r"num_servers must be >= 1, got 0"),
         (dict(num_workers=1, num_servers=1, align=0), r"align must be >= 1, got 0"),
         (dict(num_workers=1, num_servers=3), r"3 servers cannot each own at least 64 of 128 elements"),
-        (dict(num_workers=1, num_servers=1, group_sizes=[2]), r"group sizes \[2\] do not add up to the 1"),
-        (dict(num_workers=1, num_servers=1, group_names=["a", "b"]), r"2 group names for 1 groups"),
+        (dict(num_workers=1, num_servers=1, unit_sizes=[2]), r"unit sizes \[2\] do not add up to the 1"),
+        (dict(num_workers=1, num_servers=1, unit_names=["a", "b"]), r"2 unit names for 1 units"),
     ],
 )
 def test_bad_requests_raise_layout_error_naming_the_setting(kwargs: dict, message: str) -> None:

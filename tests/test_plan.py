@@ -36,13 +36,13 @@ def _layout(config) -> Layout:
 
 def _units(layout: Layout) -> list[tuple[int, int]]:
     """(parameter elements, padded chunk per worker) of each FSDP2 unit, root first."""
-    slots = [layout.group_params(g.index) for g in layout.groups]
+    slots = [layout.unit_params(u.index) for u in layout.units]
     return [(sum(s.numel for s in unit), sum(s.slot_numel for s in unit)) for unit in slots]
 
 
 def _exchange(layout: Layout, bytes_per_element: int, slots: int = 3) -> int:
     """Bytes of ``slots`` exchange slots of the largest unit (rounded up to 64 elements)."""
-    largest = max(group.stop - group.start for group in layout.groups)
+    largest = max(unit.stop - unit.start for unit in layout.units)
     return slots * (-(-largest // 64) * 64) * bytes_per_element
 
 
@@ -186,7 +186,7 @@ def test_the_delayed_update_holds_the_weights_of_the_whole_range() -> None:
 def test_exchange_slots_are_the_size_of_the_largest_unit() -> None:
     config = tiny_config(model__n_layer=4, worker__exchange_slots=5)
     layout = _layout(config)
-    largest = max(group.stop - group.start for group in layout.groups)
+    largest = max(unit.stop - unit.start for unit in layout.units)
     assert largest < layout.worker_size / 2  # a slot is far smaller than the worker's range
     assert plan_run(config).worker.buffers["exchange"] == 5 * (-(-largest // 64) * 64) * 8
 

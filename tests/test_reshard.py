@@ -89,7 +89,7 @@ def _models(draw: st.DrawFn) -> list[tuple[str, tuple[int, ...]]]:
 
 @st.composite
 def _layouts(draw: st.DrawFn, shapes: list[tuple[str, tuple[int, ...]]]) -> Layout:
-    """``shapes`` in a random order and grouping, on random worker and server counts."""
+    """``shapes`` in a random order and random units, on random worker and server counts."""
     order = draw(st.permutations(shapes))
     cuts = sorted(draw(st.lists(st.integers(0, len(order)), max_size=3)))
     bounds = [0, *cuts, len(order)]
@@ -99,7 +99,7 @@ def _layouts(draw: st.DrawFn, shapes: list[tuple[str, tuple[int, ...]]]) -> Layo
             num_workers=draw(st.integers(1, 5)),
             num_servers=draw(st.integers(1, 4)),
             align=draw(st.sampled_from([1, 4, 64])),
-            group_sizes=[b - a for a, b in zip(bounds, bounds[1:])],
+            unit_sizes=[b - a for a, b in zip(bounds, bounds[1:])],
         )
     except LayoutError:  # more servers than aligned units
         assume(False)
@@ -123,15 +123,15 @@ def test_every_element_of_every_new_segment_comes_from_its_saved_position(data: 
 @pytest.mark.parametrize(
     ("saved_at", "new_at"), [((2, 2), (1, 1)), ((1, 1), (3, 2)), ((2, 3), (4, 1)), ((3, 1), (3, 4))]
 )
-def test_worker_and_server_changes_under_transformer_like_groups(saved_at, new_at) -> None:
-    groups = {"group_sizes": [2, 2, 1], "group_names": ["", "blocks.0", "blocks.1"]}
-    saved = build_layout(SHAPES, num_workers=saved_at[0], num_servers=saved_at[1], **groups)
-    new = build_layout(SHAPES, num_workers=new_at[0], num_servers=new_at[1], **groups)
+def test_worker_and_server_changes_under_transformer_like_units(saved_at, new_at) -> None:
+    units = {"unit_sizes": [2, 2, 1], "unit_names": ["", "blocks.0", "blocks.1"]}
+    saved = build_layout(SHAPES, num_workers=saved_at[0], num_servers=saved_at[1], **units)
+    new = build_layout(SHAPES, num_workers=new_at[0], num_servers=new_at[1], **units)
     _check_runs(saved, new)
 
 
 def test_the_same_layout_maps_each_segment_onto_itself() -> None:
-    layout = build_layout(SHAPES, num_workers=2, num_servers=3, group_sizes=[2, 3])
+    layout = build_layout(SHAPES, num_workers=2, num_servers=3, unit_sizes=[2, 3])
     for segment in layout.segments:
         runs = segment_runs(layout, layout, segment)
         assert [(start - segment.start, start, length) for _, start, length in runs] == list(runs)
@@ -186,8 +186,8 @@ def test_a_manifest_with_a_badly_typed_layout_is_refused_on_load(change: dict, m
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"group_sizes": (1, 1)}, r"the recorded layout cannot be rebuilt: group sizes \[1, 1\] do not add up"),
-        ({"group_names": ("a", "b")}, r"the recorded layout cannot be rebuilt: 2 group names for 1 groups"),
+        ({"unit_sizes": (1, 1)}, r"the recorded layout cannot be rebuilt: unit sizes \[1, 1\] do not add up"),
+        ({"unit_names": ("a", "b")}, r"the recorded layout cannot be rebuilt: 2 unit names for 1 units"),
         (
             {"num_workers": 2},
             r"the recorded layout spans \d+ elements, the manifest's total is \d+; the manifest is "
@@ -250,5 +250,5 @@ def test_a_checkpoint_resumes_under_another_unit_bound(saved_bound: int, new_bou
         ]
 
     saved, new = layout(saved_bound, 2), layout(new_bound, 3)
-    assert [g.name for g in saved.groups] != [g.name for g in new.groups]
+    assert [u.name for u in saved.units] != [u.name for u in new.units]
     _check_runs(saved, new)

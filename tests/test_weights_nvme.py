@@ -163,10 +163,10 @@ def _counter(peak: list[int], in_memory):
 
 def _blocks_in_memory(step: ShardedStep):
     tensors = local_tensors(step.model, step.layout)
-    groups = step.layout.groups[1:]
+    units = step.layout.units[1:]
 
     def count() -> int:
-        return sum(any(t.untyped_storage().nbytes() for t in tensors[g.first_param : g.stop_param]) for g in groups)
+        return sum(any(t.untyped_storage().nbytes() for t in tensors[u.first_param : u.stop_param]) for u in units)
 
     return count
 
@@ -189,10 +189,10 @@ def test_weights_on_nvme_train_bitwise_as_adamw(world: int) -> None:
         window = config.worker.weight_window
         for r in ranks:
             assert 1 <= max(r["peaks"]) <= window, (name, r["peaks"])
-            units = range(1, len(layout.groups))
-            assert r["files"] == [".lock"] + [f"unit-{g:05d}.weights" for g in units], r["files"]
+            units = range(1, len(layout.units))
+            assert r["files"] == [".lock"] + [f"unit-{u:05d}.weights" for u in units], r["files"]
         if name.startswith("split-units"):
-            assert len(layout.groups) == 1 + 3 + 3 * LAYERS, "wte, wpe, head and 3 units per block"
+            assert len(layout.units) == 1 + 3 + 3 * LAYERS, "wte, wpe, head and 3 units per block"
 
 
 # --- the files on their own: damage between steps, full and read-only disks -----------------

@@ -219,10 +219,10 @@ class _UnitSize:
 def _unit_sizes(layout: Layout) -> list[_UnitSize]:
     return [
         _UnitSize(
-            numel=sum(s.numel for s in layout.group_params(g.index)),
-            chunk=sum(s.slot_numel for s in layout.group_params(g.index)),
+            numel=sum(s.numel for s in layout.unit_params(u.index)),
+            chunk=sum(s.slot_numel for s in layout.unit_params(u.index)),
         )
-        for g in layout.groups
+        for u in layout.units
     ]
 
 
@@ -263,13 +263,13 @@ def plan_worker(
     )
     on_nvme = settings.weights_nvme_path is not None
     offload = (settings.offload_params or on_nvme) and device == "cuda"
-    unit_files = [round_up((g.stop - g.start) * size.compute) for g in layout.groups[1:]]  # as written: whole units
+    unit_files = [round_up((u.stop - u.start) * size.compute) for u in layout.units[1:]]  # as written: whole units
     if on_nvme:
         weights = _weights_in_window(layout, size, settings.weight_window, unit_files)
     else:
         weights = _weights_all_in_memory(layout, size)
     exchange = exchange_nbytes(
-        layout.largest_group,
+        layout.largest_unit,
         size.push,
         size.compute,
         slots=settings.exchange_slots,
@@ -329,8 +329,8 @@ def _weights_all_in_memory(layout: Layout, size: _Itemsizes) -> int:
 def _weights_in_window(layout: Layout, size: _Itemsizes, window: int, unit_files: Sequence[int]) -> int:
     """With weights on NVMe, the weight shards in memory: the root's, ``window`` units
     (their padded chunks, as allocated) and the files' read buffers."""
-    root_weights = sum(slot.local_numel(0) for slot in layout.group_params(0)) * size.compute
-    largest_chunks = max(sum(s.slot_numel for s in layout.group_params(g.index)) for g in layout.groups[1:])
+    root_weights = sum(slot.local_numel(0) for slot in layout.unit_params(0)) * size.compute
+    largest_chunks = max(sum(s.slot_numel for s in layout.unit_params(u.index)) for u in layout.units[1:])
     read_buffers = WEIGHT_READ_BUFFERS * max(unit_files)
     return root_weights + window * largest_chunks * size.compute + read_buffers
 
@@ -375,7 +375,7 @@ def _device_optimizer(config: TrainConfig, layout: Layout, size: _Itemsizes) -> 
     staged = size.push if config.optim.staged else 0
     slots = config.worker.exchange_slots
     per_element = bytes_per_parameter(config.optim.state_dtype) + staged
-    per_element += slots * size.compute * layout.largest_group / layout.worker_size
+    per_element += slots * size.compute * layout.largest_unit / layout.worker_size
     return _DeviceOptimizer(
         state_bytes=sum(stored_bytes(config.optim.state_dtype, s.numel) + s.numel * staged for s in on_device),
         update_bytes=slots * max((s.numel for s in on_device), default=0) * size.compute,
@@ -387,7 +387,7 @@ def _initial_values_bytes(model: torch.nn.Module, layout: Layout) -> int:
     """Host memory the initial values take while the worker starts: one module's full fp32
     values and one unit's fp32 chunk (registered with the servers a unit at a time)."""
     one_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return one_module * FP32_BYTES + max(g.stop - g.start for g in layout.groups) * FP32_BYTES
+    return one_module * FP32_BYTES + max(u.stop - u.start for u in layout.units) * FP32_BYTES
 
 
 def _traffic(

@@ -19,7 +19,7 @@ server's side: save its segments, restore them). Files are written with
 :func:`cargohold.services.core.durable.replace_durably`.
 
 Where a parameter element sits in the flat space depends on the worker count and the
-grouping, so restoring onto another layout reads each new segment's elements from their
+units, so restoring onto another layout reads each new segment's elements from their
 saved positions (:mod:`cargohold.services.checkpoint.reshard`, from the layout the manifest
 records).
 

@@ -18,7 +18,7 @@ def check_compatible(
     """Refuse a checkpoint of another model, naming the first parameter that differs.
 
     Parameters are matched by name: the checkpoint may list them in another order (its
-    layout grouped them otherwise), and any worker or server count restores. The
+    layout formed other units), and any worker or server count restores. The
     alignment the manifest's layout records must be ``align``.
     """
     theirs = _shape_map(manifest.model_signature, "the checkpoint")

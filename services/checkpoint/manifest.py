@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -35,6 +35,8 @@ _Record = TypeVar("_Record", "FileRecord", "SegmentRecord", "LossScaleRecord")
 JSON_KEYS = {"segments": "shards"}
 """The manifest's fields whose JSON key is another word: the file format keeps "shards"
 for the segment records."""
+LAYOUT_JSON_KEYS = {"unit_sizes": "group_sizes", "unit_names": "group_names"}
+"""The same for the ``layout`` record: the file format keeps "group" for the units."""
 LAYOUT_KIND = "worker-major-v1"
 """``layout.kind`` of a checkpoint whose flat space is worker-major
 (:mod:`cargohold.services.core.layout`)."""
@@ -95,9 +97,10 @@ class LayoutRecord:
     same alignment, :func:`.compat.check_compatible`)."""
     num_workers: int
     num_servers: int
-    group_sizes: tuple[int, ...]
-    """Parameters per FSDP2 unit, in layout order."""
-    group_names: tuple[str, ...]
+    unit_sizes: tuple[int, ...]
+    """Parameters per unit (FSDP2's), in layout order; the JSON's ``group_sizes``."""
+    unit_names: tuple[str, ...]
+    """The units' names; the JSON's ``group_names``."""
 
     def __post_init__(self) -> None:
         if self.kind != LAYOUT_KIND:
@@ -106,10 +109,10 @@ class LayoutRecord:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise CheckpointError(f"layout.{name} must be an integer >= 1, got {value!r}")
-        if not (isinstance(self.group_sizes, tuple) and all(is_int(n) and n >= 0 for n in self.group_sizes)):
-            raise CheckpointError(f"layout.group_sizes must be a list of integers >= 0, got {_shown(self.group_sizes)}")
-        if not (isinstance(self.group_names, tuple) and all(isinstance(n, str) for n in self.group_names)):
-            raise CheckpointError(f"layout.group_names must be a list of strings, got {_shown(self.group_names)}")
+        if not (isinstance(self.unit_sizes, tuple) and all(is_int(n) and n >= 0 for n in self.unit_sizes)):
+            raise CheckpointError(f"layout.group_sizes must be a list of integers >= 0, got {_shown(self.unit_sizes)}")
+        if not (isinstance(self.unit_names, tuple) and all(isinstance(n, str) for n in self.unit_names)):
+            raise CheckpointError(f"layout.group_names must be a list of strings, got {_shown(self.unit_names)}")
 
     def to_body(self) -> dict[str, Any]:
         return {
@@ -117,18 +120,19 @@ class LayoutRecord:
             "align": self.align,
             "num_workers": self.num_workers,
             "num_servers": self.num_servers,
-            "group_sizes": list(self.group_sizes),
-            "group_names": list(self.group_names),
+            "group_sizes": list(self.unit_sizes),
+            "group_names": list(self.unit_names),
         }
 
     @classmethod
     def from_body(cls, body: object) -> LayoutRecord:
-        entry = _record(body, cls, "layout")
+        entry = _record(body, cls, "layout", LAYOUT_JSON_KEYS)
+        fields = {name: entry[LAYOUT_JSON_KEYS.get(name, name)] for name in cls.__dataclass_fields__}
         return cls(
             **{
-                **entry,
-                "group_sizes": tuple(_list(entry["group_sizes"], "layout.group_sizes")),
-                "group_names": tuple(_list(entry["group_names"], "layout.group_names")),
+                **fields,
+                "unit_sizes": tuple(_list(entry["group_sizes"], "layout.group_sizes")),
+                "unit_names": tuple(_list(entry["group_names"], "layout.group_names")),
             }
         )
 
@@ -284,8 +288,10 @@ def _parsed(kind: type[_Record], entry: object, what: str) -> _Record:
         raise CheckpointError(f"{what}.{error}") from None
 
 
-def _record(entry: object, kind: type, what: str) -> dict[str, Any]:
-    names = set(kind.__dataclass_fields__)  # type: ignore[attr-defined]
+def _record(entry: object, kind: type, what: str, keys: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``entry``, refused unless a JSON object with ``kind``'s fields as its keys (``keys``:
+    the fields whose JSON key is another word)."""
+    names = {(keys or {}).get(name, name) for name in kind.__dataclass_fields__}  # type: ignore[attr-defined]
     if not isinstance(entry, dict) or set(entry) != names:
         raise CheckpointError(f"{what} must be an object with fields {sorted(names)}, got {entry!r}")
     return entry

@@ -2,14 +2,14 @@
 manifest, and map each segment of the new layout onto the saved flat space.
 
 The flat space is worker-major (:mod:`cargohold.services.core.layout`): where a parameter
-element sits depends on the worker count, the grouping and the alignment, so a
+element sits depends on the worker count, the units and the alignment, so a
 checkpoint saved by W workers cannot be read at the same flat offsets by W' workers. The
 manifest therefore records everything that placed the parameters (its ``layout``,
 :func:`layout_record`), the launcher rebuilds the saving layout (:func:`saved_layout`)
 and gives each new segment the runs of the saved flat space that hold its elements
 (:func:`segment_runs`); a state server reads only those. Runs follow parameters by name,
-so the new layout may also order or group the parameters otherwise. Padding is in no
-run: it restores as zeros.
+so the new layout may also order the parameters otherwise or form other units. Padding
+is in no run: it restores as zeros.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def layout_record(layout: Layout) -> LayoutRecord:
         align=layout.align,
         num_workers=layout.num_workers,
         num_servers=layout.num_servers,
-        group_sizes=tuple(g.stop_param - g.first_param for g in layout.groups),
-        group_names=tuple(g.name for g in layout.groups),
+        unit_sizes=tuple(u.stop_param - u.first_param for u in layout.units),
+        unit_names=tuple(u.name for u in layout.units),
     )
 
 
@@ -51,8 +51,8 @@ def saved_layout(manifest: Manifest, source: str) -> Layout:
             align=record.align,
             num_workers=record.num_workers,
             num_servers=record.num_servers,
-            group_sizes=record.group_sizes,
-            group_names=record.group_names,
+            unit_sizes=record.unit_sizes,
+            unit_names=record.unit_names,
         )
     except LayoutError as error:
         raise CheckpointError(f"{source}: the recorded layout cannot be rebuilt: {error}") from error
@@ -71,27 +71,27 @@ def check_layout_bounds(manifest: Manifest, source: str) -> None:
 
     The units' padded sizes, laid out for ``num_workers``, must add up to ``total``
     (arithmetic over the parameters). Every server's range holds at least one
-    ``align``-sized unit of ``total`` and at least one segment record, and so does every
-    worker's range of every non-empty unit (group): a checkpoint has a record for each
+    ``align``-sized span of ``total`` and at least one segment record, and so does every
+    worker's range of every non-empty unit: a checkpoint has a record for each
     segment (or more, one per partition), so these counts are bounded by what the
     manifest lists, and so is the work of rebuilding the layout."""
     record, total = manifest.layout, manifest.total
-    units, records = total // record.align, len(manifest.segments)
-    if record.num_servers > min(units, records):
+    spans, records = total // record.align, len(manifest.segments)
+    if record.num_servers > min(spans, records):
         raise CheckpointError(
             f"{source}: layout.num_servers is {record.num_servers}, more than the payload can hold: its {total} "
-            f"elements hold {units} units of layout.align {record.align}, it lists {records} segment records, "
+            f"elements hold {spans} spans of layout.align {record.align}, it lists {records} segment records, "
             "and each server needs one of each; the manifest is inconsistent"
         )
-    sizes = _padded_group_sizes(manifest)
+    sizes = _padded_unit_sizes(manifest)
     if sizes is None:
-        return  # group_sizes do not fit the parameters: the rebuild names that
+        return  # the unit sizes do not fit the parameters: the rebuild names that
     worker_size, active = sum(sizes), sum(1 for size in sizes if size)
-    if record.num_workers * active > records or record.num_workers > units:
+    if record.num_workers * active > records or record.num_workers > spans:
         raise CheckpointError(
             f"{source}: layout.num_workers is {record.num_workers}, more than the payload can hold: its "
             f"{active} non-empty units need a segment record per worker, and it lists {records} segment records "
-            f"({units} units of layout.align {record.align} in all); the manifest is inconsistent"
+            f"({spans} spans of layout.align {record.align} in all); the manifest is inconsistent"
         )
     if worker_size * record.num_workers != total:
         raise CheckpointError(
@@ -100,12 +100,12 @@ def check_layout_bounds(manifest: Manifest, source: str) -> None:
         )
 
 
-def _padded_group_sizes(manifest: Manifest) -> list[int] | None:
-    """Elements each group of the saved layout reserves in a worker's range (the sum of
-    its parameters' padded dim-0 chunks); None where ``group_sizes`` does not add up to
-    the parameters."""
+def _padded_unit_sizes(manifest: Manifest) -> list[int] | None:
+    """Elements each unit of the saved layout reserves in a worker's range (the sum of
+    its parameters' padded dim-0 chunks); None where the unit sizes (``layout.group_sizes``)
+    do not add up to the parameters."""
     record = manifest.layout
-    if sum(record.group_sizes) != len(manifest.model_signature):
+    if sum(record.unit_sizes) != len(manifest.model_signature):
         return None
     slots = []
     for _, shape in manifest.model_signature:
@@ -113,7 +113,7 @@ def _padded_group_sizes(manifest: Manifest) -> list[int] | None:
         slot = -(-rows // record.num_workers) * row_numel
         slots.append(-(-slot // record.align) * record.align)
     sizes, first = [], 0
-    for count in record.group_sizes:
+    for count in record.unit_sizes:
         sizes.append(sum(slots[first : first + count]))
         first += count
     return sizes

@@ -6,22 +6,24 @@ Pure arithmetic on sizes; no tensors are touched except by :func:`scatter_params
 
 Workers shard each parameter the way FSDP2's ``fully_shard`` does: along dim 0, in
 ``num_workers`` chunks of ``ceil(rows / num_workers)`` rows (the last chunks shorter or
-empty). Parameters come in *groups*, the units ``fully_shard`` wraps (a transformer block,
-or the root's remaining parameters), whose gradients are reduced together.
+empty). Parameters come in *units*, what ``fully_shard`` wraps (a transformer block,
+or the root's remaining parameters), whose gradients are reduced together; a unit's
+parameters are consecutive in layout order.
 
 The flat space is *worker-major*: worker w's range ``[w * worker_size, (w+1) *
-worker_size)`` holds, group by group, the padded dim-0 chunk of each parameter that w
+worker_size)`` holds, unit by unit, the padded dim-0 chunk of each parameter that w
 holds (a *slot*), each slot at a multiple of ``align``. Every worker's range has the same
 size and the same slots, so a slot's position inside a range is one number per parameter.
-A worker's gradients and weights for one group are therefore one contiguous range.
+A worker's gradients and weights for one unit are therefore one contiguous range (the
+unit's :class:`UnitRange`).
 
 The flat space is cut, independently, into ``num_servers`` contiguous server ranges at
-multiples of ``align``. A *segment* is the non-empty intersection of one group's range of
-one worker with one server range: the unit a worker pushes and fetches and a server
+multiples of ``align``. A *segment* is the non-empty intersection of one unit's range of
+one worker with one server range: what a worker pushes and fetches and a server
 registers. Every element belongs to exactly one segment.
 
 With a *device fraction* f (``worker.optimizer_on_device_fraction``) the first
-``f`` of each group's range of each worker (rounded to ``align``) is a *device segment*:
+``f`` of each unit's range of each worker (rounded to ``align``) is a *device segment*:
 its Adam state lives with the worker itself, on its device, and is updated there
 (``server`` is :data:`DEVICE`); only the rest is cut by the server ranges. The flat space,
 and so every checkpoint's offsets, does not depend on f. Segments of a worker on a
@@ -56,11 +58,12 @@ NamedShape = tuple[str, Sequence[int]]
 
 @dataclass(frozen=True, slots=True)
 class ParamSlot:
-    """One parameter: its shape, its group and where its chunk sits in every worker's range."""
+    """One parameter: its shape, its unit and where its chunk sits in every worker's range."""
 
     name: str
     shape: tuple[int, ...]
-    group: int
+    unit: int
+    """Index of its unit in :attr:`Layout.units`."""
     offset: int
     """First element of the slot inside each worker's range (a multiple of ``align``)."""
     rows_per_worker: int
@@ -95,10 +98,14 @@ class ParamSlot:
 
 
 @dataclass(frozen=True, slots=True)
-class Group:
-    """Parameters reduced together (one ``fully_shard`` unit), by index in ``params``."""
+class UnitRange:
+    """One unit (what ``fully_shard`` wraps: parameters reduced together) as the layout
+    places it: its parameters ``params[first_param:stop_param]`` and the range ``[start,
+    stop)`` their slots fill inside each worker's range (the same in every worker's range).
+    ``sharding.Unit`` is the same unit seen from the model: its module and parameter names."""
 
     index: int
+    """Its place in :attr:`Layout.units` (layout order: the root first)."""
     name: str
     first_param: int
     stop_param: int
@@ -121,11 +128,11 @@ class Fragment:
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """The elements ``[start, stop)`` of group ``group`` that worker ``worker`` pushes to
+    """The elements ``[start, stop)`` of unit ``unit`` that worker ``worker`` pushes to
     server ``server`` (:data:`DEVICE`: that the worker updates on its own device)."""
 
     segment_id: int
-    group: int
+    unit: int
     worker: int
     server: int
     start: int
@@ -149,7 +156,7 @@ class Layout:
     """The complete placement of a model's parameters over workers and servers."""
 
     params: tuple[ParamSlot, ...]
-    groups: tuple[Group, ...]
+    units: tuple[UnitRange, ...]
     total: int
     """Length of the flat space: ``num_workers * worker_size``."""
     worker_size: int
@@ -161,7 +168,7 @@ class Layout:
     but the device segments in it."""
     segments: tuple[Segment, ...]
     device_fraction: float = 0.0
-    """The share of each group's range of each worker that is a device segment."""
+    """The share of each unit's range of each worker that is a device segment."""
 
     def worker_range(self, worker: int) -> tuple[int, int]:
         self._check_index("worker", worker, self.num_workers)
@@ -185,14 +192,15 @@ class Layout:
         self._check_index("worker", worker, self.num_workers)
         return tuple(s for s in self.segments if s.worker == worker and s.on_device)
 
-    def group_params(self, group: int) -> tuple[ParamSlot, ...]:
-        g = self.groups[group]
-        return self.params[g.first_param : g.stop_param]
+    def unit_params(self, unit: int) -> tuple[ParamSlot, ...]:
+        """The parameters of unit ``unit``, in layout order."""
+        placed = self.units[unit]
+        return self.params[placed.first_param : placed.stop_param]
 
     @property
-    def largest_group(self) -> int:
-        """Elements of the largest group inside a worker's range (an exchange slot's size)."""
-        return max((g.stop - g.start for g in self.groups), default=0)
+    def largest_unit(self) -> int:
+        """Elements of the largest unit inside a worker's range (an exchange slot's size)."""
+        return max((u.stop - u.start for u in self.units), default=0)
 
     @property
     def num_real_elements(self) -> int:
@@ -241,34 +249,34 @@ def build_layout(
     num_workers: int,
     num_servers: int,
     align: int = DEFAULT_ALIGN,
-    group_sizes: Sequence[int] | None = None,
-    group_names: Sequence[str] | None = None,
+    unit_sizes: Sequence[int] | None = None,
+    unit_names: Sequence[str] | None = None,
     device_fraction: float = 0.0,
 ) -> Layout:
-    """Place parameters (in the given order) in groups of ``group_sizes`` consecutive
-    parameters (None: one group of all) and split the space over workers and servers,
-    ``device_fraction`` of each group's range of each worker (rounded to ``align``) to
+    """Place parameters (in the given order) in units of ``unit_sizes`` consecutive
+    parameters (None: one unit of all) and split the space over workers and servers,
+    ``device_fraction`` of each unit's range of each worker (rounded to ``align``) to
     the worker itself."""
     _check_counts(num_workers, num_servers, align, device_fraction)
     shapes = _shapes(named_shapes)
-    sizes = list(group_sizes) if group_sizes is not None else [len(shapes)]
+    sizes = list(unit_sizes) if unit_sizes is not None else [len(shapes)]
     if any(size < 0 for size in sizes) or sum(sizes) != len(shapes):
-        raise LayoutError(f"group sizes {sizes} do not add up to the {len(shapes)} parameters")
-    names = list(group_names) if group_names is not None else [f"group{i}" for i in range(len(sizes))]
+        raise LayoutError(f"unit sizes {sizes} do not add up to the {len(shapes)} parameters")
+    names = list(unit_names) if unit_names is not None else [f"unit{i}" for i in range(len(sizes))]
     if len(names) != len(sizes):
-        raise LayoutError(f"{len(names)} group names for {len(sizes)} groups")
-    params, groups, worker_size = _place(shapes, sizes, names, num_workers, align)
+        raise LayoutError(f"{len(names)} unit names for {len(sizes)} units")
+    params, units, worker_size = _place(shapes, sizes, names, num_workers, align)
     server_bounds = _server_bounds(worker_size * num_workers, num_servers, align)
     return Layout(
         params=params,
-        groups=groups,
+        units=units,
         total=worker_size * num_workers,
         worker_size=worker_size,
         num_workers=num_workers,
         num_servers=num_servers,
         align=align,
         server_bounds=server_bounds,
-        segments=_cut_segments(params, groups, num_workers, worker_size, server_bounds, align, device_fraction),
+        segments=_cut_segments(params, units, num_workers, worker_size, server_bounds, align, device_fraction),
         device_fraction=device_fraction,
     )
 
@@ -300,75 +308,75 @@ def _place(
     names: Sequence[str],
     num_workers: int,
     align: int,
-) -> tuple[tuple[ParamSlot, ...], tuple[Group, ...], int]:
-    """Each parameter's slot and each group's range inside a worker's range, and that
+) -> tuple[tuple[ParamSlot, ...], tuple[UnitRange, ...], int]:
+    """Each parameter's slot and each unit's range inside a worker's range, and that
     range's size: slots one after another, each at a multiple of ``align``."""
     params: list[ParamSlot] = []
-    groups: list[Group] = []
+    units: list[UnitRange] = []
     offset = 0
-    for group_index, (group_name, size) in enumerate(zip(names, sizes)):
-        first, group_start = len(params), offset
+    for unit_index, (unit_name, size) in enumerate(zip(names, sizes)):
+        first, unit_start = len(params), offset
         for name, shape in shapes[first : first + size]:
             rows = shape[0] if shape else 1
             slot = ParamSlot(
-                name=name, shape=shape, group=group_index, offset=offset, rows_per_worker=-(-rows // num_workers)
+                name=name, shape=shape, unit=unit_index, offset=offset, rows_per_worker=-(-rows // num_workers)
             )
             params.append(slot)
             offset += _round_up(slot.slot_numel, align)
-        groups.append(
-            Group(
-                index=group_index,
-                name=group_name,
+        units.append(
+            UnitRange(
+                index=unit_index,
+                name=unit_name,
                 first_param=first,
                 stop_param=len(params),
-                start=group_start,
+                start=unit_start,
                 stop=offset,
             )
         )
     if not params or sum(p.numel for p in params) == 0:
         raise LayoutError("the model has no parameter elements to place")
-    return tuple(params), tuple(groups), offset
+    return tuple(params), tuple(units), offset
 
 
 def _server_bounds(total: int, num_servers: int, align: int) -> tuple[int, ...]:
     """``num_servers + 1`` cut points of a flat space of ``total`` elements, at multiples
     of ``align``, the servers' ranges as even as that allows."""
-    units = total // align
-    if units < num_servers:
+    spans = total // align  # of align elements each
+    if spans < num_servers:
         raise LayoutError(
             f"{num_servers} servers cannot each own at least {align} of {total} elements; use fewer state servers"
         )
-    return tuple(align * ((units * s) // num_servers) for s in range(num_servers + 1))
+    return tuple(align * ((spans * s) // num_servers) for s in range(num_servers + 1))
 
 
 def _cut_segments(
     params: Sequence[ParamSlot],
-    groups: Sequence[Group],
+    units: Sequence[UnitRange],
     num_workers: int,
     worker_size: int,
     server_bounds: Sequence[int],
     align: int,
     device_fraction: float,
 ) -> tuple[Segment, ...]:
-    """Every segment, numbered worker by worker and group by group."""
-    placed = [group for group in groups if group.start < group.stop]  # an empty group has no segment
+    """Every segment, numbered worker by worker and unit by unit."""
+    placed = [unit for unit in units if unit.start < unit.stop]  # an empty unit has no segment
     segments: list[Segment] = []
     for worker in range(num_workers):
         base = worker * worker_size
-        for group in placed:
-            slots = params[group.first_param : group.stop_param]
-            cuts = _cuts(base + group.start, base + group.stop, server_bounds, align, device_fraction)
+        for unit in placed:
+            slots = params[unit.first_param : unit.stop_param]
+            cuts = _cuts(base + unit.start, base + unit.stop, server_bounds, align, device_fraction)
             for server, start, stop in cuts:
                 segments.append(
                     Segment(
                         segment_id=len(segments),
-                        group=group.index,
+                        unit=unit.index,
                         worker=worker,
                         server=server,
                         start=start,
                         stop=stop,
                         local_offset=start - base,
-                        fragments=tuple(_fragments(slots, group.first_param, worker, start - base, stop - base)),
+                        fragments=tuple(_fragments(slots, unit.first_param, worker, start - base, stop - base)),
                     )
                 )
     return tuple(segments)
@@ -377,7 +385,7 @@ def _cut_segments(
 def _cuts(
     lo: int, hi: int, server_bounds: Sequence[int], align: int, device_fraction: float
 ) -> Iterator[tuple[int, int, int]]:
-    """``(server, start, stop)`` of the segments of one group's flat range ``[lo, hi)`` of
+    """``(server, start, stop)`` of the segments of one unit's flat range ``[lo, hi)`` of
     one worker: its device segment first (``device_fraction`` of it, rounded to ``align``),
     then the rest cut by the server ranges it meets."""
     on_device = align * round(device_fraction * (hi - lo) / align)

@@ -279,7 +279,7 @@ class TrainingWorker(SegmentHolder):
         step = self._step()
         tensors = local_tensors(step.model, step.layout)
         if step.window is not None:  # the root's, and at most the window's blocks and its read buffers
-            tensors = tensors[: len(step.layout.group_params(0))]
+            tensors = tensors[: len(step.layout.unit_params(0))]
         weights = sum(t.numel() * t.element_size() for t in tensors)
         if step.window is not None:
             weights += step.window.host_bytes

@@ -125,7 +125,7 @@ def largest_collective_bytes(layout: Layout, worker: WorkerConfig) -> int:
     """A unit's all-gather output or reduce-scatter input on one worker, the largest unit's
     (every worker's chunks, in the larger of the compute and wire dtypes)."""
     itemsize = max(WIRE_DTYPES[worker.compute_dtype].itemsize, WIRE_DTYPES[worker.grad_wire_dtype].itemsize)
-    chunks = max(sum(slot.slot_numel for slot in layout.group_params(g.index)) for g in layout.groups)
+    chunks = max(sum(slot.slot_numel for slot in layout.unit_params(u.index)) for u in layout.units)
     return chunks * worker.num_workers * itemsize
 
 
@@ -165,7 +165,7 @@ def weight_window(
     if worker.weights_nvme_path is None:
         return None
     itemsize = WIRE_DTYPES[worker.compute_dtype].itemsize
-    sizes = [(g.stop - g.start) * itemsize for g in layout.groups[1:]]
+    sizes = [(u.stop - u.start) * itemsize for u in layout.units[1:]]
     files = WeightFiles(
         worker.weights_nvme_path,
         run_id,
@@ -219,7 +219,7 @@ def exchange_buffers(
     ``push_dtype``, weights in the compute dtype), and the whole range's weights with the
     delayed update."""
     return ExchangeBuffers.allocate(
-        layout.largest_group,
+        layout.largest_unit,
         WIRE_DTYPES[push_dtype],
         WIRE_DTYPES[worker.compute_dtype],
         slots=worker.exchange_slots,

@@ -6,8 +6,8 @@ The units are the model's transformer blocks plus the root (every parameter outs
 block); with ``worker.max_unit_params`` blocks above the bound are split below (attention
 and MLP, or their projections) and the embeddings and head are units of their own, as
 torchtitan does, so that what a step holds on the device is bounded by a unit no larger
-than the bound rather than by a block. Group order in the layout: the root first, then
-the units in forward order; a group's parameters in ``named_parameters()`` order, which
+than the bound rather than by a block. Unit order in the layout: the root first, then
+the others in forward order; a unit's parameters in ``named_parameters()`` order, which
 is the order FSDP2 gives the unit's parameters and so the order of its reduce-scatter
 output.
 """
@@ -123,8 +123,8 @@ def layout_for_units(
         num_workers=num_workers,
         num_servers=num_servers,
         align=align,
-        group_sizes=[len(unit.param_names) for unit in units],
-        group_names=[unit.name for unit in units],
+        unit_sizes=[len(unit.param_names) for unit in units],
+        unit_names=[unit.name for unit in units],
         device_fraction=device_fraction,
     )
 
@@ -150,16 +150,16 @@ def shard_units(
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()
     regathered = backward_gathered_units(len(units), reshard_after_forward, kept_gathered)
-    for group, unit in enumerate(units[1:], start=1):
+    for index, unit in enumerate(units[1:], start=1):
         fully_shard(
-            unit.module, mp_policy=policy, reshard_after_forward=group in regathered, offload_policy=offload_policy
+            unit.module, mp_policy=policy, reshard_after_forward=index in regathered, offload_policy=offload_policy
         )
     # The root's parameters (embeddings, head) are needed first in backward: keep them.
     fully_shard(units[0].module, mp_policy=policy, reshard_after_forward=False, offload_policy=offload_policy)
 
 
 def backward_gathered_units(count: int, reshard_after_forward: bool, kept_gathered: int) -> range:
-    """The units (group indices; the root, 0, is never among them) that FSDP2 frees after
+    """The units (their indices in the layout; the root, 0, is never among them) that FSDP2 frees after
     their forward and gathers again for their backward, of ``count`` units in forward
     order: none without ``reshard_after_forward``, else all but the last ``kept_gathered``."""
     return range(1, max(1, count - kept_gathered)) if reshard_after_forward else range(0)
@@ -190,7 +190,7 @@ class ParamCopies:
     reads no layout."""
 
     spans: tuple[tuple[tuple[int, int, int], ...], ...]
-    """By group: (parameter index, offset in the worker's range, elements) of each of its
+    """By unit: (parameter index, offset in the worker's range, elements) of each of its
     parameters this worker holds rows of."""
 
     @classmethod
@@ -199,31 +199,32 @@ class ParamCopies:
             tuple(
                 tuple(
                     (index, slot.offset, slot.local_numel(worker))
-                    for index, slot in enumerate(layout.group_params(group.index), start=group.first_param)
+                    for index, slot in enumerate(layout.unit_params(unit.index), start=unit.first_param)
                     if slot.local_numel(worker)
                 )
-                for group in layout.groups
+                for unit in layout.units
             )
         )
 
     def into_params(
-        self, source: torch.Tensor, targets: Sequence[torch.Tensor], group: int, source_start: int = 0
+        self, source: torch.Tensor, targets: Sequence[torch.Tensor], unit: int, source_start: int = 0
     ) -> None:
         """Copy ``source``, the part of the worker's range from ``source_start`` on, into
-        group ``group``'s local shards among ``targets`` (layout order)."""
-        for index, offset, numel in self.spans[group]:
+        the local shards of unit ``unit`` among ``targets`` (layout order)."""
+        for index, offset, numel in self.spans[unit]:
             at = offset - source_start
             targets[index].copy_(source[at : at + numel], non_blocking=True)
 
 
 def params_to_range(
-    layout: Layout, worker: int, sources: Sequence[torch.Tensor], out: torch.Tensor, group: int | None = None
+    layout: Layout, worker: int, sources: Sequence[torch.Tensor], out: torch.Tensor, unit: int | None = None
 ) -> torch.Tensor:
     """The local shards ``sources`` (layout order) laid into a worker-range tensor ``out``
-    (padding zero); only ``group``'s parameters when given (the rest of ``out`` untouched)."""
-    slots = layout.params if group is None else layout.group_params(group)
-    first = 0 if group is None else layout.groups[group].first_param
-    if group is None:
+    (padding zero); only the parameters of unit ``unit`` when given (the rest of ``out``
+    untouched)."""
+    slots = layout.params if unit is None else layout.unit_params(unit)
+    first = 0 if unit is None else layout.units[unit].first_param
+    if unit is None:
         out.zero_()
     for index, slot in enumerate(slots, start=first):
         numel = slot.local_numel(worker)
@@ -250,8 +251,8 @@ def check_unit_order(model: nn.Module, units: Sequence[Unit]) -> None:
     (its reduce-scatter output would then be read at the wrong offsets)."""
     params = dict(model.named_parameters())
     for unit in units:
-        group = getattr(cast(FSDPModule, unit.module)._get_fsdp_state(), "_fsdp_param_group", None)
-        got = [id(p.sharded_param) for p in group.fsdp_params] if group is not None else []
+        fsdp_param_group = getattr(cast(FSDPModule, unit.module)._get_fsdp_state(), "_fsdp_param_group", None)
+        got = [id(p.sharded_param) for p in fsdp_param_group.fsdp_params] if fsdp_param_group is not None else []
         if got != [id(params[name]) for name in unit.param_names]:
             raise TrainingError(
                 f"FSDP2 holds the parameters of unit {unit.name or '<root>'!r} in another order "

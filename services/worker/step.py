@@ -86,9 +86,9 @@ class ShardedStep:
         """fp16 compute: where the dynamic loss scale stands (the same on every worker);
         a resume sets it from the checkpoint."""
         self.segments = layout.segments_of_worker(rank)
-        self._by_group: dict[int, list[Segment]] = {}
+        self._by_unit: dict[int, list[Segment]] = {}
         for segment in self.segments:
-            self._by_group.setdefault(segment.group, []).append(segment)
+            self._by_unit.setdefault(segment.unit, []).append(segment)
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(16, len(self.segments))), thread_name_prefix="state")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         """Where fetched weights go host-to-device, beside the compute."""
@@ -118,10 +118,10 @@ class ShardedStep:
         """Each parameter's local chunk, FSDP2's storage for it (the same tensors for the
         model's life): looked up once, not per unit and step (a DTensor's ``to_local`` costs
         Python time, ~50 ms a step on the demo when done per unit)."""
-        for group, unit in enumerate(units):
-            cast(FSDPModule, unit.module).set_all_reduce_hook(self._on_reduced(group))
+        for index, unit in enumerate(units):
+            cast(FSDPModule, unit.module).set_all_reduce_hook(self._on_reduced(index))
             # Before FSDP2's own pre-forward hook (prepended when it was applied), which gathers the unit.
-            unit.module.register_forward_pre_hook(self._before_forward(group), prepend=True)
+            unit.module.register_forward_pre_hook(self._before_forward(index), prepend=True)
         for param in model.parameters():
             param.register_post_accumulate_grad_hook(_drop_grad)
 
@@ -133,26 +133,24 @@ class ShardedStep:
         targets = self._targets
         compute_dtype = DTYPE_NAMES[targets[0].dtype]
         updates = set()
-        for group in self.layout.groups:
-            initial = torch.zeros(group.stop - group.start, dtype=torch.float32)
-            first = group.first_param
-            slots = {
-                slot.name: (index, slot) for index, slot in enumerate(self.layout.group_params(group.index), first)
-            }
+        for unit in self.layout.units:
+            initial = torch.zeros(unit.stop - unit.start, dtype=torch.float32)
+            first = unit.first_param
+            slots = {slot.name: (index, slot) for index, slot in enumerate(self.layout.unit_params(unit.index), first)}
             with torch.no_grad():
                 for name, value in values(slots):
                     check_representable(name, value, compute_dtype)
                     index, slot = slots[name]
                     lo, hi = slot.local_rows(self.rank)
                     chunk = value.reshape(slot.rows, -1)[lo:hi].reshape(-1)
-                    at = slot.offset - group.start
+                    at = slot.offset - unit.start
                     initial[at : at + chunk.numel()] = chunk
-                    if not self._on_disk(group.index):
+                    if not self._on_disk(unit.index):
                         targets[index].copy_(chunk)
-            if self.window is not None and self._on_disk(group.index):
-                self.window.write(group.index, initial.to(targets[0].dtype))
-            for segment in self._by_group.get(group.index, []):
-                at = segment.local_offset - group.start
+            if self.window is not None and self._on_disk(unit.index):
+                self.window.write(unit.index, initial.to(targets[0].dtype))
+            for segment in self._by_unit.get(unit.index, []):
+                at = segment.local_offset - unit.start
                 updates.add(self.port.register(segment, initial[at : at + segment.numel]))
         if len(updates) > 1:
             raise TrainingError(f"rank {self.rank}: registered segments are at different updates {sorted(updates)}")
@@ -161,7 +159,7 @@ class ShardedStep:
 
     def load_weights(self) -> None:
         """Fetch the servers' current weights (after a restore) into the local shards."""
-        self._wait(self._pool.submit(self._settle_unit, group, self.updates) for group in self._by_group)
+        self._wait(self._pool.submit(self._settle_unit, unit, self.updates) for unit in self._by_unit)
 
     # --- the step -----------------------------------------------------------------
     def run(
@@ -265,7 +263,7 @@ class ShardedStep:
             self.updates = update
             return applied
         if terms is not None:
-            settling = {group: self._pool.submit(self._settle_unit, group, update, terms) for group in self._by_group}
+            settling = {unit: self._pool.submit(self._settle_unit, unit, update, terms) for unit in self._by_unit}
             if self.window is None:  # each unit's forward of the next step waits for its own
                 self._settling = settling
                 applied = len(self.segments)
@@ -303,9 +301,9 @@ class ShardedStep:
         scale = batch.weight / count
         return loss * scale if scale != 1.0 else loss
 
-    def _before_forward(self, group: int) -> Callable[..., None]:
+    def _before_forward(self, unit: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            if (settling := self._settling.pop(group, None)) is not None:
+            if (settling := self._settling.pop(unit, None)) is not None:
                 waiting = time.perf_counter()
                 settling.result()
                 self._waited += time.perf_counter() - waiting
@@ -317,11 +315,11 @@ class ShardedStep:
         settling, self._settling = self._settling, {}
         self._wait(settling.values())
 
-    def _on_reduced(self, group: int) -> Callable[[torch.Tensor], None]:
-        """FSDP2's hook after unit ``group``'s reduce-scatter: ``reduced`` holds this
+    def _on_reduced(self, unit: int) -> Callable[[torch.Tensor], None]:
+        """FSDP2's hook after the reduce-scatter of unit ``unit``: ``reduced`` holds this
         worker's padded chunk of each of the unit's parameters, back to back."""
-        slots = self.layout.group_params(group)
-        base, stop = self.layout.groups[group].start, self.layout.groups[group].stop
+        slots = self.layout.unit_params(unit)
+        base, stop = self.layout.units[unit].start, self.layout.units[unit].stop
         spans = [(slot.offset - base, slot.slot_numel) for slot in slots]  # in the slot: read no layout per step
         expected = sum(numel for _, numel in spans)
         gaps = padding_gaps(slots, base, stop)
@@ -329,11 +327,11 @@ class ShardedStep:
         def hook(reduced: torch.Tensor) -> None:
             if reduced.numel() != expected:
                 raise TrainingError(
-                    f"unit {self.units[group].name or '<root>'!r}: FSDP2 reduced {reduced.numel()} "
+                    f"unit {self.units[unit].name or '<root>'!r}: FSDP2 reduced {reduced.numel()} "
                     f"gradient elements, the layout expects {expected}"
                 )
             if self.window is not None:
-                self.window.release_backward(group)
+                self.window.release_backward(unit)
             if (divisor := divisor_after_reduce_hook(reduced.dtype, reduced.device.type)) is not None:
                 # FSDP2's last division of the average comes after this hook: done here, in
                 # place, it gives what is pushed FSDP2's bits; FSDP2's own then lands on the
@@ -359,7 +357,7 @@ class ShardedStep:
                 self._sum_squares += sum_of_squares(reduced if count == 1 else slot.grads[: stop - base])
                 ready = _ready_event(self.device)
                 update, lr, defer, fetch = self._context
-                self._transfers.append(self._pool.submit(self._exchange, group, slot, update, lr, defer, fetch, ready))
+                self._transfers.append(self._pool.submit(self._exchange, unit, slot, update, lr, defer, fetch, ready))
             except BaseException:
                 self.buffers.release(slot)
                 raise
@@ -369,7 +367,7 @@ class ShardedStep:
     # --- transfers (on the pool) --------------------------------------------------
     def _exchange(
         self,
-        group: int,
+        unit: int,
         slot: ExchangeSlot,
         update: int,
         lr: float,
@@ -377,13 +375,13 @@ class ShardedStep:
         fetch: bool,
         ready: torch.cuda.Event | None,
     ) -> int:
-        """Push unit ``group``'s gradient from ``slot``; with ``fetch``, bring its
+        """Push the gradient of unit ``unit`` from ``slot``; with ``fetch``, bring its
         updated weights back into the local shards. Gives the slot back."""
         try:
             if ready is not None:
                 ready.synchronize()
             applied = 0
-            for segment in self._by_group.get(group, []):
+            for segment in self._by_unit.get(unit, []):
                 if (committing := self._commits.get(segment.segment_id)) is not None:
                     committing.result()  # submitted before this push: running or done, never queued behind it
                 at = self._in_slot(segment)
@@ -391,24 +389,24 @@ class ShardedStep:
                 terms = None if defer else CommitTerms(lr=lr)  # applied at once: no clipping
                 applied += self.port.update(segment, update, gradient=slot.grads[at], terms=terms, out=out)
             if fetch:
-                self._adopt(slot.weights, group)
+                self._adopt(slot.weights, unit)
             return applied
         finally:
             self.buffers.release(slot)
 
-    def _settle_unit(self, group: int, update: int, commit: CommitTerms | None = None) -> int:
-        """Fetch unit ``group``'s weights after ``update`` into its local shards; with
+    def _settle_unit(self, unit: int, update: int, commit: CommitTerms | None = None) -> int:
+        """Fetch the weights of unit ``unit`` after ``update`` into its local shards; with
         ``commit`` (its terms), first apply the gradients the servers staged."""
         slot = self.buffers.acquire()
         try:
             applied = 0
-            for segment in self._by_group[group]:
+            for segment in self._by_unit[unit]:
                 out = slot.weights[self._in_slot(segment)]
                 if commit is not None:  # the weights come back in the commit's call
                     applied += self.port.update(segment, update, gradient=None, terms=commit, out=out)
                 else:
                     self.port.fetch(segment, update, out)
-            self._adopt(slot.weights, group)
+            self._adopt(slot.weights, unit)
             return applied
         finally:
             self.buffers.release(slot)
@@ -419,7 +417,7 @@ class ShardedStep:
         return self.buffers.held[segment.local_offset : segment.local_offset + segment.numel]
 
     def _in_slot(self, segment: Segment) -> slice:
-        at = segment.local_offset - self.layout.groups[segment.group].start
+        at = segment.local_offset - self.layout.units[segment.unit].start
         return slice(at, at + segment.numel)
 
     @staticmethod
@@ -427,26 +425,26 @@ class ShardedStep:
         return [future.result() for future in list(futures)]
 
     # --- weights ------------------------------------------------------------------
-    def _adopt(self, source: torch.Tensor, group: int | None = None) -> None:
-        """Put fetched weights where the next step reads them: unit ``group``'s from a
+    def _adopt(self, source: torch.Tensor, unit: int | None = None) -> None:
+        """Put fetched weights where the next step reads them: those of unit ``unit`` from a
         slot, or the whole range from the held buffer. A unit's chunks in memory are
         copied into; a block whose weights live on NVMe has its file written."""
-        start = 0 if group is None else self.layout.groups[group].start
-        groups = range(len(self.layout.groups)) if group is None else [group]
+        start = 0 if unit is None else self.layout.units[unit].start
+        units = range(len(self.layout.units)) if unit is None else [unit]
         targets = self._targets
-        for index in groups:
+        for index in units:
             if self.window is not None and self._on_disk(index):
-                g = self.layout.groups[index]
-                self.window.write(index, source[g.start - start : g.stop - start])
+                placed = self.layout.units[index]
+                self.window.write(index, source[placed.start - start : placed.stop - start])
                 continue
             with torch.no_grad(), torch.cuda.stream(self._copy_stream):
                 self._copies.into_params(source, targets, index, source_start=start)
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
 
-    def _on_disk(self, group: int) -> bool:
-        """Whether unit ``group``'s weights live in a file (every block with a weight window)."""
-        return self.window is not None and group > 0
+    def _on_disk(self, unit: int) -> bool:
+        """Whether the weights of unit ``unit`` live in a file (every block with a weight window)."""
+        return self.window is not None and unit > 0
 
     def _adopt_pending(self) -> int:
         """Wait for a delayed update's weights, if one is in flight, and adopt them."""
@@ -473,11 +471,11 @@ class ShardedStep:
         out = torch.zeros(self.layout.worker_size, dtype=self.buffers.slots[0].weights.dtype)
         with torch.no_grad():
             sources = [t.to("cpu") for t in self._targets]
-            for group in self.layout.groups:
-                if self.window is not None and self._on_disk(group.index):
-                    self.window.read(group.index, out[group.start : group.stop])
+            for unit in self.layout.units:
+                if self.window is not None and self._on_disk(unit.index):
+                    self.window.read(unit.index, out[unit.start : unit.stop])
                 else:
-                    params_to_range(self.layout, self.rank, sources, out, group=group.index)
+                    params_to_range(self.layout, self.rank, sources, out, unit=unit.index)
         return out
 
     def close(self) -> None:

@@ -74,12 +74,12 @@ class WeightWindow:
         self.files = files
         self.backward_gathered = frozenset(backward_gathered)
         self.tiered = list(range(1, len(units)))
-        for group in self.tiered:
-            resizable_chunks(units[group].module)
+        for index in self.tiered:
+            resizable_chunks(units[index].module)
         with torch.no_grad():
             self._targets = local_tensors(model, layout)
         self._copies = ParamCopies.of(layout, rank)
-        self._storages = {g: self._group_storages(g) for g in self.tiered}
+        self._storages = {u: self._unit_storages(u) for u in self.tiered}
         self._dtype = self._targets[0].dtype
         self._lock = threading.Lock()
         self._loads: dict[int, Future[None]] = {}
@@ -87,7 +87,7 @@ class WeightWindow:
         self._phase = FORWARD
         self._with_backward = False
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-read")
-        self._handles = [h for g in self.tiered for h in self._hook(units[g].module, g)]
+        self._handles = [h for u in self.tiered for h in self._hook(units[u].module, u)]
         self._untouched = set(self.tiered)
         """Units whose chunks FSDP2 allocated (``to_empty``: no page touched yet) and no
         read has filled: freed once FSDP2's lazy initialisation has seen them allocated."""
@@ -100,21 +100,22 @@ class WeightWindow:
     def host_bytes(self) -> int:
         """The most host memory the units' weights take: ``window`` units in memory and
         the files' read buffers."""
-        largest = max((sum(c.nbytes for c in self._storages[g]) for g in self.tiered), default=0)
+        largest = max((sum(c.nbytes for c in self._storages[u]) for u in self.tiered), default=0)
         return self.schedule.window * largest + self.files.buffers.count * self.files.buffers.nbytes
 
     # --- files ----------------------------------------------------------------------
-    def write(self, group: int, source: torch.Tensor) -> None:
-        """Store unit ``group``'s weights, ``source`` laid out as its part of the worker's
+    def write(self, unit: int, source: torch.Tensor) -> None:
+        """Store the weights of unit ``unit``, ``source`` laid out as its part of the worker's
         range (what a fetch brings); the unit must not be in memory."""
         with self._lock:
-            if group in self._loads:
-                raise TrainingError(f"unit {group}'s weights were written while the unit is in use")
-        self.files.write(group, source[: self.layout.groups[group].stop - self.layout.groups[group].start])
+            if unit in self._loads:
+                raise TrainingError(f"unit {unit}'s weights were written while the unit is in use")
+        placed = self.layout.units[unit]
+        self.files.write(unit, source[: placed.stop - placed.start])
 
-    def read(self, group: int, out: torch.Tensor) -> None:
-        """Unit ``group``'s part of the worker's range, from its file, into ``out``."""
-        buffer = self.files.read(group)
+    def read(self, unit: int, out: torch.Tensor) -> None:
+        """The part of unit ``unit`` in the worker's range, from its file, into ``out``."""
+        buffer = self.files.read(unit)
         try:
             out.copy_(buffer.tensor[: out.numel() * out.element_size()].view(out.dtype))
         finally:
@@ -127,8 +128,8 @@ class WeightWindow:
             loads, self._loads = list(self._loads.values()), {}
         for load in loads:
             load.exception()
-        for group in self.tiered:
-            self._free(group)
+        for unit in self.tiered:
+            self._free(unit)
 
     def close(self) -> None:
         for handle in self._handles:
@@ -172,51 +173,51 @@ class WeightWindow:
                 self._free(freed)
             self._read(reads)
 
-    def release_backward(self, group: int) -> None:
-        """FSDP2 reduced unit ``group``'s gradients: its backward gather is long done."""
-        if group in self._storages and group in self.backward_gathered:
-            self.release((BACKWARD, group))
+    def release_backward(self, unit: int) -> None:
+        """FSDP2 reduced the gradients of unit ``unit``: its backward gather is long done."""
+        if unit in self._storages and unit in self.backward_gathered:
+            self.release((BACKWARD, unit))
 
-    def _read(self, groups: list[int]) -> None:
-        for group in groups:
-            self._loads[group] = self._reader.submit(self._load, group)
+    def _read(self, units: list[int]) -> None:
+        for unit in units:
+            self._loads[unit] = self._reader.submit(self._load, unit)
 
     # --- moving the chunks ----------------------------------------------------------
-    def _group_storages(self, group: int) -> list[_ChunkStorage]:
-        g = self.layout.groups[group]
+    def _unit_storages(self, unit: int) -> list[_ChunkStorage]:
+        placed = self.layout.units[unit]
         return [
             _ChunkStorage(
                 t.untyped_storage(),
                 t.untyped_storage().nbytes(),
                 int(t.storage_offset() + t.numel()) * t.element_size(),
             )
-            for t in self._targets[g.first_param : g.stop_param]
+            for t in self._targets[placed.first_param : placed.stop_param]
         ]
 
-    def _load(self, group: int) -> None:
-        buffer = self.files.read(group)
+    def _load(self, unit: int) -> None:
+        buffer = self.files.read(unit)
         try:
-            for chunk in self._storages[group]:
+            for chunk in self._storages[unit]:
                 if chunk.storage.nbytes() != chunk.nbytes:
                     chunk.storage.resize_(chunk.nbytes)
                 # The chunk's own bytes are copied below; only FSDP2's padding after them is zeroed.
                 torch.empty(0, dtype=torch.uint8).set_(chunk.storage)[chunk.used :].zero_()
-            g = self.layout.groups[group]
-            source = buffer.tensor[: (g.stop - g.start) * self._dtype.itemsize].view(self._dtype)
+            placed = self.layout.units[unit]
+            source = buffer.tensor[: (placed.stop - placed.start) * self._dtype.itemsize].view(self._dtype)
             with torch.no_grad():
-                self._copies.into_params(source, self._targets, group, source_start=g.start)
+                self._copies.into_params(source, self._targets, unit, source_start=placed.start)
         finally:
             self.files.done(buffer)
 
-    def _free(self, group: int) -> None:
-        for chunk in self._storages[group]:
+    def _free(self, unit: int) -> None:
+        for chunk in self._storages[unit]:
             chunk.storage.resize_(0)
 
     # --- hooks ----------------------------------------------------------------------
-    def _hook(self, module: nn.Module, group: int) -> list[Any]:
+    def _hook(self, module: nn.Module, unit: int) -> list[Any]:
         def before(_module: nn.Module, _args: Any) -> None:
-            if self._phase == FORWARD or group in self.backward_gathered:
-                self.ensure((self._phase, group))
+            if self._phase == FORWARD or unit in self.backward_gathered:
+                self.ensure((self._phase, unit))
             # else activation checkpointing's recompute of a unit kept gathered: no chunk read
 
         def after(_module: nn.Module, _args: Any, output: Any) -> None:
@@ -224,24 +225,24 @@ class WeightWindow:
                 return  # activation checkpointing's recompute: the backward use is released later
             if torch.is_grad_enabled():  # the hook also marks backward's start for the recompute above
                 for tensor in _grad_tensors(output):
-                    tensor.register_hook(self._before_backward(group))
-            self.release((FORWARD, group))
+                    tensor.register_hook(self._before_backward(unit))
+            self.release((FORWARD, unit))
 
         return [
             module.register_forward_pre_hook(before, prepend=True),
             module.register_forward_hook(after, prepend=True),
         ]
 
-    def _before_backward(self, group: int) -> Callable[[torch.Tensor], None]:
+    def _before_backward(self, unit: int) -> Callable[[torch.Tensor], None]:
         """Runs before FSDP2's pre-backward hook of the unit (registered earlier on the same
         tensors), which gathers the unit and prefetches the one before it."""
 
         def hook(_grad: torch.Tensor) -> None:
             self._phase = BACKWARD
-            if group in self.backward_gathered:
-                self.ensure((BACKWARD, group))
-            if group - 1 in self.backward_gathered:
-                self.ensure((BACKWARD, group - 1))
+            if unit in self.backward_gathered:
+                self.ensure((BACKWARD, unit))
+            if unit - 1 in self.backward_gathered:
+                self.ensure((BACKWARD, unit - 1))
 
         return hook
 
@@ -252,8 +253,8 @@ class WeightWindow:
             return
         with self._lock:
             untouched, self._untouched = self._untouched - set(self._loads), set()
-        for group in untouched:
-            self._free(group)
+        for unit in untouched:
+            self._free(unit)
 
     def _after_root_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
         """FSDP2's root pre-backward prefetches the last unit: have it in memory first."""
@@ -268,11 +269,11 @@ def resizable_chunks(unit: nn.Module) -> None:
     kind (``torch.empty(..., pin_memory=...)`` is resizable), with its values, viewed by
     both of FSDP2's tensors of the chunk (its padded data and the ``DTensor``'s local
     view). Before FSDP2's lazy initialisation, which then finds them the same storage."""
-    group = cast(FSDPModule, unit)._get_fsdp_state()._fsdp_param_group
-    if group is None:
+    fsdp_param_group = cast(FSDPModule, unit)._get_fsdp_state()._fsdp_param_group  # FSDP2's name for the unit's state
+    if fsdp_param_group is None:
         return
     with torch.no_grad():
-        for fsdp_param in group.fsdp_params:
+        for fsdp_param in fsdp_param_group.fsdp_params:
             data = fsdp_param._sharded_param_data
             if data.untyped_storage().resizable():
                 continue

@@ -20,13 +20,13 @@ from cargohold.services.core.errors import TrainingError
 
 FORWARD, BACKWARD = "forward", "backward"
 Entry = tuple[str, int]
-"""(pass, unit's group index) of one gather."""
+"""(pass, the unit's index in the layout) of one gather."""
 
 
 def pass_entries(units: Sequence[int], *, backward: Collection[int]) -> list[Entry]:
     """The gathers of one micro-batch, in order; ``backward``: the units FSDP2 gathers
     again for their backward (none in a pass without backward)."""
-    return [(FORWARD, g) for g in units] + [(BACKWARD, g) for g in reversed(units) if g in backward]
+    return [(FORWARD, u) for u in units] + [(BACKWARD, u) for u in reversed(units) if u in backward]
 
 
 class WindowSchedule:
@@ -76,30 +76,30 @@ class WindowSchedule:
     def release(self, entry: Entry) -> tuple[int | None, list[int]]:
         """The entry's gather is done: (the unit to free, or None while another taken use
         needs it; the units to read into the room made)."""
-        group = entry[1]
-        if self._uses.get(group, 0) == 0:
+        unit = entry[1]
+        if self._uses.get(unit, 0) == 0:
             return None, []
-        self._uses[group] -= 1
-        if self._uses[group]:
+        self._uses[unit] -= 1
+        if self._uses[unit]:
             return None, []
-        del self._uses[group]
-        return group, self._fill()
+        del self._uses[unit]
+        return unit, self._fill()
 
     def _fill(self) -> list[int]:
         reads = []
         while self._cursor < len(self._entries):
-            group = self._entries[self._cursor][1]
-            if group not in self._uses and len(self._uses) >= self.window:
+            unit = self._entries[self._cursor][1]
+            if unit not in self._uses and len(self._uses) >= self.window:
                 break
             reads += self._take()
         return reads
 
     def _take(self) -> list[int]:
-        group = self._entries[self._cursor][1]
+        unit = self._entries[self._cursor][1]
         self._cursor += 1
-        first = group not in self._uses
-        self._uses[group] = self._uses.get(group, 0) + 1
-        return [group] if first else []
+        first = unit not in self._uses
+        self._uses[unit] = self._uses.get(unit, 0) + 1
+        return [unit] if first else []
 
 
 def reads_per_micro_batch(units: Sequence[int], *, window: int, backward: Collection[int]) -> list[int]:
@@ -111,17 +111,17 @@ def reads_per_micro_batch(units: Sequence[int], *, window: int, backward: Collec
     backward (``backward``), and releases its own once its gradients are reduced."""
     schedule = WindowSchedule(window)
     reads = schedule.begin(pass_entries(units, backward=backward))
-    for group in units:
-        reads += schedule.ensure((FORWARD, group))
-        reads += schedule.release((FORWARD, group))[1]
+    for unit in units:
+        reads += schedule.ensure((FORWARD, unit))
+        reads += schedule.release((FORWARD, unit))[1]
     if units and units[-1] in backward:
         reads += schedule.ensure((BACKWARD, units[-1]))
     for index in range(len(units) - 1, -1, -1):
-        group, previous = units[index], units[index - 1] if index else None
-        if group in backward:
-            reads += schedule.ensure((BACKWARD, group))
+        unit, previous = units[index], units[index - 1] if index else None
+        if unit in backward:
+            reads += schedule.ensure((BACKWARD, unit))
         if previous is not None and previous in backward:
             reads += schedule.ensure((BACKWARD, previous))
-        if group in backward:
-            reads += schedule.release((BACKWARD, group))[1]
+        if unit in backward:
+            reads += schedule.release((BACKWARD, unit))[1]
     return reads
