@@ -4,14 +4,23 @@ wire and the file formats; it does not come back for a segment in a name (class,
 function, method, argument, assigned variable or attribute) or in a message (a string
 constant or an f-string's text: errors, logs, metric help texts).
 
+What ``fully_shard`` wraps is a unit: "group" does not come back for it (its retired
+names, the layout's values and the modules about units alone, below); "group" stays the
+word of torch's param groups, of Ray's placement groups, of process groups, of the
+planner's node groups and of a regex match's groups.
+
 Docstrings and comments are left to review: there FSDP2's "local shards" and a segment
 are told apart by their sense, which no pattern here can read."""
 
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 from pathlib import Path
+
+from cargohold.services.checkpoint.manifest import LAYOUT_KIND, LayoutRecord
+from cargohold.services.core import layout as layout_module
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("api", "services", "cluster", "benchmarks")
@@ -166,3 +175,217 @@ def test_the_old_names_and_messages_are_found() -> None:
 
 def test_the_kept_forms_are_not_findings() -> None:
     assert findings(KEPT, "kept.py") == []
+
+
+# --- unit, not group, for what fully_shard wraps ---------------------------------------------
+UNIT_MODULES = (
+    "services/core/layout.py",
+    "services/checkpoint/reshard.py",
+    "services/worker/sharding.py",
+    "services/worker/step.py",
+    "services/worker/weight_window.py",
+    "services/worker/window_schedule.py",
+)
+"""Modules about units alone: no param group, placement group or node group is theirs, so
+"group" in a name or message there can only be the unit's old word."""
+KEPT_GROUP = re.compile(
+    r"fsdp_param_group"  # FSDP2's FSDPParamGroup (its state of one unit): torch's name
+    r"|process_group|ProcessGroup"  # torch.distributed's
+)
+RETIRED_UNIT_NAMES = frozenset(
+    {
+        "Group",  # now layout.UnitRange
+        "group_params",  # Layout.unit_params
+        "largest_group",  # Layout.largest_unit
+        "group_sizes",  # build_layout's unit_sizes, LayoutRecord.unit_sizes (the JSON key stays)
+        "group_names",  # build_layout's unit_names, LayoutRecord.unit_names (the JSON key stays)
+        "_by_group",  # ShardedStep._by_unit
+        "_group_storages",  # WeightWindow._unit_storages
+        "_padded_group_sizes",  # reshard._padded_unit_sizes
+    }
+)
+"""Names that said group for the unit: declared, read as an attribute or passed as a
+keyword, anywhere."""
+_GROUP = re.compile("group", re.IGNORECASE)
+
+
+def _has_group(text: str) -> bool:
+    return bool(_GROUP.search(KEPT_GROUP.sub("", text)))
+
+
+def _layout_units(node: ast.expr) -> bool:
+    """Whether ``node`` is a layout's units: ``<...>layout.units``, a slice or an item of
+    them, or enumerate/zip/reversed over them."""
+    if isinstance(node, ast.Subscript):
+        return _layout_units(node.value)
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("enumerate", "zip", "reversed")
+    ):
+        return any(_layout_units(arg) for arg in node.args)
+    return isinstance(node, ast.Attribute) and node.attr == "units" and ast.unparse(node.value).endswith("layout")
+
+
+def _bound_to_units(node: ast.AST) -> list[str]:
+    """The names a loop, a comprehension or an assignment binds to a layout's units."""
+    if isinstance(node, (ast.For, ast.comprehension)) and _layout_units(node.iter):
+        targets = [node.target]
+    elif isinstance(node, ast.Assign) and _layout_units(node.value):
+        targets = node.targets
+    else:
+        return []
+    return [n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)]
+
+
+def unit_findings(source: str, where: str, *, unit_module: bool = False) -> list[str]:
+    """``where:line`` and what each use of "group" for the unit in ``source`` is: a retired
+    name; a name bound to a layout's units; a layout's ``groups``; and in a module about
+    units alone (``unit_module``), any name or message saying group."""
+    tree = ast.parse(source)
+    docstrings = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        at = f"{where}:{getattr(node, 'lineno', 0)}"
+        declared = _names(node)
+        found += [f"{at} name {name!r}" for name in declared if name in RETIRED_UNIT_NAMES]
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            if node.attr in RETIRED_UNIT_NAMES:
+                found.append(f"{at} attribute {node.attr!r}")
+            elif node.attr == "groups" and ast.unparse(node.value).endswith("layout"):
+                found.append(f"{at} attribute 'groups' of a layout")
+        if isinstance(node, ast.keyword) and node.arg in RETIRED_UNIT_NAMES:
+            found.append(f"{at} keyword {node.arg!r}")
+        found += [f"{at} unit named {name!r}" for name in _bound_to_units(node) if _has_group(name)]
+        if unit_module:
+            found += [f"{at} name {name!r}" for name in declared if name not in RETIRED_UNIT_NAMES and _has_group(name)]
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if _has_group(node.value):
+                    found.append(f"{at} text {node.value!r}")
+    return found
+
+
+def test_names_say_unit_for_what_fully_shard_wraps() -> None:
+    found = [
+        f
+        for path in _sources()
+        for f in unit_findings(
+            path.read_text(), str(path.relative_to(ROOT)), unit_module=str(path.relative_to(ROOT)) in UNIT_MODULES
+        )
+    ]
+    assert not found, (
+        "group is back for a unit (docs/architecture.md, Words: what fully_shard wraps is a unit; "
+        "a param group is torch's):\n" + "\n".join(found)
+    )
+
+
+def test_the_unit_modules_exist() -> None:
+    assert [m for m in UNIT_MODULES if not (ROOT / m).is_file()] == []
+
+
+def test_the_layouts_values_say_unit_and_the_file_format_keeps_its_keys() -> None:
+    """Each value of the layout, by its fields, methods and properties, and build_layout's
+    arguments; the manifest's ``layout`` record says unit in Python and keeps the JSON keys
+    ``group_sizes`` and ``group_names``."""
+    kinds = (
+        layout_module.ParamSlot,
+        layout_module.UnitRange,
+        layout_module.Fragment,
+        layout_module.Segment,
+        layout_module.Layout,
+        LayoutRecord,
+    )
+    assert {kind.__name__: [n for n in dir(kind) if _has_group(n)] for kind in kinds} == {k.__name__: [] for k in kinds}
+    assert [p for p in inspect.signature(layout_module.build_layout).parameters if _has_group(p)] == []
+    assert [name for name in vars(layout_module) if _has_group(name)] == []
+    built = layout_module.build_layout([("w", (4,)), ("b", (4,))], num_workers=1, num_servers=1, unit_sizes=[1, 1])
+    assert [unit.name for unit in built.units] == ["unit0", "unit1"]
+    record = LayoutRecord(LAYOUT_KIND, 64, 1, 1, unit_sizes=(1, 1), unit_names=("", "b"))
+    body = record.to_body()
+    assert (body["group_sizes"], body["group_names"]) == ([1, 1], ["", "b"])
+    assert LayoutRecord.from_body(body) == record
+
+
+OLD_UNITS = '''
+"""A module about groups: docstrings are not checked."""
+class Group:
+    index: int
+class Layout:
+    groups: tuple
+    def group_params(self, group: int):
+        return self.groups[group]
+def build(layout, segments, window):
+    by_group = {}
+    for group in layout.groups:
+        by_group[group.index] = [s for s in segments if s.unit == group.index]
+    for index, group in enumerate(layout.units):
+        window.write(index, group)
+    sizes = [g.stop - g.start for g in layout.units]
+    largest = layout.largest_group
+    raise LayoutError(f"{len(sizes)} group names for {largest} groups")
+def rebuild(record, shapes):
+    return build_layout(shapes, group_sizes=record.unit_sizes, group_names=record.unit_names)
+'''
+KEPT_GROUPS = """
+def step(optimizer, placement_group, match, parser, layout, spec):
+    for group in optimizer.param_groups:
+        group["lr"] = group_lr(lr, group["lr_mult"])
+    fragment_groups = spec.fragment_groups()
+    dist.all_reduce(total, group=dist.group.WORLD)
+    process_group = dist.new_group()
+    pid = int(match.group(1))
+    options = parser.add_argument_group("training")
+    nodes = [NodeGroup(count=1)]
+    message = f"{group_name(index)}: a group's parameters share one dtype"
+    for unit in layout.units:
+        body = {"group_sizes": [unit.stop_param - unit.first_param]}
+"""
+KEPT_IN_A_UNIT_MODULE = """
+def check(unit, layout, process_group: ProcessGroup):
+    fsdp_param_group = getattr(unit.module._get_fsdp_state(), "_fsdp_param_group", None)
+    divisor = factors(dist.group.WORLD)
+    for index, placed in enumerate(layout.units):
+        window.write(index, placed)
+"""
+
+
+def test_the_old_unit_names_are_found() -> None:
+    found = sorted(f.partition(" ")[2] for f in unit_findings(OLD_UNITS, "old.py", unit_module=True))
+    assert found == sorted(
+        [
+            "name 'Group'",
+            "name 'groups'",
+            "name 'group_params'",
+            "name 'group'",
+            "name 'by_group'",
+            "name 'group'",
+            "name 'group'",
+            "attribute 'groups' of a layout",
+            "unit named 'group'",
+            "attribute 'largest_group'",
+            "keyword 'group_sizes'",
+            "keyword 'group_names'",
+            "text ' group names for '",
+            "text ' groups'",
+        ]
+    )
+
+
+def test_the_old_unit_names_are_found_outside_the_unit_modules_too() -> None:
+    found = sorted(f.partition(" ")[2] for f in unit_findings(OLD_UNITS, "old.py"))
+    assert found == sorted(
+        [
+            "attribute 'groups' of a layout",
+            "unit named 'group'",
+            "name 'Group'",
+            "name 'group_params'",
+            "attribute 'largest_group'",
+            "keyword 'group_sizes'",
+            "keyword 'group_names'",
+        ]
+    )
+
+
+def test_param_placement_process_node_and_regex_groups_are_not_findings() -> None:
+    assert unit_findings(KEPT_GROUPS, "kept.py") == []
+    assert unit_findings(KEPT_IN_A_UNIT_MODULE, "kept.py", unit_module=True) == []
