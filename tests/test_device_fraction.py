@@ -36,21 +36,21 @@ def test_device_segments_are_each_units_first_share_and_the_segments_still_tile_
     fraction: float, workers: int, servers: int
 ) -> None:
     layout = build_layout(
-        SHAPES, num_workers=workers, num_servers=servers, group_sizes=[2, 2, 1], device_fraction=fraction
+        SHAPES, num_workers=workers, num_servers=servers, unit_sizes=[2, 2, 1], device_fraction=fraction
     )
     covered = sorted((s.start, s.stop) for s in layout.segments)
     assert covered[0][0] == 0 and covered[-1][1] == layout.total
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), "the segments tile the flat space"
     for worker in range(workers):
         base = worker * layout.worker_size
-        on_device = {s.group: s for s in layout.device_segments(worker)}
-        for group in layout.groups:
-            size = group.stop - group.start
+        on_device = {s.unit: s for s in layout.device_segments(worker)}
+        for unit in layout.units:
+            size = unit.stop - unit.start
             expected = layout.align * round(fraction * size / layout.align)
-            segment = on_device.get(group.index)
+            segment = on_device.get(unit.index)
             assert (segment.numel if segment else 0) == expected
             if segment:
-                assert segment.start == base + group.start and segment.server == DEVICE and segment.on_device
+                assert segment.start == base + unit.start and segment.server == DEVICE and segment.on_device
                 assert segment.start % layout.align == 0 and segment.stop % layout.align == 0
     for server in range(servers):
         assert not any(s.on_device for s in layout.segments_of_server(server))
@@ -59,8 +59,8 @@ def test_device_segments_are_each_units_first_share_and_the_segments_still_tile_
 
 
 def test_without_a_fraction_the_layout_is_the_servers_alone() -> None:
-    plain = build_layout(SHAPES, num_workers=2, num_servers=2, group_sizes=[2, 2, 1])
-    assert plain == build_layout(SHAPES, num_workers=2, num_servers=2, group_sizes=[2, 2, 1], device_fraction=0.0)
+    plain = build_layout(SHAPES, num_workers=2, num_servers=2, unit_sizes=[2, 2, 1])
+    assert plain == build_layout(SHAPES, num_workers=2, num_servers=2, unit_sizes=[2, 2, 1], device_fraction=0.0)
     assert not any(s.on_device for s in plain.segments)
 
 
