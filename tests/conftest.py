@@ -78,6 +78,7 @@ def ray_local() -> Iterator[None]:
     import torch
 
     settings = {
+        "address": "local",  # a cluster of this process's own, even beside another one
         "num_cpus": 8,
         "num_gpus": torch.cuda.device_count(),
         "include_dashboard": False,

@@ -216,14 +216,22 @@ def _owners(root: Path, step: int) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_local, tmp_path_factory) -> dict[str, torch.Tensor]:
-    """The final state of the run with half of each unit on the workers, uninterrupted."""
+def uninterrupted_root(ray_local, tmp_path_factory) -> Path:
+    """The run with half of each unit on the workers, uninterrupted, with a checkpoint
+    after step 3 (which the resume tests start from) and after the last."""
     from cargohold.cluster.supervise import train
 
     root = tmp_path_factory.mktemp("uninterrupted")
-    train(_config(root, 0.5))
-    assert _owners(root, STEPS) == {"server0", "server1", "worker0", "worker1"}
-    return _final(root)
+    train(_config(root, 0.5, checkpoint__every_steps=3))
+    for step in (3, STEPS):
+        assert _owners(root, step) == {"server0", "server1", "worker0", "worker1"}
+    return root
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_root: Path) -> dict[str, torch.Tensor]:
+    """The final state of that run."""
+    return _final(uninterrupted_root)
 
 
 def _assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -234,21 +242,15 @@ def _assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
 @pytest.mark.integration
 @pytest.mark.parametrize("resumed_fraction", [0.25, pytest.param(0.0, marks=pytest.mark.slow)])
 def test_a_resume_under_another_fraction_ends_bitwise_where_the_uninterrupted_run_ends(
-    uninterrupted, tmp_path: Path, resumed_fraction: float
+    uninterrupted, uninterrupted_root: Path, tmp_path: Path, resumed_fraction: float
 ) -> None:
-    """Saved with half of each unit on the workers, resumed with a quarter (the workers'
-    and the servers' segments cut elsewhere) or none (the servers take it all back)."""
-    from cargohold.cluster.launcher import TrainingSession
+    """Saved with half of each unit on the workers (the uninterrupted run's checkpoint of
+    step 3), resumed with a quarter (the workers' and the servers' segments cut elsewhere)
+    or none (the servers take it all back)."""
     from cargohold.cluster.supervise import train
-    from cargohold.services.checkpoint import CheckpointDir
 
-    store = CheckpointDir(tmp_path / "checkpoints")
-    with TrainingSession(_config(tmp_path, 0.5)) as session:
-        for _ in range(3):
-            session.step()
-        session.checkpoint_finish(store, session.checkpoint_begin(store))
-    assert _owners(tmp_path, 3) == {"server0", "server1", "worker0", "worker1"}
-    resumed = train(_config(tmp_path, resumed_fraction, checkpoint__resume="latest"))
+    saved = uninterrupted_root / "checkpoints" / "step-0000000003"
+    resumed = train(_config(tmp_path, resumed_fraction, checkpoint__resume=str(saved)))
     assert resumed.first_step == 3
     owners = {"server0", "server1"} | ({"worker0", "worker1"} if resumed_fraction else set())
     assert _owners(tmp_path, STEPS) == owners

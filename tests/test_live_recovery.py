@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from actor_faults import kill_a_worker_in_step
 from reference import tiny_config
 
 from cargohold.cluster.launcher import TrainingSession
@@ -61,49 +60,53 @@ def _assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
         assert torch.equal(got[key], expected[key]), f"{key} differs"
 
 
-def test_a_worker_killed_before_a_step_is_replaced_live_and_the_run_ends_bitwise(
+LOSSES = {2: (1, 0.0), 4: (0, 0.2), 6: (1, 0.7)}
+"""Steps done before each loss -> (the worker's rank, the fraction of the step before's
+time into the next step at which it is SIGKILLed; 0: just before that step starts)."""
+
+
+def test_workers_killed_before_and_during_steps_are_replaced_live_and_the_run_ends_bitwise(
     uninterrupted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Three losses in one run, each replaced live from the servers: worker 1 just before
+    step 3; worker 0 0.2 of a step's time into step 5 (forward and backward); worker 1 0.7
+    into step 7 (the pushes and the commit: the step in flight is settled on the servers,
+    finished where some segments committed it). The placement group and the servers are
+    kept, no step is computed again, and the run ends bitwise where the uninterrupted run
+    ends."""
     starts = []
-    original_start = TrainingSession._start
-    monkeypatch.setattr(TrainingSession, "_start", lambda session: (starts.append(1), original_start(session)))
-    killed = kill_a_worker_in_step(monkeypatch, 5)
-    result = train(_config(tmp_path, checkpoint__max_failures=1))
-    state, losses = uninterrupted
-    assert len(killed) == 1 and result.restarts == 1 and result.live_recoveries == 1
-    assert len(starts) == 1, "the placement group and the state servers were kept"
-    assert result.steps_recomputed == 0
-    assert result.losses == losses, "no step computed again, every loss the uninterrupted run's"
-    _assert_same(_final(tmp_path), state)
-
-
-@pytest.mark.parametrize("fraction", [0.2, 0.7])
-def test_a_worker_killed_during_a_step_is_replaced_live_and_the_run_ends_bitwise(
-    uninterrupted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fraction: float
-) -> None:
-    """Killed ``fraction`` of step 4's time into step 5 (early: forward and backward; late:
-    the pushes and the commit): the step in flight is settled on the servers (finished
-    where some segments committed it) and the run goes on from there."""
-    original_step = TrainingSession.step
+    original_start, original_step = TrainingSession._start, TrainingSession.step
     timers: list[threading.Timer] = []
     began: list[float] = []
+    done: set[int] = set()
 
-    def step_with_fault(session: TrainingSession):
+    def step_with_losses(session: TrainingSession):
         began.append(time.monotonic())
-        if not timers and session.step_count == 4:  # the pid now: an actor in a step answers no call
-            pid = ray.get(session.workers[1].__ray_call__.remote(lambda actor: os.getpid()))
-            delay = fraction * (began[-1] - began[-2])
-            timers.append(threading.Timer(delay, os.kill, [pid, signal.SIGKILL]))
-            timers[0].start()
+        if (count := session.step_count) in LOSSES and count not in done:
+            done.add(count)
+            rank, fraction = LOSSES[count]  # the pid now: an actor in a step answers no call
+            pid = ray.get(session.workers[rank].__ray_call__.remote(lambda actor: os.getpid()))
+            if fraction == 0.0:
+                os.kill(pid, signal.SIGKILL)
+            else:
+                timers.append(threading.Timer(fraction * (began[-1] - began[-2]), os.kill, [pid, signal.SIGKILL]))
+                timers[-1].start()
         return original_step(session)
 
-    monkeypatch.setattr(TrainingSession, "step", step_with_fault)
+    monkeypatch.setattr(TrainingSession, "_start", lambda session: (starts.append(1), original_start(session)))
+    monkeypatch.setattr(TrainingSession, "step", step_with_losses)
     started = time.monotonic()
-    result = train(_config(tmp_path, checkpoint__max_failures=1))
-    timers[0].join()
+    result = train(_config(tmp_path, checkpoint__max_failures=len(LOSSES)))
+    for timer in timers:
+        timer.join()
     state, losses = uninterrupted
-    assert result.restarts == 1 and result.live_recoveries == 1, f"{time.monotonic() - started:.1f}s"
+    assert done == set(LOSSES)
+    took = f"{time.monotonic() - started:.1f}s"
+    assert result.restarts == len(LOSSES) and result.live_recoveries == len(LOSSES), took
+    assert len(starts) == 1, "the placement group and the state servers were kept"
+    assert result.steps_recomputed == 0
     assert len(result.losses) == STEPS
+    assert result.losses[:4] == losses[:4], "a loss before a step changes no loss"
     # A step the kill did not stop before its update landed everywhere has no report (nan).
     assert all(got == want or math.isnan(got) for got, want in zip(result.losses, losses, strict=True))
     _assert_same(_final(tmp_path), state)

@@ -17,7 +17,9 @@ def test_a_node_that_timed_out_is_stopped_and_started_again() -> None:
     calls = []
 
     def start() -> str:
-        ray.init(num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+        ray.init(
+            address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False
+        )
         calls.append(ray.get_runtime_context().get_node_id())
         if len(calls) == 1:
             ray._private.worker._global_node = None  # as unreachable as a node whose start failed

@@ -54,10 +54,13 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 @pytest.fixture(scope="module")
 def uninterrupted_root(ray_local, tmp_path_factory) -> Path:
-    """The checkpoints of a run of STEPS steps, uninterrupted: one, of the last step."""
+    """The checkpoints of a run of STEPS steps, uninterrupted: of step 4 (where the resume
+    tests start from) and of the last step."""
     root = tmp_path_factory.mktemp("uninterrupted")
-    result = train(tiny_config(steps=STEPS, state_server__num_servers=2, checkpoint__dir=str(root)))
-    assert len(result.checkpoints) == 1 and result.restarts == 0
+    result = train(
+        tiny_config(steps=STEPS, state_server__num_servers=2, checkpoint__dir=str(root), checkpoint__every_steps=4)
+    )
+    assert len(result.checkpoints) == 2 and result.restarts == 0
     return root
 
 
@@ -68,21 +71,16 @@ def uninterrupted(uninterrupted_root) -> dict[str, torch.Tensor]:
 
 # Fewer, the same and more; the same (2) is also every other resume test's case.
 @pytest.mark.parametrize("resume_servers", [pytest.param(n, marks=pytest.mark.slow) for n in (1, 2)] + [3])
-def test_stop_and_resume_onto_any_number_of_servers(uninterrupted, tmp_path, resume_servers: int) -> None:
-    # Stop after 4 of 8 steps (the lr schedule spans all 8), with a checkpoint.
-    first = tiny_config(steps=STEPS, state_server__num_servers=2, checkpoint__dir=str(tmp_path))
-    store = CheckpointDir(tmp_path)
-    with TrainingSession(first) as session:
-        for _ in range(4):
-            session.step()
-        pending = session.checkpoint_begin(store)
-        assert pending.stall_seconds < 5.0
-        assert session.checkpoint_finish(store, pending).path.name == "step-0000000004"
+def test_a_resume_onto_any_number_of_servers_ends_bitwise(
+    uninterrupted, uninterrupted_root, tmp_path, resume_servers: int
+) -> None:
+    """Saved by 2 servers after 4 of 8 steps (the lr schedule spans all 8: the
+    uninterrupted run's checkpoint), resumed onto fewer, the same and more."""
     second = tiny_config(
         steps=STEPS,
         state_server__num_servers=resume_servers,
         checkpoint__dir=str(tmp_path),
-        checkpoint__resume="latest",
+        checkpoint__resume=str(uninterrupted_root / "step-0000000004"),
     )
     resumed = train(second)
     assert resumed.first_step == 4 and len(resumed.losses) == STEPS - 4
@@ -99,7 +97,8 @@ def _tier(root: Path, partition_kib: int) -> dict[str, object]:
     }
 
 
-@pytest.mark.slow  # fast: tests/test_tier_checkpoint.py (the links) and test_stop_and_resume_onto_any_number_of_servers
+# fast: tests/test_tier_checkpoint.py (the links) and test_a_resume_onto_any_number_of_servers_ends_bitwise
+@pytest.mark.slow
 def test_an_nvme_tier_checkpoint_links_its_files_and_resumes_bitwise(uninterrupted, tmp_path) -> None:
     """Saved with most state on the NVMe tier: the checkpoint hard-links the tier's
     partition files (they have a second name while the tier holds that version). Resumed

@@ -339,37 +339,40 @@ def _assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_local, tmp_path_factory):
-    """The final state of the uninterrupted run of each kind, run once."""
+def uninterrupted_run(ray_local, tmp_path_factory):
+    """The uninterrupted run of each kind, run once: its root, with a checkpoint after
+    step 4 (where the stop-and-resume tests start from) and after the last."""
     from cargohold.cluster.supervise import train
 
-    done: dict[str, dict[str, torch.Tensor]] = {}
+    roots: dict[str, Path] = {}
 
-    def of(kind: StateDtype) -> dict[str, torch.Tensor]:
-        if kind not in done:
-            root = tmp_path_factory.mktemp(f"uninterrupted-{kind}")
-            train(_resume_config(kind, root))
-            done[kind] = _final(kind, root)
-        return done[kind]
+    def of(kind: StateDtype) -> Path:
+        if kind not in roots:
+            roots[kind] = tmp_path_factory.mktemp(f"uninterrupted-{kind}")
+            train(_resume_config(kind, roots[kind], checkpoint__every_steps=4))
+        return roots[kind]
 
     return of
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run):
+    """The final state of the uninterrupted run of each kind."""
+    return lambda kind: _final(kind, uninterrupted_run(kind))
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("kind", BF16_SLOW)
-def test_stop_and_resume_ends_bitwise_where_the_uninterrupted_run_ends(uninterrupted, tmp_path: Path, kind) -> None:
-    """With most state on disk (files linked into the checkpoint) and 8-bit blocks whose
-    decode and re-encode would not be exact: the resumed run restores the stored bytes."""
-    from cargohold.cluster.launcher import TrainingSession
+def test_a_resume_from_a_checkpoint_the_run_trained_past_ends_bitwise_where_the_uninterrupted_run_ends(
+    uninterrupted_run, uninterrupted, tmp_path: Path, kind
+) -> None:
+    """With most state on disk (files linked into the checkpoint, which the run then
+    trained past) and 8-bit blocks whose decode and re-encode would not be exact: resumed
+    from the uninterrupted run's checkpoint of step 4, the run restores the stored bytes."""
     from cargohold.cluster.supervise import train
-    from cargohold.services.checkpoint import CheckpointDir
 
-    store = CheckpointDir(tmp_path / "checkpoints")
-    with TrainingSession(_resume_config(kind, tmp_path)) as session:
-        for _ in range(4):
-            session.step()
-        session.checkpoint_finish(store, session.checkpoint_begin(store))
-    resumed = train(_resume_config(kind, tmp_path, checkpoint__resume="latest"))
+    saved = uninterrupted_run(kind) / "checkpoints" / "step-0000000004"
+    resumed = train(_resume_config(kind, tmp_path, checkpoint__resume=str(saved)))
     assert resumed.first_step == 4
     _assert_same(_final(kind, tmp_path), uninterrupted(kind))
 
