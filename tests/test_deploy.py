@@ -349,6 +349,14 @@ def test_spot_gpu_workers_pass_the_preemption_notice_to_the_workers() -> None:
         sleeps = [c for c in commands if c[0] == "sleep"]
         assert len(signals) == 1 and sleeps, f"preStop: one pkill, then a sleep: {commands}"
         assert commands.index(signals[0]) < commands.index(sleeps[0]), "the signal goes first, then the wait"
+        # Before the signal, the pod's Ray node is drained for preemption, so that the
+        # replacements are not started on it (tests/test_multinode_recovery.py).
+        drains = [c for c in commands if c[:2] == ["ray", "drain-node"]]
+        assert len(drains) == 1 and commands.index(drains[0]) < commands.index(signals[0]), commands
+        (drain,) = drains
+        options = dict(zip(drain[2::2], drain[3::2], strict=True))
+        assert options["--reason"] == "DRAIN_NODE_REASON_PREEMPTION", drain
+        assert "--node-id" not in options, "the node the hook runs on"
         (pkill,) = signals
         assert pkill[1:-1] == ["-TERM", "-f"], f"SIGTERM, matched on the whole command line: {pkill}"
         pattern = re.compile(pkill[-1])  # pkill's POSIX extended regex; these read the same in Python
@@ -362,6 +370,7 @@ def test_spot_gpu_workers_pass_the_preemption_notice_to_the_workers() -> None:
         sleep_s = sum(float(c[1]) for c in sleeps)
         grace = pod["terminationGracePeriodSeconds"]
         assert isinstance(grace, int) and grace > sleep_s > 0, (grace, sleep_s)
+        assert int(options["--deadline-remaining-seconds"]) == grace, "Ray is told when the pod is killed"
     for name, group in (("head", spec["headGroupSpec"]), ("state-servers", groups["state-servers"])):
         for container in _pod(group)["containers"]:
             hooks = json.dumps(container.get("lifecycle", {}))
