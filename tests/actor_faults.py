@@ -1,5 +1,5 @@
 """Faults the recovery tests inject into a run's Ray actors: a SIGKILL, now or at the
-start of a given step."""
+start of a given step; a preemption notice during the next step."""
 
 from __future__ import annotations
 
@@ -32,3 +32,20 @@ def kill_a_worker_in_step(monkeypatch: pytest.MonkeyPatch, step: int, rank: int 
 
     monkeypatch.setattr(TrainingSession, "step", step_with_fault)
     return killed
+
+
+def notice_in_the_next_forward(worker) -> None:
+    """Make worker actor ``worker`` send its own process SIGTERM (a spot reclaim's notice)
+    from its next step's first loss: on its main thread, during the step."""
+
+    def install(actor) -> None:  # nested: Ray pickles it by value (tests/ is not on the actors' path)
+        original = actor.step.loss
+
+        def loss_then_notice(model, batch, device):
+            actor.step.loss = original
+            os.kill(os.getpid(), signal.SIGTERM)
+            return original(model, batch, device)
+
+        actor.step.loss = loss_then_notice
+
+    ray.get(worker.__ray_call__.remote(install))

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from actor_faults import notice_in_the_next_forward
 from reference import tiny_config
 
 from cargohold.cluster.launcher import TrainingSession
@@ -167,17 +168,6 @@ def test_a_worker_given_a_preemption_notice_finishes_its_step_and_is_replaced_wi
     after step 5 from the servers' live state, counting no failure and recomputing
     nothing, and the run ends bitwise where the uninterrupted run ends."""
 
-    def notice_in_the_next_forward(actor) -> None:  # defined here: Ray pickles it by value
-        """Run in a worker actor: its next step's first loss sends this process SIGTERM."""
-        original = actor.step.loss
-
-        def loss_then_notice(model, batch, device):
-            actor.step.loss = original
-            os.kill(os.getpid(), signal.SIGTERM)  # handled on this, the main, thread: during the step
-            return original(model, batch, device)
-
-        actor.step.loss = loss_then_notice
-
     starts = []
     original_start, original_step = TrainingSession._start, TrainingSession.step
     monkeypatch.setattr(TrainingSession, "_start", lambda session: (starts.append(1), original_start(session)))
@@ -185,7 +175,7 @@ def test_a_worker_given_a_preemption_notice_finishes_its_step_and_is_replaced_wi
 
     def step_with_notice(session: TrainingSession):
         if session.step_count == 4 and len(noticed) == 4:
-            ray.get(session.workers[1].__ray_call__.remote(notice_in_the_next_forward))
+            notice_in_the_next_forward(session.workers[1])
         report = original_step(session)
         noticed.append(list(session.leaving))
         return report

@@ -8,13 +8,12 @@ on one node, in the default run: tests/test_live_recovery.py."""
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 
 import pytest
 import ray
+from actor_faults import notice_in_the_next_forward
 from ray.cluster_utils import Cluster
 from ray.core.generated import autoscaler_pb2
 from ray_start import cluster_of
@@ -35,17 +34,27 @@ def three_nodes():
         yield cluster
 
 
-def _node_of(actor) -> str:
-    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
-
-
-def test_a_removed_worker_node_is_replaced_live_and_the_run_ends_bitwise(three_nodes: Cluster, tmp_path) -> None:
-    cluster = three_nodes
-    config = tiny_config(
+def _pinned_config(**more):
+    """The tiny run with its state server on the "hold" node and a worker on each
+    "trainer" node."""
+    return tiny_config(
         steps=STEPS,
         state_server__resources={"hold": 1},
         worker__resources={"trainer": 1},
         cluster__placement_strategy="STRICT_SPREAD",
+        **more,
+    )
+
+
+def _node_of(actor) -> str:
+    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+
+
+def test_a_removed_worker_node_is_replaced_live_and_the_run_ends_bitwise(
+    three_nodes: Cluster, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = three_nodes
+    config = _pinned_config(
         checkpoint__dir=str(tmp_path),
         checkpoint__every_steps=STEPS,  # only after the last step: nothing a recovery could read
         checkpoint__max_failures=1,
@@ -65,11 +74,8 @@ def test_a_removed_worker_node_is_replaced_live_and_the_run_ends_bitwise(three_n
             nodes_after.append({_node_of(w) for w in session.workers})
         return original_step(session)
 
-    TrainingSession.step = step_with_node_loss  # type: ignore[method-assign]
-    try:
-        result = train(config)
-    finally:
-        TrainingSession.step = original_step  # type: ignore[method-assign]
+    monkeypatch.setattr(TrainingSession, "step", step_with_node_loss)
+    result = train(config)
 
     assert result.restarts == 1 and result.live_recoveries == 1 and result.steps_recomputed == 0
     assert removed[0] not in nodes_after[0] and len(nodes_after[0]) == 2, "the lost bundle moved to the new node"
@@ -78,7 +84,7 @@ def test_a_removed_worker_node_is_replaced_live_and_the_run_ends_bitwise(three_n
 
 
 def test_a_notice_on_a_drained_node_waits_for_its_bundle_to_move_and_ends_bitwise(
-    three_nodes: Cluster, tmp_path
+    three_nodes: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """deploy/kuberay/raycluster-spot.yaml's preStop hook, on this machine: worker 1's node
     is drained for preemption (as `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`
@@ -89,22 +95,7 @@ def test_a_notice_on_a_drained_node_waits_for_its_bundle_to_move_and_ends_bitwis
     counting a preemption and no failure, and ends bitwise where the uninterrupted run
     ends."""
     cluster = three_nodes
-    config = tiny_config(
-        steps=STEPS,
-        state_server__resources={"hold": 1},
-        worker__resources={"trainer": 1},
-        cluster__placement_strategy="STRICT_SPREAD",
-    )
-
-    def notice_in_the_next_forward(actor) -> None:  # defined here: Ray pickles it by value
-        original = actor.step.loss
-
-        def loss_then_notice(model, batch, device):
-            actor.step.loss = original
-            os.kill(os.getpid(), signal.SIGTERM)  # handled on this, the main, thread: during the step
-            return original(model, batch, device)
-
-        actor.step.loss = loss_then_notice
+    config = _pinned_config()
 
     def reclaim(node_id: str) -> None:
         (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
@@ -127,18 +118,17 @@ def test_a_notice_on_a_drained_node_waits_for_its_bundle_to_move_and_ends_bitwis
             accepted, why = gcs.drain_node(node_id, reason, "spot reclaim", int(time.time() * 1000) + 60_000)
             assert accepted, why
             drained.append(node_id)
-            ray.get(session.workers[1].__ray_call__.remote(notice_in_the_next_forward))
+            notice_in_the_next_forward(session.workers[1])
             removal.append(threading.Timer(5.0, reclaim, [node_id]))
             removal[0].start()
         elif drained and session.step_count == 5 and not nodes_after:
             nodes_after.append({_node_of(w) for w in session.workers})
         return original_step(session)
 
-    TrainingSession.step = step_with_reclaim  # type: ignore[method-assign]
+    monkeypatch.setattr(TrainingSession, "step", step_with_reclaim)
     try:
         result = train(config)
     finally:
-        TrainingSession.step = original_step  # type: ignore[method-assign]
         for timer in removal:
             timer.join()
 
