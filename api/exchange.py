@@ -32,15 +32,15 @@ class Exchange:
 
     def gather_grads(self) -> None:
         """Copy every parameter's gradient into the gradient buffers (from any device)."""
-        for slot, param in zip(self.layout.params, self.params):
+        for place, param in zip(self.layout.params, self.params):
             assert param.grad is not None  # the optimizer checked every one before
-            self._param_view(self.grads, slot.unit, slot.offset, slot.numel).copy_(param.grad.reshape(-1))
+            self._param_view(self.grads, place.unit, place.offset, place.numel).copy_(param.grad.reshape(-1))
 
     @torch.no_grad()
     def scatter_weights(self) -> None:
         """Copy the fetched weights into the parameters (to any device)."""
-        for slot, param in zip(self.layout.params, self.params):
-            param.copy_(self._param_view(self.weights, slot.unit, slot.offset, slot.numel).view(slot.shape))
+        for place, param in zip(self.layout.params, self.params):
+            param.copy_(self._param_view(self.weights, place.unit, place.offset, place.numel).view(place.shape))
 
     def _slice(self, buffers: list[torch.Tensor], segment: Segment) -> torch.Tensor:
         base = self.layout.units[segment.unit].start

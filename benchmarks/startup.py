@@ -104,7 +104,7 @@ def sizes(folder: str, workers: int, dtype: str, wire: str) -> dict:
 
     config = load_config(None, overrides(folder, workers, dtype, wire))
     _, _, layout = config_layout(config)
-    units = [sum(slot.numel for slot in layout.unit_params(u.index)) for u in layout.units]
+    units = [sum(place.numel for place in layout.unit_params(u.index)) for u in layout.units]
     largest = max(range(len(units)), key=units.__getitem__)
     servers = [12 * (stop - start) for start, stop in (layout.server_range(s) for s in range(layout.num_servers))]
     return {

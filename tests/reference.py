@@ -383,7 +383,7 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
             # order of the sum is theirs, not gloo's (services/worker/colocated_collectives.py).
             share_collectives(units, layout, config.worker, "cpu", config.run_id or "reference")
         o = config.optim
-        params = [dict(model.named_parameters())[slot.name] for slot in layout.params]
+        params = [dict(model.named_parameters())[place.name] for place in layout.params]
         optimizer = torch_adamw(config, dict(model.named_parameters()))
         data = config_task(config).open_data()
         losses: list[float] = []

@@ -126,15 +126,15 @@ def test_dropout_stays_off_in_train_mode(gpt2_dir: Path) -> None:
     assert torch.equal(model(x, y)[1], model.eval()(x, y)[1])
 
 
-def test_tied_embedding_is_one_slot_of_the_root_unit(gpt2_dir: Path) -> None:
+def test_tied_embedding_has_one_chunk_place_in_the_root_unit(gpt2_dir: Path) -> None:
     """A tied parameter is placed once, in the root unit, and survives the flat space."""
     config = tiny_config(hf__config_path=str(gpt2_dir))
     model = build_model(model_spec(config), config.data)
     assert model.hf.lm_head.weight is model.hf.transformer.wte.weight
     _, _, layout = config_layout(config)
-    names = [slot.name for slot in layout.params]
+    names = [place.name for place in layout.params]
     assert names.count("hf.transformer.wte.weight") == 1 and "hf.lm_head.weight" not in names
-    assert "hf.transformer.wte.weight" in [slot.name for slot in layout.unit_params(0)]
+    assert "hf.transformer.wte.weight" in [place.name for place in layout.unit_params(0)]
 
     weights = gather_params(layout, scatter_params(layout, dict(model.named_parameters())))
     tied = _load(config_task(tiny_config(hf__config_path=str(gpt2_dir), seed=8)).build(), weights)

@@ -1,5 +1,5 @@
 """Property tests of the layout math: every element has exactly one home, each
-worker's chunks are FSDP2's, and every cut is aligned to its slot (which is what keeps the
+worker's chunks are FSDP2's, and every cut is aligned to its chunk place (which is what keeps the
 offloaded AdamW bitwise)."""
 
 from __future__ import annotations
@@ -83,16 +83,16 @@ def test_every_element_has_one_home_and_the_chunks_are_fsdp2s(data, shapes, work
         unit = layout.units[segment.unit]
         assert lo + unit.start <= segment.start and segment.stop <= lo + unit.stop
         for fragment in segment.fragments:
-            slot = layout.params[fragment.param_index]
+            place = layout.params[fragment.param_index]
             at = segment.start + fragment.segment_start
             coverage[at : at + fragment.length] += 1
-            expected = tensors[slot.name].reshape(-1)[fragment.param_start : fragment.param_start + fragment.length]
+            expected = tensors[place.name].reshape(-1)[fragment.param_start : fragment.param_start + fragment.length]
             assert torch.equal(flat[at : at + fragment.length], expected)
-            # inside this worker's FSDP2 chunk, cut at a multiple of align from the slot's start
-            first, last = _fsdp2_chunk(slot.shape or (1,), workers, segment.worker)
-            assert first * slot.row_numel <= fragment.param_start
-            assert fragment.param_start + fragment.length <= last * slot.row_numel
-            assert (fragment.param_start - first * slot.row_numel) % align == 0
+            # inside this worker's FSDP2 chunk, cut at a multiple of align from the chunk place's start
+            first, last = _fsdp2_chunk(place.shape or (1,), workers, segment.worker)
+            assert first * place.row_numel <= fragment.param_start
+            assert fragment.param_start + fragment.length <= last * place.row_numel
+            assert (fragment.param_start - first * place.row_numel) % align == 0
     assert int(coverage.sum()) == layout.num_real_elements and int(coverage.max()) <= 1
     assert [s.segment_id for s in layout.segments] == list(range(len(layout.segments)))
     assert sum(s.numel for s in layout.segments) == layout.total
@@ -100,7 +100,7 @@ def test_every_element_has_one_home_and_the_chunks_are_fsdp2s(data, shapes, work
 
 @PROPERTY_SETTINGS
 @given(data=st.data(), shapes=SHAPES, workers=WORKERS, servers=SERVERS, align=ALIGN)
-def test_slots_servers_and_runs_are_consistent(data, shapes, workers, servers, align) -> None:
+def test_chunk_places_servers_and_runs_are_consistent(data, shapes, workers, servers, align) -> None:
     layout = _layout_or_none(data, shapes, workers, servers, align)
     if layout is None:
         return
@@ -108,9 +108,9 @@ def test_slots_servers_and_runs_are_consistent(data, shapes, workers, servers, a
     bounds = layout.server_bounds
     assert bounds[0] == 0 and bounds[-1] == layout.total
     assert all(b % align == 0 for b in bounds) and list(bounds) == sorted(bounds)
-    for slot in layout.params:
-        assert slot.offset % align == 0
-        assert slot.rows_per_worker == -(-(slot.shape[0] if slot.shape else 1) // workers)
+    for place in layout.params:
+        assert place.offset % align == 0
+        assert place.rows_per_worker == -(-(place.shape[0] if place.shape else 1) // workers)
     for unit in layout.units:
         assert all(layout.params[i].unit == unit.index for i in range(unit.first_param, unit.stop_param))
     start = data.draw(st.integers(0, layout.total))
@@ -130,8 +130,8 @@ def test_two_workers_split_rows_like_fsdp2() -> None:
         unit_names=["", "block"],
     )
     a, b = layout.params
-    assert (a.rows_per_worker, a.slot_numel, a.offset) == (3, 9, 0)
-    assert (b.rows_per_worker, b.slot_numel, b.offset) == (4, 4, 16)
+    assert (a.rows_per_worker, a.padded_numel, a.offset) == (3, 9, 0)
+    assert (b.rows_per_worker, b.padded_numel, b.offset) == (4, 4, 16)
     assert layout.worker_size == 24 and layout.total == 48
     assert [(s.worker, s.unit, s.start, s.stop) for s in layout.segments] == [
         (0, 0, 0, 16),

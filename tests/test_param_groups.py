@@ -30,7 +30,7 @@ def _resolve(**overrides: object) -> tuple[Layout, ParamGroups]:
 
 
 def _by_name(layout: Layout, groups: ParamGroups) -> dict[str, UpdateGroup]:
-    return {slot.name: groups.groups[g] for slot, g in zip(layout.params, groups.of_param)}
+    return {place.name: groups.groups[g] for place, g in zip(layout.params, groups.of_param)}
 
 
 def test_without_groups_every_parameter_decays() -> None:

@@ -36,8 +36,8 @@ def _layout(config) -> Layout:
 
 def _units(layout: Layout) -> list[tuple[int, int]]:
     """(parameter elements, padded chunk per worker) of each FSDP2 unit, root first."""
-    slots = [layout.unit_params(u.index) for u in layout.units]
-    return [(sum(s.numel for s in unit), sum(s.slot_numel for s in unit)) for unit in slots]
+    places = [layout.unit_params(u.index) for u in layout.units]
+    return [(sum(s.numel for s in unit), sum(s.padded_numel for s in unit)) for unit in places]
 
 
 def _exchange(layout: Layout, bytes_per_element: int, slots: int = 3) -> int:
@@ -64,8 +64,8 @@ def test_worker_buffers_follow_the_layout(num_workers: int) -> None:
     plan, layout = plan_run(config), _layout(config)
     assert plan.flat_elements == layout.total == num_workers * layout.worker_size
     # Rank 0's FSDP2 shards (it holds the most) and its exchange buffers, fp32 both ways.
-    shards = sum(slot.local_numel(0) for slot in layout.params)
-    assert shards >= max(sum(slot.local_numel(r) for slot in layout.params) for r in range(num_workers))
+    shards = sum(place.local_numel(0) for place in layout.params)
+    assert shards >= max(sum(place.local_numel(r) for place in layout.params) for r in range(num_workers))
     # CPU workers on one host also hold a region for FSDP2's collectives: a page of
     # semaphores for the barrier, then two halves that each hold the largest unit's
     # gathered weights (every worker's padded chunks), in pages.
@@ -150,7 +150,7 @@ def test_more_workers_shrink_the_shards_not_the_units() -> None:
     exchange = {w: p.buffers["exchange"] for w, p in plans.items()}
     assert weights[1] > weights[2] > weights[4] and exchange[1] > exchange[2] > exchange[4]
     # 1/W of every parameter, rank 0 rounding its rows up: at most one row per parameter more.
-    rows = sum(slot.row_numel for slot in _layout(configs[4]).params)
+    rows = sum(place.row_numel for place in _layout(configs[4]).params)
     assert weights[1] <= 4 * weights[4] <= weights[1] + 4 * 4 * rows
     buffer = {w: w * max(chunk for _, chunk in _units(_layout(c))) * 4 if w > 1 else 0 for w, c in configs.items()}
     unsharded = {w: p.gathered_bytes - buffer[w] for w, p in plans.items()}

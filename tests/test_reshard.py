@@ -41,9 +41,9 @@ def _manifest(layout: Layout) -> Manifest:
 def _ids(layout: Layout) -> dict[str, torch.Tensor]:
     """Each parameter's elements numbered 1.. over the whole model, by name (0: padding)."""
     ids, base = {}, 1
-    for slot in sorted(layout.params, key=lambda p: p.name):
-        ids[slot.name] = torch.arange(base, base + slot.numel, dtype=torch.int64).view(slot.shape)
-        base += slot.numel
+    for place in sorted(layout.params, key=lambda p: p.name):
+        ids[place.name] = torch.arange(base, base + place.numel, dtype=torch.int64).view(place.shape)
+        base += place.numel
     return ids
 
 

@@ -260,9 +260,9 @@ def test_segment_pushes_over_a_layout_match_torch_adamw_bitwise() -> None:
     for seg in layout.segments:
         result[seg.start : seg.stop] = registry.get("r", seg.segment_id).weights(10, "float32")
         for view, f in zip(fragment_views(seg, result[seg.start : seg.stop]), seg.fragments, strict=True):
-            slot = layout.params[f.param_index]
+            place = layout.params[f.param_index]
             want = params[f.param_index].detach().reshape(-1)[f.param_start : f.param_start + f.length]
-            assert torch.equal(view, want), f"segment {seg.segment_id}, parameter {slot.name}"
+            assert torch.equal(view, want), f"segment {seg.segment_id}, parameter {place.name}"
 
 
 # --- concurrency -------------------------------------------------------------------------

@@ -116,8 +116,8 @@ def test_partition_cuts_fall_on_aligned_parameter_offsets(shapes, workers, serve
             for fragment in segment.fragments:
                 lo = max(fragment.segment_start, span.start)
                 if lo < min(fragment.segment_start + fragment.length, span.stop) and lo > fragment.segment_start:
-                    slot = layout.params[fragment.param_index]
-                    chunk_start = slot.local_rows(segment.worker)[0] * slot.row_numel  # FSDP2's local shard
+                    place = layout.params[fragment.param_index]
+                    chunk_start = place.local_rows(segment.worker)[0] * place.row_numel  # FSDP2's local shard
                     assert (fragment.param_start - chunk_start + lo - fragment.segment_start) % DEFAULT_ALIGN == 0
 
 

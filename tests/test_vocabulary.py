@@ -9,6 +9,12 @@ names, the layout's values and the modules about units alone, below); "group" st
 word of torch's param groups, of Ray's placement groups, of process groups, of the
 planner's node groups and of a regex match's groups.
 
+Where a parameter's padded chunk lies in each worker's range is its chunk place
+(``layout.ChunkPlace``): "slot" does not come back for it (its retired names, names bound
+to a layout's parameters, the modules about chunk places alone, below); "slot" stays the
+word of the exchange slot, a worker's host buffer of one unit's gradients and weights
+(``tuning.worker.exchange_slots``, ``services/worker/state_port.py``).
+
 Docstrings and comments are left to review: there FSDP2's "local shards" and a segment
 are told apart by their sense, which no pattern here can read."""
 
@@ -288,7 +294,7 @@ def test_the_layouts_values_say_unit_and_the_file_format_keeps_its_keys() -> Non
     arguments; the manifest's ``layout`` record says unit in Python and keeps the JSON keys
     ``group_sizes`` and ``group_names``."""
     kinds = (
-        layout_module.ParamSlot,
+        layout_module.ChunkPlace,
         layout_module.UnitRange,
         layout_module.Fragment,
         layout_module.Segment,
@@ -389,3 +395,198 @@ def test_the_old_unit_names_are_found_outside_the_unit_modules_too() -> None:
 def test_param_placement_process_node_and_regex_groups_are_not_findings() -> None:
     assert unit_findings(KEPT_GROUPS, "kept.py") == []
     assert unit_findings(KEPT_IN_A_UNIT_MODULE, "kept.py", unit_module=True) == []
+
+
+# --- chunk place, not slot, for where a parameter's padded chunk lies -----------------------
+PLACE_MODULES = (
+    "services/core/layout.py",
+    "services/worker/accumulation.py",
+    "services/checkpoint/reshard.py",
+)
+"""Modules about chunk places alone: no exchange slot is theirs, so "slot" in a name or
+message there can only be the chunk place's old word."""
+RETIRED_PLACE_NAMES = {
+    "ParamSlot": (),  # now layout.ChunkPlace
+    "slot_numel": ("services/worker/state_port.py",),  # ChunkPlace.padded_numel; there: an exchange slot's size
+}
+"""Names that said slot for the chunk place, and the modules where the name is the exchange
+slot's: declared, imported, read (a name or an attribute) or passed as a keyword."""
+_SLOT = re.compile("slot", re.IGNORECASE)
+
+
+def _has_slot(text: str) -> bool:
+    return bool(_SLOT.search(text.replace("__slots__", "")))
+
+
+def _layout_places(node: ast.expr) -> bool:
+    """Whether ``node`` is a layout's chunk places: ``<...>layout.params``, a
+    ``unit_params(...)`` call, a slice or an item of them, or enumerate/zip/reversed/sorted
+    over them."""
+    if isinstance(node, ast.Subscript):
+        return _layout_places(node.value)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        return node.func.id in ("enumerate", "zip", "reversed", "sorted") and any(
+            _layout_places(arg) for arg in node.args
+        )
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return node.func.attr == "unit_params"
+    return isinstance(node, ast.Attribute) and node.attr == "params" and ast.unparse(node.value).endswith("layout")
+
+
+def _bound_to_places(node: ast.AST) -> list[str]:
+    """The names a loop, a comprehension or an assignment binds to a layout's chunk places."""
+    if isinstance(node, (ast.For, ast.comprehension)) and _layout_places(node.iter):
+        targets = [node.target]
+    elif isinstance(node, ast.Assign) and _layout_places(node.value):
+        targets = node.targets
+    else:
+        return []
+    return [n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)]
+
+
+def _used_names(node: ast.AST) -> list[str]:
+    """The names ``node`` declares (:func:`_names`), imports, reads or passes as a keyword."""
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        return [node.attr]
+    if isinstance(node, ast.alias):
+        return [node.name.rpartition(".")[2]] + ([node.asname] if node.asname else [])
+    if isinstance(node, ast.keyword) and node.arg is not None:
+        return [node.arg]
+    return _names(node)
+
+
+def place_findings(source: str, where: str, *, place_module: bool = False) -> list[str]:
+    """``where:line`` and what each use of "slot" for the chunk place in ``source`` is: a
+    retired name (outside the modules where it is the exchange slot's); a name bound to a
+    layout's chunk places; and in a module about chunk places alone (``place_module``), any
+    name or message saying slot."""
+    tree = ast.parse(source)
+    docstrings = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        at = f"{where}:{node.target.lineno if isinstance(node, ast.comprehension) else getattr(node, 'lineno', 0)}"
+        found += [
+            f"{at} name {name!r}"
+            for name in dict.fromkeys(_used_names(node))
+            if name in RETIRED_PLACE_NAMES and where not in RETIRED_PLACE_NAMES[name]
+        ]
+        found += [f"{at} chunk place named {name!r}" for name in _bound_to_places(node) if _has_slot(name)]
+        if place_module:
+            found += [
+                f"{at} name {name!r}" for name in _names(node) if name not in RETIRED_PLACE_NAMES and _has_slot(name)
+            ]
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if _has_slot(node.value):
+                    found.append(f"{at} text {node.value!r}")
+    return found
+
+
+def test_names_say_chunk_place_for_where_a_padded_chunk_lies() -> None:
+    found = [
+        f
+        for path in _sources()
+        for f in place_findings(
+            path.read_text(), str(path.relative_to(ROOT)), place_module=str(path.relative_to(ROOT)) in PLACE_MODULES
+        )
+    ]
+    assert not found, (
+        "slot is back for a chunk place (docs/architecture.md, Words: where a parameter's padded chunk "
+        "lies is its chunk place; a slot is an exchange slot):\n" + "\n".join(found)
+    )
+
+
+def test_the_place_modules_and_the_exchange_slot_modules_exist() -> None:
+    kept_in = {m for modules in RETIRED_PLACE_NAMES.values() for m in modules}
+    assert [m for m in (*PLACE_MODULES, *kept_in) if not (ROOT / m).is_file()] == []
+
+
+def test_the_layouts_values_say_place() -> None:
+    """No value of the layout, by its fields, methods and properties, and no name of the
+    layout module, says slot (``__slots__``, the dataclasses', aside)."""
+    kinds = (
+        layout_module.ChunkPlace,
+        layout_module.UnitRange,
+        layout_module.Fragment,
+        layout_module.Segment,
+        layout_module.Layout,
+        LayoutRecord,
+    )
+    assert {kind.__name__: [n for n in dir(kind) if _has_slot(n)] for kind in kinds} == {k.__name__: [] for k in kinds}
+    assert [name for name in vars(layout_module) if _has_slot(name)] == []
+
+
+OLD_PLACES = '''
+"""A module about slots: docstrings are not checked."""
+from cargohold.services.core.layout import Layout, ParamSlot
+class Layout:
+    params: tuple[ParamSlot, ...]
+    def slot_of(self, index: int) -> ParamSlot:
+        slot = self.params[index]
+        return slot
+def sizes(layout, worker):
+    chunks = [slot.slot_numel for slot in layout.params]
+    for index, slot in enumerate(layout.unit_params(0)):
+        print(index, slot.local_numel(worker))
+    slots = layout.unit_params(1)
+    raise LayoutError(f"{len(slots)} slots, {sum(chunks)} elements")
+'''
+KEPT_SLOTS = """
+def exchange(layout, buffers, places, worker: int, exchange_slots: int):
+    slot = buffers.acquire()
+    for index, place in enumerate(layout.unit_params(0)):
+        slot.grads[place.offset : place.offset + place.padded_numel].zero_()
+    buffers.release(slot)
+    split = Split(exchange_slots=exchange_slots, slots=exchange_slots)
+    message = f"{exchange_slots} exchange slot(s)"
+"""
+KEPT_IN_STATE_PORT = """
+def exchange_nbytes(slot_numel: int, grad_size: int, weight_size: int, *, slots: int) -> int:
+    return slots * _slot_numel(slot_numel) * (grad_size + weight_size)
+"""
+
+
+def test_the_old_place_names_are_found() -> None:
+    found = sorted(f.partition(" ")[2] for f in place_findings(OLD_PLACES, "old.py", place_module=True))
+    assert found == sorted(
+        [
+            "name 'ParamSlot'",  # imported
+            "name 'ParamSlot'",  # in an annotation
+            "name 'ParamSlot'",  # returned
+            "name 'slot_of'",
+            "name 'slot'",
+            "name 'slot'",
+            "name 'slot'",
+            "name 'slots'",
+            "name 'slot_numel'",
+            "chunk place named 'slot'",
+            "chunk place named 'slot'",
+            "chunk place named 'slots'",
+            "text ' slots, '",
+        ]
+    )
+
+
+def test_the_old_place_names_are_found_outside_the_place_modules_too() -> None:
+    found = sorted(f.partition(" ")[2] for f in place_findings(OLD_PLACES, "old.py"))
+    assert found == sorted(
+        [
+            "name 'ParamSlot'",
+            "name 'ParamSlot'",
+            "name 'ParamSlot'",
+            "name 'slot_numel'",
+            "chunk place named 'slot'",
+            "chunk place named 'slot'",
+            "chunk place named 'slots'",
+        ]
+    )
+
+
+def test_exchange_slots_are_not_findings() -> None:
+    assert place_findings(KEPT_SLOTS, "kept.py") == []
+    assert place_findings(KEPT_IN_STATE_PORT, "services/worker/state_port.py") == []
+    assert place_findings(KEPT_IN_STATE_PORT, "services/worker/step.py") == [
+        "services/worker/step.py:2 name 'slot_numel'",
+        "services/worker/step.py:3 name 'slot_numel'",
+    ]

@@ -220,7 +220,7 @@ def _unit_sizes(layout: Layout) -> list[_UnitSize]:
     return [
         _UnitSize(
             numel=sum(s.numel for s in layout.unit_params(u.index)),
-            chunk=sum(s.slot_numel for s in layout.unit_params(u.index)),
+            chunk=sum(s.padded_numel for s in layout.unit_params(u.index)),
         )
         for u in layout.units
     ]
@@ -323,14 +323,14 @@ def plan_worker(
 def _weights_all_in_memory(layout: Layout, size: _Itemsizes) -> int:
     """FSDP2's local shards of every unit, in the compute dtype; rank 0 holds the most (the
     last ranks' dim-0 chunks run short or empty)."""
-    return sum(slot.local_numel(0) for slot in layout.params) * size.compute
+    return sum(place.local_numel(0) for place in layout.params) * size.compute
 
 
 def _weights_in_window(layout: Layout, size: _Itemsizes, window: int, unit_files: Sequence[int]) -> int:
     """With weights on NVMe, the weight shards in memory: the root's, ``window`` units
     (their padded chunks, as allocated) and the files' read buffers."""
-    root_weights = sum(slot.local_numel(0) for slot in layout.unit_params(0)) * size.compute
-    largest_chunks = max(sum(s.slot_numel for s in layout.unit_params(u.index)) for u in layout.units[1:])
+    root_weights = sum(place.local_numel(0) for place in layout.unit_params(0)) * size.compute
+    largest_chunks = max(sum(s.padded_numel for s in layout.unit_params(u.index)) for u in layout.units[1:])
     read_buffers = WEIGHT_READ_BUFFERS * max(unit_files)
     return root_weights + window * largest_chunks * size.compute + read_buffers
 

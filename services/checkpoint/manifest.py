@@ -93,7 +93,7 @@ class LayoutRecord:
     kind: str
     """:data:`LAYOUT_KIND`."""
     align: int
-    """Elements every slot starts at a multiple of (a checkpoint restores only onto the
+    """Elements every chunk place starts at a multiple of (a checkpoint restores only onto the
     same alignment, :func:`.compat.check_compatible`)."""
     num_workers: int
     num_servers: int

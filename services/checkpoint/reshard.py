@@ -107,14 +107,14 @@ def _padded_unit_sizes(manifest: Manifest) -> list[int] | None:
     record = manifest.layout
     if sum(record.unit_sizes) != len(manifest.model_signature):
         return None
-    slots = []
+    reserved = []
     for _, shape in manifest.model_signature:
         rows, row_numel = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
-        slot = -(-rows // record.num_workers) * row_numel
-        slots.append(-(-slot // record.align) * record.align)
+        padded = -(-rows // record.num_workers) * row_numel
+        reserved.append(-(-padded // record.align) * record.align)
     sizes, first = [], 0
     for count in record.unit_sizes:
-        sizes.append(sum(slots[first : first + count]))
+        sizes.append(sum(reserved[first : first + count]))
         first += count
     return sizes
 
@@ -126,14 +126,16 @@ def segment_runs(saved: Layout, new: Layout, segment: Segment) -> tuple[Run, ...
     A parameter ``saved`` lacks, or holds in another shape, raises CheckpointError
     (:func:`~cargohold.services.checkpoint.compat.check_compatible` names every difference first).
     """
-    index = {slot.name: i for i, slot in enumerate(saved.params)}
+    index = {place.name: i for i, place in enumerate(saved.params)}
     runs: list[Run] = []
     for fragment in segment.fragments:
-        slot = new.params[fragment.param_index]
-        if slot.name not in index or saved.params[index[slot.name]].shape != slot.shape:
-            raise CheckpointError(f"the checkpoint holds no parameter {slot.name!r} of shape {slot.shape}")
+        place = new.params[fragment.param_index]
+        if place.name not in index or saved.params[index[place.name]].shape != place.shape:
+            raise CheckpointError(f"the checkpoint holds no parameter {place.name!r} of shape {place.shape}")
         shift = fragment.segment_start - fragment.param_start
-        for flat_start, param_start, length in saved.flat_runs(index[slot.name], fragment.param_start, fragment.length):
+        for flat_start, param_start, length in saved.flat_runs(
+            index[place.name], fragment.param_start, fragment.length
+        ):
             offset = param_start + shift
             if runs and runs[-1][0] + runs[-1][2] == offset and runs[-1][1] + runs[-1][2] == flat_start:
                 runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)

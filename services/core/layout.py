@@ -12,8 +12,9 @@ parameters are consecutive in layout order.
 
 The flat space is *worker-major*: worker w's range ``[w * worker_size, (w+1) *
 worker_size)`` holds, unit by unit, the padded dim-0 chunk of each parameter that w
-holds (a *slot*), each slot at a multiple of ``align``. Every worker's range has the same
-size and the same slots, so a slot's position inside a range is one number per parameter.
+holds, each at a multiple of ``align``; where a parameter's padded chunk lies is its *chunk
+place*. Every worker's range has the same size and the same chunk places, so a chunk place
+is one number per parameter.
 A worker's gradients and weights for one unit are therefore one contiguous range (the
 unit's :class:`UnitRange`).
 
@@ -31,7 +32,7 @@ server whose range covers it are all that worker ever talks to, so with one serv
 node and ranks numbered node by node, a worker's traffic stays on its node.
 
 Why align: the fused AdamW kernel runs a vector loop with a scalar tail, which round
-differently in rare cases. Cutting a slot only at multiples of ``align`` from its start
+differently in rare cases. Cutting a padded chunk only at multiples of ``align`` from its start
 keeps every element on the code path ``torch.optim.AdamW(fused=True)`` takes over the
 worker's local shard (FSDP2's reference) — bitwise equality depends on it.
 """
@@ -57,15 +58,16 @@ NamedShape = tuple[str, Sequence[int]]
 
 
 @dataclass(frozen=True, slots=True)
-class ParamSlot:
-    """One parameter: its shape, its unit and where its chunk sits in every worker's range."""
+class ChunkPlace:
+    """One parameter: its shape, its unit and its chunk place, where its padded chunk lies in
+    every worker's range (the same offset in each)."""
 
     name: str
     shape: tuple[int, ...]
     unit: int
     """Index of its unit in :attr:`Layout.units`."""
     offset: int
-    """First element of the slot inside each worker's range (a multiple of ``align``)."""
+    """First element of the padded chunk inside each worker's range (a multiple of ``align``)."""
     rows_per_worker: int
     """Rows of dim 0 in each worker's chunk (FSDP2: ``ceil(rows / num_workers)``)."""
 
@@ -83,8 +85,8 @@ class ParamSlot:
         return math.prod(self.shape[1:])
 
     @property
-    def slot_numel(self) -> int:
-        """Padded chunk size: what each worker's range reserves for this parameter."""
+    def padded_numel(self) -> int:
+        """The padded chunk's size: what each worker's range reserves for the parameter."""
         return self.rows_per_worker * self.row_numel
 
     def local_rows(self, worker: int) -> tuple[int, int]:
@@ -101,7 +103,7 @@ class ParamSlot:
 class UnitRange:
     """One unit (what ``fully_shard`` wraps: parameters reduced together) as the layout
     places it: its parameters ``params[first_param:stop_param]`` and the range ``[start,
-    stop)`` their slots fill inside each worker's range (the same in every worker's range).
+    stop)`` their chunk places fill inside each worker's range (the same in every worker's range).
     ``sharding.Unit`` is the same unit seen from the model: its module and parameter names."""
 
     index: int
@@ -155,7 +157,7 @@ class Segment:
 class Layout:
     """The complete placement of a model's parameters over workers and servers."""
 
-    params: tuple[ParamSlot, ...]
+    params: tuple[ChunkPlace, ...]
     units: tuple[UnitRange, ...]
     total: int
     """Length of the flat space: ``num_workers * worker_size``."""
@@ -192,7 +194,7 @@ class Layout:
         self._check_index("worker", worker, self.num_workers)
         return tuple(s for s in self.segments if s.worker == worker and s.on_device)
 
-    def unit_params(self, unit: int) -> tuple[ParamSlot, ...]:
+    def unit_params(self, unit: int) -> tuple[ChunkPlace, ...]:
         """The parameters of unit ``unit``, in layout order."""
         placed = self.units[unit]
         return self.params[placed.first_param : placed.stop_param]
@@ -215,26 +217,26 @@ class Layout:
             base = worker * self.worker_size
             if base >= stop:
                 break
-            for index, slot in enumerate(self.params):
-                lo = max(start, base + slot.offset)
-                hi = min(stop, base + slot.offset + slot.local_numel(worker))
+            for index, place in enumerate(self.params):
+                lo = max(start, base + place.offset)
+                hi = min(stop, base + place.offset + place.local_numel(worker))
                 if lo < hi:
-                    chunk_start = slot.local_rows(worker)[0] * slot.row_numel
-                    runs.append((index, chunk_start + lo - base - slot.offset, lo, hi - lo))
+                    chunk_start = place.local_rows(worker)[0] * place.row_numel
+                    runs.append((index, chunk_start + lo - base - place.offset, lo, hi - lo))
         return runs
 
     def flat_runs(self, param_index: int, start: int, length: int) -> list[tuple[int, int, int]]:
         """Where elements ``[start, start + length)`` of flattened parameter
         ``param_index`` lie: ``(flat_start, param_start, length)`` runs."""
-        slot = self.params[param_index]
+        place = self.params[param_index]
         runs = []
-        chunk = slot.slot_numel
+        chunk = place.padded_numel
         stop = start + length
         for worker in range(start // chunk if chunk else 0, self.num_workers):
-            lo, hi = max(start, worker * chunk), min(stop, (worker + 1) * chunk, slot.numel)
+            lo, hi = max(start, worker * chunk), min(stop, (worker + 1) * chunk, place.numel)
             if lo >= hi:
                 break
-            runs.append((worker * self.worker_size + slot.offset + lo - worker * chunk, lo, hi - lo))
+            runs.append((worker * self.worker_size + place.offset + lo - worker * chunk, lo, hi - lo))
         return runs
 
     @staticmethod
@@ -308,21 +310,21 @@ def _place(
     names: Sequence[str],
     num_workers: int,
     align: int,
-) -> tuple[tuple[ParamSlot, ...], tuple[UnitRange, ...], int]:
-    """Each parameter's slot and each unit's range inside a worker's range, and that
-    range's size: slots one after another, each at a multiple of ``align``."""
-    params: list[ParamSlot] = []
+) -> tuple[tuple[ChunkPlace, ...], tuple[UnitRange, ...], int]:
+    """Each parameter's chunk place and each unit's range inside a worker's range, and
+    that range's size: chunk places one after another, each at a multiple of ``align``."""
+    params: list[ChunkPlace] = []
     units: list[UnitRange] = []
     offset = 0
     for unit_index, (unit_name, size) in enumerate(zip(names, sizes)):
         first, unit_start = len(params), offset
         for name, shape in shapes[first : first + size]:
             rows = shape[0] if shape else 1
-            slot = ParamSlot(
+            place = ChunkPlace(
                 name=name, shape=shape, unit=unit_index, offset=offset, rows_per_worker=-(-rows // num_workers)
             )
-            params.append(slot)
-            offset += _round_up(slot.slot_numel, align)
+            params.append(place)
+            offset += _round_up(place.padded_numel, align)
         units.append(
             UnitRange(
                 index=unit_index,
@@ -350,7 +352,7 @@ def _server_bounds(total: int, num_servers: int, align: int) -> tuple[int, ...]:
 
 
 def _cut_segments(
-    params: Sequence[ParamSlot],
+    params: Sequence[ChunkPlace],
     units: Sequence[UnitRange],
     num_workers: int,
     worker_size: int,
@@ -364,7 +366,7 @@ def _cut_segments(
     for worker in range(num_workers):
         base = worker * worker_size
         for unit in placed:
-            slots = params[unit.first_param : unit.stop_param]
+            places = params[unit.first_param : unit.stop_param]
             cuts = _cuts(base + unit.start, base + unit.stop, server_bounds, align, device_fraction)
             for server, start, stop in cuts:
                 segments.append(
@@ -376,7 +378,7 @@ def _cut_segments(
                         start=start,
                         stop=stop,
                         local_offset=start - base,
-                        fragments=tuple(_fragments(slots, unit.first_param, worker, start - base, stop - base)),
+                        fragments=tuple(_fragments(places, unit.first_param, worker, start - base, stop - base)),
                     )
                 )
     return tuple(segments)
@@ -423,11 +425,11 @@ def gather_params(layout: Layout, flat: torch.Tensor) -> dict[str, torch.Tensor]
     if flat.dim() != 1 or flat.numel() != layout.total:
         raise LayoutError(f"flat space must be 1-D with {layout.total} elements, got shape {tuple(flat.shape)}")
     out = {}
-    for index, slot in enumerate(layout.params):
-        value = torch.empty(slot.numel, dtype=flat.dtype)
-        for flat_start, param_start, length in layout.flat_runs(index, 0, slot.numel):
+    for index, place in enumerate(layout.params):
+        value = torch.empty(place.numel, dtype=flat.dtype)
+        for flat_start, param_start, length in layout.flat_runs(index, 0, place.numel):
             value[param_start : param_start + length] = flat[flat_start : flat_start + length]
-        out[slot.name] = value.view(slot.shape)
+        out[place.name] = value.view(place.shape)
     return out
 
 
@@ -451,21 +453,23 @@ def _in_layout_order(layout: Layout, tensors: Mapping[str, torch.Tensor] | Seque
         values = list(tensors)
     if len(values) != len(layout.params):
         raise LayoutError(f"{len(values)} tensors for {len(layout.params)} parameters")
-    for slot, value in zip(layout.params, values):
-        if tuple(value.shape) != slot.shape:
-            raise LayoutError(f"parameter {slot.name!r} has shape {slot.shape}, got {tuple(value.shape)}")
+    for place, value in zip(layout.params, values):
+        if tuple(value.shape) != place.shape:
+            raise LayoutError(f"parameter {place.name!r} has shape {place.shape}, got {tuple(value.shape)}")
     return values
 
 
-def _fragments(params: Sequence[ParamSlot], first_index: int, worker: int, start: int, stop: int) -> Iterable[Fragment]:
+def _fragments(
+    params: Sequence[ChunkPlace], first_index: int, worker: int, start: int, stop: int
+) -> Iterable[Fragment]:
     """Fragments of the worker-range offsets ``[start, stop)``."""
-    for index, slot in enumerate(params, start=first_index):
-        lo = max(start, slot.offset)
-        hi = min(stop, slot.offset + slot.local_numel(worker))
+    for index, place in enumerate(params, start=first_index):
+        lo = max(start, place.offset)
+        hi = min(stop, place.offset + place.local_numel(worker))
         if lo < hi:
-            chunk_start = slot.local_rows(worker)[0] * slot.row_numel
+            chunk_start = place.local_rows(worker)[0] * place.row_numel
             yield Fragment(
-                param_index=index, param_start=chunk_start + lo - slot.offset, segment_start=lo - start, length=hi - lo
+                param_index=index, param_start=chunk_start + lo - place.offset, segment_start=lo - start, length=hi - lo
             )
 
 

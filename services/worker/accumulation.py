@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cargohold.services.core.layout import ParamSlot
+from cargohold.services.core.layout import ChunkPlace
 
 
 class Accumulator:
@@ -23,26 +23,26 @@ class Accumulator:
     def __init__(self, numel: int, *, pin: bool = False) -> None:
         self.sums = torch.empty(numel, dtype=torch.float32, pin_memory=pin)
 
-    def add(self, slots: Sequence[ParamSlot], reduced: torch.Tensor, *, first: bool) -> None:
+    def add(self, places: Sequence[ChunkPlace], reduced: torch.Tensor, *, first: bool) -> None:
         """Add a unit's ``reduced`` chunks (its parameters' padded chunks back to back, as
         FSDP2's all-reduce hook hands them over); ``first`` starts the sum afresh."""
-        for part, piece in self._pieces(slots, reduced):
+        for part, piece in self._pieces(places, reduced):
             if first:
                 part.copy_(piece)
             else:
                 part.add_(piece)
 
-    def total_into(self, slots: Sequence[ParamSlot], reduced: torch.Tensor, out: torch.Tensor, base: int) -> None:
+    def total_into(self, places: Sequence[ChunkPlace], reduced: torch.Tensor, out: torch.Tensor, base: int) -> None:
         """Write the sum with the last micro-batch's ``reduced`` chunks into ``out`` (fp32;
         the unit's part of the range, which starts at ``base``), leaving the sum as it was."""
-        for (part, piece), slot in zip(self._pieces(slots, reduced), slots):
-            torch.add(part, piece, out=out[slot.offset - base : slot.offset - base + slot.slot_numel])
+        for (part, piece), place in zip(self._pieces(places, reduced), places):
+            torch.add(part, piece, out=out[place.offset - base : place.offset - base + place.padded_numel])
 
-    def _pieces(self, slots: Sequence[ParamSlot], reduced: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _pieces(self, places: Sequence[ChunkPlace], reduced: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(this parameter's part of the sum, its chunk of ``reduced`` in fp32 on the host)."""
         pieces, at = [], 0
-        for slot in slots:
-            chunk = reduced[at : at + slot.slot_numel].to(device="cpu", dtype=torch.float32)
-            pieces.append((self.sums[slot.offset : slot.offset + slot.slot_numel], chunk))
-            at += slot.slot_numel
+        for place in places:
+            chunk = reduced[at : at + place.padded_numel].to(device="cpu", dtype=torch.float32)
+            pieces.append((self.sums[place.offset : place.offset + place.padded_numel], chunk))
+            at += place.padded_numel
         return pieces

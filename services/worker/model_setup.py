@@ -125,7 +125,7 @@ def largest_collective_bytes(layout: Layout, worker: WorkerConfig) -> int:
     """A unit's all-gather output or reduce-scatter input on one worker, the largest unit's
     (every worker's chunks, in the larger of the compute and wire dtypes)."""
     itemsize = max(WIRE_DTYPES[worker.compute_dtype].itemsize, WIRE_DTYPES[worker.grad_wire_dtype].itemsize)
-    chunks = max(sum(slot.slot_numel for slot in layout.unit_params(u.index)) for u in layout.units)
+    chunks = max(sum(place.padded_numel for place in layout.unit_params(u.index)) for u in layout.units)
     return chunks * worker.num_workers * itemsize
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from cargohold.cluster.schema.optim import OptimConfig
 from cargohold.services.core.errors import ConfigError
-from cargohold.services.core.layout import Layout, ParamSlot, Segment
+from cargohold.services.core.layout import ChunkPlace, Layout, Segment
 from cargohold.services.core.optim import UpdateGroup
 
 
@@ -47,13 +47,13 @@ class ParamGroups:
 
     def members(self, group: int, layout: Layout) -> list[str]:
         """The names of a group's parameters, in layout order."""
-        return [slot.name for slot, g in zip(layout.params, self.of_param) if g == group]
+        return [place.name for place, g in zip(layout.params, self.of_param) if g == group]
 
 
-def resolve_param_groups(optim: OptimConfig, params: Sequence[ParamSlot]) -> ParamGroups:
+def resolve_param_groups(optim: OptimConfig, params: Sequence[ChunkPlace]) -> ParamGroups:
     """Each parameter's group; refuses, naming the group and the pattern or parameter, a
     pattern that matches no parameter and a parameter that two groups match."""
-    names = [slot.name for slot in params]
+    names = [place.name for place in params]
     claimed: dict[str, tuple[str, str]] = {}
     """Parameter name -> (group name, pattern) of the group that matched it."""
     for group in optim.param_groups:
@@ -74,11 +74,11 @@ def resolve_param_groups(optim: OptimConfig, params: Sequence[ParamSlot]) -> Par
     by_name = {group.name: group for group in optim.param_groups}
     pairs: list[UpdateGroup] = []
     of_param = []
-    for slot in params:
-        member = by_name[claimed[slot.name][0]] if slot.name in claimed else None
+    for place in params:
+        member = by_name[claimed[place.name][0]] if place.name in claimed else None
         decay = member.weight_decay if member is not None else None
         if decay is None:
-            decay = 0.0 if optim.no_decay == "biases_and_norms" and len(slot.shape) < 2 else optim.weight_decay
+            decay = 0.0 if optim.no_decay == "biases_and_norms" and len(place.shape) < 2 else optim.weight_decay
         pair = UpdateGroup(weight_decay=decay, lr_scale=member.lr_mult if member is not None else 1.0)
         if pair not in pairs:
             pairs.append(pair)

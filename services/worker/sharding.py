@@ -25,7 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
 from cargohold.services.core.errors import TrainingError
-from cargohold.services.core.layout import DEFAULT_ALIGN, Layout, ParamSlot, build_layout
+from cargohold.services.core.layout import DEFAULT_ALIGN, ChunkPlace, Layout, build_layout
 
 ROOT = ""
 """The root unit's name: the parameters outside every block."""
@@ -180,7 +180,7 @@ def local_tensors(model: nn.Module, layout: Layout) -> list[torch.Tensor]:
     """Each parameter's local shard (FSDP2's storage, in layout order), flattened: writing
     into them changes what the next all-gather sends."""
     params = dict(model.named_parameters())
-    return [_local(params[slot.name]).view(-1) for slot in layout.params]
+    return [_local(params[place.name]).view(-1) for place in layout.params]
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,9 +198,9 @@ class ParamCopies:
         return cls(
             tuple(
                 tuple(
-                    (index, slot.offset, slot.local_numel(worker))
-                    for index, slot in enumerate(layout.unit_params(unit.index), start=unit.first_param)
-                    if slot.local_numel(worker)
+                    (index, place.offset, place.local_numel(worker))
+                    for index, place in enumerate(layout.unit_params(unit.index), start=unit.first_param)
+                    if place.local_numel(worker)
                 )
                 for unit in layout.units
             )
@@ -222,25 +222,25 @@ def params_to_range(
     """The local shards ``sources`` (layout order) laid into a worker-range tensor ``out``
     (padding zero); only the parameters of unit ``unit`` when given (the rest of ``out``
     untouched)."""
-    slots = layout.params if unit is None else layout.unit_params(unit)
+    places = layout.params if unit is None else layout.unit_params(unit)
     first = 0 if unit is None else layout.units[unit].first_param
     if unit is None:
         out.zero_()
-    for index, slot in enumerate(slots, start=first):
-        numel = slot.local_numel(worker)
+    for index, place in enumerate(places, start=first):
+        numel = place.local_numel(worker)
         if numel:
-            out[slot.offset : slot.offset + numel].copy_(sources[index])
+            out[place.offset : place.offset + numel].copy_(sources[index])
     return out
 
 
-def padding_gaps(slots: Iterable[ParamSlot], start: int, stop: int) -> list[tuple[int, int]]:
+def padding_gaps(places: Iterable[ChunkPlace], start: int, stop: int) -> list[tuple[int, int]]:
     """Parts of a unit's range ``[start, stop)`` that no parameter's chunk covers (the
     alignment padding), relative to ``start``: what the step zeroes in a reused exchange slot."""
     gaps, at = [], start
-    for slot in slots:
-        if slot.offset > at:
-            gaps.append((at - start, slot.offset - start))
-        at = slot.offset + slot.slot_numel
+    for place in places:
+        if place.offset > at:
+            gaps.append((at - start, place.offset - start))
+        at = place.offset + place.padded_numel
     if stop > at:
         gaps.append((at - start, stop - start))
     return gaps

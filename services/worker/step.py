@@ -136,14 +136,16 @@ class ShardedStep:
         for unit in self.layout.units:
             initial = torch.zeros(unit.stop - unit.start, dtype=torch.float32)
             first = unit.first_param
-            slots = {slot.name: (index, slot) for index, slot in enumerate(self.layout.unit_params(unit.index), first)}
+            places = {
+                place.name: (index, place) for index, place in enumerate(self.layout.unit_params(unit.index), first)
+            }
             with torch.no_grad():
-                for name, value in values(slots):
+                for name, value in values(places):
                     check_representable(name, value, compute_dtype)
-                    index, slot = slots[name]
-                    lo, hi = slot.local_rows(self.rank)
-                    chunk = value.reshape(slot.rows, -1)[lo:hi].reshape(-1)
-                    at = slot.offset - unit.start
+                    index, place = places[name]
+                    lo, hi = place.local_rows(self.rank)
+                    chunk = value.reshape(place.rows, -1)[lo:hi].reshape(-1)
+                    at = place.offset - unit.start
                     initial[at : at + chunk.numel()] = chunk
                     if not self._on_disk(unit.index):
                         targets[index].copy_(chunk)
@@ -318,11 +320,12 @@ class ShardedStep:
     def _on_reduced(self, unit: int) -> Callable[[torch.Tensor], None]:
         """FSDP2's hook after the reduce-scatter of unit ``unit``: ``reduced`` holds this
         worker's padded chunk of each of the unit's parameters, back to back."""
-        slots = self.layout.unit_params(unit)
+        places = self.layout.unit_params(unit)
         base, stop = self.layout.units[unit].start, self.layout.units[unit].stop
-        spans = [(slot.offset - base, slot.slot_numel) for slot in slots]  # in the slot: read no layout per step
+        # (offset, elements) of each chunk in the exchange slot: read no layout per step
+        spans = [(place.offset - base, place.padded_numel) for place in places]
         expected = sum(numel for _, numel in spans)
-        gaps = padding_gaps(slots, base, stop)
+        gaps = padding_gaps(places, base, stop)
 
         def hook(reduced: torch.Tensor) -> None:
             if reduced.numel() != expected:
@@ -340,13 +343,13 @@ class ShardedStep:
             micro, count = self._micro
             if micro < count - 1:
                 assert self._accumulator is not None
-                self._accumulator.add(slots, reduced, first=micro == 0)
+                self._accumulator.add(places, reduced, first=micro == 0)
                 return
             slot = self.buffers.acquire()
             try:
                 if count > 1:
                     assert self._accumulator is not None
-                    self._accumulator.total_into(slots, reduced, slot.grads, base)
+                    self._accumulator.total_into(places, reduced, slot.grads, base)
                 else:
                     at = 0
                     for lo, numel in spans:

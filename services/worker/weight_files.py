@@ -1,5 +1,5 @@
 """A worker's weights on NVMe: one file per unit holding the worker's range of that unit
-(its chunks' slots, padding included) in the compute dtype, under
+(its chunks at their chunk places, padding included) in the compute dtype, under
 ``<worker.weights_nvme_path>/<run_id>/worker-<rank>/``.
 
 The files are a cache of what the state servers hold, not state of their own: they are
