@@ -115,7 +115,7 @@ class TrainingSession:
         """How many times the workers were started (a live recovery starts them again)."""
         self._placement: PlacementGroup | None = None
         self._owns_ray = False
-        self._collective_calls: list = []
+        self.collective_calls: list = []
         """The workers' calls of the last step, evaluation or settle, until every one ended."""
         self._auth_token = resolve_auth_token(config.security.auth_token_env)
 
@@ -206,16 +206,20 @@ class TrainingSession:
         assert self._placement is not None, "the placement group is reserved first"
         return PlacementGroupSchedulingStrategy(placement_group=self._placement, placement_group_bundle_index=index)
 
-    def new_workers(self) -> list:
-        """A worker actor per rank, each on its bundle of the placement group (a lost
-        worker's replacement takes its bundle again; Ray places a bundle whose node went
-        away elsewhere when it can)."""
+    def new_workers(self, kept: dict[int, Any] | None = None) -> list:
+        """A worker actor per rank, each on its bundle of the placement group, but for the
+        ranks of ``kept`` (workers that outlived a lost peer, out of their process group: a
+        live recovery). A lost worker's replacement takes its bundle again; Ray places a
+        bundle whose node went away elsewhere when it can."""
         cfg = self.config
         self._worker_generation += 1
         suffix = "" if self._worker_generation == 1 else f"-{self._worker_generation}"
         worker_cls = ray.remote(TrainingWorker)
+        kept = kept or {}
         return [
-            worker_cls.options(
+            kept[rank]
+            if rank in kept
+            else worker_cls.options(
                 num_cpus=cfg.worker.cpus,
                 num_gpus=cfg.worker.gpus,
                 resources=dict(cfg.worker.resources),
@@ -415,32 +419,23 @@ class TrainingSession:
         """``call`` on every worker (calls that meet in collectives); their results.
         Remembered until all end, so that :meth:`close` can tell a worker still blocked
         in a collective with a peer whose call failed."""
-        self._collective_calls = [call(w) for w in self.workers]
-        results = get_all(self._collective_calls, None, what)
-        self._collective_calls = []
+        self.collective_calls = [call(w) for w in self.workers]
+        results = get_all(self.collective_calls, None, what)
+        self.collective_calls = []
         return results
 
-    def stop_workers(self) -> None:
-        """Kill every worker at once (a live recovery: their process group cannot lose a
-        member and go on), forgetting their calls; returns once Ray fails calls to each,
-        then removes the weight files they could not."""
-        for worker in self.workers:
-            ray.kill(worker, no_restart=True)
-        probes = [w.__ray_call__.remote(lambda actor: None) for w in self.workers]
-        for probe in probes:
-            try:
-                ray.get(probe, timeout=self.config.cluster.startup_timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                pass  # dead, as asked
-        self.workers, self._collective_calls = [], []
+    def sweep_worker_folders(self) -> None:
+        """Forget the workers' calls and remove the weight folders of workers that were
+        killed (a live recovery), which they could not."""
+        self.collective_calls = []
         if self._placement is not None:
             sweep_tier_folders(self.config, self.run_id, self._placement, len(self.servers), servers_too=False)
 
-    def _blocked_workers(self) -> set[int]:
+    def blocked_workers(self) -> set[int]:
         """Ranks whose last collective call is still running ``BLOCKED_GRACE_S`` after
         another one failed: it waits in a collective for a peer that left it, and would
         until gloo's or NCCL's own timeout (half an hour)."""
-        calls = self._collective_calls
+        calls = self.collective_calls
         if not calls:
             return set()
         ended, _ = ray.wait(calls, num_returns=len(calls), timeout=BLOCKED_GRACE_S)
@@ -464,8 +459,8 @@ class TrainingSession:
         """Stop actors and release the placement group; shut Ray down if we started it.
         A worker still blocked in a collective after a failed step is killed at once (its
         shutdown would wait behind the step); the sweep removes what it leaves."""
-        blocked = self._blocked_workers()
-        self._collective_calls = []
+        blocked = self.blocked_workers()
+        self.collective_calls = []
         for rank in sorted(blocked):
             logger.warning("worker %d is blocked in a collective with a failed peer: stopping it", rank)
             ray.kill(self.workers[rank])

@@ -8,19 +8,26 @@ completed step is computed again.
    longer hold), device segments (``worker.optimizer_on_device_fraction``: their state
    died with the worker). A dead state server, or a standing no live state settles, is
    refused too. Each refusal recovers from the newest checkpoint instead, as before.
-2. **Every worker is stopped**, the survivors too: a torch process group cannot lose a
-   member and go on, so all of them are started again (in the same placement bundles).
+2. **The process group ends**: a torch process group cannot lose a member and go on.
+   The workers that outlived the loss (not dead, not leaving on a preemption notice, not
+   blocked in a collective with the lost one) leave it and stay: their processes, torch
+   imported and data opened, join the next group. The others are killed, and only they
+   are started again, in the same placement bundles.
 3. **The servers settle the step in flight**: once the lost worker's calls have ended,
    each reports where its segments stand and an update some segments committed and
    others not is finished with the terms it was committed with
    (:mod:`~cargohold.services.core.settlement`).
-4. **New workers join at the settled update** and fetch the servers' weights; the run
-   goes on from the step after the one that reached that update.
+4. **The next group joins at the settled update**: every worker builds its sharded model
+   again and fetches the servers' weights; the run goes on from the step after the one
+   that reached that update.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
+
+import ray
 
 from cargohold.cluster.actor_calls import get_all
 from cargohold.cluster.launcher import TrainingSession
@@ -50,9 +57,27 @@ def replace_workers(session: TrainingSession) -> int:
     if reason := live_refusal(config):
         raise UnsettledError(reason)
     timeout = config.cluster.startup_timeout_s
-    servers, run_id = session.servers, session.run_id
-    get_all([s.address.remote() for s in servers], timeout, "checking that every state server is alive")
-    session.stop_workers()
+    get_all([s.address.remote() for s in session.servers], timeout, "checking that every state server is alive")
+    kept = end_worker_group(session, surviving_workers(session))
+    try:
+        update, step = _settle_servers(session)
+    except BaseException:  # the run restarts from a checkpoint: the kept workers go too
+        for worker in kept.values():
+            ray.kill(worker, no_restart=True)
+        raise
+    session.workers = session.new_workers(kept)
+    session.leaving = []
+    session.join_workers(update, load=True)
+    session.announce_metrics()
+    session.step_count = step
+    return step
+
+
+def _settle_servers(session: TrainingSession) -> tuple[int, int]:
+    """Once the lost workers' calls have ended, bring every segment to one update (the
+    settled update) and return it with the step the run goes on after."""
+    config, servers, run_id = session.config, session.servers, session.run_id
+    timeout = config.cluster.startup_timeout_s
     calls_s = config.state_server.rpc_timeout_s
     if not all(get_all([s.quiet.remote(calls_s) for s in servers], timeout + calls_s, "waiting for calls to end")):
         raise UnsettledError(f"a state server still had calls of the lost workers in flight after {calls_s}s")
@@ -74,8 +99,60 @@ def replace_workers(session: TrainingSession) -> int:
         session.updates_after[step] = settlement.update
     for later in [s for s in session.updates_after if s > step]:
         del session.updates_after[later]
-    session.workers = session.new_workers()
-    session.join_workers(settlement.update, load=True)
-    session.announce_metrics()
-    session.step_count = step
-    return step
+    return settlement.update, step
+
+
+def surviving_workers(session: TrainingSession) -> set[int]:
+    """The ranks whose workers can join the next process group: not leaving (a preemption
+    notice), and where a step failed, not dead and not blocked in a collective."""
+    calls, blocked = session.collective_calls, session.blocked_workers()
+    alive = set()
+    for rank in range(len(session.workers)):
+        if rank in session.leaving or rank in blocked:
+            continue
+        if not (calls and _died(calls[rank])):
+            alive.add(rank)
+    return alive
+
+
+def _died(call: ray.ObjectRef) -> bool:
+    """Whether the worker of a call that ended died (a step that failed as a peer left its
+    collectives leaves its worker alive)."""
+    try:
+        ray.get(call, timeout=0)
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception:
+        return False
+    return False
+
+
+def end_worker_group(session: TrainingSession, keep: set[int]) -> dict[int, Any]:
+    """End the workers' process group: the ranks of ``keep`` leave it and are returned by
+    rank (one that cannot within the start-up timeout is killed too), the others are
+    killed at once. Returns once Ray fails calls to the killed ones, after removing the
+    weight folders they could not."""
+    timeout = session.config.cluster.startup_timeout_s
+    workers = session.workers
+    leaves = {rank: w.leave_group.remote() for rank, w in enumerate(workers) if rank in keep}
+    killed = [w for rank, w in enumerate(workers) if rank not in keep]
+    for worker in killed:
+        ray.kill(worker, no_restart=True)
+    kept = {}
+    for rank, left in leaves.items():
+        try:
+            ray.get(left, timeout=timeout)
+            kept[rank] = workers[rank]
+        except Exception as error:  # dead after all, or stuck: replaced as the others are
+            logger.warning("worker %d could not leave its process group (%s); replacing it", rank, error)
+            ray.kill(workers[rank], no_restart=True)
+            killed.append(workers[rank])
+    for probe in [w.__ray_call__.remote(lambda actor: None) for w in killed]:
+        try:
+            ray.get(probe, timeout=timeout)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass  # dead, as asked
+    session.workers = []
+    session.sweep_worker_folders()
+    logger.info("run %s: workers %s kept, %d replaced", session.run_id, sorted(kept), len(killed))
+    return kept

@@ -72,21 +72,25 @@ def test_workers_killed_before_and_during_steps_are_replaced_live_and_the_run_en
     """Three losses in one run, each replaced live from the servers: worker 1 just before
     step 3; worker 0 0.2 of a step's time into step 5 (forward and backward); worker 1 0.7
     into step 7 (the pushes and the commit: the step in flight is settled on the servers,
-    finished where some segments committed it). The placement group and the servers are
-    kept, no step is computed again, and the run ends bitwise where the uninterrupted run
-    ends."""
+    finished where some segments committed it). The placement group, the servers and the
+    surviving worker's process are kept (only the lost worker's process starts again), no
+    step is computed again, and the run ends bitwise where the uninterrupted run ends."""
     starts = []
     original_start, original_step = TrainingSession._start, TrainingSession.step
     timers: list[threading.Timer] = []
     began: list[float] = []
     done: set[int] = set()
 
+    processes: list[tuple[int, list[int]]] = []  # steps done and each worker's pid as each step (attempt) began
+
     def step_with_losses(session: TrainingSession):
         began.append(time.monotonic())
+        pids = [ray.get(w.__ray_call__.remote(lambda actor: os.getpid())) for w in session.workers]
+        processes.append((session.step_count, pids))
         if (count := session.step_count) in LOSSES and count not in done:
             done.add(count)
             rank, fraction = LOSSES[count]  # the pid now: an actor in a step answers no call
-            pid = ray.get(session.workers[rank].__ray_call__.remote(lambda actor: os.getpid()))
+            pid = pids[rank]
             if fraction == 0.0:
                 os.kill(pid, signal.SIGKILL)
             else:
@@ -105,6 +109,10 @@ def test_workers_killed_before_and_during_steps_are_replaced_live_and_the_run_en
     took = f"{time.monotonic() - started:.1f}s"
     assert result.restarts == len(LOSSES) and result.live_recoveries == len(LOSSES), took
     assert len(starts) == 1, "the placement group and the state servers were kept"
+    for count, (rank, _) in LOSSES.items():  # the next attempt runs on the survivor's process and a new one
+        attempt = next(i for i, (done_steps, _) in enumerate(processes) if done_steps == count)
+        before, after = processes[attempt][1], processes[attempt + 1][1]
+        assert after[rank] != before[rank] and after[1 - rank] == before[1 - rank], f"{count}: {before} -> {after}"
     assert result.steps_recomputed == 0
     assert len(result.losses) == STEPS
     assert result.losses[:4] == losses[:4], "a loss before a step changes no loss"
@@ -164,16 +172,20 @@ def test_a_worker_given_a_preemption_notice_finishes_its_step_and_is_replaced_wi
     uninterrupted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SIGTERM (a spot reclaim's notice) reaches worker 1 in the middle of step 5: it
-    finishes the step and reports that it is leaving; the launcher replaces the workers
-    after step 5 from the servers' live state, counting no failure and recomputing
-    nothing, and the run ends bitwise where the uninterrupted run ends."""
+    finishes the step and reports that it is leaving; the launcher replaces it after step
+    5 (worker 0's process joins the next group with its replacement) from the servers'
+    live state, counting no failure and recomputing nothing, and the run ends bitwise
+    where the uninterrupted run ends."""
 
     starts = []
     original_start, original_step = TrainingSession._start, TrainingSession.step
     monkeypatch.setattr(TrainingSession, "_start", lambda session: (starts.append(1), original_start(session)))
     noticed: list[list[int]] = []  # the ranks leaving after each step
 
+    processes: list[list[int]] = []  # each worker's pid as each step began
+
     def step_with_notice(session: TrainingSession):
+        processes.append([ray.get(w.__ray_call__.remote(lambda actor: os.getpid())) for w in session.workers])
         if session.step_count == 4 and len(noticed) == 4:
             notice_in_the_next_forward(session.workers[1])
         report = original_step(session)
@@ -184,6 +196,7 @@ def test_a_worker_given_a_preemption_notice_finishes_its_step_and_is_replaced_wi
     result = train(_config(tmp_path, checkpoint__max_failures=0))  # a planned loss is no failure
     state, losses = uninterrupted
     assert noticed[4] == [1] and not any(noticed[5:]), "worker 1 reported leaving with step 5, and only then"
+    assert processes[5][0] == processes[4][0] and processes[5][1] != processes[4][1], "only worker 1 was replaced"
     assert result.preemptions == 1 and result.restarts == 0 and result.steps_recomputed == 0
     assert len(starts) == 1, "the placement group and the state servers were kept"
     assert result.losses == losses

@@ -229,6 +229,16 @@ class TrainingWorker(SegmentHolder):
     def shutdown(self) -> None:
         """Stop after the work in flight; a delayed update's fetches get ``SHUTDOWN_WAIT_S``
         (a dead server can block them for good)."""
+        self.leave_group()
+        self.registry.close()
+        self.metrics.stop()
+
+    def leave_group(self) -> None:
+        """Close everything :meth:`init_process_group` made (the step, the connections to
+        the servers, the exchange buffers, the weight files, the process group) after the
+        work in flight, keeping the process, its data and its metrics endpoint: a worker
+        that outlived a lost peer joins the next group with the peer's replacement (a live
+        recovery) without starting a process again."""
         if self.step is not None:
             try:
                 self.step.settle(timeout=SHUTDOWN_WAIT_S)
@@ -237,10 +247,10 @@ class TrainingWorker(SegmentHolder):
             self.step.close()
             self.step.port.close()
             self.step.buffers.close()
-        self.registry.close()
-        self.metrics.stop()
+            self.step = None
         if self._collectives is not None:
             self._collectives.close()
+            self._collectives = None
         if dist.is_initialized():
             dist.destroy_process_group()
         self._store = None
