@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,7 +174,7 @@ class TrainingSession:
         ]
         # The workers start (a process each, torch imported, the data opened) while the
         # servers do: they need the servers' addresses only to form their process group.
-        self.workers = self.new_workers()
+        self.workers = list(self.new_workers().values())
         self.server_addresses = get_all([s.address.remote() for s in self.servers], timeout, "starting state servers")
         self._server_nodes = get_all([s.node_id.remote() for s in self.servers], timeout, "starting state servers")
 
@@ -206,20 +206,17 @@ class TrainingSession:
         assert self._placement is not None, "the placement group is reserved first"
         return PlacementGroupSchedulingStrategy(placement_group=self._placement, placement_group_bundle_index=index)
 
-    def new_workers(self, kept: dict[int, Any] | None = None) -> list:
-        """A worker actor per rank, each on its bundle of the placement group, but for the
-        ranks of ``kept`` (workers that outlived a lost peer, out of their process group: a
-        live recovery). A lost worker's replacement takes its bundle again; Ray places a
-        bundle whose node went away elsewhere when it can."""
+    def new_workers(self, ranks: Iterable[int] | None = None) -> dict[int, Any]:
+        """A worker actor for each of ``ranks`` (None: every rank), by rank, each on its
+        rank's bundle of the placement group: a lost worker's replacement takes its bundle
+        again (Ray places a bundle whose node went away elsewhere when it can). Their
+        processes start in the background; the first call to one waits for it."""
         cfg = self.config
         self._worker_generation += 1
         suffix = "" if self._worker_generation == 1 else f"-{self._worker_generation}"
         worker_cls = ray.remote(TrainingWorker)
-        kept = kept or {}
-        return [
-            kept[rank]
-            if rank in kept
-            else worker_cls.options(
+        return {
+            rank: worker_cls.options(
                 num_cpus=cfg.worker.cpus,
                 num_gpus=cfg.worker.gpus,
                 resources=dict(cfg.worker.resources),
@@ -227,8 +224,8 @@ class TrainingSession:
                 name=f"{self.run_id}-worker-{rank}{suffix}",
                 runtime_env={"env_vars": worker_env(worker_allocator(cfg.worker, cfg.cluster))},
             ).remote(cfg, rank=rank, run_id=self.run_id, auth_token=self._auth_token, task=self.task)
-            for rank in range(cfg.worker.num_workers)
-        ]
+            for rank in (range(cfg.worker.num_workers) if ranks is None else ranks)
+        }
 
     def join_workers(self, update: int, *, load: bool, loss_scale: LossScaleState | None = None) -> None:
         """Form the workers' process group, connect them to the servers and register their

@@ -12,7 +12,8 @@ completed step is computed again.
    The workers that outlived the loss (not dead, not leaving on a preemption notice, not
    blocked in a collective with the lost one) leave it and stay: their processes, torch
    imported and data opened, join the next group. The others are killed, and only they
-   are started again, in the same placement bundles.
+   are started again, in the same placement bundles; a dead or leaving worker's
+   replacement starts at once, its process coming up while the rest is settled.
 3. **The servers settle the step in flight**: once the lost worker's calls have ended,
    each reports where its segments stand and an update some segments committed and
    others not is finished with the terms it was committed with
@@ -58,14 +59,18 @@ def replace_workers(session: TrainingSession) -> int:
         raise UnsettledError(reason)
     timeout = config.cluster.startup_timeout_s
     get_all([s.address.remote() for s in session.servers], timeout, "checking that every state server is alive")
-    kept = end_worker_group(session, surviving_workers(session))
+    lost = {rank for rank, call in enumerate(session.collective_calls) if _died(call)} | set(session.leaving)
+    started = session.new_workers(lost)  # their processes start while the rest is settled
+    kept: dict[int, Any] = {}
     try:
+        kept = end_worker_group(session, surviving_workers(session))
+        started |= session.new_workers(set(range(config.worker.num_workers)) - kept.keys() - started.keys())
         update, step = _settle_servers(session)
-    except BaseException:  # the run restarts from a checkpoint: the kept workers go too
-        for worker in kept.values():
+    except BaseException:  # the run restarts from a checkpoint: every worker goes
+        for worker in [*kept.values(), *started.values()]:
             ray.kill(worker, no_restart=True)
         raise
-    session.workers = session.new_workers(kept)
+    session.workers = [{**kept, **started}[rank] for rank in range(config.worker.num_workers)]
     session.leaving = []
     session.join_workers(update, load=True)
     session.announce_metrics()
@@ -116,8 +121,10 @@ def surviving_workers(session: TrainingSession) -> set[int]:
 
 
 def _died(call: ray.ObjectRef) -> bool:
-    """Whether the worker of a call that ended died (a step that failed as a peer left its
-    collectives leaves its worker alive)."""
+    """Whether the worker of a call that has ended died (a step that failed as a peer left
+    its collectives leaves its worker alive); False for a call still running."""
+    if not ray.wait([call], timeout=0)[0]:
+        return False
     try:
         ray.get(call, timeout=0)
     except ray.exceptions.RayActorError:
