@@ -436,6 +436,16 @@ def _fsdp_rank(rank: int, world: int, port: int, config: TrainConfig, steps: int
         dist.destroy_process_group()
 
 
+PARAM_GROUPS = [
+    {"name": "embeddings", "params": ["wte.*", "wpe.*"], "lr_mult": 0.5},
+    {"name": "head", "params": ["lm_head.weight"], "lr_mult": 2.0, "weight_decay": 0.3},
+    {"name": "last-block-norms", "params": ["blocks.1.ln_*"], "lr_mult": 0.25},
+]
+"""Groups over :func:`tiny_config`'s GPT's parameters (``optim.param_groups``): a group
+decaying per the rule, one with its own decay, one of norms (so no decay) at a quarter of
+the lr."""
+
+
 def tiny_config(**overrides) -> TrainConfig:
     """A model small enough that a 20-step run takes seconds on 2 cores."""
     data = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import fsdp_reference_train, reference_train, tiny_config
+from reference import PARAM_GROUPS, fsdp_reference_train, reference_train, tiny_config
 
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.cluster.sections import config_layout, config_task
@@ -59,14 +59,6 @@ def _run(config):
     return layout, [r.loss for r in reports], weights, server
 
 
-PARAM_GROUPS = [
-    {"name": "embeddings", "params": ["wte.*", "wpe.*"], "lr_mult": 0.5},
-    {"name": "head", "params": ["lm_head.weight"], "lr_mult": 2.0, "weight_decay": 0.3},
-    {"name": "last-block-norms", "params": ["blocks.1.ln_*"], "lr_mult": 0.25},
-]
-"""Groups over the tiny GPT's parameters: a group decaying per the rule, one with its own
-decay, one of norms (so no decay) at a quarter of the lr."""
-
 CASES = {
     # Workers and servers share the node, so payloads go through shared memory unless
     # tuning.worker.shared_memory is off (then they take tuning.state_server.data_plane, as across
@@ -110,9 +102,27 @@ CASES = {
 }
 
 
-SLOW_CASES = {"2-servers-fp32-delayed-update", "2-servers-bf16"}
-"""Covered in the default run by the delayed update after 5 steps (2 servers, clipping) and
-by bf16 with parameter offload (2 servers, shared memory, staged)."""
+SLOW_CASES = {
+    "2-servers-fp32-delayed-update",
+    "2-servers-bf16",
+    "1-server-fp32-every-block-regathered",
+    "1-server-fp32-delayed-update-no-clip",
+    "1-server-bf16-no-reshard-checkpointed",
+    "2-servers-bf16-offload-params",
+    "2-servers-param-groups",
+}
+"""Each covered in the default run by:
+
+- 2-servers-fp32-delayed-update: the delayed update after 5 steps here (2 servers, clipping).
+- 2-servers-bf16: 2-servers-bf16-grpc here, and tests/test_device_fraction.py's
+  half-on-device-2-servers-bf16-param-groups (2 servers, shared memory, staged).
+- The worker-side options, which act the same whatever carries the update, by
+  tests/test_step.py's strategies of the same overrides (FSDP2 over gloo, the servers'
+  registry and update in-process; losses, masters, moments and weights bitwise, at 1 and
+  2 workers): every-block-regathered, delayed-no-clip, bf16-no-reshard-checkpointed,
+  2-servers-bf16-offload-params, 2-servers-param-groups.
+- Param groups through Ray and gRPC too: 2-servers-nvme-param-groups here and
+  tests/test_device_fraction.py's half-on-device-2-servers-bf16-param-groups."""
 
 
 @pytest.mark.parametrize(
@@ -154,7 +164,8 @@ FSDP_CASES = {
     ],
     ids=FSDP_CASES.keys(),
 )  # slow: 3-workers-bf16 and its param-groups variant (three workers: the gloo case; param groups: the
-# 2-servers-param-groups AdamW case), fp32 (bf16 and the fp32 AdamW cases cover it)
+# 2-servers-nvme-param-groups AdamW case and tests/test_step.py's 2-servers-param-groups), fp32 (bf16 and
+# the fp32 AdamW cases cover it)
 def test_matches_fsdp2_with_torch_adamw_bitwise(ray_local, overrides: dict) -> None:
     """The reference a user would compare against: the same model under FSDP2 with
     torch.optim.AdamW(fused=True) on its sharded parameters, at the same world size."""
