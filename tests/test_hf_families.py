@@ -1,11 +1,20 @@
 """Decoder-only transformers families train bitwise against the reference (issue 14).
 
 Each family's tiny config is written to a temporary folder (nothing is downloaded) and
-trained for a few steps through real Ray actors (2 FSDP2 workers, 1 state server); the
-losses and the state servers' fp32 masters must equal single-process
-torch.optim.AdamW(fused=True)'s bitwise (tests/reference.py). Llama and GPT-2 have their
-own tests in tests/test_hf_models.py. Each family picks a shape the others do not cover;
-the ``slow`` ones (``pytest -m slow tests/test_hf_families.py``) add little beyond them.
+trained for a few steps on 2 FSDP2 workers; the losses and the fp32 masters must equal
+single-process torch.optim.AdamW(fused=True)'s bitwise (tests/reference.py). Llama and
+GPT-2 have their own tests in tests/test_hf_models.py. Each family picks a shape the
+others do not cover.
+
+- The default run trains every family (FAMILIES and SLOW_FAMILIES) through the real
+  worker step without Ray (test_families_train_bitwise_without_ray: one spawn of 2 ranks
+  over gloo, the state servers' registry and update in-process, as tests/test_step.py;
+  the moments and the workers' weights compared too), and one family, Mixtral (experts as
+  3-D parameters), through real Ray actors and a state server
+  (test_family_trains_bitwise).
+- The ``slow`` run (``pytest -m slow tests/test_hf_families.py``) trains the other
+  families through Ray too.
+
 docs/models.md lists the results and the families that do not fit, and why.
 """
 
@@ -20,9 +29,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from reference import reference_train, tiny_config  # noqa: E402
+from step_runs import assert_matches_reference, gloo_group, run_ranks, train_in_process  # noqa: E402
 
-from cargohold.cluster.export import master_weights  # noqa: E402
-from cargohold.cluster.launcher import TrainingSession  # noqa: E402
 from cargohold.cluster.sections import config_layout, model_spec  # noqa: E402
 from cargohold.services.core.errors import ConfigError  # noqa: E402
 from cargohold.services.models.build import buffer_values, build_model, parameter_values  # noqa: E402
@@ -74,15 +82,42 @@ PARAMS = [
     *(pytest.param(name, make, id=name) for name, make in FAMILIES.items()),
     *(pytest.param(name, make, id=name, marks=pytest.mark.slow) for name, make in SLOW_FAMILIES.items()),
 ]
+RAY_DEFAULT = {"mixtral"}
+"""The family trained through Ray in the default run (the others: in the slow run; every
+family in process in the default run)."""
+ALL_FAMILIES = {**FAMILIES, **SLOW_FAMILIES}
+
+
+def _family_config(config_path: Path, family: str, world: int = 2):
+    extra = {"data__block_size": 32} if family in NO_CONTEXT else {}
+    return tiny_config(hf__config_path=str(config_path), steps=STEPS, worker__num_workers=world, **extra)
+
+
+def _train_families(rank: int, world: int, port: int, folder: str) -> None:
+    """One rank of each family in turn, in one process group; each family's config in
+    ``<folder>/configs/<family>``."""
+    with gloo_group(rank, world, port):
+        for family in ALL_FAMILIES:
+            config = _family_config(Path(folder) / "configs" / family, family, world)
+            train_in_process(rank, config, Path(folder) / family)
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("family", "make"), PARAMS)
+@pytest.mark.parametrize(
+    ("family", "make"),
+    [
+        pytest.param(name, make, id=name, marks=() if name in RAY_DEFAULT else pytest.mark.slow)
+        for name, make in ALL_FAMILIES.items()
+    ],
+)
 def test_family_trains_bitwise(ray_local, tmp_path: Path, family: str, make: Callable[[], object]) -> None:
+    # Here, not at the top: the in-process twin's spawned ranks import this module, without Ray.
+    from cargohold.cluster.export import master_weights
+    from cargohold.cluster.launcher import TrainingSession
+
     make().save_pretrained(tmp_path)
-    extra = {"data__block_size": 32} if family in NO_CONTEXT else {}
-    config = tiny_config(hf__config_path=str(tmp_path), steps=STEPS, **extra)
+    config = _family_config(tmp_path, family)
     assert build_model(model_spec(config), config.data).hf.config.model_type == family
     _, _, layout = config_layout(config)
     with TrainingSession(config) as session:
@@ -93,6 +128,24 @@ def test_family_trains_bitwise(ray_local, tmp_path: Path, family: str, make: Cal
     expected = reference.flat(layout)
     assert torch.equal(masters, expected), f"masters differ by {(masters - expected).abs().max():.3e}"
     assert losses[-1] < losses[0], losses
+
+
+def test_families_train_bitwise_without_ray(tmp_path: Path) -> None:
+    """Every family through the worker step (FSDP2 over gloo, the registry in-process) at
+    2 workers: losses, masters, moments and weights equal the reference's; the loss falls.
+    (After the Ray test: a module whose first test asks for no Ray stops the one an earlier
+    module left running, tests/conftest.py.)"""
+    for family, make in ALL_FAMILIES.items():
+        make().save_pretrained(tmp_path / "configs" / family)
+    results = run_ranks(_train_families, 2, str(tmp_path), ALL_FAMILIES)
+    for family, ranks in results.items():
+        config = _family_config(tmp_path / "configs" / family, family)
+        with torch.device("meta"):
+            assert build_model(model_spec(config), config.data).hf.config.model_type == family
+        _, _, layout = config_layout(config)
+        assert_matches_reference(family, ranks, layout, reference_train(config, config.steps))
+        losses = ranks[0]["losses"]
+        assert losses[-1] < losses[0], (family, losses)
 
 
 @pytest.mark.parametrize(
