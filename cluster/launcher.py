@@ -50,6 +50,10 @@ from cargohold.services.worker.weight_files import check_weights_root
 
 logger = logging.getLogger(__name__)
 
+BLOCKED_GRACE_S = 1.0
+"""At teardown after a failed step: how long a worker's step may still take to end on its
+own before it counts as blocked in a collective."""
+
 Holder = tuple[Any, tuple[Segment, ...]]
 """An actor holding segments' state (a state server, or a worker with device segments)
 and those segments."""
@@ -238,7 +242,11 @@ class TrainingSession:
             timeout,
             "forming the worker process group",
         )
-        steps = set(get_all([w.register_segments.remote() for w in self.workers], timeout, "registering segments"))
+        if load:  # the servers hold the segments: the workers only check them and read their update
+            joins = [w.join_segments.remote() for w in self.workers]
+            steps = set(get_all(joins, timeout, "joining the segments the servers hold"))
+        else:
+            steps = set(get_all([w.register_segments.remote() for w in self.workers], timeout, "registering segments"))
         if steps != {update}:
             raise TrainingError(f"workers' segments are at updates {sorted(steps)}, expected {update}")
         if load:
@@ -428,14 +436,14 @@ class TrainingSession:
         if self._placement is not None:
             sweep_tier_folders(self.config, self.run_id, self._placement, len(self.servers), servers_too=False)
 
-    def blocked_workers(self) -> set[int]:
-        """Ranks whose last collective call is still running ``BLOCKED_GRACE_S`` after
-        another one failed: it waits in a collective for a peer that left it, and would
-        until gloo's or NCCL's own timeout (half an hour)."""
+    def blocked_workers(self, grace_s: float = BLOCKED_GRACE_S) -> set[int]:
+        """Ranks whose last collective call is still running ``grace_s`` after another one
+        failed: it waits in a collective for a peer that left it, and would until gloo's or
+        NCCL's own timeout (half an hour)."""
         calls = self.collective_calls
         if not calls:
             return set()
-        ended, _ = ray.wait(calls, num_returns=len(calls), timeout=BLOCKED_GRACE_S)
+        ended, _ = ray.wait(calls, num_returns=len(calls), timeout=grace_s)
         return {rank for rank, ref in enumerate(calls) if ref not in ended}
 
     def metrics_targets(self) -> list[Target]:
@@ -485,8 +493,3 @@ def _discard(store: CheckpointDir, step: int) -> None:
         store.abort(step)
     except CheckpointError as error:
         logger.warning("%s", error)
-
-
-BLOCKED_GRACE_S = 1.0
-"""At teardown after a failed step: how long a worker's step may still take to end on its
-own before it counts as blocked in a collective."""

@@ -38,6 +38,12 @@ from cargohold.services.core.settlement import settle
 
 logger = logging.getLogger(__name__)
 
+SURVIVOR_GRACE_S = 5.0
+"""How long a worker whose step is still running after a peer was lost may take to end it
+(gloo fails a collective with a dead peer within about a second on an idle machine; NCCL
+waits) before it counts as blocked and is replaced too. The lost workers' replacements
+start meanwhile, and take longer than this to come up."""
+
 
 def live_refusal(config: TrainConfig) -> str | None:
     """Why a run with ``config`` cannot recover a lost worker live (None: it can)."""
@@ -110,7 +116,7 @@ def _settle_servers(session: TrainingSession) -> tuple[int, int]:
 def surviving_workers(session: TrainingSession) -> set[int]:
     """The ranks whose workers can join the next process group: not leaving (a preemption
     notice), and where a step failed, not dead and not blocked in a collective."""
-    calls, blocked = session.collective_calls, session.blocked_workers()
+    calls, blocked = session.collective_calls, session.blocked_workers(SURVIVOR_GRACE_S)
     alive = set()
     for rank in range(len(session.workers)):
         if rank in session.leaving or rank in blocked:

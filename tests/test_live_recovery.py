@@ -61,6 +61,15 @@ def _assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
         assert torch.equal(got[key], expected[key]), f"{key} differs"
 
 
+def _pid(worker) -> int | None:
+    """The worker's process id; None where it is dead (a kill timed for a step's end can land
+    after the step, before the next begins)."""
+    try:
+        return ray.get(worker.__ray_call__.remote(lambda actor: os.getpid()))
+    except ray.exceptions.RayActorError:
+        return None
+
+
 LOSSES = {2: (1, 0.0), 4: (0, 0.2), 6: (1, 0.7)}
 """Steps done before each loss -> (the worker's rank, the fraction of the step before's
 time into the next step at which it is SIGKILLed; 0: just before that step starts)."""
@@ -85,12 +94,13 @@ def test_workers_killed_before_and_during_steps_are_replaced_live_and_the_run_en
 
     def step_with_losses(session: TrainingSession):
         began.append(time.monotonic())
-        pids = [ray.get(w.__ray_call__.remote(lambda actor: os.getpid())) for w in session.workers]
+        pids = [_pid(w) for w in session.workers]
         processes.append((session.step_count, pids))
         if (count := session.step_count) in LOSSES and count not in done:
             done.add(count)
             rank, fraction = LOSSES[count]  # the pid now: an actor in a step answers no call
             pid = pids[rank]
+            assert pid is not None, f"worker {rank} died before its planned loss"
             if fraction == 0.0:
                 os.kill(pid, signal.SIGKILL)
             else:
@@ -185,7 +195,7 @@ def test_a_worker_given_a_preemption_notice_finishes_its_step_and_is_replaced_wi
     processes: list[list[int]] = []  # each worker's pid as each step began
 
     def step_with_notice(session: TrainingSession):
-        processes.append([ray.get(w.__ray_call__.remote(lambda actor: os.getpid())) for w in session.workers])
+        processes.append([_pid(w) for w in session.workers])
         if session.step_count == 4 and len(noticed) == 4:
             notice_in_the_next_forward(session.workers[1])
         report = original_step(session)

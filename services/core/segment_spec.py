@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cargohold.services.core.errors import InvalidTensorError
+from cargohold.services.core.errors import InvalidTensorError, SegmentConflictError
 from cargohold.services.core.optim import AdamWHyperParams, FragmentGroup, UpdateGroup, fragment_groups
 from cargohold.services.core.state_precision import STATE_DTYPES, StateDtype
 from cargohold.services.core.wire import WIRE_DTYPES
@@ -66,6 +66,14 @@ class SegmentSpec:
     def fragment_groups(self) -> tuple[FragmentGroup, ...]:
         """The fragments as the update's kernel calls, one per param group."""
         return fragment_groups(self.fragments, self.hyper, self.groups, self.fragment_group)
+
+
+def check_same_spec(held: SegmentSpec, asked: SegmentSpec) -> None:
+    """Refuse a segment registered (or joined) again with another specification."""
+    if held != asked:
+        raise SegmentConflictError(
+            f"segment {asked.segment_id} of run {asked.run_id!r} is already registered with a different specification"
+        )
 
 
 @dataclass(frozen=True, slots=True)

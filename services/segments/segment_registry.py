@@ -9,7 +9,7 @@ import threading
 import torch
 
 from cargohold.services.core.errors import SegmentConflictError, UnknownSegmentError
-from cargohold.services.core.segment_spec import SegmentSpec
+from cargohold.services.core.segment_spec import SegmentSpec, check_same_spec
 from cargohold.services.segments.segment_state import SegmentState
 from cargohold.services.segments.weight_buffers import WeightBuffers
 from cargohold.services.tiers.residency import Residency
@@ -37,11 +37,7 @@ class SegmentRegistry:
             with self._lock:
                 existing = self._segments.get(key)
             if existing is not None:
-                if existing.spec != spec:
-                    raise SegmentConflictError(
-                        f"segment {spec.segment_id} of run {spec.run_id!r} is already registered "
-                        "with a different specification"
-                    )
+                check_same_spec(existing.spec, spec)
                 return existing
             state = SegmentState(spec, initial_weights, storage=self.storage, buffers=self.buffers)
             with self._lock:

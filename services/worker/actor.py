@@ -203,6 +203,12 @@ class TrainingWorker(SegmentHolder):
         self._report_resident_bytes()  # the device segments' state exists now
         return updates
 
+    def join_segments(self) -> int:
+        """The common update count of this worker's segments, which their holders already
+        have (restored from a checkpoint, or kept through a live recovery): nothing is
+        drawn or sent; :meth:`load_weights` brings their weights."""
+        return self._step().join()
+
     def metrics_address(self) -> str:
         return self.metrics.address if self.metrics.serving else ""
 

@@ -262,3 +262,9 @@ def check_unit_order(model: nn.Module, units: Sequence[Unit]) -> None:
 
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if hasattr(param, "to_local") else param.data
+
+
+def drop_grad(param: torch.Tensor) -> None:
+    """A post-accumulate-grad hook: FSDP2's sharded gradient is dropped unread (the
+    reduced chunks were copied into an exchange slot by the all-reduce hook)."""
+    param.grad = None

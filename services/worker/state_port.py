@@ -21,7 +21,7 @@ import torch
 from cargohold.cluster.schema.optim import OptimConfig
 from cargohold.cluster.schema.worker import DType
 from cargohold.services.core.layout import Segment
-from cargohold.services.core.segment_spec import SegmentSpec
+from cargohold.services.core.segment_spec import SegmentSpec, check_same_spec
 from cargohold.services.core.update_call import IN_CALL, STAGED, CommitTerms, GradientIn, SharedRef, UpdateCall
 from cargohold.services.metrics.worker import WorkerMetrics
 from cargohold.services.segments.segment_registry import SegmentRegistry
@@ -191,6 +191,11 @@ class StatePort(Protocol):
     def register(self, segment: Segment, initial: torch.Tensor) -> int:
         """Register a segment with its fp32 initial values; returns its update count."""
 
+    def join(self, segment: Segment) -> int:
+        """The update count of a segment its holder already has (restored from a
+        checkpoint, or kept through a live recovery), refused where the holder's was
+        registered with another specification: no initial values are drawn or sent."""
+
     def update(
         self,
         segment: Segment,
@@ -241,6 +246,13 @@ class RemotePort:
         updates, _ = self.clients[segment.server].register(
             segment_spec(self.config, self.run_id, segment, self.param_groups), initial
         )
+        return updates
+
+    def join(self, segment: Segment) -> int:
+        client = self.clients[segment.server]
+        client.wait_ready()
+        held, updates = client.describe(self.run_id, segment.segment_id)
+        check_same_spec(held, segment_spec(self.config, self.run_id, segment, self.param_groups))
         return updates
 
     def update(
@@ -326,6 +338,11 @@ class LocalPort:
             segment_spec(self.config, self.run_id, segment, self.param_groups), initial.clone()
         ).updates
 
+    def join(self, segment: Segment) -> int:
+        state = self.registry.get(self.run_id, segment.segment_id)
+        check_same_spec(state.spec, segment_spec(self.config, self.run_id, segment, self.param_groups))
+        return state.updates
+
     def update(
         self,
         segment: Segment,
@@ -372,6 +389,9 @@ class SplitPort:
     def register(self, segment: Segment, initial: torch.Tensor) -> int:
         return self._owner(segment).register(segment, initial)
 
+    def join(self, segment: Segment) -> int:
+        return self._owner(segment).join(segment)
+
     def update(
         self,
         segment: Segment,
@@ -389,3 +409,13 @@ class SplitPort:
     def close(self) -> None:
         self.servers.close()
         self.device.close()
+
+
+def copies_done_event(device: torch.device) -> torch.cuda.Event | None:
+    """On CUDA, an event recorded after the copies into an exchange slot: the pushes wait
+    on it before reading the slot (None on CPU, where the copies are done on return)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event

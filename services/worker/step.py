@@ -35,11 +35,12 @@ from cargohold.services.worker.sharding import (
     ParamCopies,
     Unit,
     divisor_after_reduce_hook,
+    drop_grad,
     local_tensors,
     padding_gaps,
     params_to_range,
 )
-from cargohold.services.worker.state_port import ExchangeBuffers, ExchangeSlot, StatePort
+from cargohold.services.worker.state_port import ExchangeBuffers, ExchangeSlot, StatePort, copies_done_event
 from cargohold.services.worker.step_policy import StepPolicy
 from cargohold.services.worker.step_report import StepReport
 from cargohold.services.worker.task import BatchLoss, ParameterValues, model_loss, scalar_loss
@@ -81,7 +82,7 @@ class ShardedStep:
         self.window = window
         self.world_size = layout.num_workers
         self.updates = 0
-        """Updates the servers applied; set by :meth:`register`."""
+        """Updates the servers applied; set by :meth:`register` or :meth:`join`."""
         self.loss_scale = LossScaleState(policy.loss_scale.init_scale) if policy.loss_scale is not None else None
         """fp16 compute: where the dynamic loss scale stands (the same on every worker);
         a resume sets it from the checkpoint."""
@@ -123,13 +124,12 @@ class ShardedStep:
             # Before FSDP2's own pre-forward hook (prepended when it was applied), which gathers the unit.
             unit.module.register_forward_pre_hook(self._before_forward(index), prepend=True)
         for param in model.parameters():
-            param.register_post_accumulate_grad_hook(_drop_grad)
+            param.register_post_accumulate_grad_hook(drop_grad)
 
     # --- start --------------------------------------------------------------------
     def register(self, values: ParameterValues) -> int:
         """Fill the local shards from ``values``, a unit at a time, and register each
-        unit's segments with its fp32 values; returns the servers' update count (non-zero
-        after a restore: then :meth:`load_weights` brings their weights)."""
+        unit's segments with its fp32 values; returns the servers' update count."""
         targets = self._targets
         compute_dtype = DTYPE_NAMES[targets[0].dtype]
         updates = set()
@@ -154,8 +154,17 @@ class ShardedStep:
             for segment in self._by_unit.get(unit.index, []):
                 at = segment.local_offset - unit.start
                 updates.add(self.port.register(segment, initial[at : at + segment.numel]))
+        return self._at_update(updates)
+
+    def join(self) -> int:
+        """The update count of the segments their holders already have (a restore, a live
+        recovery), drawing and sending no initial values: :meth:`load_weights` brings the
+        weights."""
+        return self._at_update({self.port.join(segment) for segment in self.segments})
+
+    def _at_update(self, updates: set[int]) -> int:
         if len(updates) > 1:
-            raise TrainingError(f"rank {self.rank}: registered segments are at different updates {sorted(updates)}")
+            raise TrainingError(f"rank {self.rank}: its segments are at different updates {sorted(updates)}")
         self.updates = updates.pop() if updates else 0
         return self.updates
 
@@ -338,7 +347,7 @@ class ShardedStep:
             if (divisor := divisor_after_reduce_hook(reduced.dtype, reduced.device.type)) is not None:
                 # FSDP2's last division of the average comes after this hook: done here, in
                 # place, it gives what is pushed FSDP2's bits; FSDP2's own then lands on the
-                # sharded .grad views, which are dropped unread (_drop_grad).
+                # sharded .grad views, which are dropped unread (drop_grad).
                 reduced.div_(divisor)
             micro, count = self._micro
             if micro < count - 1:
@@ -358,7 +367,7 @@ class ShardedStep:
                 for lo, hi in gaps:
                     slot.grads[lo:hi].zero_()
                 self._sum_squares += sum_of_squares(reduced if count == 1 else slot.grads[: stop - base])
-                ready = _ready_event(self.device)
+                ready = copies_done_event(self.device)
                 update, lr, defer, fetch = self._context
                 self._transfers.append(self._pool.submit(self._exchange, unit, slot, update, lr, defer, fetch, ready))
             except BaseException:
@@ -485,16 +494,3 @@ class ShardedStep:
         self._pool.shutdown(wait=True)
         if self.window is not None:
             self.window.close()
-
-
-def _drop_grad(param: torch.Tensor) -> None:
-    param.grad = None
-
-
-def _ready_event(device: torch.device) -> torch.cuda.Event | None:
-    """On CUDA, an event the pushes wait on before reading the copied gradients."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
