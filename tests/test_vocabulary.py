@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from cargohold.services.checkpoint.manifest import LAYOUT_KIND, LayoutRecord
@@ -233,11 +234,12 @@ def _layout_units(node: ast.expr) -> bool:
     return isinstance(node, ast.Attribute) and node.attr == "units" and ast.unparse(node.value).endswith("layout")
 
 
-def _bound_to_units(node: ast.AST) -> list[str]:
-    """The names a loop, a comprehension or an assignment binds to a layout's units."""
-    if isinstance(node, (ast.For, ast.comprehension)) and _layout_units(node.iter):
+def _bound_to(node: ast.AST, of_layout: Callable[[ast.expr], bool]) -> list[str]:
+    """The names a loop, a comprehension or an assignment binds to what ``of_layout`` tells
+    apart (a layout's units, or its chunk places)."""
+    if isinstance(node, (ast.For, ast.comprehension)) and of_layout(node.iter):
         targets = [node.target]
-    elif isinstance(node, ast.Assign) and _layout_units(node.value):
+    elif isinstance(node, ast.Assign) and of_layout(node.value):
         targets = node.targets
     else:
         return []
@@ -262,7 +264,7 @@ def unit_findings(source: str, where: str, *, unit_module: bool = False) -> list
                 found.append(f"{at} attribute 'groups' of a layout")
         if isinstance(node, ast.keyword) and node.arg in RETIRED_UNIT_NAMES:
             found.append(f"{at} keyword {node.arg!r}")
-        found += [f"{at} unit named {name!r}" for name in _bound_to_units(node) if _has_group(name)]
+        found += [f"{at} unit named {name!r}" for name in _bound_to(node, _layout_units) if _has_group(name)]
         if unit_module:
             found += [f"{at} name {name!r}" for name in declared if name not in RETIRED_UNIT_NAMES and _has_group(name)]
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
@@ -433,17 +435,6 @@ def _layout_places(node: ast.expr) -> bool:
     return isinstance(node, ast.Attribute) and node.attr == "params" and ast.unparse(node.value).endswith("layout")
 
 
-def _bound_to_places(node: ast.AST) -> list[str]:
-    """The names a loop, a comprehension or an assignment binds to a layout's chunk places."""
-    if isinstance(node, (ast.For, ast.comprehension)) and _layout_places(node.iter):
-        targets = [node.target]
-    elif isinstance(node, ast.Assign) and _layout_places(node.value):
-        targets = node.targets
-    else:
-        return []
-    return [n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)]
-
-
 def _used_names(node: ast.AST) -> list[str]:
     """The names ``node`` declares (:func:`_names`), imports, reads or passes as a keyword."""
     if isinstance(node, ast.Name):
@@ -472,7 +463,7 @@ def place_findings(source: str, where: str, *, place_module: bool = False) -> li
             for name in dict.fromkeys(_used_names(node))
             if name in RETIRED_PLACE_NAMES and where not in RETIRED_PLACE_NAMES[name]
         ]
-        found += [f"{at} chunk place named {name!r}" for name in _bound_to_places(node) if _has_slot(name)]
+        found += [f"{at} chunk place named {name!r}" for name in _bound_to(node, _layout_places) if _has_slot(name)]
         if place_module:
             found += [
                 f"{at} name {name!r}" for name in _names(node) if name not in RETIRED_PLACE_NAMES and _has_slot(name)
