@@ -445,6 +445,28 @@ PARAM_GROUPS = [
 decaying per the rule, one with its own decay, one of norms (so no decay) at a quarter of
 the lr."""
 
+WORKER_SIDE_CASES = {
+    # Strict ZeRO-3: every block gathered again for backward (by default the last is kept).
+    "every-block-regathered": dict(worker__kept_gathered_units=0),
+    "delayed-no-clip": dict(worker__delayed_update=True, optim__max_grad_norm=0.0, optim__nonfinite="ignore"),
+    # ZeRO-2-like: blocks stay gathered from forward to backward; and recomputed activations.
+    "bf16-no-reshard-checkpointed": dict(
+        worker__compute_dtype="bfloat16", worker__reshard_after_forward=False, worker__activation_checkpointing="blocks"
+    ),
+    # Parameter offload: FSDP2's CPUOffloadPolicy (on CPU workers the copies are host to host).
+    "2-servers-bf16-offload-params": dict(
+        state_server__num_servers=2, worker__compute_dtype="bfloat16", worker__offload_params=True
+    ),
+    # Param groups: biases and norms without decay, lr multipliers; every segment holds
+    # fragments of several groups, one kernel call each (torch: one AdamW param group each).
+    "2-servers-param-groups": dict(
+        state_server__num_servers=2, optim__no_decay="biases_and_norms", optim__param_groups=PARAM_GROUPS
+    ),
+}
+"""Overrides of :func:`tiny_config` that vary only worker-side options (num_servers kept
+where it changes the layout's segments): tests/test_step.py trains them in-process in the
+default run, tests/test_training_contract.py through Ray in the slow run."""
+
 
 def tiny_config(**overrides) -> TrainConfig:
     """A model small enough that a 20-step run takes seconds on 2 cores."""

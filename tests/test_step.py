@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from ports import free_port
-from reference import PARAM_GROUPS, reference_train, tiny_config
+from reference import WORKER_SIDE_CASES, reference_train, tiny_config
 from step_runs import assert_matches_reference, gloo_group, run_ranks, train_in_process
 
 from cargohold.cluster.sections import config_layout, config_task, model_spec, port_config
@@ -42,23 +42,8 @@ STRATEGIES = {
     # Units below a block: the embeddings, attention, the MLP's projections and the head apart.
     "split-units-clipped": dict(worker__max_unit_params=20_000, optim__max_grad_norm=0.05),
     # The worker-side variants of tests/test_training_contract.py's CASES (there in the slow
-    # run, through Ray; num_servers kept where it changes the layout's segments).
-    # Strict ZeRO-3: every block gathered again for backward (by default the last is kept).
-    "every-block-regathered": dict(worker__kept_gathered_units=0),
-    "delayed-no-clip": dict(worker__delayed_update=True, optim__max_grad_norm=0.0, optim__nonfinite="ignore"),
-    # ZeRO-2-like: blocks stay gathered from forward to backward; and recomputed activations.
-    "bf16-no-reshard-checkpointed": dict(
-        worker__compute_dtype="bfloat16", worker__reshard_after_forward=False, worker__activation_checkpointing="blocks"
-    ),
-    # Parameter offload: FSDP2's CPUOffloadPolicy (on CPU workers the copies are host to host).
-    "2-servers-bf16-offload-params": dict(
-        state_server__num_servers=2, worker__compute_dtype="bfloat16", worker__offload_params=True
-    ),
-    # Param groups: biases and norms without decay, lr multipliers; every segment holds
-    # fragments of several groups, one kernel call each (torch: one AdamW param group each).
-    "2-servers-param-groups": dict(
-        state_server__num_servers=2, optim__no_decay="biases_and_norms", optim__param_groups=PARAM_GROUPS
-    ),
+    # run, through Ray).
+    **WORKER_SIDE_CASES,
 }
 
 

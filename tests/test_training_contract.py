@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import PARAM_GROUPS, fsdp_reference_train, reference_train, tiny_config
+from reference import PARAM_GROUPS, WORKER_SIDE_CASES, fsdp_reference_train, reference_train, tiny_config
 
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.cluster.sections import config_layout, config_task
@@ -65,8 +65,7 @@ CASES = {
     # hosts: the bulk socket by default, or gRPC streams).
     # Clipping configured (inactive): gradients staged, then CommitStep.
     "1-server-fp32": dict(state_server__num_servers=1),
-    # Strict ZeRO-3: every block gathered again for backward (by default the last is kept).
-    "1-server-fp32-every-block-regathered": dict(worker__kept_gathered_units=0),
+    "1-server-fp32-every-block-regathered": WORKER_SIDE_CASES["every-block-regathered"],
     "2-servers-fp32-socket": dict(state_server__num_servers=2, worker__shared_memory="off"),
     "2-servers-bf16-grpc": dict(
         state_server__num_servers=2,
@@ -78,27 +77,16 @@ CASES = {
     "3-servers-fp32-no-clip": dict(state_server__num_servers=3, optim__max_grad_norm=0.0, optim__nonfinite="ignore"),
     # The one-step delayed update: step t computes on the weights of update t-2.
     "2-servers-fp32-delayed-update": dict(state_server__num_servers=2, worker__delayed_update=True),
-    "1-server-fp32-delayed-update-no-clip": dict(
-        worker__delayed_update=True, optim__max_grad_norm=0.0, optim__nonfinite="ignore"
-    ),
+    "1-server-fp32-delayed-update-no-clip": WORKER_SIDE_CASES["delayed-no-clip"],
     # ... after 5 normal steps (step 6 computes on update 5, step 7 on update 5 too).
     "2-servers-fp32-delayed-update-after-5": dict(
         state_server__num_servers=2, worker__delayed_update=True, worker__delayed_update_after_steps=5
     ),
     "2-servers-bf16": dict(state_server__num_servers=2, worker__compute_dtype="bfloat16"),
-    # ZeRO-2-like: blocks stay gathered from forward to backward; and recomputed activations.
-    "1-server-bf16-no-reshard-checkpointed": dict(
-        worker__compute_dtype="bfloat16", worker__reshard_after_forward=False, worker__activation_checkpointing="blocks"
-    ),
-    # Parameter offload: FSDP2's CPUOffloadPolicy (on CPU workers the copies are host to host).
-    "2-servers-bf16-offload-params": dict(
-        state_server__num_servers=2, worker__compute_dtype="bfloat16", worker__offload_params=True
-    ),
-    # Param groups: biases and norms without decay, lr multipliers; every segment holds
-    # fragments of several groups, one kernel call each (torch: one AdamW param group each).
-    "2-servers-param-groups": dict(
-        state_server__num_servers=2, optim__no_decay="biases_and_norms", optim__param_groups=PARAM_GROUPS
-    ),
+    # The worker-side options (tests/reference.py's WORKER_SIDE_CASES, in-process in test_step).
+    "1-server-bf16-no-reshard-checkpointed": WORKER_SIDE_CASES["bf16-no-reshard-checkpointed"],
+    "2-servers-bf16-offload-params": WORKER_SIDE_CASES["2-servers-bf16-offload-params"],
+    "2-servers-param-groups": WORKER_SIDE_CASES["2-servers-param-groups"],
 }
 
 
