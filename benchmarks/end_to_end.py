@@ -110,7 +110,12 @@ def run_in_memory(config: TrainConfig, warmup: int, threads: int, device: torch.
         compute = WIRE_DTYPES[config.worker.compute_dtype]
         o = config.optim
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
+            model.parameters(),
+            lr=o.lr,
+            betas=(o.betas[0], o.betas[1]),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=True,
         )
         data = config_task(config).open_data()
         world = config.worker.num_workers

@@ -183,7 +183,7 @@ def main() -> None:
 
 DEMO_ADAMW = {
     "optim__lr": 1e-3,
-    "optim__beta2": 0.95,
+    "optim__betas": [0.9, 0.95],
     "optim__weight_decay": 0.01,
     "optim__max_grad_norm": 1.0,
     "optim__warmup_steps": 10,

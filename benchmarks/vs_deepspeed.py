@@ -332,7 +332,7 @@ def deepspeed_config(config, variant: str, root: Path, zero_settings: list[str])
         "gradient_clipping": o.max_grad_norm,
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps, "weight_decay": o.weight_decay},
+            "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
         },
         "bf16": {"enabled": w.compute_dtype == "bfloat16"},
         "fp16": {"enabled": False},

@@ -11,8 +11,8 @@ Every key is compared but ``checkpoint.resume`` (how a run starts, not what it i
 
 * **refused** where the difference would give the saved state another meaning
   (:data:`REFUSED`): the model's shape (``model.*`` but ``dropout``), the rates the
-  saved Adam moments were averaged with (``optim.beta1``, ``optim.beta2``: their bias
-  correction at the saved update count assumes them), and the data stream the saved
+  saved Adam moments were averaged with (``optim.betas``: their bias correction at the
+  saved update count assumes them), and the data stream the saved
   step is a position in (``seed``, ``data.seed``, ``data.corpus_path``,
   ``data.corpus_bytes``: batches and dropout's draws are a function of them and the
   step, so a resume that promises to continue the run bitwise could not);
@@ -57,7 +57,7 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(
         ("model.vocab_size", "model.block_size", "model.n_layer", "model.n_head", "model.n_embd", "model.bias"), _MODEL
     ),
-    **dict.fromkeys(("optim.beta1", "optim.beta2"), _MOMENTS),
+    "optim.betas": _MOMENTS,
     **dict.fromkeys(
         (
             "seed",
@@ -154,13 +154,23 @@ def config_changes(saved: dict[str, Any], config: TrainConfig) -> list[Change]:
     data, as a manifest holds it) differs from ``config``'s, in key order."""
     current = json.loads(json.dumps(to_dict(config)))  # the form a manifest holds it in
     sections = _sections(config)
-    theirs, ours = _flatten(saved, sections), _flatten(current, sections)
+    theirs, ours = _flatten(_in_current_keys(saved), sections), _flatten(current, sections)
     changes = []
     for key in sorted(theirs.keys() | ours.keys()):
         before, after = (_shown(side, key) for side in (theirs, ours))
         if before != after and key not in NOT_COMPARED:
             changes.append(Change(key, before, after))
     return changes
+
+
+def _in_current_keys(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config as this version's keys hold it: a checkpoint saved before
+    ``optim.betas`` holds the two rates as ``optim.beta1`` and ``optim.beta2``."""
+    optim = saved.get("optim")
+    if not (isinstance(optim, dict) and "beta1" in optim and "beta2" in optim and "betas" not in optim):
+        return saved
+    rest = {k: v for k, v in optim.items() if k not in ("beta1", "beta2")}
+    return {**saved, "optim": {**rest, "betas": [optim["beta1"], optim["beta2"]]}}
 
 
 def _sections(node: object, prefix: str = "") -> frozenset[str]:

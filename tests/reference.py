@@ -321,7 +321,7 @@ def torch_adamw(config: TrainConfig, params: dict[str, torch.nn.Parameter]) -> t
         }
         for index, group in enumerate(resolved.groups)
     ]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, fused=True)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

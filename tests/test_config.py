@@ -71,8 +71,7 @@ CONFIG_SURFACE = [
     "eval.batch_size",
     "eval.max_batches",
     "optim.lr",
-    "optim.beta1",
-    "optim.beta2",
+    "optim.betas",
     "optim.eps",
     "optim.weight_decay",
     "optim.no_decay",
@@ -201,7 +200,7 @@ def test_demo_yaml_loads_the_expected_values() -> None:
         model=GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=128),
         data=DataConfig(batch_size=8, corpus_bytes=2_000_000),
         optim=OptimConfig(
-            lr=0.001, beta2=0.95, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=10, schedule="cosine"
+            lr=0.001, betas=[0.9, 0.95], weight_decay=0.01, max_grad_norm=1.0, warmup_steps=10, schedule="cosine"
         ),
         worker=WorkerConfig(num_workers=2),
         state_server=StateServerConfig(num_servers=1),
@@ -322,7 +321,11 @@ def test_wrong_types_are_refused_naming_the_key(tmp_path: Path, text: str, key: 
     ("text", "key"),
     [
         ("worker:\n  num_workers: 0\n", "worker.num_workers"),
-        ("optim:\n  beta1: 1.5\n", "optim.beta1"),
+        ("optim:\n  betas: [1.5, 0.999]\n", "optim.betas"),
+        ("optim:\n  betas: [0.9, 1.0]\n", "optim.betas"),
+        ("optim:\n  betas: [0.9, .nan]\n", "optim.betas"),
+        ("optim:\n  betas: [0.9]\n", "optim.betas"),
+        ("optim:\n  betas: [0.9, 0.99, 0.999]\n", "optim.betas"),
         ("model:\n  n_embd: 100\n  n_head: 6\n", "model.n_embd"),
         ("state_server:\n  chunk_bytes: 10\n", "tuning.state_server.chunk_bytes"),
         ("steps: 0\n", "steps"),
@@ -400,6 +403,29 @@ def test_override_with_invalid_yaml_value_is_refused() -> None:
         load_config(None, ["worker.resources={node_a: 1"])
 
 
+# --- keys folded into others --------------------------------------------------------------
+
+
+def test_adamw_betas_are_one_key_as_torch_spells_them(tmp_path: Path) -> None:
+    config = load_config(_write(tmp_path, "optim:\n  betas: [0.8, 0.95]\n"))
+    assert config.optim.betas == [0.8, 0.95]
+    hyper = config.optim.hyper_params()  # what the state servers update with
+    assert (hyper.beta1, hyper.beta2) == (0.8, 0.95)
+    assert load_config(None, ["optim.betas=[0, 0.5]"]).optim.hyper_params().beta2 == 0.5
+    assert OptimConfig(betas=(0.8, 0.95)) == config.optim  # a tuple, as torch.optim.AdamW takes it
+    assert OptimConfig().betas == [0.9, 0.999]
+
+
+@pytest.mark.parametrize("old", ["beta1", "beta2"])
+@pytest.mark.parametrize("where", ["file", "override"])
+def test_the_two_beta_keys_are_refused_naming_betas(tmp_path: Path, old: str, where: str) -> None:
+    with pytest.raises(ConfigError, match=rf"unknown config key 'optim\.{old}': set optim\.betas: \[beta1, beta2\]"):
+        if where == "file":
+            load_config(_write(tmp_path, f"optim:\n  alpha: 1\n  {old}: 0.95\n"))  # named before an unrelated typo
+        else:
+            load_config(None, [f"optim.{old}=0.95"])
+
+
 # --- round trip and hash ------------------------------------------------------------------
 
 
@@ -447,7 +473,7 @@ def test_reference_uses_the_field_docstrings() -> None:
     assert "| `optim.lr` | `float` | `0.001` | Peak learning rate. |" in text
     assert "| `state_server.bind_host` | `str \\| None` | `null` |" in text
     assert '| `optim.schedule` | `one of "constant", "cosine"` | `"constant"` |' in text
-    assert "| `optim.beta1` | `float` | `0.9` |  |" in text  # no docstring, no invented text
+    assert "| `optim.eps` | `float` | `1e-08` |  |" in text  # no docstring, no invented text
 
 
 @pytest.mark.parametrize(

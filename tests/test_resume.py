@@ -44,7 +44,7 @@ def _check(path: Path, **overrides):
 REFUSALS = {
     "model.n_head": ({"model__n_head": 4}, "2", "4"),  # the same shapes: only the config tells
     "model.n_embd": ({"model__n_embd": 32}, "64", "32"),
-    "optim.beta2": ({"optim__beta2": 0.99}, "0.999", "0.99"),
+    "optim.betas": ({"optim__betas": [0.9, 0.99]}, "[0.9, 0.999]", "[0.9, 0.99]"),
     "data.seed": ({"data__seed": 5}, "1234", "5"),
     "seed": ({"seed": 8}, "7", "8"),
 }
@@ -142,3 +142,15 @@ def test_a_checkpoint_from_before_state_dtype_is_said_to_hold_fp32_moments(tmp_p
     else:
         (line,) = converted
         assert f'optim.state_dtype is {BEFORE_STATE_DTYPE} there and "blockwise8" here' in line
+
+
+def test_a_checkpoint_from_before_optim_betas_compares_its_two_rates_as_betas(tmp_path: Path) -> None:
+    """Its config holds optim.beta1 and optim.beta2: they are this run's optim.betas, so
+    equal rates resume silently and another beta2 is refused naming optim.betas."""
+    config = tiny_config(**BASE)
+    saved = to_dict(config)
+    beta1, beta2 = saved["optim"].pop("betas")
+    saved["optim"].update(beta1=beta1, beta2=beta2)
+    assert config_changes(saved, config) == []
+    saved["optim"]["beta2"] = 0.95
+    assert config_changes(saved, config) == [Change("optim.betas", "[0.9, 0.95]", "[0.9, 0.999]")]

@@ -268,7 +268,7 @@ def test_a_run_trains_within_tolerance_of_fp32_in_ram_and_on_nvme(
 
 DEMO_OPTIM = {
     "optim__lr": 1e-3,
-    "optim__beta2": 0.95,
+    "optim__betas": [0.9, 0.95],
     "optim__weight_decay": 0.01,
     "optim__max_grad_norm": 1.0,
     "optim__warmup_steps": 10,

@@ -67,7 +67,7 @@ def _reference_run(config: TrainConfig, data: object) -> tuple[dict[str, torch.T
             for i, g in enumerate(groups.groups)
         ],
         lr=o.lr,
-        betas=(o.beta1, o.beta2),
+        betas=(o.betas[0], o.betas[1]),
         eps=o.eps,
         fused=True,
     )

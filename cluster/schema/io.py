@@ -17,6 +17,13 @@ from cargohold.cluster.schema.train import TrainConfig
 from cargohold.cluster.schema.tuning import SECTION, gather_tuning, split_tuning, tuning_keys
 from cargohold.services.core.errors import ConfigError
 
+RETIRED_KEYS: dict[str, str] = {
+    "optim.beta1": "set optim.betas: [beta1, beta2] (two numbers, as torch.optim.AdamW takes them)",
+    "optim.beta2": "set optim.betas: [beta1, beta2] (two numbers, as torch.optim.AdamW takes them)",
+}
+"""Keys a configuration no longer has, each with what to write instead: refused as unknown
+keys are, the message saying how to migrate."""
+
 
 class _YamlLoader(yaml.SafeLoader):
     """SafeLoader that also reads exponent floats without a dot (``3e-4``, ``1e-8``) as
@@ -83,6 +90,9 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - fields, key=str)
+    for key in (prefix + str(name) for name in unknown):
+        if key in RETIRED_KEYS:
+            raise ConfigError(f"unknown config key {key!r}: {RETIRED_KEYS[key]}")
     if unknown:
         raise ConfigError(
             f"unknown config key {prefix + str(unknown[0])!r}; known keys here: {', '.join(sorted(fields))}"

@@ -77,8 +77,9 @@ class LossScaleConfig:
 class OptimConfig:
     lr: float = 1e-3
     """Peak learning rate."""
-    beta1: float = 0.9
-    beta2: float = 0.999
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW's two moment rates (beta1, beta2), as `torch.optim.AdamW` takes them: each in
+    [0, 1)."""
     eps: float = 1e-8
     weight_decay: float = 0.01
     """Decoupled (AdamW) weight decay of every parameter that `optim.no_decay` does not
@@ -119,11 +120,23 @@ class OptimConfig:
             raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        self.hyper_params()  # validates betas, eps, weight decay and clipping
+        self._check_betas()
+        self.hyper_params()  # validates eps, weight decay and clipping
         names = [group.name for group in self.param_groups]
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:
             raise ConfigError(f"optim.param_groups: two groups are named {twice[0]!r}; give each its own name")
+
+    def _check_betas(self) -> None:
+        if isinstance(self.betas, tuple):
+            self.betas = list(self.betas)  # torch's spelling; the config holds a list, as YAML reads it
+        betas = self.betas
+        if not (
+            isinstance(betas, list)
+            and len(betas) == 2
+            and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)
+        ):
+            raise ConfigError(f"optim.betas must be two numbers, each in [0, 1) (e.g. [0.9, 0.999]); got {betas!r}")
 
     @property
     def staged(self) -> bool:
@@ -133,8 +146,8 @@ class OptimConfig:
 
     def hyper_params(self) -> AdamWHyperParams:
         return AdamWHyperParams(
-            beta1=self.beta1,
-            beta2=self.beta2,
+            beta1=float(self.betas[0]),
+            beta2=float(self.betas[1]),
             eps=self.eps,
             weight_decay=self.weight_decay,
             max_grad_norm=self.max_grad_norm,
