@@ -13,7 +13,7 @@ Every key is compared but ``checkpoint.resume`` (how a run starts, not what it i
   (:data:`REFUSED`): the model's shape (``model.*`` but ``dropout``), the rates the
   saved Adam moments were averaged with (``optim.betas``: their bias correction at the
   saved update count assumes them), and the data stream the saved
-  step is a position in (``seed``, ``data.seed``, ``data.corpus_path``,
+  step is a position in (``seed``, ``data.seed``, ``data.path``,
   ``data.corpus_bytes``: batches and dropout's draws are a function of them and the
   step, so a resume that promises to continue the run bitwise could not);
 * **warned about** otherwise, in one line: the learning-rate schedule and the other
@@ -64,7 +64,6 @@ REFUSED: dict[str, str] = {
             "data.seed",
             "data.format",
             "data.path",
-            "data.corpus_path",
             "data.corpus_bytes",
             "data.block_size",
             "data.tokenizer",
@@ -164,13 +163,19 @@ def config_changes(saved: dict[str, Any], config: TrainConfig) -> list[Change]:
 
 
 def _in_current_keys(saved: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's config as this version's keys hold it: a checkpoint saved before
-    ``optim.betas`` holds the two rates as ``optim.beta1`` and ``optim.beta2``."""
+    """A checkpoint's config as this version's keys hold it: an older checkpoint holds
+    ``optim.betas`` as ``optim.beta1`` and ``optim.beta2``, and a text file of
+    ``data.format: bytes`` in ``data.corpus_path`` (its ``data.path`` then null)."""
+    saved = dict(saved)
     optim = saved.get("optim")
-    if not (isinstance(optim, dict) and "beta1" in optim and "beta2" in optim and "betas" not in optim):
-        return saved
-    rest = {k: v for k, v in optim.items() if k not in ("beta1", "beta2")}
-    return {**saved, "optim": {**rest, "betas": [optim["beta1"], optim["beta2"]]}}
+    if isinstance(optim, dict) and "beta1" in optim and "beta2" in optim and "betas" not in optim:
+        rest = {k: v for k, v in optim.items() if k not in ("beta1", "beta2")}
+        saved["optim"] = {**rest, "betas": [optim["beta1"], optim["beta2"]]}
+    data = saved.get("data")
+    if isinstance(data, dict) and "corpus_path" in data:
+        rest = {k: v for k, v in data.items() if k != "corpus_path"}
+        saved["data"] = {**rest, "path": data["corpus_path"]} if data["corpus_path"] is not None else rest
+    return saved
 
 
 def _sections(node: object, prefix: str = "") -> frozenset[str]:

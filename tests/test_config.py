@@ -52,7 +52,6 @@ CONFIG_SURFACE = [
     "hf.checkpoint_dir",
     "data.format",
     "data.path",
-    "data.corpus_path",
     "data.corpus_bytes",
     "data.batch_size",
     "data.micro_batches",

@@ -23,7 +23,7 @@ from cargohold.cluster import cli  # noqa: E402
 from cargohold.cluster.schema.io import load_config  # noqa: E402
 from cargohold.cluster.sections import config_task, model_spec  # noqa: E402
 from cargohold.services.core.errors import ConfigError  # noqa: E402
-from cargohold.services.data import tokenization  # noqa: E402
+from cargohold.services.data import generate_corpus, tokenization  # noqa: E402
 from cargohold.services.data.blocks import TokenBlocks  # noqa: E402
 from cargohold.services.data.rows import DocumentRows  # noqa: E402
 from cargohold.services.models.dimensions import sequence_length  # noqa: E402
@@ -295,11 +295,8 @@ def test_an_hf_models_folder_gives_the_tokenizer_vocabulary_and_context(tmp_path
             "data.path '/nonexistent/docs.jsonl' does not exist",
         ),
         (["data.format=bogus"], "data.format must be one of"),
-        (["data.path=/tmp"], "data.path is not read with data.format=bytes"),
-        (
-            ["data.format=tokens", "data.path=/tmp", "data.corpus_path=/tmp/x"],
-            "data.corpus_path is for data.format=bytes",
-        ),
+        (["data.path=/nonexistent/corpus.txt"], "data.path '/nonexistent/corpus.txt' does not exist"),
+        (["data.corpus_path=/tmp/x"], "unknown config key 'data.corpus_path': set data.path (with data.format: bytes"),
         (["data.block_size=0"], "data.block_size must be"),
         (["data.tokenizer=/nonexistent"], "data.tokenizer '/nonexistent' is not a folder"),
         (["data.token_dtype=int8"], "data.token_dtype must be one of"),
@@ -308,6 +305,22 @@ def test_an_hf_models_folder_gives_the_tokenizer_vocabulary_and_context(tmp_path
 def test_data_keys_are_checked_when_the_config_loads(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, overrides)
+
+
+def test_with_bytes_data_path_is_the_text_file_to_train_on(tmp_path: Path) -> None:
+    """data.format=bytes reads data.path's bytes (up to data.corpus_bytes); null generates
+    the built-in corpus."""
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(bytes(range(256)) * 4)
+    config = load_config(None, [f"data.path={text}", "data.corpus_bytes=600"])
+    assert config.data.format == "bytes" and config.data.path == str(text)
+    read = config_task(tiny_config(data__path=str(text), data__corpus_bytes=600)).open_data()
+    assert bytes(read.tokens.tolist()) == (bytes(range(256)) * 4)[:600]
+    generated = config_task(tiny_config(data__corpus_bytes=600)).open_data()
+    assert bytes(generated.tokens.tolist()) == generate_corpus(600, seed=generated.seed)
+    text.write_bytes(b"")
+    with pytest.raises(ConfigError, match=re.escape(f"data.path {str(text)!r} is empty")):
+        config_task(tiny_config(data__path=str(text))).open_data()
 
 
 def test_cargohold_train_exits_2_on_bad_data_before_starting_anything(

@@ -5,6 +5,7 @@ key is warned about in one line. Real checkpoints on disk; no Ray starts."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from cargohold.cluster.schema.io import to_dict, to_user_dict
 from cargohold.cluster.sections import config_layout
 from cargohold.services.checkpoint import CheckpointDir
 from cargohold.services.core.errors import ConfigError, ResumeRefusedError
+from cargohold.services.data import generate_corpus
 
 pytestmark = pytest.mark.timeout(120)
 BASE = {"steps": 8, "metrics__enabled": False}
@@ -154,3 +156,18 @@ def test_a_checkpoint_from_before_optim_betas_compares_its_two_rates_as_betas(tm
     assert config_changes(saved, config) == []
     saved["optim"]["beta2"] = 0.95
     assert config_changes(saved, config) == [Change("optim.betas", "[0.9, 0.95]", "[0.9, 0.999]")]
+
+
+def test_a_checkpoint_from_before_data_path_read_bytes_compares_its_corpus_path_as_data_path(tmp_path: Path) -> None:
+    """Its config holds the bytes format's text file as data.corpus_path (data.path null):
+    the same file resumes silently, another is refused naming data.path."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(generate_corpus(1000, seed=0))
+    config = tiny_config(**BASE, data__path=str(corpus))
+    saved = to_dict(config)
+    saved["data"].update(path=None, corpus_path=str(corpus))
+    assert config_changes(saved, config) == []
+    saved["data"]["corpus_path"] = "/elsewhere.txt"
+    assert config_changes(saved, config) == [Change("data.path", '"/elsewhere.txt"', json.dumps(str(corpus)))]
+    del saved["data"]["corpus_path"]  # the generated corpus: data.path null on both sides
+    assert config_changes(saved, tiny_config(**BASE)) == []

@@ -28,11 +28,11 @@ class DataConfig:
     files (needs the `datasets` extra). text, jsonl, chat and hf_dataset are tokenized
     with `data.tokenizer` and packed, an EOS token after each document."""
     path: str | None = None
-    """The file or folder `data.format` reads (every format but bytes)."""
-    corpus_path: str | None = None
-    """bytes only: a text file to train on; None generates the built-in corpus."""
+    """The file or folder `data.format` reads. bytes: a text file to train on, or None to
+    generate the built-in corpus; every other format needs it."""
     corpus_bytes: int = 2_000_000
-    """bytes only: size of the generated corpus when ``corpus_path`` is None."""
+    """bytes only: the size of the generated corpus when `data.path` is None, else how much
+    of the file is read."""
     batch_size: int = 8
     """Sequences per worker per micro-batch; a step's global batch is this times
     `worker.num_workers` times `data.micro_batches`."""
@@ -80,16 +80,10 @@ class DataConfig:
             raise ConfigError(f"data.micro_batches must be an integer >= 1, got {self.micro_batches}")
         if self.block_size is not None:
             positive("data.block_size", self.block_size)
-        if self.format == "bytes":
-            if self.path is not None:
-                raise ConfigError("data.path is not read with data.format=bytes; name a text file in data.corpus_path")
-        else:
-            if self.corpus_path is not None:
-                raise ConfigError(f"data.corpus_path is for data.format=bytes; with {self.format} set data.path")
-            if self.path is None:
-                raise ConfigError(f"data.path must name the data to read with data.format={self.format}")
-            if not Path(self.path).expanduser().exists():
-                raise ConfigError(f"data.path {self.path!r} does not exist (a local file or folder)")
+        if self.path is None and self.format != "bytes":
+            raise ConfigError(f"data.path must name the data to read with data.format={self.format}")
+        if self.path is not None and not Path(self.path).expanduser().exists():
+            raise ConfigError(f"data.path {self.path!r} does not exist (a local file or folder)")
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
             raise ConfigError(f"data.tokenizer {self.tokenizer!r} is not a folder (a local save_pretrained output)")
         if self.field == "":

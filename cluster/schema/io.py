@@ -20,6 +20,7 @@ from cargohold.services.core.errors import ConfigError
 RETIRED_KEYS: dict[str, str] = {
     "optim.beta1": "set optim.betas: [beta1, beta2] (two numbers, as torch.optim.AdamW takes them)",
     "optim.beta2": "set optim.betas: [beta1, beta2] (two numbers, as torch.optim.AdamW takes them)",
+    "data.corpus_path": "set data.path (with data.format: bytes, the text file to train on; null generates the corpus)",
 }
 """Keys a configuration no longer has, each with what to write instead: refused as unknown
 keys are, the message saying how to migrate."""

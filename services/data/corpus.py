@@ -93,7 +93,7 @@ def generate_corpus(num_bytes: int, seed: int) -> bytes:
 
 
 def load_tokens(
-    path: str | None, num_bytes: int, seed: int, *, seq_len: int = 1, key: str = "data.corpus_path"
+    path: str | None, num_bytes: int, seed: int, *, seq_len: int = 1, key: str = "data.path"
 ) -> torch.Tensor:
     """Byte-level tokens (uint8, vocabulary 256) of a file, or of the generated corpus.
 
@@ -110,9 +110,9 @@ def load_tokens(
         data = generate_corpus(num_bytes, seed)
         source = f"the generated corpus (data.corpus_bytes={num_bytes})"
     else:
-        if not os.path.isfile(path):
+        if not os.path.isfile(os.path.expanduser(path)):
             raise ConfigError(f"{key} {path!r} does not exist or is not a file")
-        with open(path, "rb") as f:
+        with open(os.path.expanduser(path), "rb") as f:
             data = f.read(num_bytes)
         if not data:
             raise ConfigError(f"{key} {path!r} is empty")

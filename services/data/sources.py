@@ -44,7 +44,7 @@ def open_source(model: ModelSpec, data: DataConfig, num_workers: int, *, check_t
     check_model_fits_data(model, data)
     shape = batch_shape(model, data, num_workers)
     if data.format == "bytes":
-        tokens = load_tokens(data.corpus_path, data.corpus_bytes, data.seed, seq_len=shape.seq_len)
+        tokens = load_tokens(data.path, data.corpus_bytes, data.seed, seq_len=shape.seq_len)
         return ByteCorpus(tokens, shape, seed=data.seed)
     vocab = vocab_size(model)
     if data.format == "tokens":
