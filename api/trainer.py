@@ -46,6 +46,8 @@ class Trainer:
       after each step, each validation and each complete checkpoint.
     - ``config.export_dir``: the trained fp32 weights as ``model.safetensors``, by
       ``named_parameters()`` name (``model.load_state_dict(load_file(...), strict=False)``).
+    - ``progress``: a progress bar on stderr (True), or one plain line per step and per
+      validation on stdout (False); by default a bar when stderr is a terminal.
 
     Without ``model_fn``, ``loss_fn`` and ``data``, it trains the model and data the config
     names (what ``cargohold train`` does). Everything that can be checked is checked
@@ -68,11 +70,10 @@ class Trainer:
         on_checkpoint: Callable[[Path], None] | None = None,
         progress: bool | None = None,
     ) -> None:
-        """``progress``: show a progress line on stderr (default: ``config.progress``)."""
         self.config = config if config is not None else TrainConfig()
         self.task = _task(self.config, model_fn, loss_fn, data, eval_data, eval_every_steps, blocks, collate)
         self.on_step, self.on_eval, self.on_checkpoint = on_step, on_eval, on_checkpoint
-        self.progress = self.config.progress if progress is None else progress
+        self.progress = sys.stderr.isatty() if progress is None else progress
 
     def fit(self) -> TrainResult:
         """Run ``config.steps`` steps (from ``checkpoint.resume`` when set); returns the

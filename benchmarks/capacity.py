@@ -120,7 +120,6 @@ def session_overrides(workers: int, dtype: str, wire: str) -> list[str]:
     torch thread each, no metrics, patient timeouts (probes run on a loaded box)."""
     return [
         "steps=1",
-        "progress=false",
         "metrics.enabled=false",
         f"model.block_size={BLOCK}",
         "data.batch_size=1",

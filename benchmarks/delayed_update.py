@@ -26,7 +26,6 @@ def run(steps: int, delayed: bool, after: int, extra: list[str]) -> tuple[list[f
         DEMO,
         [
             f"steps={steps}",
-            "progress=false",
             f"worker.delayed_update={str(delayed).lower()}",
             f"tuning.worker.delayed_update_after_steps={after}",
             *extra,

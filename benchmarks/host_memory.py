@@ -91,7 +91,6 @@ def overrides(model: Path, root: Path, args: argparse.Namespace) -> list[str]:
     optimizer state in files); one sequence per step."""
     return [
         f"steps={args.steps}",
-        "progress=false",
         f"hf.config_path={model}",
         "data.format=bytes",
         f"data.block_size={args.seq}",

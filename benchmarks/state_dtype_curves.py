@@ -5,7 +5,7 @@
     python benchmarks/state_dtype_curves.py compare /tmp/sd-float32.json /tmp/sd-blockwise8.json
 
 ``run`` trains what ``cargohold train --config examples/demo.yaml --set steps=200 --set
-progress=false --set optim.state_dtype=KIND`` trains (the same config, through the same
+optim.state_dtype=KIND`` trains (the same config, through the same
 ``supervise.train``) and writes every step's loss and seconds as JSON; one run per
 process, so several kinds run one after another rather than side by side. ``compare``
 prints each curve's relative difference from the first file's (the fp32 one): at the last
@@ -28,7 +28,7 @@ def run(kind: str, steps: int, out: Path, extra: list[str]) -> None:
     from cargohold.cluster.schema.io import load_config
     from cargohold.cluster.supervise import train
 
-    overrides = [f"steps={steps}", "progress=false", f"optim.state_dtype={kind}", *extra]
+    overrides = [f"steps={steps}", f"optim.state_dtype={kind}", *extra]
     result = train(load_config(DEMO, overrides))
     record = {"kind": kind, "overrides": overrides, "losses": result.losses, "seconds": result.step_seconds}
     out.write_text(json.dumps(record, indent=1))

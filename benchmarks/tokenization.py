@@ -85,7 +85,6 @@ def run_config(root: Path, fmt: str, vocab_size: int) -> TrainConfig:
     return from_dict(
         TrainConfig,
         {
-            "progress": False,
             "model": {"vocab_size": vocab_size},
             "data": {
                 "format": fmt,

@@ -164,9 +164,10 @@ def config_changes(saved: dict[str, Any], config: TrainConfig) -> list[Change]:
 
 def _in_current_keys(saved: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's config as this version's keys hold it: an older checkpoint holds
-    ``optim.betas`` as ``optim.beta1`` and ``optim.beta2``, and a text file of
-    ``data.format: bytes`` in ``data.corpus_path`` (its ``data.path`` then null)."""
-    saved = dict(saved)
+    ``optim.betas`` as ``optim.beta1`` and ``optim.beta2``, a text file of
+    ``data.format: bytes`` in ``data.corpus_path`` (its ``data.path`` then null), and
+    ``progress``, which no key sets now."""
+    saved = {k: v for k, v in saved.items() if k != "progress"}
     optim = saved.get("optim")
     if isinstance(optim, dict) and "beta1" in optim and "beta2" in optim and "betas" not in optim:
         rest = {k: v for k, v in optim.items() if k not in ("beta1", "beta2")}

@@ -61,7 +61,6 @@ def config(args: argparse.Namespace) -> TrainConfig:
         TrainConfig,
         {
             "steps": args.steps,
-            "progress": False,
             "data": {"batch_size": 16},
             "optim": {"lr": 3e-3, "weight_decay": 0.01, "no_decay": "biases_and_norms", "warmup_steps": 2},
             "worker": {"num_workers": 2, "cpus": 1},
@@ -86,6 +85,7 @@ def main() -> None:
         eval_data=dataset(256, seed=1),
         eval_every_steps=10,
         on_checkpoint=lambda path: print(f"checkpoint {path}", flush=True),
+        progress=False,  # one line per step, between the checkpoint lines, even in a terminal
     )
     result = trainer.fit()
     print(f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, eval loss {result.evals[-1].loss:.4f}")

@@ -473,7 +473,6 @@ def tiny_config(**overrides) -> TrainConfig:
     data = {
         "steps": 20,
         "seed": 7,
-        "progress": False,
         "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32},
         "data": {"batch_size": 4, "corpus_bytes": 100_000},
         "optim": {"lr": 0.01, "weight_decay": 0.1, "max_grad_norm": 1.0e6, "warmup_steps": 3, "schedule": "cosine"},

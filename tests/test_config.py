@@ -5,7 +5,9 @@ bad configuration. No test here starts a training run."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import re
+import sys
 import typing
 from pathlib import Path
 
@@ -39,7 +41,6 @@ CONFIG_SURFACE = [
     "run_id",
     "steps",
     "seed",
-    "progress",
     "export_dir",
     "model.vocab_size",
     "model.block_size",
@@ -300,7 +301,7 @@ def test_unknown_override_key_is_refused() -> None:
         ("worker:\n  compute_dtype: float64\n", "worker.compute_dtype"),
         ("optim:\n  schedule: linear\n", "optim.schedule"),
         ("model: 3\n", "model"),
-        ("progress: 1\n", "progress"),
+        ("metrics:\n  enabled: 1\n", "metrics.enabled"),
         ("run_id: 7\n", "run_id"),
         ("worker:\n  resources: [a, b]\n", "worker.resources"),
         ("worker:\n  resources: {node_a: many}\n", "worker.resources.node_a"),
@@ -423,6 +424,31 @@ def test_the_two_beta_keys_are_refused_naming_betas(tmp_path: Path, old: str, wh
             load_config(_write(tmp_path, f"optim:\n  alpha: 1\n  {old}: 0.95\n"))  # named before an unrelated typo
         else:
             load_config(None, [f"optim.{old}=0.95"])
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_the_progress_bar_shows_when_stderr_is_a_terminal(monkeypatch: pytest.MonkeyPatch, terminal: bool) -> None:
+    """Otherwise (a pipe, a log file, a Ray job's output, pytest's capture) each step is one
+    plain line on stdout; cargohold.Trainer(progress=...) chooses in Python."""
+    from cargohold.trainer import Trainer
+
+    monkeypatch.setattr(sys, "stderr", _Terminal() if terminal else io.StringIO())
+    assert Trainer(config=TrainConfig()).progress is terminal
+    assert Trainer(config=TrainConfig(), progress=not terminal).progress is not terminal
+
+
+@pytest.mark.parametrize("where", ["file", "override"])
+def test_no_key_sets_the_progress_bar(tmp_path: Path, where: str) -> None:
+    with pytest.raises(ConfigError, match=r"unknown config key 'progress': no key sets it: .* stderr is a terminal"):
+        load_config(
+            _write(tmp_path, "progress: false\n") if where == "file" else None,
+            [] if where == "file" else ["progress=false"],
+        )
 
 
 # --- round trip and hash ------------------------------------------------------------------

@@ -28,7 +28,6 @@ STEPS = 8
 CONFIG = """\
 steps: {steps}
 seed: 3
-progress: false
 hf:
   config_path: {model}
 data:

@@ -22,9 +22,7 @@ def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 def _train_demo(steps: int, timeout: float = 600) -> list[float]:
     """Runs examples/demo.yaml for ``steps`` steps; returns each step's loss."""
-    result = _run(
-        "train", "--config", "examples/demo.yaml", "--set", f"steps={steps}", "--set", "progress=false", timeout=timeout
-    )
+    result = _run("train", "--config", "examples/demo.yaml", "--set", f"steps={steps}", timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)", result.stdout, re.M)]
     assert len(losses) == steps, result.stdout[-3000:]

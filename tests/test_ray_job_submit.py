@@ -44,7 +44,7 @@ RAY = str(BIN / "ray")
 EXCLUDES = [".git", ".venv", ".hypothesis", ".pytest_cache", "*.egg-info", "__pycache__", "build", "dist", "runs"]
 START_TIMEOUT_S = 90
 JOB_TIMEOUT_S = 240
-TINY = ["--config", "examples/tiny.yaml", "--set", "cluster.address=auto", "--set", "progress=false"]
+TINY = ["--config", "examples/tiny.yaml", "--set", "cluster.address=auto"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -171,3 +171,9 @@ def test_a_checkpoint_from_before_data_path_read_bytes_compares_its_corpus_path_
     assert config_changes(saved, config) == [Change("data.path", '"/elsewhere.txt"', json.dumps(str(corpus)))]
     del saved["data"]["corpus_path"]  # the generated corpus: data.path null on both sides
     assert config_changes(saved, tiny_config(**BASE)) == []
+
+
+def test_a_checkpoints_progress_key_is_not_compared() -> None:
+    """A checkpoint saved while a key chose the progress bar holds it; nothing sets it now."""
+    config = tiny_config(**BASE)
+    assert config_changes({**to_dict(config), "progress": False}, config) == []

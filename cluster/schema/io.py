@@ -20,6 +20,10 @@ from cargohold.services.core.errors import ConfigError
 RETIRED_KEYS: dict[str, str] = {
     "optim.beta1": "set optim.betas: [beta1, beta2] (two numbers, as torch.optim.AdamW takes them)",
     "optim.beta2": "set optim.betas: [beta1, beta2] (two numbers, as torch.optim.AdamW takes them)",
+    "progress": (
+        "no key sets it: the progress bar shows when stderr is a terminal, one plain line per step otherwise "
+        "(cargohold.Trainer(progress=...) chooses in Python)"
+    ),
     "data.corpus_path": "set data.path (with data.format: bytes, the text file to train on; null generates the corpus)",
 }
 """Keys a configuration no longer has, each with what to write instead: refused as unknown

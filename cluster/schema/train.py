@@ -29,8 +29,6 @@ class TrainConfig:
     steps: int = 50
     seed: int = 0
     """Seeds model initialisation (identical on every worker)."""
-    progress: bool = True
-    """Show a progress bar with loss and step time."""
     export_dir: str | None = None
     """Write the trained fp32 weights here as safetensors at the end of the run: for an `hf`
     model a folder `transformers.AutoModelForCausalLM.from_pretrained` loads, with its
