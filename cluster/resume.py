@@ -165,8 +165,9 @@ def config_changes(saved: dict[str, Any], config: TrainConfig) -> list[Change]:
 def _in_current_keys(saved: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's config as this version's keys hold it: an older checkpoint holds
     ``optim.betas`` as ``optim.beta1`` and ``optim.beta2``, a text file of
-    ``data.format: bytes`` in ``data.corpus_path`` (its ``data.path`` then null), and
-    ``progress``, which no key sets now."""
+    ``data.format: bytes`` in ``data.corpus_path`` (its ``data.path`` then null),
+    ``progress``, which no key sets now, and mutual TLS as three files
+    (``security.tls_*_file``; null: no TLS, as a null ``security.tls_dir``)."""
     saved = {k: v for k, v in saved.items() if k != "progress"}
     optim = saved.get("optim")
     if isinstance(optim, dict) and "beta1" in optim and "beta2" in optim and "betas" not in optim:
@@ -176,6 +177,11 @@ def _in_current_keys(saved: dict[str, Any]) -> dict[str, Any]:
     if isinstance(data, dict) and "corpus_path" in data:
         rest = {k: v for k, v in data.items() if k != "corpus_path"}
         saved["data"] = {**rest, "path": data["corpus_path"]} if data["corpus_path"] is not None else rest
+    security = saved.get("security")
+    tls = ("tls_cert_file", "tls_key_file", "tls_ca_file")
+    if isinstance(security, dict) and any(key in security for key in tls):
+        rest = {k: v for k, v in security.items() if k not in tls}
+        saved["security"] = rest if any(security.get(key) for key in tls) else {"tls_dir": None, **rest}
     return saved
 
 

@@ -4,6 +4,7 @@ CA signed cannot even connect. Health checks stay open for orchestrators' probes
 
 from __future__ import annotations
 
+import shutil
 import socket
 import ssl
 import subprocess
@@ -19,11 +20,12 @@ from bulk_peers import closed_by_peer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transport_server import DEADLINE_S, G1, GLOBAL_NORM, LR, NUMEL, RUN, W0, assert_bitwise_equal, make_spec
 
+from cargohold.cluster.schema.io import load_config
 from cargohold.services.core.errors import ConfigError, TransportError
 from cargohold.services.metrics.server import StateServerMetrics
 from cargohold.services.segments.segment_registry import SegmentRegistry
 from cargohold.services.server.grpc_server import GrpcStateServer
-from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor, bearer
+from cargohold.services.transport.auth import TlsFiles, TokenAuthInterceptor, bearer, tls_files
 from cargohold.services.transport.codec import SERVICE_NAME
 from cargohold.services.transport.grpc_client import RemoteError, StateServerClient
 from cargohold.services.transport.limits import CallLimits
@@ -158,7 +160,8 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, TlsFiles]:
-    """A CA, a certificate it signed for 127.0.0.1, and one from a stranger CA."""
+    """A CA, a certificate it signed for 127.0.0.1, and one from a stranger CA, each in a
+    folder of ``security.tls_dir``."""
     d = tmp_path_factory.mktemp("pki")
     for ca in ("ca", "rogue"):
         _openssl(
@@ -209,10 +212,17 @@ def pki(tmp_path_factory) -> dict[str, TlsFiles]:
             f"{ca}-node.pem",
             cwd=d,
         )
-    return {
-        ca: TlsFiles(cert_file=str(d / f"{ca}-node.pem"), key_file=str(d / f"{ca}-node.key"), ca_file=str(d / "ca.pem"))
-        for ca in ("ca", "rogue")
-    }
+    files = {}
+    for ca in ("ca", "rogue"):  # each as security.tls_dir reads it: a TLS secret's three files
+        secret = d / f"{ca}-secret"
+        secret.mkdir()
+        shutil.copy(d / f"{ca}-node.pem", secret / "tls.crt")
+        shutil.copy(d / f"{ca}-node.key", secret / "tls.key")
+        shutil.copy(d / "ca.pem", secret / "ca.crt")  # the rogue trusts the run's CA, which did not sign it
+        tls = tls_files(load_config(None, [f"security.tls_dir={secret}"]).security)
+        assert tls is not None
+        files[ca] = tls
+    return files
 
 
 def test_mutual_tls_admits_only_certificates_of_the_ca(pki) -> None:
@@ -286,11 +296,29 @@ def test_missing_tls_files_are_a_config_error(tmp_path: Path) -> None:
         files.server_credentials()
 
 
-def test_partial_tls_config_names_the_missing_keys() -> None:
-    from cargohold.cluster.schema.io import load_config
+def test_tls_dir_names_a_secrets_three_files(tmp_path: Path) -> None:
+    (tmp_path / "tls.crt").write_text("cert")
+    (tmp_path / "tls.key").write_text("key")
+    (tmp_path / "ca.crt").write_text("ca")
+    files = tls_files(load_config(None, [f"security.tls_dir={tmp_path}"]).security)
+    assert files == TlsFiles(
+        cert_file=str(tmp_path / "tls.crt"), key_file=str(tmp_path / "tls.key"), ca_file=str(tmp_path / "ca.crt")
+    )
+    assert tls_files(load_config().security) is None  # no TLS by default
 
-    with pytest.raises(ConfigError, match="security.tls_ca_file, security.tls_key_file must be set"):
-        load_config(None, ["security.tls_cert_file=/x.pem"])
+
+def test_a_tls_dir_without_its_files_is_refused_naming_them_when_the_config_loads(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"security\.tls_dir '.*/absent' is not a folder"):
+        load_config(None, [f"security.tls_dir={tmp_path / 'absent'}"])
+    (tmp_path / "tls.crt").write_text("cert")
+    with pytest.raises(ConfigError, match=r"security\.tls_dir '.*' holds no tls\.key, ca\.crt"):
+        load_config(None, [f"security.tls_dir={tmp_path}"])
+
+
+@pytest.mark.parametrize("old", ["tls_cert_file", "tls_key_file", "tls_ca_file"])
+def test_the_three_file_keys_are_refused_naming_tls_dir(old: str) -> None:
+    with pytest.raises(ConfigError, match=rf"unknown config key 'security\.{old}': set security\.tls_dir, a folder"):
+        load_config(None, [f"security.{old}=/x.pem"])
 
 
 def test_the_launcher_token_comes_from_the_environment_or_is_fresh(monkeypatch) -> None:

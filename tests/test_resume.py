@@ -177,3 +177,12 @@ def test_a_checkpoints_progress_key_is_not_compared() -> None:
     """A checkpoint saved while a key chose the progress bar holds it; nothing sets it now."""
     config = tiny_config(**BASE)
     assert config_changes({**to_dict(config), "progress": False}, config) == []
+
+
+def test_a_checkpoint_from_before_tls_dir_without_tls_compares_as_a_null_tls_dir() -> None:
+    """Its config holds three null security.tls_*_file keys: no TLS, as tls_dir null."""
+    config = tiny_config(**BASE)
+    saved = to_dict(config)
+    del saved["security"]["tls_dir"]
+    saved["security"].update(dict.fromkeys(("tls_cert_file", "tls_key_file", "tls_ca_file")))
+    assert config_changes(saved, config) == []

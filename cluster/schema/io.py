@@ -17,14 +17,19 @@ from cargohold.cluster.schema.train import TrainConfig
 from cargohold.cluster.schema.tuning import SECTION, gather_tuning, split_tuning, tuning_keys
 from cargohold.services.core.errors import ConfigError
 
+_BETAS = "set optim.betas: [beta1, beta2] (two numbers, as torch.optim.AdamW takes them)"
+_TLS = "set security.tls_dir, a folder holding tls.crt, tls.key and ca.crt (a Kubernetes TLS secret's layout)"
 RETIRED_KEYS: dict[str, str] = {
-    "optim.beta1": "set optim.betas: [beta1, beta2] (two numbers, as torch.optim.AdamW takes them)",
-    "optim.beta2": "set optim.betas: [beta1, beta2] (two numbers, as torch.optim.AdamW takes them)",
     "progress": (
         "no key sets it: the progress bar shows when stderr is a terminal, one plain line per step otherwise "
         "(cargohold.Trainer(progress=...) chooses in Python)"
     ),
     "data.corpus_path": "set data.path (with data.format: bytes, the text file to train on; null generates the corpus)",
+    "optim.beta1": _BETAS,
+    "optim.beta2": _BETAS,
+    "security.tls_cert_file": _TLS,
+    "security.tls_key_file": _TLS,
+    "security.tls_ca_file": _TLS,
 }
 """Keys a configuration no longer has, each with what to write instead: refused as unknown
 keys are, the message saying how to migrate."""

@@ -82,23 +82,36 @@ class CheckpointConfig:
             )
 
 
+TLS_FILES = ("tls.crt", "tls.key", "ca.crt")
+"""What ``security.tls_dir`` holds: the certificate, its key, the CA (the names of a
+Kubernetes TLS secret's keys)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class SecurityConfig:
     auth_token_env: str | None = "CARGOHOLD_AUTH_TOKEN"
     """Environment variable (read by the launcher) holding the token every state-server
     call must carry; unset or empty makes a random token per run. None turns
     authentication off."""
-    tls_cert_file: str | None = None
-    """PEM certificate each end presents for mutual TLS (with its key and the CA); its
-    subjectAltName must cover the nodes' addresses. All three set, or none."""
-    tls_key_file: str | None = None
-    tls_ca_file: str | None = None
+    tls_dir: str | None = None
+    """Mutual TLS between the state servers and their clients: a folder, at this path on
+    every node, holding `tls.crt` (the PEM certificate each end presents; its
+    subjectAltName must cover the nodes' addresses), `tls.key` (its key) and `ca.crt` (the
+    CA that signed it): a Kubernetes TLS secret as cert-manager writes it, mounted as is.
+    None: no TLS."""
 
     def __post_init__(self) -> None:
-        given = [k for k in ("tls_cert_file", "tls_key_file", "tls_ca_file") if getattr(self, k)]
-        if given and len(given) != 3:
-            missing = sorted({"tls_cert_file", "tls_key_file", "tls_ca_file"} - set(given))
-            raise ConfigError(f"security.{', security.'.join(missing)} must be set too, for mutual TLS")
+        if self.tls_dir is None:
+            return
+        folder = Path(self.tls_dir).expanduser()
+        if not self.tls_dir or not folder.is_dir():
+            raise ConfigError(f"security.tls_dir {self.tls_dir!r} is not a folder (one holding {', '.join(TLS_FILES)})")
+        missing = [name for name in TLS_FILES if not (folder / name).is_file()]
+        if missing:
+            raise ConfigError(
+                f"security.tls_dir {self.tls_dir!r} holds no {', '.join(missing)} (mutual TLS reads "
+                f"{', '.join(TLS_FILES)} there: a Kubernetes TLS secret's files)"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

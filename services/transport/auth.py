@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from cargohold.cluster.schema.run import SecurityConfig
+from cargohold.cluster.schema.run import TLS_FILES, SecurityConfig
 from cargohold.services.core.errors import ConfigError
 from cargohold.services.transport.health import CHECK_METHOD
 from cargohold.services.transport.limits import refusal
@@ -78,12 +78,11 @@ class TlsFiles:
 
 
 def tls_files(security: SecurityConfig) -> TlsFiles | None:
-    """The mutual-TLS files ``security`` names; None when TLS is off."""
-    if not security.tls_cert_file:
+    """The mutual-TLS files of ``security.tls_dir``; None when TLS is off."""
+    if security.tls_dir is None:
         return None
-    return TlsFiles(
-        cert_file=security.tls_cert_file, key_file=security.tls_key_file or "", ca_file=security.tls_ca_file or ""
-    )
+    cert, key, ca = (str(Path(security.tls_dir).expanduser() / name) for name in TLS_FILES)
+    return TlsFiles(cert_file=cert, key_file=key, ca_file=ca)
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
