@@ -68,7 +68,6 @@ CONFIG_SURFACE = [
     "eval.path",
     "eval.split",
     "eval.every_steps",
-    "eval.batch_size",
     "eval.max_batches",
     "optim.lr",
     "optim.betas",
@@ -108,8 +107,6 @@ CONFIG_SURFACE = [
     "state_server.tier.nvme_paths",
     "state_server.tier.ram_budget_bytes",
     "cluster.address",
-    "cluster.num_cpus",
-    "cluster.placement_strategy",
     "cluster.startup_timeout_s",
     "cluster.host_memory_bytes",
     "metrics.enabled",
@@ -123,6 +120,7 @@ CONFIG_SURFACE = [
     "checkpoint.resume",
     "checkpoint.max_failures",
     "checkpoint.on_save_error",
+    "tuning.eval.batch_size",
     "tuning.optim.loss_scale.init_scale",
     "tuning.optim.loss_scale.growth_factor",
     "tuning.optim.loss_scale.backoff_factor",
@@ -144,6 +142,8 @@ CONFIG_SURFACE = [
     "tuning.state_server.tier.buffer_count",
     "tuning.state_server.tier.io_threads",
     "tuning.state_server.tier.direct_io",
+    "tuning.cluster.num_cpus",
+    "tuning.cluster.placement_strategy",
 ]
 
 
@@ -303,7 +303,8 @@ def test_unknown_override_key_is_refused() -> None:
         ("run_id: 7\n", "run_id"),
         ("worker:\n  resources: [a, b]\n", "worker.resources"),
         ("worker:\n  resources: {node_a: many}\n", "worker.resources.node_a"),
-        ("cluster:\n  num_cpus: four\n", "cluster.num_cpus"),
+        ("tuning:\n  cluster:\n    num_cpus: four\n", "cluster.num_cpus"),
+        ("tuning:\n  cluster:\n    placement_strategy: CLOSE\n", "cluster.placement_strategy"),
         ("state_server:\n  tier:\n    nvme_paths: /mnt/nvme0\n", "state_server.tier.nvme_paths"),
         ("state_server:\n  tier:\n    nvme_paths: [/mnt/a, 7]\n", "state_server.tier.nvme_paths[1]"),
         ("state_server:\n  tier:\n    direct_io: maybe\n", "tuning.state_server.tier.direct_io"),
@@ -329,7 +330,8 @@ def test_wrong_types_are_refused_naming_the_key(tmp_path: Path, text: str, key: 
         ("steps: 0\n", "steps"),
         ("optim:\n  lr: .nan\n", "optim.lr"),
         ("model:\n  dropout: 1.0\n", "model.dropout"),
-        ("cluster:\n  num_cpus: 0\n", "cluster.num_cpus"),
+        ("tuning:\n  cluster:\n    num_cpus: 0\n", "tuning.cluster.num_cpus"),
+        ("tuning:\n  eval:\n    batch_size: 0\n", "tuning.eval.batch_size"),
         ("state_server:\n  tier:\n    ram_budget_bytes: 1000000000\n", "state_server.tier.nvme_paths"),
         (
             "state_server:\n  tier:\n    nvme_paths: [/a]\n    ram_budget_bytes: 1000\n",
@@ -454,7 +456,7 @@ def test_no_key_sets_the_progress_bar(tmp_path: Path, where: str) -> None:
 
 @pytest.mark.parametrize(
     "overrides",
-    [[], ["worker.resources={node_a: 1, gpu_box: 0.5}", "cluster.num_cpus=4", "run_id=abc", "optim.lr=3e-4"]],
+    [[], ["worker.resources={node_a: 1, gpu_box: 0.5}", "tuning.cluster.num_cpus=4", "run_id=abc", "optim.lr=3e-4"]],
 )
 def test_from_dict_of_to_dict_round_trips(tmp_path: Path, overrides: list[str]) -> None:
     config = load_config(DEMO, overrides)

@@ -104,7 +104,7 @@ def test_bad_held_out_data_and_accumulation_exit_2_naming_the_key(
     assert "eval.path" in _refused(capsys, f"eval.path={tmp_path / 'missing.txt'}")
     assert "eval.split" in _refused(capsys, "eval.split=validation")
     assert "eval.every_steps" in _refused(capsys, "eval.every_steps=5")
-    assert "eval.batch_size" in _refused(capsys, f"eval.path={short}", "eval.batch_size=0")
+    assert "tuning.eval.batch_size" in _refused(capsys, f"eval.path={short}", "tuning.eval.batch_size=0")
     for bad in ("0", "-1"):
         assert "data.micro_batches" in _refused(capsys, f"data.micro_batches={bad}")
 

@@ -15,7 +15,9 @@ from cargohold.cluster.schema.server import StateServerConfig
 from cargohold.cluster.schema.train import TrainConfig
 from cargohold.cluster.schema.tuning import SECTION, split_tuning, tuning_keys
 from cargohold.cluster.schema.worker import WorkerConfig
+from cargohold.cluster.sections import config_task
 from cargohold.services.core.errors import ConfigError
+from cargohold.services.data import generate_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_KEYS_AT_MOST = 90
@@ -48,6 +50,29 @@ def test_a_tuning_value_outside_the_tuning_section_is_refused_naming_where_it_go
     named = r"worker\.exchange_slots is a tuning value.*set it as tuning\.worker\.exchange_slots"
     with pytest.raises(ConfigError, match=named):
         load_config(path, where.get("overrides", ()))
+
+
+@pytest.mark.parametrize(
+    ("override", "value"),
+    [("eval.batch_size", 2), ("cluster.num_cpus", 4), ("cluster.placement_strategy", "STRICT_SPREAD")],
+)
+def test_the_eval_batch_and_the_ray_cluster_are_tuned_there(override: str, value: object) -> None:
+    section, key = override.split(".")
+    config = load_config(None, [f"tuning.{override}={value}"])
+    assert getattr(getattr(config, section), key) == value
+    with pytest.raises(ConfigError, match=rf"{re.escape(override)} is a tuning value.*set it as tuning\.{override}"):
+        load_config(None, [f"{override}={value}"])
+
+
+def test_the_tuned_eval_batch_size_sizes_the_eval_batches(tmp_path: Path) -> None:
+    held_out = tmp_path / "held-out.txt"
+    held_out.write_bytes(generate_corpus(20_000, seed=1))
+    base = [f"eval.path={held_out}", "model.block_size=32", "data.batch_size=4"]
+    config = load_config(None, base)
+    blocks = (20_000 - 1) // 32
+    for tuned, per_worker in ((), 4), (["tuning.eval.batch_size=2"], 2):
+        held = config_task(load_config(None, [*base, *tuned])).open_eval()
+        assert held is not None and held.num_batches == blocks // (config.worker.num_workers * per_worker)
 
 
 @pytest.mark.parametrize("override", ["tuning.worker.num_workers=2", "tuning.nonsense=1", "tuning.optim.lr=0.1"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from cargohold.cluster.schema.tuning import tuning
 from cargohold.services.core.errors import ConfigError
 
 
@@ -24,19 +25,19 @@ class EvalConfig:
     or of `data.path` when `eval.path` is null."""
     every_steps: int = 0
     """Evaluate every this many steps, and after the last; 0 evaluates after the last only."""
-    batch_size: int | None = None
+    batch_size: int | None = tuning(None)
     """Sequences per worker per eval batch; None takes `data.batch_size`."""
     max_batches: int | None = None
-    """Evaluate the first this many batches (`worker.num_workers` x `eval.batch_size`
-    sequences each); None evaluates every whole batch the held-out data holds."""
+    """Evaluate the first this many batches (`worker.num_workers` x `data.batch_size`, or
+    `tuning.eval.batch_size`, sequences each); None evaluates every whole batch the held-out data holds."""
 
     def __post_init__(self) -> None:
         if self.every_steps < 0:
             raise ConfigError(f"eval.every_steps must be >= 0, got {self.every_steps}")
-        for key in ("batch_size", "max_batches"):
-            value = getattr(self, key)
+        for key in ("tuning.eval.batch_size", "eval.max_batches"):
+            value = getattr(self, key.rpartition(".")[2])
             if value is not None and value < 1:
-                raise ConfigError(f"eval.{key} must be an integer >= 1 or null, got {value}")
+                raise ConfigError(f"{key} must be an integer >= 1 or null, got {value}")
         if self.path == "" or self.split == "":
             raise ConfigError("eval.path and eval.split must be null or non-empty")
         if self.path is not None and not Path(self.path).expanduser().exists():

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from cargohold.cluster.schema.checks import check_output_folder, non_negative, positive
+from cargohold.cluster.schema.tuning import tuning
 from cargohold.services.core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -17,9 +18,9 @@ if TYPE_CHECKING:
 class ClusterConfig:
     address: str | None = None
     """None starts a Ray cluster in-process; "auto" joins the running one (ray job submit)."""
-    num_cpus: int | None = None
+    num_cpus: int | None = tuning(None)
     """Logical CPUs of the in-process cluster; None sizes it to fit the run."""
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = tuning("PACK")
     """Ray placement-group strategy over the worker and state-server bundles."""
     startup_timeout_s: float = 120.0
     """How long to wait for the placement group and every actor to be ready."""
@@ -35,7 +36,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         if self.num_cpus is not None:
-            positive("cluster.num_cpus", self.num_cpus)
+            positive("tuning.cluster.num_cpus", self.num_cpus)
         positive("cluster.startup_timeout_s", self.startup_timeout_s)
         if self.host_memory_bytes is not None:
             positive("cluster.host_memory_bytes", self.host_memory_bytes)

@@ -82,7 +82,8 @@ class EvalSet:
         if available == 0:
             raise ConfigError(
                 f"{name} holds {tokens.shape[0]} tokens, fewer than one eval batch: worker.num_workers x "
-                f"eval.batch_size = {per_batch} sequences of data.block_size + 1 = {seq_len + 1} tokens"
+                f"tuning.eval.batch_size (null: data.batch_size) = {per_batch} sequences of data.block_size + 1 = "
+                f"{seq_len + 1} tokens"
             )
         self.num_batches = min(available, max_batches or available)
         shape = BatchShape(
