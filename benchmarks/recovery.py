@@ -91,7 +91,6 @@ def measure(args: argparse.Namespace, path: str) -> Recovery:
             f"checkpoint.dir={root}",
             f"checkpoint.every_steps={args.every}",
             "checkpoint.max_failures=1",
-            "progress=false",
             *args.overrides,
         ]
         if args.nvme:
