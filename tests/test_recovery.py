@@ -69,6 +69,15 @@ def uninterrupted(uninterrupted_root) -> dict[str, torch.Tensor]:
     return _final_state(uninterrupted_root)
 
 
+def _copy_of_step_4(uninterrupted_root: Path, into: Path) -> Path:
+    """A checkpoint folder of its own holding a copy of the uninterrupted run's step-4
+    checkpoint (saved by 2 workers and 2 servers), for a test that resumes from it, damages
+    it or saves beside it: one run fewer than training its own."""
+    saved = CheckpointDir(uninterrupted_root).final_dir(4)
+    shutil.copytree(saved, into / saved.name)
+    return into
+
+
 # Fewer, the same and more; the same (2) is also every other resume test's case.
 @pytest.mark.parametrize("resume_servers", [pytest.param(n, marks=pytest.mark.slow) for n in (1, 2)] + [3])
 def test_a_resume_onto_any_number_of_servers_ends_bitwise(
@@ -334,62 +343,58 @@ def test_failures_beyond_the_limit_stop_the_run(ray_local, tmp_path, monkeypatch
         train(config)
 
 
-def test_a_checkpoint_of_another_model_or_config_is_refused_or_warned(ray_local, tmp_path, caplog) -> None:
+def test_a_checkpoint_of_another_model_or_config_is_refused_or_warned(uninterrupted_root, tmp_path, caplog) -> None:
     """The manifest holds the saving run's config: a resume that changes a key giving the
     saved state another meaning is refused naming it before any actor starts (the model's
     width; its head count, which keeps every parameter's shape), a key that does not (the
     learning rate) is warned about and the run trains on from the checkpoint."""
-    train(tiny_config(steps=2, checkpoint__dir=str(tmp_path)))
+    folder = _copy_of_step_4(uninterrupted_root, tmp_path)
     for key, saved, now in (("n_embd", 64, 32), ("n_head", 2, 4)):
-        other = tiny_config(
-            steps=4, checkpoint__dir=str(tmp_path), checkpoint__resume="latest", **{f"model__{key}": now}
-        )
+        other = tiny_config(steps=6, checkpoint__dir=str(folder), checkpoint__resume="latest", **{f"model__{key}": now})
         with pytest.raises(ConfigError, match=rf"model\.{key} is {saved} there and {now} here \(another model"):
             train(other)
-    faster = tiny_config(steps=4, optim__lr=0.02, checkpoint__dir=str(tmp_path), checkpoint__resume="latest")
+    faster = tiny_config(steps=6, optim__lr=0.02, checkpoint__dir=str(folder), checkpoint__resume="latest")
     with caplog.at_level("WARNING", logger="cargohold.cluster.resume"):
         resumed = train(faster)
-    assert resumed.first_step == 2 and len(resumed.losses) == 2
+    assert resumed.first_step == 4 and len(resumed.losses) == 2
     assert "config keys changed" in caplog.text and "optim.lr: 0.01 -> 0.02" in caplog.text
 
 
-def test_a_flipped_byte_is_named_on_resume(ray_local, tmp_path) -> None:
-    train(tiny_config(steps=2, checkpoint__dir=str(tmp_path)))
-    latest = CheckpointDir(tmp_path).latest()
-    victim = sorted(latest.glob("*.tier"))[0]
+def test_a_flipped_byte_is_named_on_resume(uninterrupted_root, tmp_path) -> None:
+    folder = _copy_of_step_4(uninterrupted_root, tmp_path)
+    victim = sorted(CheckpointDir(folder).latest().glob("*.tier"))[0]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x40
     victim.write_bytes(bytes(data))
     with pytest.raises(TrainingError, match=victim.name):
-        train(tiny_config(steps=4, checkpoint__dir=str(tmp_path), checkpoint__resume="latest"))
+        train(tiny_config(steps=6, checkpoint__dir=str(folder), checkpoint__resume="latest"))
 
 
-def test_resume_onto_another_number_of_workers_restores_every_tensor(ray_local, tmp_path) -> None:
-    """Saved by 2 workers and 1 server, restored onto 1 worker and 3 servers: the flat
+def test_resume_onto_another_number_of_workers_restores_every_tensor(uninterrupted_root, tmp_path) -> None:
+    """Saved by 2 workers and 2 servers, restored onto 1 worker and 3 servers: the flat
     space is laid out otherwise, yet every parameter's master weights, both moments and
     the workers' weights come back bitwise, and padding is zero."""
-    train(tiny_config(steps=3, checkpoint__dir=str(tmp_path)))
-    saved_dir = CheckpointDir(tmp_path).latest()
+    saved_dir = CheckpointDir(_copy_of_step_4(uninterrupted_root, tmp_path)).latest()
     manifest = CheckpointDir(tmp_path).load(saved_dir)
     saved_space = saved_layout(manifest, str(saved_dir))
     flat = read_flat_range(saved_dir, manifest, 0, manifest.total)
     saved = {key: gather_params(saved_space, flat[key]) for key in flat}
     config = tiny_config(steps=6, worker__num_workers=1, state_server__num_servers=3)
     with TrainingSession(config, resume=saved_dir) as session:
-        assert session.step_count == 3
+        assert session.step_count == 4
         layout = session.layout
         assert layout.total != saved_space.total
         restored = {key: torch.full((layout.total,), float("nan")) for key in saved}
         for snapshot in session.server_snapshots():
             for segment_id, tensors in snapshot.items():
                 segment = layout.segments[segment_id]
-                assert int(tensors["step"]) == 3
+                assert int(tensors["step"]) == 4
                 for key in saved:
                     restored[key][segment.start : segment.stop] = tensors[key]
         for key in saved:
             assert torch.equal(restored[key], scatter_params(layout, saved[key])), key
         assert torch.equal(session.all_worker_weights(), scatter_params(layout, saved["master"]))
-        assert session.step().step == 4
+        assert session.step().step == 5
 
 
 def test_sigusr1_takes_a_checkpoint_on_demand(ray_local, tmp_path) -> None:
@@ -408,7 +413,8 @@ def small_disk(tmp_path):
         yield mount
 
 
-@pytest.mark.parametrize("policy", ["continue", "stop"])
+# Each policy once in the default run: stop on a full disk, continue without a folder.
+@pytest.mark.parametrize("policy", ["continue", pytest.param("stop", marks=pytest.mark.slow)])
 def test_a_checkpoint_folder_that_cannot_be_created_follows_the_policy(ray_local, tmp_path, policy: str) -> None:
     """On a filesystem with no inode left, a checkpoint's folder cannot be created: the
     save policy covers that too, stopping the run naming the folder or training on."""
@@ -427,7 +433,7 @@ def test_a_checkpoint_folder_that_cannot_be_created_follows_the_policy(ray_local
         assert list(full.iterdir()) == []
 
 
-@pytest.mark.parametrize("policy", ["continue", "stop"])
+@pytest.mark.parametrize("policy", [pytest.param("continue", marks=pytest.mark.slow), "stop"])
 def test_a_full_disk_keeps_the_last_checkpoint_and_follows_the_policy(ray_local, small_disk, policy: str) -> None:
     config = tiny_config(
         steps=6,

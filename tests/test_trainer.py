@@ -113,7 +113,31 @@ def _assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
         assert torch.equal(got[name], want[name]), name
 
 
-def test_a_map_style_dataset_trains_bitwise_with_callbacks_checkpoints_and_validation(tmp_path: Path) -> None:
+# Before the tests that start Ray (ray_local keeps it running for the rest of the module).
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"loss_fn": None}, "model_fn, loss_fn and data go together; loss_fn missing"),
+        ({"model_fn": lambda: "not a module"}, "model_fn must return a torch.nn.Module, got str"),
+        ({"blocks": ["layers.9"]}, "blocks: the model has no submodule 'layers.9'"),
+        ({"data": items(6)}, "the dataset holds 6 items, fewer than one step's global batch"),
+        ({"data": iter(items())}, "data is an iterator"),
+        ({"data": 42}, "data must be a map-style dataset"),
+        ({"eval_data": items(4)}, "eval_data holds 4 items, fewer than one eval batch"),
+        ({"eval_every_steps": 2}, "eval_every_steps is set but there is no eval_data"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path, arguments: dict, message: str) -> None:
+    given = {"model_fn": Regressor, "loss_fn": regression_loss, "data": items(), **arguments}
+    assert not ray.is_initialized()
+    with pytest.raises(ConfigError, match=message):
+        cargohold.Trainer(config=_config(tmp_path), **given).fit()
+    assert not ray.is_initialized()
+
+
+def test_a_map_style_dataset_trains_bitwise_with_callbacks_checkpoints_and_validation(
+    ray_local, tmp_path: Path
+) -> None:
     config = _config(tmp_path, checkpoint__dir=str(tmp_path / "ckpt"), checkpoint__every_steps=2)
     dataset, held_out = items(), items(32, seed=1)
     seen: dict[str, list] = {"step": [], "eval": [], "checkpoint": []}
@@ -145,7 +169,7 @@ def test_a_map_style_dataset_trains_bitwise_with_callbacks_checkpoints_and_valid
 
 
 @pytest.mark.slow  # 43 s; resume through the launcher is bitwise in tests/test_recovery.py
-def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path: Path) -> None:
+def test_a_resumed_run_equals_an_uninterrupted_one(ray_local, tmp_path: Path) -> None:
     dataset = items()
     whole = _config(tmp_path / "whole")
     cargohold.Trainer(Regressor, regression_loss, dataset, whole).fit()
@@ -160,7 +184,9 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "kind", ["iterable", pytest.param("function", marks=pytest.mark.slow)]
 )  # one in the default run
-def test_an_iterable_dataset_or_a_batch_function_trains_bitwise_with_accumulation(tmp_path: Path, kind: str) -> None:
+def test_an_iterable_dataset_or_a_batch_function_trains_bitwise_with_accumulation(
+    ray_local, tmp_path: Path, kind: str
+) -> None:
     config = _config(tmp_path, data__micro_batches=2, worker__num_workers=2)
     data = Stream(200) if kind == "iterable" else batch_function
     result = cargohold.Trainer(
@@ -171,7 +197,7 @@ def test_an_iterable_dataset_or_a_batch_function_trains_bitwise_with_accumulatio
     assert result.losses == pytest.approx(losses, rel=1e-6)
 
 
-def test_a_loss_that_is_not_a_scalar_stops_the_run_naming_the_step(tmp_path: Path) -> None:
+def test_a_loss_that_is_not_a_scalar_stops_the_run_naming_the_step(ray_local, tmp_path: Path) -> None:
     config = _config(tmp_path, worker__num_workers=1, state_server__num_servers=1)
 
     def per_item_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -205,27 +231,6 @@ def test_an_iterable_dataset_gives_each_rank_its_own_items() -> None:
     assert source.batch(1, 0).data["i"].tolist() == [0, 1, 2, 3]  # read again from the start
     with pytest.raises(TrainingError, match="ended after 40 items; step 6 needs more"):
         source.batch(6, 0)
-
-
-@pytest.mark.parametrize(
-    ("arguments", "message"),
-    [
-        ({"loss_fn": None}, "model_fn, loss_fn and data go together; loss_fn missing"),
-        ({"model_fn": lambda: "not a module"}, "model_fn must return a torch.nn.Module, got str"),
-        ({"blocks": ["layers.9"]}, "blocks: the model has no submodule 'layers.9'"),
-        ({"data": items(6)}, "the dataset holds 6 items, fewer than one step's global batch"),
-        ({"data": iter(items())}, "data is an iterator"),
-        ({"data": 42}, "data must be a map-style dataset"),
-        ({"eval_data": items(4)}, "eval_data holds 4 items, fewer than one eval batch"),
-        ({"eval_every_steps": 2}, "eval_every_steps is set but there is no eval_data"),
-    ],
-)
-def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path, arguments: dict, message: str) -> None:
-    given = {"model_fn": Regressor, "loss_fn": regression_loss, "data": items(), **arguments}
-    assert not ray.is_initialized()
-    with pytest.raises(ConfigError, match=message):
-        cargohold.Trainer(config=_config(tmp_path), **given).fit()
-    assert not ray.is_initialized()
 
 
 def test_the_trainer_example_of_the_docs_runs_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
