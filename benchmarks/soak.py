@@ -9,12 +9,16 @@ The run: the tests' tiny GPT, 2 workers and 2 state servers with an NVMe tier (m
 the state in partition files), a checkpoint every ``--every`` steps into a real tmpfs
 sized for a few checkpoints (``checkpoint.on_save_error: continue``, ``max_failures``
 unbounded). While the kill window (``--minutes``) lasts, after a random 2 to 8 steps of
-each session one actor (a worker or a state server, at random) is SIGKILLed at a random
-moment of a step, and now and then a ballast file fills the checkpoint disk for a few
-steps. Then the run finishes its steps undisturbed.
+each group of actors (a session, or its workers after a live recovery) one actor (a worker
+or a state server, at random) is SIGKILLed at a random moment of a step, or, for a
+worker with probability ``--notice-share``, sent the preemption notice (SIGTERM) instead;
+now and then a ballast file fills the checkpoint disk for a few steps. Then the run
+finishes its steps undisturbed. A lost worker is replaced from the state servers' live
+state (its survivors kept), a lost state server restarts the run from the checkpoint.
 
 The baseline, in the same run: the same config trained without faults into another
-folder. Reported: kills, restarts, recovery seconds, failed saves, and the bytes left
+folder. Reported: kills and notices, restarts (live and from a checkpoint), steps
+recomputed, recovery seconds, failed saves, and the bytes left
 behind (memfd regions in /dev/shm, tier folders, partial checkpoints: all must be 0).
 Exit status 0 only when the final states (master, exp_avg, exp_avg_sq) and the losses
 are bitwise equal and nothing is left.
@@ -59,7 +63,6 @@ def soak_config(root: Path, checkpoints: Path, steps: int, every: int) -> TrainC
         {
             "steps": steps,
             "seed": 7,
-            "progress": False,
             "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32},
             "data": {"batch_size": 4, "corpus_bytes": 100_000},
             "optim": {"lr": 0.01, "weight_decay": 0.1, "max_grad_norm": 1.0, "warmup_steps": 3, "schedule": "cosine"},
@@ -91,6 +94,7 @@ class Faults:
     """What the fault injector did."""
 
     kills: dict[str, int] = field(default_factory=lambda: {"worker": 0, "state-server": 0})
+    notices: int = 0
     disk_full_episodes: int = 0
     disk_full_steps: int = 0
 
@@ -101,13 +105,16 @@ class FaultInjector:
     and then. Stops injecting once ``until`` (a perf_counter time) has passed or fewer
     than ``quiet_steps`` steps remain."""
 
-    def __init__(self, ballast: Path | None, until: float, steps: int, quiet_steps: int, seed: int) -> None:
+    def __init__(
+        self, ballast: Path | None, until: float, steps: int, quiet_steps: int, seed: int, notice_share: float
+    ) -> None:
         self.random = random.Random(seed)
+        self.notice_share = notice_share
         self.ballast = ballast
         self.until = until
         self.last_fault_step = steps - quiet_steps
         self.faults = Faults()
-        self._session: TrainingSession | None = None
+        self._actors: tuple[object, ...] = ()
         self._steps_in_session = 0
         self._kill_after = 0
         self._full_until_step = -1
@@ -130,8 +137,9 @@ class FaultInjector:
         return time.perf_counter() < self.until and session.step_count < self.last_fault_step
 
     def step(self, session: TrainingSession):  # type: ignore[no-untyped-def]
-        if session is not self._session:
-            self._session, self._steps_in_session = session, 0
+        actors = (session, *session.workers)  # new after a restart, or a live recovery
+        if actors != self._actors:
+            self._actors, self._steps_in_session = actors, 0
             self._kill_after = self.random.randint(2, 8)
         self._steps_in_session += 1
         self._disk(session)
@@ -142,9 +150,10 @@ class FaultInjector:
             )
             pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
             delay = self.random.uniform(0.0, self._last_step_seconds)
-            timer = threading.Timer(delay, self._kill, (kind, pid))
+            notice = kind == "worker" and self.random.random() < self.notice_share
+            timer = threading.Timer(delay, self._notify if notice else self._kill, (kind, pid))
             timer.start()
-            self._kill_after = 10**9  # one kill per session
+            self._kill_after = 10**9  # one fault per group of actors
         started = time.perf_counter()
         try:
             report = self._original(session)
@@ -160,6 +169,13 @@ class FaultInjector:
         except ProcessLookupError:
             return
         self.faults.kills[kind] += 1
+
+    def _notify(self, kind: str, pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        self.faults.notices += 1
 
     def _disk(self, session: TrainingSession) -> None:
         if self.ballast is None:
@@ -254,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
             steps=args.steps,
             quiet_steps=2 * args.every + 2,
             seed=args.seed,
+            notice_share=args.notice_share,
         )
         injector.install()
         try:
@@ -276,8 +293,11 @@ def run(args: argparse.Namespace) -> int:
             "soak_minutes": round(soak_seconds / 60, 1),
             "reference_minutes": round(reference_seconds / 60, 1),
             "kills": faults.kills,
+            "notices": faults.notices,
             "restarts": soaked.restarts,
             "live_recoveries": soaked.live_recoveries,
+            "preemptions": soaked.preemptions,
+            "steps_recomputed": soaked.steps_recomputed,
             "recovery_seconds": {
                 "count": len(soaked.recovery_seconds),
                 "mean": round(sum(soaked.recovery_seconds) / max(1, len(soaked.recovery_seconds)), 2),
@@ -307,6 +327,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600, help="steps of the run (and of the reference)")
     parser.add_argument("--every", type=int, default=4, help="checkpoint every N steps")
     parser.add_argument("--seed", type=int, default=0, help="seeds which actor dies when")
+    parser.add_argument(
+        "--notice-share", type=float, default=0.25, help="of the faults aimed at a worker, the share sent SIGTERM"
+    )
     sys.exit(run(parser.parse_args()))
 
 

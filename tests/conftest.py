@@ -50,12 +50,14 @@ def leaves_no_shared_memory():
 @pytest.fixture(scope="module", autouse=True)
 def ray_between_modules(request: pytest.FixtureRequest) -> Iterator[None]:
     """The Ray of ``ray_local`` outlives its module, for the next module that asks for it
-    (starting one costs 5-7 s on 2 cores, once per module before). A module whose first
-    test does not ask for it finds none running, as before: its tests start Ray
-    themselves, expect the launcher to, or check that nothing started it (``ray_local``
-    starts one again at the module's first test that asks)."""
+    (starting one costs 5-7 s on 2 cores, once per module before). A module that checks
+    whether something started Ray (its source tests ``ray.is_initialized()``) before
+    its first test that asks for it finds none running (``ray_local`` starts one again
+    there). The modules that do not ask run before (:func:`pytest_collection_modifyitems`),
+    finding none either: their tests start Ray themselves or expect the launcher to."""
     first = next(item for item in request.session.items if item.module is request.module)
-    if ray.is_initialized() and "ray_local" not in first.fixturenames:
+    checks = "ray.is_initialized()" in Path(request.module.__file__).read_text(encoding="utf-8")
+    if ray.is_initialized() and checks and "ray_local" not in first.fixturenames:
         ray.shutdown()
     yield
 
