@@ -467,6 +467,29 @@ WORKER_SIDE_CASES = {
 where it changes the layout's segments): tests/test_step.py trains them in-process in the
 default run, tests/test_training_contract.py through Ray in the slow run."""
 
+DEVICE_SEGMENT_CASES = {
+    # Clipping configured: the device segments stage their gradients and commit with the
+    # norm, like the servers'; bf16 weights, param groups cutting through the segments.
+    "half-on-device-2-servers-bf16-param-groups": dict(
+        state_server__num_servers=2,
+        worker__optimizer_on_device_fraction=0.5,
+        worker__compute_dtype="bfloat16",
+        optim__no_decay="biases_and_norms",
+        optim__param_groups=PARAM_GROUPS,
+    ),
+    # No clipping: updates applied as pushed, during backward; the servers own nothing.
+    "all-on-device-no-clip": dict(
+        worker__optimizer_on_device_fraction=1.0, optim__max_grad_norm=0.0, optim__nonfinite="ignore"
+    ),
+    # The one-step delayed update: the device segments' weights arrive in the held buffer too.
+    "quarter-on-device-delayed-update": dict(
+        state_server__num_servers=2, worker__optimizer_on_device_fraction=0.25, worker__delayed_update=True
+    ),
+}
+"""Overrides of :func:`tiny_config` that give each worker a share of the optimizer
+(``worker.optimizer_on_device_fraction``): tests/test_step.py trains them in-process (the
+device segments through a :class:`SplitPort`), tests/test_device_fraction.py through Ray."""
+
 
 def tiny_config(**overrides) -> TrainConfig:
     """A model small enough that a 20-step run takes seconds on 2 cores."""

@@ -6,6 +6,7 @@ holds; and the bitwise comparison with the single-process reference."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from cargohold.services.data import dropout_seed
 from cargohold.services.models.build import build_model, parameter_values
 from cargohold.services.worker.model_setup import exchange_buffers, sharded_model, step_policy
 from cargohold.services.worker.param_groups import resolve_param_groups
-from cargohold.services.worker.state_port import LocalPort
+from cargohold.services.worker.state_port import LocalPort, SplitPort
 from cargohold.services.worker.step import ShardedStep
 
 STATES = {"master": "masters", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
@@ -57,7 +58,10 @@ def train_in_process(rank: int, config, folder: Path) -> None:
     device = torch.device("cpu")
     model, units, layout = sharded_model(config_task(config), config.worker, config.state_server.num_servers, device)
     buffers = exchange_buffers(config.worker, config.push_dtype, layout)
-    port_ = LocalPort(port_config(config), "run", resolve_param_groups(config.optim, layout.params))
+    groups = resolve_param_groups(config.optim, layout.params)
+    port_: LocalPort | SplitPort = LocalPort(port_config(config), "run", groups)
+    if layout.device_segments(rank):  # the worker's own registry holds them, as an actor's does
+        port_ = SplitPort(port_, LocalPort(port_config(config), "run", groups))
     step = ShardedStep(
         model, units, layout, rank, port_, buffers, step_policy(config.optim, config.worker), device=device
     )
@@ -80,11 +84,13 @@ def train_in_process(rank: int, config, folder: Path) -> None:
     torch.save({"losses": losses, "norms": norms, "weights": weights, **states}, folder / f"{rank}.pt")
 
 
-def registry_states(port: LocalPort, layout: Layout, run_id: str = "run") -> dict[str, torch.Tensor]:
-    """This rank's range of each fp32 state the port's registry holds (``master``,
-    ``exp_avg``, ``exp_avg_sq``; zeros in padding)."""
+def registry_states(port: LocalPort | SplitPort, layout: Layout, run_id: str = "run") -> dict[str, torch.Tensor]:
+    """This rank's range of each fp32 state the port's registries hold (``master``,
+    ``exp_avg``, ``exp_avg_sq``; zeros in padding): the servers' and, split off, the
+    worker's own for its device segments."""
     states = {key: torch.zeros(layout.worker_size) for key in STATES}
-    for state in port.registry.segments(run_id):
+    registries = [port.servers.registry, port.device.registry] if isinstance(port, SplitPort) else [port.registry]
+    for state in itertools.chain.from_iterable(registry.segments(run_id) for registry in registries):
         segment = layout.segments[state.spec.segment_id]
         snapshot = state.snapshot()
         for key, flat in states.items():

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from actor_faults import kill_a_worker_in_step
-from reference import reference_train, tiny_config
-from test_training_contract import PARAM_GROUPS, _assert_matches_reference, _layout, _run
+from reference import DEVICE_SEGMENT_CASES, reference_train, tiny_config
+from test_training_contract import _assert_matches_reference, _layout, _run
 
 from cargohold.cluster import cli
 from cargohold.cluster.export import master_weights
@@ -132,28 +132,19 @@ def test_8_bit_state_on_the_device_costs_its_stored_bytes() -> None:
 
 # --- training, bitwise ---------------------------------------------------------------------
 CASES = {
-    # Clipping configured: the device segments stage their gradients and commit with the
-    # norm, like the servers'; bf16 weights, param groups cutting through the segments.
-    "half-on-device-2-servers-bf16-param-groups": dict(
-        state_server__num_servers=2,
-        worker__optimizer_on_device_fraction=0.5,
-        worker__compute_dtype="bfloat16",
-        optim__no_decay="biases_and_norms",
-        optim__param_groups=PARAM_GROUPS,
-    ),
-    # No clipping: updates applied as pushed, during backward; the servers own nothing.
-    "all-on-device-no-clip": dict(
-        worker__optimizer_on_device_fraction=1.0, optim__max_grad_norm=0.0, optim__nonfinite="ignore"
-    ),
-    # The one-step delayed update: the device segments' weights arrive in the held buffer too.
-    "quarter-on-device-delayed-update": dict(
-        steps=10, state_server__num_servers=2, worker__optimizer_on_device_fraction=0.25, worker__delayed_update=True
-    ),
+    **DEVICE_SEGMENT_CASES,
+    "quarter-on-device-delayed-update": dict(steps=10, **DEVICE_SEGMENT_CASES["quarter-on-device-delayed-update"]),
 }
+IN_PROCESS_TOO = ("all-on-device-no-clip", "quarter-on-device-delayed-update")
+"""Cases tests/test_step.py trains in-process in the default run (here slow)."""
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize(
+    "overrides",
+    [pytest.param(c, marks=pytest.mark.slow) if k in IN_PROCESS_TOO else c for k, c in CASES.items()],
+    ids=CASES.keys(),
+)
 def test_matches_torch_adamw_bitwise(ray_local, overrides: dict) -> None:
     config = tiny_config(**overrides)
     layout = _layout(config)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from ports import free_port
-from reference import WORKER_SIDE_CASES, reference_train, tiny_config
+from reference import DEVICE_SEGMENT_CASES, WORKER_SIDE_CASES, reference_train, tiny_config
 from step_runs import assert_matches_reference, gloo_group, run_ranks, train_in_process
 
 from cargohold.cluster.sections import config_layout, config_task, model_spec, port_config
@@ -44,6 +44,8 @@ STRATEGIES = {
     # The worker-side variants of tests/test_training_contract.py's CASES (there in the slow
     # run, through Ray).
     **WORKER_SIDE_CASES,
+    # A share of the optimizer on each worker (tests/test_device_fraction.py through Ray).
+    **DEVICE_SEGMENT_CASES,
 }
 
 
