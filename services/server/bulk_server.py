@@ -67,9 +67,9 @@ class PushJob:
     numel: int
     dtype: str
     apply: Callable[[torch.Tensor], UpdateOutcome]
-    """Stage or apply the gradient received whole and intact (handed over)."""
-    keeps: bool
-    """``apply`` keeps the gradient (staged until a commit): its buffer is not reused."""
+    """Stage or apply the gradient received whole and intact (handed over until it
+    returns: a stage keeps its own copy, in RAM or beside the partition's file, so the
+    receive buffer goes back to the pool either way)."""
 
 
 class BufferPool:
@@ -396,16 +396,13 @@ class BulkServer:
 
     def _push(self, sock: socket.socket, grant: Grant, job: PushJob, what: str) -> None:
         buffer = self._pool.take(job.numel, job.dtype, what=what)
-        kept = False
         try:
             gradient = buffer[: grant.nbytes].view(WIRE_DTYPES[job.dtype])
             send_status(sock, 0)
             receive_tensor(sock, raw_bytes(gradient), grant.chunk_bytes, what=what)
             outcome = job.apply(gradient)
-            kept = job.keeps
         finally:
-            if not kept:
-                self._pool.give(buffer)
+            self._pool.give(buffer)
         self._count(grant.direction, grant.nbytes)
         send_status(sock, 0, OUTCOME.pack(outcome.updates, outcome.applied, outcome.seconds))
 

@@ -223,7 +223,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                         self._count(outcome)
                     return outcome
 
-                job: PushJob | FetchJob = PushJob(call.numel, dtype, apply, keeps=call.stages)
+                job: PushJob | FetchJob = PushJob(call.numel, dtype, apply)
             else:
                 fetch = request.fetch
                 self._admit(fetch.key.run_id)
