@@ -147,13 +147,16 @@ FSDP_CASES = {
 @pytest.mark.parametrize(
     "overrides",
     [
-        pytest.param(v, marks=pytest.mark.slow) if k in ("3-workers-bf16", "3-workers-bf16-param-groups", "fp32") else v
+        pytest.param(v, marks=pytest.mark.slow)
+        if k in ("3-workers-bf16", "3-workers-bf16-param-groups", "fp32", "bf16")
+        else v
         for k, v in FSDP_CASES.items()
     ],
     ids=FSDP_CASES.keys(),
 )  # slow: 3-workers-bf16 and its param-groups variant (three workers: the gloo case; param groups: the
 # 2-servers-nvme-param-groups AdamW case and tests/test_step.py's 2-servers-param-groups), fp32 (bf16 and
-# the fp32 AdamW cases cover it)
+# the fp32 AdamW cases cover it), bf16 (the gloo case in bf16; the AdamW cases run FSDP2's collectives in
+# shared memory, tests/test_colocated_collectives.py checks they give gloo's bits)
 def test_matches_fsdp2_with_torch_adamw_bitwise(ray_local, overrides: dict) -> None:
     """The reference a user would compare against: the same model under FSDP2 with
     torch.optim.AdamW(fused=True) on its sharded parameters, at the same world size."""
