@@ -151,7 +151,7 @@ class FaultInjector:
             pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
             delay = self.random.uniform(0.0, self._last_step_seconds)
             notice = kind == "worker" and self.random.random() < self.notice_share
-            timer = threading.Timer(delay, self._notify if notice else self._kill, (kind, pid))
+            timer = threading.Timer(delay, self._fault, (kind, pid, notice))
             timer.start()
             self._kill_after = 10**9  # one fault per group of actors
         started = time.perf_counter()
@@ -163,19 +163,16 @@ class FaultInjector:
         self._last_step_seconds = time.perf_counter() - started
         return report
 
-    def _kill(self, kind: str, pid: int) -> None:
+    def _fault(self, kind: str, pid: int, notice: bool) -> None:
+        """SIGKILL the actor's process, or send it the preemption notice (SIGTERM)."""
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGTERM if notice else signal.SIGKILL)
         except ProcessLookupError:
             return
-        self.faults.kills[kind] += 1
-
-    def _notify(self, kind: str, pid: int) -> None:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        self.faults.notices += 1
+        if notice:
+            self.faults.notices += 1
+        else:
+            self.faults.kills[kind] += 1
 
     def _disk(self, session: TrainingSession) -> None:
         if self.ballast is None:

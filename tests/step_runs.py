@@ -58,10 +58,10 @@ def train_in_process(rank: int, config, folder: Path) -> None:
     device = torch.device("cpu")
     model, units, layout = sharded_model(config_task(config), config.worker, config.state_server.num_servers, device)
     buffers = exchange_buffers(config.worker, config.push_dtype, layout)
-    groups = resolve_param_groups(config.optim, layout.params)
-    port_: LocalPort | SplitPort = LocalPort(port_config(config), "run", groups)
+    ports, groups = port_config(config), resolve_param_groups(config.optim, layout.params)
+    port_: LocalPort | SplitPort = LocalPort(ports, "run", groups)
     if layout.device_segments(rank):  # the worker's own registry holds them, as an actor's does
-        port_ = SplitPort(port_, LocalPort(port_config(config), "run", groups))
+        port_ = SplitPort(port_, LocalPort(ports, "run", groups))
     step = ShardedStep(
         model, units, layout, rank, port_, buffers, step_policy(config.optim, config.worker), device=device
     )

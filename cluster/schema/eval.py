@@ -34,8 +34,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.every_steps < 0:
             raise ConfigError(f"eval.every_steps must be >= 0, got {self.every_steps}")
-        for key in ("tuning.eval.batch_size", "eval.max_batches"):
-            value = getattr(self, key.rpartition(".")[2])
+        for key, value in (("tuning.eval.batch_size", self.batch_size), ("eval.max_batches", self.max_batches)):
             if value is not None and value < 1:
                 raise ConfigError(f"{key} must be an integer >= 1 or null, got {value}")
         if self.path == "" or self.split == "":

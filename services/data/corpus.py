@@ -110,9 +110,10 @@ def load_tokens(
         data = generate_corpus(num_bytes, seed)
         source = f"the generated corpus (data.corpus_bytes={num_bytes})"
     else:
-        if not os.path.isfile(os.path.expanduser(path)):
+        file = os.path.expanduser(path)
+        if not os.path.isfile(file):
             raise ConfigError(f"{key} {path!r} does not exist or is not a file")
-        with open(os.path.expanduser(path), "rb") as f:
+        with open(file, "rb") as f:
             data = f.read(num_bytes)
         if not data:
             raise ConfigError(f"{key} {path!r} is empty")
