@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from cargohold.services.core.errors import CargoholdError, ConfigError
 from cargohold.services.metrics.http import MetricsHTTPServer
-from cargohold.services.metrics.names import TRANSPORT_RECEIVED_BYTES, TRANSPORT_SENT_BYTES
+from cargohold.services.metrics.names import TRANSPORT_RECEIVED_BYTES, TRANSPORT_RPCS, TRANSPORT_SENT_BYTES
 
 _STOP_JOIN_TIMEOUT_S = 5.0
 HTTP_THREADS = 4
@@ -71,25 +71,23 @@ class MetricsEndpoint:
 
 
 class TransportBytes:
-    """The byte counters both sides of the transport share, under one identity label."""
+    """The byte counters both ends of the transport share, under one identity label: a
+    series per transport path (`TRANSPORT_RPCS`), made up front, so a transfer is counted
+    with ``transport.sent[rpc].inc(nbytes)`` and nothing else runs (an unknown path is a
+    KeyError)."""
 
     def __init__(self, registry: CollectorRegistry, identity: str, value: str) -> None:
-        self._identity = {identity: value}
-        self._received = Counter(
+        received = Counter(
             TRANSPORT_RECEIVED_BYTES,
             "Payload bytes received over the transport, by RPC.",
             [identity, "rpc"],
             registry=registry,
         )
-        self._sent = Counter(
+        sent = Counter(
             TRANSPORT_SENT_BYTES,
             "Payload bytes sent over the transport, by RPC.",
             [identity, "rpc"],
             registry=registry,
         )
-
-    def received(self, rpc: str, nbytes: int) -> None:
-        self._received.labels(rpc=rpc, **self._identity).inc(nbytes)
-
-    def sent(self, rpc: str, nbytes: int) -> None:
-        self._sent.labels(rpc=rpc, **self._identity).inc(nbytes)
+        self.received: dict[str, Counter] = {rpc: received.labels(value, rpc) for rpc in TRANSPORT_RPCS}
+        self.sent: dict[str, Counter] = {rpc: sent.labels(value, rpc) for rpc in TRANSPORT_RPCS}

@@ -98,6 +98,12 @@ TIERS: frozenset[str] = frozenset({"ram", "nvme"})
 TIER_OPS: frozenset[str] = frozenset({"read", "write"})
 PREFETCH_RESULTS: frozenset[str] = frozenset({"hit", "miss"})
 PHASES: frozenset[str] = frozenset({"compute", "reduce", "update"})
+TRANSPORT_RPCS: tuple[str, ...] = tuple(
+    f"{rpc}{path}" for rpc in ("PushGradient", "FetchWeights") for path in ("", ".shm", ".bulk")
+) + ("CommitStep.shm", "RegisterShard")
+"""The transport counters' `rpc` label: the call, and the path its bytes took (chunks over
+gRPC, the worker's shared memory, the bulk socket); a commit carries bytes only when it
+writes the weights into shared memory; a registration, the segment's initial weights."""
 WORKER_MEMORY_KINDS: frozenset[str] = frozenset({"weights", "exchange", "optimizer", "collectives"})
 PAGE_LOCK_REASONS: tuple[str, ...] = ("no_cuda", "cuda_error", "pin_failed")
 """Why exchange buffers stayed pageable (the worker's page_lock reports one)."""

@@ -32,22 +32,22 @@ class StateServerMetrics(MetricsEndpoint):
     def __init__(self, server_id: str) -> None:
         super().__init__()
         self._server_id = server_id
-        self._transport = TransportBytes(self.registry, "server", server_id)
+        self.transport = TransportBytes(self.registry, "server", server_id)
         labels = ["server"]
-        self._step_seconds = Histogram(
+        self.update_seconds = Histogram(
             OPTIMIZER_STEP_SECONDS,
             "Time to apply one segment update (Adam over the segment, tier I/O included).",
             labels,
             buckets=OPTIMIZER_BUCKETS,
             registry=self.registry,
         ).labels(server=server_id)
-        self._steps = Counter(
+        self.updates_applied = Counter(
             OPTIMIZER_STEPS,
             "Segment updates applied.",
             labels,
             registry=self.registry,
         ).labels(server=server_id)
-        self._duplicates = Counter(
+        self.duplicate_pushes = Counter(
             OPTIMIZER_DUPLICATE_PUSHES,
             "Gradient pushes ignored because the segment had already applied that update.",
             labels,
@@ -116,14 +116,6 @@ class StateServerMetrics(MetricsEndpoint):
             registry=self.registry,
         ).labels(server=server_id)
 
-    def record_received(self, rpc: str, nbytes: int) -> None:
-        """Count `nbytes` of payload received by `rpc`."""
-        self._transport.received(rpc, nbytes)
-
-    def record_sent(self, rpc: str, nbytes: int) -> None:
-        """Count `nbytes` of payload sent by `rpc`."""
-        self._transport.sent(rpc, nbytes)
-
     def record_tier_io(self, op: str, nbytes: int, seconds: float) -> None:
         """Count one NVMe tier transfer ("read" or "write") of `nbytes` taking `seconds`."""
         check_label("op", op, TIER_OPS)
@@ -148,15 +140,6 @@ class StateServerMetrics(MetricsEndpoint):
             check_label("tier", tier, TIERS)
             self._planned[tier].set(count)
         self._predicted.set(predicted_io_seconds)
-
-    def observe_update(self, seconds: float) -> None:
-        """Record one applied segment update and how long it took."""
-        self._step_seconds.observe(seconds)
-        self._steps.inc()
-
-    def record_duplicate(self) -> None:
-        """Count one repeated push that was ignored (a retry after a lost reply)."""
-        self._duplicates.inc()
 
     def set_resident_bytes(self, tier: str, nbytes: int) -> None:
         """Set the bytes of state resident in `tier` ("ram" or "nvme")."""

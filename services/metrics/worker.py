@@ -30,7 +30,7 @@ class WorkerMetrics(MetricsEndpoint):
     def __init__(self, rank: int) -> None:
         super().__init__()
         self._rank = str(rank)
-        self._transport = TransportBytes(self.registry, "rank", self._rank)
+        self.transport = TransportBytes(self.registry, "rank", self._rank)
         labels = ["rank"]
         self._step_seconds = Histogram(
             WORKER_STEP_SECONDS,
@@ -130,14 +130,6 @@ class WorkerMetrics(MetricsEndpoint):
         one host)."""
         check_label("kind", kind, WORKER_MEMORY_KINDS)
         self._resident.labels(rank=self._rank, kind=kind).set(nbytes)
-
-    def record_sent(self, rpc: str, nbytes: int) -> None:
-        """Count `nbytes` of payload sent by `rpc`."""
-        self._transport.sent(rpc, nbytes)
-
-    def record_received(self, rpc: str, nbytes: int) -> None:
-        """Count `nbytes` of payload received by `rpc`."""
-        self._transport.received(rpc, nbytes)
 
     def record_page_lock_fallback(self, reason: str) -> None:
         """Count exchange buffers left pageable, for `reason` (PAGE_LOCK_REASONS)."""

@@ -125,7 +125,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
                 if next(request_iterator, None) is not None:
                     raise InvalidTensorError("PushGradient: no chunks may follow a shared-memory header")
                 gradient = self._shared_tensor(call.gradient, call.run_id, dtype, call.numel)
-                self._metrics.record_received("PushGradient.shm", gradient.numel() * gradient.element_size())
+                self._metrics.transport.received["PushGradient.shm"].inc(gradient.numel() * gradient.element_size())
                 owned = False  # a view of the worker's buffer, which it reuses next step
             else:
                 gradient = self._receive(
@@ -157,7 +157,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
 
     def _count_weights(self, target: torch.Tensor, rpc: str) -> None:
         """Account weights written into a worker's shared memory (``target``) under ``rpc``."""
-        self._metrics.record_sent(rpc, target.numel() * target.element_size())
+        self._metrics.transport.sent[rpc].inc(target.numel() * target.element_size())
 
     def _push_target(self, header: pb.PushHeader) -> tuple[SegmentState, str]:
         """The segment a push header names and its gradient dtype, once the header fits it."""
@@ -243,7 +243,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
         with self._counts:
             self.received_bytes += nbytes if pushed else 0
             self.sent_bytes += 0 if pushed else nbytes
-        (self._metrics.record_received if pushed else self._metrics.record_sent)(RPC_OF[direction], nbytes)
+        (self._metrics.transport.received if pushed else self._metrics.transport.sent)[RPC_OF[direction]].inc(nbytes)
 
     def CommitStep(self, request: pb.CommitStepRequest, context: grpc.ServicerContext) -> pb.PushGradientResponse:
         def handle() -> pb.PushGradientResponse:
@@ -262,11 +262,12 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             else:
                 self.duplicate_pushes += 1
         if outcome.applied:
-            self._metrics.observe_update(outcome.seconds)
+            self._metrics.update_seconds.observe(outcome.seconds)
+            self._metrics.updates_applied.inc()
             if self._registry.storage.enabled:  # partitions move between tiers as they update
                 self._report_resident_bytes()
         else:
-            self._metrics.record_duplicate()
+            self._metrics.duplicate_pushes.inc()
 
     def FetchWeights(self, request: pb.FetchWeightsRequest, context: grpc.ServicerContext) -> Iterator[pb.WeightsChunk]:
         def handle() -> Iterator[tuple[pb.WeightsChunk, int]]:
@@ -300,7 +301,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             message, size = item
             with self._counts:
                 self.sent_bytes += size
-            self._metrics.record_sent("FetchWeights", size)
+            self._metrics.transport.sent["FetchWeights"].inc(size)
             yield message
 
     @staticmethod
@@ -358,7 +359,7 @@ class StateServerServicer(pb_grpc.StateServerServicer):
             size = assembler.add(getattr(message, field))
             with self._counts:
                 self.received_bytes += size
-            self._metrics.record_received(rpc, size)
+            self._metrics.transport.received[rpc].inc(size)
         return assembler.finish()
 
     def _admit(self, run_id: str) -> None:

@@ -282,7 +282,7 @@ class RemotePort:
         outcome = client.update(call, gradient)
         if gradient is not None:
             rpc = _path_label("PushGradient", shared, client)
-            self.metrics.record_sent(rpc, gradient.numel() * gradient.element_size())
+            self.metrics.transport.sent[rpc].inc(gradient.numel() * gradient.element_size())
         else:
             rpc = "CommitStep.shm"
         self._weights_arrived(segment, update, out, written=call.weights_to is not None, rpc=rpc)
@@ -296,7 +296,7 @@ class RemotePort:
         if out is None:
             return
         if written:
-            self.metrics.record_received(rpc, segment.numel * out.element_size())
+            self.metrics.transport.received[rpc].inc(segment.numel * out.element_size())
         else:
             self.fetch(segment, update, out)
 
@@ -307,7 +307,7 @@ class RemotePort:
             self.run_id, segment.segment_id, update, dtype, segment.numel, shm=shm, out=out if shm is None else None
         )
         rpc = _path_label("FetchWeights", shm is not None, self.clients[segment.server])
-        self.metrics.record_received(rpc, segment.numel * out.element_size())
+        self.metrics.transport.received[rpc].inc(segment.numel * out.element_size())
         if weights is not None and weights.data_ptr() != out.data_ptr():
             out.copy_(weights)
 
