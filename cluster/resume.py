@@ -42,10 +42,13 @@ from typing import Any
 
 from cargohold.cluster.schema.io import to_dict
 from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.sections import model_spec
 from cargohold.services.checkpoint import CheckpointDir, Manifest, check_compatible
 from cargohold.services.core.errors import CheckpointError, ResumeRefusedError
 from cargohold.services.core.layout import Layout
 from cargohold.services.core.loss_scale import LossScaleState
+from cargohold.services.data.tokens import bin_dtype
+from cargohold.services.models.dimensions import vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +72,17 @@ REFUSED: dict[str, str] = {
             "data.tokenizer",
             "data.field",
             "data.split",
-            "data.token_dtype",
         ),
         _DATA,
     ),
+    "data.token_dtype": (
+        "the saved run read the .bin file's ids in that dtype, a key set then; this run reads them in the one "
+        "the model's vocabulary gives: uint16 up to 65,536 ids, uint32 above"
+    ),
 }
 """The keys a resume may not change, and why."""
+TOKEN_DTYPE = "data.token_dtype"
+"""A retired key a checkpoint may hold: the dtype of a ``.bin`` file is derived now."""
 STATE_DTYPE = "optim.state_dtype"
 BEFORE_STATE_DTYPE = 'absent (saved before the key existed: fp32 moments, as "float32")'
 """How the warnings show a checkpoint's missing ``optim.state_dtype``: every checkpoint from
@@ -154,12 +162,34 @@ def config_changes(saved: dict[str, Any], config: TrainConfig) -> list[Change]:
     current = json.loads(json.dumps(to_dict(config)))  # the form a manifest holds it in
     sections = _sections(config)
     theirs, ours = _flatten(_in_current_keys(saved), sections), _flatten(current, sections)
+    _derive_token_dtype(theirs, ours, config)
     changes = []
     for key in sorted(theirs.keys() | ours.keys()):
         before, after = (_shown(side, key) for side in (theirs, ours))
         if before != after and key not in NOT_COMPARED:
             changes.append(Change(key, before, after))
     return changes
+
+
+def _derive_token_dtype(theirs: dict[str, Any], ours: dict[str, Any], config: TrainConfig) -> None:
+    """A checkpoint saved while ``data.token_dtype`` said how a ``.bin`` token file holds
+    its ids: where both runs read one, the dtype this run derives from the model's
+    vocabulary is compared with it (:data:`REFUSED` where they differ); elsewhere the key
+    was never read and is dropped."""
+    saved = theirs.pop(TOKEN_DTYPE, None)
+    if saved is None or not (_reads_bin(theirs) and _reads_bin(ours)):
+        return
+    ours[TOKEN_DTYPE] = str(bin_dtype(vocab_size(model_spec(config))))
+    if ours[TOKEN_DTYPE] != saved:
+        theirs[TOKEN_DTYPE] = saved
+    else:
+        del ours[TOKEN_DTYPE]
+
+
+def _reads_bin(flat: dict[str, Any]) -> bool:
+    """Whether a config (flattened) trains on a ``.bin`` token file."""
+    path = flat.get("data.path")
+    return flat.get("data.format") == "tokens" and isinstance(path, str) and path.endswith(".bin")
 
 
 def _in_current_keys(saved: dict[str, Any]) -> dict[str, Any]:

@@ -61,7 +61,6 @@ CONFIG_SURFACE = [
     "data.tokenizer",
     "data.field",
     "data.split",
-    "data.token_dtype",
     "data.cache_dir",
     "data.packing",
     "data.overlong",

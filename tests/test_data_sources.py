@@ -5,6 +5,7 @@ anything trains."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -63,12 +64,18 @@ def _stream(source) -> np.ndarray:
 # --- pre-tokenized token files ----------------------------------------------------------
 
 
-@pytest.mark.parametrize(("suffix", "dtype"), [(".bin", "uint16"), (".bin", "uint32"), (".npy", "uint32")])
-def test_token_files_are_memory_mapped_and_batched(tmp_path: Path, suffix: str, dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("suffix", "dtype", "vocab"),
+    [(".bin", "uint16", 256), (".bin", "uint16", 65_536), (".bin", "uint32", 65_537), (".npy", "uint32", 256)],
+)
+def test_token_files_are_memory_mapped_and_batched(tmp_path: Path, suffix: str, dtype: str, vocab: int) -> None:
+    """A .bin file's dtype follows the vocabulary (uint16 up to 65,536 ids, nanoGPT's
+    convention; uint32 above); a .npy file states its own."""
     ids = (np.arange(1000) * 7 % 256).astype(dtype)
     path = tmp_path / f"tokens{suffix}"
     np.save(path, ids) if suffix == ".npy" else ids.tofile(path)
-    config = tiny_config(data__format="tokens", data__path=str(path), data__token_dtype=dtype)
+    model = {"model__vocab_size": vocab, "model__n_embd": 8, "model__n_head": 1} if vocab != 256 else {}
+    config = tiny_config(data__format="tokens", data__path=str(path), **model)
     source = config_task(config).open_data()
     assert isinstance(source.tokens, np.memmap) and np.array_equal(source.tokens, ids)
     batch = source.batch(1, 1)
@@ -79,17 +86,23 @@ def test_token_files_are_memory_mapped_and_batched(tmp_path: Path, suffix: str, 
 
 
 def test_token_file_dtype_is_checked_against_the_vocabulary(tmp_path: Path) -> None:
-    path = tmp_path / "tokens.bin"
-    np.arange(1000, dtype=np.uint16).tofile(path)
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.arange(1000, dtype=np.uint16))
     big = tiny_config(
         data__format="tokens", data__path=str(path), model__vocab_size=70_000, model__n_embd=8, model__n_head=1
     )
-    with pytest.raises(ConfigError, match=r"data.path .*tokens.bin.* uint16 ids .* 70000 ids.*data.token_dtype=uint32"):
+    with pytest.raises(ConfigError, match=r"data.path .*tokens.npy.* uint16 ids .* 70000 ids.*write the ids as uint32"):
         config_task(big).open_data()
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\0" * 7)
-    with pytest.raises(ConfigError, match="odd.bin.*not a whole number of uint16 ids"):
+    with pytest.raises(ConfigError, match=r"odd.bin.*not a whole number of uint16 ids.*as a \.npy file"):
         config_task(tiny_config(data__format="tokens", data__path=str(odd))).open_data()
+    six = tmp_path / "six.bin"  # 3 uint16 ids, not a whole number of the uint32 ids of a vocabulary above 65,536
+    np.arange(3, dtype=np.uint16).tofile(six)
+    big = dataclasses.replace(big, data=dataclasses.replace(big.data, path=str(six)))
+    with pytest.raises(ConfigError, match=r"six.bin.*not a whole number of uint32 ids.*vocabulary of 70000 ids"):
+        config_task(big).open_data()
+    path = tmp_path / "tokens.bin"
     floats = tmp_path / "floats.npy"
     np.save(floats, np.zeros(100, dtype=np.float32))
     with pytest.raises(ConfigError, match="floats.npy.*float32"):
@@ -299,7 +312,11 @@ def test_an_hf_models_folder_gives_the_tokenizer_vocabulary_and_context(tmp_path
         (["data.corpus_path=/tmp/x"], "unknown config key 'data.corpus_path': set data.path (with data.format: bytes"),
         (["data.block_size=0"], "data.block_size must be"),
         (["data.tokenizer=/nonexistent"], "data.tokenizer '/nonexistent' is not a folder"),
-        (["data.token_dtype=int8"], "data.token_dtype must be one of"),
+        (
+            ["data.token_dtype=uint32"],
+            "unknown config key 'data.token_dtype': no key sets it: a .bin token file holds uint16 ids when the "
+            "model's vocabulary has at most 65,536 ids, uint32 ids otherwise",
+        ),
     ],
 )
 def test_data_keys_are_checked_when_the_config_loads(overrides: list[str], message: str) -> None:

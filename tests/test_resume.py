@@ -186,3 +186,26 @@ def test_a_checkpoint_from_before_tls_dir_without_tls_compares_as_a_null_tls_dir
     del saved["security"]["tls_dir"]
     saved["security"].update(dict.fromkeys(("tls_cert_file", "tls_key_file", "tls_ca_file")))
     assert config_changes(saved, config) == []
+
+
+@pytest.mark.parametrize(
+    ("vocab", "saved_dtype", "derived"),
+    [(256, "uint16", "uint16"), (256, "uint32", "uint16"), (65_537, "uint32", "uint32"), (65_537, "uint16", "uint32")],
+)
+def test_a_checkpoint_from_before_the_derived_token_dtype_compares_it_with_the_derived_one(
+    tmp_path: Path, vocab: int, saved_dtype: str, derived: str
+) -> None:
+    """Its config holds data.token_dtype: a .bin file's dtype is derived from the vocabulary
+    now (uint16 up to 65,536 ids), so the dtype it derives resumes silently and another is
+    refused naming the key; where no .bin file was read the key is not compared."""
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(bytes(4096))
+    model = {"model__vocab_size": vocab, "model__n_embd": 8, "model__n_head": 1}
+    config = tiny_config(**BASE, data__format="tokens", data__path=str(tokens), **model)
+    saved = to_dict(config)
+    saved["data"]["token_dtype"] = saved_dtype
+    expected = [Change("data.token_dtype", f'"{saved_dtype}"', f'"{derived}"')] if saved_dtype != derived else []
+    assert config_changes(saved, config) == expected
+    assert all(change.key in REFUSED for change in expected)
+    plain = tiny_config(**BASE)
+    assert config_changes({**to_dict(plain), "data": {**to_dict(plain)["data"], "token_dtype": "uint32"}}, plain) == []

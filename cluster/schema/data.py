@@ -20,8 +20,9 @@ class DataConfig:
 
     format: DataFormat = "bytes"
     """bytes: byte-level text (ids 0-255; the demo). tokens: a pre-tokenized `.bin`
-    (raw `data.token_dtype`) or `.npy` file, memory-mapped. text: a text file, or a folder
-    of `*.txt` files, one document each. jsonl: one JSON object a line, its `data.field` a
+    file (raw ids: uint16 for a vocabulary of up to 65,536 ids, uint32 above) or `.npy`
+    file (any integer dtype), memory-mapped. text: a text file, or a folder of `*.txt`
+    files, one document each. jsonl: one JSON object a line, its `data.field` a
     document. chat: one JSON object a line, its `data.field` a list of messages rendered
     with the tokenizer's chat template; the loss counts the assistant's tokens only.
     hf_dataset: a Hugging Face `datasets` folder (`save_to_disk`), or `.parquet`/`.arrow`
@@ -53,9 +54,6 @@ class DataConfig:
     conversation (chat; default "messages")."""
     split: str = "train"
     """hf_dataset: the split to read when the folder holds several (a `DatasetDict`)."""
-    token_dtype: Literal["uint16", "uint32"] = "uint16"
-    """tokens: the dtype of a `.bin` file's ids (a `.npy` file states its own); uint16 holds
-    a vocabulary of up to 65536 ids."""
     cache_dir: str | None = None
     """Where tokenized data is kept, keyed by the data's content, the tokenizer's files and
     these settings, so that another run does not tokenize again; None: ~/.cache/cargohold/data."""

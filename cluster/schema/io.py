@@ -30,6 +30,11 @@ RETIRED_KEYS: dict[str, str] = {
     "security.tls_cert_file": _TLS,
     "security.tls_key_file": _TLS,
     "security.tls_ca_file": _TLS,
+    "data.token_dtype": (
+        "no key sets it: a .bin token file holds uint16 ids when the model's vocabulary has at most 65,536 ids, "
+        "uint32 ids otherwise (nanoGPT's convention); write ids of any other dtype as a .npy file, which states "
+        "its own"
+    ),
 }
 """Keys a configuration no longer has, each with what to write instead: refused as unknown
 keys are, the message saying how to migrate."""

@@ -122,7 +122,7 @@ def open_eval_set(
         tokens = load_tokens(held_out.path, data.corpus_bytes, data.seed, seq_len=seq_len, key="eval.path").numpy()
     elif data.format == "tokens":
         path = Path(held_out.path or "").expanduser()
-        tokens = open_token_file(path, data.token_dtype, "eval")
+        tokens = open_token_file(path, vocab, "eval")
         check_dtype_holds_vocab(tokens.dtype, vocab, name)
         if check_token_file:
             check_ids_in_vocab(path, tokens, vocab, name)

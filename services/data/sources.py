@@ -49,7 +49,7 @@ def open_source(model: ModelSpec, data: DataConfig, num_workers: int, *, check_t
     vocab = vocab_size(model)
     if data.format == "tokens":
         path = Path(data.path or "").expanduser()
-        ids = open_token_file(path, data.token_dtype)
+        ids = open_token_file(path, vocab)
         check_dtype_holds_vocab(ids.dtype, vocab, f"data.path {str(path)!r}")
         if check_token_file:
             check_ids_in_vocab(path, ids, vocab, f"data.path {str(path)!r}")

@@ -1,8 +1,8 @@
 """Pre-tokenized token files, memory-mapped: ``.bin`` (raw ids, no header; the
-nanoGPT/torchtitan convention, its dtype given by ``data.token_dtype``) and ``.npy``
-(numpy's format, which states its dtype). The dtype must hold every id of the model's
-vocabulary, and every id must lie in it: :func:`check_ids_in_vocab` reads the file once,
-before anything trains."""
+nanoGPT/torchtitan convention: uint16 for a vocabulary of up to 65,536 ids, uint32
+above, :func:`bin_dtype`) and ``.npy`` (numpy's format, which states its dtype). The
+dtype must hold every id of the model's vocabulary, and every id must lie in it:
+:func:`check_ids_in_vocab` reads the file once, before anything trains."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import numpy as np
 
 from cargohold.services.core.errors import ConfigError
 
-BIN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
+UINT16_IDS = 1 << 16
+"""The largest vocabulary a ``.bin`` file holds as uint16 ids (nanoGPT's convention);
+one larger holds uint32 ids."""
 SCAN_IDS = 1 << 24
 """Ids a check of the whole file reads at a time (32 or 64 MiB): the pages of a
 memory-mapped file come in a piece at a time, and no copy of it is made."""
@@ -23,9 +25,17 @@ _id_ranges: dict[tuple[str, int, int, int], tuple[int, int]] = {}
 process reads a file once (the command line's check, then the launcher's)."""
 
 
-def open_token_file(path: Path, bin_dtype: str, section: str = "data") -> np.ndarray:
-    """The ids of a ``.bin`` (of ``bin_dtype``) or ``.npy`` file, memory-mapped read-only;
-    ``section`` (data, eval) names the key that named it in messages."""
+def bin_dtype(vocab_size: int) -> np.dtype:
+    """The dtype of a ``.bin`` file's ids for a model of ``vocab_size`` ids: uint16 up to
+    65,536 ids (nanoGPT's convention), uint32 above. Ids of another dtype are written as
+    ``.npy``, which states its own."""
+    return np.dtype(np.uint16 if vocab_size <= UINT16_IDS else np.uint32)
+
+
+def open_token_file(path: Path, vocab_size: int, section: str = "data") -> np.ndarray:
+    """The ids of a ``.bin`` (of :func:`bin_dtype` for the model's ``vocab_size``) or
+    ``.npy`` file, memory-mapped read-only; ``section`` (data, eval) names the key that
+    named it in messages."""
     if not path.is_file():
         raise ConfigError(f"{section}.path {str(path)!r} is not a file (a .bin or .npy of token ids)")
     if path.suffix == ".npy":
@@ -41,12 +51,13 @@ def open_token_file(path: Path, bin_dtype: str, section: str = "data") -> np.nda
         return tokens
     if path.suffix != ".bin":
         raise ConfigError(f"{section}.path {str(path)!r}: data.format=tokens reads .bin or .npy files")
-    dtype = BIN_DTYPES[bin_dtype]
+    dtype = bin_dtype(vocab_size)
     size = path.stat().st_size
     if size % dtype.itemsize:
         raise ConfigError(
-            f"{section}.path {str(path)!r} has {size} bytes, not a whole number of {bin_dtype} ids; "
-            "is data.token_dtype right?"
+            f"{section}.path {str(path)!r} has {size} bytes, not a whole number of {dtype} ids (a .bin file "
+            f"holds {dtype} ids for a vocabulary of {vocab_size} ids: uint16 up to {UINT16_IDS}, uint32 above); "
+            "write ids of another dtype as a .npy file"
         )
     if size == 0:
         raise ConfigError(f"{section}.path {str(path)!r} is empty")
@@ -63,7 +74,8 @@ def check_dtype_holds_vocab(dtype: np.dtype, vocab_size: int, what: str) -> None
     if vocab_size - 1 > largest:
         raise ConfigError(
             f"{what} holds {dtype} ids (at most {largest}) but the model's vocabulary has {vocab_size} ids; "
-            "write the ids as uint32 (and set data.token_dtype=uint32 for a .bin file)"
+            "write the ids as uint32 (a .npy file of uint32, or a .bin file, whose ids are uint32 for a vocabulary "
+            f"above {UINT16_IDS} ids)"
         )
 
 
