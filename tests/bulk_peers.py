@@ -35,7 +35,7 @@ from transport_server import (
     randn,
 )
 
-from cargohold.services.tiers.fileformat import crc32c
+from cargohold.services.core.checksum import crc32c
 from cargohold.services.transport import bulk_client
 from cargohold.services.transport.bulk import (
     Direction,

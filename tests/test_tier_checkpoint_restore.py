@@ -32,10 +32,11 @@ from tier_checkpoints import (
 from cargohold.cluster.schema.server import TierConfig
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest, read_flat_range
 from cargohold.services.checkpoint.writer import SegmentCheckpointer
+from cargohold.services.core.checksum import crc32c
 from cargohold.services.core.errors import CorruptCheckpointError
 from cargohold.services.core.state_precision import StateDtype
 from cargohold.services.segments.segment_registry import SegmentRegistry
-from cargohold.services.tiers.fileformat import HEADER_BYTES, FileLayout, crc32c, parse_header
+from cargohold.services.tiers.fileformat import HEADER_BYTES, FileLayout, parse_header
 from cargohold.services.tiers.storage import TieredStorage
 
 pytestmark = pytest.mark.timeout(120)

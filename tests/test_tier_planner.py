@@ -260,7 +260,7 @@ def test_corrupt_partition_error_pickles() -> None:
 def test_crc32c_matches_google_crc32c_with_and_without_the_native_call() -> None:
     import google_crc32c
 
-    from cargohold.services.tiers.fileformat import crc32c
+    from cargohold.services.core.checksum import crc32c
 
     expected = bytes(range(256)) * 12289 + b"xyz"  # over 3 MiB, an odd length
     data = bytearray(expected)

@@ -26,9 +26,10 @@ import torch
 from cargohold.services.checkpoint.errors import corrupt, os_error
 from cargohold.services.checkpoint.files import open_regular
 from cargohold.services.checkpoint.manifest import FileRecord, Manifest, SegmentRecord
+from cargohold.services.core.checksum import crc32c
 from cargohold.services.core.errors import CorruptPartitionError
 from cargohold.services.core.state_precision import BLOCK_ELEMENTS, STORED_TORCH_DTYPES, StoredMoment, decode_range
-from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout, crc32c, parse_header
+from cargohold.services.tiers.fileformat import ARRAYS, HEADER_BYTES, FileLayout, parse_header
 
 CHUNK = 1 << 20
 """Files are verified by reading 1 MiB pieces into one reused buffer."""

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from cargohold.services.core.checksum import crc32c
 from cargohold.services.core.durable import replace_durably
 from cargohold.services.data.packing import Piece
-from cargohold.services.tiers.fileformat import crc32c
 
 logger = logging.getLogger(__name__)
 

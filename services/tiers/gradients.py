@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from cargohold.services.core.checksum import crc32c
 from cargohold.services.core.errors import TierError, TierSpaceError
-from cargohold.services.tiers.fileformat import corrupt_error, crc32c, gradient_file_bytes
+from cargohold.services.tiers.fileformat import corrupt_error, gradient_file_bytes
 from cargohold.services.tiers.io_pool import AlignedBuffer, BufferPool, IoPool
 from cargohold.services.tiers.nvme import SPACE_ERRNOS, NvmeTier
 from cargohold.services.tiers.residency import PartitionKey, Residency

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cargohold.services.core.checksum import crc32c
 from cargohold.services.core.durable import fsync_file, replace_atomically, replace_durably
 from cargohold.services.core.errors import TierError, TierSpaceError
 from cargohold.services.core.private_files import create_file, open_file, private_folders
@@ -51,7 +52,6 @@ from cargohold.services.tiers.fileformat import (
     check_size,
     check_updates,
     corrupt_error,
-    crc32c,
     gradient_file_bytes,
     unpack_header,
 )

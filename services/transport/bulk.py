@@ -38,8 +38,8 @@ import struct
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from cargohold.services.core.checksum import crc32c
 from cargohold.services.core.errors import TransportError
-from cargohold.services.tiers.fileformat import crc32c
 from cargohold.services.transport.codec import ChecksumError
 
 MAGIC = b"CGHB"

@@ -23,9 +23,10 @@ from typing import Protocol
 
 import torch
 
+from cargohold.services.core.checksum import crc32c
 from cargohold.services.core.errors import ConfigError, TierError, TierSpaceError
 from cargohold.services.core.private_files import private_folders
-from cargohold.services.tiers.fileformat import BLOCK, corrupt_error, crc32c, round_up
+from cargohold.services.tiers.fileformat import BLOCK, corrupt_error, round_up
 from cargohold.services.tiers.folders import lock_folder, remove_folder
 from cargohold.services.tiers.io_pool import AlignedBuffer, BufferPool
 from cargohold.services.tiers.nvme import SPACE_ERRNOS, TierPath, probe_path
