@@ -22,9 +22,9 @@ from cargohold.cluster.sections import config_task, model_spec, port_config
 from cargohold.services.core.layout import Layout
 from cargohold.services.data import dropout_seed
 from cargohold.services.models.build import build_model, parameter_values
+from cargohold.services.worker.device_port import LocalPort, SplitPort
 from cargohold.services.worker.model_setup import exchange_buffers, sharded_model, step_policy
 from cargohold.services.worker.param_groups import resolve_param_groups
-from cargohold.services.worker.state_port import LocalPort, SplitPort
 from cargohold.services.worker.step import ShardedStep
 
 STATES = {"master": "masters", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}

@@ -15,8 +15,8 @@ from reference import tiny_config
 from cargohold.cluster.sections import config_layout, port_config
 from cargohold.services.core.errors import SegmentConflictError, UnknownSegmentError
 from cargohold.services.core.update_call import CommitTerms
+from cargohold.services.worker.device_port import LocalPort
 from cargohold.services.worker.param_groups import resolve_param_groups
-from cargohold.services.worker.state_port import LocalPort
 
 
 def _port(**overrides) -> tuple[LocalPort, list]:

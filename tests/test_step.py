@@ -20,9 +20,10 @@ from step_runs import assert_matches_reference, gloo_group, run_ranks, train_in_
 from cargohold.cluster.sections import config_layout, config_task, model_spec, port_config
 from cargohold.services.data import dropout_seed
 from cargohold.services.models.build import build_model, parameter_values
+from cargohold.services.worker.device_port import LocalPort
 from cargohold.services.worker.model_setup import exchange_buffers, sharded_model, step_policy
 from cargohold.services.worker.param_groups import resolve_param_groups
-from cargohold.services.worker.state_port import ExchangeBuffers, LocalPort
+from cargohold.services.worker.state_port import ExchangeBuffers
 from cargohold.services.worker.step import ShardedStep
 
 STRATEGIES = {

@@ -21,6 +21,7 @@ from cargohold.cluster.sections import config_layout, config_task, model_spec, p
 from cargohold.services.core.errors import CorruptPartitionError, TierError, TierSpaceError, TrainingError
 from cargohold.services.data import dropout_seed
 from cargohold.services.models.build import build_model, parameter_values
+from cargohold.services.worker.device_port import LocalPort
 from cargohold.services.worker.model_setup import (
     exchange_buffers,
     sharded_model,
@@ -29,7 +30,6 @@ from cargohold.services.worker.model_setup import (
 )
 from cargohold.services.worker.param_groups import resolve_param_groups
 from cargohold.services.worker.sharding import local_tensors
-from cargohold.services.worker.state_port import LocalPort
 from cargohold.services.worker.step import ShardedStep
 from cargohold.services.worker.weight_files import WeightFiles
 from cargohold.services.worker.window_schedule import (

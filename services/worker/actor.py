@@ -32,6 +32,7 @@ from cargohold.services.transport import shm
 from cargohold.services.transport.auth import tls_files
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.worker.colocated_collectives import SharedMemoryGroup
+from cargohold.services.worker.device_port import LocalPort, SplitPort
 from cargohold.services.worker.host_allocator import check_loaded_allocator, worker_allocator
 from cargohold.services.worker.model_setup import (
     exchange_buffers,
@@ -44,14 +45,7 @@ from cargohold.services.worker.model_setup import (
 from cargohold.services.worker.param_groups import resolve_param_groups
 from cargohold.services.worker.preemption import PreemptionNotice
 from cargohold.services.worker.sharding import local_tensors
-from cargohold.services.worker.state_port import (
-    ExchangeBuffers,
-    LocalPort,
-    PortConfig,
-    RemotePort,
-    SplitPort,
-    StatePort,
-)
+from cargohold.services.worker.state_port import ExchangeBuffers, PortConfig, RemotePort, StatePort
 from cargohold.services.worker.step import ShardedStep
 from cargohold.services.worker.step_report import EvalReport, StepReport
 from cargohold.services.worker.task import TrainingTask
@@ -90,7 +84,7 @@ class TrainingWorker(SegmentHolder):
         self.rank = rank
         self.run_id = run_id
         self.world_size = config.worker.num_workers
-        self.device = resolve_device(config.worker.device)
+        self.device = resolve_device(config.worker)
         # The device segments' state: on the GPU, or in this process's memory on a CPU worker.
         super().__init__(
             SegmentRegistry(TieredStorage(device=self.device), WeightBuffers(device=self.device)), f"worker{rank}"
@@ -331,8 +325,9 @@ def process_group_backend(device: torch.device) -> str:
         return "gloo"
     if not dist.is_nccl_available():
         raise ConfigError(
-            "worker.device=cuda needs NCCL and this torch has none (torch.distributed.is_nccl_available() is "
-            "False); install a CUDA build of torch with NCCL, or set worker.device=cpu"
+            "CUDA workers (worker.gpus above 0) need NCCL and this torch has none "
+            "(torch.distributed.is_nccl_available() is False); install a CUDA build of torch with NCCL, or set "
+            "worker.gpus=0 to train on CPUs"
         )
     return "nccl"
 

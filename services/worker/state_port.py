@@ -1,10 +1,9 @@
 """The worker's port to the state servers: register, update and fetch one segment.
 
-The step (:mod:`cargohold.services.worker.step`) talks only to a :class:`StatePort`. Two
-implementations: :class:`RemotePort`, the gRPC clients (with shared memory for servers on
-the same node), and :class:`LocalPort`, a state registry in this process: a worker's own
-device segments (``worker.optimizer_on_device_fraction``; :class:`SplitPort` sends each
-segment to its owner), and a step in a test without Ray or a network. Gradients and weights travel through the worker's
+The step (:mod:`cargohold.services.worker.step`) talks only to a :class:`StatePort`. Here
+:class:`RemotePort`, the gRPC clients (with shared memory for servers on the same node);
+:mod:`.device_port` holds the port to state in this process (a worker's own device
+segments, a step without Ray or a network). Gradients and weights travel through the worker's
 :class:`ExchangeBuffers`: a few unit-sized slots in host memory (shared memory when a
 server on this node reads and writes it directly).
 """
@@ -24,7 +23,6 @@ from cargohold.services.core.layout import Segment
 from cargohold.services.core.segment_spec import SegmentSpec, check_same_spec
 from cargohold.services.core.update_call import IN_CALL, STAGED, CommitTerms, GradientIn, SharedRef, UpdateCall
 from cargohold.services.metrics.worker import WorkerMetrics
-from cargohold.services.segments.segment_registry import SegmentRegistry
 from cargohold.services.transport.grpc_client import StateServerClient
 from cargohold.services.transport.shm import SharedRegion
 from cargohold.services.worker.page_lock import PageLock, PageLockRefused, page_lock, pinned_empty
@@ -320,95 +318,6 @@ def _path_label(rpc: str, shm: bool, client: StateServerClient) -> str:
     """The transport counters' label: the call, and the path its bytes took (as the
     server counts them)."""
     return f"{rpc}.shm" if shm else f"{rpc}.bulk" if client.bulk else rpc
-
-
-class LocalPort:
-    """State in this process: the same registry a state server runs."""
-
-    def __init__(
-        self, config: PortConfig, run_id: str, param_groups: ParamGroups, registry: SegmentRegistry | None = None
-    ) -> None:
-        self.config = config
-        self.run_id = run_id
-        self.param_groups = param_groups
-        self.registry = registry if registry is not None else SegmentRegistry()
-
-    def register(self, segment: Segment, initial: torch.Tensor) -> int:
-        return self.registry.register(
-            segment_spec(self.config, self.run_id, segment, self.param_groups), initial.clone()
-        ).updates
-
-    def join(self, segment: Segment) -> int:
-        state = self.registry.get(self.run_id, segment.segment_id)
-        check_same_spec(state.spec, segment_spec(self.config, self.run_id, segment, self.param_groups))
-        return state.updates
-
-    def update(
-        self,
-        segment: Segment,
-        update: int,
-        *,
-        gradient: torch.Tensor | None,
-        terms: CommitTerms | None,
-        out: torch.Tensor | None = None,
-    ) -> bool:
-        state = self.registry.get(self.run_id, segment.segment_id)
-        call = UpdateCall(
-            run_id=self.run_id,
-            segment_id=segment.segment_id,
-            update=update,
-            numel=segment.numel,
-            gradient=STAGED if gradient is None else IN_CALL,
-            terms=terms,
-            weights_dtype=None if terms is None else self.config.compute_dtype,
-        )
-        applied = state.update(call, gradient=gradient).applied
-        if out is not None:
-            self.fetch(segment, update, out)
-        return applied and not call.stages
-
-    def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
-        dtype = self.config.compute_dtype
-        self.registry.get(self.run_id, segment.segment_id).weights(update, dtype, out=out)
-
-    def close(self) -> None:
-        pass
-
-
-class SplitPort:
-    """Each segment to its owner: the state servers' port for theirs, the worker's own
-    (a :class:`LocalPort` over its device registry) for its device segments."""
-
-    def __init__(self, servers: StatePort, device: StatePort) -> None:
-        self.servers = servers
-        self.device = device
-
-    def _owner(self, segment: Segment) -> StatePort:
-        return self.device if segment.on_device else self.servers
-
-    def register(self, segment: Segment, initial: torch.Tensor) -> int:
-        return self._owner(segment).register(segment, initial)
-
-    def join(self, segment: Segment) -> int:
-        return self._owner(segment).join(segment)
-
-    def update(
-        self,
-        segment: Segment,
-        update: int,
-        *,
-        gradient: torch.Tensor | None,
-        terms: CommitTerms | None,
-        out: torch.Tensor | None = None,
-    ) -> bool:
-        return self._owner(segment).update(segment, update, gradient=gradient, terms=terms, out=out)
-
-    def fetch(self, segment: Segment, update: int, out: torch.Tensor) -> None:
-        self._owner(segment).fetch(segment, update, out)
-
-    def close(self) -> None:
-        self.servers.close()
-        self.device.close()
 
 
 def copies_done_event(device: torch.device) -> torch.cuda.Event | None:
