@@ -194,7 +194,7 @@ def main() -> None:
     finally:
         if owns_ray:
             ray.shutdown()
-    device = torch.device("cuda" if config.worker.device == "cuda" else "cpu")
+    device = torch.device("cuda" if config.worker.on_gpus else "cpu")
     thread_counts = [cores] if device.type == "cuda" else sorted({1, cores})
     in_memory = {
         (ac, threads): run_in_memory(baseline, args.warmup, threads, device)

@@ -26,7 +26,7 @@ dtype (DeepSpeed's bf16 mode), ``worker.num_workers`` ranks over gloo with
 ``worker.torch_threads`` threads each (DeepSpeed's CPU Adam with as many OpenMP threads).
 cargohold's state servers run beside its workers on the same cores: a CPU box shares them,
 and so does DeepSpeed's CPU Adam, which runs in its ranks. Where the workers compute on
-CUDA (``worker.device``: ``auto`` on a GPU machine, or ``cuda``), DeepSpeed's ranks do
+CUDA (``worker.gpus`` above 0), DeepSpeed's ranks do
 too: one GPU each (``DS_ACCELERATOR=cuda``, NCCL), their offload buffers pinned.
 
 Timed: the steps after ``--warmup``; a step is ``TrainingSession.step()`` for cargohold and
@@ -288,10 +288,8 @@ def run_cargohold(config, warmup: int, profile: Path | None = None, profiled: st
 
 # --- DeepSpeed, in a child process: ranks spawned over gloo (NCCL on GPUs) -----------------
 def on_gpu(config) -> bool:
-    """Whether the workers compute on CUDA, as cargohold's decide (``worker.device``)."""
-    import torch
-
-    return config.worker.device == "cuda" or (config.worker.device == "auto" and torch.cuda.is_available())
+    """Whether the workers compute on CUDA, as cargohold's decide (``worker.gpus`` above 0)."""
+    return config.worker.on_gpus
 
 
 def zero_setting(item: str) -> tuple[str, object]:

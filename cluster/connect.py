@@ -62,7 +62,7 @@ def _check_gpus(config: TrainConfig, largest: float, total: float, where: str) -
         raise ConfigError(
             f"worker.gpus={per_worker:g} x worker.num_workers={workers} needs {per_worker * workers:g} GPUs, "
             f"{where} has {total:g} (at most {largest:g} on one node); lower worker.gpus or "
-            "worker.num_workers, or set worker.device=cpu and worker.gpus=0"
+            "worker.num_workers, or set worker.gpus=0 to train on CPUs"
         )
 
 

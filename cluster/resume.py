@@ -196,9 +196,13 @@ def _in_current_keys(saved: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's config as this version's keys hold it: an older checkpoint holds
     ``optim.betas`` as ``optim.beta1`` and ``optim.beta2``, a text file of
     ``data.format: bytes`` in ``data.corpus_path`` (its ``data.path`` then null),
-    ``progress``, which no key sets now, and mutual TLS as three files
-    (``security.tls_*_file``; null: no TLS, as a null ``security.tls_dir``)."""
+    ``progress`` and ``worker.device``, which no key sets now (``worker.gpus`` picks the
+    device), and mutual TLS as three files (``security.tls_*_file``; null: no TLS, as a
+    null ``security.tls_dir``)."""
     saved = {k: v for k, v in saved.items() if k != "progress"}
+    worker = saved.get("worker")
+    if isinstance(worker, dict) and "device" in worker:
+        saved["worker"] = {k: v for k, v in worker.items() if k != "device"}
     optim = saved.get("optim")
     if isinstance(optim, dict) and "beta1" in optim and "beta2" in optim and "betas" not in optim:
         rest = {k: v for k, v in optim.items() if k not in ("beta1", "beta2")}

@@ -85,7 +85,6 @@ CONFIG_SURFACE = [
     "optim.nonfinite",
     "optim.state_dtype",
     "worker.num_workers",
-    "worker.device",
     "worker.compute_dtype",
     "worker.grad_wire_dtype",
     "worker.reshard_after_forward",

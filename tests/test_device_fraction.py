@@ -82,23 +82,22 @@ def test_gpu_workers_with_a_share_of_the_optimizer_refuse_stored_moments_naming_
 ) -> None:
     monkeypatch.setattr(cli, "_train", lambda config: pytest.fail("the settings reached training"))
     settings = ["worker.optimizer_on_device_fraction=0.25", "optim.state_dtype=bfloat16"]
-    for device in (["worker.device=cuda"], ["worker.gpus=1"]):
-        assert cli.main(["train", *[a for s in [*settings, *device] for a in ("--set", s)]]) == 2
-        error = capsys.readouterr().err
-        assert "worker.optimizer_on_device_fraction" in error and "optim.state_dtype" in error
+    assert cli.main(["train", *[a for s in [*settings, "worker.gpus=1"] for a in ("--set", s)]]) == 2
+    error = capsys.readouterr().err
+    assert "worker.optimizer_on_device_fraction" in error and "optim.state_dtype" in error
     tiny_config(worker__optimizer_on_device_fraction=0.25, optim__state_dtype="bfloat16")  # CPU workers: fine
 
 
 # --- the plan ------------------------------------------------------------------------------
 def test_the_plan_counts_the_device_segments_state_and_picks_the_fraction_that_fits() -> None:
-    config = tiny_config(worker__device="cuda", worker__optimizer_on_device_fraction=0.5)
+    config = tiny_config(worker__gpus=1, worker__optimizer_on_device_fraction=0.5)
     layout = _layout(config)
     on_device = layout.device_segments(0)
     plan = plan_run(config, ClusterDescription(device_memory_bytes=1 << 30))
     staged_gradients = sum(s.numel for s in on_device) * 4  # clipping is on: fp32 gradients wait for the norm
     state = sum(stored_bytes("float32", s.numel) for s in on_device)
     assert plan.worker.device_state_bytes == state + staged_gradients
-    without = plan_run(tiny_config(worker__device="cuda"), ClusterDescription(device_memory_bytes=1 << 30))
+    without = plan_run(tiny_config(worker__gpus=1), ClusterDescription(device_memory_bytes=1 << 30))
     assert plan.worker.device_peak_bytes == (
         without.worker.device_peak_bytes + plan.worker.device_state_bytes + plan.worker.device_update_bytes
     )
@@ -111,7 +110,7 @@ def test_the_plan_counts_the_device_segments_state_and_picks_the_fraction_that_f
     picked = plan_run(config, tight)
     assert picked.device_fraction_fit == pytest.approx(0.25, abs=0.01)
     assert "optimizer_on_device_fraction: up to 0.2" in render(picked)
-    fitting = plan_run(tiny_config(worker__device="cuda", worker__optimizer_on_device_fraction=0.2), tight)
+    fitting = plan_run(tiny_config(worker__gpus=1, worker__optimizer_on_device_fraction=0.2), tight)
     assert fitting.fits
     assert not plan_run(config, tight).fits, "0.5 of the range does not fit what 0.25 just fits"
     assert plan_run(config).device_fraction_fit is None  # CPU workers: no GPU to fit

@@ -37,7 +37,7 @@ CASES = {
 def test_a_cuda_worker_matches_torch_adamw_bitwise(ray_local, tmp_path, overrides: dict) -> None:
     overrides = {k: str(tmp_path) if v == NVME else v for k, v in overrides.items()}
     # One GPU, one worker: NCCL refuses two ranks on one device.
-    config = tiny_config(steps=8, worker__num_workers=1, worker__device="cuda", worker__gpus=1, **overrides)
+    config = tiny_config(steps=8, worker__num_workers=1, worker__gpus=1, **overrides)
     layout, losses, weights, server = _run(config)
     torch.cuda.synchronize()
     _assert_matches_reference(
@@ -54,7 +54,6 @@ def test_half_the_optimizer_on_the_gpu_stays_within_rounding_of_torch_adamw(ray_
     config = tiny_config(
         steps=8,
         worker__num_workers=1,
-        worker__device="cuda",
         worker__gpus=1,
         state_server__num_servers=2,
         worker__optimizer_on_device_fraction=0.5,

@@ -130,7 +130,7 @@ def test_the_last_blocks_kept_gathered_skip_their_backward_gather() -> None:
 
 def test_the_plan_says_how_many_units_the_gpu_could_keep_gathered() -> None:
     def gpu_plan(kept: int, memory: int):
-        config = tiny_config(model__n_layer=8, worker__device="cuda", worker__kept_gathered_units=kept)
+        config = tiny_config(model__n_layer=8, worker__gpus=1, worker__kept_gathered_units=kept)
         return plan_run(config, ClusterDescription(device_memory_bytes=memory))
 
     peaks = [gpu_plan(kept, 1 << 40).worker.device_peak_bytes for kept in range(9)]
@@ -192,17 +192,17 @@ def test_exchange_slots_are_the_size_of_the_largest_unit() -> None:
 
 
 def test_a_gpu_worker_pins_its_exchange_buffers_shared_with_its_server() -> None:
-    config = tiny_config(worker__device="auto", worker__compute_dtype="bfloat16")
+    config = tiny_config(worker__gpus=1, worker__compute_dtype="bfloat16")
     plan = plan_run(config, ClusterDescription(device_memory_bytes=1 << 30))
     w = plan.worker
     assert w.device == "cuda" and plan.transport == "shared_memory"
     assert w.buffers["exchange"] == _exchange(_layout(config), 4 + 2) == w.pinned_bytes == w.shared_memory_bytes
-    unshared = plan_run(tiny_config(worker__device="cuda", worker__shared_memory="off"))
+    unshared = plan_run(tiny_config(worker__gpus=1, worker__shared_memory="off"))
     assert unshared.transport == "grpc" and unshared.worker.shared_memory_bytes == 0
     assert unshared.worker.pinned_bytes == unshared.worker.buffers["exchange"]
     assert w.device_bytes == w.buffers["weights"]
     assert w.host_bytes == w.runtime_bytes + w.buffers["exchange"] + w.corpus_bytes
-    on_cpu = plan_run(config)
+    on_cpu = plan_run(tiny_config(worker__compute_dtype="bfloat16"))  # worker.gpus 0: CPU workers
     assert on_cpu.worker.device == "cpu" and on_cpu.worker.pinned_bytes == 0
     assert on_cpu.transport == "shared_memory" and on_cpu.worker.shared_memory_bytes == _exchange(_layout(config), 6)
     assert on_cpu.worker.host_bytes == (
@@ -231,7 +231,7 @@ def test_a_cpu_worker_on_mimalloc_counts_the_freed_memory_it_keeps() -> None:
 
 
 def test_offload_moves_the_weights_from_the_device_to_pinned_host_memory() -> None:
-    base = {"worker__device": "cuda", "worker__compute_dtype": "bfloat16", "model__n_layer": 4}
+    base = {"worker__gpus": 1, "worker__compute_dtype": "bfloat16", "model__n_layer": 4}
     plain = plan_run(tiny_config(**base)).worker
     offload = plan_run(tiny_config(**base, worker__offload_params=True)).worker
     chunk = max(chunk for _, chunk in _units(_layout(tiny_config(**base))))
@@ -250,11 +250,23 @@ def test_offload_moves_the_weights_from_the_device_to_pinned_host_memory() -> No
 
 
 def test_offload_on_cpu_workers_is_noted_and_changes_nothing() -> None:
-    plain = plan_run(tiny_config(worker__device="cpu"))
-    offload = plan_run(tiny_config(worker__device="cpu", worker__offload_params=True))
+    plain = plan_run(tiny_config())
+    offload = plan_run(tiny_config(worker__offload_params=True))
     assert not offload.worker.offload and offload.worker == plain.worker
     assert any("offload_params does nothing for CPU workers" in note for note in offload.notes)
     assert not any("offload_params" in note for note in plain.notes)
+
+
+def test_the_workers_are_planned_on_gpus_when_they_reserve_them() -> None:
+    """worker.gpus says where the workers compute: a device memory given for CPU workers
+    is noted as not checked, not taken as a reason to plan them on GPUs."""
+    gpu = ClusterDescription(device_memory_bytes=1 << 30)
+    on_cpu = plan_run(tiny_config(), gpu)
+    assert on_cpu.worker.device == "cpu" and "device memory per worker" not in {c.resource for c in on_cpu.checks}
+    assert any("device memory given is not checked: worker.gpus is 0" in note for note in on_cpu.notes)
+    on_gpu = plan_run(tiny_config(worker__gpus=1), gpu)
+    assert on_gpu.worker.device == "cuda" and "device memory per worker" in {c.resource for c in on_gpu.checks}
+    assert not any("device memory given" in note for note in on_gpu.notes)
 
 
 def test_activation_checkpointing_keeps_only_each_blocks_input() -> None:

@@ -83,7 +83,7 @@ def test_cli_json(tiny_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture
         "--nvme",
         "1TB",
         "--set",
-        "worker.device=cuda",
+        "worker.gpus=1",
         "--set",
         "state_server.tier.ram_budget_bytes=327680",
         "--set",

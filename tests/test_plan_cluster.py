@@ -56,7 +56,7 @@ def test_format_bytes() -> None:
 
 # --- fitting -------------------------------------------------------------------------------
 def test_checks_name_each_resource_and_its_shortfall(tmp_path: Path) -> None:
-    config = tiny_config(worker__device="cuda", state_server__tier=nvme_tier(tmp_path))
+    config = tiny_config(worker__gpus=1, state_server__tier=nvme_tier(tmp_path))
     plan = plan_run(config, ClusterDescription(device_memory_bytes=1 << 20, nvme_bytes=1 << 30))
     verdicts = {c.resource: c for c in plan.checks}
     device = verdicts["device memory per worker"]

@@ -209,3 +209,13 @@ def test_a_checkpoint_from_before_the_derived_token_dtype_compares_it_with_the_d
     assert all(change.key in REFUSED for change in expected)
     plain = tiny_config(**BASE)
     assert config_changes({**to_dict(plain), "data": {**to_dict(plain)["data"], "token_dtype": "uint32"}}, plain) == []
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda"])
+def test_a_checkpoints_worker_device_is_not_compared(device: str) -> None:
+    """A checkpoint saved while worker.device chose the device holds it; worker.gpus
+    picks it now (and is compared as any key is)."""
+    config = tiny_config(**BASE)
+    saved = to_dict(config)
+    saved["worker"]["device"] = device
+    assert config_changes(saved, config) == []

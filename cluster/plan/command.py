@@ -23,8 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device-memory",
         metavar="SIZE",
-        help="memory of each worker's accelerator, e.g. 80GiB; "
-        "absent, workers with worker.device=auto are planned on CPUs",
+        help="memory of each worker's accelerator, e.g. 80GiB (workers with worker.gpus above 0); "
+        "absent, their device memory is not checked",
     )
     parser.add_argument("--host-memory", metavar="SIZE", help="RAM of each node, e.g. 256GiB")
     parser.add_argument("--nvme", metavar="SIZE", help="free NVMe of each state server, e.g. 2TiB")

@@ -37,7 +37,7 @@ class ClusterDescription:
     """What the run will get. A YAML file holds the same keys, sizes as numbers of bytes or
     strings like ``80GiB``::
 
-        device_memory: 80GiB      # each worker's accelerator; absent: workers run on CPUs
+        device_memory: 80GiB      # each worker's accelerator (worker.gpus > 0); absent: unchecked
         nvme: 100GiB              # free NVMe of each state server (all its tier paths), and of
                                   # each node's workers' weight files (worker.weights_nvme_path)
         host_memory: 64GiB        # default RAM of a node (for groups that do not say)

@@ -103,6 +103,11 @@ def plan_run(config: TrainConfig, cluster: ClusterDescription | None = None) -> 
         "estimated; not counted: the CUDA context's device memory, caching allocator and NCCL buffers, "
         "Ray's object store",
     ]
+    if cluster.device_memory_bytes is not None and worker.device == "cpu":
+        notes.append(
+            "the device memory given is not checked: worker.gpus is 0, so the workers compute on CPUs; "
+            "set worker.gpus (1 on GPU nodes) to plan them on GPUs"
+        )
     if config.worker.offload_params and worker.device == "cpu":
         notes.append(
             "worker.offload_params does nothing for CPU workers (their weights are in host memory "
@@ -162,7 +167,7 @@ def plan_parts(
     plans of any config that differs from it only in sizes the model does not depend on
     (the weight window, the slots, the RAM tier's budget): the model is built once."""
     model, _, layout = _layout(config, task)
-    device = _worker_device(config, cluster)
+    device = _worker_device(config)
     transport = _transport(config, cluster.groups(config))
     activations = activation_bytes_estimate(config, model)
 
@@ -194,23 +199,19 @@ def _layout(config: TrainConfig, task: TrainingTask | None = None) -> tuple[torc
     return model, units, layout
 
 
-def _worker_device(config: TrainConfig, cluster: ClusterDescription) -> str:
-    requested = config.worker.device
-    if requested == "auto":  # a plan cannot look for GPUs: the cluster description says
-        return "cuda" if cluster.device_memory_bytes is not None else "cpu"
-    return requested
+def _worker_device(config: TrainConfig) -> str:
+    """Where the workers compute: on CUDA when they reserve GPUs (``worker.gpus``)."""
+    return "cuda" if config.worker.on_gpus else "cpu"
 
 
 def budgeted_config(config: TrainConfig, task: TrainingTask | None = None) -> TrainConfig:
     """What a run starts with: ``config`` with the split of ``cluster.host_memory_bytes``
     applied (unchanged without one; ConfigError when the run cannot fit it). Workers are
-    planned on GPUs when the config asks for them (worker.device cuda, or auto with
-    worker.gpus), on one node with the state servers."""
+    planned on GPUs when they reserve them (worker.gpus), on one node with the state
+    servers."""
     if config.cluster.host_memory_bytes is None:
         return config
-    on_gpus = config.worker.device == "cuda" or (config.worker.device == "auto" and config.worker.gpus > 0)
-    cluster = ClusterDescription(device_memory_bytes=1 if on_gpus else None)  # the size is not checked here
-    return apply_host_budget(config, plan_parts(config, cluster, task)[1])
+    return apply_host_budget(config, plan_parts(config, ClusterDescription(), task)[1])
 
 
 def _transport(config: TrainConfig, groups: Sequence[NodeGroup]) -> str:

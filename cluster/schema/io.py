@@ -30,6 +30,10 @@ RETIRED_KEYS: dict[str, str] = {
     "security.tls_cert_file": _TLS,
     "security.tls_key_file": _TLS,
     "security.tls_ca_file": _TLS,
+    "worker.device": (
+        "no key sets it: set worker.gpus (1 on GPU nodes): workers that reserve GPUs compute on CUDA with NCCL, "
+        "workers with worker.gpus: 0 on the CPU with gloo"
+    ),
     "data.token_dtype": (
         "no key sets it: a .bin token file holds uint16 ids when the model's vocabulary has at most 65,536 ids, "
         "uint32 ids otherwise (nanoGPT's convention); write ids of any other dtype as a .npy file, which states "

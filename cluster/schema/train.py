@@ -91,8 +91,7 @@ def _check_device_state(config: TrainConfig) -> None:
     """GPU workers keep their share of the optimizer in fp32: the bf16 and 8-bit kinds'
     codecs run on the state servers' CPUs."""
     worker, state_dtype = config.worker, config.optim.state_dtype
-    on_gpus = worker.device == "cuda" or (worker.device == "auto" and worker.gpus > 0)
-    if on_gpus and worker.optimizer_on_device_fraction and state_dtype != "float32":
+    if worker.on_gpus and worker.optimizer_on_device_fraction and state_dtype != "float32":
         raise ConfigError(
             "worker.optimizer_on_device_fraction on GPU workers keeps fp32 state: set optim.state_dtype=float32 "
             f"(got {state_dtype}) or keep the whole optimizer on the state servers (fraction 0)"

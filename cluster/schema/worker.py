@@ -19,8 +19,6 @@ HostAllocatorSetting = Literal["auto", "mimalloc", "glibc"]
 class WorkerConfig:
     num_workers: int = 2
     """Data-parallel workers, one per accelerator (CPU processes when there is none)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """auto: CUDA + NCCL when the worker sees a GPU, else CPU + gloo."""
     compute_dtype: DType = "float32"
     """Dtype of the weights the worker holds and computes in. float16 (GPUs without bf16:
     T4, V100) scales the loss dynamically (`tuning.optim.loss_scale`); it needs
@@ -94,7 +92,8 @@ class WorkerConfig:
     cpus: float = 1.0
     """Ray CPUs reserved per worker; its torch runs this many intra-op threads (at least 1)."""
     gpus: float = 0.0
-    """Ray GPUs reserved per worker (set 1 on GPU nodes)."""
+    """Ray GPUs reserved per worker; it also says where the workers compute: above 0 on
+    CUDA with NCCL between them (set 1 on GPU nodes), 0 on the CPU with gloo."""
     optimizer_on_device_fraction: float = 0.0
     """The share of each worker's range whose AdamW state (fp32 master weights and moments)
     the worker keeps on its own device and updates there with torch's fused AdamW; the
@@ -119,6 +118,11 @@ class WorkerConfig:
     The driver's environment wins (``LD_PRELOAD``, ``MIMALLOC_*``, ``MALLOC_*``)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Extra Ray custom resources each worker's bundle asks for (pins workers to nodes)."""
+
+    @property
+    def on_gpus(self) -> bool:
+        """The workers compute on CUDA (NCCL between them): they reserve GPUs."""
+        return self.gpus > 0
 
     @property
     def torch_threads(self) -> int:

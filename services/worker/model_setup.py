@@ -6,6 +6,7 @@ step's policy and exchange buffers.
 
 from __future__ import annotations
 
+import os
 from typing import cast
 
 import torch
@@ -41,13 +42,18 @@ from cargohold.services.worker.weight_files import WeightFiles, WeightObserver
 from cargohold.services.worker.weight_window import WeightWindow
 
 
-def resolve_device(requested: str) -> torch.device:
-    """``auto`` picks CUDA when this process sees a GPU, else the CPU."""
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise TrainingError("worker.device is 'cuda' but this worker sees no GPU; set worker.device=cpu")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def resolve_device(worker: WorkerConfig) -> torch.device:
+    """CUDA when the worker reserves GPUs (``worker.gpus`` above 0), else the CPU; a GPU
+    worker that sees no CUDA device fails naming the key."""
+    if not worker.on_gpus:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise TrainingError(
+            f"worker.gpus={worker.gpus:g} asks for CUDA workers but this worker sees no CUDA device "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}; CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); set worker.gpus=0 to train on CPUs"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def model_layout(task: TrainingTask, worker: WorkerConfig, num_servers: int) -> tuple[nn.Module, list[Unit], Layout]:
