@@ -23,7 +23,6 @@ from cargohold.services.core.errors import (
 )
 from cargohold.services.core.optim import (
     FragmentGroup,
-    apply_update,
     clip_coefficient,
     clip_fragments,
     inverse_scale,
@@ -332,21 +331,20 @@ class SegmentState:
             number = number.to(device)
             coefficient = coefficient.to(device) if coefficient is not None else None
         if span.fragments:
-            state = partition.state
-            groups = [
-                FragmentGroup(clip_fragments(group.fragments, span.start, span.stop), group.hyper, group.lr_scale)
-                for group in self._groups
-            ]
-            if self.spec.state_dtype == "float32":  # the moments are fp32 tensors: the kernel runs on them
-                apply_update(
-                    state.master, state.exp_avg.values, state.exp_avg_sq.values, groups, partition.gradient,
-                    step=number, coefficient=coefficient, lr=lr, owned=partition.owned,
-                )  # fmt: skip
-            else:
-                apply_update_stored(
-                    state.master, state.exp_avg, state.exp_avg_sq, groups, partition.gradient,
-                    step=number, coefficient=coefficient, lr=lr, owned=partition.owned,
-                )  # fmt: skip
+            apply_update_stored(
+                partition.state.master,
+                partition.state.exp_avg,
+                partition.state.exp_avg_sq,
+                [
+                    FragmentGroup(clip_fragments(group.fragments, span.start, span.stop), group.hyper, group.lr_scale)
+                    for group in self._groups
+                ],
+                partition.gradient,
+                step=number,
+                coefficient=coefficient,
+                lr=lr,
+                owned=partition.owned,
+            )
         if weights_out is not None:
             weights_out[span.start : span.stop].copy_(partition.state.master)
 
