@@ -128,7 +128,7 @@ def session_overrides(workers: int, dtype: str, wire: str) -> list[str]:
         f"worker.grad_wire_dtype={wire}",
         f"worker.num_workers={workers}",
         "state_server.num_servers=1",
-        "cluster.startup_timeout_s=1200",
+        "tuning.cluster.startup_timeout_s=1200",
         "tuning.state_server.rpc_timeout_s=1200",
     ]
 

@@ -113,7 +113,7 @@ def overrides(model: Path, root: Path, args: argparse.Namespace) -> list[str]:
         f"cluster.host_memory_bytes={int(args.budget_gib * GiB)}",
         f"tuning.state_server.tier.partition_bytes={args.partition_mib << 20}",
         "tuning.state_server.tier.buffer_count=2",
-        "cluster.startup_timeout_s=1800",
+        "tuning.cluster.startup_timeout_s=1800",
         "tuning.state_server.rpc_timeout_s=1800",
     ]
 

@@ -39,7 +39,7 @@ def connect_ray(config: TrainConfig) -> bool:
         _warn_if_short_of_gpus(config)
         return owns
     # Ray's own GPU detection (NVML) can see none where torch sees them; this process's
-    # count is the node's, and a shortfall fails now rather than after startup_timeout_s.
+    # count is the node's, and a shortfall fails now rather than after the start-up timeout.
     gpus = torch.cuda.device_count()
     _check_gpus(config, gpus, gpus, "this node (torch.cuda.device_count())")
     needed = config.worker.num_workers * config.worker.cpus + config.state_server.num_servers * config.state_server.cpus
@@ -77,9 +77,13 @@ def check_budget_on_cluster(config: TrainConfig) -> None:
 
 def _warn_if_short_of_gpus(config: TrainConfig) -> None:
     """On a cluster this process joined, nodes may still be joining: warn, and leave the
-    placement group to wait (cluster.startup_timeout_s)."""
+    placement group to wait (tuning.cluster.startup_timeout_s)."""
     counts = [node["Resources"].get("GPU", 0.0) for node in ray.nodes() if node["Alive"]]
     try:
         _check_gpus(config, max(counts, default=0.0), sum(counts), "the Ray cluster")
     except ConfigError as short:
-        logger.warning("%s; waiting up to cluster.startup_timeout_s for nodes to join", short)
+        logger.warning(
+            "%s; waiting up to %gs (tuning.cluster.startup_timeout_s) for nodes to join",
+            short,
+            config.cluster.startup_wait_s,
+        )

@@ -143,7 +143,7 @@ class TrainingSession:
         self._owns_ray = connect_ray(cfg)
         if cfg.cluster.address is not None or not self._owns_ray:  # a cluster this machine need not hold
             check_budget_on_cluster(cfg)
-        timeout = cfg.cluster.startup_timeout_s
+        timeout = cfg.cluster.startup_wait_s
         worker_bundle = {"CPU": cfg.worker.cpus, "GPU": cfg.worker.gpus, **cfg.worker.resources}
         server_bundle = {"CPU": cfg.state_server.cpus, **cfg.state_server.resources}
         bundles = [server_bundle] * cfg.state_server.num_servers + [worker_bundle] * cfg.worker.num_workers
@@ -154,8 +154,8 @@ class TrainingSession:
             raise TrainingError(
                 f"Ray could not place {len(bundles)} bundles ({cfg.state_server.num_servers} state servers "
                 f"x {server_bundle}, {cfg.worker.num_workers} workers x {worker_bundle}) within {timeout}s "
-                f"with strategy {cfg.cluster.placement_strategy}; lower worker.cpus/state_server.cpus or "
-                "add nodes"
+                f"(tuning.cluster.startup_timeout_s) with strategy {cfg.cluster.placement_strategy}; lower "
+                "worker.cpus/state_server.cpus or add nodes"
             )
 
         server_cls = ray.remote(StateServer)
@@ -235,7 +235,7 @@ class TrainingSession:
         """Form the workers' process group, connect them to the servers and register their
         segments, which must stand at ``update``; ``load``: then fetch the servers' weights
         (a restore, a replacement), with the dynamic loss scale ``loss_scale`` (fp16)."""
-        timeout = self.config.cluster.startup_timeout_s
+        timeout = self.config.cluster.startup_wait_s
         host, port = get_all(self.workers[0].rendezvous_address.remote(), timeout, "starting workers")
         get_all(
             [w.init_process_group.remote(host, port, self.server_addresses, self._server_nodes) for w in self.workers],

@@ -63,7 +63,7 @@ def replace_workers(session: TrainingSession) -> int:
     config = session.config
     if reason := live_refusal(config):
         raise UnsettledError(reason)
-    timeout = config.cluster.startup_timeout_s
+    timeout = config.cluster.startup_wait_s
     get_all([s.address.remote() for s in session.servers], timeout, "checking that every state server is alive")
     lost = {rank for rank, call in enumerate(session.collective_calls) if _died(call)} | set(session.leaving)
     started = session.new_workers(lost)  # their processes start while the rest is settled
@@ -88,7 +88,7 @@ def _settle_servers(session: TrainingSession) -> tuple[int, int]:
     """Once the lost workers' calls have ended, bring every segment to one update (the
     settled update) and return it with the step the run goes on after."""
     config, servers, run_id = session.config, session.servers, session.run_id
-    timeout = config.cluster.startup_timeout_s
+    timeout = config.cluster.startup_wait_s
     calls_s = config.state_server.rpc_timeout_s
     if not all(get_all([s.quiet.remote(calls_s) for s in servers], timeout + calls_s, "waiting for calls to end")):
         raise UnsettledError(f"a state server still had calls of the lost workers in flight after {calls_s}s")
@@ -145,7 +145,7 @@ def end_worker_group(session: TrainingSession, keep: set[int]) -> dict[int, Any]
     rank (one that cannot within the start-up timeout is killed too), the others are
     killed at once. Returns once Ray fails calls to the killed ones, after removing the
     weight folders they could not."""
-    timeout = session.config.cluster.startup_timeout_s
+    timeout = session.config.cluster.startup_wait_s
     workers = session.workers
     leaves = {rank: w.leave_group.remote() for rank, w in enumerate(workers) if rank in keep}
     killed = [w for rank, w in enumerate(workers) if rank not in keep]

@@ -105,7 +105,6 @@ CONFIG_SURFACE = [
     "state_server.tier.nvme_paths",
     "state_server.tier.ram_budget_bytes",
     "cluster.address",
-    "cluster.startup_timeout_s",
     "cluster.host_memory_bytes",
     "metrics.enabled",
     "metrics.port",
@@ -142,6 +141,7 @@ CONFIG_SURFACE = [
     "tuning.state_server.tier.direct_io",
     "tuning.cluster.num_cpus",
     "tuning.cluster.placement_strategy",
+    "tuning.cluster.startup_timeout_s",
 ]
 
 

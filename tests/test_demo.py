@@ -65,7 +65,7 @@ def test_unplaceable_run_fails_with_a_clear_message() -> None:
         "--set",
         "worker.resources={no_such_accelerator: 1}",
         "--set",
-        "cluster.startup_timeout_s=2",
+        "tuning.cluster.startup_timeout_s=2",
         "--set",
         "model.n_layer=1",
         timeout=300,

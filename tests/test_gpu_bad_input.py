@@ -4,7 +4,7 @@ page-locked is in test_page_lock.py).
 worker.gpus against the GPUs a cluster has. An in-process cluster is given torch's
 count of this node's GPUs (Ray's own NVML detection can report none), and a run asking
 for more fails at once naming worker.gpus, instead of its placement group waiting
-cluster.startup_timeout_s (120 s by default) for GPUs that never come. On a cluster the
+its start-up timeout (120 s in-process) for GPUs that never come. On a cluster the
 launcher joins, nodes may still be joining: there it warns and waits. worker.gpus also
 says where the workers compute: a GPU worker that sees no CUDA device, or whose torch
 has no NCCL, fails naming worker.gpus."""
@@ -43,7 +43,7 @@ def test_a_run_asking_for_more_gpus_than_the_node_has_fails_at_once_naming_worke
     started = time.monotonic()
     with pytest.raises(ConfigError, match=r"worker\.gpus=\S+ x worker\.num_workers=\d+ needs .* GPUs, this node"):
         TrainingSession(config).start()
-    assert time.monotonic() - started < config.cluster.startup_timeout_s / 4
+    assert time.monotonic() - started < config.cluster.startup_wait_s / 4
     assert not ray.is_initialized()  # refused before any cluster started
 
 

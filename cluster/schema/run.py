@@ -14,6 +14,15 @@ if TYPE_CHECKING:
     from cargohold.cluster.schema.train import TrainConfig
 
 
+LOCAL_STARTUP_S = 120.0
+"""How long a run waits for its actors on the cluster it starts in-process: the node is
+there, its resources known."""
+JOINED_STARTUP_S = 1800.0
+"""How long a run waits on a cluster it joins (a RayJob's, a KubeRay cluster's): nodes
+may still be starting, pulling the image, or replacing a reclaimed spot node, and each
+worker initialises its shard of the model."""
+
+
 @dataclass(kw_only=True, slots=True)
 class ClusterConfig:
     address: str | None = None
@@ -22,8 +31,11 @@ class ClusterConfig:
     """Logical CPUs of the in-process cluster; None sizes it to fit the run."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = tuning("PACK")
     """Ray placement-group strategy over the worker and state-server bundles."""
-    startup_timeout_s: float = 120.0
-    """How long to wait for the placement group and every actor to be ready."""
+    startup_timeout_s: float | None = tuning(None)
+    """How long to wait for the placement group and every actor to be ready; None: 120 s
+    for the cluster a run starts in-process, 1800 s for one it joins (`cluster.address`),
+    whose nodes may still be starting, pulling images or replacing a reclaimed one
+    (:attr:`startup_wait_s`)."""
     host_memory_bytes: int | None = None
     """Host RAM cargohold's processes of the run may use together (the driver, the workers,
     the state servers; each process's runtime counted; Ray's own processes, its GCS,
@@ -34,10 +46,19 @@ class ClusterConfig:
     unset); a run that cannot fit it is refused before it starts. `cargohold plan` prints
     the split. null: no budget (each part as configured)."""
 
+    @property
+    def startup_wait_s(self) -> float:
+        """The start-up timeout in effect: ``tuning.cluster.startup_timeout_s``, or the
+        default for a cluster started in-process or joined."""
+        if self.startup_timeout_s is not None:
+            return self.startup_timeout_s
+        return JOINED_STARTUP_S if self.address is not None else LOCAL_STARTUP_S
+
     def __post_init__(self) -> None:
         if self.num_cpus is not None:
             positive("tuning.cluster.num_cpus", self.num_cpus)
-        positive("cluster.startup_timeout_s", self.startup_timeout_s)
+        if self.startup_timeout_s is not None:
+            positive("tuning.cluster.startup_timeout_s", self.startup_timeout_s)
         if self.host_memory_bytes is not None:
             positive("cluster.host_memory_bytes", self.host_memory_bytes)
 
