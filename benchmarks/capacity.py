@@ -125,7 +125,7 @@ def session_overrides(workers: int, dtype: str, wire: str) -> list[str]:
         "data.batch_size=1",
         "data.corpus_bytes=200000",
         f"worker.compute_dtype={dtype}",
-        f"worker.grad_wire_dtype={wire}",
+        f"tuning.worker.grad_wire_dtype={wire}",
         f"worker.num_workers={workers}",
         "state_server.num_servers=1",
         "tuning.cluster.startup_timeout_s=1200",

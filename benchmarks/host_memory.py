@@ -100,7 +100,7 @@ def overrides(model: Path, root: Path, args: argparse.Namespace) -> list[str]:
         "worker.num_workers=1",
         "worker.cpus=2",
         "worker.compute_dtype=bfloat16",
-        "worker.grad_wire_dtype=bfloat16",
+        "tuning.worker.grad_wire_dtype=bfloat16",
         "worker.activation_checkpointing=blocks",
         f"worker.weights_nvme_path={root / 'weights'}",
         "tuning.worker.weight_window=2",

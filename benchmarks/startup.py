@@ -139,7 +139,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000, help=">= 256: cargohold's data is byte-level")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="worker.compute_dtype")
-    parser.add_argument("--wire", default="float32", choices=["float32", "bfloat16"], help="worker.grad_wire_dtype")
+    parser.add_argument(
+        "--wire", default="float32", choices=["float32", "bfloat16"], help="tuning.worker.grad_wire_dtype"
+    )
     parser.add_argument(
         "--env",
         action="append",

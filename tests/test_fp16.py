@@ -94,7 +94,10 @@ def test_the_servers_take_the_scale_out_exactly() -> None:
         (["tuning.optim.loss_scale.backoff_factor=3"], "tuning.optim.loss_scale.backoff_factor must be a power of two"),
         (["tuning.optim.loss_scale.growth_interval=0"], "tuning.optim.loss_scale.growth_interval must be >= 1"),
         (["worker.compute_dtype=float16", "optim.nonfinite=fail"], "needs optim.nonfinite=skip"),
-        (["worker.grad_wire_dtype=float16"], "worker.grad_wire_dtype=float16 needs worker.compute_dtype=float16"),
+        (
+            ["tuning.worker.grad_wire_dtype=float16"],
+            "tuning.worker.grad_wire_dtype=float16 needs worker.compute_dtype=float16",
+        ),
     ],
 )
 def test_bad_fp16_settings_exit_2_naming_the_key(capsys, settings: list[str], named: str) -> None:

@@ -49,7 +49,7 @@ class TrainConfig:
 
     @property
     def push_dtype(self) -> DType:
-        """The dtype gradients go to the state servers in: `worker.grad_wire_dtype`, or
+        """The dtype gradients go to the state servers in: `tuning.worker.grad_wire_dtype`, or
         float32 when micro-batches are accumulated, since their sum is kept in fp32 (as
         FSDP2 sums gradients into fp32 parameters' `.grad`) and rounding it to the wire
         dtype would lose what the accumulation added."""
@@ -82,7 +82,7 @@ def _check_float16(config: TrainConfig) -> None:
         )
     if worker.grad_wire_dtype == "float16" and worker.compute_dtype != "float16":
         raise ConfigError(
-            f"worker.grad_wire_dtype=float16 needs worker.compute_dtype=float16 (got {worker.compute_dtype}): "
+            f"tuning.worker.grad_wire_dtype=float16 needs worker.compute_dtype=float16 (got {worker.compute_dtype}): "
             "only gradients computed with a loss scale keep their small values in fp16"
         )
 

@@ -23,9 +23,11 @@ class WorkerConfig:
     """Dtype of the weights the worker holds and computes in. float16 (GPUs without bf16:
     T4, V100) scales the loss dynamically (`tuning.optim.loss_scale`); it needs
     `optim.nonfinite: skip`, since the steps whose scaled gradients overflow are skipped."""
-    grad_wire_dtype: DType = "float32"
-    """Dtype gradients are reduced among workers and pushed to state servers in; float16
-    only with `worker.compute_dtype: float16` (the gradients then carry the loss scale)."""
+    grad_wire_dtype: DType = tuning("float32")
+    """Dtype gradients are reduced among workers and pushed to state servers in: bfloat16
+    halves the bytes each step moves, against fp32's bitwise contract with FSDP2's fp32
+    reduction; float16 only with `worker.compute_dtype: float16` (the gradients then carry
+    the loss scale)."""
     reshard_after_forward: bool = True
     """Free each block's gathered weights after its forward and gather them again for
     backward (ZeRO-3); false keeps them from forward to backward (ZeRO-2-like: faster,
