@@ -20,8 +20,10 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_auth_token(env_name: str | None) -> str | None:
-    """The token state-server calls carry: from the environment, else fresh for this run.
-    Never logged; actors receive it as an argument, outside the config."""
+    """The token state-server calls carry: from the environment variable ``env_name``
+    (the launcher's is always ``CARGOHOLD_AUTH_TOKEN``), else fresh for this run; None:
+    none (a process that serves without one). Never logged; actors receive it as an
+    argument, outside the config."""
     if env_name is None:
         return None
     return os.environ.get(env_name) or secrets.token_urlsafe(32)

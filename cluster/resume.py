@@ -196,8 +196,9 @@ def _in_current_keys(saved: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's config as this version's keys hold it: an older checkpoint holds
     ``optim.betas`` as ``optim.beta1`` and ``optim.beta2``, a text file of
     ``data.format: bytes`` in ``data.corpus_path`` (its ``data.path`` then null),
-    ``progress`` and ``worker.device``, which no key sets now (``worker.gpus`` picks the
-    device), and mutual TLS as three files (``security.tls_*_file``; null: no TLS, as a
+    ``progress``, ``worker.device`` and ``security.auth_token_env``, which no key sets now
+    (``worker.gpus`` picks the device; the token is always read from
+    ``$CARGOHOLD_AUTH_TOKEN``), and mutual TLS as three files (``security.tls_*_file``; null: no TLS, as a
     null ``security.tls_dir``)."""
     saved = {k: v for k, v in saved.items() if k != "progress"}
     worker = saved.get("worker")
@@ -212,6 +213,8 @@ def _in_current_keys(saved: dict[str, Any]) -> dict[str, Any]:
         rest = {k: v for k, v in data.items() if k != "corpus_path"}
         saved["data"] = {**rest, "path": data["corpus_path"]} if data["corpus_path"] is not None else rest
     security = saved.get("security")
+    if isinstance(security, dict) and "auth_token_env" in security:
+        security = saved["security"] = {k: v for k, v in security.items() if k != "auth_token_env"}
     tls = ("tls_cert_file", "tls_key_file", "tls_ca_file")
     if isinstance(security, dict) and any(key in security for key in tls):
         rest = {k: v for k, v in security.items() if k not in tls}

@@ -330,3 +330,16 @@ def test_the_launcher_token_comes_from_the_environment_or_is_fresh(monkeypatch) 
     fresh = {resolve_auth_token("CARGOHOLD_TEST_TOKEN") for _ in range(3)}
     assert len(fresh) == 3 and all(len(t) >= 32 for t in fresh)
     assert resolve_auth_token(None) is None
+
+
+def test_the_launcher_always_reads_cargohold_auth_token(monkeypatch) -> None:
+    """No key names the token's variable: the launcher reads CARGOHOLD_AUTH_TOKEN, and the
+    retired key is refused saying so."""
+    from cargohold.cluster.connect import resolve_auth_token
+
+    monkeypatch.setenv("CARGOHOLD_AUTH_TOKEN", "from-env")
+    assert resolve_auth_token(load_config(None).security.auth_token_env) == "from-env"
+    refused = r"unknown config key 'security\.auth_token_env': no key sets it: .* variable CARGOHOLD_AUTH_TOKEN"
+    for value in ("MY_TOKEN", "null"):
+        with pytest.raises(ConfigError, match=refused):
+            load_config(None, [f"security.auth_token_env={value}"])

@@ -108,7 +108,6 @@ CONFIG_SURFACE = [
     "metrics.enabled",
     "metrics.port",
     "metrics.file_sd_path",
-    "security.auth_token_env",
     "security.tls_dir",
     "checkpoint.dir",
     "checkpoint.every_steps",

@@ -201,8 +201,8 @@ def _secret_env(container: dict) -> dict[str, dict]:
 def test_auth_tokens_come_from_the_secret(kind: str) -> None:
     spec = _spec(kind)
     _, train = _train_config(spot=kind == "spot")
-    config_env = train.get("security", {}).get("auth_token_env", SecurityConfig().auth_token_env)
-    assert config_env == CARGOHOLD_TOKEN_ENV, "the manifests must set the variable the launcher reads"
+    assert "auth_token_env" not in train.get("security", {}), "no key names the variable (it is fixed)"
+    assert SecurityConfig().auth_token_env == CARGOHOLD_TOKEN_ENV, "the manifests set the variable the launcher reads"
     head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
     # The launcher runs in the job's driver on the head; it hands the token to the actors.
     assert _secret_env(head)[CARGOHOLD_TOKEN_ENV] == {"name": SECRET, "key": "cargohold_token"}

@@ -219,3 +219,13 @@ def test_a_checkpoints_worker_device_is_not_compared(device: str) -> None:
     saved = to_dict(config)
     saved["worker"]["device"] = device
     assert config_changes(saved, config) == []
+
+
+@pytest.mark.parametrize("env", ["CARGOHOLD_AUTH_TOKEN", "MY_TOKEN", None])
+def test_a_checkpoints_auth_token_env_is_not_compared(env: str | None) -> None:
+    """A checkpoint saved while security.auth_token_env named the token's variable holds
+    it; the launcher always reads CARGOHOLD_AUTH_TOKEN now."""
+    config = tiny_config(**BASE)
+    saved = to_dict(config)
+    saved["security"]["auth_token_env"] = env
+    assert config_changes(saved, config) == []

@@ -34,6 +34,11 @@ RETIRED_KEYS: dict[str, str] = {
         "no key sets it: set worker.gpus (1 on GPU nodes): workers that reserve GPUs compute on CUDA with NCCL, "
         "workers with worker.gpus: 0 on the CPU with gloo"
     ),
+    "security.auth_token_env": (
+        "no key sets it: the launcher always reads the state servers' token from the environment variable "
+        "CARGOHOLD_AUTH_TOKEN (unset or empty: a random token per run); set that variable in the driver's "
+        "environment instead"
+    ),
     "data.token_dtype": (
         "no key sets it: a .bin token file holds uint16 ids when the model's vocabulary has at most 65,536 ids, "
         "uint32 ids otherwise (nanoGPT's convention); write ids of any other dtype as a .npy file, which states "

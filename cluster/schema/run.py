@@ -109,18 +109,29 @@ TLS_FILES = ("tls.crt", "tls.key", "ca.crt")
 Kubernetes TLS secret's keys)."""
 
 
+AUTH_TOKEN_ENV = "CARGOHOLD_AUTH_TOKEN"
+"""The environment variable the launcher reads the token every state-server call carries
+from (in the driver's environment); unset or empty: a random token per run."""
+
+
 @dataclass(kw_only=True, slots=True)
 class SecurityConfig:
-    auth_token_env: str | None = "CARGOHOLD_AUTH_TOKEN"
-    """Environment variable (read by the launcher) holding the token every state-server
-    call must carry; unset or empty makes a random token per run. None turns
-    authentication off."""
+    """Every state-server call carries a token: the launcher reads it from
+    `$CARGOHOLD_AUTH_TOKEN` in the driver's environment, or makes a random one per run, and
+    hands it to the actors (no key names the variable)."""
+
     tls_dir: str | None = None
     """Mutual TLS between the state servers and their clients: a folder, at this path on
     every node, holding `tls.crt` (the PEM certificate each end presents; its
     subjectAltName must cover the nodes' addresses), `tls.key` (its key) and `ca.crt` (the
     CA that signed it): a Kubernetes TLS secret as cert-manager writes it, mounted as is.
     None: no TLS."""
+
+    @property
+    def auth_token_env(self) -> str:
+        """The environment variable the launcher reads the token from: always
+        :data:`AUTH_TOKEN_ENV`."""
+        return AUTH_TOKEN_ENV
 
     def __post_init__(self) -> None:
         if self.tls_dir is None:
