@@ -28,6 +28,7 @@ from cargohold.cluster.resume import check_resume, restored_loss_scale
 from cargohold.cluster.schema.io import to_dict
 from cargohold.cluster.schema.train import TrainConfig
 from cargohold.cluster.sections import config_layout, config_task, port_config
+from cargohold.cluster.step_ledger import StepEnd, StepLedger
 from cargohold.cluster.sweep import sweep_tier_folders
 from cargohold.services.checkpoint import MANIFEST_NAME, CheckpointDir, Manifest
 from cargohold.services.checkpoint.manifest import LossScaleRecord
@@ -107,10 +108,9 @@ class TrainingSession:
         self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.step_count = 0
         self.leaving: list[int] = []  # ranks whose last step reported a preemption notice
-        self.updates_after: dict[int, int] = {}
-        """The servers' update number after each recent step (a skipped step applies none;
-        steps two updates back are dropped): where a live recovery's settled update puts the
-        run (:mod:`.live_recovery`)."""
+        self.ledger: StepLedger | None = None
+        """Where the run stood after each recent step (:mod:`.step_ledger`): where a live
+        recovery's settled update puts the run (:mod:`.live_recovery`)."""
         self.servers: list = []
         self.workers: list = []
         self.server_addresses: list[str] = []
@@ -187,8 +187,12 @@ class TrainingSession:
             update, self.step_count = self._restore(self.resume, manifest, self._server_holders(), timeout)
             if device_holders := self._worker_holders():
                 self._restore(self.resume, manifest, device_holders, timeout)
-        self.join_workers(update, load=self.resume is not None, loss_scale=restored_loss_scale(manifest))
-        self.updates_after = {self.step_count: update}
+        rules = self.config.optim.loss_scale.rules() if self.config.worker.compute_dtype == "float16" else None
+        scale = restored_loss_scale(manifest)
+        self.join_workers(update, load=self.resume is not None, loss_scale=scale)
+        if rules is not None and scale is None:
+            scale = LossScaleState(rules.init_scale)
+        self.ledger = StepLedger(self.step_count, StepEnd(update, scale), rules)
         logger.info(
             "run %s: %d workers, %d state servers at %s",
             self.run_id,
@@ -381,9 +385,8 @@ class TrainingSession:
         reports: list[StepReport] = self._on_workers(lambda w: w.train_step.remote(step), f"step {step}")
         self.leaving = [r.rank for r in reports if r.leaving]
         self.step_count = step
-        updates = self.updates_after[step] = self.updates_after[step - 1] + (not reports[0].skipped)
-        while (oldest := next(iter(self.updates_after))) < step and self.updates_after[oldest] < updates - 1:
-            del self.updates_after[oldest]  # at most one update is in flight: older ones are never settled to
+        assert self.ledger is not None, "the session is started first"
+        self.ledger.record(step, skipped=reports[0].skipped)
         return reports[0]
 
     def evaluate(self) -> EvalReport:

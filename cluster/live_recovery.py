@@ -2,12 +2,12 @@
 state server alive, goes on from the servers' live state. No checkpoint is read and no
 completed step is computed again.
 
-1. **Refused** where the live state cannot carry the run (:func:`live_refusal`): fp16
-   compute (the dynamic loss scale's history lives in the workers), a delayed update (the
-   next step's forward needs the weights before the last update, which the servers no
-   longer hold), device segments (``worker.optimizer_on_device_fraction``: their state
-   died with the worker). A dead state server, or a standing no live state settles, is
-   refused too. Each refusal recovers from the newest checkpoint instead, as before.
+1. **Refused** where the live state cannot carry the run (:func:`live_refusal`): a
+   delayed update (the next step's forward needs the weights before the last update,
+   which the servers no longer hold), device segments
+   (``worker.optimizer_on_device_fraction``: their state died with the worker). A dead
+   state server, or a standing no live state settles, is refused too. Each refusal
+   recovers from the newest checkpoint instead, as before.
 2. **The process group ends**: a torch process group cannot lose a member and go on.
    The workers that outlived the loss (not dead, not leaving on a preemption notice, not
    blocked in a collective with the lost one) leave it and stay: their processes, torch
@@ -20,7 +20,8 @@ completed step is computed again.
    (:mod:`~cargohold.services.core.settlement`).
 4. **The next group joins at the settled update**: every worker builds its sharded model
    again and fetches the servers' weights; the run goes on from the step after the one
-   that reached that update.
+   that reached that update, with fp16 compute's loss scale as that step left it (the
+   launcher's :mod:`.step_ledger` replays the scale's rules).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import ray
 from cargohold.cluster.actor_calls import get_all
 from cargohold.cluster.launcher import TrainingSession
 from cargohold.cluster.schema.train import TrainConfig
+from cargohold.cluster.step_ledger import StepEnd
 from cargohold.services.core.errors import UnsettledError
 from cargohold.services.core.settlement import settle
 
@@ -47,8 +49,6 @@ start meanwhile, and take longer than this to come up."""
 
 def live_refusal(config: TrainConfig) -> str | None:
     """Why a run with ``config`` cannot recover a lost worker live (None: it can)."""
-    if config.worker.compute_dtype == "float16":
-        return "fp16 compute: the dynamic loss scale's history lives in the workers"
     if config.worker.delayed_update:
         return "worker.delayed_update: the next step needs weights the servers no longer hold"
     if config.worker.optimizer_on_device_fraction > 0:
@@ -71,22 +71,22 @@ def replace_workers(session: TrainingSession) -> int:
     try:
         kept = end_worker_group(session, surviving_workers(session))
         started |= session.new_workers(set(range(config.worker.num_workers)) - kept.keys() - started.keys())
-        update, step = _settle_servers(session)
+        step, end = _settle_servers(session)
     except BaseException:  # the run restarts from a checkpoint: every worker goes
         for worker in [*kept.values(), *started.values()]:
             ray.kill(worker, no_restart=True)
         raise
     session.workers = [{**kept, **started}[rank] for rank in range(config.worker.num_workers)]
     session.leaving = []
-    session.join_workers(update, load=True)
+    session.join_workers(end.updates, load=True, loss_scale=end.loss_scale)
     session.announce_metrics()
     session.step_count = step
     return step
 
 
-def _settle_servers(session: TrainingSession) -> tuple[int, int]:
+def _settle_servers(session: TrainingSession) -> tuple[int, StepEnd]:
     """Once the lost workers' calls have ended, bring every segment to one update (the
-    settled update) and return it with the step the run goes on after."""
+    settled update); returns the step the run goes on after and where it stands then."""
     config, servers, run_id = session.config, session.servers, session.run_id
     timeout = config.cluster.startup_wait_s
     calls_s = config.state_server.rpc_timeout_s
@@ -101,16 +101,8 @@ def _settle_servers(session: TrainingSession) -> tuple[int, int]:
             f"finishing update {settlement.update}",
         )
         logger.info("run %s: update %d finished on %d segments", run_id, settlement.update, sum(finished))
-    reached = [s for s, updates in session.updates_after.items() if updates <= settlement.update]
-    if not reached:
-        raise UnsettledError(f"the servers stand at update {settlement.update}, behind every step the run recalls")
-    step = max(reached)
-    if session.updates_after[step] < settlement.update:  # the lost step's update was applied everywhere
-        step += 1
-        session.updates_after[step] = settlement.update
-    for later in [s for s in session.updates_after if s > step]:
-        del session.updates_after[later]
-    return settlement.update, step
+    assert session.ledger is not None, "a started session keeps its ledger"
+    return session.ledger.settle(settlement.update)
 
 
 def surviving_workers(session: TrainingSession) -> set[int]:

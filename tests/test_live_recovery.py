@@ -75,6 +75,41 @@ LOSSES = {2: (1, 0.0), 4: (0, 0.2), 6: (1, 0.7)}
 time into the next step at which it is SIGKILLed; 0: just before that step starts)."""
 
 
+class Losses:
+    """Installed as ``TrainingSession.step``: SIGKILLs the workers a plan of losses names
+    (as :data:`LOSSES`) and records each worker's process as each step (attempt) began."""
+
+    def __init__(self, plan: dict[int, tuple[int, float]], monkeypatch: pytest.MonkeyPatch) -> None:
+        self.plan = plan
+        self.done: set[int] = set()
+        self.processes: list[tuple[int, list[int | None]]] = []  # steps done, each worker's pid
+        self._began: list[float] = []
+        self._timers: list[threading.Timer] = []
+        original = TrainingSession.step
+        monkeypatch.setattr(TrainingSession, "step", lambda session: (self._before(session), original(session))[1])
+
+    def _before(self, session: TrainingSession) -> None:
+        self._began.append(time.monotonic())
+        pids = [_pid(w) for w in session.workers]
+        self.processes.append((session.step_count, pids))
+        if (count := session.step_count) in self.plan and count not in self.done:
+            self.done.add(count)
+            rank, fraction = self.plan[count]  # the pid now: an actor in a step answers no call
+            pid = pids[rank]
+            assert pid is not None, f"worker {rank} died before its planned loss"
+            if fraction == 0.0:
+                os.kill(pid, signal.SIGKILL)
+            else:
+                delay = fraction * (self._began[-1] - self._began[-2])
+                self._timers.append(threading.Timer(delay, os.kill, [pid, signal.SIGKILL]))
+                self._timers[-1].start()
+
+    def joined(self) -> None:
+        for timer in self._timers:
+            timer.join()
+        assert self.done == set(self.plan)
+
+
 def test_workers_killed_before_and_during_steps_are_replaced_live_and_the_run_ends_bitwise(
     uninterrupted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -85,40 +120,17 @@ def test_workers_killed_before_and_during_steps_are_replaced_live_and_the_run_en
     surviving worker's process are kept (only the lost worker's process starts again), no
     step is computed again, and the run ends bitwise where the uninterrupted run ends."""
     starts = []
-    original_start, original_step = TrainingSession._start, TrainingSession.step
-    timers: list[threading.Timer] = []
-    began: list[float] = []
-    done: set[int] = set()
-
-    processes: list[tuple[int, list[int]]] = []  # steps done and each worker's pid as each step (attempt) began
-
-    def step_with_losses(session: TrainingSession):
-        began.append(time.monotonic())
-        pids = [_pid(w) for w in session.workers]
-        processes.append((session.step_count, pids))
-        if (count := session.step_count) in LOSSES and count not in done:
-            done.add(count)
-            rank, fraction = LOSSES[count]  # the pid now: an actor in a step answers no call
-            pid = pids[rank]
-            assert pid is not None, f"worker {rank} died before its planned loss"
-            if fraction == 0.0:
-                os.kill(pid, signal.SIGKILL)
-            else:
-                timers.append(threading.Timer(fraction * (began[-1] - began[-2]), os.kill, [pid, signal.SIGKILL]))
-                timers[-1].start()
-        return original_step(session)
-
+    original_start = TrainingSession._start
     monkeypatch.setattr(TrainingSession, "_start", lambda session: (starts.append(1), original_start(session)))
-    monkeypatch.setattr(TrainingSession, "step", step_with_losses)
+    losses_of_run = Losses(LOSSES, monkeypatch)
     started = time.monotonic()
     result = train(_config(tmp_path, checkpoint__max_failures=len(LOSSES)))
-    for timer in timers:
-        timer.join()
+    losses_of_run.joined()
     state, losses = uninterrupted
-    assert done == set(LOSSES)
     took = f"{time.monotonic() - started:.1f}s"
     assert result.restarts == len(LOSSES) and result.live_recoveries == len(LOSSES), took
     assert len(starts) == 1, "the placement group and the state servers were kept"
+    processes = losses_of_run.processes
     for count, (rank, _) in LOSSES.items():  # the next attempt runs on the survivor's process and a new one
         attempt = next(i for i, (done_steps, _) in enumerate(processes) if done_steps == count)
         before, after = processes[attempt][1], processes[attempt + 1][1]
@@ -129,6 +141,36 @@ def test_workers_killed_before_and_during_steps_are_replaced_live_and_the_run_en
     # A step the kill did not stop before its update landed everywhere has no report (nan).
     assert all(got == want or math.isnan(got) for got, want in zip(result.losses, losses, strict=True))
     _assert_same(_final(tmp_path), state)
+
+
+FP16 = {
+    "worker__compute_dtype": "float16",
+    "worker__grad_wire_dtype": "float16",
+    "optim__loss_scale__init_scale": 2.0**18,
+    "optim__loss_scale__growth_interval": 2,
+}
+"""fp16 compute with a first scale the tiny model's gradients overflow at and growth every
+2 clean steps: steps 1 and 4 overflow, the scale grows after steps 3 and 6."""
+
+
+def test_an_fp16_run_goes_on_live_with_the_loss_scale_its_lost_workers_held(
+    ray_local, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker 1 killed just before step 5 (the scale backed off at step 4: a replacement
+    starting from the first scale would overflow again) and worker 0 0.7 into step 6 (the
+    step whose clean update grows the scale): the run goes on live each time, with the
+    scale the launcher replayed, and ends bitwise where the uninterrupted fp16 run ends,
+    with the same skipped steps and final scale."""
+    whole = train(_config(tmp_path / "whole", **FP16))
+    assert whole.skipped_steps == [1, 4], "the plan above needs these overflows"
+    plan = {4: (1, 0.0), 5: (0, 0.7)}
+    losses_of_run = Losses(plan, monkeypatch)
+    result = train(_config(tmp_path / "live", checkpoint__max_failures=len(plan), **FP16))
+    losses_of_run.joined()
+    assert result.live_recoveries == len(plan) and result.steps_recomputed == 0
+    assert result.skipped_steps == whole.skipped_steps and result.loss_scale == whole.loss_scale
+    assert all(got == want or math.isnan(got) for got, want in zip(result.losses, whole.losses, strict=True))
+    _assert_same(_final(tmp_path / "live"), _final(tmp_path / "whole"))
 
 
 def test_an_update_a_lost_worker_committed_on_some_segments_is_finished_on_the_rest(
@@ -216,12 +258,12 @@ def test_a_worker_given_a_preemption_notice_finishes_its_step_and_is_replaced_wi
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        ({"worker__compute_dtype": "float16"}, "fp16"),
         ({"worker__delayed_update": True}, "delayed_update"),
         ({"worker__optimizer_on_device_fraction": 0.5}, "optimizer_on_device_fraction"),
     ],
 )
 def test_what_the_live_state_cannot_carry_is_named(overrides: dict, named: str) -> None:
     assert live_refusal(tiny_config()) is None
+    assert live_refusal(tiny_config(**FP16)) is None, "fp16's loss scale is the launcher's to replay"
     reason = live_refusal(tiny_config(**overrides))
     assert reason is not None and named in reason
