@@ -153,6 +153,7 @@ FP16 = {
 2 clean steps: steps 1 and 4 overflow, the scale grows after steps 3 and 6."""
 
 
+@pytest.mark.slow  # 40 s; the default run has its parts: test_step_ledger.py, test_fp16's resume
 def test_an_fp16_run_goes_on_live_with_the_loss_scale_its_lost_workers_held(
     ray_local, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
