@@ -120,7 +120,7 @@ def session_overrides(workers: int, dtype: str, wire: str) -> list[str]:
     torch thread each, no metrics, patient timeouts (probes run on a loaded box)."""
     return [
         "steps=1",
-        "metrics.enabled=false",
+        "metrics.port=null",
         f"model.block_size={BLOCK}",
         "data.batch_size=1",
         "data.corpus_bytes=200000",

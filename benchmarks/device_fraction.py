@@ -38,7 +38,7 @@ def main() -> None:
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
     fractions = [float(f) for f in args.fractions.split(",")]
-    base = [f"steps={args.steps}", "metrics.enabled=false", *args.overrides]
+    base = [f"steps={args.steps}", "metrics.port=null", *args.overrides]
     configs = {f: load_config(args.config, [*base, f"worker.optimizer_on_device_fraction={f}"]) for f in fractions}
     first = configs[fractions[0]]
     print(f"load average {Path('/proc/loadavg').read_text().split()[0]}", flush=True)

@@ -163,7 +163,7 @@ def main() -> None:
     names = args.variants.split(",")
     if unknown := [n for n in names if n not in VARIANTS]:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
-    base = [f"steps={args.steps}", "metrics.enabled=false"]
+    base = [f"steps={args.steps}", "metrics.port=null"]
     variants = {name: load_config(args.config, [*base, *VARIANTS[name], *args.overrides]) for name in names}
     config = load_config(args.config, [*base, *args.overrides])
     # One baseline per activation checkpointing setting of the variants, each variant's

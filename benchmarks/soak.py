@@ -84,7 +84,7 @@ def soak_config(root: Path, checkpoints: Path, steps: int, every: int) -> TrainC
                 "max_failures": 1_000_000,
                 "on_save_error": "continue",
             },
-            "metrics": {"enabled": False},
+            "metrics": {"port": None},
         },
     )
 

@@ -515,7 +515,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.overrides = [f"steps={args.steps}", "metrics.enabled=false", *args.overrides]
+    args.overrides = [f"steps={args.steps}", "metrics.port=null", *args.overrides]
     if args.deepspeed_child:
         deepspeed_child(args)
         return

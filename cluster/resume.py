@@ -198,9 +198,14 @@ def _in_current_keys(saved: dict[str, Any]) -> dict[str, Any]:
     ``data.format: bytes`` in ``data.corpus_path`` (its ``data.path`` then null),
     ``progress``, ``worker.device`` and ``security.auth_token_env``, which no key sets now
     (``worker.gpus`` picks the device; the token is always read from
-    ``$CARGOHOLD_AUTH_TOKEN``), and mutual TLS as three files (``security.tls_*_file``; null: no TLS, as a
+    ``$CARGOHOLD_AUTH_TOKEN``), ``metrics.enabled: false`` (a null ``metrics.port`` now),
+    and mutual TLS as three files (``security.tls_*_file``; null: no TLS, as a
     null ``security.tls_dir``)."""
     saved = {k: v for k, v in saved.items() if k != "progress"}
+    metrics = saved.get("metrics")
+    if isinstance(metrics, dict) and "enabled" in metrics:
+        rest = {k: v for k, v in metrics.items() if k != "enabled"}
+        saved["metrics"] = rest if metrics["enabled"] else {**rest, "port": None}
     worker = saved.get("worker")
     if isinstance(worker, dict) and "device" in worker:
         saved["worker"] = {k: v for k, v in worker.items() if k != "device"}

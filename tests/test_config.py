@@ -105,7 +105,6 @@ CONFIG_SURFACE = [
     "state_server.tier.ram_budget_bytes",
     "cluster.address",
     "cluster.host_memory_bytes",
-    "metrics.enabled",
     "metrics.port",
     "metrics.file_sd_path",
     "security.tls_dir",
@@ -296,7 +295,7 @@ def test_unknown_override_key_is_refused() -> None:
         ("worker:\n  compute_dtype: float64\n", "worker.compute_dtype"),
         ("optim:\n  schedule: linear\n", "optim.schedule"),
         ("model: 3\n", "model"),
-        ("metrics:\n  enabled: 1\n", "metrics.enabled"),
+        ("metrics:\n  port: fast\n", "metrics.port"),
         ("run_id: 7\n", "run_id"),
         ("worker:\n  resources: [a, b]\n", "worker.resources"),
         ("worker:\n  resources: {node_a: many}\n", "worker.resources.node_a"),
@@ -362,6 +361,18 @@ def test_bad_values_are_refused_naming_the_key(tmp_path: Path, text: str, key: s
     with pytest.raises(ConfigError) as error:
         load_config(_write(tmp_path, text))
     _assert_names(error, key)
+
+
+def test_a_null_metrics_port_serves_no_endpoints(tmp_path: Path) -> None:
+    """No key turns metrics on or off: metrics.port null serves none, 0 (the default) each
+    on a free port; the retired metrics.enabled is refused saying so."""
+    assert load_config().metrics.enabled and load_config().metrics.port == 0
+    off = load_config(None, ["metrics.port=null"]).metrics
+    assert not off.enabled and off.port_for("worker", 1, TrainConfig()) == 0
+    with pytest.raises(ConfigError, match=r"unknown config key 'metrics\.enabled': set metrics\.port: null"):
+        load_config(None, ["metrics.enabled=false"])
+    with pytest.raises(ConfigError, match=r"metrics\.file_sd_path lists the metrics endpoints; metrics\.port null"):
+        load_config(None, ["metrics.port=null", f"metrics.file_sd_path={tmp_path / 'targets.json'}"])
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from cargohold.services.core.errors import ConfigError, ResumeRefusedError
 from cargohold.services.data import generate_corpus
 
 pytestmark = pytest.mark.timeout(120)
-BASE = {"steps": 8, "metrics__enabled": False}
+BASE = {"steps": 8, "metrics__port": None}
 
 
 def _saved(root: Path, *, without: tuple[str, str] | None = None, **overrides) -> Path:
@@ -228,4 +228,14 @@ def test_a_checkpoints_auth_token_env_is_not_compared(env: str | None) -> None:
     config = tiny_config(**BASE)
     saved = to_dict(config)
     saved["security"]["auth_token_env"] = env
+    assert config_changes(saved, config) == []
+
+
+@pytest.mark.parametrize(("enabled", "port"), [(True, 0), (False, None)])
+def test_a_checkpoints_metrics_enabled_compares_as_metrics_port(enabled: bool, port: int | None) -> None:
+    """A checkpoint saved while metrics.enabled turned the endpoints on or off: false is a
+    null metrics.port now, true the port it saved."""
+    config = tiny_config(**{**BASE, "metrics__port": port})
+    saved = to_dict(config)
+    saved["metrics"].update(enabled=enabled, port=0)
     assert config_changes(saved, config) == []

@@ -87,7 +87,7 @@ def _run(tracer: PathTracer, colocated: bool) -> list[str]:
         str(ROOT / "examples" / "tiny.yaml"),
         [
             "worker.num_workers=1",
-            "metrics.enabled=false",
+            "metrics.port=null",
             f"tuning.worker.shared_memory={'auto' if colocated else 'off'}",
         ],
     )

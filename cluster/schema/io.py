@@ -39,6 +39,10 @@ RETIRED_KEYS: dict[str, str] = {
         "CARGOHOLD_AUTH_TOKEN (unset or empty: a random token per run); set that variable in the driver's "
         "environment instead"
     ),
+    "metrics.enabled": (
+        "set metrics.port: null for no metrics endpoints (0, the default, serves them on any free port; "
+        "N on the range from N)"
+    ),
     "data.token_dtype": (
         "no key sets it: a .bin token file holds uint16 ids when the model's vocabulary has at most 65,536 ids, "
         "uint32 ids otherwise (nanoGPT's convention); write ids of any other dtype as a .npy file, which states "

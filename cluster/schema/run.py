@@ -149,24 +149,32 @@ class SecurityConfig:
 
 @dataclass(kw_only=True, slots=True)
 class MetricsConfig:
-    enabled: bool = True
-    """Serve Prometheus metrics from every worker and state server."""
-    port: int = 0
-    """0: each actor's endpoint takes a free port. Otherwise the first of a range:
-    state server i serves on port + i, worker rank r on port + num_servers + r, the
-    launcher on the port after the last worker's (fixed ports for Kubernetes pod
-    monitors and static scrape configs)."""
+    port: int | None = 0
+    """Where every worker, state server and the launcher serve Prometheus metrics. 0: each
+    endpoint takes a free port. Otherwise the first of a range: state server i serves on
+    port + i, worker rank r on port + num_servers + r, the launcher on the port after the
+    last worker's (fixed ports for Kubernetes pod monitors and static scrape configs).
+    null: no metrics endpoints."""
     file_sd_path: str | None = None
     """Write the run's metrics endpoints here as a Prometheus file_sd target list
     (labels: job, run, role, index), replaced atomically when the run starts."""
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the run serves metrics endpoints (``metrics.port`` is not null)."""
+        return self.port is not None
+
     def __post_init__(self) -> None:
-        if not (self.port == 0 or 1024 <= self.port <= 65535):
-            raise ConfigError(f"metrics.port must be 0 (any free port) or in 1024..65535, got {self.port}")
+        if not (self.port is None or self.port == 0 or 1024 <= self.port <= 65535):
+            raise ConfigError(
+                f"metrics.port must be null (no endpoints), 0 (any free port) or in 1024..65535, got {self.port}"
+            )
+        if self.port is None and self.file_sd_path is not None:
+            raise ConfigError("metrics.file_sd_path lists the metrics endpoints; metrics.port null serves none")
 
     def port_for(self, role: str, index: int, config: TrainConfig) -> int:
-        """The port an actor's endpoint binds (0 = any free port)."""
-        if self.port == 0:
+        """The port an actor's endpoint binds (0 = any free port; also without endpoints)."""
+        if not self.port:
             return 0
         offset = index if role == "state_server" else config.state_server.num_servers + index
         return self.port + offset  # the launcher is "worker" num_workers: the last port

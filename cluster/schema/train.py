@@ -66,7 +66,7 @@ class TrainConfig:
         self.eval.check_format(self.data.format)
         _check_float16(self)
         _check_device_state(self)
-        last_port = self.metrics.port + self.state_server.num_servers + self.worker.num_workers
+        last_port = (self.metrics.port or 0) + self.state_server.num_servers + self.worker.num_workers
         if self.metrics.port and last_port > 65535:
             raise ConfigError(f"metrics.port {self.metrics.port} leaves no room for every actor (up to {last_port})")
 
