@@ -386,7 +386,7 @@ class TrainingSession:
         self.leaving = [r.rank for r in reports if r.leaving]
         self.step_count = step
         assert self.ledger is not None, "the session is started first"
-        self.ledger.record(step, skipped=reports[0].skipped)
+        self.ledger.record(step, skipped=reports[0].skipped, terms=reports[0].terms)
         return reports[0]
 
     def evaluate(self) -> EvalReport:

@@ -2,11 +2,9 @@
 state server alive, goes on from the servers' live state. No checkpoint is read and no
 completed step is computed again.
 
-1. **Refused** where the live state cannot carry the run (:func:`live_refusal`): a
-   delayed update (the next step's forward needs the weights before the last update,
-   which the servers no longer hold), device segments
-   (``worker.optimizer_on_device_fraction``: their state died with the worker). A dead
-   state server, or a standing no live state settles, is refused too. Each refusal
+1. **Refused** where the live state cannot carry the run (:func:`live_refusal`): device
+   segments (``worker.optimizer_on_device_fraction``: their state died with the worker).
+   A dead state server, or a standing no live state settles, is refused too. Each refusal
    recovers from the newest checkpoint instead, as before.
 2. **The process group ends**: a torch process group cannot lose a member and go on.
    The workers that outlived the loss (not dead, not leaving on a preemption notice, not
@@ -16,12 +14,15 @@ completed step is computed again.
    replacement starts at once, its process coming up while the rest is settled.
 3. **The servers settle the step in flight**: once the lost worker's calls have ended,
    each reports where its segments stand and an update some segments committed and
-   others not is finished with the terms it was committed with
+   others not is finished with the terms it was committed with, and a delayed update
+   committed nowhere with the terms its step reported
    (:mod:`~cargohold.services.core.settlement`).
 4. **The next group joins at the settled update**: every worker builds its sharded model
    again and fetches the servers' weights; the run goes on from the step after the one
    that reached that update, with fp16 compute's loss scale as that step left it (the
-   launcher's :mod:`.step_ledger` replays the scale's rules).
+   launcher's :mod:`.step_ledger` replays the scale's rules). With a delayed update the
+   new group starts its pipeline afresh, as a run resumed from a checkpoint of that step
+   does: its first step computes on the settled update's weights.
 """
 
 from __future__ import annotations
@@ -49,8 +50,6 @@ start meanwhile, and take longer than this to come up."""
 
 def live_refusal(config: TrainConfig) -> str | None:
     """Why a run with ``config`` cannot recover a lost worker live (None: it can)."""
-    if config.worker.delayed_update:
-        return "worker.delayed_update: the next step needs weights the servers no longer hold"
     if config.worker.optimizer_on_device_fraction > 0:
         return "worker.optimizer_on_device_fraction: the device segments' state was lost with the worker"
     return None
@@ -93,7 +92,8 @@ def _settle_servers(session: TrainingSession) -> tuple[int, StepEnd]:
     if not all(get_all([s.quiet.remote(calls_s) for s in servers], timeout + calls_s, "waiting for calls to end")):
         raise UnsettledError(f"a state server still had calls of the lost workers in flight after {calls_s}s")
     standings = get_all([s.standing.remote(run_id) for s in servers], timeout, "reading the segments' standing")
-    settlement = settle(standings)
+    assert session.ledger is not None, "a started session keeps its ledger"
+    settlement = settle(standings, session.ledger.staged_terms)
     if settlement.finish is not None:
         finished = get_all(
             [s.finish_update.remote(run_id, settlement.update, settlement.finish) for s in servers],
@@ -101,7 +101,6 @@ def _settle_servers(session: TrainingSession) -> tuple[int, StepEnd]:
             f"finishing update {settlement.update}",
         )
         logger.info("run %s: update %d finished on %d segments", run_id, settlement.update, sum(finished))
-    assert session.ledger is not None, "a started session keeps its ledger"
     return session.ledger.settle(settlement.update)
 
 

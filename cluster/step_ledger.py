@@ -4,9 +4,11 @@ go on from the step whose update the servers settled at, with the loss scale tha
 left (the workers that held it may be gone).
 
 A skipped step (an fp16 overflow, a non-finite norm) applies no update, so step and update
-numbers part; and the launcher replays the scale's rules on each step's skip as every
-worker does (:func:`~cargohold.services.core.loss_scale.next_state`), so it needs no
-worker to ask. At most one update is in flight, so steps two updates back are dropped.
+numbers part. Each step's commit terms are kept: a delayed update commits after its step
+was reported, and a lost worker can leave it committed nowhere. The launcher replays the
+scale's rules on each step's skip as every worker does
+(:func:`~cargohold.services.core.loss_scale.next_state`), so it needs no worker to ask.
+At most one update is in flight, so steps two updates back are dropped.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 from cargohold.services.core.errors import UnsettledError
 from cargohold.services.core.loss_scale import LossScaleRules, LossScaleState, next_state
+from cargohold.services.core.update_call import CommitTerms
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +28,9 @@ class StepEnd:
     """The servers' update number."""
     loss_scale: LossScaleState | None
     """fp16 compute: the dynamic loss scale the next step computes with."""
+    terms: CommitTerms | None = None
+    """The terms the step's staged update was committed with, or with a delayed update
+    will be during the next step (the settlement finishes it with them)."""
 
 
 class StepLedger:
@@ -39,8 +45,15 @@ class StepLedger:
     def __getitem__(self, step: int) -> StepEnd:
         return self._ends[step]
 
-    def record(self, step: int, *, skipped: bool) -> StepEnd:
-        """Step ``step`` (the one after the newest recorded) is done; ``skipped``: it applied no update."""
+    @property
+    def staged_terms(self) -> tuple[int, CommitTerms] | None:
+        """The newest step's update and its commit terms, where it staged one."""
+        end = self._ends[max(self._ends)]
+        return None if end.terms is None else (end.updates, end.terms)
+
+    def record(self, step: int, *, skipped: bool, terms: CommitTerms | None = None) -> StepEnd:
+        """Step ``step`` (the one after the newest recorded) is done; ``skipped``: it
+        applied no update; ``terms``: those of its staged update."""
         newest = max(self._ends)
         if step != newest + 1:
             raise ValueError(f"step {step} recorded after step {newest}")
@@ -49,7 +62,7 @@ class StepLedger:
         if scale is not None:
             assert self._rules is not None  # checked at construction
             scale = next_state(scale, self._rules, found_inf=skipped)
-        end = self._ends[step] = StepEnd(before.updates + (not skipped), scale)
+        end = self._ends[step] = StepEnd(before.updates + (not skipped), scale, None if skipped else terms)
         for old in [s for s, e in self._ends.items() if s < step and e.updates < end.updates - 1]:
             del self._ends[old]
         return end

@@ -33,11 +33,13 @@ def _config(root: Path, **overrides):
     """Two workers, two servers; a checkpoint only after the last step (to compare the
     final state), never one a recovery could read."""
     return tiny_config(
-        steps=STEPS,
-        state_server__num_servers=2,
-        checkpoint__dir=str(root),
-        checkpoint__every_steps=STEPS,
-        **overrides,
+        **{
+            "steps": STEPS,
+            "state_server__num_servers": 2,
+            "checkpoint__dir": str(root),
+            "checkpoint__every_steps": STEPS,
+            **overrides,
+        }
     )
 
 
@@ -256,15 +258,59 @@ def test_a_worker_given_a_preemption_notice_finishes_its_step_and_is_replaced_wi
     _assert_same(_final(tmp_path), state)
 
 
-@pytest.mark.parametrize(
-    ("overrides", "named"),
-    [
-        ({"worker__delayed_update": True}, "delayed_update"),
-        ({"worker__optimizer_on_device_fraction": 0.5}, "optimizer_on_device_fraction"),
-    ],
-)
-def test_what_the_live_state_cannot_carry_is_named(overrides: dict, named: str) -> None:
+@pytest.mark.slow  # 45 s; the default run has its parts: test_settlement.py, test_step_ledger.py
+def test_a_delayed_update_committed_nowhere_goes_on_live_as_a_resume_from_its_step_does(
+    ray_local, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delayed-update run whose update 4 (committed during step 5's compute) reaches no
+    segment: both workers' commits of it are held back and both are killed just before step
+    5 (a node with every worker reclaimed). The servers stand at update 3 with update 4
+    staged everywhere; the launcher finishes it with the
+    terms step 4 reported, and the run goes on live. Its pipeline starts afresh, as a run
+    resumed from the step-4 checkpoint starts: it ends bitwise where that resumed run ends,
+    with its losses, recomputing nothing."""
+
+    def hold_the_next_commits(actor) -> None:  # defined here: Ray pickles it by value
+        """Run in a worker actor: the commits of its next update are never sent."""
+        port, next_update = actor.step.port, actor.step.updates + 1
+        original = port.update
+
+        def update_or_hold(segment, update, *, gradient, terms, out=None):
+            if update == next_update and gradient is None and terms is not None:
+                threading.Event().wait()
+            return original(segment, update, gradient=gradient, terms=terms, out=out)
+
+        port.update = update_or_hold
+
+    delayed = {"worker__delayed_update": True}
+    saved = train(_config(tmp_path / "saved", **delayed, checkpoint__every_steps=4))
+    resumed = train(
+        _config(tmp_path / "resumed", **delayed, checkpoint__resume=str(tmp_path / "saved" / "step-0000000004"))
+    )
+    original_step = TrainingSession.step
+
+    killed: list[int] = []
+
+    def step_holding_commits(session: TrainingSession):
+        if session.step_count == 3 and not killed:
+            ray.get([w.__ray_call__.remote(hold_the_next_commits) for w in session.workers])
+        if session.step_count == 4 and not killed and (pid := _pid(session.workers[0])) is not None:
+            killed.append(pid)
+            os.kill(pid, signal.SIGKILL)  # worker 1 by the plan below
+        return original_step(session)
+
+    monkeypatch.setattr(TrainingSession, "step", step_holding_commits)
+    losses_of_run = Losses({4: (1, 0.0)}, monkeypatch)
+    live = train(_config(tmp_path / "live", **delayed, checkpoint__max_failures=1))
+    losses_of_run.joined()
+    assert killed and live.live_recoveries == 1 and live.steps_recomputed == 0
+    assert live.losses[:4] == saved.losses[:4] and live.losses[4:] == resumed.losses
+    _assert_same(_final(tmp_path / "live"), _final(tmp_path / "resumed"))
+
+
+def test_only_device_segments_are_refused_live_naming_them() -> None:
     assert live_refusal(tiny_config()) is None
     assert live_refusal(tiny_config(**FP16)) is None, "fp16's loss scale is the launcher's to replay"
-    reason = live_refusal(tiny_config(**overrides))
-    assert reason is not None and named in reason
+    assert live_refusal(tiny_config(worker__delayed_update=True)) is None, "its pipeline starts afresh"
+    reason = live_refusal(tiny_config(worker__optimizer_on_device_fraction=0.5))
+    assert reason is not None and "optimizer_on_device_fraction" in reason

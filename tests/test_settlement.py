@@ -29,6 +29,17 @@ def test_segments_at_one_update_need_nothing_settled_whatever_is_staged() -> Non
     assert settle([_holder((0, 0, 0))]) == Settlement(0)
 
 
+def test_a_delayed_update_committed_nowhere_is_finished_with_the_terms_its_step_reported() -> None:
+    """Every segment at 4 with update 5 staged and the launcher holding step 5's terms (a
+    delayed update commits after its step's report): committed everywhere with them.
+    Without them, or with a segment that staged nothing, the run goes on from 4."""
+    staged = [_holder((0, 4, 5), (1, 4, 5), last=(4, TERMS)), _holder((2, 4, 5))]
+    assert settle(staged, (5, TERMS)) == Settlement(5, TERMS)
+    assert settle(staged) == Settlement(4)
+    assert settle(staged, (4, TERMS)) == Settlement(4), "terms of an update already applied finish nothing"
+    assert settle([*staged, _holder((3, 4, 0))], (5, TERMS)) == Settlement(4)
+
+
 def test_segments_one_behind_with_the_gradient_staged_are_finished_with_the_terms_of_the_others() -> None:
     standings = [_holder((0, 5, 0), (1, 4, 5), last=(5, TERMS)), _holder((2, 4, 5), last=(4, CommitTerms(lr=1.0)))]
     assert settle(standings) == Settlement(5, TERMS)

@@ -10,6 +10,7 @@ import pytest
 from cargohold.cluster.step_ledger import StepEnd, StepLedger
 from cargohold.services.core.errors import UnsettledError
 from cargohold.services.core.loss_scale import LossScaleRules, LossScaleState, next_state
+from cargohold.services.core.update_call import CommitTerms
 
 RULES = LossScaleRules(init_scale=2.0**18, growth_interval=2)
 SKIPS = [True, False, False, True, False, False]
@@ -70,3 +71,13 @@ def test_a_scale_without_its_rules_and_steps_out_of_order_are_refused() -> None:
         StepLedger(0, StepEnd(0, LossScaleState(8.0)), None)
     with pytest.raises(ValueError, match="step 3 recorded after step 1"):
         StepLedger(1, StepEnd(1, None), None).record(3, skipped=False)
+
+
+def test_the_newest_steps_staged_terms_are_kept_for_the_settlement() -> None:
+    terms = CommitTerms(lr=0.01, global_norm=3.0)
+    ledger = StepLedger(0, StepEnd(0, None), None)
+    assert ledger.staged_terms is None
+    ledger.record(1, skipped=False, terms=terms)
+    assert ledger.staged_terms == (1, terms)
+    ledger.record(2, skipped=True, terms=terms)  # a skipped step stages nothing to commit
+    assert ledger.staged_terms is None

@@ -13,6 +13,12 @@ standings, and only the holders' own reports tell which:
   segments. Every gradient had been pushed (the commit terms need the global norm of them
   all), and the holders that committed know the terms, so the others are committed with
   the same terms: every segment then stands at ``U``, exactly as if no worker was lost.
+* **Every segment at ``U`` with update ``U + 1``'s gradient staged, none committed**, and
+  the launcher holds that update's terms from its step's report (``known``): a delayed
+  update (``worker.delayed_update``) commits update ``U + 1`` during the next step, after
+  its step was reported, and the worker was lost before any commit landed. The launcher's
+  terms are the ones the workers computed, so every segment is committed with them.
+  Without them (the step was never reported) the run goes on from ``U`` as in the first case.
 * **Anything else** (a segment at ``U - 1`` with no gradient staged for ``U``, updates two
   apart, holders that committed ``U`` with different terms): an update applied at once
   (no clipping, no check) was lost part-way, and its gradient with the worker. No live
@@ -60,15 +66,18 @@ class Settlement:
     finish: CommitTerms | None = None
 
 
-def settle(standings: Sequence[HolderStanding]) -> Settlement:
+def settle(standings: Sequence[HolderStanding], known: tuple[int, CommitTerms] | None = None) -> Settlement:
     """The settlement of the holders' ``standings``; raises :class:`UnsettledError`,
-    naming a segment, when there is none (see the module's docstring)."""
+    naming a segment, when there is none (see the module's docstring). ``known``: the
+    newest reported update the workers staged and its terms."""
     segments = [s for holder in standings for s in holder.segments]
     if not segments:
         raise UnsettledError("no segment reported its standing")
     newest = max(s.updates for s in segments)
     behind = [s for s in segments if s.updates != newest]
     if not behind:
+        if known is not None and known[0] == newest + 1 and all(s.staged == newest + 1 for s in segments):
+            return Settlement(newest + 1, known[1])
         return Settlement(newest)
     for segment in behind:
         if segment.updates != newest - 1:

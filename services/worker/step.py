@@ -216,6 +216,7 @@ class ShardedStep:
         skipped = policy.skips(step, global_norm, loss_scale if self.loss_scale is not None else None)
         if self.loss_scale is not None and policy.loss_scale is not None:
             self.loss_scale = next_state(self.loss_scale, policy.loss_scale, found_inf=skipped)
+        terms = None
         if skipped:
             applied = self._adopt_pending()  # the staged gradients are replaced by the next push
         else:
@@ -233,6 +234,7 @@ class ShardedStep:
             applied=applied,
             skipped=skipped,
             loss_scale=loss_scale if self.loss_scale is not None else None,
+            terms=terms,
         )
 
     def _backward_all(

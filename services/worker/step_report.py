@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from cargohold.services.core.update_call import CommitTerms
+
 
 @dataclass(frozen=True, slots=True)
 class EvalReport:
@@ -43,6 +45,10 @@ class StepReport:
     fp16, the scaled gradients overflowed)."""
     loss_scale: float | None = None
     """fp16 compute: the loss scale this step's gradients were computed with."""
+    terms: CommitTerms | None = None
+    """The terms the step's staged update was committed with, or with a delayed update will
+    be during the next step (None: skipped, or applied by its pushes): what a live recovery
+    finishes that update with where no segment committed it yet."""
     leaving: bool = False
     """The worker was told during the step that it will be taken away (a preemption
     notice, services/worker/preemption.py): the launcher replaces the workers now."""
