@@ -159,6 +159,8 @@ class TrainingWorker(SegmentHolder):
             )
             for address in server_addresses
         ]
+        for client in clients:  # once each, before any segment is registered or joined
+            client.wait_ready()
         param_groups = resolve_param_groups(config.optim, layout.params)
         port_config = PortConfig(
             optim=config.optim, push_dtype=config.push_dtype, compute_dtype=config.worker.compute_dtype

@@ -219,7 +219,8 @@ class StatePort(Protocol):
 
 
 class RemotePort:
-    """State servers over gRPC; those on this node (``shared``) through shared memory."""
+    """State servers over gRPC; those on this node (``shared``) through shared memory.
+    The clients are serving already (the worker waits for each once)."""
 
     def __init__(
         self,
@@ -240,7 +241,6 @@ class RemotePort:
         self.metrics = metrics
 
     def register(self, segment: Segment, initial: torch.Tensor) -> int:
-        self.clients[segment.server].wait_ready()
         updates, _ = self.clients[segment.server].register(
             segment_spec(self.config, self.run_id, segment, self.param_groups), initial
         )
@@ -248,7 +248,6 @@ class RemotePort:
 
     def join(self, segment: Segment) -> int:
         client = self.clients[segment.server]
-        client.wait_ready()
         held, updates = client.describe(self.run_id, segment.segment_id)
         check_same_spec(held, segment_spec(self.config, self.run_id, segment, self.param_groups))
         return updates
