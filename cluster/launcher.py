@@ -42,7 +42,7 @@ from cargohold.services.server.state_server import StateServer
 from cargohold.services.transport.auth import tls_files
 from cargohold.services.worker.actor import TrainingWorker
 from cargohold.services.worker.host_allocator import worker_allocator, worker_env
-from cargohold.services.worker.model_setup import check_compute_dtype
+from cargohold.services.worker.model_setup import check_compute_dtype, step_policy
 from cargohold.services.worker.param_groups import resolve_param_groups
 from cargohold.services.worker.state_port import segment_spec
 from cargohold.services.worker.step_report import EvalReport, StepReport
@@ -187,7 +187,7 @@ class TrainingSession:
             update, self.step_count = self._restore(self.resume, manifest, self._server_holders(), timeout)
             if device_holders := self._worker_holders():
                 self._restore(self.resume, manifest, device_holders, timeout)
-        rules = self.config.optim.loss_scale.rules() if self.config.worker.compute_dtype == "float16" else None
+        rules = step_policy(self.config.optim, self.config.worker).loss_scale  # as every worker's
         scale = restored_loss_scale(manifest)
         self.join_workers(update, load=self.resume is not None, loss_scale=scale)
         if rules is not None and scale is None:
